@@ -1,0 +1,212 @@
+"""Fused sparse FFN kernel (Pallas, Triton backend): packed gate (TwELL) -> dense output.
+
+Gated:      y_i = sum_{j active in row i} a_ij * (x_i . U_j) * W_j
+Non-gated:  y_i = sum_{j active in row i} a_ij * W_j          (a = packed relu(x U^T))
+
+a_ij is the packed value (activation dtype), U_j / W_j are rows of the neuron-major [H, D] weights.
+One program handles `block_t` token rows; it keeps x rows and the fp32 output rows in registers,
+walks the NT tiles of its rows, and for slot k = 0 .. max(min(count, S)) - 1 gathers the [block_t, D]
+rows U[j] and W[j] of the k-th active neuron of each of its rows (masked for rows that have fewer).
+The hidden activation never reaches HBM.
+
+Precision ("tensor-core exact", the default and only mode): inputs and weights are upcast to fp32,
+products and sums are fp32 (so x . U_j is what a tensor-core GEMM with fp32 accumulation gives, up to
+summation order), h = fp32(a) * u is NOT rounded, the down-projection accumulates in fp32, and only
+y is rounded to the output dtype. (The CUDA reference's default rounds every product to bf16.)
+
+Only slots < min(count, S) are read: entries of overflowing tiles beyond S are NOT included here;
+the caller (twell_jax/pallas_backend.py) recomputes those rows exactly.
+
+Per-row l1 (sum over active neurons of |h|) is returned too so the op reports l1 without the
+hidden activation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class FFNBlockSizes:
+    """Static launch parameters of the fused sparse FFN kernel."""
+
+    # Measured on an H200 (BENCHMARKS.md): one token per program with 4 warps beat 2..8 tokens
+    # (masked lanes of rows with fewer actives waste gather bandwidth) and 2 or 8 warps.
+    block_t: int = 1  # token rows per program (power of two)
+    num_warps: int = 4  # warps per program
+    num_stages: int = 1  # pipelining depth of the slot loop (dynamic trip counts: 1 = none)
+    # Load the row's NT counts with one vector load instead of one scalar load per tile. Measured
+    # SLOWER on the H200 (0.82 vs 0.66 ms at 29 active/token): the per-tile masked reduction that
+    # extracts a count costs more than the load latency it hides.
+    preload_counts: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_pow2(self.block_t) or self.block_t > 64:
+            raise ValueError(f"FFNBlockSizes.block_t must be a power of two <= 64, got {self.block_t}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"FFNBlockSizes.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if not 1 <= self.num_stages <= 8:
+            raise ValueError(f"FFNBlockSizes.num_stages must be in [1, 8], got {self.num_stages}")
+
+
+def _ffn_kernel(*refs, gated: bool, slots: int, n_tiles: int, d: int, d_block: int,
+                preload_counts: bool) -> None:
+    """Refs: x [BT, D], counts [BT, NT], values/indices [BT, NT, S], (w_up [H, D]), w_down [H, D];
+    outputs y [BT, D], l1 [BT]."""
+    if gated:
+        x_ref, counts_ref, values_ref, indices_ref, w_up_ref, w_down_ref, y_ref, l1_ref = refs
+    else:
+        x_ref, counts_ref, values_ref, indices_ref, w_down_ref, y_ref, l1_ref = refs
+        w_up_ref = None
+    block_t = x_ref.shape[0]
+    col_D = lax.broadcasted_iota(jnp.int32, (d_block,), 0)
+    # D need not be a power of two: the row tensors are d_block = next_pow2(D) wide, masked.
+    col_ok_1xD = (col_D < d)[None, :]
+    # Row gathers index with two broadcast int arrays (rows x columns): the interpret-mode
+    # discharge does not support mixing an int-array index with a slice.
+    col_1xD = col_D[None, :]
+    full_d = d == d_block
+    x_BTxD = plgpu.load(x_ref.at[:, pl.ds(0, d_block)], mask=None if full_d else col_ok_1xD,
+                        other=None if full_d else 0).astype(jnp.float32)
+
+    if preload_counts:
+        # One vector load of the row's counts up front takes NT dependent global loads off the
+        # critical path of the tile loop; a tile's count is then a register reduction.
+        nt_block = _next_pow2(n_tiles)
+        tile_NT = lax.broadcasted_iota(jnp.int32, (nt_block,), 0)
+        all_counts_BTxNT = plgpu.load(counts_ref.at[:, pl.ds(0, nt_block)],
+                                      mask=(tile_NT < n_tiles)[None, :], other=0)
+
+    def tile_step(t, carry):
+        if preload_counts:
+            counts_BT = jnp.sum(jnp.where(tile_NT[None, :] == t, all_counts_BTxNT, 0), axis=1)
+        else:
+            counts_BT = plgpu.load(counts_ref.at[:, t])
+        live_count_BT = jnp.minimum(counts_BT, slots)
+
+        def slot_step(k, carry):
+            acc_BTxD, l1_BT = carry
+            live_BT = k < live_count_BT
+            row_mask = live_BT[:, None] & col_ok_1xD
+            j_BT = plgpu.load(indices_ref.at[:, t, k])
+            a_BT = plgpu.load(values_ref.at[:, t, k]).astype(jnp.float32)
+            if gated:
+                u_rows = plgpu.load(w_up_ref.at[j_BT[:, None], col_1xD], mask=row_mask, other=0)
+                h_BT = a_BT * jnp.sum(x_BTxD * u_rows.astype(jnp.float32), axis=1)
+            else:
+                h_BT = a_BT
+            h_BT = jnp.where(live_BT, h_BT, 0.0)
+            w_rows = plgpu.load(w_down_ref.at[j_BT[:, None], col_1xD], mask=row_mask, other=0)
+            return acc_BTxD + h_BT[:, None] * w_rows.astype(jnp.float32), l1_BT + jnp.abs(h_BT)
+
+        return lax.fori_loop(0, jnp.max(live_count_BT), slot_step, carry)
+
+    init = (jnp.zeros((block_t, d_block), jnp.float32), jnp.zeros((block_t,), jnp.float32))
+    acc_BTxD, l1_BT = lax.fori_loop(0, n_tiles, tile_step, init)
+    plgpu.store(y_ref.at[:, pl.ds(0, d_block)], acc_BTxD.astype(y_ref.dtype),
+                mask=None if full_d else jnp.broadcast_to(col_ok_1xD, acc_BTxD.shape))
+    l1_ref[...] = l1_BT
+
+
+def validate_ffn_args(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD) -> None:
+    """Raise ValueError naming the offending argument."""
+    if x_MxD.ndim != 2:
+        raise ValueError(f"x_MxD must be 2-D [M, D], got shape {x_MxD.shape}")
+    m, d = x_MxD.shape
+    if counts.ndim != 2 or counts.shape[0] != m or counts.dtype != jnp.int32:
+        raise ValueError(f"counts must be int32 [M={m}, NT], got {counts.dtype}{counts.shape}")
+    n_tiles = counts.shape[1]
+    if values.ndim != 3 or values.shape[:2] != (m, n_tiles) or not _is_pow2(values.shape[2]):
+        raise ValueError(f"values must be [M={m}, NT={n_tiles}, S] with S a power of two, got "
+                         f"{values.shape}")
+    if indices.shape != values.shape or indices.dtype != jnp.int32:
+        raise ValueError(f"indices must be int32 {values.shape}, got {indices.dtype}{indices.shape}")
+    for name, w in (("w_up_HxD", w_up_HxD), ("w_down_HxD", w_down_HxD)):
+        if w is not None and (w.ndim != 2 or w.shape[1] != d or w.dtype != x_MxD.dtype):
+            raise ValueError(f"{name} must be {x_MxD.dtype}[H, D={d}], got {w.dtype}{w.shape}")
+
+
+def _ffn_triton(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD, *, block_sizes: FFNBlockSizes,
+                interpret: bool, debug: bool):
+    m, d = x_MxD.shape
+    n_tiles, slots = values.shape[1], values.shape[2]
+    bt = block_sizes.block_t
+    gated = w_up_HxD is not None
+    kernel = functools.partial(_ffn_kernel, gated=gated, slots=slots, n_tiles=n_tiles, d=d,
+                               d_block=_next_pow2(d), preload_counts=block_sizes.preload_counts)
+    weights = (w_up_HxD, w_down_HxD) if gated else (w_down_HxD,)
+    weight_specs = [pl.BlockSpec(w.shape, lambda i: (0, 0)) for w in weights]
+    return pl.pallas_call(
+        kernel,
+        grid=(m // bt,),
+        in_specs=[pl.BlockSpec((bt, d), lambda i: (i, 0)),
+                  pl.BlockSpec((bt, n_tiles), lambda i: (i, 0)),
+                  pl.BlockSpec((bt, n_tiles, slots), lambda i: (i, 0, 0)),
+                  pl.BlockSpec((bt, n_tiles, slots), lambda i: (i, 0, 0)),
+                  *weight_specs],
+        out_specs=[pl.BlockSpec((bt, d), lambda i: (i, 0)),
+                   pl.BlockSpec((bt,), lambda i: (i,))],
+        out_shape=[jax.ShapeDtypeStruct((m, d), x_MxD.dtype),
+                   jax.ShapeDtypeStruct((m,), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps,
+                                             num_stages=block_sizes.num_stages),
+        interpret=interpret,
+        debug=debug,
+        name="twell_gated_ffn" if gated else "twell_ffn",
+    )(x_MxD, counts, values, indices, *weights)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "debug"))
+def sparse_ffn(x_MxD: jax.Array, values: jax.Array, indices: jax.Array, counts: jax.Array,
+               w_up_HxD: jax.Array | None, w_down_HxD: jax.Array, *,
+               block_sizes: FFNBlockSizes = FFNBlockSizes(), interpret: bool = False,
+               debug: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Fused sparse FFN from a packed gate: returns (y [M, D] in x's dtype, l1_per_row [M] f32).
+
+    w_up_HxD=None selects the non-gated variant (h = packed value). Any M (padded to block_t).
+    """
+    validate_ffn_args(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD)
+    m = x_MxD.shape[0]
+    m_pad = -(-m // block_sizes.block_t) * block_sizes.block_t
+    if m_pad != m:
+        pad = m_pad - m  # padded rows have count 0: they read nothing and produce y = 0
+        x_MxD = jnp.pad(x_MxD, ((0, pad), (0, 0)))
+        values = jnp.pad(values, ((0, pad), (0, 0), (0, 0)))
+        indices = jnp.pad(indices, ((0, pad), (0, 0), (0, 0)))
+        counts = jnp.pad(counts, ((0, pad), (0, 0)))
+    y_MxD, l1_M = _ffn_triton(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD,
+                              block_sizes=block_sizes, interpret=interpret, debug=debug)
+    return y_MxD[:m], l1_M[:m]
+
+
+@jax.jit
+def sparse_ffn_reference(x_MxD: jax.Array, values: jax.Array, indices: jax.Array,
+                         counts: jax.Array, w_up_HxD: jax.Array | None,
+                         w_down_HxD: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Plain-jnp version of `sparse_ffn` (same slots read, fp32 arithmetic)."""
+    slots = values.shape[2]
+    live = jnp.arange(slots)[None, None, :] < jnp.minimum(counts, slots)[:, :, None]
+    a = jnp.where(live, values.astype(jnp.float32), 0.0)
+    x32 = x_MxD.astype(jnp.float32)
+    if w_up_HxD is not None:
+        u_rows = w_up_HxD.astype(jnp.float32)[indices]  # [M, NT, S, D]
+        h = a * jnp.einsum("md,mtsd->mts", x32, u_rows, precision=lax.Precision.HIGHEST)
+    else:
+        h = a
+    y = jnp.einsum("mts,mtsd->md", h, w_down_HxD.astype(jnp.float32)[indices],
+                   precision=lax.Precision.HIGHEST)
+    return y.astype(x_MxD.dtype), jnp.sum(jnp.abs(h), axis=(1, 2))

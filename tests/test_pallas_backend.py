@@ -1,0 +1,118 @@
+"""twell_jax/pallas_backend.py (glue of the Pallas kernels) vs the dense formula, in interpret mode."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.twell_pack import PackBlockSizes
+from twell_jax import ops, pallas_backend
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def config(**kw):
+    return ops.SparseFFNConfig(tile=32, slots=4, pack_block_sizes=PackBlockSizes(16, 16, 4, 2), **kw)
+
+
+def make_inputs(dtype, m=37, d=45, h=150, dense_rows=(), seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(m, d)).astype(np.float32)
+    x[:, 0] = 1.0
+    x[list(dense_rows), 0] = -40.0  # these tokens activate every neuron: their tiles overflow
+    ws = [rng.normal(size=(h, d)).astype(np.float32) / np.sqrt(d) for _ in range(3)]
+    ws[0][:, 0] = -2.3  # ~1% of the gate fires: no tile of a normal token overflows
+    return [jnp.asarray(a, dtype) for a in (x, *ws)]
+
+
+def dense(x, w_act, w_up, w_down):
+    hi = jax.lax.Precision.HIGHEST
+    f = lambda a: a.astype(jnp.float32)
+    pre = jnp.einsum("md,hd->mh", f(x), f(w_act), precision=hi)
+    h = jax.nn.relu(pre)
+    if w_up is not None:
+        h = h * jnp.einsum("md,hd->mh", f(x), f(w_up), precision=hi)
+    y = jnp.einsum("mh,hd->md", h, f(w_down), precision=hi)
+    return y, jnp.abs(h).sum(1).mean(), (pre > 0).sum(1).mean()
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.parametrize("dtype,dense_rows,expect_branch", [
+    (jnp.float32, (), "sparse"),  # no overflow
+    (jnp.bfloat16, (2, 30), "fix_rows"),  # 2 overflowing rows <= overflow_rows=3: gathered + recomputed
+    (jnp.float32, (0, 1, 2, 5, 9), "dense"),  # 5 > 3 rows: the whole call falls back to dense
+])
+def test_gated_forward_matches_dense(dtype, dense_rows, expect_branch):
+    x, wg, wu, wd = make_inputs(dtype, dense_rows=dense_rows)
+    y, aux = pallas_backend.gated_ffn_forward(x, wg, wu, wd, config(overflow_rows=3), interpret=True)
+    y_ref, l1_ref, l0_ref = dense(x, wg, wu, wd)
+    assert y.shape == x.shape and y.dtype == dtype
+    assert rel_err(y, y_ref) < TOL[dtype]
+    assert abs(float(aux["l1"]) - float(l1_ref)) <= TOL[dtype] * float(l1_ref)
+    assert float(aux["l0"]) == pytest.approx(float(l0_ref), rel=1e-6 if dtype == jnp.float32 else 1e-2)
+    assert int(aux["row_overflow"]) == len(dense_rows)
+    assert (int(aux["tile_overflow"]) > 0) == bool(dense_rows)
+    assert int(aux["dense_fallback"]) == (expect_branch == "dense")
+    for key in ("l1", "l0"):
+        assert aux[key].dtype == jnp.float32 and aux[key].shape == ()
+    for key in ("tile_overflow", "row_overflow", "dense_fallback"):
+        assert aux[key].dtype == jnp.int32 and aux[key].shape == ()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_ffn_and_auto_forward_match_dense(dtype):
+    x, w_act, _, wd = make_inputs(dtype, dense_rows=(7,))
+    y_ref, l1_ref, _ = dense(x, w_act, None, wd)
+    y, aux = pallas_backend.ffn_forward(x, w_act, wd, config(), interpret=True)
+    assert rel_err(y, y_ref) < TOL[dtype] and int(aux["row_overflow"]) == 1
+    assert float(aux["l1"]) == pytest.approx(float(l1_ref), rel=TOL[dtype])
+    # auto: a few actives per token here; a threshold above picks sparse, 0 picks dense.
+    for max_active, dense_chosen in ((1000.0, 0), (0.0, 1)):
+        y, aux = pallas_backend.auto_ffn_forward(x, w_act, wd, config(auto_max_active=max_active),
+                                                 interpret=True)
+        assert rel_err(y, y_ref) < TOL[dtype]
+        assert int(aux["dense_fallback"]) == dense_chosen
+
+
+def test_auto_gated_forward_matches_dense():
+    x, wg, wu, wd = make_inputs(jnp.float32)
+    y_ref, _, l0_ref = dense(x, wg, wu, wd)
+    y, aux = pallas_backend.auto_gated_ffn_forward(x, wg, wu, wd, config(), interpret=True)
+    assert rel_err(y, y_ref) < 1e-5 and int(aux["dense_fallback"]) == 0
+    assert float(aux["l0"]) == pytest.approx(float(l0_ref))
+
+
+def test_without_gpu_the_pallas_path_raises_a_clear_error():
+    if pallas_backend.available():
+        pytest.skip("a GPU is present")
+    x, wg, wu, wd = make_inputs(jnp.float32, m=4, d=8, h=16)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU.*interpret=True"):
+        pallas_backend.gated_ffn_forward(x, wg, wu, wd, config(), interpret=False)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        pallas_backend.auto_ffn_forward(x, wu, wd, None, interpret=False)
+
+
+def test_bad_arguments_raise_value_error():
+    x, wg, wu, wd = make_inputs(jnp.float32, m=4, d=8, h=16)
+    with pytest.raises(ValueError, match="w_up_HxD"):
+        pallas_backend.gated_ffn_forward(x, wg, wu[:, :5], wd, config(), interpret=True)
+    with pytest.raises(ValueError, match="x_MxD"):
+        pallas_backend.ffn_forward(x[0], wu, wd, config(), interpret=True)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_ops_end_to_end_with_pallas_backend(gated):
+    x, wg, wu, wd = make_inputs(jnp.float32, dense_rows=(3,))
+    x3 = x.reshape(1, 37, 45)
+    if gated:
+        y, aux = ops.gated_ffn(x3, wg, wu, wd, backend="pallas", config=config(), interpret=True)
+        y_ref, _, _ = dense(x, wg, wu, wd)
+    else:
+        y, aux = ops.ffn(x3, wg, wd, backend="pallas", config=config(), interpret=True)
+        y_ref, _, _ = dense(x, wg, None, wd)
+    assert y.shape == x3.shape
+    assert rel_err(y.reshape(37, 45), y_ref) < 1e-5
+    assert int(aux["row_overflow"]) == 1

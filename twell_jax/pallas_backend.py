@@ -1,0 +1,238 @@
+"""Glue between the sparse FFN op (twell_jax/ops.py) and the Pallas (Triton) inference kernels.
+
+Forward only (the op's backward is pure JAX). Each forward is
+
+    pack (pallas_kernels.twell_pack)      relu(x W_gate^T) -> TwELL, fp32 accumulation, on device
+    fused FFN (pallas_kernels.twell_ffn)  TwELL + x + W_up + W_down -> y and per-row l1
+    overflow fix-up (XLA)                 rows with a tile count > S are recomputed exactly
+
+Exactness: the fused kernel reads only the S stored slots of each tile. A row with an overflowing
+tile is recomputed by the dense formula: up to `overflow_rows` such rows are gathered into a fixed
+[overflow_rows, D] block (static shape, no host sync); if more rows overflow the whole call is
+recomputed densely (`dense_fallback` = 1). A `lax.switch` on the on-device row count picks among
+"nothing to fix" / "fix the gathered rows" / "dense", so the common case pays nothing.
+
+"auto" (see docs/kernels.md): the pack alone costs about a dense gate GEMM, so once it has run the
+dense path can no longer win; the choice must come first. It is made on the device from a strided
+sample of `auto_sample_rows` tokens: their gate pre-activations are computed densely (a [R, D] x
+[D, H] GEMM, a few % of the dense FFN at M = 16384) and their mean active count compared with
+`auto_max_active` (the measured crossover, BENCHMARKS.md). `lax.cond` then runs either the sparse
+path or the dense one. The choice only affects speed; both branches are exact.
+
+Config fields read (getattr, with defaults, so any config object or None works):
+    tile (256), slots (32), overflow_rows (min(M, max(16, M // 64))), auto_sample_rows (64),
+    auto_max_active (AUTO_MAX_ACTIVE_PER_TOKEN), pack_block_sizes (PackBlockSizes()),
+    ffn_block_sizes (FFNBlockSizes()).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn
+from pallas_kernels.twell_pack import PackBlockSizes, pack_gate
+
+# Mean active neurons per token above which the dense XLA FFN beats pack + fused FFN, measured on
+# an H200 at M = 16384, D = 2048, H = 5632, bf16 (BENCHMARKS.md, experiments/bench_ffn.py): the
+# sparse total grows ~0.019 ms per active neuron from 1.39 ms at 29; it crosses the dense FFN
+# without aux (1.84 ms) near 53 and the dense FFN with exact l0/l1 (2.10 ms) near 66.
+AUTO_MAX_ACTIVE_PER_TOKEN = 50.0
+
+Aux = dict[str, jax.Array]
+
+
+def available() -> bool:
+    """True when a CUDA GPU backs JAX (the Triton kernels can be compiled)."""
+    return jax.default_backend() == "gpu"
+
+
+def _require_runnable(interpret: bool) -> None:
+    if not interpret and not available():
+        raise RuntimeError(
+            "the pallas backend needs a CUDA GPU (jax.default_backend() == 'gpu'), but the default "
+            f"backend is '{jax.default_backend()}'. Pass interpret=True to run the kernels in the "
+            "Pallas interpreter (slow, for tests), or use backend='dense' / 'reference'.")
+
+
+def _settings(config: Any, m: int) -> dict[str, Any]:
+    def field(name: str, default: Any) -> Any:
+        value = getattr(config, name, None)
+        return default if value is None else value
+
+    return dict(
+        tile=int(field("tile", 256)),
+        slots=int(field("slots", 32)),
+        overflow_rows=int(field("overflow_rows", min(m, max(16, m // 64)))),
+        auto_sample_rows=int(field("auto_sample_rows", 64)),
+        auto_max_active=float(field("auto_max_active", AUTO_MAX_ACTIVE_PER_TOKEN)),
+        pack_block_sizes=field("pack_block_sizes", PackBlockSizes()),
+        ffn_block_sizes=field("ffn_block_sizes", FFNBlockSizes()),
+    )
+
+
+def _validate(x_MxD: jax.Array, weights: dict[str, jax.Array]) -> None:
+    if x_MxD.ndim != 2:
+        raise ValueError(f"x_MxD must be 2-D [M, D], got shape {x_MxD.shape}")
+    if x_MxD.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"x_MxD must be float32 or bfloat16, got {x_MxD.dtype}")
+    h = None
+    for name, w in weights.items():
+        if w.ndim != 2 or w.shape[1] != x_MxD.shape[1] or w.dtype != x_MxD.dtype:
+            raise ValueError(f"{name} must be {x_MxD.dtype}[H, D={x_MxD.shape[1]}] (neuron-major), "
+                             f"got {w.dtype}{w.shape}")
+        if h is not None and w.shape[0] != h:
+            raise ValueError(f"{name} must have H={h} rows like the other weights, got {w.shape[0]}")
+        h = w.shape[0]
+
+
+def _dense_rows(x_RxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
+                w_down_HxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Dense FFN on some rows, same formula as ops.py: (y [R, D], l1 per row [R], l0 per row [R])."""
+    pre_RxH = jnp.einsum("rd,hd->rh", x_RxD, w_act_HxD, preferred_element_type=jnp.float32)
+    act_RxH = jax.nn.relu(pre_RxH)
+    if w_up_HxD is not None:
+        act_RxH = act_RxH * jnp.einsum("rd,hd->rh", x_RxD, w_up_HxD,
+                                       preferred_element_type=jnp.float32)
+    h_RxH = act_RxH.astype(x_RxD.dtype)
+    y_RxD = jnp.einsum("rh,hd->rd", h_RxH, w_down_HxD,
+                       preferred_element_type=jnp.float32).astype(x_RxD.dtype)
+    l1_R = jnp.sum(jnp.abs(h_RxH.astype(jnp.float32)), axis=1)
+    l0_R = jnp.sum(pre_RxH > 0, axis=1, dtype=jnp.int32)
+    return y_RxD, l1_R, l0_R
+
+
+def _sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
+                    w_down_HxD: jax.Array, s: dict[str, Any], interpret: bool) -> tuple[jax.Array, Aux]:
+    """Pack + fused FFN + exact fix-up of overflowing rows. w_up None = non-gated."""
+    m = x_MxD.shape[0]
+    values, indices, counts = pack_gate(x_MxD, w_act_HxD, tile=s["tile"], slots=s["slots"],
+                                        block_sizes=s["pack_block_sizes"], interpret=interpret)
+    y_MxD, l1_M = sparse_ffn(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD,
+                             block_sizes=s["ffn_block_sizes"], interpret=interpret)
+    tile_overflow_MxNT = counts > s["slots"]
+    row_overflow_M = jnp.any(tile_overflow_MxNT, axis=1)
+    n_row_overflow = jnp.sum(row_overflow_M, dtype=jnp.int32)
+    capacity = s["overflow_rows"]
+
+    def keep(operands):
+        return operands
+
+    def fix_rows(operands):
+        y, l1 = operands
+        # Fixed-capacity gather of the overflowing rows; fill slots point past the end and are
+        # dropped by the scatter.
+        rows_R = jnp.nonzero(row_overflow_M, size=capacity, fill_value=m)[0]
+        y_RxD, l1_R, _ = _dense_rows(x_MxD[jnp.minimum(rows_R, m - 1)], w_act_HxD, w_up_HxD,
+                                     w_down_HxD)
+        return y.at[rows_R].set(y_RxD, mode="drop"), l1.at[rows_R].set(l1_R, mode="drop")
+
+    def all_dense(operands):
+        y, l1, _ = _dense_rows(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD)
+        return y, l1
+
+    branch = jnp.where(n_row_overflow == 0, 0, jnp.where(n_row_overflow <= capacity, 1, 2))
+    y_MxD, l1_M = lax.switch(branch, (keep, fix_rows, all_dense), (y_MxD, l1_M))
+    tokens = max(m, 1)
+    aux = {
+        "l1": jnp.sum(l1_M) / tokens,
+        "l0": jnp.sum(counts, dtype=jnp.float32) / tokens,  # true counts: exact even on overflow
+        "tile_overflow": jnp.sum(tile_overflow_MxNT, dtype=jnp.int32),
+        "row_overflow": n_row_overflow,
+        "dense_fallback": (branch == 2).astype(jnp.int32),
+    }
+    return y_MxD, aux
+
+
+def _dense_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
+                   w_down_HxD: jax.Array) -> tuple[jax.Array, Aux]:
+    """The dense branch of "auto": no packing, so no overflow to report; dense_fallback = 1."""
+    y_MxD, l1_M, l0_M = _dense_rows(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD)
+    tokens = max(x_MxD.shape[0], 1)
+    zero = jnp.zeros((), jnp.int32)
+    return y_MxD, {"l1": jnp.sum(l1_M) / tokens, "l0": jnp.sum(l0_M, dtype=jnp.float32) / tokens,
+                   "tile_overflow": zero, "row_overflow": zero,
+                   "dense_fallback": jnp.ones((), jnp.int32)}
+
+
+def sampled_active_per_token(x_MxD: jax.Array, w_act_HxD: jax.Array, n_sample: int) -> jax.Array:
+    """f32 scalar: mean active gate neurons per token over a strided sample of n_sample tokens."""
+    m = x_MxD.shape[0]
+    stride = max(1, m // max(1, n_sample))
+    sample_RxD = x_MxD[::stride][:n_sample]
+    pre_RxH = jnp.einsum("rd,hd->rh", sample_RxD, w_act_HxD, preferred_element_type=jnp.float32)
+    return jnp.sum(pre_RxH > 0, dtype=jnp.float32) / sample_RxD.shape[0]
+
+
+def _auto_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret):
+    if x_MxD.shape[0] == 0:
+        return _dense_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD)
+    estimate = sampled_active_per_token(x_MxD, w_act_HxD, s["auto_sample_rows"])
+    return lax.cond(estimate <= s["auto_max_active"],
+                    lambda: _sparse_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret),
+                    lambda: _dense_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD))
+
+
+def _entry(forward: Callable, x_MxD, weights: dict[str, jax.Array], config, interpret: bool):
+    _require_runnable(interpret)
+    _validate(x_MxD, weights)
+    return forward(x_MxD, *weights.values(), _settings(config, x_MxD.shape[0]), interpret)
+
+
+def gated_ffn_forward(x_MxD: jax.Array, w_gate_HxD: jax.Array, w_up_HxD: jax.Array,
+                      w_down_HxD: jax.Array, config: Any = None, *,
+                      interpret: bool = False) -> tuple[jax.Array, Aux]:
+    """y = (relu(x W_gate^T) * (x W_up^T)) W_down through the Pallas kernels; returns (y, aux)."""
+    if x_MxD.shape[0] == 0:
+        _require_runnable(interpret)
+        return _dense_forward(x_MxD, w_gate_HxD, w_up_HxD, w_down_HxD)
+    return _entry(_sparse_forward, x_MxD,
+                  dict(w_gate_HxD=w_gate_HxD, w_up_HxD=w_up_HxD, w_down_HxD=w_down_HxD),
+                  config, interpret)
+
+
+def ffn_forward(x_MxD: jax.Array, w_up_HxD: jax.Array, w_down_HxD: jax.Array, config: Any = None,
+                *, interpret: bool = False) -> tuple[jax.Array, Aux]:
+    """y = relu(x W_up^T) W_down through the Pallas kernels; returns (y, aux)."""
+    if x_MxD.shape[0] == 0:
+        _require_runnable(interpret)
+        return _dense_forward(x_MxD, w_up_HxD, None, w_down_HxD)
+
+    def forward(x, w_up, w_down, s, interp):
+        return _sparse_forward(x, w_up, None, w_down, s, interp)
+
+    return _entry(forward, x_MxD, dict(w_up_HxD=w_up_HxD, w_down_HxD=w_down_HxD), config, interpret)
+
+
+def auto_gated_ffn_forward(x_MxD: jax.Array, w_gate_HxD: jax.Array, w_up_HxD: jax.Array,
+                           w_down_HxD: jax.Array, config: Any = None, *,
+                           interpret: bool = False) -> tuple[jax.Array, Aux]:
+    """Like gated_ffn_forward, but runs the dense XLA FFN when the sampled sparsity says it is faster."""
+    return _entry(_auto_forward, x_MxD,
+                  dict(w_gate_HxD=w_gate_HxD, w_up_HxD=w_up_HxD, w_down_HxD=w_down_HxD),
+                  config, interpret)
+
+
+def auto_ffn_forward(x_MxD: jax.Array, w_up_HxD: jax.Array, w_down_HxD: jax.Array,
+                     config: Any = None, *, interpret: bool = False) -> tuple[jax.Array, Aux]:
+    """Like ffn_forward, but runs the dense XLA FFN when the sampled sparsity says it is faster."""
+
+    def forward(x, w_up, w_down, s, interp):
+        return _auto_forward(x, w_up, None, w_down, s, interp)
+
+    return _entry(forward, x_MxD, dict(w_up_HxD=w_up_HxD, w_down_HxD=w_down_HxD), config, interpret)
+
+
+def pack(x_MxD: jax.Array, w_HxD: jax.Array, config: Any = None, *, interpret: bool = False):
+    """TwELL pack of relu(x W^T) by the Pallas kernel, as a twell_jax.format.TwELL."""
+    from twell_jax.format import TwELL  # local: format is optional for the kernels-only scripts
+
+    _require_runnable(interpret)
+    _validate(x_MxD, dict(w_HxD=w_HxD))
+    s = _settings(config, x_MxD.shape[0])
+    values, indices, counts = pack_gate(x_MxD, w_HxD, tile=s["tile"], slots=s["slots"],
+                                        block_sizes=s["pack_block_sizes"], interpret=interpret)
+    return TwELL(values=values, indices=indices, counts=counts, n_cols=w_HxD.shape[0],
+                 tile=s["tile"])
