@@ -1,0 +1,30 @@
+"""Named experiment presets: `get_config("tiny")`, `list_configs()`.
+
+Each preset module defines `get_config() -> ExperimentConfig`:
+- tiny: CPU smoke run (2 cores, a few minutes): 4 layers, d_model 128, d_ff 512, seq 128, BPE 2048.
+- small: tens of millions of parameters, minutes on one GPU.
+- 0.5b / 1b / 1.5b / 2b: the paper's models (twell.md 5.1-5.3).
+- micro: a few-second model for tests.
+"""
+from __future__ import annotations
+
+import importlib
+
+from twell_jax.config import ExperimentConfig
+
+_MODULES = {"micro": "micro", "tiny": "tiny", "small": "small",
+            "0.5b": "paper", "1b": "paper", "1.5b": "paper", "2b": "paper"}
+
+
+def list_configs() -> list[str]:
+    return list(_MODULES)
+
+
+def get_config(name: str) -> ExperimentConfig:
+    """The preset called `name` (ValueError listing the presets otherwise)."""
+    if name not in _MODULES:
+        raise ValueError(f"unknown config {name!r}; available: {', '.join(_MODULES)}")
+    module = importlib.import_module(f"configs.{_MODULES[name]}")
+    if _MODULES[name] == "paper":
+        return module.get_config(name)
+    return module.get_config()

@@ -1,0 +1,89 @@
+"""Config dataclasses: presets, invariants, dotted overrides, JSON round trip."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from configs import get_config, list_configs
+from twell_jax import config as config_lib
+from twell_jax.config import ExperimentConfig, ModelConfig, OptimConfig, SparsityConfig, TrainConfig
+
+
+@pytest.mark.parametrize("name", list_configs())
+def test_presets_build_and_round_trip(name):
+    cfg = get_config(name)
+    assert isinstance(cfg, ExperimentConfig)
+    assert config_lib.from_dict(config_lib.to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize("name,layers,params_b", [("0.5b", 8, 0.51), ("1b", 18, 1.03), ("1.5b", 28, 1.54),
+                                                  ("2b", 38, 2.05)])
+def test_paper_presets_match_the_paper(name, layers, params_b):
+    cfg = get_config(name)
+    m = cfg.model
+    assert (m.d_model, m.d_ff, m.n_heads, m.vocab_size, m.max_seq_len, m.n_layers) == (2048, 5632, 32, 49152, 2048, layers)
+    assert m.num_params() / 1e9 == pytest.approx(params_b, abs=0.01)
+    assert cfg.train.global_batch * cfg.data.seq_len == 1_048_576 and cfg.train.micro_batch == 8
+    o = cfg.optim
+    assert (o.lr, o.b1, o.b2, o.eps, o.weight_decay, o.warmup_steps, o.clip_norm, o.schedule) == (
+        1e-3, 0.9, 0.95, 1e-8, 0.1, 600, 1.0, "cosine")
+    assert cfg.sparsity.l1_coef == 2e-5 and m.compute_dtype == "bfloat16"
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="unknown config 'nope'"):
+        get_config("nope")
+
+
+@pytest.mark.parametrize("factory,match", [
+    (lambda: ModelConfig(d_model=130, n_heads=4), "divisible by model.n_heads"),
+    (lambda: ModelConfig(ffn_kind="gelu"), "model.ffn_kind"),
+    (lambda: ModelConfig(ffn_backend="cuda"), "model.ffn_backend"),
+    (lambda: ModelConfig(n_layers=0), "model.n_layers must be > 0"),
+    (lambda: OptimConfig(b2=1.0), "optim.b2"),
+    (lambda: SparsityConfig(l1_coef=-1.0), "sparsity.l1_coef"),
+    (lambda: TrainConfig(global_batch=10, micro_batch=4), "train.global_batch=10"),
+    (lambda: ExperimentConfig(model=ModelConfig(ffn_kind="relu_gated"), sparsity=SparsityConfig(l1_coef=1e-3)),
+     "dense baseline"),
+    (lambda: ExperimentConfig(model=ModelConfig(max_seq_len=64)), "data.seq_len=128 exceeds"),
+])
+def test_invariants_raise_clear_errors(factory, match):
+    with pytest.raises(ValueError, match=match):
+        factory()
+
+
+def test_overrides_are_typed():
+    cfg = config_lib.apply_overrides(get_config("micro"), [
+        "model.n_layers=3", "optim.lr=1e-2", "model.remat=true", "train.num_devices=none",
+        "model.ffn_kind=relu", "name=x", 'model.ffn_op_config={"slots": 8}', "data.max_documents=5"])
+    assert cfg.model.n_layers == 3 and cfg.optim.lr == 1e-2 and cfg.model.remat is True
+    assert cfg.train.num_devices is None and cfg.model.ffn_kind == "relu" and cfg.name == "x"
+    assert cfg.model.ffn_op_config == {"slots": 8} and cfg.data.max_documents == 5
+
+
+@pytest.mark.parametrize("override,match", [
+    ("model.n_layers=three", "model.n_layers expects an int"),
+    ("model.nope=1", "unknown config field 'model.nope'"),
+    ("model.ffn_kind=gelu", "model.ffn_kind must be one of"),
+    ("model.remat=maybe", "expects a bool"),
+    ("model=1", "is a section"),
+    ("model.n_heads", "section.field=value"),
+    ("model.n_heads=5", "divisible by model.n_heads"),  # invariants re-checked after the override
+])
+def test_bad_overrides(override, match):
+    with pytest.raises(ValueError, match=match):
+        config_lib.apply_overrides(get_config("micro"), [override])
+
+
+def test_diff_names_fields():
+    a = get_config("micro")
+    b = dataclasses.replace(a, model=dataclasses.replace(a.model, d_ff=96))
+    assert config_lib.diff(a, b) == [("model.d_ff", 64, 96)]
+
+
+def test_coupled_overrides_are_validated_together():
+    cfg = config_lib.apply_overrides(get_config("micro"), ["model.ffn_kind=relu_gated", "sparsity.l1_coef=0"])
+    assert cfg.model.ffn_kind == "relu_gated" and cfg.sparsity.l1_coef == 0.0
+    with pytest.raises(ValueError, match="dense baseline"):
+        config_lib.apply_overrides(get_config("micro"), ["model.ffn_kind=relu_gated"])

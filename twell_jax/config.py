@@ -1,0 +1,363 @@
+"""Typed experiment configuration: frozen dataclasses, invariants checked at construction.
+
+`ExperimentConfig` groups the model, optimiser, sparsity, training and data sections. Every field has
+a comment; `__post_init__` rejects bad values with a ValueError naming the field. Named presets live
+in `configs/` (`configs.get_config("tiny")`); the CLI applies dotted overrides on top of a preset with
+`apply_overrides(cfg, ["model.n_layers=4", "train.steps=100"])`, parsing each value by the field's
+declared type. `to_dict` / `from_dict` round-trip a config through JSON (checkpoints store it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from twell_jax.data import DataConfig
+
+FFN_KINDS = ("swiglu", "relu_gated", "twell", "relu")
+FFN_BACKENDS = ("dense", "reference", "pallas", "auto")
+DTYPES = ("float32", "bfloat16")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+
+
+def _check_positive(section: str, **values: int | float) -> None:
+    for name, value in values.items():
+        if value <= 0:
+            raise ValueError(f"{section}.{name} must be > 0, got {value!r}")
+
+
+def _check_choice(section: str, name: str, value: Any, choices: tuple[Any, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{section}.{name} must be one of {choices}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Llama-style decoder: tied embeddings, RMSNorm, RoPE, causal MHA, configurable FFN."""
+
+    vocab_size: int = 4096  # token vocabulary; must be >= the tokenizer's (checked against the data)
+    d_model: int = 128  # residual stream width D
+    n_layers: int = 4  # number of transformer blocks
+    n_heads: int = 4  # attention heads (MHA: as many KV heads); d_model % n_heads == 0
+    d_ff: int = 512  # FFN hidden width H
+    max_seq_len: int = 128  # longest sequence the model accepts (RoPE tables are computed on the fly)
+    rope_theta: float = 100_000.0  # RoPE base frequency (paper: 1e5, non-interleaved halves)
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    init_std: float = 0.02  # std of the normal init of every matrix and the embedding
+    # FFN kind: "swiglu" dense silu-gated baseline; "relu_gated" dense relu-gated baseline (the
+    # paper's dense twin, trained without L1); "twell" relu-gated through the sparse op (any
+    # backend, trained with L1); "relu" non-gated relu FFN through the sparse op.
+    ffn_kind: Literal["swiglu", "relu_gated", "twell", "relu"] = "twell"
+    # Backend of the sparse op for "twell"/"relu": "dense" | "reference" | "pallas" | "auto"
+    # ("relu_gated" always uses "dense": it is the dense baseline).
+    ffn_backend: str = "auto"
+    # Field overrides of the op's SparseFFNConfig (e.g. {"slots": 32}); empty = op defaults.
+    ffn_op_config: dict[str, Any] = field(default_factory=dict)
+    ffn_interpret: bool = False  # run the "pallas" backend's kernels in the Pallas interpreter (CPU tests)
+    compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"  # activations/matmuls (master params f32)
+    remat: bool = False  # rematerialise each block in the backward (saves activation memory)
+    attention_impl: Literal["auto", "xla", "cudnn"] = "auto"  # jax.nn.dot_product_attention backend
+
+    def __post_init__(self) -> None:
+        _check_positive("model", vocab_size=self.vocab_size, d_model=self.d_model,
+                        n_layers=self.n_layers, n_heads=self.n_heads, d_ff=self.d_ff,
+                        max_seq_len=self.max_seq_len, rope_theta=self.rope_theta,
+                        norm_eps=self.norm_eps, init_std=self.init_std)
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"model head dim d_model/n_heads={self.d_model // self.n_heads} must be even (RoPE)")
+        _check_choice("model", "ffn_kind", self.ffn_kind, FFN_KINDS)
+        _check_choice("model", "ffn_backend", self.ffn_backend, FFN_BACKENDS)
+        _check_choice("model", "compute_dtype", self.compute_dtype, DTYPES)
+        _check_choice("model", "attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        if not isinstance(self.ffn_op_config, dict):
+            raise ValueError(f"model.ffn_op_config must be a dict, got {type(self.ffn_op_config).__name__}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def is_relu_family(self) -> bool:
+        """True when FFN activations are exactly sparse (ReLU), so L0/dead-neuron telemetry is meaningful."""
+        return self.ffn_kind != "swiglu"
+
+    def num_params(self) -> int:
+        """Parameter count (tied embedding counted once)."""
+        ffn_mats = 2 if self.ffn_kind == "relu" else 3
+        per_layer = 4 * self.d_model ** 2 + ffn_mats * self.d_model * self.d_ff + 2 * self.d_model
+        return self.vocab_size * self.d_model + self.n_layers * per_layer + self.d_model
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with global-norm clipping and a warm-up + cosine (or constant) learning-rate schedule."""
+
+    lr: float = 1e-3  # peak learning rate
+    warmup_steps: int = 600  # linear warm-up from 0 to `lr` over this many optimizer steps
+    schedule: Literal["cosine", "constant"] = "cosine"  # after warm-up: cosine decay to min_lr_ratio*lr, or flat
+    min_lr_ratio: float = 0.0  # final lr of the cosine schedule, as a fraction of `lr`
+    b1: float = 0.9  # Adam beta1
+    b2: float = 0.95  # Adam beta2
+    eps: float = 1e-8  # Adam epsilon
+    weight_decay: float = 0.1  # decoupled weight decay on matrices and embedding (never on norm scales)
+    clip_norm: float = 1.0  # global gradient-norm clip; 0 disables clipping
+
+    def __post_init__(self) -> None:
+        _check_positive("optim", lr=self.lr, eps=self.eps)
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check_choice("optim", "schedule", self.schedule, ("cosine", "constant"))
+        for name in ("b1", "b2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.weight_decay < 0 or self.clip_norm < 0:
+            raise ValueError("optim.weight_decay and optim.clip_norm must be >= 0")
+
+
+@dataclass(frozen=True)
+class SparsityConfig:
+    """L1 penalty on the FFN hidden activations h, dead-neuron tracking and optional re-initialisation."""
+
+    l1_coef: float = 2e-5  # lambda in loss = CE + lambda * mean_over_layers(l1); 0 = no penalty
+    l1_warmup_start: int = 0  # lambda is 0 up to this optimizer step ...
+    l1_warmup_end: int = 0  # ... then ramps linearly to l1_coef at this step (end <= start: no ramp)
+    # A neuron is dead when it has not fired for this many tokens; 0 = one optimizer step's tokens
+    # (global_batch * seq_len, the reference's default).
+    dead_window_tokens: int = 0
+    track_neurons: bool = True  # compute per-neuron activity (dead neurons, position profile) each step
+    position_buckets: int = 8  # the active-count profile averages positions into this many buckets
+    reinit_dead: bool = False  # re-sample dead gate rows (rule in twell_jax/sparsity.py:reinit_dead_rows)
+    reinit_every: int = 100  # check for dead neurons to re-initialise every this many optimizer steps
+
+    def __post_init__(self) -> None:
+        if self.l1_coef < 0:
+            raise ValueError(f"sparsity.l1_coef must be >= 0, got {self.l1_coef}")
+        if self.l1_warmup_start < 0 or self.l1_warmup_end < 0:
+            raise ValueError("sparsity.l1_warmup_start/l1_warmup_end must be >= 0")
+        if self.dead_window_tokens < 0:
+            raise ValueError(f"sparsity.dead_window_tokens must be >= 0, got {self.dead_window_tokens}")
+        _check_positive("sparsity", position_buckets=self.position_buckets, reinit_every=self.reinit_every)
+        if self.reinit_dead and not self.track_neurons:
+            raise ValueError("sparsity.reinit_dead needs sparsity.track_neurons=True (it reads the dead counters)")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Loop, batch layout, logging, evaluation and checkpoint cadence."""
+
+    steps: int = 300  # optimizer steps to train for (total, counting resumed steps)
+    global_batch: int = 16  # sequences per optimizer step, over all devices and accumulation steps
+    micro_batch: int = 16  # sequences per device per forward/backward (accum = global/(micro*devices))
+    num_devices: int | None = None  # data-parallel devices (None = all visible devices)
+    fsdp: bool = False  # shard params/optimizer state over the data axis (ZeRO-3 style) instead of replicating
+    seed: int = 42  # parameter init seed (the data has its own seed in data.seed)
+    log_every: int = 10  # log metrics (console, JSONL, TensorBoard) every this many steps
+    eval_every: int = 0  # validation every this many steps (0 = only at the end)
+    eval_batches: int = 8  # validation batches per evaluation (fewer if the split is smaller)
+    eval_batch_size: int = 16  # sequences per validation batch (divisible by the device count)
+    checkpoint_every: int = 0  # periodic checkpoint every this many steps (0 = only the final one)
+    keep_checkpoints: int = 2  # how many recent checkpoints Orbax keeps
+    tensorboard: bool = True  # also write TensorBoard event files (tensorboardX)
+    progress_bar: bool = True  # tqdm progress bar on the console
+
+    def __post_init__(self) -> None:
+        _check_positive("train", steps=self.steps, global_batch=self.global_batch,
+                        micro_batch=self.micro_batch, log_every=self.log_every,
+                        eval_batches=self.eval_batches, eval_batch_size=self.eval_batch_size,
+                        keep_checkpoints=self.keep_checkpoints)
+        if self.num_devices is not None and self.num_devices < 1:
+            raise ValueError(f"train.num_devices must be >= 1 or None, got {self.num_devices}")
+        if self.eval_every < 0 or self.checkpoint_every < 0:
+            raise ValueError("train.eval_every and train.checkpoint_every must be >= 0")
+        if self.global_batch % self.micro_batch:
+            raise ValueError(f"train.global_batch={self.global_batch} must be a multiple of "
+                             f"train.micro_batch={self.micro_batch}")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """One training run: everything needed to rebuild the model, optimiser and data stream."""
+
+    name: str = "experiment"  # run name (default output dir runs/<name>-<timestamp>)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sparsity: SparsityConfig = field(default_factory=SparsityConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def __post_init__(self) -> None:
+        seq_len = getattr(self.data, "seq_len", None)
+        if seq_len is not None and seq_len > self.model.max_seq_len:
+            raise ValueError(f"data.seq_len={seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        data_vocab = getattr(self.data, "vocab_size", None)
+        if getattr(self.data, "tokenizer", "bpe") == "bpe" and data_vocab is not None and data_vocab > self.model.vocab_size:
+            raise ValueError(f"data.vocab_size={data_vocab} exceeds model.vocab_size={self.model.vocab_size}")
+        if self.model.ffn_kind in ("relu_gated", "swiglu") and self.sparsity.l1_coef > 0:
+            raise ValueError(
+                f"model.ffn_kind={self.model.ffn_kind!r} is a dense baseline trained without L1; set "
+                f"sparsity.l1_coef=0, or use ffn_kind='twell' (any backend) for an L1-regularised model")
+        if self.sparsity.reinit_dead and not self.model.is_relu_family:
+            raise ValueError("sparsity.reinit_dead needs a ReLU FFN (ffn_kind twell/relu_gated/relu)")
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.data.seq_len)
+
+
+# ----------------------------------------------------------------------------- (de)serialisation
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A JSON-ready nested dict of a (nested) config dataclass."""
+    return dataclasses.asdict(cfg)
+
+
+def _section_from_dict(cls: type, values: dict[str, Any], path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown config field(s) {', '.join(path + k for k in unknown)}")
+    kwargs = {}
+    for name, value in values.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            kwargs[name] = _section_from_dict(hint, value, f"{path}{name}.")
+        elif _origin(hint) is tuple and isinstance(value, list):
+            kwargs[name] = tuple(value)
+        else:
+            kwargs[name] = value
+    return cls(**kwargs)
+
+
+def from_dict(values: dict[str, Any]) -> ExperimentConfig:
+    """Inverse of `to_dict` (unknown fields are an error)."""
+    return _section_from_dict(ExperimentConfig, values, "")
+
+
+def to_json(cfg: ExperimentConfig) -> str:
+    return json.dumps(to_dict(cfg), indent=2, sort_keys=True)
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def _origin(hint: Any) -> Any:
+    return typing.get_origin(hint)
+
+
+def _parse_value(text: str, hint: Any, where: str) -> Any:
+    """Parse `text` as a value of type `hint` (int, float, bool, str, Literal, Optional, tuple, dict)."""
+    origin = _origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if type(None) in options and text.lower() in ("none", "null"):
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _parse_value(text, option, where)
+            except ValueError as err:
+                errors.append(str(err))
+        raise ValueError(f"{where}: cannot parse {text!r} as {hint}: {'; '.join(errors)}")
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        for choice in choices:
+            if str(choice) == text:
+                return choice
+        raise ValueError(f"{where} must be one of {choices}, got {text!r}")
+    if hint is bool:
+        lowered = text.lower()
+        if lowered in ("true", "1", "yes", "on"):
+            return True
+        if lowered in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"{where} expects a bool (true/false), got {text!r}")
+    if hint is int:
+        try:
+            return int(text.replace("_", ""))
+        except ValueError:
+            raise ValueError(f"{where} expects an int, got {text!r}") from None
+    if hint is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"{where} expects a float, got {text!r}") from None
+    if hint is str:
+        return text
+    if origin in (tuple, list, dict) or hint in (dict, list, tuple):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            if origin is tuple and "," in text:  # "a,b,c" shorthand for tuples of str/int
+                args = typing.get_args(hint)
+                elem = args[0] if args else str
+                return tuple(_parse_value(part.strip(), elem, where) for part in text.split(","))
+            raise ValueError(f"{where} expects JSON for {hint}, got {text!r}") from None
+        if origin is tuple and isinstance(value, list):
+            return tuple(value)
+        expected = dict if (origin is dict or hint is dict) else list
+        if origin is not tuple and not isinstance(value, expected):
+            raise ValueError(f"{where} expects {hint}, got {text!r}")
+        return value
+    raise ValueError(f"{where}: overriding fields of type {hint} is not supported")
+
+
+def apply_overrides(cfg: ExperimentConfig, overrides: list[str]) -> ExperimentConfig:
+    """Return `cfg` with each "section.field=value" (or "field=value" at top level) applied.
+
+    Values are parsed by the field's declared type; unknown fields and bad values raise ValueError
+    naming the field. All overrides are applied together before the invariants are checked, so
+    coupled fields can change in one go (e.g. model.ffn_kind=relu_gated sparsity.l1_coef=0).
+    """
+    values = to_dict(cfg)
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like section.field=value")
+        key, text = (part.strip() for part in item.split("=", 1))
+        parts = key.split(".")
+        cls, target = type(cfg), values
+        for depth, name in enumerate(parts):
+            names = {f.name for f in dataclasses.fields(cls)}
+            if name not in names:
+                raise ValueError(f"unknown config field {key!r} ({cls.__name__} has: {', '.join(sorted(names))})")
+            hint = typing.get_type_hints(cls)[name]
+            last = depth == len(parts) - 1
+            if last:
+                if dataclasses.is_dataclass(hint):
+                    raise ValueError(f"{key!r} is a section; set one of its fields ({key}.<field>=...)")
+                target[name] = _parse_value(text, hint, key)
+            else:
+                if not dataclasses.is_dataclass(hint):
+                    raise ValueError(f"{'.'.join(parts[:depth + 1])} in {key!r} is not a section")
+                cls, target = hint, target[name]
+    return from_dict(values)
+
+
+def diff(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """Fields whose values differ between two config dataclasses (or nested dicts): (path, a, b)."""
+    da = to_dict(a) if dataclasses.is_dataclass(a) else a
+    db = to_dict(b) if dataclasses.is_dataclass(b) else b
+    out: list[tuple[str, Any, Any]] = []
+    for key in sorted(set(da) | set(db)):
+        va, vb = da.get(key, "<missing>"), db.get(key, "<missing>")
+        if isinstance(va, dict) and isinstance(vb, dict) and key != "ffn_op_config":
+            out.extend(diff(va, vb, f"{prefix}{key}."))
+        elif _normalise(va) != _normalise(vb):
+            out.append((f"{prefix}{key}", va, vb))
+    return out
+
+
+def _normalise(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_normalise(v) for v in value]
+    return value

@@ -1,0 +1,231 @@
+"""Llama-style decoder LM in Flax NNX with a configurable (sparse) FFN.
+
+Token embedding (tied output head), pre-norm blocks (RMSNorm -> causal MHA with RoPE -> residual,
+RMSNorm -> FFN -> residual), final RMSNorm. Parameters are fp32 master weights; the forward casts
+them to `compute_dtype` (bf16 by default) and returns fp32 logits. FFN weights use the sparse op's
+neuron-major [H, D] layout for all three matrices (w_down included), so the model hands them to
+`twell_jax.ops` untouched.
+
+`Transformer.__call__` returns `(logits_BxSxV, aux)`; `aux` stacks the per-layer FFN telemetry on a
+leading layer axis: the op's scalars ("l1", "l0", overflow counters) as [L], and, when
+`track_neurons=True`, "neuron_active_count" [L, H] (tokens on which each neuron fired) and
+"position_active" [L, S] (mean active neurons per token position over the batch).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from twell_jax import ops
+from twell_jax.config import ModelConfig
+
+Aux = dict[str, jax.Array]
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32))
+
+
+def _dtype(name: str) -> jnp.dtype:
+    return jnp.dtype(name)
+
+
+def build_op_config(cfg: ModelConfig) -> Any:
+    """The op's `SparseFFNConfig` with `cfg.ffn_op_config` applied, or None for the op defaults.
+
+    Looked up lazily so the model works whether or not `twell_jax.ops` defines SparseFFNConfig yet.
+    """
+    config_cls = getattr(ops, "SparseFFNConfig", None)
+    if config_cls is None:
+        if cfg.ffn_op_config:
+            raise ValueError("model.ffn_op_config is set but twell_jax.ops has no SparseFFNConfig")
+        return None
+    return config_cls(**cfg.ffn_op_config) if cfg.ffn_op_config else None
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * scale, computed in fp32 and returned in the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x_BxSxD: jax.Array) -> jax.Array:
+        x32 = x_BxSxD.astype(jnp.float32)
+        inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return (x32 * inv_rms * self.scale[...]).astype(x_BxSxD.dtype)
+
+
+def rope(x_BxSxNxK: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding, non-interleaved: rotates the pairs (x[i], x[i + K/2])."""
+    seq_len, head_dim = x_BxSxNxK.shape[1], x_BxSxNxK.shape[-1]
+    half = head_dim // 2
+    inv_freq_K2 = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angle_SxK2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq_K2[None, :]
+    cos = jnp.cos(angle_SxK2)[None, :, None, :]
+    sin = jnp.sin(angle_SxK2)[None, :, None, :]
+    x32 = x_BxSxNxK.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_BxSxNxK.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head self-attention through `jax.nn.dot_product_attention` (cuDNN flash on GPU)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, std = cfg.d_model, cfg.init_std
+        # Head-major [D, N*K] projections (x @ w); w_out is [N*K, D].
+        self.w_q = _normal(rngs, (d, d), std)
+        self.w_k = _normal(rngs, (d, d), std)
+        self.w_v = _normal(rngs, (d, d), std)
+        self.w_out = _normal(rngs, (d, d), std)
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.rope_theta = cfg.rope_theta
+        self.implementation = None if cfg.attention_impl == "auto" else cfg.attention_impl
+
+    def __call__(self, x_BxSxD: jax.Array) -> jax.Array:
+        b, s, _ = x_BxSxD.shape
+        dt = x_BxSxD.dtype
+
+        def project(w: nnx.Param) -> jax.Array:
+            return (x_BxSxD @ w[...].astype(dt)).reshape(b, s, self.n_heads, self.head_dim)
+
+        q_BxSxNxK = rope(project(self.w_q), self.rope_theta)
+        k_BxSxNxK = rope(project(self.w_k), self.rope_theta)
+        v_BxSxNxK = project(self.w_v)
+        out_BxSxNxK = jax.nn.dot_product_attention(
+            q_BxSxNxK, k_BxSxNxK, v_BxSxNxK, is_causal=True, implementation=self.implementation)
+        return out_BxSxNxK.reshape(b, s, -1) @ self.w_out[...].astype(dt)
+
+
+class FeedForward(nnx.Module):
+    """The FFN chosen by `cfg.ffn_kind`; weights neuron-major [H, D].
+
+    - "swiglu": silu(x Wg^T) * (x Wu^T) @ Wd, dense XLA (activations are never exactly zero).
+    - "relu_gated": relu(x Wg^T) * (x Wu^T) @ Wd through the op's "dense" backend.
+    - "twell": same math through the op with `cfg.ffn_backend` (the sparse model).
+    - "relu": relu(x Wu^T) @ Wd through the op's non-gated `ffn`.
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        h, d, std = cfg.d_ff, cfg.d_model, cfg.init_std
+        self.kind = cfg.ffn_kind
+        if self.kind != "relu":
+            self.w_gate = _normal(rngs, (h, d), std)
+        self.w_up = _normal(rngs, (h, d), std)
+        self.w_down = _normal(rngs, (h, d), std)
+        self.backend = "dense" if self.kind == "relu_gated" else cfg.ffn_backend
+        self.op_config = build_op_config(cfg)
+        self.interpret = cfg.ffn_interpret
+
+    def gate_preactivation(self, x_BxSxD: jax.Array) -> jax.Array:
+        """The pre-activation whose sign decides which neurons fire: x Wg^T (x Wu^T for "relu")."""
+        w = self.w_up if self.kind == "relu" else self.w_gate
+        return jnp.einsum("bsd,hd->bsh", x_BxSxD, w[...].astype(x_BxSxD.dtype))
+
+    def __call__(self, x_BxSxD: jax.Array) -> tuple[jax.Array, Aux]:
+        dt = x_BxSxD.dtype
+        w_up, w_down = self.w_up[...].astype(dt), self.w_down[...].astype(dt)
+        if self.kind == "swiglu":
+            g = jnp.einsum("bsd,hd->bsh", x_BxSxD, self.w_gate[...].astype(dt), preferred_element_type=jnp.float32)
+            u = jnp.einsum("bsd,hd->bsh", x_BxSxD, w_up, preferred_element_type=jnp.float32)
+            h_BxSxH = (jax.nn.silu(g) * u).astype(dt)
+            y = jnp.einsum("bsh,hd->bsd", h_BxSxH, w_down, preferred_element_type=jnp.float32).astype(dt)
+            tokens = h_BxSxH.shape[0] * h_BxSxH.shape[1]
+            zero = jnp.zeros((), jnp.int32)
+            aux = {"l1": jnp.sum(jnp.abs(h_BxSxH.astype(jnp.float32))) / tokens,
+                   "l0": jnp.sum((h_BxSxH != 0).astype(jnp.float32)) / tokens,
+                   "tile_overflow": zero, "row_overflow": zero, "dense_fallback": zero}
+            return y, aux
+        if self.kind == "relu":
+            return ops.ffn(x_BxSxD, w_up, w_down, backend=self.backend, config=self.op_config,
+                           interpret=self.interpret)
+        return ops.gated_ffn(x_BxSxD, self.w_gate[...].astype(dt), w_up, w_down,
+                             backend=self.backend, config=self.op_config, interpret=self.interpret)
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, rngs)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn = FeedForward(cfg, rngs)
+        self.track_neurons = cfg.is_relu_family
+
+    def __call__(self, x_BxSxD: jax.Array, track_neurons: bool) -> tuple[jax.Array, Aux]:
+        x_BxSxD = x_BxSxD + self.attn(self.attn_norm(x_BxSxD))
+        ffn_in_BxSxD = self.ffn_norm(x_BxSxD)
+        y_BxSxD, aux = self.ffn(ffn_in_BxSxD)
+        aux = dict(aux)
+        if track_neurons and self.track_neurons:
+            # Telemetry only (no gradient). Under jit with the dense backend XLA shares this matmul
+            # with the op's own gate GEMM; sparse backends pay one extra gate GEMM per layer.
+            fired_BxSxH = jax.lax.stop_gradient(self.ffn.gate_preactivation(ffn_in_BxSxD)) > 0
+            aux["neuron_active_count"] = jnp.sum(fired_BxSxH, axis=(0, 1), dtype=jnp.int32)
+            aux["position_active"] = jnp.mean(jnp.sum(fired_BxSxH, axis=-1, dtype=jnp.float32), axis=0)
+        return x_BxSxD + y_BxSxD, aux
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM. `__call__(tokens_BxS) -> (logits_BxSxV fp32, aux stacked over layers)`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        # Plain static attributes (not the config object, whose dict field is unhashable).
+        self.max_seq_len, self.compute_dtype, self.remat = cfg.max_seq_len, cfg.compute_dtype, cfg.remat
+        self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
+        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+
+    def __call__(self, tokens_BxS: jax.Array, *, track_neurons: bool = False) -> tuple[jax.Array, Aux]:
+        if tokens_BxS.ndim != 2:
+            raise ValueError(f"tokens must be [batch, seq], got shape {tokens_BxS.shape}")
+        if tokens_BxS.shape[1] > self.max_seq_len:
+            raise ValueError(f"sequence length {tokens_BxS.shape[1]} exceeds model.max_seq_len={self.max_seq_len}")
+        dt = _dtype(self.compute_dtype)
+        embed_VxD = self.embed[...].astype(dt)
+        x_BxSxD = jnp.take(embed_VxD, tokens_BxS, axis=0)
+        auxes = []
+        for block in self.blocks:
+            if self.remat:
+                # prevent_cse=True (default): keeps XLA from merging the recomputation with the forward.
+                x_BxSxD, aux = nnx.remat(lambda blk, x: blk(x, track_neurons))(block, x_BxSxD)
+            else:
+                x_BxSxD, aux = block(x_BxSxD, track_neurons)
+            auxes.append(aux)
+        x_BxSxD = self.final_norm(x_BxSxD)
+        logits_BxSxV = jnp.einsum("bsd,vd->bsv", x_BxSxD, embed_VxD, preferred_element_type=jnp.float32)
+        stacked = {key: jnp.stack([a[key] for a in auxes]) for key in auxes[0]}
+        return logits_BxSxV, stacked
+
+
+def init_model(cfg: ModelConfig, seed: int) -> Transformer:
+    """A freshly initialised model (normal(0, init_std) matrices, unit norm scales)."""
+    return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def split_model(model: Transformer) -> tuple[nnx.GraphDef, dict[str, Any]]:
+    """(graphdef, params as a plain nested dict): the dict is what the optimiser and checkpoints see."""
+    graphdef, state = nnx.split(model)
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def apply_model(graphdef: nnx.GraphDef, params: dict[str, Any], tokens_BxS: jax.Array,
+                *, track_neurons: bool = False) -> tuple[jax.Array, Aux]:
+    """Pure function form of the forward: rebuild the module from `params` and call it."""
+    return nnx.merge(graphdef, params)(tokens_BxS, track_neurons=track_neurons)
+
+
+def gate_key(cfg: ModelConfig) -> str:
+    """Name of the weight whose rows decide whether a neuron fires (re-initialised when dead)."""
+    return "w_up" if cfg.ffn_kind == "relu" else "w_gate"
+
+
+def is_decayed(path: tuple[Any, ...]) -> bool:
+    """Weight decay applies to matrices and the embedding, never to norm scales (HF grouping)."""
+    return path[-1] != "scale"

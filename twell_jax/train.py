@@ -1,0 +1,465 @@
+"""Training loop: jit-compiled data-parallel step with gradient accumulation, telemetry, checkpoints.
+
+All mesh plumbing lives in `Trainer.__init__` (one place): a 1-D "data" mesh over
+`train.num_devices` devices (`twell_jax.parallel.make_mesh`), params / optimizer state replicated
+(or FSDP-sharded with `train.fsdp`), the batch split over "data". The step is `jax.jit` with
+NamedSharding in/out shardings and the state donated, compiled once before the loop (its memory
+analysis logged) and run under `jax.set_mesh(mesh)` so the sparse op can `shard_map` its kernels.
+
+One optimizer step = `accum` micro-batches of `train.micro_batch` sequences per device, scanned with
+`jax.lax.scan`, gradients averaged. The loop fetches step N's metrics only after dispatching step
+N + 1, so the host never stalls the device; every step's metrics pass the NaN/Inf guard.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from twell_jax import checkpoint as ckpt_lib
+from twell_jax import config as config_lib
+from twell_jax import parallel
+from twell_jax.config import ExperimentConfig
+from twell_jax.loss import cross_entropy, l1_coefficient, total_loss
+from twell_jax.metrics import MetricsWriter, check_finite, device_peak_memory_bytes, to_python
+from twell_jax.model import apply_model, init_model, split_model
+from twell_jax.optimizer import build_optimizer, learning_rate_schedule
+from twell_jax.sparsity import dead_share, init_counters, position_profile, reinit_dead_rows, update_counters
+
+logger = logging.getLogger(__name__)
+
+TrainState = dict[str, Any]  # {"params", "opt_state", "step": int32, "since_active": int32[L, H]}
+
+# optax.tree.norm on newer optax (global_norm is deprecated there), global_norm on older ones.
+_global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
+
+# Metrics checked by the NaN/Inf guard, in the order they are reported.
+GUARDED_METRICS = ("loss", "ce", "l1", "grad_norm", "l0_per_layer")
+
+
+def default_run_dir(cfg: ExperimentConfig, root: str | Path = "runs") -> Path:
+    """runs/<name>-<YYYYmmdd-HHMMSS>."""
+    return Path(root) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _build_data(cfg: ExperimentConfig) -> Any:
+    from twell_jax.data import build_data
+
+    return build_data(cfg.data, global_batch=cfg.train.global_batch,
+                      process_index=jax.process_index(), process_count=jax.process_count())
+
+
+def dead_window(cfg: ExperimentConfig) -> int:
+    """Tokens without firing after which a neuron counts as dead (default: one optimizer step)."""
+    return cfg.sparsity.dead_window_tokens or cfg.train.global_batch * cfg.seq_len
+
+
+def accumulate_gradients(cfg: ExperimentConfig, graphdef: nnx.GraphDef, params: Any, tokens_BxT: jax.Array,
+                         since_LxH: jax.Array, l1_coef: jax.Array, accum_steps: int) -> tuple[Any, jax.Array, dict]:
+    """Mean gradient of the loss over `accum_steps` equal micro-batches of `tokens_BxT` (a lax.scan).
+
+    Returns (grads, updated since_active counters, per-micro-batch metrics stacked on axis 0).
+    """
+    track = cfg.sparsity.track_neurons and cfg.model.is_relu_family
+    rows, width = tokens_BxT.shape
+    micro_rows = rows // accum_steps
+    micro_tokens = micro_rows * (width - 1)
+    # Row r = i * accum + a goes to micro-batch a: each device's contiguous block of rows splits
+    # into its own micro-batches, so the reshape needs no cross-device data movement.
+    micro_AxMxT = tokens_BxT.reshape(micro_rows, accum_steps, width).swapaxes(0, 1)
+
+    def loss_fn(p: Any, tokens_MxT: jax.Array) -> tuple[jax.Array, tuple[jax.Array, dict]]:
+        logits, aux = apply_model(graphdef, p, tokens_MxT[:, :-1], track_neurons=track)
+        ce, _ = cross_entropy(logits, tokens_MxT[:, 1:])
+        return total_loss(ce, aux["l1"], l1_coef), (ce, aux)
+
+    def micro_step(carry: tuple, tokens_MxT: jax.Array) -> tuple[tuple, dict]:
+        grad_sum, since = carry
+        (loss, (ce, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens_MxT)
+        grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+        if track:
+            since = update_counters(since, aux["neuron_active_count"], micro_tokens)
+        out = {"loss": loss, "ce": ce, "l1_per_layer": aux["l1"], "l0_per_layer": aux["l0"],
+               "tile_overflow_per_layer": aux["tile_overflow"], "row_overflow_per_layer": aux["row_overflow"],
+               "dense_fallback_per_layer": aux["dense_fallback"]}
+        if track:
+            out["position_active"] = aux["position_active"]
+        return (grad_sum, since), out
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (grad_sum, since), per_micro = jax.lax.scan(micro_step, (zeros, since_LxH), micro_AxMxT)
+    return jax.tree.map(lambda g: g / accum_steps, grad_sum), since, per_micro
+
+
+def make_train_step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
+                    accum_steps: int) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict]]:
+    """The pure step function (state, batch) -> (state, metrics); jit it with shardings."""
+    track = cfg.sparsity.track_neurons and cfg.model.is_relu_family
+    lr_schedule = learning_rate_schedule(cfg.optim, cfg.train.steps)
+    window = dead_window(cfg)
+
+    def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+        l1_coef = l1_coefficient(cfg.sparsity, state["step"])
+        params = state["params"]
+        grads, since, per_micro = accumulate_gradients(cfg, graphdef, params, batch["tokens"],
+                                                       state["since_active"], l1_coef, accum_steps)
+        grad_norm = _global_norm(grads)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+        params = optax.apply_updates(params, updates)
+        step = state["step"] + 1
+        reinit_count = jnp.zeros((), jnp.int32)
+        if cfg.sparsity.reinit_dead:
+            def do_reinit(operands: tuple) -> tuple:
+                p, o, s = operands
+                key = jax.random.fold_in(jax.random.key(cfg.train.seed), step)
+                return reinit_dead_rows(p, o, s, cfg=cfg.model, window_tokens=window, key=key)
+
+            def skip(operands: tuple) -> tuple:
+                return (*operands, jnp.zeros((), jnp.int32))
+
+            params, opt_state, since, reinit_count = jax.lax.cond(
+                step % cfg.sparsity.reinit_every == 0, do_reinit, skip, (params, opt_state, since))
+
+        mean = lambda x: jnp.mean(x, axis=0)  # noqa: E731 (average over micro-batches)
+        total = lambda x: jnp.sum(x, axis=0)  # noqa: E731
+        metrics = {
+            "loss": mean(per_micro["loss"]), "ce": mean(per_micro["ce"]),
+            "l1": jnp.mean(per_micro["l1_per_layer"]), "l1_coef": l1_coef,
+            "lr": lr_schedule(state["step"]), "grad_norm": grad_norm,
+            "l1_per_layer": mean(per_micro["l1_per_layer"]), "l0_per_layer": mean(per_micro["l0_per_layer"]),
+            "tile_overflow_per_layer": total(per_micro["tile_overflow_per_layer"]),
+            "row_overflow_per_layer": total(per_micro["row_overflow_per_layer"]),
+            "dense_fallback_per_layer": total(per_micro["dense_fallback_per_layer"]),
+        }
+        if track:
+            metrics["dead_share_per_layer"] = dead_share(since, window)
+            metrics["position_profile"] = position_profile(mean(per_micro["position_active"]),
+                                                           cfg.sparsity.position_buckets)
+        if cfg.sparsity.reinit_dead:
+            metrics["reinit_count"] = reinit_count
+        new_state = {"params": params, "opt_state": opt_state, "step": step, "since_active": since}
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(cfg: ExperimentConfig, graphdef: nnx.GraphDef) -> Callable:
+    """(params, tokens_BxT) -> sums over the batch of CE and per-layer active neurons, and the token count."""
+
+    def eval_step(params: Any, tokens_BxT: jax.Array) -> dict[str, jax.Array]:
+        logits, aux = apply_model(graphdef, params, tokens_BxT[:, :-1])
+        ce_BxS = optax.softmax_cross_entropy_with_integer_labels(logits, tokens_BxT[:, 1:])
+        tokens = jnp.float32(ce_BxS.size)
+        return {"ce_sum": jnp.sum(ce_BxS), "tokens": tokens, "l0_sum_per_layer": aux["l0"] * tokens}
+
+    return eval_step
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a finished (or stopped) run produced."""
+
+    run_dir: Path
+    history: list[dict[str, Any]]  # one compact record per optimizer step (scalars, layer means)
+    summary: dict[str, Any]  # final validation metrics, sparsity, speed, memory
+    state: TrainState | None = None
+    last_metrics: dict[str, Any] | None = None  # the full record of the last step (per-layer lists too)
+
+
+class Trainer:
+    """Builds mesh, model, optimizer, data and checkpoint store for one run; `run()` trains."""
+
+    def __init__(self, cfg: ExperimentConfig, run_dir: str | Path, *, resume: bool = False,
+                 data_builder: Callable[[ExperimentConfig], Any] = _build_data,
+                 echo: Callable[[str], None] = print):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.resume = resume
+        self.echo = echo
+        tc = cfg.train
+        # ---- mesh plumbing (the one place that knows about devices)
+        self.mesh = parallel.make_mesh(tc.num_devices)
+        self.num_devices = parallel.mesh_size(self.mesh)
+        self.accum_steps = parallel.check_batch_layout(tc.global_batch, tc.micro_batch, self.num_devices)
+        if tc.eval_batch_size % self.num_devices:
+            raise ValueError(f"train.eval_batch_size={tc.eval_batch_size} must be divisible by the "
+                             f"{self.num_devices} devices")
+        self.batch_sharding = parallel.batch_sharding(self.mesh)
+        self.replicated = parallel.replicated(self.mesh)
+
+        self.data = data_builder(cfg)
+        if self.data.vocab_size > cfg.model.vocab_size:
+            raise ValueError(f"the tokenizer has {self.data.vocab_size} tokens but model.vocab_size="
+                             f"{cfg.model.vocab_size}; raise model.vocab_size")
+
+        abstract_model = nnx.eval_shape(lambda: init_model(cfg.model, tc.seed))
+        self.graphdef, abstract_state = nnx.split(abstract_model)
+        abstract_params = nnx.to_pure_dict(abstract_state)
+        self.optimizer = build_optimizer(cfg.optim, tc.steps)
+        abstract_train_state = {
+            "params": abstract_params,
+            "opt_state": jax.eval_shape(self.optimizer.init, abstract_params),
+            "step": jax.ShapeDtypeStruct((), jnp.int32),
+            "since_active": jax.ShapeDtypeStruct((cfg.model.n_layers, cfg.model.d_ff), jnp.int32),
+        }
+        self.state_shardings = parallel.param_shardings(self.mesh, abstract_train_state, fsdp=tc.fsdp)
+        self.abstract_state = abstract_train_state
+        self.store = ckpt_lib.CheckpointStore(self.run_dir / ckpt_lib.CHECKPOINT_SUBDIR,
+                                              max_to_keep=tc.keep_checkpoints)
+
+    # ------------------------------------------------------------------ state
+    def init_state(self) -> TrainState:
+        cfg = self.cfg
+
+        def init() -> TrainState:
+            params = split_model(init_model(cfg.model, cfg.train.seed))[1]
+            return {"params": params, "opt_state": self.optimizer.init(params),
+                    "step": jnp.zeros((), jnp.int32), "since_active": init_counters(cfg.model)}
+
+        return jax.jit(init, out_shardings=self.state_shardings)()
+
+    def restore_state(self) -> tuple[TrainState, dict[str, Any]]:
+        meta = self.store.restore_meta()
+        ckpt_lib.check_compatible(meta["config"], self.cfg)
+        target = ckpt_lib.abstract_with_shardings(self.abstract_state, self.state_shardings)
+        state, meta = self.store.restore(target)
+        return state, meta
+
+    # ------------------------------------------------------------------ loop
+    def run(self, *, stop_after_step: int | None = None) -> TrainResult:
+        """Train to `train.steps` (or stop after `stop_after_step`, as if killed, for tests)."""
+        cfg, tc = self.cfg, self.cfg.train
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(config_lib.to_json(cfg))
+        seq_len = cfg.seq_len
+        tokens_per_step = tc.global_batch * seq_len
+        self.echo(f"[twell] run dir: {self.run_dir.absolute()}")
+        self.echo(f"[twell] model: {cfg.model.ffn_kind} FFN (backend "
+                  f"{'dense' if cfg.model.ffn_kind in ('relu_gated', 'swiglu') else cfg.model.ffn_backend}), "
+                  f"{cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.n_layers} layers, d_model "
+                  f"{cfg.model.d_model}, d_ff {cfg.model.d_ff}; L1 coef {cfg.sparsity.l1_coef:g}")
+        self.echo(f"[twell] devices: {self.num_devices} x {jax.devices()[0].platform}; global batch "
+                  f"{tc.global_batch} x {seq_len} tokens = {tokens_per_step} tokens/step; micro-batch "
+                  f"{tc.micro_batch}/device, {self.accum_steps} accumulation step(s)")
+
+        history: list[dict[str, Any]] = []
+        with jax.set_mesh(self.mesh):
+            if self.resume and self.store.latest_step() is not None:
+                state, meta = self.restore_state()
+                self.data.train_iter.set_state(_from_json_ready(meta["data_iter"]))
+                history = meta.get("history", [])
+                self.echo(f"[twell] resumed from step {int(state['step'])} ({self.store.directory})")
+            else:
+                if self.resume:
+                    self.echo(f"[twell] --resume: no checkpoint in {self.store.directory}, starting fresh")
+                state = self.init_state()
+            start_step = int(state["step"])
+
+            train_step = make_train_step(cfg, self.graphdef, self.optimizer, self.accum_steps)
+            jitted = jax.jit(train_step, in_shardings=(self.state_shardings, {"tokens": self.batch_sharding}),
+                             out_shardings=(self.state_shardings, self.replicated), donate_argnames=("state",))
+            batch_spec = {"tokens": jax.ShapeDtypeStruct((tc.global_batch, seq_len + 1), jnp.int32,
+                                                         sharding=self.batch_sharding)}
+            t0 = time.perf_counter()
+            compiled = jitted.lower(state, batch_spec).compile()
+            compile_s = time.perf_counter() - t0
+            self.echo(f"[twell] train step compiled in {compile_s:.1f}s; {_memory_analysis_text(compiled)}")
+            eval_fn = jax.jit(make_eval_step(cfg, self.graphdef))
+
+            writer = MetricsWriter(self.run_dir, tensorboard=tc.tensorboard, total_steps=tc.steps,
+                                   initial_step=start_step, progress_bar=tc.progress_bar)
+            self.echo(f"[twell] metrics: {writer.jsonl_path}"
+                      + (f", TensorBoard: {self.run_dir / 'tensorboard'}" if tc.tensorboard else ""))
+            last_val: dict[str, Any] = {}
+            last_record: dict[str, Any] = {}
+            step_times: list[float] = []
+            try:
+                pending: tuple[int, dict[str, jax.Array]] | None = None
+                mark = time.perf_counter()
+                end_step = tc.steps if stop_after_step is None else min(tc.steps, stop_after_step)
+
+                def flush() -> None:
+                    nonlocal pending, mark
+                    if pending is None:
+                        return
+                    step_no, device_metrics = pending
+                    pending = None
+                    host = to_python(jax.device_get(device_metrics))
+                    now = time.perf_counter()
+                    step_time, mark = now - mark, now
+                    check_finite(step_no, host, GUARDED_METRICS)
+                    step_times.append(step_time)
+                    record = {"step": step_no, **host, "step_time_s": step_time,
+                              **parallel.tokens_per_second(tokens_per_step, step_time,
+                                                           self.num_devices)}
+                    peak = device_peak_memory_bytes()
+                    if peak is not None:
+                        record["peak_memory_bytes"] = peak
+                    history.append(compact_record(record))
+                    last_record.clear()
+                    last_record.update(record)
+                    l0 = float(np.mean(host["l0_per_layer"]))
+                    writer.progress(step_no, {"loss": host["loss"], "ce": host["ce"], "l0": l0,
+                                              "tok/s": int(record["tokens_per_s"])})
+                    if step_no % tc.log_every == 0 or step_no == end_step:
+                        writer.write(record)
+
+                for step in range(start_step, end_step):
+                    batch = parallel.host_to_global(next(self.data.train_iter), self.mesh)
+                    state, device_metrics = compiled(state, batch)
+                    flush()  # step N - 1's metrics, fetched after step N is dispatched
+                    pending = (step + 1, device_metrics)
+                    step_no = step + 1
+                    do_eval = tc.eval_every and step_no % tc.eval_every == 0 and step_no != tc.steps
+                    do_ckpt = tc.checkpoint_every and step_no % tc.checkpoint_every == 0 and step_no != end_step
+                    if do_eval or do_ckpt:
+                        flush()
+                        if do_eval:
+                            last_val = self.evaluate(eval_fn, state["params"])
+                            writer.write({"step": step_no, **{f"val_{k}": v for k, v in last_val.items()}})
+                            writer.message(f"[twell] step {step_no}: val loss {last_val['loss']:.4f} "
+                                           f"(ppl {last_val['perplexity']:.2f})")
+                        if do_ckpt:
+                            self.save(state, history)
+                            writer.message(f"[twell] step {step_no}: checkpoint -> {self.store.directory}")
+                        mark = time.perf_counter()
+                flush()
+            finally:
+                writer.close()
+
+            finished = int(state["step"])
+            if self.store.latest_step() != finished:
+                self.save(state, history)
+                self.echo(f"[twell] checkpoint at step {finished} -> {self.store.directory}")
+            if finished >= tc.steps:
+                last_val = self.evaluate(eval_fn, state["params"])
+                writer_rec = {"step": finished, **{f"val_{k}": v for k, v in last_val.items()}}
+                with open(self.run_dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(to_python(writer_rec)) + "\n")
+                self.echo(f"[twell] final validation: loss {last_val['loss']:.4f}, perplexity "
+                          f"{last_val['perplexity']:.2f}, mean active FFN neurons/token "
+                          f"{np.mean(last_val['l0_per_layer']):.1f} of {cfg.model.d_ff}")
+            summary = self._summary(state, history, last_val, step_times, compile_s)
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            self.echo(f"[twell] summary: {self.run_dir / 'summary.json'}")
+        return TrainResult(run_dir=self.run_dir, history=history, summary=summary, state=state,
+                           last_metrics=dict(last_record) or None)
+
+    def save(self, state: TrainState, history: list[dict[str, Any]]) -> None:
+        meta = {"config": config_lib.to_dict(self.cfg), "data_iter": _json_ready(self.data.train_iter.get_state()),
+                "step": int(state["step"]), "history": history}
+        self.store.save(int(state["step"]), state, meta)
+
+    def evaluate(self, eval_fn: Callable, params: Any) -> dict[str, Any]:
+        return evaluate_params(self.cfg, self.data, eval_fn, params, self.mesh)
+
+    def _summary(self, state: TrainState, history: list[dict[str, Any]], val: dict[str, Any],
+                 step_times: list[float], compile_s: float) -> dict[str, Any]:
+        cfg = self.cfg
+        since = np.asarray(jax.device_get(state["since_active"]))
+        dead = (since >= dead_window(cfg)).mean(axis=1).tolist() if cfg.model.is_relu_family else None
+        # Skip the first steps (warm caches, async start) in the speed figure.
+        steady = step_times[min(2, len(step_times) - 1):] if step_times else []
+        median_step = float(np.median(steady)) if steady else float("nan")
+        peaks = [r["peak_memory_bytes"] for r in history if "peak_memory_bytes" in r]
+        l0 = val.get("l0_per_layer")
+        return {
+            "name": cfg.name, "ffn_kind": cfg.model.ffn_kind, "ffn_backend": cfg.model.ffn_backend,
+            "l1_coef": cfg.sparsity.l1_coef, "d_ff": cfg.model.d_ff, "n_layers": cfg.model.n_layers,
+            "steps": int(state["step"]), "num_devices": self.num_devices,
+            "val_loss": val.get("loss"), "val_perplexity": val.get("perplexity"),
+            "val_l0_per_layer": l0, "val_l0_mean": float(np.mean(l0)) if l0 is not None else None,
+            "val_sparsity": (1.0 - float(np.mean(l0)) / cfg.model.d_ff) if l0 is not None else None,
+            "dead_share_per_layer": dead, "dead_share_mean": float(np.mean(dead)) if dead is not None else None,
+            "median_step_time_s": median_step,
+            "tokens_per_s": cfg.train.global_batch * cfg.seq_len / median_step if steady else None,
+            "peak_memory_bytes": max(peaks) if peaks else None, "compile_time_s": compile_s,
+            "final_train_ce": history[-1]["ce"] if history else None,
+        }
+
+
+def compact_record(record: dict[str, Any]) -> dict[str, Any]:
+    """The scalars of a step record plus layer means: what the in-memory/checkpointed history keeps
+    (the per-layer lists stay in metrics.jsonl, so a 30k-step history stays small)."""
+    compact = {k: v for k, v in record.items() if isinstance(v, (int, float))}
+    for key in ("l0_per_layer", "dead_share_per_layer"):
+        if key in record:
+            compact[key.replace("_per_layer", "_mean")] = float(np.mean(record[key]))
+    return compact
+
+
+def evaluate_params(cfg: ExperimentConfig, data: Any, eval_fn: Callable, params: Any, mesh: Any) -> dict[str, Any]:
+    """Validation loss, perplexity and per-layer mean active neurons over the held-out batches.
+
+    Uses the first `train.eval_batches` full batches of `train.eval_batch_size` sequences (global)
+    in the data pipeline's fixed validation order, so every evaluation sees the same tokens.
+    """
+    ce_sum, tokens, l0_sum = 0.0, 0.0, None
+    for batch in data.val_batches(cfg.train.eval_batch_size, max_batches=cfg.train.eval_batches):
+        placed = parallel.host_to_global({"tokens": np.asarray(batch["tokens"], np.int32)}, mesh)
+        out = jax.device_get(eval_fn(params, placed["tokens"]))
+        ce_sum += float(out["ce_sum"])
+        tokens += float(out["tokens"])
+        l0 = np.asarray(out["l0_sum_per_layer"], np.float64)
+        l0_sum = l0 if l0_sum is None else l0_sum + l0
+    if tokens == 0:
+        raise ValueError("the validation split produced no batches; lower train.eval_batch_size or raise "
+                         "data.val_fraction")
+    loss = ce_sum / tokens
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens,
+            "l0_per_layer": (l0_sum / tokens).tolist()}
+
+
+def _memory_analysis_text(compiled: Any) -> str:
+    try:
+        analysis = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 (not every backend implements it)
+        analysis = None
+    if analysis is None:
+        return "memory analysis: not available on this backend"
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+              "generated_code_size_in_bytes")
+    parts = [f"{name.replace('_size_in_bytes', '')} {getattr(analysis, name, 0) / 2**20:.1f} MiB"
+             for name in fields if hasattr(analysis, name)]
+    return "memory analysis: " + ", ".join(parts)
+
+
+def _json_ready(value: Any) -> Any:
+    """Grain iterator states are dicts of ints/strings (or bytes); make them JSON-serialisable."""
+    if isinstance(value, bytes):
+        return {"__bytes__": value.decode("latin-1")}
+    if isinstance(value, dict):
+        return {k: _json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _from_json_ready(value: Any) -> Any:
+    """Inverse of `_json_ready`."""
+    if isinstance(value, dict):
+        if set(value) == {"__bytes__"}:
+            return value["__bytes__"].encode("latin-1")
+        return {k: _from_json_ready(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_json_ready(v) for v in value]
+    return value
+
+
+def train(cfg: ExperimentConfig, run_dir: str | Path | None = None, *, resume: bool = False,
+          echo: Callable[[str], None] = print, **kwargs: Any) -> TrainResult:
+    """Convenience wrapper: build a Trainer for `cfg` and run it."""
+    run_dir = default_run_dir(cfg) if run_dir is None else Path(run_dir)
+    return Trainer(cfg, run_dir, resume=resume, echo=echo, **kwargs).run()
