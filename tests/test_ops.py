@@ -1,0 +1,357 @@
+"""The public FFN op: every CPU backend against the dense formula (forward, aux, gradients with the
+L1 term), the exact paths (tails, dense fallback), transformations, meshes, and input checks."""
+from __future__ import annotations
+
+import functools
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax.sharding import AxisType
+
+from twell_jax import ops
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}  # relative error ||out - ref|| / ||ref||
+L1_COEF = 0.37
+
+CONFIGS = {
+    "default": ops.SparseFFNConfig(),
+    # Small tiles, slots and widths: tile overflow, token tails and neuron tails all in use, and
+    # capacities large enough that nothing falls back.
+    "tight": ops.SparseFFNConfig(tile=8, slots=2, ell_width=4, tail_rows=1.0, transpose_ell_width=3,
+                                 transpose_tail_rows=1.0),
+    # No token tail: any token with more than 2 actives (or a tile overflow) forces the dense path.
+    "fallback_fwd": ops.SparseFFNConfig(tile=8, slots=2, ell_width=2, tail_rows=0),
+    # The forward stays sparse but the neuron-major transposes have no tail: dense backward.
+    "fallback_bwd": ops.SparseFFNConfig(ell_width=64, tail_rows=1.0, transpose_ell_width=1,
+                                        transpose_tail_rows=0),
+}
+
+
+def make_inputs(gated: bool, m: int, d: int, h: int, dtype, zero_fraction: float, seed: int,
+                adversarial: str = "none"):
+    """Random inputs whose activation pattern has about `zero_fraction` zeros.
+
+    x[:, 0] = 1 is a bias column; the activating weight's column 0 is a per-neuron threshold, so
+    each pre-activation is N(shift, (d-1)/d) and is positive with probability 1 - zero_fraction.
+    """
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, d)).astype(np.float32)
+    x[:, 0] = 1.0
+    weights = [(rng.standard_normal((h, d)) / np.sqrt(d)).astype(np.float32) for _ in range(3 if gated else 2)]
+    spread = np.sqrt((d - 1) / d) if d > 1 else 1e-3
+    if zero_fraction <= 0.0:
+        shift = 50.0
+    elif zero_fraction >= 1.0:
+        shift = -50.0
+    else:
+        # P(shift + N(0, spread^2) <= 0) = zero_fraction
+        shift = -statistics.NormalDist().inv_cdf(zero_fraction) * spread
+    weights[0][:, 0] = shift
+    if adversarial == "zero_and_dense_rows":
+        x[::7] = 0.0  # all-zero tokens: nothing active
+        assert abs(shift) > 0.1, "dense rows need a non-zero threshold to flip"
+        x[3::11, 0] = 100.0 / shift  # pre-activation about 100: every neuron active
+    elif adversarial == "hot_neuron":
+        weights[0][5 % h, 0] = 50.0  # one neuron active in every token
+    elif adversarial == "dense_first_tokens":
+        x[: max(1, m // 5), 0] = 0.0  # threshold off: about half the neurons fire
+    return jnp.asarray(x, dtype), tuple(jnp.asarray(w, dtype) for w in weights)
+
+
+def dense_formula(gated: bool, x, weights):
+    """The op's math in f32 (HIGHEST precision) from (possibly bf16) inputs: (y, l1, l0, g)."""
+    x = x.astype(jnp.float32)
+    weights = [w.astype(jnp.float32) for w in weights]
+    mm = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
+    g = mm(x, weights[0].T)
+    h = jax.nn.relu(g) * mm(x, weights[1].T) if gated else jax.nn.relu(g)
+    y = mm(h, weights[-1])
+    return y, jnp.sum(jnp.abs(h)) / x.shape[0], jnp.sum(g > 0) / x.shape[0], g
+
+
+def loss_of(y, l1, cot):
+    return jnp.sum(y.astype(jnp.float32) * cot) + L1_COEF * l1
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def oracle(gated, x, weights, cot):
+    def loss(x_, w_):
+        y, l1, _, _ = dense_formula(gated, x_, w_)
+        return loss_of(y, l1, cot)
+
+    y, l1, l0, g = dense_formula(gated, x, weights)
+    return y, l1, l0, g, jax.grad(loss, argnums=(0, 1))(x.astype(jnp.float32), weights)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def run_op(gated, backend, config, x, weights, cot):
+    fn = ops.gated_ffn if gated else ops.ffn
+
+    def loss(x_, w_):
+        y, aux = fn(x_, *w_, backend=backend, config=config)
+        return loss_of(y, aux["l1"], cot), (y, aux)
+
+    (_, (y, aux)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, weights)
+    return y, aux, grads
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def expected_counts(g: np.ndarray, config: ops.SparseFFNConfig) -> dict[str, int]:
+    """tile_overflow, row_overflow and dense_fallback from the activation pattern (the spec)."""
+    m, h = g.shape
+    active = g > 0
+    n_tiles = -(-h // config.tile)
+    padded = np.zeros((m, n_tiles * config.tile), bool)
+    padded[:, :h] = active
+    tile_counts = padded.reshape(m, n_tiles, config.tile).sum(-1)
+    row_nnz, col_nnz = active.sum(1), active.sum(0)
+    tile_rows = (tile_counts > config.slots).any(1)
+    cap = config.tail_capacity(m)
+    fwd_fallback = np.sum((row_nnz > config.ell_width) | tile_rows) > cap
+    bwd_fallback = (np.sum(row_nnz > config.ell_width) > cap
+                    or np.sum(col_nnz > config.transpose_ell_width) > config.transpose_tail_capacity(h))
+    return {"tile_overflow": int(np.sum(tile_counts > config.slots)),
+            "row_overflow": int(np.sum(row_nnz > config.ell_width)),
+            "dense_fallback": int(fwd_fallback or bwd_fallback)}
+
+
+def check_against_oracle(gated, backend, config_name, m, d, h, dtype, zero_fraction, seed=0,
+                         adversarial="none"):
+    config = CONFIGS[config_name]
+    x, weights = make_inputs(gated, m, d, h, dtype, zero_fraction, seed, adversarial)
+    cot = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((m, d)), jnp.float32)
+    y, aux, (dx, dws) = run_op(gated, backend, config, x, weights, cot)
+    y_ref, l1_ref, l0_ref, g, (dx_ref, dws_ref) = oracle(gated, x, weights, cot)
+    tol = TOL[dtype]
+    assert y.shape == x.shape and y.dtype == dtype
+    assert set(aux) == set(ops.AUX_KEYS)
+    assert rel_err(y, y_ref) < tol, rel_err(y, y_ref)
+    np.testing.assert_allclose(float(aux["l1"]), float(l1_ref), rtol=tol, atol=1e-6)
+    np.testing.assert_allclose(float(aux["l0"]), float(l0_ref), rtol=1e-6)
+    assert aux["l1"].dtype == jnp.float32 and aux["l0"].dtype == jnp.float32
+    names = ("w_gate", "w_up", "w_down") if gated else ("w_up", "w_down")
+    for name, grad, ref in zip(("x",) + names, (dx,) + tuple(dws), (dx_ref,) + tuple(dws_ref)):
+        assert grad.dtype == dtype, name
+        assert rel_err(grad, ref) < tol, (name, rel_err(grad, ref))
+    if backend == "reference":
+        expected = expected_counts(np.asarray(g), config)
+        assert {k: int(aux[k]) for k in expected} == expected
+    return aux
+
+
+# gated, config, M, D, H, dtype, zero fraction, adversarial
+CASES = [
+    (True, "tight", 37, 19, 45, jnp.float32, 0.5, "none"),
+    (True, "default", 1, 7, 300, jnp.float32, 0.99, "none"),
+    (True, "tight", 101, 33, 70, jnp.bfloat16, 0.9, "zero_and_dense_rows"),
+    (True, "tight", 64, 24, 37, jnp.float32, 0.0, "none"),
+    (True, "default", 29, 16, 50, jnp.float32, 1.0, "none"),
+    (True, "default", 211, 8, 130, jnp.float32, 0.999, "dense_first_tokens"),
+    (False, "tight", 53, 11, 40, jnp.float32, 0.5, "hot_neuron"),
+    (False, "default", 30, 20, 260, jnp.bfloat16, 0.99, "dense_first_tokens"),
+]
+
+
+@pytest.mark.parametrize("gated, config_name, m, d, h, dtype, zero_fraction, adversarial", CASES)
+def test_reference_matches_dense_formula(gated, config_name, m, d, h, dtype, zero_fraction, adversarial):
+    # dense_fallback is checked against the capacity rule inside (the dense-first-tokens case
+    # with the default config overflows its tail and must fall back).
+    check_against_oracle(gated, "reference", config_name, m, d, h, dtype, zero_fraction,
+                         adversarial=adversarial)
+
+
+def test_tight_config_really_uses_the_overflow_paths():
+    """The "tight" case above must hit tile overflow and row overflow without falling back."""
+    aux = check_against_oracle(True, "reference", "tight", 37, 19, 45, jnp.float32, 0.5)
+    assert int(aux["tile_overflow"]) > 0 and int(aux["row_overflow"]) > 0
+    assert int(aux["dense_fallback"]) == 0
+
+
+@pytest.mark.parametrize("gated, config_name", [(True, "fallback_fwd"), (False, "fallback_fwd"),
+                                                (True, "fallback_bwd")])
+def test_capacity_overflow_falls_back_to_the_exact_dense_path(gated, config_name):
+    aux = check_against_oracle(gated, "reference", config_name, 40, 12, 33, jnp.float32, 0.7)
+    assert int(aux["dense_fallback"]) == 1
+
+
+@settings(max_examples=2, deadline=None, derandomize=True)
+@given(gated=st.booleans(), m=st.sampled_from([2, 13, 97]), d=st.sampled_from([5, 24]),
+       h=st.sampled_from([11, 70]), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+       zero_fraction=st.sampled_from([0.0, 0.5, 0.99, 0.999, 1.0]), seed=st.integers(0, 1000))
+def test_reference_random_shapes(gated, m, d, h, dtype, zero_fraction, seed):
+    check_against_oracle(gated, "reference", "tight", m, d, h, dtype, zero_fraction, seed=seed)
+
+
+@pytest.mark.parametrize("backend", ["dense", "auto"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_dense_and_auto_backends(backend, gated):
+    # On this CPU machine "auto" has no GPU and must take the dense backend.
+    aux = check_against_oracle(gated, backend, "default", 23, 9, 31, jnp.float32, 0.5)
+    assert [int(aux[k]) for k in ("tile_overflow", "row_overflow", "dense_fallback")] == [0, 0, 0]
+
+
+def test_reference_is_deterministic():
+    x, weights = make_inputs(True, 37, 19, 45, jnp.float32, 0.5, seed=4)
+    cot = jnp.ones((37, 19), jnp.float32)
+    first = run_op(True, "reference", CONFIGS["tight"], x, weights, cot)
+    again = run_op(True, "reference", CONFIGS["tight"], x, weights, cot)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_batch_dims_vmap_and_checkpoint():
+    config = CONFIGS["tight"]
+    x, weights = make_inputs(True, 24, 10, 21, jnp.float32, 0.6, seed=2)
+    x_3d = x.reshape(3, 8, 10)
+
+    def call(x_):
+        return ops.gated_ffn(x_, *weights, backend="reference", config=config)
+
+    y_3d, _ = jax.jit(call)(x_3d)
+    y_flat, aux_flat = jax.jit(call)(x)
+    assert y_3d.shape == (3, 8, 10)
+    np.testing.assert_allclose(y_3d.reshape(24, 10), y_flat, rtol=1e-6, atol=1e-6)
+
+    y_vmap, aux_vmap = jax.jit(jax.vmap(call))(x_3d)
+    call_jit = jax.jit(call)
+    for i in range(3):
+        y_i, aux_i = call_jit(x_3d[i])
+        np.testing.assert_allclose(y_vmap[i], y_i, rtol=1e-6, atol=1e-6)
+        for key in ops.AUX_KEYS:
+            np.testing.assert_allclose(aux_vmap[key][i], aux_i[key], rtol=1e-6)
+
+    def loss(ws):
+        y, aux = ops.gated_ffn(x, *ws, backend="reference", config=config)
+        return jnp.sum(y ** 2) + L1_COEF * aux["l1"]
+
+    plain = jax.jit(jax.grad(loss))(weights)
+    remat = jax.jit(jax.grad(jax.checkpoint(loss)))(weights)
+    for a, b in zip(plain, remat):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_devices", [1, 2, 8])
+def test_data_parallel_mesh_matches_unsharded(n_devices, monkeypatch):
+    assert len(jax.devices()) >= 8, "tests/conftest.py must simulate 8 CPU devices"
+    config = CONFIGS["tight"]
+    gated = True
+    x, weights = make_inputs(gated, 13, 9, 20, jnp.float32, 0.6, seed=5)  # 13 tokens: padding
+    cot = jnp.asarray(np.random.default_rng(6).standard_normal((13, 9)), jnp.float32)
+    y, aux, grads = run_op(gated, "reference", config, x, weights, cot)
+    shard_counts = []
+    original = ops._sharded_call
+    monkeypatch.setattr(ops, "_sharded_call", lambda *a: shard_counts.append(a[-1]) or original(*a))
+    mesh = jax.make_mesh((n_devices,), ("data",), axis_types=(AxisType.Auto,),
+                         devices=jax.devices()[:n_devices])
+    with jax.set_mesh(mesh):  # the mesh is part of jit's cache key: this traces afresh
+        y_s, aux_s, grads_s = run_op(gated, "reference", config, x, weights, cot)
+    assert shard_counts == ([n_devices] if n_devices > 1 else [])
+    np.testing.assert_allclose(y_s, y, rtol=1e-5, atol=1e-6)
+    for key in ("l1", "l0"):
+        np.testing.assert_allclose(aux_s[key], aux[key], rtol=1e-6)
+    for key in ("tile_overflow", "row_overflow", "dense_fallback"):
+        assert int(aux_s[key]) == int(aux[key]), key
+    for a, b in zip(jax.tree.leaves(grads_s), jax.tree.leaves(grads)):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_pallas_without_gpu_is_refused():
+    x, weights = make_inputs(True, 4, 8, 16, jnp.float32, 0.5, seed=0)
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU is present")
+    with pytest.raises(RuntimeError, match="GPU"):
+        ops.gated_ffn(x, *weights, backend="pallas")
+
+
+def test_empty_batch():
+    x = jnp.zeros((0, 8), jnp.float32)
+    _, weights = make_inputs(True, 4, 8, 16, jnp.float32, 0.5, seed=0)
+    y, aux = ops.gated_ffn(x, *weights, backend="reference")
+    assert y.shape == (0, 8) and float(aux["l1"]) == 0.0
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(backend="sparse"), "backend"),
+    (dict(x=jnp.ones((4, 8), jnp.float16)), "x must be float32 or bfloat16"),
+    (dict(x=jnp.ones((4, 8), jnp.int32)), "x must be float32 or bfloat16"),
+    (dict(x=jnp.ones((4, 9))), "w_gate must be \\[H, D=9\\]"),
+    (dict(w_up=jnp.ones((16, 8), jnp.bfloat16)), "w_up must have x's dtype"),
+    (dict(w_down=jnp.ones((15, 8))), "w_down has H=15"),
+    (dict(w_gate=jnp.ones((16, 8, 1))), "w_gate must be a 2-D"),
+    (dict(config={"tile": 8}), "config must be a SparseFFNConfig"),
+    (dict(interpret="yes"), "interpret"),
+])
+def test_bad_input_raises_value_error(change, match):
+    args = dict(x=jnp.ones((4, 8)), w_gate=jnp.ones((16, 8)), w_up=jnp.ones((16, 8)),
+                w_down=jnp.ones((16, 8)), backend="reference", config=None, interpret=False)
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        ops.gated_ffn(args.pop("x"), args.pop("w_gate"), args.pop("w_up"), args.pop("w_down"), **args)
+
+
+def test_ffn_validates_too():
+    with pytest.raises(ValueError, match="w_down must be \\[H, D=8\\]"):
+        ops.ffn(jnp.ones((4, 8)), jnp.ones((16, 8)), jnp.ones((16, 7)), backend="dense")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(tile=0), "tile"), (dict(slots=300), "slots"), (dict(ell_width=0), "ell_width"),
+    (dict(tail_rows=1.5), "tail_rows"), (dict(tail_rows=-1), "tail_rows"),
+    (dict(transpose_tail_rows="all"), "transpose_tail_rows"), (dict(transpose_ell_width=True), "transpose_ell_width"),
+    (dict(data_axis=3), "data_axis"), (dict(overflow_rows=0), "overflow_rows"),
+    (dict(auto_max_active=-1.0), "auto_max_active"),
+])
+def test_config_is_validated(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ops.SparseFFNConfig(**kwargs)
+
+
+def test_config_capacities():
+    config = ops.SparseFFNConfig(tail_rows=0.1, transpose_tail_rows=7)
+    assert config.tail_capacity(101) == 11 and config.tail_capacity(0) == 0
+    assert config.transpose_tail_capacity(100) == 7 and config.transpose_tail_capacity(5) == 5
+    assert hash(config) == hash(ops.SparseFFNConfig(tail_rows=0.1, transpose_tail_rows=7))
+
+
+def test_inside_a_caller_shard_map_the_op_runs_locally():
+    """A caller that already shard_maps over "data" gets the per-shard op (no nested shard_map)."""
+    config = CONFIGS["tight"]
+    x, weights = make_inputs(True, 16, 9, 20, jnp.float32, 0.6, seed=7)
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+    spec = jax.sharding.PartitionSpec
+
+    def local(x_loc):
+        y, _ = ops.gated_ffn(x_loc, *weights, backend="reference", config=config)
+        return y
+
+    with jax.set_mesh(mesh):
+        y = jax.jit(jax.shard_map(local, in_specs=spec("data"), out_specs=spec("data")))(x)
+    y_ref, _ = ops.gated_ffn(x, *weights, backend="reference", config=config)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_pallas_forward_in_interpret_mode_shares_the_sparse_backward():
+    """Glue only (the kernels are tested in their own files): Pallas forward + reference backward."""
+    pytest.importorskip("pallas_kernels.twell_ffn")
+    config = ops.SparseFFNConfig(tile=16, slots=4, ell_width=8, tail_rows=1.0, transpose_ell_width=4,
+                                 transpose_tail_rows=1.0)
+    x, weights = make_inputs(True, 13, 16, 40, jnp.float32, 0.7, seed=1)
+    cot = jnp.asarray(np.random.default_rng(2).standard_normal((13, 16)), jnp.float32)
+
+    def loss(x_, w_):
+        y, aux = ops.gated_ffn(x_, *w_, backend="pallas", config=config, interpret=True)
+        return loss_of(y, aux["l1"], cot), y
+
+    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, weights)
+    y_ref, _, _, _, grads_ref = oracle(True, x, weights, cot)
+    assert rel_err(y, y_ref) < 1e-5
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+        assert rel_err(a, b) < 1e-5
