@@ -30,11 +30,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn  # noqa: E402
+from pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn, sparse_ffn_reference  # noqa: E402
 from pallas_kernels.twell_pack import PackBlockSizes, pack_gate, pack_gate_reference  # noqa: E402
 from twell_jax import pallas_backend  # noqa: E402
 
 D, H, TILE, SLOTS = 2048, 5632, 256, 32
+M_MAIN = 16384
+INTERPRET = False  # --smoke: tiny shapes through the Pallas interpreter, to check the script on CPU
 DTYPE = jnp.bfloat16
 
 
@@ -110,6 +112,8 @@ def gemm_variant(x, w, *, mode: str, bs: PackBlockSizes):
 def bench(fn, arg_sets, *, batch: int = 5, repeats: int = 15, warmup: int = 2) -> float:
     """Median ms per call over `repeats` batches of `batch` back-to-back calls."""
     n = len(arg_sets)
+    if INTERPRET:
+        batch, repeats, warmup = 1, 1, 0
     for i in range(warmup):
         jax.block_until_ready(fn(*arg_sets[i % n]))
     samples = []
@@ -121,6 +125,27 @@ def bench(fn, arg_sets, *, batch: int = 5, repeats: int = 15, warmup: int = 2) -
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - t0) * 1e3 / batch)
     return statistics.median(samples)
+
+
+def bench_interleaved(fns: dict, arg_sets, *, batch: int = 5, repeats: int = 15) -> dict:
+    """Median ms per call of each fn, timed in alternation (one batch of each per round), so slow
+    drift of the clocks affects every fn alike."""
+    n = len(arg_sets)
+    if INTERPRET:
+        batch, repeats = 1, 1
+    for fn in fns.values():
+        for i in range(2):
+            jax.block_until_ready(fn(*arg_sets[i % n]))
+    samples = {name: [] for name in fns}
+    for r in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            out = None
+            for b in range(batch):
+                out = fn(*arg_sets[(r * batch + b) % n])
+            jax.block_until_ready(out)
+            samples[name].append((time.perf_counter() - t0) * 1e3 / batch)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def rel_err(a, b) -> float:
@@ -138,12 +163,17 @@ def sanity() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="one sparsity, fewer variants")
+    parser.add_argument("--quick", action="store_true", help="fewer variants and cases")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    parser.add_argument("--smoke", action="store_true", help="CPU check of the script (interpret)")
     args = parser.parse_args()
+    global D, H, TILE, M_MAIN, INTERPRET
+    if args.smoke:
+        D, H, TILE, M_MAIN, INTERPRET, args.quick = 64, 96, 32, 256, True, True
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    sanity()
+    if not INTERPRET:
+        sanity()
     results: dict = {"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": []}
     table = []
 
@@ -153,125 +183,154 @@ def main() -> None:
         (out_dir / "bench_ffn.json").write_text(json.dumps(results, indent=1))
 
     key = jax.random.PRNGKey(0)
-    m = 16384
+    m = M_MAIN
     xs, wg, wu, wd = make_inputs(key, m, 29.0)
-    y_ref = dense_gated(xs[0], wg, wu, wd)
     t_dense = bench(dense_gated, [(x, wg, wu, wd) for x in xs])
     t_gate = bench(xla_gate, [(x, wg) for x in xs])
-    sample = jax.jit(functools.partial(pallas_backend.sampled_active_per_token, n_sample=64))
-    t_sample = bench(sample, [(x, wg) for x in xs])
-    log(dict(kind="baseline", m=m, k=29, dense_ms=t_dense, xla_gate_ms=t_gate,
-             auto_sample_ms=t_sample))
+    row = dict(kind="baseline", m=m, k=29, dense_ms=t_dense, xla_gate_ms=t_gate)
+    for n in (16, 32, 64):
+        sample = jax.jit(functools.partial(pallas_backend.sampled_active_per_token, n_sample=n))
+        row[f"sample{n}_ms"] = bench(sample, [(x, wg) for x in xs])
+    log(row)
 
-    # 1. pack kernel: block-size variants and attribution (GEMM only / + count / full pack).
+    # 1. pack kernel (default blocks; round 1 swept the block sizes): GEMM + ReLU vs full pack.
     ref_pack = pack_gate_reference(xs[0], wg, tile=TILE, slots=SLOTS)
-    pack_variants = [PackBlockSizes(128, 64, 8, 4), PackBlockSizes(128, 64, 8, 3),
-                     PackBlockSizes(64, 64, 4, 4), PackBlockSizes(128, 32, 8, 5)]
-    if args.quick:
-        pack_variants = pack_variants[:3]
-    best_pack = None
-    for bs in pack_variants:
-        row = dict(kind="pack", block=list(bs.__dict__.values()))
-        try:
-            for mode in ("relu_dense", "count"):
-                row[f"{mode}_ms"] = bench(functools.partial(gemm_variant, mode=mode, bs=bs),
-                                          [(x, wg) for x in xs])
-            fn = functools.partial(pack_gate, tile=TILE, slots=SLOTS, block_sizes=bs)
-            v, i, c = fn(xs[0], wg)
-            row["count_mismatch"] = int(jnp.sum(c != ref_pack[2]))
-            row["index_mismatch"] = int(jnp.sum(i != ref_pack[1]))
-            row["value_err"] = rel_err(v, ref_pack[0])
-            row["pack_ms"] = bench(fn, [(x, wg) for x in xs])
-            if best_pack is None or row["pack_ms"] < best_pack[1]:
-                best_pack = (bs, row["pack_ms"])
-        except Exception as e:  # a variant that fails to compile is reported, not fatal
-            row["error"] = repr(e)[:300]
-        log(row)
-    if best_pack is None:
-        raise SystemExit("no pack variant ran")
-    pack_bs = best_pack[0]
-    table.append(f"pack best {list(pack_bs.__dict__.values())}: {best_pack[1]:.3f} ms "
-                 f"(XLA relu(x Wg^T) {t_gate:.3f} ms, ratio {best_pack[1] / t_gate:.2f})")
+    pack_bs = PackBlockSizes()
+    row = dict(kind="pack", block=list(pack_bs.__dict__.values()))
+    row["relu_dense_ms"] = float("nan") if INTERPRET else bench(
+        functools.partial(gemm_variant, mode="relu_dense", bs=pack_bs), [(x, wg) for x in xs])
+    fn = functools.partial(pack_gate, tile=TILE, slots=SLOTS, block_sizes=pack_bs,
+                           interpret=INTERPRET)
+    v, i, c = fn(xs[0], wg)
+    row["count_mismatch"] = int(jnp.sum(c != ref_pack[2]))
+    row["index_mismatch"] = int(jnp.sum(i != ref_pack[1]))
+    row["value_err"] = rel_err(v, ref_pack[0])
+    row["pack_ms"] = bench(fn, [(x, wg) for x in xs])
+    log(row)
+    table.append(f"pack {list(pack_bs.__dict__.values())}: {row['pack_ms']:.3f} ms, Pallas GEMM+ReLU "
+                 f"{row['relu_dense_ms']:.3f}, XLA relu(x Wg^T) {t_gate:.3f} ms, pack/XLA "
+                 f"{row['pack_ms'] / t_gate:.2f}; mismatches {row['count_mismatch']}/"
+                 f"{row['index_mismatch']}")
 
-    # 2. fused FFN kernel: tokens per program and warps, at 29 and 112 active per token.
-    # Run 1 (BENCHMARKS.md): block_t in 1..8 x warps 2..8; one token per program, 4 warps won.
-    ffn_variants = [FFNBlockSizes(1, 4, 1, False), FFNBlockSizes(1, 4, 1, True),
-                    FFNBlockSizes(1, 4, 3, True), FFNBlockSizes(1, 2, 1, True),
-                    FFNBlockSizes(1, 8, 1, True), FFNBlockSizes(2, 8, 1, True)]
+    # 2. fused FFN kernel: warps x head-slot prefetch.
+    # (block_t, warps, stages, head_slots). Round 2 probes (BENCHMARKS.md): walking 2-8 tiles per
+    # step (more gather chains per program) was SLOWER (0.79-1.60 vs 0.63 ms at k = 29); head-slot
+    # prefetch no gain; 1 warp ~4% faster at k = 29 only.
+    ffn_variants = [FFNBlockSizes(), FFNBlockSizes(1, 4, 1, 1), FFNBlockSizes(1, 1, 1, 0),
+                    FFNBlockSizes(1, 1, 1, 1), FFNBlockSizes(1, 2, 1, 0)]
     if args.quick:
-        ffn_variants = [FFNBlockSizes(1, 4), FFNBlockSizes(2, 4), FFNBlockSizes(4, 4)]
+        ffn_variants = ffn_variants[:3]
     best_ffn = {}
+    ffn_table = {}
     for k in (29.0, 112.0):
-        xs_k, wg_k, wu_k, wd_k = make_inputs(key, m, k)
-        packs = [pack_gate(x, wg_k, tile=TILE, slots=SLOTS, block_sizes=pack_bs) for x in xs_k]
-        y_dense = dense_gated(xs_k[0], wg_k, wu_k, wd_k)
+        xs_k, wg_k, wu_k, wd_k = make_inputs(key, m, min(k, H / 4))
+        packs = [pack_gate(x, wg_k, tile=TILE, slots=SLOTS, block_sizes=pack_bs,
+                           interpret=INTERPRET) for x in xs_k]
+        y_ref_k, _ = sparse_ffn_reference(xs_k[0][:64], *(a[:64] for a in packs[0]), wu_k, wd_k)
         for fb in ffn_variants:
-            row = dict(kind="ffn", k=k, block=list(fb.__dict__.values()))
+            name = f"bt{fb.block_t}/w{fb.num_warps}/st{fb.num_stages}/head{fb.head_slots}"
+            row = dict(kind="ffn", k=k, block=name)
             try:
-                fn = functools.partial(sparse_ffn, block_sizes=fb)
+                fn = functools.partial(sparse_ffn, block_sizes=fb, interpret=INTERPRET)
                 y, _ = fn(xs_k[0], *packs[0], wu_k, wd_k)
-                row["err_vs_dense"] = rel_err(y, y_dense)
+                row["err_vs_ref_rows"] = rel_err(y[:64], y_ref_k)
+                if not row["err_vs_ref_rows"] < 1e-2:
+                    raise AssertionError(f"wrong result: rel err {row['err_vs_ref_rows']}")
                 row["ffn_ms"] = bench(fn, [(x, *p, wu_k, wd_k) for x, p in zip(xs_k, packs)])
                 if k not in best_ffn or row["ffn_ms"] < best_ffn[k][1]:
                     best_ffn[k] = (fb, row["ffn_ms"])
+                ffn_table.setdefault(name, {})[k] = row["ffn_ms"]
             except Exception as e:
                 row["error"] = repr(e)[:300]
             log(row)
-    if 29.0 not in best_ffn or 112.0 not in best_ffn:
+    if 29.0 not in best_ffn:
         raise SystemExit("no fused FFN variant ran")
-    ffn_bs = best_ffn[29.0][0]
-    table.append(f"ffn best at 29: {list(ffn_bs.__dict__.values())} {best_ffn[29.0][1]:.3f} ms; "
-                 f"at 112: {list(best_ffn[112.0][0].__dict__.values())} {best_ffn[112.0][1]:.3f} ms")
+    ffn_bs = FFNBlockSizes()  # the shipped default, whatever won the sweep
+    table.append("fused FFN variants (ms):   k=29    k=112")
+    for name, t in ffn_table.items():
+        table.append(f"  {name:<22} {t.get(29.0, float('nan')):>7.3f} {t.get(112.0, float('nan')):>7.3f}")
+    table.append(f"  used below: {list(ffn_bs.__dict__.values())}")
 
-    class Config:  # what the op would pass (twell_jax.ops.SparseFFNConfig); only fields read here
-        tile, slots = TILE, SLOTS
-        pack_block_sizes, ffn_block_sizes = pack_bs, ffn_bs
+    def make_config(expected_active=None):
+        class Config:  # the fields of twell_jax.ops.SparseFFNConfig read by pallas_backend
+            tile, slots = TILE, SLOTS
+            pack_block_sizes, ffn_block_sizes = pack_bs, ffn_bs
+            expected_active_per_token = expected_active
+        return Config()
 
-    gated = jax.jit(lambda x, g, u, d: pallas_backend.gated_ffn_forward(x, g, u, d, Config()))
-    auto = jax.jit(lambda x, g, u, d: pallas_backend.auto_gated_ffn_forward(x, g, u, d, Config()))
+    def y_only(fn):
+        return jax.jit(lambda *a: fn(*a)[0])
+
+    gated = jax.jit(lambda x, g, u, d: pallas_backend.gated_ffn_forward(
+        x, g, u, d, make_config(), interpret=INTERPRET))
+    auto_sample = jax.jit(
+        lambda x, g, u, d: pallas_backend.auto_gated_ffn_forward(x, g, u, d, make_config(),
+                                                               interpret=INTERPRET))
+    auto_sample_y = y_only(auto_sample)
     dense_aux = jax.jit(lambda x, g, u, d: pallas_backend._dense_forward(x, g, u, d))
-    plain = jax.jit(lambda x, u, d: pallas_backend.ffn_forward(x, u, d, Config()))
+    dense_aux_y = y_only(dense_aux)  # aux dead: must equal the plain dense FFN
 
-    # 3. end to end: pack, FFN, total, auto, dense, ratios.
-    table.append(f"{'M':>6} {'k':>5} {'l0':>7} {'pack':>6} {'ffn':>6} {'total':>6} {'auto':>6} "
-                 f"{'dense':>6} {'dense+aux':>9} {'dense/total':>11} {'dense/auto':>10} {'dense+aux/auto':>14}")
-    cases = [(16384, k) for k in (29.0, 40.0, 56.0, 112.0, 280.0, 1408.0)]
-    cases += [(2048, 29.0), (2048, 112.0), (65536, 29.0), (65536, 112.0)]
+    # 3. end to end. auto_hint = static choice from calibrate_active_per_token on the inputs.
+    cols = ("pack", "ffn", "total", "dense", "dense_aux", "dense_aux_y", "auto_hint", "auto_hint_y",
+            "auto_smp", "auto_smp_y")
+    table.append("end to end (ms; dense = y only, +aux = exact l0/l1 too; auto_hint = static choice, "
+                 "auto_smp = device sample + cond; _y = aux unused)")
+    table.append(f"{'M':>6} {'k':>5} {'l0':>6} {'k*':>5} " + " ".join(f"{c:>11}" for c in cols)
+                 + f" {'d/total':>7} {'d/hint_y':>8} {'d+a/hint':>8} {'d/smp_y':>7} {'d+a/smp':>7}")
+    cases = [(16384, 29.0), (16384, 40.0), (16384, 56.0), (16384, 112.0), (16384, 1408.0),
+             (2048, 29.0), (4096, 29.0), (8192, 29.0), (2048, 112.0), (65536, 29.0)]
     if args.quick:
-        cases = [(16384, 29.0), (16384, 280.0)]
+        cases = [(M_MAIN, 29.0), (M_MAIN, 280.0)]
     for m_case, k in cases:
+      if INTERPRET:
+          k = min(k, H / 4)
       try:
         xs_k, wg_k, wu_k, wd_k = make_inputs(jax.random.fold_in(key, m_case), m_case, k)
         sets = [(x, wg_k, wu_k, wd_k) for x in xs_k]
+        measured = pallas_backend.calibrate_active_per_token(xs_k[0], wg_k)
+        cfg = make_config(measured)
+        auto_hint = jax.jit(lambda x, g, u, d, cfg=cfg: pallas_backend.auto_gated_ffn_forward(
+            x, g, u, d, cfg, interpret=INTERPRET))
+        fns = dict(total=gated, dense=dense_gated, dense_aux=dense_aux, dense_aux_y=dense_aux_y,
+                   auto_hint=auto_hint, auto_hint_y=y_only(auto_hint), auto_smp=auto_sample,
+                   auto_smp_y=auto_sample_y)
         y_dense = dense_gated(*sets[0])
         y_sp, aux = gated(*sets[0])
-        y_auto, aux_auto = auto(*sets[0])
-        row = dict(kind="e2e", m=m_case, k=k, err_total=rel_err(y_sp, y_dense),
-                   err_auto=rel_err(y_auto, y_dense),
-                   aux={n: float(v) for n, v in aux.items()},
-                   auto_dense=int(aux_auto["dense_fallback"]))
-        packs = [pack_gate(x, wg_k, tile=TILE, slots=SLOTS, block_sizes=pack_bs) for x in xs_k]
+        y_hint, aux_hint = auto_hint(*sets[0])
+        y_smp, aux_smp = auto_sample(*sets[0])
+        k_star = pallas_backend.crossover_active_per_token(m_case, D, H)
+        row = dict(kind="e2e", m=m_case, k=k, calibrated=measured, k_star=k_star,
+                   err_total=rel_err(y_sp, y_dense), err_hint=rel_err(y_hint, y_dense),
+                   err_smp=rel_err(y_smp, y_dense), aux={n: float(v) for n, v in aux.items()},
+                   hint_dense=int(aux_hint["dense_fallback"]),
+                   smp_dense=int(aux_smp["dense_fallback"]))
+        packs = [pack_gate(x, wg_k, tile=TILE, slots=SLOTS, block_sizes=pack_bs,
+                           interpret=INTERPRET) for x in xs_k]
         row["pack_ms"] = bench(functools.partial(pack_gate, tile=TILE, slots=SLOTS,
-                                                 block_sizes=pack_bs), [(x, wg_k) for x in xs_k])
-        row["ffn_ms"] = bench(functools.partial(sparse_ffn, block_sizes=ffn_bs),
+                                                 block_sizes=pack_bs, interpret=INTERPRET),
+                               [(x, wg_k) for x in xs_k])
+        row["ffn_ms"] = bench(functools.partial(sparse_ffn, block_sizes=ffn_bs, interpret=INTERPRET),
                               [(x, *p, wu_k, wd_k) for x, p in zip(xs_k, packs)])
-        row["total_ms"] = bench(gated, sets)
-        row["auto_ms"] = bench(auto, sets)
-        row["dense_ms"] = bench(dense_gated, sets)
-        row["dense_aux_ms"] = bench(dense_aux, sets)
+        del packs
+        for name, ms in bench_interleaved(fns, sets).items():
+            row[f"{name}_ms"] = ms
         log(row)
-        table.append(f"{m_case:>6} {k:>5.0f} {row['aux']['l0']:>7.1f} {row['pack_ms']:>6.3f} "
-                     f"{row['ffn_ms']:>6.3f} {row['total_ms']:>6.3f} {row['auto_ms']:>6.3f} "
-                     f"{row['dense_ms']:>6.3f} {row['dense_aux_ms']:>9.3f} "
-                     f"{row['dense_ms'] / row['total_ms']:>11.2f} "
-                     f"{row['dense_ms'] / row['auto_ms']:>10.2f} "
-                     f"{row['dense_aux_ms'] / row['auto_ms']:>14.2f}")
-        del packs, sets, xs_k
+        t = {c: row[f"{c}_ms"] for c in cols}
+        table.append(
+            f"{m_case:>6} {k:>5.0f} {row['aux']['l0']:>6.1f} {k_star:>5.0f} "
+            + " ".join(f"{t[c]:>11.3f}" for c in cols)
+            + f" {t['dense'] / t['total']:>7.2f} {t['dense'] / t['auto_hint_y']:>8.2f}"
+            f" {t['dense_aux'] / t['auto_hint']:>8.2f} {t['dense'] / t['auto_smp_y']:>7.2f}"
+            f" {t['dense_aux'] / t['auto_smp']:>7.2f}  (hint->{'dense' if row['hint_dense'] else 'sparse'},"
+            f" smp->{'dense' if row['smp_dense'] else 'sparse'})")
+        del sets, xs_k
       except Exception as e:
         log(dict(kind="e2e", m=m_case, k=k, error=repr(e)[:500]))
 
     # 4. non-gated at 29 active.
-    xs_k, _, wu_k, wd_k = make_inputs(key, 16384, 29.0)
+    plain = jax.jit(lambda x, u, d: pallas_backend.ffn_forward(x, u, d, make_config(),
+                                                                        interpret=INTERPRET))
+    xs_k, _, wu_k, wd_k = make_inputs(key, M_MAIN, 29.0)
     wu_k = wu_k.at[:, 0].set(-statistics.NormalDist().inv_cdf(1 - 29.0 / H))
     sets = [(x, wu_k, wd_k) for x in xs_k]
     y_sp, _ = plain(*sets[0])

@@ -44,15 +44,21 @@ def _next_pow2(n: int) -> int:
 class FFNBlockSizes:
     """Static launch parameters of the fused sparse FFN kernel."""
 
-    # Measured on an H200 (BENCHMARKS.md): one token per program with 4 warps beat 2..8 tokens
-    # (masked lanes of rows with fewer actives waste gather bandwidth) and 2 or 8 warps.
+    # Round 1 (H200, BENCHMARKS.md): one token per program with 4 warps beat 2..8 tokens per
+    # program (masked lanes of rows with fewer actives waste gather bandwidth) and 2 or 8 warps.
     block_t: int = 1  # token rows per program (power of two)
     num_warps: int = 4  # warps per program
     num_stages: int = 1  # pipelining depth of the slot loop (dynamic trip counts: 1 = none)
-    # Load the row's NT counts with one vector load instead of one scalar load per tile. Measured
-    # SLOWER on the H200 (0.82 vs 0.66 ms at 29 active/token): the per-tile masked reduction that
-    # extracts a count costs more than the load latency it hides.
-    preload_counts: bool = False
+    # Slots per tile handled without waiting for the tile's count (round 2). The kernel is
+    # latency bound: round 1 walked tile t as load count -> loop k < count: load (j, a) -> load
+    # rows U[j], W[j] -> reduce -> FMA, three dependent global loads per neuron and one per tile.
+    # Now the count and the first `head_slots` (j, a) of tile t+1 are loaded during tile t (loop
+    # carry), so tile t starts with its row gathers at once; its head slots are processed
+    # unconditionally (row loads masked off for slots >= count: no bytes move, h = 0) and only the
+    # slots beyond them take the dynamic loop. 0 = round 1's kernel.
+    # Measured (H200, BENCHMARKS.md round 2): no gain (0.648 vs 0.643 ms at 29 actives, 5% slower
+    # at 112): the kernel is bound by the row gathers, not by these loads. Default 0.
+    head_slots: int = 0
 
     def __post_init__(self) -> None:
         if not _is_pow2(self.block_t) or self.block_t > 64:
@@ -61,10 +67,13 @@ class FFNBlockSizes:
             raise ValueError(f"FFNBlockSizes.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
         if not 1 <= self.num_stages <= 8:
             raise ValueError(f"FFNBlockSizes.num_stages must be in [1, 8], got {self.num_stages}")
+        if not isinstance(self.head_slots, int) or not 0 <= self.head_slots <= 4:
+            raise ValueError(f"FFNBlockSizes.head_slots must be an int in [0, 4], got "
+                             f"{self.head_slots!r}")
 
 
 def _ffn_kernel(*refs, gated: bool, slots: int, n_tiles: int, d: int, d_block: int,
-                preload_counts: bool) -> None:
+                head_slots: int) -> None:
     """Refs: x [BT, D], counts [BT, NT], values/indices [BT, NT, S], (w_up [H, D]), w_down [H, D];
     outputs y [BT, D], l1 [BT]."""
     if gated:
@@ -73,6 +82,7 @@ def _ffn_kernel(*refs, gated: bool, slots: int, n_tiles: int, d: int, d_block: i
         x_ref, counts_ref, values_ref, indices_ref, w_down_ref, y_ref, l1_ref = refs
         w_up_ref = None
     block_t = x_ref.shape[0]
+    n_head = min(head_slots, slots)
     col_D = lax.broadcasted_iota(jnp.int32, (d_block,), 0)
     # D need not be a power of two: the row tensors are d_block = next_pow2(D) wide, masked.
     col_ok_1xD = (col_D < d)[None, :]
@@ -83,40 +93,55 @@ def _ffn_kernel(*refs, gated: bool, slots: int, n_tiles: int, d: int, d_block: i
     x_BTxD = plgpu.load(x_ref.at[:, pl.ds(0, d_block)], mask=None if full_d else col_ok_1xD,
                         other=None if full_d else 0).astype(jnp.float32)
 
-    if preload_counts:
-        # One vector load of the row's counts up front takes NT dependent global loads off the
-        # critical path of the tile loop; a tile's count is then a register reduction.
-        nt_block = _next_pow2(n_tiles)
-        tile_NT = lax.broadcasted_iota(jnp.int32, (nt_block,), 0)
-        all_counts_BTxNT = plgpu.load(counts_ref.at[:, pl.ds(0, nt_block)],
-                                      mask=(tile_NT < n_tiles)[None, :], other=0)
+    def load_rows(j_BT, live_BT):
+        row_mask = live_BT[:, None] & col_ok_1xD  # all off: the load moves no bytes
+        u_rows = (plgpu.load(w_up_ref.at[j_BT[:, None], col_1xD], mask=row_mask, other=0)
+                  if gated else None)
+        w_rows = plgpu.load(w_down_ref.at[j_BT[:, None], col_1xD], mask=row_mask, other=0)
+        return u_rows, w_rows
+
+    def accumulate(acc_BTxD, l1_BT, a_BT, u_rows, w_rows, live_BT):
+        h_BT = a_BT.astype(jnp.float32)
+        if gated:
+            h_BT = h_BT * jnp.sum(x_BTxD * u_rows.astype(jnp.float32), axis=1)
+        h_BT = jnp.where(live_BT, h_BT, 0.0)
+        return acc_BTxD + h_BT[:, None] * w_rows.astype(jnp.float32), l1_BT + jnp.abs(h_BT)
+
+    def load_tile_head(tile):
+        # Past the last tile (the prefetch of the final step) the address is clamped; the values
+        # are never used.
+        tile = jnp.minimum(tile, n_tiles - 1)
+        count_BT = plgpu.load(counts_ref.at[:, tile])
+        slot_ids = [jnp.int32(k) for k in range(n_head)]  # traced ints: refs reject Python ints
+        heads = tuple((plgpu.load(indices_ref.at[:, tile, k]), plgpu.load(values_ref.at[:, tile, k]))
+                      for k in slot_ids)  # k < S: in bounds whatever the count
+        return count_BT, heads
 
     def tile_step(t, carry):
-        if preload_counts:
-            counts_BT = jnp.sum(jnp.where(tile_NT[None, :] == t, all_counts_BTxNT, 0), axis=1)
-        else:
-            counts_BT = plgpu.load(counts_ref.at[:, t])
-        live_count_BT = jnp.minimum(counts_BT, slots)
+        acc_BTxD, l1_BT, count_BT, heads = carry
+        next_head = load_tile_head(t + 1)  # in flight while this tile computes
+        live_count_BT = jnp.minimum(count_BT, slots)
+        # Head slots: all row gathers issued first, then the arithmetic.
+        lives = [k < live_count_BT for k in range(n_head)]
+        rows = [load_rows(j_BT, live_BT) for (j_BT, _), live_BT in zip(heads, lives)]
+        for (_, a_BT), (u_rows, w_rows), live_BT in zip(heads, rows, lives):
+            acc_BTxD, l1_BT = accumulate(acc_BTxD, l1_BT, a_BT, u_rows, w_rows, live_BT)
 
         def slot_step(k, carry):
             acc_BTxD, l1_BT = carry
             live_BT = k < live_count_BT
-            row_mask = live_BT[:, None] & col_ok_1xD
             j_BT = plgpu.load(indices_ref.at[:, t, k])
-            a_BT = plgpu.load(values_ref.at[:, t, k]).astype(jnp.float32)
-            if gated:
-                u_rows = plgpu.load(w_up_ref.at[j_BT[:, None], col_1xD], mask=row_mask, other=0)
-                h_BT = a_BT * jnp.sum(x_BTxD * u_rows.astype(jnp.float32), axis=1)
-            else:
-                h_BT = a_BT
-            h_BT = jnp.where(live_BT, h_BT, 0.0)
-            w_rows = plgpu.load(w_down_ref.at[j_BT[:, None], col_1xD], mask=row_mask, other=0)
-            return acc_BTxD + h_BT[:, None] * w_rows.astype(jnp.float32), l1_BT + jnp.abs(h_BT)
+            a_BT = plgpu.load(values_ref.at[:, t, k])
+            u_rows, w_rows = load_rows(j_BT, live_BT)
+            return accumulate(acc_BTxD, l1_BT, a_BT, u_rows, w_rows, live_BT)
 
-        return lax.fori_loop(0, jnp.max(live_count_BT), slot_step, carry)
+        acc_BTxD, l1_BT = lax.fori_loop(n_head, jnp.maximum(jnp.max(live_count_BT), n_head),
+                                        slot_step, (acc_BTxD, l1_BT))
+        return acc_BTxD, l1_BT, *next_head
 
-    init = (jnp.zeros((block_t, d_block), jnp.float32), jnp.zeros((block_t,), jnp.float32))
-    acc_BTxD, l1_BT = lax.fori_loop(0, n_tiles, tile_step, init)
+    init = (jnp.zeros((block_t, d_block), jnp.float32), jnp.zeros((block_t,), jnp.float32),
+            *load_tile_head(0))
+    acc_BTxD, l1_BT, _, _ = lax.fori_loop(0, n_tiles, tile_step, init)
     plgpu.store(y_ref.at[:, pl.ds(0, d_block)], acc_BTxD.astype(y_ref.dtype),
                 mask=None if full_d else jnp.broadcast_to(col_ok_1xD, acc_BTxD.shape))
     l1_ref[...] = l1_BT
@@ -147,7 +172,7 @@ def _ffn_triton(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD, *, block_s
     bt = block_sizes.block_t
     gated = w_up_HxD is not None
     kernel = functools.partial(_ffn_kernel, gated=gated, slots=slots, n_tiles=n_tiles, d=d,
-                               d_block=_next_pow2(d), preload_counts=block_sizes.preload_counts)
+                               d_block=_next_pow2(d), head_slots=block_sizes.head_slots)
     weights = (w_up_HxD, w_down_HxD) if gated else (w_down_HxD,)
     weight_specs = [pl.BlockSpec(w.shape, lambda i: (0, 0)) for w in weights]
     return pl.pallas_call(

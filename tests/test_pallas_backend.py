@@ -80,9 +80,60 @@ def test_ffn_and_auto_forward_match_dense(dtype):
 def test_auto_gated_forward_matches_dense():
     x, wg, wu, wd = make_inputs(jnp.float32)
     y_ref, _, l0_ref = dense(x, wg, wu, wd)
-    y, aux = pallas_backend.auto_gated_ffn_forward(x, wg, wu, wd, config(), interpret=True)
+    y, aux = pallas_backend.auto_gated_ffn_forward(x, wg, wu, wd, config(auto_max_active=1000.0),
+                                                   interpret=True)
     assert rel_err(y, y_ref) < 1e-5 and int(aux["dense_fallback"]) == 0
     assert float(aux["l0"]) == pytest.approx(float(l0_ref))
+    # Default threshold = the cost model's crossover: negative for this tiny shape, so dense.
+    assert pallas_backend.crossover_active_per_token(37, 45, 150) < 0
+    y, aux = pallas_backend.auto_gated_ffn_forward(x, wg, wu, wd, config(), interpret=True)
+    assert rel_err(y, y_ref) < 1e-5 and int(aux["dense_fallback"]) == 1
+
+
+class HintConfig:
+    """A config carrying the measured active count (the field the op's config will carry)."""
+
+    def __init__(self, expected_active_per_token, auto_max_active=None):
+        self.tile, self.slots = 32, 4
+        self.pack_block_sizes = PackBlockSizes(16, 16, 4, 2)
+        self.expected_active_per_token = expected_active_per_token
+        self.auto_max_active = auto_max_active
+
+
+@pytest.mark.parametrize("hint,dense_chosen", [(1.0, 0), (5.0, 1)])
+def test_auto_with_hint_decides_statically(hint, dense_chosen):
+    x, wg, wu, wd = make_inputs(jnp.float32)
+    cfg = HintConfig(hint, auto_max_active=3.0)
+    y, aux = pallas_backend.auto_gated_ffn_forward(x, wg, wu, wd, cfg, interpret=True)
+    y_ref, l1_ref, l0_ref = dense(x, wg, wu, wd)
+    assert rel_err(y, y_ref) < 1e-5 and int(aux["dense_fallback"]) == dense_chosen
+    assert float(aux["l0"]) == pytest.approx(float(l0_ref))
+    assert float(aux["l1"]) == pytest.approx(float(l1_ref), rel=1e-5)
+    # Static: no dense/sparse branch on the device. The only cond left is the sparse path's
+    # overflow switch (3 branches); without a hint the sample's 2-way cond wraps it.
+    def n_conds(c):
+        jaxpr = str(jax.make_jaxpr(lambda *a: pallas_backend.auto_gated_ffn_forward(
+            *a, c, interpret=True))(x, wg, wu, wd))
+        return jaxpr.count(" cond["), "pallas_call" in jaxpr
+
+    assert n_conds(cfg) == ((0, False) if dense_chosen else (1, True))
+    assert n_conds(HintConfig(None, auto_max_active=3.0)) == (2, True)
+    with pytest.raises(ValueError, match="expected_active_per_token"):
+        pallas_backend.auto_gated_ffn_forward(x, wg, wu, wd, HintConfig(-1.0), interpret=True)
+
+
+def test_calibrate_and_crossover():
+    x, wg, _, _ = make_inputs(jnp.float32)
+    _, _, l0_ref = dense(x, wg, wg, wg)
+    assert pallas_backend.calibrate_active_per_token(x, wg) == pytest.approx(float(l0_ref))
+    assert pallas_backend.calibrate_active_per_token(x.reshape(1, 37, 45), wg,
+                                                     max_tokens=37) == pytest.approx(float(l0_ref))
+    with pytest.raises(ValueError, match="w_gate_HxD"):
+        pallas_backend.calibrate_active_per_token(x, wg[:, :3])
+    # The paper's shape: sparse pays off below ~50 actives at large M, less at small M.
+    k_large = pallas_backend.crossover_active_per_token(16384, 2048, 5632)
+    k_small = pallas_backend.crossover_active_per_token(2048, 2048, 5632)
+    assert 40 < k_large < 60 and k_small < 29 < k_large
 
 
 def test_without_gpu_the_pallas_path_raises_a_clear_error():

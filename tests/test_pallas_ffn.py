@@ -43,15 +43,19 @@ def dense_from_stored(x, values, indices, counts, w_up, w_down):
     return jnp.einsum("mh,hd->md", hid, w_down.astype(jnp.float32), precision=hi), jnp.abs(hid).sum(1)
 
 
-@pytest.mark.parametrize("dtype,gated,block_t", [(jnp.float32, True, 1), (jnp.float32, False, 4),
-                                                  (jnp.bfloat16, True, 4), (jnp.bfloat16, False, 1)])
-def test_sparse_ffn_matches_reference_and_dense_oracle(dtype, gated, block_t):
+# head_slots: 0 = every slot in the dynamic loop; 1, 2 = prefetched head slots (with S = 4 slots,
+# tiles of 0, 1, 2 and > 2 actives all occur); 4 = every stored slot is a head slot.
+@pytest.mark.parametrize("dtype,gated,block_t,head_slots", [
+    (jnp.float32, True, 1, 1), (jnp.float32, False, 4, 2), (jnp.bfloat16, True, 4, 0),
+    (jnp.bfloat16, False, 1, 4), (jnp.float32, True, 2, 1), (jnp.bfloat16, True, 1, 2)])
+def test_sparse_ffn_matches_reference_and_dense_oracle(dtype, gated, block_t, head_slots):
     x, w_gate, w_up, w_down = make_case(dtype)
     values, indices, counts = pack_gate_reference(x, w_gate, tile=TILE, slots=SLOTS)
     assert bool(jnp.all(counts[3] > SLOTS))  # the dense token: the reader must stop at S slots
     up = w_up if gated else None
     y, l1 = sparse_ffn(x, values, indices, counts, up, w_down,
-                       block_sizes=FFNBlockSizes(block_t=block_t), interpret=True)
+                       block_sizes=FFNBlockSizes(block_t=block_t, head_slots=head_slots),
+                       interpret=True)
     y_ref, l1_ref = sparse_ffn_reference(x, values, indices, counts, up, w_down)
     y_oracle, l1_oracle = dense_from_stored(x, values, indices, counts, up, w_down)
     assert y.shape == x.shape and y.dtype == dtype and l1.shape == (x.shape[0],)
@@ -63,6 +67,8 @@ def test_sparse_ffn_matches_reference_and_dense_oracle(dtype, gated, block_t):
 def test_sparse_ffn_validates_arguments():
     with pytest.raises(ValueError, match="block_t"):
         FFNBlockSizes(block_t=3)
+    with pytest.raises(ValueError, match="head_slots"):
+        FFNBlockSizes(head_slots=5)
     x, w_gate, w_up, w_down = make_case(jnp.float32, m=8, d=16, h=40)
     values, indices, counts = pack_gate_reference(x, w_gate, tile=TILE, slots=SLOTS)
     with pytest.raises(ValueError, match="counts"):

@@ -13,16 +13,21 @@ recomputed densely (`dense_fallback` = 1). A `lax.switch` on the on-device row c
 "nothing to fix" / "fix the gathered rows" / "dense", so the common case pays nothing.
 
 "auto" (see docs/kernels.md): the pack alone costs about a dense gate GEMM, so once it has run the
-dense path can no longer win; the choice must come first. It is made on the device from a strided
-sample of `auto_sample_rows` tokens: their gate pre-activations are computed densely (a [R, D] x
-[D, H] GEMM, a few % of the dense FFN at M = 16384) and their mean active count compared with
-`auto_max_active` (the measured crossover, BENCHMARKS.md). `lax.cond` then runs either the sparse
-path or the dense one. The choice only affects speed; both branches are exact.
+dense path can no longer win; the choice must come first. Two ways:
+  * static (preferred): the config carries `expected_active_per_token` (from training telemetry
+    or `calibrate_active_per_token`); at trace time it is compared with the crossover k* of a
+    per-shape cost model (`crossover_active_per_token`, fitted on an H200) or with
+    `auto_max_active` when set. Only the chosen path is compiled; the dense one is the same XLA
+    ops as the op's "dense" backend, so picking it costs exactly what backend="dense" costs.
+  * fallback, no hint: the gate pre-activations of a strided sample of `auto_sample_rows` tokens
+    are computed on the device and `lax.cond` picks the branch (costs the sample GEMM and a
+    device-side branch: ~0.02-0.05 ms, BENCHMARKS.md).
+The choice only affects speed; both branches are exact.
 
 Config fields read (getattr, with defaults, so any config object or None works):
-    tile (256), slots (32), overflow_rows (min(M, max(16, M // 64))), auto_sample_rows (64),
-    auto_max_active (AUTO_MAX_ACTIVE_PER_TOKEN), pack_block_sizes (PackBlockSizes()),
-    ffn_block_sizes (FFNBlockSizes()).
+    tile (256), slots (32), overflow_rows (min(M, max(16, M // 64))), auto_sample_rows (32),
+    auto_max_active (None: the cost model's k*), expected_active_per_token (None: sample on the
+    device), pack_block_sizes (PackBlockSizes()), ffn_block_sizes (FFNBlockSizes()).
 """
 from __future__ import annotations
 
@@ -35,11 +40,21 @@ from jax import lax
 from pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn
 from pallas_kernels.twell_pack import PackBlockSizes, pack_gate
 
-# Mean active neurons per token above which the dense XLA FFN beats pack + fused FFN, measured on
-# an H200 at M = 16384, D = 2048, H = 5632, bf16 (BENCHMARKS.md, experiments/bench_ffn.py): the
-# sparse total grows ~0.019 ms per active neuron from 1.39 ms at 29; it crosses the dense FFN
-# without aux (1.84 ms) near 53 and the dense FFN with exact l0/l1 (2.10 ms) near 66.
-AUTO_MAX_ACTIVE_PER_TOKEN = 50.0
+# Cost model of the forward, fitted on an H200 (bf16, D = 2048, H = 5632, M = 2048 .. 65536;
+# round 2, BENCHMARKS.md). Times in ms, k = mean active neurons per token:
+#   dense  = DENSE_LAUNCH_MS + n_gemms * 2 M D H / DENSE_FLOPS_PER_MS
+#   sparse = SPARSE_FIXED_MS + 2 M D H / PACK_FLOPS_PER_MS                           (pack)
+#            + M * (FFN_TOKEN_MS * n_rows / 2 + k * n_rows * D * itemsize / FFN_BYTES_PER_MS)  (FFN)
+# n_gemms = 3 (gated) or 2; n_rows = rows gathered per active neuron: 2 (U and W) or 1 (W).
+# SPARSE_FIXED_MS covers the launches, the overflow bookkeeping and the tail of small grids (at
+# M = 2048 the sparse path loses even at 29 actives). "auto" runs sparse for k <= k*, the k where
+# the two are equal.
+DENSE_FLOPS_PER_MS = 6.3e11
+DENSE_LAUNCH_MS = 0.02
+PACK_FLOPS_PER_MS = 5.35e11
+SPARSE_FIXED_MS = 0.11
+FFN_TOKEN_MS = 1.1e-5
+FFN_BYTES_PER_MS = 8.4e9
 
 Aux = dict[str, jax.Array]
 
@@ -62,15 +77,42 @@ def _settings(config: Any, m: int) -> dict[str, Any]:
         value = getattr(config, name, None)
         return default if value is None else value
 
+    expected = field("expected_active_per_token", None)
+    if expected is not None and (isinstance(expected, bool) or not isinstance(expected, (int, float))
+                                 or not expected >= 0):
+        raise ValueError(f"config.expected_active_per_token must be None or a number >= 0, got "
+                         f"{expected!r}")
     return dict(
         tile=int(field("tile", 256)),
         slots=int(field("slots", 32)),
         overflow_rows=int(field("overflow_rows", min(m, max(16, m // 64)))),
-        auto_sample_rows=int(field("auto_sample_rows", 64)),
-        auto_max_active=float(field("auto_max_active", AUTO_MAX_ACTIVE_PER_TOKEN)),
+        auto_sample_rows=int(field("auto_sample_rows", 32)),
+        auto_max_active=field("auto_max_active", None),  # None: the shape cost model decides
+        expected_active=expected,
         pack_block_sizes=field("pack_block_sizes", PackBlockSizes()),
         ffn_block_sizes=field("ffn_block_sizes", FFNBlockSizes()),
     )
+
+
+def crossover_active_per_token(m: int, d: int, h: int, *, gated: bool = True,
+                               itemsize: int = 2) -> float:
+    """Mean active neurons per token below which pack + fused FFN beats the dense XLA FFN, from
+    the cost model above (fitted on an H200, bf16). May be negative: dense always wins."""
+    flops = 2.0 * m * d * h
+    dense_ms = DENSE_LAUNCH_MS + (3 if gated else 2) * flops / DENSE_FLOPS_PER_MS
+    n_rows = 2 if gated else 1
+    fixed_sparse_ms = SPARSE_FIXED_MS + flops / PACK_FLOPS_PER_MS + m * FFN_TOKEN_MS * n_rows / 2
+    ms_per_active = m * n_rows * d * itemsize / FFN_BYTES_PER_MS
+    return (dense_ms - fixed_sparse_ms) / ms_per_active
+
+
+def _threshold(s: dict[str, Any], x_MxD: jax.Array, w_act_HxD: jax.Array, gated: bool) -> float:
+    """The active count per token up to which "auto" runs the sparse path."""
+    if s["auto_max_active"] is not None:
+        return float(s["auto_max_active"])
+    m, d = x_MxD.shape
+    return crossover_active_per_token(m, d, w_act_HxD.shape[0], gated=gated,
+                                      itemsize=jnp.dtype(x_MxD.dtype).itemsize)
 
 
 def _validate(x_MxD: jax.Array, weights: dict[str, jax.Array]) -> None:
@@ -148,11 +190,21 @@ def _sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array 
 
 def _dense_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
                    w_down_HxD: jax.Array) -> tuple[jax.Array, Aux]:
-    """The dense branch of "auto": no packing, so no overflow to report; dense_fallback = 1."""
-    y_MxD, l1_M, l0_M = _dense_rows(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD)
+    """The dense branch of "auto": the same XLA ops as the op's "dense" backend (twell_jax/ops.py),
+    so choosing it costs exactly what backend="dense" costs (with or without the aux in use: unused
+    aux is dead code under jit). No packing, so no overflow to report; dense_fallback = 1."""
+    g_MxH = jnp.einsum("md,hd->mh", x_MxD, w_act_HxD, preferred_element_type=jnp.float32)
+    if w_up_HxD is not None:
+        u_MxH = jnp.einsum("md,hd->mh", x_MxD, w_up_HxD, preferred_element_type=jnp.float32)
+        h_MxH = (jax.nn.relu(g_MxH) * u_MxH).astype(x_MxD.dtype)
+    else:
+        h_MxH = jax.nn.relu(g_MxH).astype(x_MxD.dtype)
+    y_MxD = jnp.einsum("mh,hd->md", h_MxH, w_down_HxD,
+                       preferred_element_type=jnp.float32).astype(x_MxD.dtype)
     tokens = max(x_MxD.shape[0], 1)
     zero = jnp.zeros((), jnp.int32)
-    return y_MxD, {"l1": jnp.sum(l1_M) / tokens, "l0": jnp.sum(l0_M, dtype=jnp.float32) / tokens,
+    return y_MxD, {"l1": jnp.sum(jnp.abs(h_MxH.astype(jnp.float32))) / tokens,
+                   "l0": jnp.sum((g_MxH > 0).astype(jnp.float32)) / tokens,
                    "tile_overflow": zero, "row_overflow": zero,
                    "dense_fallback": jnp.ones((), jnp.int32)}
 
@@ -166,11 +218,39 @@ def sampled_active_per_token(x_MxD: jax.Array, w_act_HxD: jax.Array, n_sample: i
     return jnp.sum(pre_RxH > 0, dtype=jnp.float32) / sample_RxD.shape[0]
 
 
+def calibrate_active_per_token(x: jax.Array, w_gate_HxD: jax.Array, *,
+                               max_tokens: int = 4096) -> float:
+    """Mean active gate neurons per token of x (any [..., D]) under relu(x w_gate^T) > 0, measured
+    eagerly on up to `max_tokens` evenly strided tokens. Run it once on representative inputs (a
+    calibration batch, or after training) and put the result in the config's
+    `expected_active_per_token`: "auto" then decides dense vs sparse at trace time, for free."""
+    if x.ndim < 1 or w_gate_HxD.ndim != 2 or w_gate_HxD.shape[1] != x.shape[-1]:
+        raise ValueError(f"x must be [..., D] and w_gate_HxD [H, D] with the same D, got "
+                         f"{x.shape} and {w_gate_HxD.shape}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    x_MxD = jnp.reshape(x, (-1, x.shape[-1]))
+    if x_MxD.shape[0] == 0:
+        raise ValueError("x has no tokens to calibrate on")
+    n = min(max_tokens, x_MxD.shape[0])
+    return float(sampled_active_per_token(x_MxD, w_gate_HxD, n))
+
+
 def _auto_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret):
     if x_MxD.shape[0] == 0:
         return _dense_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD)
+    threshold = _threshold(s, x_MxD, w_act_HxD, gated=w_up_HxD is not None)
+    if s["expected_active"] is not None:
+        # Static choice at trace time from the measured active count: the chosen path alone is
+        # compiled, with no sample, no device-side branch and no host round trip.
+        if float(s["expected_active"]) <= threshold:
+            return _sparse_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret)
+        return _dense_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD)
+    if threshold < 0:  # the shape alone says dense wins at any sparsity
+        return _dense_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD)
+    # No hint: estimate on the device from a strided sample of tokens and branch there.
     estimate = sampled_active_per_token(x_MxD, w_act_HxD, s["auto_sample_rows"])
-    return lax.cond(estimate <= s["auto_max_active"],
+    return lax.cond(estimate <= threshold,
                     lambda: _sparse_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret),
                     lambda: _dense_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD))
 
