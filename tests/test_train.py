@@ -132,3 +132,18 @@ def test_dead_neuron_reinit_runs_in_the_step(tmp_path):
     dead = [r["dead_share_mean"] for r in result.history]
     assert counts[0] == counts[2] == 0 and counts[1] > 0 and counts[3] > 0  # only on steps 2 and 4
     assert dead[0] > 0 and dead[1] == 0  # re-initialised rows get their counters reset
+
+
+def test_time_limit_stops_early_then_checkpoints_evaluates_and_resumes(tmp_path):
+    cfg = micro_cfg("train.steps=4", "train.time_limit_s=1e-9", "train.tensorboard=false")
+    result = Trainer(cfg, tmp_path, data_builder=FakeData).run()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stopped_by_time_limit"] is True and summary["steps"] == 1
+    assert summary["val_loss"] is not None and np.isfinite(summary["val_loss"])
+    assert [r["step"] for r in result.history] == [1]
+    resumed = Trainer(micro_cfg("train.steps=4", "train.tensorboard=false"), tmp_path, resume=True,
+                      data_builder=FakeData).run()
+    assert [r["step"] for r in resumed.history] == [1, 2, 3, 4]
+    assert json.loads((tmp_path / "summary.json").read_text())["stopped_by_time_limit"] is False
+    with pytest.raises(ValueError, match="train.time_limit_s"):
+        micro_cfg("train.time_limit_s=-1")

@@ -166,6 +166,9 @@ class TrainConfig:
     keep_checkpoints: int = 2  # how many recent checkpoints Orbax keeps
     tensorboard: bool = True  # also write TensorBoard event files (tensorboardX)
     progress_bar: bool = True  # tqdm progress bar on the console
+    # Wall-clock budget of the training loop in seconds (compilation excluded); the run stops after
+    # the step that crosses it, then checkpoints and evaluates as at the end. 0 = no limit.
+    time_limit_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_positive("train", steps=self.steps, global_batch=self.global_batch,
@@ -174,6 +177,8 @@ class TrainConfig:
                         keep_checkpoints=self.keep_checkpoints)
         if self.num_devices is not None and self.num_devices < 1:
             raise ValueError(f"train.num_devices must be >= 1 or None, got {self.num_devices}")
+        if isinstance(self.time_limit_s, bool) or not self.time_limit_s >= 0:
+            raise ValueError(f"train.time_limit_s must be >= 0 seconds (0 = no limit), got {self.time_limit_s!r}")
         if self.eval_every < 0 or self.checkpoint_every < 0:
             raise ValueError("train.eval_every and train.checkpoint_every must be >= 0")
         if self.global_batch % self.micro_batch:

@@ -283,6 +283,7 @@ class Trainer:
             last_val: dict[str, Any] = {}
             last_record: dict[str, Any] = {}
             step_times: list[float] = []
+            time_limited = False
             try:
                 pending: tuple[int, dict[str, jax.Array]] | None = None
                 mark = time.perf_counter()
@@ -314,6 +315,7 @@ class Trainer:
                     if step_no % tc.log_every == 0 or step_no == end_step:
                         writer.write(record)
 
+                loop_start = time.perf_counter()
                 for step in range(start_step, end_step):
                     batch = parallel.host_to_global(next(self.data.train_iter), self.mesh)
                     state, device_metrics = compiled(state, batch)
@@ -333,6 +335,12 @@ class Trainer:
                             self.save(state, history)
                             writer.message(f"[twell] step {step_no}: checkpoint -> {self.store.directory}")
                         mark = time.perf_counter()
+                    if tc.time_limit_s and time.perf_counter() - loop_start >= tc.time_limit_s and step_no < end_step:
+                        flush()
+                        time_limited = True
+                        writer.message(f"[twell] step {step_no}: train.time_limit_s={tc.time_limit_s:g} reached, "
+                                       f"stopping ({end_step - step_no} of {end_step} steps not run)")
+                        break
                 flush()
             finally:
                 writer.close()
@@ -341,7 +349,7 @@ class Trainer:
             if self.store.latest_step() != finished:
                 self.save(state, history)
                 self.echo(f"[twell] checkpoint at step {finished} -> {self.store.directory}")
-            if finished >= tc.steps:
+            if finished >= tc.steps or time_limited:
                 last_val = self.evaluate(eval_fn, state["params"])
                 writer_rec = {"step": finished, **{f"val_{k}": v for k, v in last_val.items()}}
                 with open(self.run_dir / "metrics.jsonl", "a") as f:
@@ -350,6 +358,7 @@ class Trainer:
                           f"{last_val['perplexity']:.2f}, mean active FFN neurons/token "
                           f"{np.mean(last_val['l0_per_layer']):.1f} of {cfg.model.d_ff}")
             summary = self._summary(state, history, last_val, step_times, compile_s)
+            summary["stopped_by_time_limit"] = time_limited
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             self.echo(f"[twell] summary: {self.run_dir / 'summary.json'}")
         return TrainResult(run_dir=self.run_dir, history=history, summary=summary, state=state,
