@@ -307,7 +307,11 @@ def test_ffn_validates_too():
     (dict(tail_rows=1.5), "tail_rows"), (dict(tail_rows=-1), "tail_rows"),
     (dict(transpose_tail_rows="all"), "transpose_tail_rows"), (dict(transpose_ell_width=True), "transpose_ell_width"),
     (dict(data_axis=3), "data_axis"), (dict(overflow_rows=0), "overflow_rows"),
-    (dict(auto_max_active=-1.0), "auto_max_active"),
+    (dict(auto_max_active=-1.0), "auto_max_active"), (dict(auto_max_active=True), "auto_max_active"),
+    (dict(expected_active_per_token=-0.5), "expected_active_per_token"),
+    (dict(expected_active_per_token=True), "expected_active_per_token"),
+    (dict(expected_active_per_token=float("nan")), "expected_active_per_token"),
+    (dict(auto_sample_rows=0), "auto_sample_rows"),
 ])
 def test_config_is_validated(kwargs, match):
     with pytest.raises(ValueError, match=match):
