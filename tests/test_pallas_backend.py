@@ -91,13 +91,22 @@ def test_auto_gated_forward_matches_dense():
 
 
 class HintConfig:
-    """A config carrying the measured active count (the field the op's config will carry)."""
+    """A duck-typed config carrying the measured active count (pallas_backend reads fields by
+    name, so it also works with objects other than ops.SparseFFNConfig)."""
 
     def __init__(self, expected_active_per_token, auto_max_active=None):
         self.tile, self.slots = 32, 4
         self.pack_block_sizes = PackBlockSizes(16, 16, 4, 2)
         self.expected_active_per_token = expected_active_per_token
         self.auto_max_active = auto_max_active
+
+
+def test_op_config_hint_reaches_the_static_decision():
+    x, wg, wu, wd = make_inputs(jnp.float32)
+    for hint, dense_chosen in ((1.0, 0), (5.0, 1)):
+        cfg = config(expected_active_per_token=hint, auto_max_active=3.0)
+        _, aux = pallas_backend.auto_gated_ffn_forward(x, wg, wu, wd, cfg, interpret=True)
+        assert int(aux["dense_fallback"]) == dense_chosen
 
 
 @pytest.mark.parametrize("hint,dense_chosen", [(1.0, 0), (5.0, 1)])
