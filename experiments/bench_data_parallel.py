@@ -9,8 +9,8 @@ has no Grain; this script never imports it). For the sparse FFN the activation p
 barely-trained model on random tokens is not that of real text: read the sparse rows as the cost
 of the data-parallel machinery around the op, not as the sparse kernels' speed on real data.
 
-Timing: the real `twell_jax.train.Trainer` loop (jit-compiled before the loop, metrics fetched one
-step behind, batches placed with `parallel.host_to_global`). Its per-step wall times are recorded;
+Timing: the real `twell_jax.train.Trainer` loop (jit-compiled before the loop, each step's metrics
+fetched when it completes, batches placed with `parallel.host_to_global`). Its per-step wall times are recorded;
 the first `--warmup` steps are dropped, and the median of the rest is reported.
 
     python experiments/bench_data_parallel.py --config small --devices 1,2 --steps 30 --warmup 5

@@ -319,8 +319,13 @@ class Trainer:
                 for step in range(start_step, end_step):
                     batch = parallel.host_to_global(next(self.data.train_iter), self.mesh)
                     state, device_metrics = compiled(state, batch)
-                    flush()  # step N - 1's metrics, fetched after step N is dispatched
+                    # Fetch this step's metrics now: the step time is the interval between two
+                    # step completions, exact whatever the runtime does at dispatch (on GPUs a
+                    # dispatch can block until the step it launches is done, which made one-step-
+                    # behind fetching misattribute times). Batches are prefetched by the data
+                    # pipeline's threads, so the device waits only for the host bookkeeping.
                     pending = (step + 1, device_metrics)
+                    flush()
                     step_no = step + 1
                     do_eval = tc.eval_every and step_no % tc.eval_every == 0 and step_no != tc.steps
                     do_ckpt = tc.checkpoint_every and step_no % tc.checkpoint_every == 0 and step_no != end_step
