@@ -28,6 +28,9 @@ def test_train_then_eval(tmp_path, cache_dir, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert result["step"] == 2
     assert result["loss"] == pytest.approx(summary["val_loss"], rel=1e-6)  # same params, same val batches
+    # eval hands the run's last per-layer activity to the "auto" backend as trace-time hints.
+    hints = ", ".join(f"{v:.1f}" for v in summary["val_l0_per_layer"])
+    assert f"'auto' backend hints (expected active neurons/token per layer, from the run's metrics.jsonl): {hints}" in text
 
 
 def test_compare_writes_table_png_and_summaries(tmp_path, cache_dir, capsys):

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import get_config
 from twell_jax.config import ModelConfig
 from twell_jax.model import apply_model, init_model, rope, split_model
 
@@ -96,3 +97,27 @@ def test_bad_inputs():
         model(jnp.zeros((5,), jnp.int32))
     with pytest.raises(ValueError, match="max_seq_len=16"):
         model(jnp.zeros((1, 17), jnp.int32))
+
+
+def test_per_layer_auto_hints_reach_each_layers_op_config(tmp_path):
+    import json
+
+    from twell_jax.evaluate import expected_active_from_run, with_auto_hints
+
+    cfg = get_config("micro")
+    assert all(block.ffn.op_config is None for block in init_model(cfg.model, 0).blocks)
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in (
+        {"step": 1, "l0_per_layer": [9.0, 8.0]}, {"step": 2, "val_l0_per_layer": [3.5, 7.25]},
+        {"step": 2, "l0_per_layer": [1.0]})))  # wrong layer count: ignored
+    assert expected_active_from_run(tmp_path, 2) == (3.5, 7.25)
+    hinted = with_auto_hints(cfg, tmp_path, echo=lambda _: None)
+    assert hinted.model.ffn_expected_active == (3.5, 7.25)
+    model = init_model(hinted.model, 0)
+    assert [b.ffn.op_config.expected_active_per_token for b in model.blocks] == [3.5, 7.25]
+    # A hint in ffn_op_config applies to every layer and wins; non-auto backends get no hints.
+    fixed = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, ffn_op_config={"expected_active_per_token": 2.0}))
+    assert with_auto_hints(fixed, tmp_path, echo=lambda _: None) is fixed
+    ref = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, ffn_backend="reference"))
+    assert with_auto_hints(ref, tmp_path, echo=lambda _: None) is ref
+    with pytest.raises(ValueError, match="ffn_expected_active"):
+        dataclasses.replace(cfg.model, ffn_expected_active=(1.0,))

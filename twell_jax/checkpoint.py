@@ -93,7 +93,7 @@ def check_compatible(saved_config: dict[str, Any], current: config_lib.Experimen
     fatal = [d for d in differences
              if d[0].startswith(_MUST_MATCH_PREFIXES) and d[0] not in ("model.remat", "model.ffn_backend",
                                                                        "model.ffn_op_config", "model.ffn_interpret",
-                                                                       "model.attention_impl")
+                                                                       "model.attention_impl", "model.ffn_expected_active")
              or d[0] in _MUST_MATCH_FIELDS]
     if fatal:
         lines = "; ".join(f"{path}: checkpoint has {old!r}, config has {new!r}" for path, old, new in fatal)

@@ -57,6 +57,11 @@ class ModelConfig:
     # Field overrides of the op's SparseFFNConfig (e.g. {"slots": 32}); empty = op defaults.
     ffn_op_config: dict[str, Any] = field(default_factory=dict)
     ffn_interpret: bool = False  # run the "pallas" backend's kernels in the Pallas interpreter (CPU tests)
+    # Per-layer expected mean active FFN neurons per token, given to the op's "auto" backend as
+    # `expected_active_per_token`, so that it picks dense or sparse at trace time instead of
+    # sampling on the device (speed only, never results). Empty = sample. `twell eval` fills it
+    # from the run's own telemetry; a value in ffn_op_config applies to every layer and wins.
+    ffn_expected_active: tuple[float, ...] = ()
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"  # activations/matmuls (master params f32)
     remat: bool = False  # rematerialise each block in the backward (saves activation memory)
     attention_impl: Literal["auto", "xla", "cudnn"] = "auto"  # jax.nn.dot_product_attention backend
@@ -76,6 +81,11 @@ class ModelConfig:
         _check_choice("model", "attention_impl", self.attention_impl, ATTENTION_IMPLS)
         if not isinstance(self.ffn_op_config, dict):
             raise ValueError(f"model.ffn_op_config must be a dict, got {type(self.ffn_op_config).__name__}")
+        hints = self.ffn_expected_active
+        if not isinstance(hints, tuple) or (hints and len(hints) != self.n_layers) or any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 for v in hints):
+            raise ValueError(f"model.ffn_expected_active must be empty or {self.n_layers} numbers >= 0 (one per "
+                             f"layer), got {hints!r}")
 
     @property
     def head_dim(self) -> int:

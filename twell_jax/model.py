@@ -33,17 +33,13 @@ def _dtype(name: str) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def build_op_config(cfg: ModelConfig) -> Any:
-    """The op's `SparseFFNConfig` with `cfg.ffn_op_config` applied, or None for the op defaults.
-
-    Looked up lazily so the model works whether or not `twell_jax.ops` defines SparseFFNConfig yet.
-    """
-    config_cls = getattr(ops, "SparseFFNConfig", None)
-    if config_cls is None:
-        if cfg.ffn_op_config:
-            raise ValueError("model.ffn_op_config is set but twell_jax.ops has no SparseFFNConfig")
-        return None
-    return config_cls(**cfg.ffn_op_config) if cfg.ffn_op_config else None
+def build_op_config(cfg: ModelConfig, layer: int = 0) -> ops.SparseFFNConfig | None:
+    """Layer `layer`'s op config: `cfg.ffn_op_config` plus that layer's `ffn_expected_active` hint
+    (unless ffn_op_config sets one for all layers), or None for the op defaults."""
+    fields = dict(cfg.ffn_op_config)
+    if cfg.ffn_expected_active and "expected_active_per_token" not in fields:
+        fields["expected_active_per_token"] = float(cfg.ffn_expected_active[layer])
+    return ops.SparseFFNConfig(**fields) if fields else None
 
 
 class RMSNorm(nnx.Module):
@@ -111,7 +107,7 @@ class FeedForward(nnx.Module):
     - "relu": relu(x Wu^T) @ Wd through the op's non-gated `ffn`.
     """
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
         h, d, std = cfg.d_ff, cfg.d_model, cfg.init_std
         self.kind = cfg.ffn_kind
         if self.kind != "relu":
@@ -119,7 +115,7 @@ class FeedForward(nnx.Module):
         self.w_up = _normal(rngs, (h, d), std)
         self.w_down = _normal(rngs, (h, d), std)
         self.backend = "dense" if self.kind == "relu_gated" else cfg.ffn_backend
-        self.op_config = build_op_config(cfg)
+        self.op_config = build_op_config(cfg, layer)
         self.interpret = cfg.ffn_interpret
 
     def gate_preactivation(self, x_BxSxD: jax.Array) -> jax.Array:
@@ -151,11 +147,11 @@ class FeedForward(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm transformer block."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, rngs)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = FeedForward(cfg, rngs)
+        self.ffn = FeedForward(cfg, rngs, layer)
         self.track_neurons = cfg.is_relu_family
 
     def __call__(self, x_BxSxD: jax.Array, track_neurons: bool) -> tuple[jax.Array, Aux]:
@@ -179,7 +175,7 @@ class Transformer(nnx.Module):
         # Plain static attributes (not the config object, whose dict field is unhashable).
         self.max_seq_len, self.compute_dtype, self.remat = cfg.max_seq_len, cfg.compute_dtype, cfg.remat
         self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
-        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+        self.blocks = nnx.List([Block(cfg, rngs, layer) for layer in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
     def __call__(self, tokens_BxS: jax.Array, *, track_neurons: bool = False) -> tuple[jax.Array, Aux]:
