@@ -80,7 +80,7 @@ from twell_jax.config import FFN_KINDS, ExperimentConfig  # noqa: E402
 SCRIPT_ID = "experiments/run_sparse_vs_dense.py"
 REPORT_STEM = "sparse_vs_dense"
 DENSE_KINDS = ("relu_gated", "swiglu")  # dense baselines: trained without L1
-TIMED_FROM_STEP = 2  # steps 1-2 (first dispatch, async start) are left out of the step time
+TIMED_FROM_STEP = 2  # steps 1-2 (first execution, lazy allocations) are left out of the step time
 EVAL_SEQUENCES = 8  # validation sequences per batch (rounded up to a multiple of the GPU count)
 CURVE_KEYS = ("step", "ce", "loss", "l1", "l0_mean", "lr", "grad_norm", "step_time_s")
 STDLIB_MIN_VAL_FRACTION = 0.02  # the paper config's 0.001 leaves ~2 stdlib files: too few sequences

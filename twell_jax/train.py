@@ -285,16 +285,12 @@ class Trainer:
             step_times: list[float] = []
             time_limited = False
             try:
-                pending: tuple[int, dict[str, jax.Array]] | None = None
                 mark = time.perf_counter()
                 end_step = tc.steps if stop_after_step is None else min(tc.steps, stop_after_step)
 
-                def flush() -> None:
-                    nonlocal pending, mark
-                    if pending is None:
-                        return
-                    step_no, device_metrics = pending
-                    pending = None
+                def log_step(step_no: int, device_metrics: dict[str, jax.Array]) -> None:
+                    """Fetch a finished step's metrics (blocking) and log them with its wall time."""
+                    nonlocal mark
                     host = to_python(jax.device_get(device_metrics))
                     now = time.perf_counter()
                     step_time, mark = now - mark, now
@@ -324,13 +320,11 @@ class Trainer:
                     # dispatch can block until the step it launches is done, which made one-step-
                     # behind fetching misattribute times). Batches are prefetched by the data
                     # pipeline's threads, so the device waits only for the host bookkeeping.
-                    pending = (step + 1, device_metrics)
-                    flush()
                     step_no = step + 1
+                    log_step(step_no, device_metrics)
                     do_eval = tc.eval_every and step_no % tc.eval_every == 0 and step_no != tc.steps
                     do_ckpt = tc.checkpoint_every and step_no % tc.checkpoint_every == 0 and step_no != end_step
                     if do_eval or do_ckpt:
-                        flush()
                         if do_eval:
                             last_val = self.evaluate(eval_fn, state["params"])
                             writer.write({"step": step_no, **{f"val_{k}": v for k, v in last_val.items()}})
@@ -341,12 +335,10 @@ class Trainer:
                             writer.message(f"[twell] step {step_no}: checkpoint -> {self.store.directory}")
                         mark = time.perf_counter()
                     if tc.time_limit_s and time.perf_counter() - loop_start >= tc.time_limit_s and step_no < end_step:
-                        flush()
                         time_limited = True
                         writer.message(f"[twell] step {step_no}: train.time_limit_s={tc.time_limit_s:g} reached, "
                                        f"stopping ({end_step - step_no} of {end_step} steps not run)")
                         break
-                flush()
             finally:
                 writer.close()
 
