@@ -9,7 +9,7 @@ a local fineweb-edu copy with the SmolLM2 tokenizer; set data.source / data.toke
 from __future__ import annotations
 
 from twell_jax.config import ExperimentConfig, ModelConfig, OptimConfig, SparsityConfig, TrainConfig
-from twell_jax.data import DataConfig
+from twell_jax.config import DataConfig
 
 LAYERS = {"0.5b": 8, "1b": 18, "1.5b": 28, "2b": 38}
 

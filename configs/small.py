@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from twell_jax.config import ExperimentConfig, ModelConfig, OptimConfig, SparsityConfig, TrainConfig
-from twell_jax.data import DataConfig
+from twell_jax.config import DataConfig
 
 
 def get_config() -> ExperimentConfig:

@@ -7,7 +7,7 @@ docs): large because tiny models have small hidden activations.
 from __future__ import annotations
 
 from twell_jax.config import ExperimentConfig, ModelConfig, OptimConfig, SparsityConfig, TrainConfig
-from twell_jax.data import DataConfig
+from twell_jax.config import DataConfig
 
 
 def get_config() -> ExperimentConfig:

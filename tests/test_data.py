@@ -14,7 +14,8 @@ import pytest
 
 from twell_jax import data as data_lib
 from twell_jax import tokenizer as tokenizer_lib
-from twell_jax.data import DataConfig, build_data
+from twell_jax.config import DataConfig
+from twell_jax.data import build_data
 
 SEQ_LEN = 15  # windows of 16 tokens; odd so that window boundaries rarely align with anything
 NUM_DOCS = 41

@@ -245,7 +245,7 @@ from twell_jax import ops as ops_lib  # noqa: E402
 from twell_jax import train as train_lib  # noqa: E402
 from twell_jax.config import (ExperimentConfig, ModelConfig, OptimConfig,  # noqa: E402
                               SparsityConfig, TrainConfig)
-from twell_jax.data import DataConfig  # noqa: E402
+from twell_jax.config import DataConfig  # noqa: E402
 
 _SEQ_LEN = 8
 _GLOBAL_BATCH = 8

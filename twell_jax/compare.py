@@ -20,7 +20,7 @@ def twin_configs(cfg: ExperimentConfig) -> tuple[ExperimentConfig, ExperimentCon
         cfg, name=f"{cfg.name}-dense",
         model=dataclasses.replace(cfg.model, ffn_kind="relu_gated"),
         sparsity=dataclasses.replace(cfg.sparsity, l1_coef=0.0, reinit_dead=False))
-    sparse_kind = cfg.model.ffn_kind if cfg.model.ffn_kind in ("twell", "relu") else "twell"
+    sparse_kind = cfg.model.ffn_kind if cfg.model.kind.sparse_op else "twell"
     sparse = dataclasses.replace(cfg, name=f"{cfg.name}-twell",
                                  model=dataclasses.replace(cfg.model, ffn_kind=sparse_kind))
     return dense, sparse

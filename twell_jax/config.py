@@ -15,12 +15,45 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from twell_jax.data import DataConfig
-
-FFN_KINDS = ("swiglu", "relu_gated", "twell", "relu")
 FFN_BACKENDS = ("dense", "reference", "pallas", "auto")
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+DATA_ITERATORS = ("auto", "grain", "python")
+# A byte-level BPE needs the 256 byte tokens plus the end-of-text token.
+MIN_BPE_VOCAB_SIZE = 257
+
+
+@dataclass(frozen=True)
+class FFNKind:
+    """What an FFN kind means; every module asks this table instead of comparing kind names."""
+
+    name: str
+    gated: bool  # three matrices (w_gate, w_up, w_down); False: two (w_up, w_down)
+    relu: bool  # exactly sparse ReLU activations: L0 / dead-neuron telemetry is meaningful
+    sparse_op: bool  # runs the sparse op with model.ffn_backend; False: a dense baseline
+    l1: bool  # trained with the L1 penalty (dense baselines are trained without it)
+
+    @property
+    def gate_weight(self) -> str:
+        """The weight whose rows decide whether a neuron fires (re-initialised when dead)."""
+        return "w_gate" if self.gated else "w_up"
+
+    def backend(self, ffn_backend: str) -> str:
+        """The op backend this kind runs with, given model.ffn_backend."""
+        return ffn_backend if self.sparse_op else "dense"
+
+
+FFN_KIND_TABLE: dict[str, FFNKind] = {
+    # Dense silu-gated baseline (activations never exactly zero).
+    "swiglu": FFNKind("swiglu", gated=True, relu=False, sparse_op=False, l1=False),
+    # Dense relu-gated baseline: the paper's dense twin, trained without L1.
+    "relu_gated": FFNKind("relu_gated", gated=True, relu=True, sparse_op=False, l1=False),
+    # The sparse model: relu-gated through the sparse op, trained with L1.
+    "twell": FFNKind("twell", gated=True, relu=True, sparse_op=True, l1=True),
+    # Non-gated relu FFN through the sparse op, trained with L1.
+    "relu": FFNKind("relu", gated=False, relu=True, sparse_op=True, l1=True),
+}
+FFN_KINDS = tuple(FFN_KIND_TABLE)
 
 
 def _check_positive(section: str, **values: int | float) -> None:
@@ -92,13 +125,18 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     @property
+    def kind(self) -> FFNKind:
+        """The properties of `ffn_kind` (FFN_KIND_TABLE)."""
+        return FFN_KIND_TABLE[self.ffn_kind]
+
+    @property
     def is_relu_family(self) -> bool:
         """True when FFN activations are exactly sparse (ReLU), so L0/dead-neuron telemetry is meaningful."""
-        return self.ffn_kind != "swiglu"
+        return self.kind.relu
 
     def num_params(self) -> int:
         """Parameter count (tied embedding counted once)."""
-        ffn_mats = 2 if self.ffn_kind == "relu" else 3
+        ffn_mats = 3 if self.kind.gated else 2
         per_layer = 4 * self.d_model ** 2 + ffn_mats * self.d_model * self.d_ff + 2 * self.d_model
         return self.vocab_size * self.d_model + self.n_layers * per_layer + self.d_model
 
@@ -197,6 +235,93 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class DataConfig:
+    """Where the text comes from, how it is tokenized, packed, split and served."""
+
+    # "stdlib" = the Python standard library's own .py files (present offline on every machine), or
+    # a path to a .txt file, a .jsonl file (one JSON object per line), a .parquet file, or a
+    # directory searched recursively for those three kinds of file (other files are ignored).
+    source: str = "stdlib"
+    # "bpe" = train a byte-level BPE on the training documents (cached); or a path to a
+    # tokenizer.json (or to a directory holding one, e.g. a local copy of a HF model).
+    tokenizer: str = "bpe"
+    # Vocabulary size of the trained BPE (>= 257); ignored for a tokenizer.json (taken from the file).
+    vocab_size: int = 4096
+    # Model context length: every example holds seq_len + 1 tokens (inputs [:-1], targets [1:]).
+    seq_len: int = 128
+    # Seed of the training order; epoch e is shuffled with a permutation keyed by (seed, e).
+    seed: int = 0
+    # Share of documents held out for validation (whole documents; at least one when > 0).
+    val_fraction: float = 0.05
+    # Seed of the train/validation document split, separate from `seed` so that runs with
+    # different training seeds are evaluated on the same held-out documents.
+    split_seed: int = 0
+    # Use only the first max_documents (non-empty) documents of the source; None = all.
+    max_documents: int | None = None
+    # Tokenizer and token caches live here, keyed by a hash of (source listing, settings).
+    cache_dir: str = "~/.cache/twell_jax"
+    # End-of-text token appended to every document; must exist in the tokenizer (id 0 in our BPE).
+    eot_token: str = "<|endoftext|>"
+    # JSONL key / Parquet column holding the document text.
+    text_field: str = "text"
+    # None: every .txt file is one document. A string: .txt files are split into documents at it
+    # (e.g. "\n\n" for paragraphs, "\n" for one document per line); empty pieces are dropped.
+    txt_separator: str | None = None
+    # Minimum pair frequency for a BPE merge (raise it on big corpora to keep merges meaningful).
+    bpe_min_frequency: int = 2
+    # Documents per `encode_batch` call while tokenizing (bounds memory, keeps Rust threads busy).
+    encode_chunk_documents: int = 512
+    # Reader threads assembling batches ahead of the training loop (0 = on the caller's thread).
+    num_threads: int = 2
+    # Batches buffered ahead per iterator (memory = prefetch * local batch).
+    prefetch: int = 4
+    # Batch iterator implementation: "grain" (grain.MapDataset), "python" (same batches and state
+    # format, no Grain, for machines without it), "auto" = grain when importable.
+    iterator: str = "auto"
+    # Print what is being built and where it is cached, with progress bars on long work.
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str) or not self.source:
+            raise ValueError(f"source={self.source!r}: expected 'stdlib' or a path")
+        if not isinstance(self.tokenizer, str) or not self.tokenizer:
+            raise ValueError(f"tokenizer={self.tokenizer!r}: expected 'bpe' or a path to a tokenizer.json")
+        if self.tokenizer == "bpe" and self.vocab_size < MIN_BPE_VOCAB_SIZE:
+            raise ValueError(
+                    f"vocab_size={self.vocab_size}: a byte-level BPE needs at least "
+                    f"{MIN_BPE_VOCAB_SIZE} (256 bytes + the end-of-text token)"
+            )
+        if self.seq_len < 1:
+            raise ValueError(f"seq_len={self.seq_len}: expected a positive integer")
+        if self.seed < 0:
+            raise ValueError(f"seed={self.seed}: expected a non-negative integer")
+        if self.split_seed < 0:
+            raise ValueError(f"split_seed={self.split_seed}: expected a non-negative integer")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction={self.val_fraction}: expected 0 <= val_fraction < 1")
+        if self.max_documents is not None and self.max_documents < 1:
+            raise ValueError(f"max_documents={self.max_documents}: expected None or a positive integer")
+        if not self.cache_dir:
+            raise ValueError(f"cache_dir={self.cache_dir!r}: expected a directory path")
+        if not self.eot_token:
+            raise ValueError(f"eot_token={self.eot_token!r}: expected a non-empty token string")
+        if not self.text_field:
+            raise ValueError(f"text_field={self.text_field!r}: expected a non-empty field name")
+        if self.txt_separator is not None and not self.txt_separator:
+            raise ValueError("txt_separator='': expected None (one document per file) or a non-empty string")
+        if self.bpe_min_frequency < 1:
+            raise ValueError(f"bpe_min_frequency={self.bpe_min_frequency}: expected >= 1")
+        if self.encode_chunk_documents < 1:
+            raise ValueError(f"encode_chunk_documents={self.encode_chunk_documents}: expected >= 1")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads={self.num_threads}: expected >= 0")
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch={self.prefetch}: expected >= 0")
+        if self.iterator not in DATA_ITERATORS:
+            raise ValueError(f"iterator={self.iterator!r}: expected one of {DATA_ITERATORS}")
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     """One training run: everything needed to rebuild the model, optimiser and data stream."""
 
@@ -214,7 +339,7 @@ class ExperimentConfig:
         data_vocab = getattr(self.data, "vocab_size", None)
         if getattr(self.data, "tokenizer", "bpe") == "bpe" and data_vocab is not None and data_vocab > self.model.vocab_size:
             raise ValueError(f"data.vocab_size={data_vocab} exceeds model.vocab_size={self.model.vocab_size}")
-        if self.model.ffn_kind in ("relu_gated", "swiglu") and self.sparsity.l1_coef > 0:
+        if not self.model.kind.l1 and self.sparsity.l1_coef > 0:
             raise ValueError(
                 f"model.ffn_kind={self.model.ffn_kind!r} is a dense baseline trained without L1; set "
                 f"sparsity.l1_coef=0, or use ffn_kind='twell' (any backend) for an L1-regularised model")

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from twell_jax import tokenizer as tokenizer_lib
+from twell_jax.config import DataConfig
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
         from tokenizers import Tokenizer
@@ -42,94 +43,6 @@ _PARQUET_SUFFIXES = (".parquet",)
 _SUPPORTED_SUFFIXES = _TEXT_SUFFIXES + _JSONL_SUFFIXES + _PARQUET_SUFFIXES
 # Directories of the interpreter's lib dir that are not the standard library itself.
 _STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
-_ITERATORS = ("auto", "grain", "python")
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-    """Where the text comes from, how it is tokenized, packed, split and served."""
-
-    # "stdlib" = the Python standard library's own .py files (present offline on every machine), or
-    # a path to a .txt file, a .jsonl file (one JSON object per line), a .parquet file, or a
-    # directory searched recursively for those three kinds of file (other files are ignored).
-    source: str = "stdlib"
-    # "bpe" = train a byte-level BPE on the training documents (cached); or a path to a
-    # tokenizer.json (or to a directory holding one, e.g. a local copy of a HF model).
-    tokenizer: str = "bpe"
-    # Vocabulary size of the trained BPE (>= 257); ignored for a tokenizer.json (taken from the file).
-    vocab_size: int = 4096
-    # Model context length: every example holds seq_len + 1 tokens (inputs [:-1], targets [1:]).
-    seq_len: int = 128
-    # Seed of the training order; epoch e is shuffled with a permutation keyed by (seed, e).
-    seed: int = 0
-    # Share of documents held out for validation (whole documents; at least one when > 0).
-    val_fraction: float = 0.05
-    # Seed of the train/validation document split, separate from `seed` so that runs with
-    # different training seeds are evaluated on the same held-out documents.
-    split_seed: int = 0
-    # Use only the first max_documents (non-empty) documents of the source; None = all.
-    max_documents: int | None = None
-    # Tokenizer and token caches live here, keyed by a hash of (source listing, settings).
-    cache_dir: str = "~/.cache/twell_jax"
-    # End-of-text token appended to every document; must exist in the tokenizer (id 0 in our BPE).
-    eot_token: str = "<|endoftext|>"
-    # JSONL key / Parquet column holding the document text.
-    text_field: str = "text"
-    # None: every .txt file is one document. A string: .txt files are split into documents at it
-    # (e.g. "\n\n" for paragraphs, "\n" for one document per line); empty pieces are dropped.
-    txt_separator: str | None = None
-    # Minimum pair frequency for a BPE merge (raise it on big corpora to keep merges meaningful).
-    bpe_min_frequency: int = 2
-    # Documents per `encode_batch` call while tokenizing (bounds memory, keeps Rust threads busy).
-    encode_chunk_documents: int = 512
-    # Reader threads assembling batches ahead of the training loop (0 = on the caller's thread).
-    num_threads: int = 2
-    # Batches buffered ahead per iterator (memory = prefetch * local batch).
-    prefetch: int = 4
-    # Batch iterator implementation: "grain" (grain.MapDataset), "python" (same batches and state
-    # format, no Grain, for machines without it), "auto" = grain when importable.
-    iterator: str = "auto"
-    # Print what is being built and where it is cached, with progress bars on long work.
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.source, str) or not self.source:
-            raise ValueError(f"source={self.source!r}: expected 'stdlib' or a path")
-        if not isinstance(self.tokenizer, str) or not self.tokenizer:
-            raise ValueError(f"tokenizer={self.tokenizer!r}: expected 'bpe' or a path to a tokenizer.json")
-        if self.tokenizer == "bpe" and self.vocab_size < tokenizer_lib.MIN_BPE_VOCAB_SIZE:
-            raise ValueError(
-                    f"vocab_size={self.vocab_size}: a byte-level BPE needs at least "
-                    f"{tokenizer_lib.MIN_BPE_VOCAB_SIZE} (256 bytes + the end-of-text token)"
-            )
-        if self.seq_len < 1:
-            raise ValueError(f"seq_len={self.seq_len}: expected a positive integer")
-        if self.seed < 0:
-            raise ValueError(f"seed={self.seed}: expected a non-negative integer")
-        if self.split_seed < 0:
-            raise ValueError(f"split_seed={self.split_seed}: expected a non-negative integer")
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction={self.val_fraction}: expected 0 <= val_fraction < 1")
-        if self.max_documents is not None and self.max_documents < 1:
-            raise ValueError(f"max_documents={self.max_documents}: expected None or a positive integer")
-        if not self.cache_dir:
-            raise ValueError(f"cache_dir={self.cache_dir!r}: expected a directory path")
-        if not self.eot_token:
-            raise ValueError(f"eot_token={self.eot_token!r}: expected a non-empty token string")
-        if not self.text_field:
-            raise ValueError(f"text_field={self.text_field!r}: expected a non-empty field name")
-        if self.txt_separator is not None and not self.txt_separator:
-            raise ValueError("txt_separator='': expected None (one document per file) or a non-empty string")
-        if self.bpe_min_frequency < 1:
-            raise ValueError(f"bpe_min_frequency={self.bpe_min_frequency}: expected >= 1")
-        if self.encode_chunk_documents < 1:
-            raise ValueError(f"encode_chunk_documents={self.encode_chunk_documents}: expected >= 1")
-        if self.num_threads < 0:
-            raise ValueError(f"num_threads={self.num_threads}: expected >= 0")
-        if self.prefetch < 0:
-            raise ValueError(f"prefetch={self.prefetch}: expected >= 0")
-        if self.iterator not in _ITERATORS:
-            raise ValueError(f"iterator={self.iterator!r}: expected one of {_ITERATORS}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -110,17 +110,19 @@ class FeedForward(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
         h, d, std = cfg.d_ff, cfg.d_model, cfg.init_std
         self.kind = cfg.ffn_kind
-        if self.kind != "relu":
+        kind = cfg.kind
+        self.gated = kind.gated
+        if kind.gated:
             self.w_gate = _normal(rngs, (h, d), std)
         self.w_up = _normal(rngs, (h, d), std)
         self.w_down = _normal(rngs, (h, d), std)
-        self.backend = "dense" if self.kind == "relu_gated" else cfg.ffn_backend
+        self.backend = kind.backend(cfg.ffn_backend)
         self.op_config = build_op_config(cfg, layer)
         self.interpret = cfg.ffn_interpret
 
     def gate_preactivation(self, x_BxSxD: jax.Array) -> jax.Array:
         """The pre-activation whose sign decides which neurons fire: x Wg^T (x Wu^T for "relu")."""
-        w = self.w_up if self.kind == "relu" else self.w_gate
+        w = self.w_gate if self.gated else self.w_up
         return jnp.einsum("bsd,hd->bsh", x_BxSxD, w[...].astype(x_BxSxD.dtype))
 
     def __call__(self, x_BxSxD: jax.Array) -> tuple[jax.Array, Aux]:
@@ -137,7 +139,7 @@ class FeedForward(nnx.Module):
                    "l0": jnp.sum((h_BxSxH != 0).astype(jnp.float32)) / tokens,
                    "tile_overflow": zero, "row_overflow": zero, "dense_fallback": zero}
             return y, aux
-        if self.kind == "relu":
+        if not self.gated:
             return ops.ffn(x_BxSxD, w_up, w_down, backend=self.backend, config=self.op_config,
                            interpret=self.interpret)
         return ops.gated_ffn(x_BxSxD, self.w_gate[...].astype(dt), w_up, w_down,
@@ -219,7 +221,7 @@ def apply_model(graphdef: nnx.GraphDef, params: dict[str, Any], tokens_BxS: jax.
 
 def gate_key(cfg: ModelConfig) -> str:
     """Name of the weight whose rows decide whether a neuron fires (re-initialised when dead)."""
-    return "w_up" if cfg.ffn_kind == "relu" else "w_gate"
+    return cfg.kind.gate_weight
 
 
 def is_decayed(path: tuple[Any, ...]) -> bool:

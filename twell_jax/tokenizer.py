@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from tokenizers import Tokenizer
 
-# A byte-level BPE has 256 base symbols; the end-of-text token takes one more id.
-MIN_BPE_VOCAB_SIZE = 257
+from twell_jax.config import MIN_BPE_VOCAB_SIZE  # noqa: E402  (256 bytes + end-of-text; re-exported)
 
 
 def resolve_tokenizer_path(path: str) -> str:

@@ -245,7 +245,7 @@ class Trainer:
         tokens_per_step = tc.global_batch * seq_len
         self.echo(f"[twell] run dir: {self.run_dir.absolute()}")
         self.echo(f"[twell] model: {cfg.model.ffn_kind} FFN (backend "
-                  f"{'dense' if cfg.model.ffn_kind in ('relu_gated', 'swiglu') else cfg.model.ffn_backend}), "
+                  f"{cfg.model.kind.backend(cfg.model.ffn_backend)}), "
                   f"{cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.n_layers} layers, d_model "
                   f"{cfg.model.d_model}, d_ff {cfg.model.d_ff}; L1 coef {cfg.sparsity.l1_coef:g}")
         self.echo(f"[twell] devices: {self.num_devices} x {jax.devices()[0].platform}; global batch "
