@@ -1,5 +1,6 @@
 """Tests for twell_jax.data: packing, split, shuffling, sharding, iterator state, caching, sources,
-tokenizers and error messages. Small corpora written to tmp dirs, plus a few stdlib files."""
+tokenizers, the synthetic source, the trainer-facing checks and error messages. Small corpora written
+to tmp dirs, plus a few stdlib files."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from twell_jax import data as data_lib
-from twell_jax import tokenizer as tokenizer_lib
+from twell_jax.data import tokenizer as tokenizer_lib
 from twell_jax.config import DataConfig
 from twell_jax.data import build_data
 
@@ -139,9 +140,7 @@ def test_process_slices_are_disjoint_and_make_up_the_global_batch(corpus, bundle
         )
 
 
-@pytest.mark.parametrize("iterator", ["grain", "python"])
-def test_iterator_state_round_trip_across_epoch_boundary(corpus, iterator):
-    bundle = build_data(_cfg(corpus["dir"], corpus["cache"], iterator=iterator), global_batch=4)
+def test_iterator_state_round_trip_across_epoch_boundary(corpus, bundle):
     steps_per_epoch = bundle.num_train_sequences // 4
     first = bundle.make_train_iter()
     _take(first, steps_per_epoch - 2)
@@ -150,10 +149,11 @@ def test_iterator_state_round_trip_across_epoch_boundary(corpus, iterator):
     resumed = bundle.make_train_iter()
     resumed.set_state(state)
     np.testing.assert_array_equal(_take(resumed, 5), expected)
-    # The two implementations agree on batches and state, so checkpoints move between them.
-    twin = data_lib.PythonBatchIterator(bundle.train_batch_source())
-    twin.set_state(state)
-    np.testing.assert_array_equal(_take(twin, 5), expected)
+    # The state is the step of the next batch (the format the removed pure-Python iterator
+    # shared, so its checkpoints restore into Grain), and batch s is the batch source's step s.
+    assert state == {"next_index": steps_per_epoch - 2}
+    source = bundle.train_batch_source()
+    np.testing.assert_array_equal(expected, [source[steps_per_epoch - 2 + i]["tokens"] for i in range(5)])
 
 
 def test_val_batches_are_finite_deterministic_and_capped(bundle):
@@ -176,7 +176,7 @@ def test_second_build_reuses_caches(tmp_path):
     first = build_data(cfg, global_batch=2)
     assert first.built_tokenizer and first.built_tokens
     cached_files = [os.path.join(first.cache_path, f) for f in os.listdir(first.cache_path)]
-    cached_files.append(first.tokenizer_path)
+    cached_files.append(first.tokenizer_json_path)
     mtimes = {f: os.stat(f).st_mtime_ns for f in cached_files}
     second = build_data(cfg, global_batch=2)
     assert not second.built_tokenizer and not second.built_tokens
@@ -211,7 +211,7 @@ def test_jsonl_parquet_and_txt_sources_give_the_same_tokens(tmp_path, corpus):
     _write_corpus(txt_dir, num_docs=12)  # same seed: the same 12 texts
 
     tokenizer = os.path.join(corpus["cache"], "user_tokenizer.json")
-    shutil.copy(build_data(_cfg(corpus["dir"], corpus["cache"]), global_batch=4).tokenizer_path, tokenizer)
+    shutil.copy(build_data(_cfg(corpus["dir"], corpus["cache"]), global_batch=4).tokenizer_json_path, tokenizer)
     results = {}
     for name, source, extra in (("jsonl", jsonl, {}), ("parquet", parquet, {}), ("dir", txt_dir, {}),
                                 ("txt", single_txt, {"txt_separator": "\n\n"})):
@@ -227,7 +227,7 @@ def test_jsonl_parquet_and_txt_sources_give_the_same_tokens(tmp_path, corpus):
 def test_user_tokenizer_file(tmp_path, corpus, bundle):
     user_dir = tmp_path / "my_model"
     user_dir.mkdir()
-    shutil.copy(bundle.tokenizer_path, user_dir / "tokenizer.json")
+    shutil.copy(bundle.tokenizer_json_path, user_dir / "tokenizer.json")
     cfg = _cfg(corpus["dir"], tmp_path / "cache", tokenizer=str(user_dir / "tokenizer.json"),
                vocab_size=1)  # vocab_size is ignored for a tokenizer file
     built = build_data(cfg, global_batch=4)
@@ -270,17 +270,19 @@ def test_stdlib_source_smoke(tmp_path):
 @pytest.mark.parametrize(
     "field, value",
     [("seq_len", 0), ("vocab_size", 100), ("val_fraction", 1.0), ("val_fraction", -0.1),
-     ("max_documents", 0), ("seed", -1), ("split_seed", -1), ("iterator", "torch"), ("prefetch", -1),
-     ("num_threads", -1), ("txt_separator", ""), ("eot_token", ""), ("source", ""), ("tokenizer", "")],
+     ("max_documents", 0), ("seed", -1), ("split_seed", -1), ("prefetch", -1), ("num_threads", -1),
+     ("txt_separator", ""), ("txt_separator", "\\q"), ("eot_token", ""), ("source", ""), ("tokenizer", ""),
+     ("synthetic_sequences", 1), ("bpe_min_frequency", 0), ("encode_chunk_documents", 0), ("cache_dir", ""),
+     ("text_field", "")],
 )
 def test_config_errors_name_the_field(field, value):
-    with pytest.raises(ValueError, match=rf"^{field}="):
+    with pytest.raises(ValueError, match=rf"^data\.{field}="):
         DataConfig(**{field: value})
 
 
 def test_build_errors(tmp_path, corpus):
     cache = tmp_path / "cache"
-    with pytest.raises(ValueError, match=r"source='.*missing': no such file or directory"):
+    with pytest.raises(ValueError, match=r"data.source='.*missing': no such file or directory"):
         build_data(_cfg(tmp_path / "missing", cache), global_batch=2)
     (tmp_path / "data.csv").write_text("a,b\n")
     with pytest.raises(ValueError, match=r"unknown file type '\.csv'"):
@@ -293,16 +295,16 @@ def test_build_errors(tmp_path, corpus):
     with pytest.raises(ValueError, match="the corpus has no non-empty documents"):
         build_data(_cfg(empty, cache), global_batch=2)
     (empty / "a.txt").write_text("just one document")
-    with pytest.raises(ValueError, match=r"val_fraction=0.1: the corpus has only 1 document"):
+    with pytest.raises(ValueError, match=r"data.val_fraction=0.1: the corpus has only 1 document.*data.txt_separator"):
         build_data(_cfg(empty, cache), global_batch=2)
     with pytest.raises(ValueError, match=r"corpus too small: the training split has \d+ sequences .* "
                                          r"global_batch=100000 sequences"):
         build_data(_cfg(corpus["dir"], corpus["cache"]), global_batch=100000)
-    with pytest.raises(ValueError, match="global_batch=5 is not divisible by process_count=2"):
+    with pytest.raises(ValueError, match=r"global_batch=5 \(train.global_batch\) is not divisible by process_count=2"):
         build_data(_cfg(corpus["dir"], corpus["cache"]), global_batch=5, process_count=2)
     with pytest.raises(ValueError, match="process_index=2"):
         build_data(_cfg(corpus["dir"], corpus["cache"]), global_batch=4, process_index=2, process_count=2)
-    with pytest.raises(ValueError, match=r"tokenizer='.*nope.json': no such tokenizer file"):
+    with pytest.raises(ValueError, match=r"data.tokenizer='.*nope.json': no such tokenizer file"):
         build_data(_cfg(corpus["dir"], cache, tokenizer=str(tmp_path / "nope.json")), global_batch=2)
     no_val = build_data(_cfg(corpus["dir"], corpus["cache"], val_fraction=0.0), global_batch=2)
     with pytest.raises(ValueError, match="no validation split"):
@@ -329,7 +331,7 @@ def test_tokenizer_without_eot_token_is_rejected(tmp_path, corpus):
     trained = tokenizer_lib.train_bpe(corpus["texts"], vocab_size=300, eot_token="</s>", show_progress=False)
     path = tmp_path / "tokenizer.json"
     trained.save(str(path))
-    with pytest.raises(ValueError, match=r"eot_token='<\|endoftext\|>' is not in the vocabulary"):
+    with pytest.raises(ValueError, match=r"data.eot_token='<\|endoftext\|>' is not in the vocabulary"):
         build_data(_cfg(corpus["dir"], tmp_path / "cache", tokenizer=str(path)), global_batch=2)
     # Naming the file's own end-of-text token works.
     built = build_data(_cfg(corpus["dir"], tmp_path / "cache", tokenizer=str(path), eot_token="</s>"),

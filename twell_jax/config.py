@@ -12,13 +12,17 @@ import dataclasses
 import json
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 FFN_BACKENDS = ("dense", "reference", "pallas", "auto")
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
-DATA_ITERATORS = ("auto", "grain", "python")
+# DataConfig.source value of the deterministic random-token source.
+SYNTHETIC_SOURCE = "synthetic"
+# Backslash escapes a string field may use on the command line (`decode_escapes`).
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 # A byte-level BPE needs the 256 byte tokens plus the end-of-text token.
 MIN_BPE_VOCAB_SIZE = 257
 
@@ -65,6 +69,25 @@ def _check_positive(section: str, **values: int | float) -> None:
 def _check_choice(section: str, name: str, value: Any, choices: tuple[Any, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{section}.{name} must be one of {choices}, got {value!r}")
+
+
+def decode_escapes(text: str, where: str) -> str:
+    """`text` with the backslash escapes \\n \\t \\r \\\\ decoded (so a command line can express a
+    newline); any other backslash sequence is an error naming `where`."""
+    out, index = [], 0
+    while index < len(text):
+        char = text[index]
+        if char != "\\":
+            out.append(char)
+            index += 1
+            continue
+        escape = text[index + 1:index + 2]
+        if escape not in _ESCAPES:
+            raise ValueError(f"{where}={text!r}: unknown escape '\\{escape}' at position {index}; "
+                             "use \\n (newline), \\t (tab), \\r or \\\\ (a backslash)")
+        out.append(_ESCAPES[escape])
+        index += 2
+    return "".join(out)
 
 
 @dataclass(frozen=True)
@@ -238,23 +261,35 @@ class TrainConfig:
 class DataConfig:
     """Where the text comes from, how it is tokenized, packed, split and served."""
 
-    # "stdlib" = the Python standard library's own .py files (present offline on every machine), or
+    # Fields that older saved configs may hold and that no longer exist: `from_dict` drops them
+    # with a FutureWarning saying why, so old checkpoints and config.json files still load.
+    REMOVED_FIELDS: ClassVar[dict[str, str]] = {
+        "iterator": "Grain is now required and always used; the removed pure-Python iterator gave the "
+                    "same batches and the same iterator state, so nothing changes",
+    }
+
+    # "stdlib" = the Python standard library's own .py files (present offline on every machine);
+    # "synthetic" = deterministic random token ids (no corpus, no tokenizer: tests, benchmarks); or
     # a path to a .txt file, a .jsonl file (one JSON object per line), a .parquet file, or a
     # directory searched recursively for those three kinds of file (other files are ignored).
     source: str = "stdlib"
     # "bpe" = train a byte-level BPE on the training documents (cached); or a path to a
     # tokenizer.json (or to a directory holding one, e.g. a local copy of a HF model).
+    # Ignored for source="synthetic".
     tokenizer: str = "bpe"
-    # Vocabulary size of the trained BPE (>= 257); ignored for a tokenizer.json (taken from the file).
+    # Vocabulary size of the trained BPE (>= 257), or of the synthetic source (>= 2: ids drawn
+    # uniformly from [0, vocab_size)); ignored for a tokenizer.json (taken from the file).
     vocab_size: int = 4096
     # Model context length: every example holds seq_len + 1 tokens (inputs [:-1], targets [1:]).
     seq_len: int = 128
     # Seed of the training order; epoch e is shuffled with a permutation keyed by (seed, e).
     seed: int = 0
-    # Share of documents held out for validation (whole documents; at least one when > 0).
+    # Share of documents held out for validation (whole documents; at least one when > 0). For
+    # source="synthetic", the share of the synthetic sequences held out.
     val_fraction: float = 0.05
     # Seed of the train/validation document split, separate from `seed` so that runs with
-    # different training seeds are evaluated on the same held-out documents.
+    # different training seeds are evaluated on the same held-out documents. For
+    # source="synthetic", the seed of the token values.
     split_seed: int = 0
     # Use only the first max_documents (non-empty) documents of the source; None = all.
     max_documents: int | None = None
@@ -266,6 +301,8 @@ class DataConfig:
     text_field: str = "text"
     # None: every .txt file is one document. A string: .txt files are split into documents at it
     # (e.g. "\n\n" for paragraphs, "\n" for one document per line); empty pieces are dropped.
+    # Backslash escapes \n \t \r \\ are decoded (`txt_separator_text`), so the command line can
+    # say --set 'data.txt_separator=\n\n'.
     txt_separator: str | None = None
     # Minimum pair frequency for a BPE merge (raise it on big corpora to keep merges meaningful).
     bpe_min_frequency: int = 2
@@ -275,50 +312,65 @@ class DataConfig:
     num_threads: int = 2
     # Batches buffered ahead per iterator (memory = prefetch * local batch).
     prefetch: int = 4
-    # Batch iterator implementation: "grain" (grain.MapDataset), "python" (same batches and state
-    # format, no Grain, for machines without it), "auto" = grain when importable.
-    iterator: str = "auto"
+    # source="synthetic": number of random sequences of seq_len + 1 tokens (train + validation).
+    synthetic_sequences: int = 1 << 20
     # Print what is being built and where it is cached, with progress bars on long work.
     progress: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str) or not self.source:
-            raise ValueError(f"source={self.source!r}: expected 'stdlib' or a path")
+            raise ValueError(f"data.source={self.source!r}: expected 'stdlib', 'synthetic' or a path")
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
-            raise ValueError(f"tokenizer={self.tokenizer!r}: expected 'bpe' or a path to a tokenizer.json")
-        if self.tokenizer == "bpe" and self.vocab_size < MIN_BPE_VOCAB_SIZE:
+            raise ValueError(f"data.tokenizer={self.tokenizer!r}: expected 'bpe' or a path to a tokenizer.json")
+        if self.is_synthetic:
+            if self.vocab_size < 2:
+                raise ValueError(f"data.vocab_size={self.vocab_size}: the synthetic source needs at least 2 ids")
+        elif self.tokenizer == "bpe" and self.vocab_size < MIN_BPE_VOCAB_SIZE:
             raise ValueError(
-                    f"vocab_size={self.vocab_size}: a byte-level BPE needs at least "
-                    f"{MIN_BPE_VOCAB_SIZE} (256 bytes + the end-of-text token)"
+                f"data.vocab_size={self.vocab_size}: a byte-level BPE needs at least "
+                f"{MIN_BPE_VOCAB_SIZE} (256 bytes + the end-of-text token)"
             )
         if self.seq_len < 1:
-            raise ValueError(f"seq_len={self.seq_len}: expected a positive integer")
+            raise ValueError(f"data.seq_len={self.seq_len}: expected a positive integer")
         if self.seed < 0:
-            raise ValueError(f"seed={self.seed}: expected a non-negative integer")
+            raise ValueError(f"data.seed={self.seed}: expected a non-negative integer")
         if self.split_seed < 0:
-            raise ValueError(f"split_seed={self.split_seed}: expected a non-negative integer")
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction={self.val_fraction}: expected 0 <= val_fraction < 1")
+            raise ValueError(f"data.split_seed={self.split_seed}: expected a non-negative integer")
+        if isinstance(self.val_fraction, bool) or not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction={self.val_fraction}: expected 0 <= val_fraction < 1")
         if self.max_documents is not None and self.max_documents < 1:
-            raise ValueError(f"max_documents={self.max_documents}: expected None or a positive integer")
+            raise ValueError(f"data.max_documents={self.max_documents}: expected None or a positive integer")
         if not self.cache_dir:
-            raise ValueError(f"cache_dir={self.cache_dir!r}: expected a directory path")
+            raise ValueError(f"data.cache_dir={self.cache_dir!r}: expected a directory path")
         if not self.eot_token:
-            raise ValueError(f"eot_token={self.eot_token!r}: expected a non-empty token string")
+            raise ValueError(f"data.eot_token={self.eot_token!r}: expected a non-empty token string")
         if not self.text_field:
-            raise ValueError(f"text_field={self.text_field!r}: expected a non-empty field name")
-        if self.txt_separator is not None and not self.txt_separator:
-            raise ValueError("txt_separator='': expected None (one document per file) or a non-empty string")
+            raise ValueError(f"data.text_field={self.text_field!r}: expected a non-empty field name")
+        if self.txt_separator is not None and not self.txt_separator_text:
+            raise ValueError(f"data.txt_separator={self.txt_separator!r}: expected None (one document per "
+                             "file) or a non-empty string")
         if self.bpe_min_frequency < 1:
-            raise ValueError(f"bpe_min_frequency={self.bpe_min_frequency}: expected >= 1")
+            raise ValueError(f"data.bpe_min_frequency={self.bpe_min_frequency}: expected >= 1")
         if self.encode_chunk_documents < 1:
-            raise ValueError(f"encode_chunk_documents={self.encode_chunk_documents}: expected >= 1")
+            raise ValueError(f"data.encode_chunk_documents={self.encode_chunk_documents}: expected >= 1")
         if self.num_threads < 0:
-            raise ValueError(f"num_threads={self.num_threads}: expected >= 0")
+            raise ValueError(f"data.num_threads={self.num_threads}: expected >= 0")
         if self.prefetch < 0:
-            raise ValueError(f"prefetch={self.prefetch}: expected >= 0")
-        if self.iterator not in DATA_ITERATORS:
-            raise ValueError(f"iterator={self.iterator!r}: expected one of {DATA_ITERATORS}")
+            raise ValueError(f"data.prefetch={self.prefetch}: expected >= 0")
+        if self.synthetic_sequences < 2:
+            raise ValueError(f"data.synthetic_sequences={self.synthetic_sequences}: expected >= 2")
+
+    @property
+    def is_synthetic(self) -> bool:
+        """True for the random-token source (no corpus, no tokenizer)."""
+        return self.source == SYNTHETIC_SOURCE
+
+    @property
+    def txt_separator_text(self) -> str | None:
+        """`txt_separator` with its backslash escapes decoded (None: one document per .txt file)."""
+        if self.txt_separator is None:
+            return None
+        return decode_escapes(self.txt_separator, "data.txt_separator")
 
 
 @dataclass(frozen=True)
@@ -362,6 +414,11 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 def _section_from_dict(cls: type, values: dict[str, Any], path: str) -> Any:
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
+    removed = getattr(cls, "REMOVED_FIELDS", {})
+    for name in sorted(set(values) & set(removed) - known):
+        warnings.warn(f"config field {path}{name} no longer exists and was dropped: {removed[name]}",
+                      FutureWarning, stacklevel=3)
+        values = {k: v for k, v in values.items() if k != name}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"unknown config field(s) {', '.join(path + k for k in unknown)}")

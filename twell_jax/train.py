@@ -30,6 +30,7 @@ from twell_jax import checkpoint as ckpt_lib
 from twell_jax import config as config_lib
 from twell_jax import parallel
 from twell_jax.config import ExperimentConfig
+from twell_jax.data import DataSource, build_experiment_data
 from twell_jax.loss import cross_entropy, l1_coefficient, total_loss
 from twell_jax.metrics import MetricsWriter, check_finite, device_peak_memory_bytes, to_python
 from twell_jax.model import apply_model, init_model, split_model
@@ -50,13 +51,6 @@ GUARDED_METRICS = ("loss", "ce", "l1", "grad_norm", "l0_per_layer")
 def default_run_dir(cfg: ExperimentConfig, root: str | Path = "runs") -> Path:
     """runs/<name>-<YYYYmmdd-HHMMSS>."""
     return Path(root) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def _build_data(cfg: ExperimentConfig) -> Any:
-    from twell_jax.data import build_data
-
-    return build_data(cfg.data, global_batch=cfg.train.global_batch,
-                      process_index=jax.process_index(), process_count=jax.process_count())
 
 
 def dead_window(cfg: ExperimentConfig) -> int:
@@ -180,7 +174,7 @@ class Trainer:
     """Builds mesh, model, optimizer, data and checkpoint store for one run; `run()` trains."""
 
     def __init__(self, cfg: ExperimentConfig, run_dir: str | Path, *, resume: bool = False,
-                 data_builder: Callable[[ExperimentConfig], Any] = _build_data,
+                 data_builder: Callable[[ExperimentConfig], DataSource] = build_experiment_data,
                  echo: Callable[[str], None] = print):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -404,7 +398,7 @@ def compact_record(record: dict[str, Any]) -> dict[str, Any]:
     return compact
 
 
-def evaluate_params(cfg: ExperimentConfig, data: Any, eval_fn: Callable, params: Any, mesh: Any) -> dict[str, Any]:
+def evaluate_params(cfg: ExperimentConfig, data: DataSource, eval_fn: Callable, params: Any, mesh: Any) -> dict[str, Any]:
     """Validation loss, perplexity and per-layer mean active neurons over the held-out batches.
 
     Uses the first `train.eval_batches` full batches of `train.eval_batch_size` sequences (global)

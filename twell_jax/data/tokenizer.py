@@ -1,4 +1,4 @@
-"""Tokenizers for twell-jax: train a byte-level BPE on a corpus, or load a user `tokenizer.json`.
+"""Tokenizers: train a byte-level BPE on a corpus (cached), or load a user `tokenizer.json`.
 
 Both paths return a HF `tokenizers.Tokenizer` whose end-of-text token exists; the data pipeline
 appends that token to every document. `tokenizers` is imported lazily so that code reading an
@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from twell_jax.config import MIN_BPE_VOCAB_SIZE, DataConfig
+from twell_jax.data.cache import cache_key, log, new_tmp_dir, publish
+from twell_jax.data.sources import SourceFile, iter_documents
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from tokenizers import Tokenizer
-
-from twell_jax.config import MIN_BPE_VOCAB_SIZE  # noqa: E402  (256 bytes + end-of-text; re-exported)
 
 
 def resolve_tokenizer_path(path: str) -> str:
@@ -24,7 +29,7 @@ def resolve_tokenizer_path(path: str) -> str:
         expanded = os.path.join(expanded, "tokenizer.json")
     if not os.path.isfile(expanded):
         raise ValueError(
-            f"tokenizer={path!r}: no such tokenizer file (expected 'bpe' or a path to a tokenizer.json "
+            f"data.tokenizer={path!r}: no such tokenizer file (expected 'bpe' or a path to a tokenizer.json "
             "or to a directory holding one)"
         )
     return expanded
@@ -53,7 +58,7 @@ def train_bpe(
 
     if vocab_size < MIN_BPE_VOCAB_SIZE:
         raise ValueError(
-            f"vocab_size={vocab_size}: a byte-level BPE needs at least {MIN_BPE_VOCAB_SIZE} "
+            f"data.vocab_size={vocab_size}: a byte-level BPE needs at least {MIN_BPE_VOCAB_SIZE} "
             "(256 bytes + the end-of-text token)"
         )
     tokenizer = Tokenizer(models.BPE())
@@ -85,8 +90,8 @@ def eot_token_id(tokenizer: "Tokenizer", eot_token: str, *, where: str) -> int:
     token_id = tokenizer.token_to_id(eot_token)
     if token_id is None:
         raise ValueError(
-            f"eot_token={eot_token!r} is not in the vocabulary of the tokenizer {where}; set "
-            "DataConfig.eot_token to its end-of-text token (e.g. '<|endoftext|>' or '</s>')"
+            f"data.eot_token={eot_token!r} is not in the vocabulary of the tokenizer {where}; set "
+            "data.eot_token to its end-of-text token (e.g. '<|endoftext|>' or '</s>')"
         )
     return int(token_id)
 
@@ -112,3 +117,37 @@ def _non_empty(documents: Iterable[str]) -> Iterator[str]:
     for document in documents:
         if document:
             yield document
+
+
+def get_tokenizer(
+    cfg: DataConfig, files: list[SourceFile], listing: dict[str, Any], is_val_fn: Callable[[], np.ndarray],
+) -> tuple["Tokenizer", str, bool]:
+    """(tokenizer, path of its tokenizer.json, whether this call trained it).
+
+    `cfg.tokenizer == "bpe"`: a BPE trained on the training documents (`is_val_fn()` gives the
+    split), cached under `cache_dir/tokenizers/bpe-<key>`; otherwise the user's file.
+    """
+    if cfg.tokenizer != "bpe":
+        path = resolve_tokenizer_path(cfg.tokenizer)
+        return load_tokenizer(path), path, False
+    key = cache_key({"source": listing, "vocab_size": cfg.vocab_size, "eot_token": cfg.eot_token,
+                     "min_frequency": cfg.bpe_min_frequency})
+    final_dir = os.path.join(os.path.expanduser(cfg.cache_dir), "tokenizers", f"bpe-{key}")
+    path = os.path.join(final_dir, "tokenizer.json")
+    if os.path.isfile(path):
+        log(cfg, f"BPE tokenizer: cached at {path}")
+        return load_tokenizer(path), path, False
+    is_val = is_val_fn()
+    num_train = int((~is_val).sum())
+    log(cfg, f"training a byte-level BPE (vocab {cfg.vocab_size}) on {num_train} training documents"
+             f" of {cfg.source!r}; caching it at {path}")
+    start = time.perf_counter()
+    train_docs = (d for d, held_out in zip(iter_documents(cfg, files), is_val) if not held_out)
+    trained = train_bpe(train_docs, vocab_size=cfg.vocab_size, eot_token=cfg.eot_token,
+                        num_documents=num_train, min_frequency=cfg.bpe_min_frequency,
+                        show_progress=cfg.progress)
+    tmp_dir = new_tmp_dir(final_dir)
+    trained.save(os.path.join(tmp_dir, "tokenizer.json"))
+    publish(tmp_dir, final_dir)
+    log(cfg, f"BPE trained in {time.perf_counter() - start:.1f}s ({trained.get_vocab_size()} tokens)")
+    return load_tokenizer(path), path, True

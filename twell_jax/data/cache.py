@@ -1,0 +1,172 @@
+"""Caches: the token cache (build, load) and the atomic directory publishing shared with the
+tokenizer cache. Everything is built in a private temporary directory and renamed into place, so
+concurrent processes or an interrupted build never leave a half-written cache behind."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from twell_jax.config import DataConfig
+from twell_jax.data.sources import DocumentHasher, SourceFile, iter_documents
+
+# Bump when the token cache's layout or the tokenization semantics change: old caches become
+# misses. 2: meta.json holds the corpus content hash (`documents_sha256`).
+TOKEN_CACHE_VERSION = 2
+_META = "meta.json"
+
+
+def log(cfg: DataConfig, message: str) -> None:
+    """A progress line on stderr (when `data.progress`)."""
+    if cfg.progress:
+        print(f"[twell_jax.data] {message}", file=sys.stderr, flush=True)
+
+
+def cache_key(payload: Any) -> str:
+    """A short stable hash of a JSON-ready payload (cache directory names)."""
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def new_tmp_dir(final_dir: str) -> str:
+    """A fresh private directory next to `final_dir` (same filesystem, so the rename is atomic)."""
+    tmp_dir = f"{final_dir}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.makedirs(tmp_dir)
+    return tmp_dir
+
+
+def publish(tmp_dir: str, final_dir: str) -> None:
+    """Renames a finished `tmp_dir` to `final_dir`; if another process won the race, keeps theirs."""
+    try:
+        os.rename(tmp_dir, final_dir)
+    except OSError:
+        if not os.path.isdir(final_dir):
+            raise
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    # uint16 halves the cache (and the page cache it occupies) for vocabularies up to 65536.
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.int32)
+
+
+def _write_npy_from_raw(raw_path: str, npy_path: str, dtype: np.dtype) -> int:
+    """Turns a raw token file into an .npy (so np.load can memory-map it); returns its length."""
+    num_tokens = os.path.getsize(raw_path) // dtype.itemsize
+    if num_tokens == 0:
+        np.save(npy_path, np.zeros(0, dtype))
+    else:
+        raw = np.memmap(raw_path, dtype=dtype, mode="r", shape=(num_tokens,))
+        out = np.lib.format.open_memmap(npy_path, mode="w+", dtype=dtype, shape=(num_tokens,))
+        block = 1 << 24
+        for start in range(0, num_tokens, block):
+            out[start:start + block] = raw[start:start + block]
+        out.flush()
+        del out, raw
+    os.remove(raw_path)
+    return num_tokens
+
+
+def build_token_cache(
+    cfg: DataConfig, files: list[SourceFile], encode: Callable[[list[str]], list[list[int]]],
+    vocab_size: int, eot_id: int, is_val: np.ndarray, final_dir: str,
+) -> None:
+    """Tokenizes every document (`encode`: a batch of texts -> their ids, no special tokens) into
+    train.npy / val.npy, document ids and lengths, and meta.json (with the corpus content hash)."""
+    from tqdm.auto import tqdm
+
+    dtype = token_dtype(vocab_size)
+    tmp_dir = new_tmp_dir(final_dir)
+    raw = {split: open(os.path.join(tmp_dir, f"{split}.raw"), "wb") for split in ("train", "val")}
+    doc_lengths: dict[str, list[int]] = {"train": [], "val": []}
+    hasher = DocumentHasher()
+    start = time.perf_counter()
+    progress_bar = tqdm(total=len(is_val), unit="doc", disable=not cfg.progress,
+                        desc=f"tokenizing {cfg.source} -> {final_dir}")
+
+    def flush(batch: list[str], first_doc: int) -> None:
+        for offset, ids in enumerate(encode(batch)):
+            split = "val" if is_val[first_doc + offset] else "train"
+            ids.append(eot_id)
+            raw[split].write(np.asarray(ids, dtype=dtype).tobytes())
+            doc_lengths[split].append(len(ids))
+        progress_bar.update(len(batch))
+
+    try:
+        batch: list[str] = []
+        first_doc = 0
+        for doc_index, text in enumerate(iter_documents(cfg, files)):
+            hasher.update(text)
+            if not batch:
+                first_doc = doc_index
+            batch.append(text)
+            if len(batch) == cfg.encode_chunk_documents:
+                flush(batch, first_doc)
+                batch = []
+        if batch:
+            flush(batch, first_doc)
+    finally:
+        progress_bar.close()
+        for handle in raw.values():
+            handle.close()
+    meta: dict[str, Any] = {"version": TOKEN_CACHE_VERSION, "vocab_size": vocab_size, "eot_id": eot_id,
+                            "dtype": dtype.name, "documents_sha256": hasher.hexdigest()}
+    for split, mask in (("train", ~is_val), ("val", is_val)):
+        num_tokens = _write_npy_from_raw(
+            os.path.join(tmp_dir, f"{split}.raw"), os.path.join(tmp_dir, f"{split}.npy"), dtype
+        )
+        np.save(os.path.join(tmp_dir, f"{split}_doc_ids.npy"), np.flatnonzero(mask).astype(np.int64))
+        np.save(os.path.join(tmp_dir, f"{split}_doc_lengths.npy"), np.asarray(doc_lengths[split], np.int64))
+        meta[f"num_{split}_tokens"] = num_tokens
+        meta[f"num_{split}_documents"] = int(mask.sum())
+    with open(os.path.join(tmp_dir, _META), "w") as handle:
+        json.dump(meta, handle, indent=1)
+    publish(tmp_dir, final_dir)
+    log(cfg, f"tokenized {len(is_val)} documents ({meta['num_train_tokens']} train + "
+             f"{meta['num_val_tokens']} val tokens) in {time.perf_counter() - start:.1f}s")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenCache:
+    """A built token cache, memory-mapped (a corpus larger than RAM is paged in on demand)."""
+
+    path: str  # the cache directory
+    train_tokens: np.ndarray  # flat training stream, token dtype, documents joined by eot
+    val_tokens: np.ndarray  # flat validation stream
+    train_document_ids: np.ndarray  # int64 indices (in source order) of the training documents
+    val_document_ids: np.ndarray  # int64 indices of the held-out documents
+    documents_sha256: str  # content hash of the whole document sequence (`DocumentHasher`)
+
+
+def has_token_cache(path: str) -> bool:
+    """True when `path` holds a published token cache (meta.json is written last)."""
+    return os.path.isfile(os.path.join(path, _META))
+
+
+def load_token_cache(path: str) -> TokenCache:
+    """Opens a published token cache; a clear error naming the file when it is damaged."""
+    meta_path = os.path.join(path, _META)
+    try:
+        with open(meta_path) as handle:
+            meta = json.load(handle)
+        if meta.get("version") != TOKEN_CACHE_VERSION:
+            raise ValueError(f"version {meta.get('version')!r}, expected {TOKEN_CACHE_VERSION}")
+        return TokenCache(
+            path=path,
+            train_tokens=np.load(os.path.join(path, "train.npy"), mmap_mode="r"),
+            val_tokens=np.load(os.path.join(path, "val.npy"), mmap_mode="r"),
+            train_document_ids=np.load(os.path.join(path, "train_doc_ids.npy")),
+            val_document_ids=np.load(os.path.join(path, "val_doc_ids.npy")),
+            documents_sha256=str(meta["documents_sha256"]),
+        )
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(f"token cache {path} is damaged ({type(error).__name__}: {error}); delete that "
+                         "directory and the next run rebuilds it") from None
