@@ -3,9 +3,9 @@ list of device counts), with the same per-device micro-batch (global batch scale
 count, one accumulation step), and report step time, tokens/s total and per device, and the
 scaling efficiency  tput(N) / (N x tput(1)).
 
-Tokens are SYNTHETIC (uniform random ids, deterministic per step): throughput does not depend on
-the token values for the dense FFN, and no tokenizer has to be trained on the GPU machine (which
-has no Grain; this script never imports it). For the sparse FFN the activation pattern of a
+Tokens are SYNTHETIC (the library's `data.source="synthetic"`: uniform random ids, deterministic,
+served through the same Grain pipeline as a corpus): throughput does not depend on the token
+values for the dense FFN, and no tokenizer has to be trained on the GPU machine. For the sparse FFN the activation pattern of a
 barely-trained model on random tokens is not that of real text: read the sparse rows as the cost
 of the data-parallel machinery around the op, not as the sparse kernels' speed on real data.
 
@@ -51,44 +51,11 @@ from twell_jax import train as train_lib  # noqa: E402
 from twell_jax.config import ExperimentConfig  # noqa: E402
 
 
-class SyntheticTokens:
-    """The trainer's data interface (`vocab_size`, `train_iter`, `val_batches`) over random tokens.
-
-    Batch `i` is drawn from a generator seeded by (seed, i) over the GLOBAL batch, and each process
-    keeps its own rows, so every device count and process layout trains on identical data.
-    """
-
-    def __init__(self, cfg: ExperimentConfig, seed: int = 0):
-        self.vocab_size = cfg.model.vocab_size
-        self.global_batch = cfg.train.global_batch
-        self.width = cfg.seq_len + 1
-        self.seed = seed
-        self.next_index = 0
-        self.train_iter = self
-
-    def _rows(self, stream: int, index: int, rows: int) -> dict[str, np.ndarray]:
-        tokens = np.random.default_rng([self.seed, stream, index]).integers(
-            0, self.vocab_size, (rows, self.width), dtype=np.int32)
-        local = rows // jax.process_count()
-        start = jax.process_index() * local
-        return {"tokens": tokens[start:start + local]}
-
-    def __iter__(self) -> "SyntheticTokens":
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        self.next_index += 1
-        return self._rows(0, self.next_index - 1, self.global_batch)
-
-    def get_state(self) -> dict[str, int]:
-        return {"next_index": self.next_index}
-
-    def set_state(self, state: dict[str, int]) -> None:
-        self.next_index = int(state["next_index"])
-
-    def val_batches(self, batch_size: int, max_batches: int | None = None):
-        for index in range(max_batches or 1):
-            yield self._rows(1, index, batch_size)
+def synthetic(cfg: ExperimentConfig) -> ExperimentConfig:
+    """`cfg` on the library's synthetic source over the model's whole vocabulary: every device
+    count and process layout trains on identical global batches."""
+    data = dataclasses.replace(cfg.data, source="synthetic", vocab_size=cfg.model.vocab_size, progress=False)
+    return dataclasses.replace(cfg, data=data)
 
 
 def bench_config(base: ExperimentConfig, ffn_kind: str, num_devices: int, micro_batch: int,
@@ -103,14 +70,13 @@ def bench_config(base: ExperimentConfig, ffn_kind: str, num_devices: int, micro_
         global_batch=micro_batch * num_devices, eval_every=0, eval_batches=1,
         eval_batch_size=num_devices, checkpoint_every=0, log_every=max(1, steps),
         tensorboard=False, progress_bar=False)
-    return dataclasses.replace(base, name=f"dp-{ffn_kind}-{num_devices}dev", model=model,
-                               sparsity=sparsity, train=train)
+    return synthetic(dataclasses.replace(base, name=f"dp-{ffn_kind}-{num_devices}dev", model=model,
+                                         sparsity=sparsity, train=train))
 
 
 def run_one(cfg: ExperimentConfig, warmup: int, workdir: Path) -> dict[str, Any]:
     """Train `cfg` once; timing of the steps after `warmup`."""
-    result = train_lib.train(cfg, workdir / cfg.name, data_builder=SyntheticTokens,
-                             echo=lambda line: print("   ", line, flush=True))
+    result = train_lib.train(cfg, workdir / cfg.name, echo=lambda line: print("   ", line, flush=True))
     times = np.array([record["step_time_s"] for record in result.history], np.float64)
     steady = times[warmup:]
     step_s = float(np.median(steady))
@@ -145,8 +111,8 @@ def check_equivalence(config_name: str, device_counts: list[int], steps: int, wo
                                     micro_batch=global_batch // n, eval_batch_size=global_batch,
                                     eval_batches=1, tensorboard=False, progress_bar=False)
         optim = dataclasses.replace(base.optim, warmup_steps=0)  # step 1 must move the parameters
-        cfg = dataclasses.replace(base, name=f"equiv-{n}dev", train=train, optim=optim)
-        result = train_lib.train(cfg, workdir / cfg.name, data_builder=SyntheticTokens, echo=lambda _: None)
+        cfg = synthetic(dataclasses.replace(base, name=f"equiv-{n}dev", train=train, optim=optim))
+        result = train_lib.train(cfg, workdir / cfg.name, echo=lambda _: None)
         out["losses"][str(n)] = [record["loss"] for record in result.history]
     ref = np.array(out["losses"][str(counts[0])])
     out["max_rel_diff"] = max(float(np.max(np.abs(np.array(v) - ref) / np.abs(ref)))

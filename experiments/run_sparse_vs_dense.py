@@ -162,6 +162,8 @@ def base_config(config_name: str, data_mode: str, overrides: list[str]) -> Exper
         cfg = config_lib.apply_overrides(cfg, [
             "data.source=stdlib", "data.tokenizer=bpe", f"data.vocab_size={cfg.model.vocab_size}",
             f"data.val_fraction={max(cfg.data.val_fraction, STDLIB_MIN_VAL_FRACTION)}"])
+    else:  # the library's synthetic source: random ids over the model's vocabulary
+        cfg = config_lib.apply_overrides(cfg, ["data.source=synthetic", f"data.vocab_size={cfg.model.vocab_size}"])
     return config_lib.apply_overrides(cfg, overrides)
 
 
@@ -248,12 +250,7 @@ def _child_train(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = config_lib.from_dict(spec["config"])
     n = int(cfg.train.num_devices)
     run_dir = Path(spec["run_dir"])
-    data_builder = None
-    if spec["data"] == "synthetic":
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from bench_data_parallel import SyntheticTokens
-
-        data_builder = SyntheticTokens
+    data_builder = None  # the config's own data (data.source=synthetic for --data synthetic)
 
     def echo(line: str) -> None:
         if not line.startswith("[twell] checkpoint at step"):  # the subclass skipped it

@@ -337,3 +337,177 @@ def test_tokenizer_without_eot_token_is_rejected(tmp_path, corpus):
     built = build_data(_cfg(corpus["dir"], tmp_path / "cache", tokenizer=str(path), eot_token="</s>"),
                        global_batch=2)
     assert built.eot_id == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The synthetic source.
+
+
+def _synthetic(global_batch=4, process_index=0, process_count=1, **overrides) -> data_lib.DataBundle:
+    fields = dict(source="synthetic", vocab_size=7, seq_len=5, synthetic_sequences=64, val_fraction=0.25,
+                  progress=False)
+    fields.update(overrides)
+    return build_data(DataConfig(**fields), global_batch=global_batch, process_index=process_index,
+                      process_count=process_count)
+
+
+def test_synthetic_source_is_deterministic_at_any_vocab_and_seq_len():
+    bundle = _synthetic()
+    assert bundle.tokenizer is None and bundle.tokenizer_json_path is None and bundle.cache_path is None
+    assert (bundle.num_train_sequences, bundle.num_val_sequences) == (48, 16)
+    batches = _take(bundle.train_iter, 30)  # 2.5 epochs of 12 steps
+    for batch in batches:
+        assert batch.dtype == np.int32 and batch.shape == (4, 6)
+        assert batch.min() >= 0 and batch.max() < 7
+    counts = np.bincount(np.concatenate(batches).ravel(), minlength=7)
+    assert counts.min() > 0.5 * counts.mean(), f"ids far from uniform: {counts}"
+    np.testing.assert_array_equal(batches, _take(_synthetic().train_iter, 30))
+    # Every epoch visits each training sequence once, like a corpus.
+    rows = {tuple(row) for batch in batches[:12] for row in batch}
+    assert len(rows) == 48
+    # The token values follow split_seed, the order follows seed; fingerprints follow the values.
+    assert not np.array_equal(batches, _take(_synthetic(split_seed=1).train_iter, 30))
+    reordered = _synthetic(seed=1)
+    assert reordered.source_fingerprint == bundle.source_fingerprint
+    assert not np.array_equal(batches[:12], _take(reordered.train_iter, 12))
+    assert {tuple(row) for batch in _take(reordered.train_iter, 12) for row in batch} == rows
+    assert _synthetic(split_seed=1).source_fingerprint != bundle.source_fingerprint
+    wide = _synthetic(vocab_size=50_000, seq_len=33)
+    tokens = next(wide.train_iter)["tokens"]
+    assert tokens.shape == (4, 34) and tokens.max() < 50_000 and len(np.unique(tokens)) > 100
+
+
+def test_synthetic_tables_index_like_arrays_and_splits_differ():
+    bundle = _synthetic()
+    table = np.asarray(bundle.train_sequences)
+    assert table.shape == (48, 6)
+    np.testing.assert_array_equal(bundle.train_sequences[np.array([5, 2, 5])], table[[5, 2, 5]])
+    np.testing.assert_array_equal(bundle.train_sequences[3:9], table[3:9])
+    val = np.asarray(bundle.val_sequences)
+    assert not {tuple(r) for r in val} & {tuple(r) for r in table}, "validation rows must not be training rows"
+    with pytest.raises(IndexError):
+        bundle.train_sequences[np.array([48])]
+
+
+def test_synthetic_process_slices_state_and_validation():
+    whole = _synthetic(global_batch=4)
+    parts = [_synthetic(global_batch=4, process_index=p, process_count=2) for p in range(2)]
+    expected = _take(whole.train_iter, 15)
+    got = [_take(part.train_iter, 15) for part in parts]
+    for step in range(15):
+        np.testing.assert_array_equal(np.concatenate([got[0][step], got[1][step]]), expected[step])
+    resumed = whole.make_train_iter()
+    resumed.set_state(json.loads(json.dumps({"next_index": 10})))
+    np.testing.assert_array_equal(_take(resumed, 5), expected[10:])
+    val = list(whole.val_batches(4))
+    assert len(val) == 4 and all(b["tokens"].shape == (4, 6) for b in val)
+    assert len(list(whole.val_batches(4, max_batches=2))) == 2
+    with pytest.raises(ValueError, match="data.val_fraction=0"):
+        _synthetic(val_fraction=0.0).val_batches(4)
+    with pytest.raises(ValueError, match="data.synthetic_sequences=8"):
+        _synthetic(synthetic_sequences=8, global_batch=8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 11 item 6: a single .txt corpus from the command line; no validation split.
+
+
+def _book(tmp_path, paragraphs: int = 60) -> str:
+    rng = np.random.default_rng(3)
+    path = tmp_path / "book.txt"
+    path.write_text("\n\n".join(" ".join(rng.choice(WORDS, size=int(rng.integers(10, 40))))
+                                for _ in range(paragraphs)))
+    return str(path)
+
+
+def _micro(*overrides: str):
+    from configs import get_config
+    from twell_jax import config as config_lib
+
+    return config_lib.apply_overrides(get_config("micro"), list(overrides))
+
+
+def test_txt_separator_escapes_from_the_command_line(tmp_path):
+    book = _book(tmp_path)
+    cfg = _micro(f"data.source={book}", "data.max_documents=none", r"data.txt_separator=\n\n", f"data.cache_dir={tmp_path / 'cache'}")
+    assert cfg.data.txt_separator == r"\n\n" and cfg.data.txt_separator_text == "\n\n"
+    built = build_data(cfg.data, global_batch=cfg.train.global_batch)
+    assert built.num_train_documents + built.num_val_documents == 60
+    # The same separator written in Python shares the caches (keys use the decoded separator).
+    again = build_data(dataclasses.replace(cfg.data, txt_separator="\n\n"), global_batch=cfg.train.global_batch)
+    assert not again.built_tokens and again.cache_path == built.cache_path
+    lines = build_data(dataclasses.replace(cfg.data, txt_separator=r"\n"), global_batch=cfg.train.global_batch)
+    assert lines.num_train_documents + lines.num_val_documents == 60  # blank lines are empty documents
+    with pytest.raises(ValueError, match=r"data.txt_separator='\\\\x'.*unknown escape"):
+        _micro(r"data.txt_separator=\x")
+
+
+def test_training_without_a_validation_split_is_refused_before_it_starts(tmp_path):
+    """Used to train the whole run, then fail at the final evaluation with no summary."""
+    from twell_jax.train import Trainer
+
+    book = _book(tmp_path)
+    run_dir = tmp_path / "run"
+    cfg = _micro(f"data.source={book}", "data.max_documents=none", f"data.cache_dir={tmp_path / 'cache'}", "data.val_fraction=0")
+    with pytest.raises(ValueError, match=r"data.val_fraction=0 leaves no validation split.*"
+                                         r"train.eval_batch_size=8.*data.txt_separator"):
+        Trainer(cfg, run_dir, echo=lambda _: None)
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+    # A validation split smaller than one evaluation batch is refused up front too.
+    small = _micro(f"data.source={book}", "data.max_documents=none", r"data.txt_separator=\n\n", f"data.cache_dir={tmp_path / 'cache'}",
+                   "data.val_fraction=0.02", "train.eval_batch_size=8")
+    with pytest.raises(ValueError, match=r"the validation split has \d sequences .* fewer than one evaluation "
+                                         r"batch.*train.eval_batch_size=8"):
+        Trainer(small, run_dir, echo=lambda _: None)
+
+
+def test_saved_configs_with_the_removed_iterator_field_still_load():
+    from twell_jax import config as config_lib
+
+    cfg = _micro()
+    saved = config_lib.to_dict(cfg)
+    saved["data"]["iterator"] = "python"  # as written by checkpoints before Grain became required
+    with pytest.warns(FutureWarning, match=r"data.iterator no longer exists.*same batches"):
+        assert config_lib.from_dict(saved) == cfg
+    with pytest.raises(ValueError, match="unknown config field 'data.iterator'"):
+        config_lib.apply_overrides(cfg, ["data.iterator=grain"])
+
+
+# ---------------------------------------------------------------------------------------------
+# What the run directory records: the tokenizer file and the corpus fingerprint.
+
+
+def test_source_fingerprint_follows_the_content_not_the_location(tmp_path, bundle):
+    source = tmp_path / "txt"
+    _write_corpus(source, num_docs=12)
+    first = build_data(_cfg(source, tmp_path / "cache"), global_batch=2)
+    assert os.path.isfile(first.tokenizer_json_path) and len(first.source_fingerprint) == 64
+    moved = tmp_path / "moved"
+    shutil.copytree(source, moved)
+    elsewhere = build_data(_cfg(moved, tmp_path / "cache"), global_batch=2)
+    assert elsewhere.source_fingerprint == first.source_fingerprint
+    with open(moved / "doc_003.txt", "a") as handle:
+        handle.write(" kappa")
+    assert build_data(_cfg(moved, tmp_path / "cache"), global_batch=2).source_fingerprint != first.source_fingerprint
+    assert bundle.source_fingerprint != first.source_fingerprint  # 41 documents, not 12
+
+
+def test_damaged_token_cache_is_named(tmp_path):
+    source = tmp_path / "txt"
+    _write_corpus(source, num_docs=12)
+    cfg = _cfg(source, tmp_path / "cache")
+    built = build_data(cfg, global_batch=2)
+    with open(os.path.join(built.cache_path, "meta.json"), "w") as handle:
+        handle.write("{not json")
+    with pytest.raises(ValueError, match=rf"token cache {built.cache_path} is damaged"):
+        build_data(cfg, global_batch=2)
+
+
+def test_command_line_builds_and_reports(tmp_path, capsys):
+    from twell_jax.data.__main__ import main
+
+    main(["--source", "synthetic", "--vocab-size", "11", "--seq-len", "4", "--global-batch", "2"])
+    assert "first batch (2, 5) int32" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--source", str(tmp_path / "missing"), "--cache-dir", str(tmp_path)])
+    assert "data.source=" in capsys.readouterr().err

@@ -249,44 +249,7 @@ from twell_jax.config import DataConfig  # noqa: E402
 
 _SEQ_LEN = 8
 _GLOBAL_BATCH = 8
-_VOCAB = 300  # the data config insists on >= 257 (byte-level BPE); no tokenizer is built here
-
-
-class _SyntheticTokens:
-    """Deterministic random-token batches keyed by (seed, step), sliced by process: a stand-in for
-    the data bundle (`vocab_size`, `train_iter` with get/set_state, `val_batches`), so the tests
-    need no tokenizer or corpus and every device count sees exactly the same global batches."""
-
-    def __init__(self, cfg: ExperimentConfig):
-        self.vocab_size = cfg.model.vocab_size
-        self.global_batch = cfg.train.global_batch
-        self.width = cfg.data.seq_len + 1
-        self.train_iter = self
-        self.next_index = 0
-
-    def _batch(self, seed: int, index: int, rows: int) -> dict[str, np.ndarray]:
-        tokens = np.random.default_rng([seed, index]).integers(
-            0, self.vocab_size, (rows, self.width), dtype=np.int32)
-        local = rows // jax.process_count()
-        start = jax.process_index() * local
-        return {"tokens": tokens[start:start + local]}
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        self.next_index += 1
-        return self._batch(0, self.next_index - 1, self.global_batch)
-
-    def get_state(self) -> dict[str, int]:
-        return {"next_index": self.next_index}
-
-    def set_state(self, state: dict[str, int]) -> None:
-        self.next_index = int(state["next_index"])
-
-    def val_batches(self, batch_size: int, max_batches: int | None = None):
-        for index in range(max_batches or 1):
-            yield self._batch(1, index, batch_size)
+_VOCAB = 300
 
 
 def _micro_config(ffn_kind: str, backend: str, num_devices: int, steps: int = 3) -> ExperimentConfig:
@@ -306,13 +269,15 @@ def _micro_config(ffn_kind: str, backend: str, num_devices: int, steps: int = 3)
         train=TrainConfig(steps=steps, global_batch=_GLOBAL_BATCH, micro_batch=1,
                           num_devices=num_devices, log_every=1, eval_batches=1,
                           eval_batch_size=_GLOBAL_BATCH, tensorboard=False, progress_bar=False),
-        data=DataConfig(source="stdlib", vocab_size=_VOCAB, seq_len=_SEQ_LEN, progress=False),
+        # The library's synthetic source: random ids keyed by (seed, row), no tokenizer or corpus,
+        # and every device count sees exactly the same global batches.
+        data=DataConfig(source="synthetic", vocab_size=_VOCAB, seq_len=_SEQ_LEN, synthetic_sequences=4096,
+                        progress=False),
     )
 
 
 def _train(cfg: ExperimentConfig, run_dir, **run_kwargs) -> train_lib.TrainResult:
-    trainer = train_lib.Trainer(cfg, run_dir, resume=run_kwargs.pop("resume", False),
-                                data_builder=_SyntheticTokens, echo=lambda _: None)
+    trainer = train_lib.Trainer(cfg, run_dir, resume=run_kwargs.pop("resume", False), echo=lambda _: None)
     return trainer.run(**run_kwargs)
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -218,16 +218,14 @@ def build_experiment_data(cfg: ExperimentConfig) -> DataBundle:
                         process_count=jax.process_count())
     eval_batch = cfg.train.eval_batch_size
     if bundle.num_val_sequences < eval_batch:
+        hint = (" (a single .txt file is one document: split it with data.txt_separator, e.g. '\\n\\n')"
+                if cfg.data.txt_separator is None and cfg.data.source.lower().endswith(".txt") else "")
         if cfg.data.val_fraction == 0:
-            problem = "data.val_fraction=0 leaves no validation split"
+            problem, fix = "data.val_fraction=0 leaves no validation split", f"set data.val_fraction > 0{hint}"
         else:
             problem = (f"the validation split has {bundle.num_val_sequences} sequences of seq_len + 1 = "
                        f"{cfg.data.seq_len + 1} tokens, fewer than one evaluation batch")
-        hint = (" (a single .txt file is one document: split it with data.txt_separator, e.g. '\\n\\n')"
-                if cfg.data.txt_separator is None and cfg.data.source.lower().endswith(".txt") else "")
-        raise ValueError(
-            f"{problem}, but training evaluates train.eval_batch_size={eval_batch} sequences per batch at "
-            f"the end (and every train.eval_every steps); raise data.val_fraction{hint}, or lower "
-            "train.eval_batch_size"
-        )
+            fix = f"raise data.val_fraction{hint} or lower train.eval_batch_size"
+        raise ValueError(f"{problem}, but training evaluates batches of train.eval_batch_size={eval_batch} "
+                         f"sequences at the end (and every train.eval_every steps): {fix}")
     return bundle
