@@ -220,3 +220,28 @@ def test_prefer_decode_path():
     assert decode_backend.expected_union(10**6, 29.0, h) == pytest.approx(h)
     with pytest.raises(ValueError):
         decode_backend.expected_union(1, -1.0, h)
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmark script (tiny shapes, interpret mode; its timings are not checked)
+# ---------------------------------------------------------------------------------------------
+
+def test_bench_ffn_decode_interpret(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "experiments" / "bench_ffn_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_ffn_decode", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = module.main(["--interpret", "--out", str(tmp_path)])
+    assert [row["m"] for row in results["rows"]] == [1, 8]
+    for row in results["rows"]:
+        assert not [key for key in row if key.endswith("_error")], row
+        for name in ("dense", "decode", "decode_xla", "pallas", "auto"):
+            assert row[f"{name}_err"] < 2e-2 and row[f"{name}_us"] > 0
+        assert row["decode_aux"]["dense_fallback"] == 0 and row["union"] >= 1
+    saved = json.loads((tmp_path / "bench_ffn_decode.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(results["rows"]))
+    assert (tmp_path / "table_decode.txt").read_text().count("\n") == 3
