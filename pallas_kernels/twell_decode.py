@@ -25,9 +25,10 @@ order and nothing is accumulated across programs.
 Non-gated FFN: h = round(relu(g[:, order])) (no U rows); the caller builds it and runs `down` only
 (`sparse_decode_ffn` with w_up_HxD=None does that).
 
-Capacity: the caller passes order_C, the first C entries of the partition (C a multiple of
-max(block_n, block_h)). Actives beyond C are NOT read here; the caller checks n <= C
-(twell_jax/decode_backend.py falls back to the exact dense formula otherwise).
+Capacity: the kernels read only order[:min(n, C)] for a static C (a multiple of
+max(block_n, block_h)); h is [M, C]. Actives beyond C are NOT read here: the caller checks
+n <= C (twell_jax/decode_backend.py falls back to the exact dense formula otherwise). No operand
+is padded: rows >= M, columns >= D and dead list entries are masked lanes of the gathers.
 """
 from __future__ import annotations
 
@@ -93,10 +94,11 @@ def _compiler_params(block_sizes: DecodeBlockSizes) -> plgpu.CompilerParams:
 # ----------------------------------------------------------------------------------------------
 
 def _compact_kernel(active_ref, order_ref, n_ref, *, h: int) -> None:
-    """Refs: active [L] int32 (0/1), order [L] int32, n [1] int32. One program."""
-    length = active_ref.shape[0]
+    """Refs: active [H] (non-zero = active), order [L] int32, n [1] int32. One program."""
+    length = order_ref.shape[0]
     lane_L = lax.broadcasted_iota(jnp.int32, (length,), 0)
-    active_L = active_ref[...] > 0
+    # Lanes >= H (padding to a power of two) are inactive; their (masked) addresses are clamped.
+    active_L = plgpu.load(active_ref.at[jnp.minimum(lane_L, h - 1)], mask=lane_L < h, other=0) != 0
     one_L = active_L.astype(jnp.int32)
     n = jnp.sum(one_L)
     active_before_L = jnp.cumsum(one_L) - one_L  # exclusive prefix: actives left of the lane
@@ -104,8 +106,8 @@ def _compact_kernel(active_ref, order_ref, n_ref, *, h: int) -> None:
     # A permutation of [0, L): every lane writes a distinct slot, so no mask is needed (a masked
     # scatter with colliding masked-off lanes can clobber live ones in interpret mode).
     slot_L = jnp.where(active_L, active_before_L, n + inactive_before_L)
-    # Lanes >= h (padding) are inactive, so they land in slots >= h; clamp their value to a valid
-    # row so no consumer can form an out-of-range address from them.
+    # Padding lanes land in slots >= H; clamp their value to a valid row so no consumer can form
+    # an out-of-range address from them.
     plgpu.store(order_ref.at[slot_L], jnp.minimum(lane_L, h - 1))
     n_ref[...] = jnp.broadcast_to(n, (1,))
 
@@ -116,23 +118,25 @@ def compact_active(active_H: jax.Array, *, interpret: bool = False,
     """Stable partition of the active neurons: (order [L] int32, n [1] int32), L = next_pow2(H).
 
     order[:n] are the active neuron ids ascending, order[n:] the inactive ones (clamped to H - 1
-    for the padding lanes >= H). active_H: bool or int [H] (non-zero = active)."""
+    for the padding lanes >= H). active_H: bool or int [H], non-zero = active (e.g. the per-neuron
+    count of active tokens: no conversion pass needed)."""
     if active_H.ndim != 1 or active_H.shape[0] < 1:
         raise ValueError(f"active_H must be 1-D [H] with H >= 1, got shape {active_H.shape}")
+    if active_H.dtype == jnp.bool_:
+        active_H = active_H.astype(jnp.int32)  # Triton refs hold no i1
     h = active_H.shape[0]
     length = _next_pow2(h)
-    active_L = jnp.pad((active_H != 0).astype(jnp.int32), (0, length - h))
     return pl.pallas_call(
         functools.partial(_compact_kernel, h=h),
         grid=(1,),
-        in_specs=[pl.BlockSpec((length,), lambda i: (0,))],
+        in_specs=[pl.BlockSpec((h,), lambda i: (0,))],
         out_specs=[pl.BlockSpec((length,), lambda i: (0,)), pl.BlockSpec((1,), lambda i: (0,))],
         out_shape=[jax.ShapeDtypeStruct((length,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)],
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         debug=debug,
         name="twell_decode_compact",
-    )(active_L)
+    )(active_H)
 
 
 @jax.jit
@@ -155,60 +159,63 @@ def compact_active_reference(active_H: jax.Array) -> tuple[jax.Array, jax.Array]
 # ----------------------------------------------------------------------------------------------
 
 def _hidden_kernel(n_ref, order_ref, x_ref, g_ref, w_up_ref, h_ref, *, m: int, d: int,
-                   block_k: int, n_k: int, precision: lax.Precision) -> None:
+                   capacity: int, block_k: int, n_k: int, precision: lax.Precision) -> None:
     """Program (c, i): neurons order[c*BN : (c+1)*BN] x tokens [i*BM, (i+1)*BM).
-    Refs: n [1], order [BN], x [BM, D_pad], g [M, H] (whole), w_up [H, D] (whole), h [BM, BN]."""
+    Refs: n [1], order [BN], x [M, D], g [M, H], w_up [H, D] (the last three whole), h [BM, BN]."""
     block_m, block_n = h_ref.shape
     chunk, row_block = pl.program_id(0), pl.program_id(1)
-    n = jnp.max(n_ref[...])
+    n = jnp.minimum(jnp.max(n_ref[...]), capacity)  # entries past the capacity are never read
     j_BN = order_ref[...]
     live_BN = chunk * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0) < n
+    rows_BM = row_block * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
+    row_ok_BM = rows_BM < m
     col_BK = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
 
     def k_step(k, acc_BMxBN):
         cols_BK = k * block_k + col_BK
-        x_BMxBK = x_ref[:, pl.ds(k * block_k, block_k)]
-        # Row gathers index with two broadcast int arrays (rows x columns): the interpret-mode
-        # discharge does not support mixing an int-array index with a slice. Dead rows and
-        # columns >= D are masked: they move no bytes.
+        col_ok_BK = cols_BK < d
+        # Gathers index with two broadcast int arrays (rows x columns): the interpret-mode
+        # discharge does not support mixing an int-array index with a slice. Masked lanes (dead
+        # neurons, rows >= M, columns >= D) move no bytes, so x and the weights need no padding.
+        x_BMxBK = plgpu.load(x_ref.at[rows_BM[:, None], cols_BK[None, :]],
+                             mask=row_ok_BM[:, None] & col_ok_BK[None, :], other=0)
         u_BNxBK = plgpu.load(w_up_ref.at[j_BN[:, None], cols_BK[None, :]],
-                             mask=live_BN[:, None] & (cols_BK < d)[None, :], other=0)
+                             mask=live_BN[:, None] & col_ok_BK[None, :], other=0)
         return acc_BMxBN + lax.dot_general(x_BMxBK, u_BNxBK, (((1,), (1,)), ((), ())),
                                            precision=precision, preferred_element_type=jnp.float32)
 
     # A chunk past the last active neuron runs no K loop (dynamic trip count) and stores zeros.
     n_k_live = jnp.where(chunk * block_n < n, n_k, 0)
     u_BMxBN = lax.fori_loop(0, n_k_live, k_step, jnp.zeros((block_m, block_n), jnp.float32))
-    rows_BM = row_block * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
     g_BMxBN = plgpu.load(g_ref.at[rows_BM[:, None], j_BN[None, :]],
-                         mask=(rows_BM < m)[:, None] & live_BN[None, :], other=0.0)
+                         mask=row_ok_BM[:, None] & live_BN[None, :], other=0.0)
     h_ref[...] = (jnp.maximum(g_BMxBN, 0.0) * u_BMxBN).astype(h_ref.dtype)
 
 
-def _down_kernel(n_ref, order_ref, h_ref, w_down_ref, y_ref, *, d: int, block_h: int,
-                 precision: lax.Precision) -> None:
+def _down_kernel(n_ref, order_ref, h_ref, w_down_ref, y_ref, *, d: int, capacity: int,
+                 block_h: int, precision: lax.Precision) -> None:
     """Program (j, i): output columns [j*BD, (j+1)*BD) x tokens [i*BM, (i+1)*BM).
-    Refs: n [1], order [C] (whole), h [BM, C], w_down [H, D] (whole), y [BM, BD]."""
+    Refs: n [1], order [>= C] (whole), h [BM, C], w_down [H, D] (whole), y [BM, BD]."""
     block_m, block_d = y_ref.shape
-    n = jnp.max(n_ref[...])
+    n = jnp.minimum(jnp.max(n_ref[...]), capacity)
     cols_BD = pl.program_id(0) * block_d + lax.broadcasted_iota(jnp.int32, (block_d,), 0)
     step_BH = lax.broadcasted_iota(jnp.int32, (block_h,), 0)
 
     def h_step(t, acc_BMxBD):
         j_BH = order_ref[pl.ds(t * block_h, block_h)]
         live_BH = t * block_h + step_BH < n
-        h_BMxBH = h_ref[:, pl.ds(t * block_h, block_h)]  # zero past n (written by `hidden`)
+        h_BMxBH = h_ref[:, pl.ds(t * block_h, block_h)]  # zero past n (written so by `hidden`)
         w_BHxBD = plgpu.load(w_down_ref.at[j_BH[:, None], cols_BD[None, :]],
                              mask=live_BH[:, None] & (cols_BD < d)[None, :], other=0)
         return acc_BMxBD + lax.dot_general(h_BMxBH, w_BHxBD, (((1,), (0,)), ((), ())),
                                            precision=precision, preferred_element_type=jnp.float32)
 
-    acc_BMxBD = lax.fori_loop(0, (n + block_h - 1) // block_h, h_step,
-                              jnp.zeros((block_m, block_d), jnp.float32))
+    n_steps = lax.div(n + (block_h - 1), block_h)  # n >= 0: truncation is the ceiling division
+    acc_BMxBD = lax.fori_loop(0, n_steps, h_step, jnp.zeros((block_m, block_d), jnp.float32))
     y_ref[...] = acc_BMxBD.astype(y_ref.dtype)
 
 
-def validate_decode_args(x_MxD, g_MxH, order_C, n_active, w_up_HxD, w_down_HxD,
+def validate_decode_args(x_MxD, g_MxH, order, n_active, w_up_HxD, w_down_HxD, capacity: int,
                          block_sizes: DecodeBlockSizes) -> None:
     """Raise ValueError naming the offending argument."""
     if x_MxD.ndim != 2 or x_MxD.dtype not in (jnp.float32, jnp.bfloat16):
@@ -218,51 +225,49 @@ def validate_decode_args(x_MxD, g_MxH, order_C, n_active, w_up_HxD, w_down_HxD,
         raise ValueError(f"w_down_HxD must be {x_MxD.dtype}[H, D={d}], got "
                          f"{w_down_HxD.dtype}{w_down_HxD.shape}")
     h = w_down_HxD.shape[0]
-    if w_up_HxD is not None and w_up_HxD.shape != (h, d) or (
-            w_up_HxD is not None and w_up_HxD.dtype != x_MxD.dtype):
+    if w_up_HxD is not None and (w_up_HxD.shape != (h, d) or w_up_HxD.dtype != x_MxD.dtype):
         raise ValueError(f"w_up_HxD must be {x_MxD.dtype}[H={h}, D={d}], got "
                          f"{w_up_HxD.dtype}{w_up_HxD.shape}")
     if g_MxH.shape != (m, h) or g_MxH.dtype != jnp.float32:
         raise ValueError(f"g_MxH must be float32 [M={m}, H={h}], got {g_MxH.dtype}{g_MxH.shape}")
-    if (order_C.ndim != 1 or order_C.dtype != jnp.int32 or order_C.shape[0] < 1
-            or order_C.shape[0] % block_sizes.chunk):
-        raise ValueError(f"order_C must be int32 [C] with C a positive multiple of "
-                         f"{block_sizes.chunk} (DecodeBlockSizes.chunk), got "
-                         f"{order_C.dtype}{order_C.shape}")
+    if order.ndim != 1 or order.dtype != jnp.int32:
+        raise ValueError(f"order must be int32 [L], got {order.dtype}{order.shape}")
+    if capacity < 1 or capacity % block_sizes.chunk or capacity > order.shape[0]:
+        raise ValueError(f"capacity must be a positive multiple of {block_sizes.chunk} "
+                         f"(DecodeBlockSizes.chunk) and <= len(order) = {order.shape[0]}, got "
+                         f"{capacity}")
     if n_active.shape != (1,) or n_active.dtype != jnp.int32:
         raise ValueError(f"n_active must be int32 [1], got {n_active.dtype}{n_active.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "debug"))
-def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order_C: jax.Array, n_active: jax.Array,
+@functools.partial(jax.jit, static_argnames=("capacity", "block_sizes", "interpret", "debug"))
+def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array, n_active: jax.Array,
                       w_up_HxD: jax.Array | None, w_down_HxD: jax.Array, *,
+                      capacity: int | None = None,
                       block_sizes: DecodeBlockSizes = DecodeBlockSizes(), interpret: bool = False,
                       debug: bool = False) -> tuple[jax.Array, jax.Array]:
     """Sparse FFN over the active-neuron list: returns (h [M, C] in x's dtype, y [M, D]).
 
     g_MxH: fp32 pre-activation of the gate (gated) or of the up projection (non-gated,
-    w_up_HxD=None). order_C, n_active: the first C entries of `compact_active`'s partition and
-    the active count; only order_C[:min(n, C)] is read (h is 0 beyond). Any M, D, H.
+    w_up_HxD=None). order, n_active: `compact_active`'s partition and active count. Only
+    order[:min(n, C)] is read, C = capacity (static; None = len(order)); h is 0 beyond. Any M, D, H.
     """
-    validate_decode_args(x_MxD, g_MxH, order_C, n_active, w_up_HxD, w_down_HxD, block_sizes)
+    capacity = order.shape[0] if capacity is None else capacity
+    validate_decode_args(x_MxD, g_MxH, order, n_active, w_up_HxD, w_down_HxD, capacity, block_sizes)
     m, d = x_MxD.shape
-    capacity = order_C.shape[0]
     bm = block_sizes.block_m(m)
     m_pad = _round_up(m, bm)
     precision = _dot_precision(x_MxD.dtype)
     n_spec = pl.BlockSpec((1,), lambda *_: (0,))
     if w_up_HxD is not None:
-        bk = block_sizes.block_k
-        d_pad = _round_up(d, bk)
-        x_pad = jnp.pad(x_MxD, ((0, m_pad - m), (0, d_pad - d)))  # only x: never copy the weights
-        bn = block_sizes.block_n
+        bk, bn = block_sizes.block_k, block_sizes.block_n
         h_MpxC = pl.pallas_call(
-            functools.partial(_hidden_kernel, m=m, d=d, block_k=bk, n_k=d_pad // bk,
-                              precision=precision),
+            functools.partial(_hidden_kernel, m=m, d=d, capacity=capacity, block_k=bk,
+                              n_k=-(-d // bk), precision=precision),
             grid=(capacity // bn, m_pad // bm),
             in_specs=[n_spec,
                       pl.BlockSpec((bn,), lambda c, i: (c,)),
-                      pl.BlockSpec((bm, d_pad), lambda c, i: (i, 0)),
+                      pl.BlockSpec(x_MxD.shape, lambda c, i: (0, 0)),
                       pl.BlockSpec(g_MxH.shape, lambda c, i: (0, 0)),
                       pl.BlockSpec(w_up_HxD.shape, lambda c, i: (0, 0))],
             out_specs=pl.BlockSpec((bm, bn), lambda c, i: (i, c)),
@@ -271,18 +276,19 @@ def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order_C: jax.Array, n_
             interpret=interpret,
             debug=debug,
             name="twell_decode_hidden",
-        )(n_active, order_C, x_pad, g_MxH, w_up_HxD)
+        )(n_active, order, x_MxD, g_MxH, w_up_HxD)
     else:
         live_C = jnp.arange(capacity) < n_active[0]
-        h_MxC = jnp.where(live_C, jax.nn.relu(jnp.take(g_MxH, order_C, axis=1)), 0.0)
+        h_MxC = jnp.where(live_C, jax.nn.relu(jnp.take(g_MxH, order[:capacity], axis=1)), 0.0)
         h_MpxC = jnp.pad(h_MxC.astype(x_MxD.dtype), ((0, m_pad - m), (0, 0)))
     bd = block_sizes.block_d
     d_out = _round_up(d, bd)
     y_MpxDp = pl.pallas_call(
-        functools.partial(_down_kernel, d=d, block_h=block_sizes.block_h, precision=precision),
+        functools.partial(_down_kernel, d=d, capacity=capacity, block_h=block_sizes.block_h,
+                          precision=precision),
         grid=(d_out // bd, m_pad // bm),
         in_specs=[n_spec,
-                  pl.BlockSpec((capacity,), lambda j, i: (0,)),
+                  pl.BlockSpec(order.shape, lambda j, i: (0,)),
                   pl.BlockSpec((bm, capacity), lambda j, i: (i, 0)),
                   pl.BlockSpec(w_down_HxD.shape, lambda j, i: (0, 0))],
         out_specs=pl.BlockSpec((bm, bd), lambda j, i: (i, j)),
@@ -291,14 +297,15 @@ def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order_C: jax.Array, n_
         interpret=interpret,
         debug=debug,
         name="twell_decode_down",
-    )(n_active, order_C, h_MpxC, w_down_HxD)
+    )(n_active, order, h_MpxC, w_down_HxD)
+    # Slices of the padded outputs: XLA fuses them into their consumers.
     return h_MpxC[:m], y_MpxDp[:m, :d]
 
 
-@functools.partial(jax.jit, static_argnames=("precision",))
-def sparse_decode_ffn_reference(x_MxD: jax.Array, g_MxH: jax.Array, order_C: jax.Array,
+@functools.partial(jax.jit, static_argnames=("capacity", "precision"))
+def sparse_decode_ffn_reference(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array,
                                 n_active: jax.Array, w_up_HxD: jax.Array | None,
-                                w_down_HxD: jax.Array, *,
+                                w_down_HxD: jax.Array, *, capacity: int | None = None,
                                 precision: lax.Precision = lax.Precision.HIGHEST
                                 ) -> tuple[jax.Array, jax.Array]:
     """Plain-jnp `sparse_decode_ffn` (row gathers + small dots; same rounding points).
@@ -307,6 +314,7 @@ def sparse_decode_ffn_reference(x_MxD: jax.Array, g_MxH: jax.Array, order_C: jax
     take fp32 copies of the gathered rows: exact for 16-bit operands (their products fit in the
     fp32 and TF32 mantissas), and it avoids XLA:CPU's missing bf16 x bf16 -> f32 dot thunk."""
     f32 = jnp.float32
+    order_C = order[:order.shape[0] if capacity is None else capacity]
     live_C = jnp.arange(order_C.shape[0]) < n_active[0]
     act_MxC = jax.nn.relu(jnp.take(g_MxH, order_C, axis=1))
     if w_up_HxD is not None:

@@ -65,8 +65,11 @@ def config(capacity=None, block_sizes=SMALL, expected=None):
 def test_compact_active_is_a_stable_partition(h, density):
     rng = np.random.default_rng(h)
     active = rng.random(h) < density
-    order, n = compact_active(jnp.asarray(active), interpret=True)
+    counts = (active * rng.integers(1, 9, size=h)).astype(np.int32)  # tokens per neuron, as the glue
+    order, n = compact_active(jnp.asarray(counts), interpret=True)
     order_ref, n_ref = compact_active_reference(jnp.asarray(active))
+    np.testing.assert_array_equal(np.asarray(compact_active(jnp.asarray(active), interpret=True)[0]),
+                                  np.asarray(order))
     expected = np.concatenate([np.flatnonzero(active), np.flatnonzero(~active)])
     length = 1 << max(0, (h - 1).bit_length())
     assert order.shape == (length,) and n.shape == (1,) and order.dtype == jnp.int32
@@ -83,16 +86,32 @@ def test_sparse_decode_ffn_matches_reference(dtype, gated, m):
     x, wg, wu, wd = make_inputs(dtype, m=m, d=37, h=151, seed=m)
     g = jnp.einsum("md,hd->mh", x, wg, preferred_element_type=jnp.float32)
     order, n = compact_active(jnp.any(g > 0, axis=0), interpret=True)
-    order_C = order[:48]  # capacity 48 >= n here; 3 chunks, so some run past n
-    assert int(n[0]) <= 48
+    assert int(n[0]) <= 48  # capacity 48 >= n here; 3 chunks, so some run past n
     w_up = wu if gated else None
-    h_k, y_k = sparse_decode_ffn(x, g, order_C, n, w_up, wd, block_sizes=SMALL, interpret=True)
-    h_r, y_r = sparse_decode_ffn_reference(x, g, order_C, n, w_up, wd)
+    h_k, y_k = sparse_decode_ffn(x, g, order, n, w_up, wd, capacity=48, block_sizes=SMALL,
+                                 interpret=True)
+    h_r, y_r = sparse_decode_ffn_reference(x, g, order, n, w_up, wd, capacity=48)
     assert h_k.shape == (m, 48) and h_k.dtype == dtype and y_k.shape == x.shape and y_k.dtype == dtype
     assert rel_err(h_k, h_r) <= TOL_REF[dtype] and rel_err(y_k, y_r) <= TOL_REF[dtype]
     assert not np.any(np.asarray(h_k, np.float32)[:, int(n[0]):])  # nothing past the list
     y_d, _, _ = dense(x, wg, w_up, wd)
     assert rel_err(y_k, y_d) <= TOL_DENSE[dtype]
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_sparse_decode_ffn_reads_only_the_capacity(gated):
+    # Token 0 fires all 151 neurons: n > capacity 32. The kernels must read order[:32] only
+    # (the glue then discards this output for the exact dense one).
+    x, wg, wu, wd = make_inputs(jnp.float32, m=3, d=37, h=151, pattern="dense_token")
+    g = jnp.einsum("md,hd->mh", x, wg, preferred_element_type=jnp.float32)
+    order, n = compact_active(jnp.any(g > 0, axis=0), interpret=True)
+    assert int(n[0]) == 151
+    w_up = wu if gated else None
+    h_k, y_k = sparse_decode_ffn(x, g, order, n, w_up, wd, capacity=32, block_sizes=SMALL,
+                                 interpret=True)
+    h_r, y_r = sparse_decode_ffn_reference(x, g, order, n, w_up, wd, capacity=32)
+    assert h_k.shape == (3, 32)
+    assert rel_err(h_k, h_r) <= TOL_REF[jnp.float32] and rel_err(y_k, y_r) <= TOL_REF[jnp.float32]
 
 
 def test_decode_block_sizes_validation():
@@ -109,8 +128,10 @@ def test_sparse_decode_ffn_rejects_bad_arguments():
     x, wg, wu, wd = make_inputs(jnp.float32, m=2)
     g = jnp.zeros((2, 150), jnp.float32)
     order, n = jnp.zeros((32,), jnp.int32), jnp.zeros((1,), jnp.int32)
-    with pytest.raises(ValueError, match="order_C"):
+    with pytest.raises(ValueError, match="capacity"):
         sparse_decode_ffn(x, g, order[:20], n, wu, wd, block_sizes=SMALL, interpret=True)
+    with pytest.raises(ValueError, match="capacity"):
+        sparse_decode_ffn(x, g, order, n, wu, wd, capacity=48, block_sizes=SMALL, interpret=True)
     with pytest.raises(ValueError, match="g_MxH"):
         sparse_decode_ffn(x, g.astype(jnp.bfloat16), order, n, wu, wd, interpret=True)
     with pytest.raises(ValueError, match="w_up_HxD"):

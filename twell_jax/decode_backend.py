@@ -147,24 +147,25 @@ def _decode_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array 
     capacity = _capacity(config, m, h, block_sizes, implementation)
     # Same XLA op as the dense backend's gate, so the active pattern is the dense one.
     g_MxH = jnp.einsum("md,hd->mh", x_MxD, w_act_HxD, preferred_element_type=jnp.float32)
-    active_MxH = g_MxH > 0
-    l0 = jnp.sum(active_MxH, dtype=jnp.float32) / m
-    union_H = jnp.any(active_MxH, axis=0)
+    # Tokens on which each neuron fires: non-zero = in the union; one reduction gives l0 too.
+    count_H = jnp.sum(g_MxH > 0, axis=0, dtype=jnp.int32)
+    l0 = jnp.sum(count_H, dtype=jnp.float32) / m
     if implementation == "triton":
-        order_L, n_active = compact_active(union_H, interpret=interpret)
+        order_L, n_active = compact_active(count_H, interpret=interpret)
     else:
-        order_L, n_active = compact_active_reference(union_H)
+        order_L, n_active = compact_active_reference(count_H)
     if capacity > order_L.shape[0]:  # tiny H: the list is shorter than one kernel chunk
         order_L = jnp.pad(order_L, (0, capacity - order_L.shape[0]), constant_values=h - 1)
-    order_C = order_L[:capacity]
 
     def sparse() -> tuple[jax.Array, jax.Array]:
         if implementation == "triton":
-            h_MxC, y_MxD = sparse_decode_ffn(x_MxD, g_MxH, order_C, n_active, w_up_HxD, w_down_HxD,
-                                             block_sizes=block_sizes, interpret=interpret)
+            h_MxC, y_MxD = sparse_decode_ffn(x_MxD, g_MxH, order_L, n_active, w_up_HxD, w_down_HxD,
+                                             capacity=capacity, block_sizes=block_sizes,
+                                             interpret=interpret)
         else:
-            h_MxC, y_MxD = sparse_decode_ffn_reference(x_MxD, g_MxH, order_C, n_active, w_up_HxD,
-                                                       w_down_HxD, precision=lax.Precision.DEFAULT)
+            h_MxC, y_MxD = sparse_decode_ffn_reference(x_MxD, g_MxH, order_L, n_active, w_up_HxD,
+                                                       w_down_HxD, capacity=capacity,
+                                                       precision=lax.Precision.DEFAULT)
         return y_MxD, jnp.sum(jnp.abs(h_MxC.astype(jnp.float32)))
 
     if capacity >= h:  # every neuron fits: no overflow is possible, no cond
