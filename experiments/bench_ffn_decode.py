@@ -19,6 +19,8 @@ aux is recorded. Beside the times: the HBM floors (bytes / 3.35e12 B/s: all thre
 dense; W_gate plus the U and W rows of the call's active-neuron union for sparse) and the
 decode_backend cost model's predictions (to refit its DECODE_* constants). Prints a short table
 last; JSON to --out. `--interpret`: tiny shapes through the Pallas interpreter (a test runs it).
+`--sweep`: also time the decode path's launch variants (SWEEP: block sizes, a bounded capacity)
+to pick DecodeBlockSizes defaults; e.g. `--sweep --tokens 1,8,64`.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import jax
@@ -37,6 +40,7 @@ from jax import lax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_ffn  # noqa: E402  (the synthetic-sparsity generator; reads bench_ffn.D / .H)
+from pallas_kernels.twell_decode import DecodeBlockSizes  # noqa: E402
 from twell_jax import decode_backend, ops  # noqa: E402
 
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM
@@ -48,10 +52,35 @@ def rel_err(a: jax.Array, b: jax.Array) -> float:
     return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
-def variants(interpret: bool) -> dict:
+# --sweep: decode-path launch variants (name -> DecodeBlockSizes overrides, capacity per token).
+# "cap64m" bounds the active list at 64 per token: smaller grids, but a lax.cond (exact dense
+# fallback) enters the program.
+SWEEP = {
+    "dec_bk256": (dict(block_k=256), None),
+    "dec_bk512_s1": (dict(block_k=512, num_stages=1), None),
+    "dec_bd32": (dict(block_d=32), None),
+    "dec_bh16": (dict(block_h=16), None),
+    "dec_w8": (dict(num_warps=8), None),
+    "dec_cap64m": ({}, 64),
+}
+
+
+def decode_variant(interpret: bool, overrides: dict, capacity_per_token: int | None):
+    def fn(x, w_gate, w_up, w_down):
+        config = types.SimpleNamespace(
+            decode_block_sizes=DecodeBlockSizes(**overrides),
+            decode_capacity=None if capacity_per_token is None else capacity_per_token * x.shape[0])
+        return decode_backend.decode_gated_ffn_forward(x, w_gate, w_up, w_down, config=config,
+                                                       implementation="triton",
+                                                       interpret=interpret)[0]
+    return fn
+
+
+def variants(interpret: bool, sweep: bool = False) -> dict:
     """name -> fn(x, w_gate, w_up, w_down) -> y."""
     hint = ops.SparseFFNConfig(expected_active_per_token=K_ACTIVE)
-    return {
+    extra = {name: decode_variant(interpret, *spec) for name, spec in SWEEP.items()} if sweep else {}
+    base = {
         "dense": lambda x, g, u, d: ops.gated_ffn(x, g, u, d, backend="dense")[0],
         "decode": lambda x, g, u, d: decode_backend.decode_gated_ffn_forward(
             x, g, u, d, implementation="triton", interpret=interpret)[0],
@@ -62,6 +91,7 @@ def variants(interpret: bool) -> dict:
         "auto": lambda x, g, u, d: ops.gated_ffn(x, g, u, d, backend="auto", config=hint,
                                                  interpret=interpret)[0],
     }
+    return base | extra
 
 
 def calls_in_one_jit(fn, calls: int):
@@ -82,6 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--calls", type=int, default=100, help="calls per jitted loop")
     parser.add_argument("--repeats", type=int, default=7, help="timed loops per variant")
     parser.add_argument("--tokens", default="1,8,64,256,1024", help="tokens per call, comma list")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the decode launch variants of SWEEP (to pick defaults)")
     args = parser.parse_args(argv)
     d, h, k_active = 2048, 5632, K_ACTIVE
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -94,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": str(jax.devices()[0]), "jax": jax.__version__, "d": d, "h": h,
                      "k": k_active, "calls": args.calls, "rows": []}
-    fns = variants(args.interpret)
+    fns = variants(args.interpret, args.sweep)
     key = jax.random.PRNGKey(0)
     table = [f"{'tokens':>6} {'union':>6} {'l0':>5} " + " ".join(f"{n + ' us':>14}" for n in fns)
              + f" {'floor dense':>11} {'floor sparse':>12} {'model dense':>11} {'model dec':>9}"
