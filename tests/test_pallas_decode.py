@@ -114,6 +114,27 @@ def test_sparse_decode_ffn_reads_only_the_capacity(gated):
     assert rel_err(h_k, h_r) <= TOL_REF[jnp.float32] and rel_err(y_k, y_r) <= TOL_REF[jnp.float32]
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernels_lower_to_triton_for_cuda(dtype):
+    # The Pallas -> Triton IR lowering runs without a GPU (cross-platform export): every
+    # primitive the kernels use (cumsum, scatter store, row gathers, dynamic loops) must have a
+    # Triton lowering rule. Compiling the IR to PTX still needs the GPU.
+    from jax import export
+
+    def forward(x, w_gate, w_up, w_down):
+        g = jnp.einsum("md,hd->mh", x, w_gate, preferred_element_type=jnp.float32)
+        order, n = compact_active(jnp.sum(g > 0, axis=0, dtype=jnp.int32))
+        return sparse_decode_ffn(x, g, order, n, w_up, w_down, capacity=5632)
+
+    x = jax.ShapeDtypeStruct((8, 2048), dtype)
+    w = jax.ShapeDtypeStruct((5632, 2048), dtype)
+    exported = export.export(jax.jit(forward), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(x, w, w, w)
+    module = exported.mlir_module()
+    for name in ("twell_decode_compact", "twell_decode_hidden", "twell_decode_down"):
+        assert name in module
+
+
 def test_decode_block_sizes_validation():
     with pytest.raises(ValueError, match="block_n"):
         DecodeBlockSizes(block_n=8)
@@ -197,6 +218,18 @@ def test_decode_forward_is_bitwise_deterministic():
     fn = jax.jit(lambda *a: run("triton", True, *a, config())[0])
     y1, y2 = fn(x, wg, wu, wd), fn(x, wg, wu, wd)
     np.testing.assert_array_equal(np.asarray(y1.view(jnp.uint16)), np.asarray(y2.view(jnp.uint16)))
+
+
+def test_decode_forward_reads_the_op_config():
+    from twell_jax import ops
+
+    x, wg, wu, wd = make_inputs(jnp.bfloat16, m=3, seed=7)
+    y_ref, _, _ = dense(x, wg, wu, wd)
+    cfg = ops.SparseFFNConfig(expected_active_per_token=2.0)  # no decode_* fields: defaults
+    for implementation in ("triton", "xla"):
+        y, aux = jax.jit(lambda *a: decode_backend.decode_gated_ffn_forward(
+            *a, config=cfg, implementation=implementation, interpret=True))(x, wg, wu, wd)
+        assert rel_err(y, y_ref) <= TOL_DENSE[jnp.bfloat16] and int(aux["dense_fallback"]) == 0
 
 
 def test_decode_forward_empty_and_bad_input():
