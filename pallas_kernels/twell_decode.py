@@ -166,7 +166,8 @@ def _hidden_kernel(n_ref, order_ref, x_ref, g_ref, w_up_ref, h_ref, *, m: int, d
     Refs: n [1], order [BN], x [M, D], g [M, H], w_up [H, D] (the last three whole), h [BM, BN]."""
     block_m, block_n = h_ref.shape
     chunk, row_block = pl.program_id(0), pl.program_id(1)
-    n = jnp.minimum(jnp.max(n_ref[...]), capacity)  # entries past the capacity are never read
+    # Entries past the capacity are never read.
+    n = jnp.minimum(jnp.max(n_ref[...]), jnp.int32(capacity)).astype(jnp.int32)
     j_BN = order_ref[...]
     live_BN = chunk * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0) < n
     rows_BM = row_block * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
@@ -187,8 +188,11 @@ def _hidden_kernel(n_ref, order_ref, x_ref, g_ref, w_up_ref, h_ref, *, m: int, d
                                            precision=precision, preferred_element_type=jnp.float32)
 
     # A chunk past the last active neuron runs no K loop (dynamic trip count) and stores zeros.
-    n_k_live = jnp.where(chunk * block_n < n, n_k, 0)
-    u_BMxBN = lax.fori_loop(0, n_k_live, k_step, jnp.zeros((block_m, block_n), jnp.float32))
+    # Both bounds explicitly int32: Triton's scf.for rejects bounds of different types (a weakly
+    # typed Python 0 against a traced bound failed on the H100; interpret mode does not check).
+    n_k_live = jnp.where(chunk * block_n < n, jnp.int32(n_k), jnp.int32(0)).astype(jnp.int32)
+    u_BMxBN = lax.fori_loop(jnp.int32(0), n_k_live, k_step,
+                            jnp.zeros((block_m, block_n), jnp.float32))
     g_BMxBN = plgpu.load(g_ref.at[rows_BM[:, None], j_BN[None, :]],
                          mask=row_ok_BM[:, None] & live_BN[None, :], other=0.0)
     h_ref[...] = (jnp.maximum(g_BMxBN, 0.0) * u_BMxBN).astype(h_ref.dtype)
@@ -199,7 +203,7 @@ def _down_kernel(n_ref, order_ref, h_ref, w_down_ref, y_ref, *, d: int, capacity
     """Program (j, i): output columns [j*BD, (j+1)*BD) x tokens [i*BM, (i+1)*BM).
     Refs: n [1], order [>= C] (whole), h [BM, C], w_down [H, D] (whole), y [BM, BD]."""
     block_m, block_d = y_ref.shape
-    n = jnp.minimum(jnp.max(n_ref[...]), capacity)
+    n = jnp.minimum(jnp.max(n_ref[...]), jnp.int32(capacity)).astype(jnp.int32)
     cols_BD = pl.program_id(0) * block_d + lax.broadcasted_iota(jnp.int32, (block_d,), 0)
     step_BH = lax.broadcasted_iota(jnp.int32, (block_h,), 0)
 
@@ -212,8 +216,10 @@ def _down_kernel(n_ref, order_ref, h_ref, w_down_ref, y_ref, *, d: int, capacity
         return acc_BMxBD + lax.dot_general(h_BMxBH, w_BHxBD, (((1,), (0,)), ((), ())),
                                            precision=precision, preferred_element_type=jnp.float32)
 
-    n_steps = lax.div(n + (block_h - 1), block_h)  # n >= 0: truncation is the ceiling division
-    acc_BMxBD = lax.fori_loop(0, n_steps, h_step, jnp.zeros((block_m, block_d), jnp.float32))
+    # n >= 0: truncation is the ceiling division. Both bounds int32 (see `_hidden_kernel`).
+    n_steps = lax.div(n + jnp.int32(block_h - 1), jnp.int32(block_h)).astype(jnp.int32)
+    acc_BMxBD = lax.fori_loop(jnp.int32(0), n_steps, h_step,
+                              jnp.zeros((block_m, block_d), jnp.float32))
     y_ref[...] = acc_BMxBD.astype(y_ref.dtype)
 
 

@@ -115,7 +115,7 @@ def test_sparse_decode_ffn_reads_only_the_capacity(gated):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_kernels_lower_to_triton_for_cuda(dtype):
+def test_kernels_lower_to_triton_for_cuda(dtype, capsys):
     # The Pallas -> Triton IR lowering runs without a GPU (cross-platform export): every
     # primitive the kernels use (cumsum, scatter store, row gathers, dynamic loops) must have a
     # Triton lowering rule. Compiling the IR to PTX still needs the GPU.
@@ -123,8 +123,8 @@ def test_kernels_lower_to_triton_for_cuda(dtype):
 
     def forward(x, w_gate, w_up, w_down):
         g = jnp.einsum("md,hd->mh", x, w_gate, preferred_element_type=jnp.float32)
-        order, n = compact_active(jnp.sum(g > 0, axis=0, dtype=jnp.int32))
-        return sparse_decode_ffn(x, g, order, n, w_up, w_down, capacity=5632)
+        order, n = compact_active(jnp.sum(g > 0, axis=0, dtype=jnp.int32), debug=True)
+        return sparse_decode_ffn(x, g, order, n, w_up, w_down, capacity=5632, debug=True)
 
     x = jax.ShapeDtypeStruct((8, 2048), dtype)
     w = jax.ShapeDtypeStruct((5632, 2048), dtype)
@@ -133,6 +133,10 @@ def test_kernels_lower_to_triton_for_cuda(dtype):
     module = exported.mlir_module()
     for name in ("twell_decode_compact", "twell_decode_hidden", "twell_decode_down"):
         assert name in module
+    # debug=True prints each Triton module; MLIR prints an op that fails verification in the
+    # generic quoted form. An scf.for with bounds of mixed types did (and failed on the H100).
+    printed = capsys.readouterr().out
+    assert printed.count("scf.for") >= 2 and '"scf.for"' not in printed
 
 
 def test_decode_block_sizes_validation():
