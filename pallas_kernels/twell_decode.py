@@ -1,0 +1,335 @@
+"""Decode-size sparse FFN kernels (Pallas, Triton backend): work spread over the active neurons.
+
+At 1 to a few hundred tokens per call, one program per token (twell_ffn) puts the whole call on a
+few SMs. Here the unit of work is the active NEURON instead, and each active neuron's U and W rows
+are read from HBM once per call, whatever the number of tokens M:
+
+    compact_active   active flags [L] -> order [L] int32 (a stable partition: active neuron ids
+                     ascending, then the inactive ones) and n [1] int32 = number of actives.
+                     One program: in-kernel cumsum, every lane stores to its own distinct slot
+                     (a permutation: no mask, no atomics).
+    hidden           grid (C / block_n, M / block_m): program c gathers the U rows of the active
+                     neurons order[c*bn : (c+1)*bn] and computes, for all its tokens,
+                     u = x U_c^T (tensor-core dot, fp32 accumulation over D in block_k steps) and
+                     h = round(relu(g[:, order_c]) * u) into h [M, C]. relu(g) = 0 exactly for a
+                     token on which the neuron is silent, so h is masked per token for free.
+                     Programs whose chunk starts at or past n run no K loop and store zeros.
+    down             grid (D / block_d, M / block_m): y[:, dblock] = h[:, :n] . W[order[:n], dblock]
+                     with a dynamic K loop over ceil(n / block_h) neuron steps. No split over the
+                     neurons, so no partial outputs, no reduction pass, no atomics.
+
+Rounding follows the op's dense formula (twell_jax/ops.py): g and u in fp32, h rounded once to the
+activation dtype, y accumulated in fp32 and rounded once. Deterministic: every loop has a fixed
+order and nothing is accumulated across programs.
+
+Non-gated FFN: h = round(relu(g[:, order])) (no U rows); the caller builds it and runs `down` only
+(`sparse_decode_ffn` with w_up_HxD=None does that).
+
+Capacity: the kernels read only order[:min(n, C)] for a static C (a multiple of
+max(block_n, block_h)); h is [M, C]. Actives beyond C are NOT read here: the caller checks
+n <= C (twell_jax/decode_backend.py falls back to the exact dense formula otherwise). No operand
+is padded: rows >= M, columns >= D and dead list entries are masked lanes of the gathers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.twell_pack import _dot_precision, _is_pow2
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlockSizes:
+    """Static launch parameters of the decode kernels. Defaults are NOT tuned on a GPU yet
+    (chosen so that a one-token call spreads over >= 32 programs in `down`)."""
+
+    block_n: int = 16  # hidden: active neurons per program (power of two, >= 16 for the dot)
+    block_k: int = 128  # hidden: D step of the u = x U^T loop (power of two, >= 16)
+    block_h: int = 32  # down: active neurons per K step (power of two, >= 16)
+    block_d: int = 64  # down: output columns per program (power of two, >= 16)
+    max_block_m: int = 64  # both: token rows per program, at most (power of two, >= 16)
+    num_warps: int = 4  # warps per program (both kernels)
+    num_stages: int = 2  # software-pipelining depth of the K loops
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "block_h", "block_d", "max_block_m"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not _is_pow2(value) or value < 16:
+                raise ValueError(f"DecodeBlockSizes.{name} must be a power of two >= 16, got {value!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"DecodeBlockSizes.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if not 1 <= self.num_stages <= 8:
+            raise ValueError(f"DecodeBlockSizes.num_stages must be in [1, 8], got {self.num_stages}")
+
+    @property
+    def chunk(self) -> int:
+        """The capacity C must be a multiple of this (both kernels step through order_C)."""
+        return max(self.block_n, self.block_h)
+
+    def block_m(self, m: int) -> int:
+        """Token rows per program for a call with m tokens (>= 16: tensor-core dot minimum)."""
+        return max(16, min(self.max_block_m, _next_pow2(m)))
+
+
+def _compiler_params(block_sizes: DecodeBlockSizes) -> plgpu.CompilerParams:
+    return plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages)
+
+
+# ----------------------------------------------------------------------------------------------
+# compact_active
+# ----------------------------------------------------------------------------------------------
+
+def _compact_kernel(active_ref, order_ref, n_ref, *, h: int) -> None:
+    """Refs: active [H] (non-zero = active), order [L] int32, n [1] int32. One program."""
+    length = order_ref.shape[0]
+    lane_L = lax.broadcasted_iota(jnp.int32, (length,), 0)
+    # Lanes >= H (padding to a power of two) are inactive; their (masked) addresses are clamped.
+    active_L = plgpu.load(active_ref.at[jnp.minimum(lane_L, h - 1)], mask=lane_L < h, other=0) != 0
+    one_L = active_L.astype(jnp.int32)
+    n = jnp.sum(one_L)
+    active_before_L = jnp.cumsum(one_L) - one_L  # exclusive prefix: actives left of the lane
+    inactive_before_L = lane_L - active_before_L
+    # A permutation of [0, L): every lane writes a distinct slot, so no mask is needed (a masked
+    # scatter with colliding masked-off lanes can clobber live ones in interpret mode).
+    slot_L = jnp.where(active_L, active_before_L, n + inactive_before_L)
+    # Padding lanes land in slots >= H; clamp their value to a valid row so no consumer can form
+    # an out-of-range address from them.
+    plgpu.store(order_ref.at[slot_L], jnp.minimum(lane_L, h - 1))
+    n_ref[...] = jnp.broadcast_to(n, (1,))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "debug"))
+def compact_active(active_H: jax.Array, *, interpret: bool = False,
+                   debug: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Stable partition of the active neurons: (order [L] int32, n [1] int32), L = next_pow2(H).
+
+    order[:n] are the active neuron ids ascending, order[n:] the inactive ones (clamped to H - 1
+    for the padding lanes >= H). active_H: bool or int [H], non-zero = active (e.g. the per-neuron
+    count of active tokens: no conversion pass needed)."""
+    if active_H.ndim != 1 or active_H.shape[0] < 1:
+        raise ValueError(f"active_H must be 1-D [H] with H >= 1, got shape {active_H.shape}")
+    if active_H.dtype == jnp.bool_:
+        active_H = active_H.astype(jnp.int32)  # Triton refs hold no i1
+    h = active_H.shape[0]
+    length = _next_pow2(h)
+    return pl.pallas_call(
+        functools.partial(_compact_kernel, h=h),
+        grid=(1,),
+        in_specs=[pl.BlockSpec((h,), lambda i: (0,))],
+        out_specs=[pl.BlockSpec((length,), lambda i: (0,)), pl.BlockSpec((1,), lambda i: (0,))],
+        out_shape=[jax.ShapeDtypeStruct((length,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)],
+        # ~16 lanes per thread at H = 5632 (L = 8192): six live [L] vectors stay in registers.
+        compiler_params=plgpu.CompilerParams(num_warps=max(1, min(16, length // 512)),
+                                             num_stages=1),
+        interpret=interpret,
+        debug=debug,
+        name="twell_decode_compact",
+    )(active_H)
+
+
+@jax.jit
+def compact_active_reference(active_H: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Plain-jnp `compact_active` (same prefix-sum partition, XLA cumsum + scatter): same outputs."""
+    h = active_H.shape[0]
+    length = _next_pow2(h)
+    one_L = jnp.pad((active_H != 0).astype(jnp.int32), (0, length - h))
+    lane_L = jnp.arange(length, dtype=jnp.int32)
+    n = jnp.sum(one_L)
+    active_before_L = jnp.cumsum(one_L) - one_L
+    slot_L = jnp.where(one_L > 0, active_before_L, n + lane_L - active_before_L)
+    order_L = jnp.zeros((length,), jnp.int32).at[slot_L].set(jnp.minimum(lane_L, h - 1),
+                                                              unique_indices=True)
+    return order_L, n.reshape(1)
+
+
+# ----------------------------------------------------------------------------------------------
+# hidden and down
+# ----------------------------------------------------------------------------------------------
+
+def _hidden_kernel(n_ref, order_ref, x_ref, g_ref, w_up_ref, h_ref, *, m: int, d: int,
+                   capacity: int, block_k: int, n_k: int, precision: lax.Precision) -> None:
+    """Program (c, i): neurons order[c*BN : (c+1)*BN] x tokens [i*BM, (i+1)*BM).
+    Refs: n [1], order [BN], x [M, D], g [M, H], w_up [H, D] (the last three whole), h [BM, BN]."""
+    block_m, block_n = h_ref.shape
+    chunk, row_block = pl.program_id(0), pl.program_id(1)
+    # Entries past the capacity are never read.
+    n = jnp.minimum(jnp.max(n_ref[...]), jnp.int32(capacity)).astype(jnp.int32)
+    j_BN = order_ref[...]
+    live_BN = chunk * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0) < n
+    rows_BM = row_block * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
+    row_ok_BM = rows_BM < m
+    col_BK = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+
+    def k_step(k, acc_BMxBN):
+        cols_BK = k * block_k + col_BK
+        col_ok_BK = cols_BK < d
+        # Gathers index with two broadcast int arrays (rows x columns): the interpret-mode
+        # discharge does not support mixing an int-array index with a slice. Masked lanes (dead
+        # neurons, rows >= M, columns >= D) move no bytes, so x and the weights need no padding.
+        x_BMxBK = plgpu.load(x_ref.at[rows_BM[:, None], cols_BK[None, :]],
+                             mask=row_ok_BM[:, None] & col_ok_BK[None, :], other=0)
+        u_BNxBK = plgpu.load(w_up_ref.at[j_BN[:, None], cols_BK[None, :]],
+                             mask=live_BN[:, None] & col_ok_BK[None, :], other=0)
+        return acc_BMxBN + lax.dot_general(x_BMxBK, u_BNxBK, (((1,), (1,)), ((), ())),
+                                           precision=precision, preferred_element_type=jnp.float32)
+
+    # A chunk past the last active neuron runs no K loop (dynamic trip count) and stores zeros.
+    # Both bounds explicitly int32: Triton's scf.for rejects bounds of different types (a weakly
+    # typed Python 0 against a traced bound failed on the H100; interpret mode does not check).
+    n_k_live = jnp.where(chunk * block_n < n, jnp.int32(n_k), jnp.int32(0)).astype(jnp.int32)
+    u_BMxBN = lax.fori_loop(jnp.int32(0), n_k_live, k_step,
+                            jnp.zeros((block_m, block_n), jnp.float32))
+    g_BMxBN = plgpu.load(g_ref.at[rows_BM[:, None], j_BN[None, :]],
+                         mask=row_ok_BM[:, None] & live_BN[None, :], other=0.0)
+    h_ref[...] = (jnp.maximum(g_BMxBN, 0.0) * u_BMxBN).astype(h_ref.dtype)
+
+
+def _down_kernel(n_ref, order_ref, h_ref, w_down_ref, y_ref, *, d: int, capacity: int,
+                 block_h: int, precision: lax.Precision) -> None:
+    """Program (j, i): output columns [j*BD, (j+1)*BD) x tokens [i*BM, (i+1)*BM).
+    Refs: n [1], order [>= C] (whole), h [BM, C], w_down [H, D] (whole), y [BM, BD]."""
+    block_m, block_d = y_ref.shape
+    n = jnp.minimum(jnp.max(n_ref[...]), jnp.int32(capacity)).astype(jnp.int32)
+    cols_BD = pl.program_id(0) * block_d + lax.broadcasted_iota(jnp.int32, (block_d,), 0)
+    step_BH = lax.broadcasted_iota(jnp.int32, (block_h,), 0)
+
+    def h_step(t, acc_BMxBD):
+        j_BH = order_ref[pl.ds(t * block_h, block_h)]
+        live_BH = t * block_h + step_BH < n
+        h_BMxBH = h_ref[:, pl.ds(t * block_h, block_h)]  # zero past n (written so by `hidden`)
+        w_BHxBD = plgpu.load(w_down_ref.at[j_BH[:, None], cols_BD[None, :]],
+                             mask=live_BH[:, None] & (cols_BD < d)[None, :], other=0)
+        return acc_BMxBD + lax.dot_general(h_BMxBH, w_BHxBD, (((1,), (0,)), ((), ())),
+                                           precision=precision, preferred_element_type=jnp.float32)
+
+    # n >= 0: truncation is the ceiling division. Both bounds int32 (see `_hidden_kernel`).
+    n_steps = lax.div(n + jnp.int32(block_h - 1), jnp.int32(block_h)).astype(jnp.int32)
+    acc_BMxBD = lax.fori_loop(jnp.int32(0), n_steps, h_step,
+                              jnp.zeros((block_m, block_d), jnp.float32))
+    y_ref[...] = acc_BMxBD.astype(y_ref.dtype)
+
+
+def validate_decode_args(x_MxD, g_MxH, order, n_active, w_up_HxD, w_down_HxD, capacity: int,
+                         block_sizes: DecodeBlockSizes) -> None:
+    """Raise ValueError naming the offending argument."""
+    if x_MxD.ndim != 2 or x_MxD.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"x_MxD must be float32 or bfloat16 [M, D], got {x_MxD.dtype}{x_MxD.shape}")
+    m, d = x_MxD.shape
+    if w_down_HxD.ndim != 2 or w_down_HxD.shape[1] != d or w_down_HxD.dtype != x_MxD.dtype:
+        raise ValueError(f"w_down_HxD must be {x_MxD.dtype}[H, D={d}], got "
+                         f"{w_down_HxD.dtype}{w_down_HxD.shape}")
+    h = w_down_HxD.shape[0]
+    if w_up_HxD is not None and (w_up_HxD.shape != (h, d) or w_up_HxD.dtype != x_MxD.dtype):
+        raise ValueError(f"w_up_HxD must be {x_MxD.dtype}[H={h}, D={d}], got "
+                         f"{w_up_HxD.dtype}{w_up_HxD.shape}")
+    if g_MxH.shape != (m, h) or g_MxH.dtype != jnp.float32:
+        raise ValueError(f"g_MxH must be float32 [M={m}, H={h}], got {g_MxH.dtype}{g_MxH.shape}")
+    if order.ndim != 1 or order.dtype != jnp.int32:
+        raise ValueError(f"order must be int32 [L], got {order.dtype}{order.shape}")
+    if capacity < 1 or capacity % block_sizes.chunk or capacity > order.shape[0]:
+        raise ValueError(f"capacity must be a positive multiple of {block_sizes.chunk} "
+                         f"(DecodeBlockSizes.chunk) and <= len(order) = {order.shape[0]}, got "
+                         f"{capacity}")
+    if n_active.shape != (1,) or n_active.dtype != jnp.int32:
+        raise ValueError(f"n_active must be int32 [1], got {n_active.dtype}{n_active.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "block_sizes", "interpret", "debug"))
+def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array, n_active: jax.Array,
+                      w_up_HxD: jax.Array | None, w_down_HxD: jax.Array, *,
+                      capacity: int | None = None,
+                      block_sizes: DecodeBlockSizes = DecodeBlockSizes(), interpret: bool = False,
+                      debug: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Sparse FFN over the active-neuron list: returns (h [M, C] in x's dtype, y [M, D]).
+
+    g_MxH: fp32 pre-activation of the gate (gated) or of the up projection (non-gated,
+    w_up_HxD=None). order, n_active: `compact_active`'s partition and active count. Only
+    order[:min(n, C)] is read, C = capacity (static; None = len(order)); h is 0 beyond. Any M, D, H.
+    """
+    capacity = order.shape[0] if capacity is None else capacity
+    validate_decode_args(x_MxD, g_MxH, order, n_active, w_up_HxD, w_down_HxD, capacity, block_sizes)
+    m, d = x_MxD.shape
+    bm = block_sizes.block_m(m)
+    m_pad = _round_up(m, bm)
+    precision = _dot_precision(x_MxD.dtype)
+    n_spec = pl.BlockSpec((1,), lambda *_: (0,))
+    if w_up_HxD is not None:
+        bk, bn = block_sizes.block_k, block_sizes.block_n
+        h_MpxC = pl.pallas_call(
+            functools.partial(_hidden_kernel, m=m, d=d, capacity=capacity, block_k=bk,
+                              n_k=-(-d // bk), precision=precision),
+            grid=(capacity // bn, m_pad // bm),
+            in_specs=[n_spec,
+                      pl.BlockSpec((bn,), lambda c, i: (c,)),
+                      pl.BlockSpec(x_MxD.shape, lambda c, i: (0, 0)),
+                      pl.BlockSpec(g_MxH.shape, lambda c, i: (0, 0)),
+                      pl.BlockSpec(w_up_HxD.shape, lambda c, i: (0, 0))],
+            out_specs=pl.BlockSpec((bm, bn), lambda c, i: (i, c)),
+            out_shape=jax.ShapeDtypeStruct((m_pad, capacity), x_MxD.dtype),
+            compiler_params=_compiler_params(block_sizes),
+            interpret=interpret,
+            debug=debug,
+            name="twell_decode_hidden",
+        )(n_active, order, x_MxD, g_MxH, w_up_HxD)
+    else:
+        live_C = jnp.arange(capacity) < n_active[0]
+        h_MxC = jnp.where(live_C, jax.nn.relu(jnp.take(g_MxH, order[:capacity], axis=1)), 0.0)
+        h_MpxC = jnp.pad(h_MxC.astype(x_MxD.dtype), ((0, m_pad - m), (0, 0)))
+    bd = block_sizes.block_d
+    d_out = _round_up(d, bd)
+    y_MpxDp = pl.pallas_call(
+        functools.partial(_down_kernel, d=d, capacity=capacity, block_h=block_sizes.block_h,
+                          precision=precision),
+        grid=(d_out // bd, m_pad // bm),
+        in_specs=[n_spec,
+                  pl.BlockSpec(order.shape, lambda j, i: (0,)),
+                  pl.BlockSpec((bm, capacity), lambda j, i: (i, 0)),
+                  pl.BlockSpec(w_down_HxD.shape, lambda j, i: (0, 0))],
+        out_specs=pl.BlockSpec((bm, bd), lambda j, i: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((m_pad, d_out), x_MxD.dtype),
+        compiler_params=_compiler_params(block_sizes),
+        interpret=interpret,
+        debug=debug,
+        name="twell_decode_down",
+    )(n_active, order, h_MpxC, w_down_HxD)
+    # Slices of the padded outputs: XLA fuses them into their consumers.
+    return h_MpxC[:m], y_MpxDp[:m, :d]
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "precision"))
+def sparse_decode_ffn_reference(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array,
+                                n_active: jax.Array, w_up_HxD: jax.Array | None,
+                                w_down_HxD: jax.Array, *, capacity: int | None = None,
+                                precision: lax.Precision = lax.Precision.HIGHEST
+                                ) -> tuple[jax.Array, jax.Array]:
+    """Plain-jnp `sparse_decode_ffn` (row gathers + small dots; same rounding points).
+
+    Also the "xla" implementation of twell_jax/decode_backend.py, with precision DEFAULT. The dots
+    take fp32 copies of the gathered rows: exact for 16-bit operands (their products fit in the
+    fp32 and TF32 mantissas), and it avoids XLA:CPU's missing bf16 x bf16 -> f32 dot thunk."""
+    f32 = jnp.float32
+    order_C = order[:order.shape[0] if capacity is None else capacity]
+    live_C = jnp.arange(order_C.shape[0]) < n_active[0]
+    act_MxC = jax.nn.relu(jnp.take(g_MxH, order_C, axis=1))
+    if w_up_HxD is not None:
+        u_rows_CxD = jnp.take(w_up_HxD, order_C, axis=0).astype(f32)
+        act_MxC = act_MxC * jnp.einsum("md,cd->mc", x_MxD.astype(f32), u_rows_CxD,
+                                       precision=precision)
+    h_MxC = jnp.where(live_C, act_MxC, 0.0).astype(x_MxD.dtype)
+    w_rows_CxD = jnp.take(w_down_HxD, order_C, axis=0).astype(f32)
+    y_MxD = jnp.einsum("mc,cd->md", h_MxC.astype(f32), w_rows_CxD, precision=precision)
+    return h_MxC, y_MxD.astype(x_MxD.dtype)

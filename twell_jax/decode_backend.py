@@ -1,0 +1,212 @@
+"""Decode-size forward of the sparse FFN op (1 to a few hundred tokens per call) and its cost model.
+
+    g = x W_gate^T                      XLA (a memory-bound GEMV at decode sizes: reads W_gate once)
+    union of the active neurons         any(g > 0) over the call's tokens, compacted on the device
+                                        into a stable, deterministic list (prefix sum)
+    h, y over the active neurons        pallas_kernels.twell_decode (implementation="triton") or row
+                                        gathers + small XLA dots (implementation="xla")
+
+Each active neuron's U and W rows are read once per call, whatever the number of tokens, and the
+work is spread over the active neurons instead of one program per token (pallas_backend's fused
+kernel), which puts a one-token call on one SM. Rounding is the op's dense formula: h rounded once
+to the activation dtype, y accumulated in fp32.
+
+Exactness: the active list has a static capacity C (`config.decode_capacity`; None: every neuron
+for "triton", whose kernels skip the unused part of the list at run time, and
+min(H, max(64, 2 M k)) for "xla", which gathers all C rows). When a call has more than C active
+neurons a `lax.cond` runs the exact dense formula on the gate already computed, and
+aux["dense_fallback"] = 1. When C covers H no cond is built (a cond may cost a host round trip).
+
+Aux (the op's contract): l1 and l0 exact; tile_overflow = row_overflow = 0 (no packed format here);
+dense_fallback = 1 when the capacity was exceeded.
+
+Config fields read (getattr with defaults, so SparseFFNConfig or any object or None works):
+    decode_capacity (None), decode_block_sizes (DecodeBlockSizes()), expected_active_per_token
+    (None; only sizes the "xla" default capacity).
+
+"auto" hook: `prefer_decode_path(m, d, h, expected_active, gated)` compares `decode_time_us` with
+`dense_time_us` (docs/kernels.md, "Decode path").
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compact_active_reference,
+                                         sparse_decode_ffn, sparse_decode_ffn_reference)
+from twell_jax.pallas_backend import _require_runnable, _validate
+
+IMPLEMENTATIONS = ("triton", "xla")
+
+# Cost model (us, H100, bf16). The dense part is fitted to issue 13's table (XLA, D = 2048,
+# H = 5632, 1..1024 tokens; within 3% at 1..256 tokens, 6% high at 1024):
+#   one XLA GEMM = GEMM_LAUNCH_US + (D H itemsize) / HBM_BYTES_PER_US + 2 M D H / GEMM_FLOPS_PER_US
+#   dense        = n_gemms one-GEMMs (3 gated, 2 not)
+# The decode part is an ESTIMATE, not yet measured (experiments/bench_ffn_decode.py prints the
+# measured times beside these predictions; refit the three DECODE_* constants from them):
+#   decode = one gate GEMM + DECODE_FIXED_US (compaction + 2 Pallas launches + small fusions)
+#            + union * n_rows * D * itemsize / DECODE_ROW_BYTES_PER_US   (each active row once)
+#            + n_rows * 2 * max(M, 16) * union * D / DECODE_FLOPS_PER_US  (gather-GEMMs, >= 16 rows)
+# with union = H (1 - (1 - k/H)^M), the expected union of M tokens with k independent actives
+# each (trained models share active neurons across tokens, so this over-estimates: conservative).
+GEMM_LAUNCH_US = 5.0
+HBM_BYTES_PER_US = 3.35e6
+GEMM_FLOPS_PER_US = 6.0e8
+DECODE_FIXED_US = 8.0
+DECODE_ROW_BYTES_PER_US = 2.0e6
+DECODE_FLOPS_PER_US = 2.0e8
+# The decode path is chosen when its predicted time is at most this fraction of dense (the decode
+# constants are estimates: demand a clear predicted win so "auto" stays >= 0.98x dense).
+DECODE_MARGIN = 0.9
+
+Aux = dict[str, jax.Array]
+
+
+def expected_union(m: int, k: float, h: int) -> float:
+    """Expected number of distinct active neurons over m tokens with k of h active each."""
+    if h < 1 or m < 0 or not 0 <= k:
+        raise ValueError(f"need h >= 1, m >= 0, k >= 0; got h={h}, m={m}, k={k}")
+    return h * (1.0 - (1.0 - min(k, h) / h) ** m)
+
+
+def _gemm_us(m: int, d: int, h: int, itemsize: int) -> float:
+    return GEMM_LAUNCH_US + d * h * itemsize / HBM_BYTES_PER_US + 2.0 * m * d * h / GEMM_FLOPS_PER_US
+
+
+def dense_time_us(m: int, d: int, h: int, *, gated: bool = True, itemsize: int = 2) -> float:
+    """Predicted time of the dense XLA FFN (cost model above)."""
+    return (3 if gated else 2) * _gemm_us(m, d, h, itemsize)
+
+
+def decode_time_us(m: int, d: int, h: int, expected_active: float, *, gated: bool = True,
+                   itemsize: int = 2) -> float:
+    """Predicted time of the decode path ("triton") at expected_active neurons per token."""
+    union = expected_union(m, expected_active, h)
+    n_rows = 2 if gated else 1
+    return (_gemm_us(m, d, h, itemsize) + DECODE_FIXED_US
+            + union * n_rows * d * itemsize / DECODE_ROW_BYTES_PER_US
+            + n_rows * 2.0 * max(m, 16) * union * d / DECODE_FLOPS_PER_US)
+
+
+def prefer_decode_path(m: int, d: int, h: int, expected_active: float | None, gated: bool, *,
+                       itemsize: int = 2) -> bool:
+    """True when the decode path is predicted to beat the dense FFN by DECODE_MARGIN.
+
+    expected_active None (no telemetry hint): False; the caller keeps its own choice."""
+    if expected_active is None or m < 1:
+        return False
+    return (decode_time_us(m, d, h, expected_active, gated=gated, itemsize=itemsize)
+            <= DECODE_MARGIN * dense_time_us(m, d, h, gated=gated, itemsize=itemsize))
+
+
+def _capacity(config: Any, m: int, h: int, block_sizes: DecodeBlockSizes, implementation: str) -> int:
+    """Static length of the active list (a multiple of block_sizes.chunk)."""
+    capacity = getattr(config, "decode_capacity", None)
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
+                                 or capacity < 1):
+        raise ValueError(f"config.decode_capacity must be None or an int >= 1, got {capacity!r}")
+    if capacity is None:
+        if implementation == "triton":
+            capacity = h
+        else:
+            per_token = getattr(config, "expected_active_per_token", None)
+            capacity = int(max(64, 2 * m * (32 if per_token is None else per_token)))
+    chunk = block_sizes.chunk
+    return -(-min(capacity, h) // chunk) * chunk
+
+
+def _dense_from_gate(x_MxD: jax.Array, g_MxH: jax.Array, w_up_HxD: jax.Array | None,
+                     w_down_HxD: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The op's dense formula given the gate pre-activation: (y [M, D], sum of |h|)."""
+    act_MxH = jax.nn.relu(g_MxH)
+    if w_up_HxD is not None:
+        act_MxH = act_MxH * jnp.einsum("md,hd->mh", x_MxD, w_up_HxD, preferred_element_type=jnp.float32)
+    h_MxH = act_MxH.astype(x_MxD.dtype)
+    y_MxD = jnp.einsum("mh,hd->md", h_MxH, w_down_HxD,
+                       preferred_element_type=jnp.float32).astype(x_MxD.dtype)
+    return y_MxD, jnp.sum(jnp.abs(h_MxH.astype(jnp.float32)))
+
+
+def _decode_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
+                    w_down_HxD: jax.Array, config: Any, implementation: str,
+                    interpret: bool) -> tuple[jax.Array, Aux]:
+    m = x_MxD.shape[0]
+    h = w_act_HxD.shape[0]
+    zero = jnp.zeros((), jnp.int32)
+    if m == 0:
+        y_MxD, _ = _dense_from_gate(x_MxD, jnp.zeros((0, h), jnp.float32), w_up_HxD, w_down_HxD)
+        return y_MxD, {"l1": jnp.zeros((), jnp.float32), "l0": jnp.zeros((), jnp.float32),
+                       "tile_overflow": zero, "row_overflow": zero, "dense_fallback": zero}
+    block_sizes = getattr(config, "decode_block_sizes", None) or DecodeBlockSizes()
+    if not isinstance(block_sizes, DecodeBlockSizes):
+        raise ValueError(f"config.decode_block_sizes must be a DecodeBlockSizes or None, got "
+                         f"{type(block_sizes).__name__}")
+    capacity = _capacity(config, m, h, block_sizes, implementation)
+    # Same XLA op as the dense backend's gate, so the active pattern is the dense one.
+    g_MxH = jnp.einsum("md,hd->mh", x_MxD, w_act_HxD, preferred_element_type=jnp.float32)
+    # Tokens on which each neuron fires: non-zero = in the union; one reduction gives l0 too.
+    count_H = jnp.sum(g_MxH > 0, axis=0, dtype=jnp.int32)
+    l0 = jnp.sum(count_H, dtype=jnp.float32) / m
+    if implementation == "triton":
+        order_L, n_active = compact_active(count_H, interpret=interpret)
+    else:
+        order_L, n_active = compact_active_reference(count_H)
+    if capacity > order_L.shape[0]:  # tiny H: the list is shorter than one kernel chunk
+        order_L = jnp.pad(order_L, (0, capacity - order_L.shape[0]), constant_values=h - 1)
+
+    def sparse() -> tuple[jax.Array, jax.Array]:
+        if implementation == "triton":
+            h_MxC, y_MxD = sparse_decode_ffn(x_MxD, g_MxH, order_L, n_active, w_up_HxD, w_down_HxD,
+                                             capacity=capacity, block_sizes=block_sizes,
+                                             interpret=interpret)
+        else:
+            h_MxC, y_MxD = sparse_decode_ffn_reference(x_MxD, g_MxH, order_L, n_active, w_up_HxD,
+                                                       w_down_HxD, capacity=capacity,
+                                                       precision=lax.Precision.DEFAULT)
+        return y_MxD, jnp.sum(jnp.abs(h_MxC.astype(jnp.float32)))
+
+    if capacity >= h:  # every neuron fits: no overflow is possible, no cond
+        overflow = jnp.zeros((), jnp.bool_)
+        y_MxD, l1_sum = sparse()
+    else:
+        overflow = n_active[0] > capacity
+        y_MxD, l1_sum = lax.cond(overflow,
+                                 lambda: _dense_from_gate(x_MxD, g_MxH, w_up_HxD, w_down_HxD),
+                                 sparse)
+    return y_MxD, {"l1": l1_sum / m, "l0": l0, "tile_overflow": zero, "row_overflow": zero,
+                   "dense_fallback": overflow.astype(jnp.int32)}
+
+
+def _entry(x_MxD: jax.Array, weights: dict[str, jax.Array], config: Any, implementation: str,
+           interpret: bool) -> tuple[jax.Array, Aux]:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if not isinstance(interpret, bool):
+        raise ValueError(f"interpret must be a bool, got {interpret!r}")
+    if implementation == "triton":
+        _require_runnable(interpret)
+    _validate(x_MxD, weights)
+    w = list(weights.values())
+    if len(w) == 2:
+        w.insert(1, None)  # non-gated: no up projection beside the activation
+    return _decode_forward(x_MxD, *w, config, implementation, interpret)
+
+
+def decode_gated_ffn_forward(x_MxD: jax.Array, w_gate_HxD: jax.Array, w_up_HxD: jax.Array,
+                             w_down_HxD: jax.Array, *, config: Any = None,
+                             implementation: str = "triton",
+                             interpret: bool = False) -> tuple[jax.Array, Aux]:
+    """y = (relu(x W_gate^T) * (x W_up^T)) W_down over the union of active neurons; (y, aux)."""
+    return _entry(x_MxD, dict(w_gate_HxD=w_gate_HxD, w_up_HxD=w_up_HxD, w_down_HxD=w_down_HxD),
+                  config, implementation, interpret)
+
+
+def decode_ffn_forward(x_MxD: jax.Array, w_up_HxD: jax.Array, w_down_HxD: jax.Array, *,
+                       config: Any = None, implementation: str = "triton",
+                       interpret: bool = False) -> tuple[jax.Array, Aux]:
+    """y = relu(x W_up^T) W_down over the union of active neurons; (y, aux)."""
+    return _entry(x_MxD, dict(w_up_HxD=w_up_HxD, w_down_HxD=w_down_HxD), config, implementation,
+                  interpret)
