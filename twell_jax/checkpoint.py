@@ -53,6 +53,12 @@ class CorruptCheckpointError(ValueError):
     """A checkpoint that cannot be read or fails verification; the message names its directory."""
 
 
+def _brief(err: Exception) -> str:
+    """The gist of a library error (Orbax/TensorStore errors carry kilobytes of spec JSON)."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {text[:300]}{' ...' if len(text) > 300 else ''}"
+
+
 # ----------------------------------------------------------------------------- run directory files
 
 
@@ -233,8 +239,8 @@ class CheckpointStore:
         try:
             meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         except Exception as err:  # noqa: BLE001 (Orbax raises many kinds; all mean "unreadable")
-            raise CorruptCheckpointError(f"checkpoint metadata {path} cannot be read ({type(err).__name__}: "
-                                         f"{err}); the checkpoint is damaged") from None
+            raise CorruptCheckpointError(f"checkpoint metadata {path} cannot be read ({_brief(err)}); the "
+                                         "checkpoint is damaged") from None
         if not isinstance(meta, dict) or "config" not in meta:
             raise CorruptCheckpointError(f"checkpoint metadata {path} holds no config; the checkpoint is damaged")
         if meta.get("format") != CHECKPOINT_FORMAT:
@@ -251,7 +257,7 @@ class CheckpointStore:
             restored = self._manager.restore(step, args=ocp.args.Composite(
                 **{name: ocp.args.StandardRestore(abstract) for name, abstract in targets.items()}))
         except Exception as err:  # noqa: BLE001
-            raise CorruptCheckpointError(f"checkpoint {where} cannot be read ({type(err).__name__}: {err})") from None
+            raise CorruptCheckpointError(f"checkpoint {where} cannot be read ({_brief(err)})") from None
         items = {name: restored[name] for name in targets}
         for name, tree in items.items():
             expected = meta["checksums"].get(name, {})
