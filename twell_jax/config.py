@@ -391,6 +391,7 @@ def with_fixed_schedule(cfg: ExperimentConfig) -> ExperimentConfig:
 # with: how long and how it runs, what it logs, where it reads from; never what it computes.
 # Everything else is fixed for the life of a run directory.
 RESUMABLE_FIELDS = frozenset({
+    "name",  # a label (the default run directory name)
     "train.steps", "train.time_limit_s", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.eval_batch_size", "train.checkpoint_every", "train.keep_checkpoints", "train.tensorboard",
     "train.progress_bar", "train.num_devices", "train.micro_batch", "train.fsdp",

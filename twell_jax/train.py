@@ -242,8 +242,10 @@ class _StopSignals:
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, _frame: Any) -> None:
-        if self.received is not None:  # a second signal: give up the graceful stop
-            signal.default_int_handler(signum, _frame) if signum == signal.SIGINT else signal.raise_signal(signum)
+        if self.received is not None:  # a second signal: give up the graceful stop, die as asked
+            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+            signal.raise_signal(signum)
+            return
         self.received = signal.Signals(signum).name
 
     def __enter__(self) -> "_StopSignals":
