@@ -18,6 +18,6 @@ def get_config() -> ExperimentConfig:
         optim=OptimConfig(lr=3e-3, warmup_steps=30, weight_decay=0.1),
         sparsity=SparsityConfig(l1_coef=3e-3),
         train=TrainConfig(steps=240, global_batch=16, micro_batch=16, log_every=10, eval_batches=16,
-                          eval_batch_size=16),
+                          eval_batch_size=16, checkpoint_every=60),
         data=DataConfig(source="stdlib", vocab_size=2048, seq_len=128),
     )

@@ -63,7 +63,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -182,46 +182,23 @@ def parse_counts(text: str, parser: argparse.ArgumentParser) -> list[int]:
 # ----------------------------------------------------------------------------- child (one run)
 
 
-def make_trainer(cfg: ExperimentConfig, run_dir: Path, data_builder: Callable[[ExperimentConfig], Any] | None,
-                 echo: Callable[[str], None]) -> Any:
-    """A `twell_jax.train.Trainer` whose final checkpoint is skipped (JAX is imported in children only)."""
-    from twell_jax import train as train_lib
+class ChildProgress:
+    """Trainer hooks of a child run: prints its latest step every PROGRESS_EVERY_S and counts the
+    layer-steps in which the sparse op took its exact dense path (from every step's record)."""
 
-    class NoCheckpointTrainer(train_lib.Trainer):
-        def save(self, state: Any, history: list[dict[str, Any]]) -> None:
-            # The run dir is thrown away; writing params + Adam state (6 GB for 0.5b) would cost
-            # seconds of the device call's budget and disk on a machine that never resumes.
-            self.echo("[svd-child] final checkpoint skipped (benchmark run, never resumed)")
+    def __init__(self, start: float):
+        self.start, self.last_print = start, start
+        self.fallback_layer_steps: int | None = None
 
-    kwargs = {} if data_builder is None else {"data_builder": data_builder}
-    return NoCheckpointTrainer(cfg, run_dir, echo=echo, **kwargs)
-
-
-def _watch_progress(path: Path, stop: threading.Event, start: float) -> None:
-    """Print the latest logged step every PROGRESS_EVERY_S (the trainer's loop prints nothing)."""
-    offset = 0
-    while not stop.wait(PROGRESS_EVERY_S):
-        try:
-            with open(path, "rb") as handle:
-                handle.seek(offset)
-                chunk = handle.read()
-        except FileNotFoundError:
-            continue
-        complete = chunk[:chunk.rfind(b"\n") + 1]
-        offset += len(complete)
-        last = None
-        for line in complete.splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "ce" in record:
-                last = record
-        if last is not None:
-            l0 = np.mean(last["l0_per_layer"]) if "l0_per_layer" in last else float("nan")
-            print(f"[svd-child] step {last['step']}: ce {last['ce']:.4f}, mean active neurons/token "
-                  f"{l0:.1f}, {last['step_time_s']:.2f} s/step ({time.perf_counter() - start:.0f}s since "
-                  "start)", flush=True)
+    def on_step(self, record: dict[str, Any]) -> None:
+        if "dense_fallback_per_layer" in record:
+            self.fallback_layer_steps = (self.fallback_layer_steps or 0) + int(sum(record["dense_fallback_per_layer"]))
+        now = time.perf_counter()
+        if now - self.last_print >= PROGRESS_EVERY_S:
+            self.last_print = now
+            print(f"[svd-child] step {record['step']}: ce {record['ce']:.4f}, mean active neurons/token "
+                  f"{np.mean(record['l0_per_layer']):.1f}, {record['step_time_s']:.2f} s/step "
+                  f"({now - self.start:.0f}s since start)", flush=True)
 
 
 def _peak_bytes(device: Any) -> int | None:
@@ -229,19 +206,6 @@ def _peak_bytes(device: Any) -> int | None:
     if not stats or stats.get("peak_bytes_in_use") is None:
         return None  # CPU: no allocator statistics
     return int(stats["peak_bytes_in_use"])
-
-
-def _fallback_layer_steps(metrics_path: Path) -> int | None:
-    """Layer-steps in which the sparse op took its exact dense path (from metrics.jsonl)."""
-    if not metrics_path.exists():
-        return None
-    total, seen = 0, False
-    for line in metrics_path.read_text().splitlines():
-        record = json.loads(line)
-        if "dense_fallback_per_layer" in record:
-            seen = True
-            total += int(sum(record["dense_fallback_per_layer"]))
-    return total if seen else None
 
 
 def _child_train(spec: dict[str, Any]) -> dict[str, Any]:
@@ -252,19 +216,16 @@ def _child_train(spec: dict[str, Any]) -> dict[str, Any]:
     run_dir = Path(spec["run_dir"])
     data_builder = None  # the config's own data (data.source=synthetic for --data synthetic)
 
-    def echo(line: str) -> None:
-        if not line.startswith("[twell] checkpoint at step"):  # the subclass skipped it
-            print(line, flush=True)
+    from twell_jax import train as train_lib
 
     start = time.perf_counter()
-    trainer = make_trainer(cfg, run_dir, data_builder, echo)
-    stop = threading.Event()
-    watcher = threading.Thread(target=_watch_progress, args=(run_dir / "metrics.jsonl", stop, start), daemon=True)
-    watcher.start()
-    try:
-        result = trainer.run()
-    finally:
-        stop.set()
+    progress = ChildProgress(start)
+    # save_final=False: the run dir is thrown away; writing params + Adam state (6 GB for 0.5b)
+    # would cost seconds of the device call's budget and disk on a machine that never resumes.
+    hooks = train_lib.Hooks(on_step=progress.on_step, save_final=False)
+    kwargs = {} if data_builder is None else {"data_builder": data_builder}
+    trainer = train_lib.Trainer(cfg, run_dir, echo=lambda line: print(line, flush=True), hooks=hooks, **kwargs)
+    result = trainer.run()
     train_call_s = time.perf_counter() - start
     peaks = [_peak_bytes(d) for d in jax.devices()[:n]]
     known = [p for p in peaks if p is not None]
@@ -297,7 +258,7 @@ def _child_train(spec: dict[str, Any]) -> dict[str, Any]:
         "val_perplexity": summary.get("val_perplexity"), "val_l0_mean": summary.get("val_l0_mean"),
         "val_l0_per_layer": summary.get("val_l0_per_layer"), "val_sparsity": summary.get("val_sparsity"),
         "dead_share_mean": summary.get("dead_share_mean"),
-        "dense_fallback_layer_steps": _fallback_layer_steps(run_dir / "metrics.jsonl"),
+        "dense_fallback_layer_steps": progress.fallback_layer_steps,
         "curves": {key: [r.get(key) for r in history] for key in CURVE_KEYS},
         "kept_files": str(keep_dir),
     }

@@ -147,3 +147,19 @@ def test_time_limit_stops_early_then_checkpoints_evaluates_and_resumes(tmp_path)
     assert json.loads((tmp_path / "summary.json").read_text())["stopped_by_time_limit"] is False
     with pytest.raises(ValueError, match="train.time_limit_s"):
         micro_cfg("train.time_limit_s=-1")
+
+
+def test_hooks_see_every_step_eval_and_checkpoint(tmp_path):
+    from twell_jax.train import Hooks
+
+    seen = {"steps": [], "evals": [], "checkpoints": []}
+    hooks = Hooks(on_step=lambda r: seen["steps"].append(r["step"]),
+                  on_eval=lambda step, val: seen["evals"].append((step, np.isfinite(val["loss"]))),
+                  on_checkpoint=lambda step, path: seen["checkpoints"].append((step, path.is_dir())))
+    cfg = micro_cfg("train.steps=3", "train.eval_every=2", "train.checkpoint_every=2", "train.log_every=3")
+    Trainer(cfg, tmp_path / "a", data_builder=FakeData, hooks=hooks).run()
+    assert seen["steps"] == [1, 2, 3]  # every step, not only the logged ones
+    assert seen["evals"] == [(2, True), (3, True)] and seen["checkpoints"] == [(2, True), (3, True)]
+    # save_final=False: a throw-away run writes no checkpoint at all (periodic ones off too).
+    Trainer(micro_cfg("train.steps=2"), tmp_path / "b", data_builder=FakeData, hooks=Hooks(save_final=False)).run()
+    assert not any((tmp_path / "b" / "checkpoints").iterdir())

@@ -1,21 +1,34 @@
-"""Orbax checkpoints of a training run: train state, config and data-iterator position together.
+"""A run directory and its Orbax checkpoints: what is saved, how it is verified, how it is restored.
 
-Each checkpoint (one Orbax step directory under `<run>/checkpoints/`) holds two items:
-- "state": the train-state pytree {params, opt_state, step, since_active} (Orbax StandardSave,
-  restored straight into the target shardings);
-- "meta": JSON with the full config, the Grain iterator state (`iterator.get_state()`), the step and
-  the metric history so far (so a resumed run's logs and curves continue seamlessly).
+A run directory (`twell train --out DIR`) holds ONE run:
+- `config.json`: the run's config, the source of truth on `--resume` (written atomically, and only
+  once the run has been validated, so a command that fails never replaces it);
+- `tokenizer.json` + `data_fingerprint.json`: the tokenizer the run was trained with and a
+  fingerprint of the tokens it saw, so evaluation, resumption and generation never re-train a
+  tokenizer, and a changed corpus is reported;
+- `checkpoints/<step>/`: one Orbax step directory per checkpoint with three items:
+  "params" (the model parameters, restorable alone: evaluation needs no optimizer), "train"
+  ({opt_state, step, since_active}) and "meta" (JSON: config, data-iterator position, step, metric
+  history, and a checksum of every array of the other two items);
+- `metrics.jsonl`, `tensorboard/`, `summary.json` (see twell_jax/metrics.py and train.py).
 
 Orbax writes into a temporary directory and renames it on success, so a save killed midway leaves
-the previous checkpoint as the latest usable one (the leftover tmp directory is ignored).
+the previous checkpoint as the latest (the tmp directory is ignored). A restore checks Orbax's own
+errors, the checksums and the finiteness of the parameters; a corrupt checkpoint is named in the
+error, and `restore(step=None)` falls back to the newest intact one with a warning.
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from twell_jax import config as config_lib
@@ -23,6 +36,148 @@ from twell_jax import config as config_lib
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_SUBDIR = "checkpoints"
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+FINGERPRINT_FILE = "data_fingerprint.json"
+# Where a resume moves the checkpoints after the one it continues from (corrupt ones, or newer ones
+# abandoned by `--step`): out of Orbax's sight, never deleted.
+QUARANTINE_SUBDIR = "superseded_checkpoints"
+# Items of a checkpoint besides "meta": the parameters alone, then what only training needs.
+PARAMS_ITEM, TRAIN_ITEM = "params", "train"
+CHECKPOINT_FORMAT = 2  # 1: a single "state" item without checksums (no longer readable)
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint that cannot be read or fails verification; the message names its directory."""
+
+
+def _brief(err: Exception) -> str:
+    """The gist of a library error (Orbax/TensorStore errors carry kilobytes of spec JSON)."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {text[:300]}{' ...' if len(text) > 300 else ''}"
+
+
+# ----------------------------------------------------------------------------- run directory files
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename: readers see old or new, never half."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def prepare_new_run_dir(run_dir: str | Path, *, overwrite: bool) -> None:
+    """Make `run_dir` ready for a NEW run: refuse a non-empty directory unless `overwrite`, which
+    empties it (call this only after everything that can be validated has been)."""
+    run_dir = Path(run_dir)
+    entries = sorted(run_dir.iterdir()) if run_dir.is_dir() else []
+    if entries and not overwrite:
+        raise ValueError(f"run directory {run_dir.absolute()} is not empty (it holds "
+                         f"{', '.join(e.name for e in entries[:5])}{', ...' if len(entries) > 5 else ''}); "
+                         "continue that run with --resume, pick another --out, or pass --overwrite to replace it")
+    for entry in entries:
+        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def read_json_file(path: str | Path, what: str) -> Any:
+    """json.load with an error that names the file (an empty or truncated file included)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CorruptCheckpointError(f"{what} {path} is not valid JSON ({err}); the file is damaged") from None
+
+
+def load_run_config(run_dir: str | Path) -> config_lib.ExperimentConfig:
+    """The saved config of the run in `run_dir` (its config.json, else its newest checkpoint's)."""
+    run_dir = Path(run_dir)
+    path = run_dir / CONFIG_FILE
+    if path.is_file():
+        values = read_json_file(path, "run config")
+        where = str(path)
+    else:
+        store = CheckpointStore(checkpoint_dir(run_dir), create=False)
+        try:
+            values, where = store.restore_meta()["config"], str(store.directory)
+        finally:
+            store.close()
+    try:
+        return config_lib.from_dict(values)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"the config saved in {where} is not valid: {err}") from None
+
+
+def save_tokenizer(run_dir: str | Path, tokenizer_path: str | Path) -> Path:
+    """Copy the run's tokenizer.json into the run directory (atomically); returns the copy."""
+    target = Path(run_dir) / TOKENIZER_FILE
+    atomic_write_text(target, Path(tokenizer_path).read_text())
+    return target
+
+
+def saved_tokenizer(run_dir: str | Path) -> Path | None:
+    """The tokenizer.json saved with the run, or None (runs without a real tokenizer)."""
+    path = Path(run_dir) / TOKENIZER_FILE
+    return path if path.is_file() else None
+
+
+def corpus_fingerprint(data: Any) -> str | None:
+    """The data bundle's content fingerprint of its corpus (`DataSource.source_fingerprint`: a hash
+    of the documents' text, or of the synthetic settings), or None for a bundle without one."""
+    return getattr(data, "source_fingerprint", None)
+
+
+def check_corpus_fingerprint(run_dir: str | Path, data: Any, warn: Callable[[str], None]) -> None:
+    """Compare a bundle's fingerprint with the one saved in the run; warn (old/new) when they differ."""
+    path = Path(run_dir) / FINGERPRINT_FILE
+    new = corpus_fingerprint(data)
+    if new is None or not path.is_file():
+        return
+    old = read_json_file(path, "data fingerprint").get("corpus")
+    if old != new:
+        warn(f"[twell] warning: the corpus differs from the one this run was trained on (fingerprint "
+             f"{old} -> {new}, {path}): the data source changed since; results are not comparable")
+
+
+def save_corpus_fingerprint(run_dir: str | Path, data: Any) -> None:
+    fingerprint = corpus_fingerprint(data)
+    if fingerprint is not None:
+        atomic_write_text(Path(run_dir) / FINGERPRINT_FILE, json.dumps({"corpus": fingerprint}, indent=2))
+
+
+# ----------------------------------------------------------------------------- checksums
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+    """uint32 checksum of an array's bits. Integer sums wrap modulo 2**32 and are associative, so
+    the value does not depend on sharding or reduction order (a float sum would)."""
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    else:
+        width = {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[x.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+    index = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape)
+    # Position-dependent weights: swapped or shifted values change the sum.
+    mixed = (bits ^ (bits >> 15)) * (index * jnp.uint32(2654435761) + jnp.uint32(1))
+    return jnp.sum(mixed, dtype=jnp.uint32)
+
+
+def tree_checksums(tree: Any) -> dict[str, int]:
+    """{key path: uint32 checksum} of every array leaf of `tree` (computed on the devices)."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    sums = jax.device_get(jax.jit(lambda xs: [_leaf_checksum(x) for x in xs])([x for _, x in leaves]))
+    return {jax.tree_util.keystr(path): int(s) for (path, _), s in zip(leaves, sums)}
+
+
+def _nonfinite_leaves(tree: Any) -> list[str]:
+    leaves = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    finite = jax.device_get(jax.jit(lambda xs: [jnp.all(jnp.isfinite(x)) for x in xs])([x for _, x in leaves]))
+    return [jax.tree_util.keystr(p) for (p, _), ok in zip(leaves, finite) if not ok]
+
+
+# ----------------------------------------------------------------------------- the store
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -38,34 +193,105 @@ def _has_steps(path: Path) -> bool:
 
 
 class CheckpointStore:
-    """Thin wrapper over `ocp.CheckpointManager` for the (state, meta) pair."""
+    """Verified save/restore of (params, train state, meta) over `ocp.CheckpointManager`."""
 
     def __init__(self, directory: str | Path, *, max_to_keep: int = 2, create: bool = True):
         self.directory = Path(directory).absolute()
         if not create and not self.directory.exists():
             raise FileNotFoundError(f"no checkpoint directory at {self.directory}")
-        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create)
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create)
+        self._manager = ocp.CheckpointManager(self.directory, options=self._options)
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-        """Save synchronously-committed (returns once the step directory is final)."""
-        self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def step_dir(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    def save(self, step: int, params: Any, train_state: Any, meta: dict[str, Any]) -> None:
+        """Save and wait until the step directory is final; `meta` gets the arrays' checksums."""
+        meta = {**meta, "format": CHECKPOINT_FORMAT,
+                "checksums": {PARAMS_ITEM: tree_checksums(params), TRAIN_ITEM: tree_checksums(train_state)}}
+        self._manager.save(step, args=ocp.args.Composite(**{
+            PARAMS_ITEM: ocp.args.StandardSave(params), TRAIN_ITEM: ocp.args.StandardSave(train_state),
+            "meta": ocp.args.JsonSave(meta)}), force=True)
         self._manager.wait_until_finished()
 
     def restore_meta(self, step: int | None = None) -> dict[str, Any]:
+        """The JSON metadata of checkpoint `step` (default: the latest); a damaged file is named."""
         step = self._resolve(step)
-        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        path = self.step_dir(step) / "meta"
+        try:
+            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        except Exception as err:  # noqa: BLE001 (Orbax raises many kinds; all mean "unreadable")
+            raise CorruptCheckpointError(f"checkpoint metadata {path} cannot be read ({_brief(err)}); the "
+                                         "checkpoint is damaged") from None
+        if not isinstance(meta, dict) or "config" not in meta:
+            raise CorruptCheckpointError(f"checkpoint metadata {path} holds no config; the checkpoint is damaged")
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise CorruptCheckpointError(f"checkpoint {self.step_dir(step)} has format {meta.get('format', 1)}, "
+                                         f"this version reads format {CHECKPOINT_FORMAT} only")
+        return meta
 
-    def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
-        """Restore into `abstract_state` (ShapeDtypeStructs carrying the target shardings)."""
-        step = self._resolve(step)
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-        return restored.state, restored.meta
+    def restore(self, targets: dict[str, Any], step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Restore the items named in `targets` ({"params": abstract, "train": abstract}, abstract =
+        ShapeDtypeStructs carrying the target shardings) of checkpoint `step`, verified."""
+        where = self.step_dir(step)
+        meta = self.restore_meta(step)
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(
+                **{name: ocp.args.StandardRestore(abstract) for name, abstract in targets.items()}))
+        except Exception as err:  # noqa: BLE001
+            raise CorruptCheckpointError(f"checkpoint {where} cannot be read ({_brief(err)})") from None
+        items = {name: restored[name] for name in targets}
+        for name, tree in items.items():
+            expected = meta["checksums"].get(name, {})
+            actual = tree_checksums(tree)
+            bad = sorted(k for k in set(expected) | set(actual) if expected.get(k) != actual.get(k))
+            if bad:
+                raise CorruptCheckpointError(f"checkpoint {where} is corrupt: item {name!r} fails its checksum "
+                                             f"at {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}")
+        if PARAMS_ITEM in items and (bad := _nonfinite_leaves(items[PARAMS_ITEM])):
+            raise CorruptCheckpointError(f"checkpoint {where} holds non-finite parameters at {', '.join(bad[:4])}")
+        return items, meta
+
+    def restore_verified(self, targets: dict[str, Any], step: int | None = None, *,
+                         warn: Callable[[str], None] = logger.warning) -> tuple[dict[str, Any], dict[str, Any], int]:
+        """`restore` of checkpoint `step`; with step=None the newest checkpoint that passes
+        verification, warning about each newer one that does not. Returns (items, meta, step)."""
+        if step is not None:
+            if step not in self.all_steps():
+                raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory} (steps: "
+                                        f"{self.all_steps() or 'none'})")
+            return (*self.restore(targets, step), step)
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint found in {self.directory}")
+        failures = []
+        for candidate in reversed(steps):
+            try:
+                return (*self.restore(targets, candidate), candidate)
+            except CorruptCheckpointError as err:
+                failures.append(str(err))
+                warn(f"[twell] warning: {err}; trying an older checkpoint")
+        raise CorruptCheckpointError(f"no intact checkpoint in {self.directory}: " + "; ".join(failures))
+
+    def quarantine_after(self, step: int, run_dir: str | Path) -> list[Path]:
+        """Move every checkpoint newer than `step` to `<run>/superseded_checkpoints/` (kept for
+        inspection; Orbax would otherwise count them as the latest). Returns their new paths."""
+        moved = []
+        for newer in [s for s in self.all_steps() if s > step]:
+            target = Path(run_dir) / QUARANTINE_SUBDIR / f"{newer}-{uuid.uuid4().hex[:6]}"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(self.step_dir(newer)), target)
+            moved.append(target)
+        if moved:  # the manager caches the step list: reopen it
+            self._manager.close()
+            self._manager = ocp.CheckpointManager(self.directory, options=self._options)
+        return moved
 
     def _resolve(self, step: int | None) -> int:
         if step is None:
@@ -78,31 +304,49 @@ class CheckpointStore:
         self._manager.close()
 
 
-# Config sections whose differences make a checkpoint unusable (parameter shapes or semantics).
-_MUST_MATCH_PREFIXES = ("model.",)
-_MUST_MATCH_FIELDS = ("data.seq_len", "data.vocab_size", "data.tokenizer", "data.source")
-
-
 def check_compatible(saved_config: dict[str, Any], current: config_lib.ExperimentConfig) -> None:
-    """Raise ValueError naming every model field that differs between a checkpoint and `current`.
-
-    Fields outside the model that change the data stream (seq_len, vocab, tokenizer, source) are
-    also errors; other differences (steps, logging cadence...) are allowed and only logged.
-    """
-    differences = config_lib.diff(saved_config, config_lib.to_dict(current))
-    fatal = [d for d in differences
-             if d[0].startswith(_MUST_MATCH_PREFIXES) and d[0] not in ("model.remat", "model.ffn_backend",
-                                                                       "model.ffn_op_config", "model.ffn_interpret",
-                                                                       "model.attention_impl", "model.ffn_expected_active")
-             or d[0] in _MUST_MATCH_FIELDS]
+    """Raise ValueError naming every field that differs between a run's saved config and `current`
+    and may not change when a run continues (everything outside config_lib.RESUMABLE_FIELDS)."""
+    fatal = [d for d in config_lib.diff(saved_config, config_lib.to_dict(current))
+             if d[0] not in config_lib.RESUMABLE_FIELDS]
     if fatal:
         lines = "; ".join(f"{path}: checkpoint has {old!r}, config has {new!r}" for path, old, new in fatal)
-        raise ValueError(f"checkpoint does not match the requested model config ({lines})")
-    for path, old, new in differences:
-        logger.info("config differs from checkpoint (allowed): %s %r -> %r", path, old, new)
+        raise ValueError(f"checkpoint does not match the requested config ({lines}); only "
+                         f"{', '.join(sorted(config_lib.RESUMABLE_FIELDS))} may change when a run continues")
 
 
 def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
     """ShapeDtypeStructs of `tree` placed with `shardings` (the restore target)."""
     return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
                         tree, shardings)
+
+
+def restore_params_with_meta(run_dir: str | Path, step: int | None = None, *,
+                             mesh: jax.sharding.Mesh | None = None,
+                             warn: Callable[[str], None] = logger.warning) -> tuple[Any, dict[str, Any], int]:
+    """(params, checkpoint meta, step) of a run's checkpoint, without an optimizer: verified,
+    replicated over `mesh` (default: the first device); step=None = the newest intact checkpoint."""
+    from flax import nnx
+
+    from twell_jax.model import init_model
+
+    run_dir = Path(run_dir)
+    store = CheckpointStore(checkpoint_dir(run_dir), create=False)
+    try:
+        cfg = config_lib.from_dict(store.restore_meta(step)["config"]) if step is not None else \
+            load_run_config(store.directory.parent)
+        abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: init_model(cfg.model, cfg.train.seed)))[1])
+        sharding = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None
+                    else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        target = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), abstract)
+        items, meta, step = store.restore_verified({PARAMS_ITEM: target}, step, warn=warn)
+    finally:
+        store.close()
+    return items[PARAMS_ITEM], meta, step
+
+
+def restore_params(run_dir: str | Path, step: int | None = None, *, mesh: jax.sharding.Mesh | None = None,
+                   warn: Callable[[str], None] = logger.warning) -> tuple[Any, config_lib.ExperimentConfig, int]:
+    """(params, config, step): `restore_params_with_meta` for callers that need no metadata."""
+    params, meta, step = restore_params_with_meta(run_dir, step, mesh=mesh, warn=warn)
+    return params, config_lib.from_dict(meta["config"]), step

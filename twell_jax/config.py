@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 import warnings
@@ -64,6 +65,14 @@ def _check_positive(section: str, **values: int | float) -> None:
     for name, value in values.items():
         if value <= 0:
             raise ValueError(f"{section}.{name} must be > 0, got {value!r}")
+
+
+def _check_finite(section: str, obj: Any) -> None:
+    """Every float field of the config dataclass `obj` is a finite number (nan/inf pass `> 0` checks)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{section}.{f.name} must be a finite number, got {value!r}")
 
 
 def _check_choice(section: str, name: str, value: Any, choices: tuple[Any, ...]) -> None:
@@ -177,9 +186,16 @@ class OptimConfig:
     eps: float = 1e-8  # Adam epsilon
     weight_decay: float = 0.1  # decoupled weight decay on matrices and embedding (never on norm scales)
     clip_norm: float = 1.0  # global gradient-norm clip; 0 disables clipping
+    # Horizon of the schedule in optimizer steps (the cosine reaches min_lr_ratio * lr here and
+    # stays there). 0 = train.steps; a new run saves the resolved value in its config.json, so
+    # resuming with a larger train.steps keeps the original schedule unless this is set too.
+    schedule_steps: int = 0
 
     def __post_init__(self) -> None:
+        _check_finite("optim", self)
         _check_positive("optim", lr=self.lr, eps=self.eps)
+        if self.schedule_steps < 0:
+            raise ValueError(f"optim.schedule_steps must be >= 0 (0 = train.steps), got {self.schedule_steps}")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         _check_choice("optim", "schedule", self.schedule, ("cosine", "constant"))
@@ -208,6 +224,7 @@ class SparsityConfig:
     reinit_every: int = 100  # check for dead neurons to re-initialise every this many optimizer steps
 
     def __post_init__(self) -> None:
+        _check_finite("sparsity", self)
         if self.l1_coef < 0:
             raise ValueError(f"sparsity.l1_coef must be >= 0, got {self.l1_coef}")
         if self.l1_warmup_start < 0 or self.l1_warmup_end < 0:
@@ -233,7 +250,8 @@ class TrainConfig:
     eval_every: int = 0  # validation every this many steps (0 = only at the end)
     eval_batches: int = 8  # validation batches per evaluation (fewer if the split is smaller)
     eval_batch_size: int = 16  # sequences per validation batch (divisible by the device count)
-    checkpoint_every: int = 0  # periodic checkpoint every this many steps (0 = only the final one)
+    checkpoint_every: int = 0  # periodic checkpoint every this many steps (0 = only the final one;
+    # SIGINT/SIGTERM and train.time_limit_s also checkpoint)
     keep_checkpoints: int = 2  # how many recent checkpoints Orbax keeps
     tensorboard: bool = True  # also write TensorBoard event files (tensorboardX)
     progress_bar: bool = True  # tqdm progress bar on the console
@@ -242,6 +260,7 @@ class TrainConfig:
     time_limit_s: float = 0.0
 
     def __post_init__(self) -> None:
+        _check_finite("train", self)
         _check_positive("train", steps=self.steps, global_batch=self.global_batch,
                         micro_batch=self.micro_batch, log_every=self.log_every,
                         eval_batches=self.eval_batches, eval_batch_size=self.eval_batch_size,
@@ -385,6 +404,10 @@ class ExperimentConfig:
     data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self) -> None:
+        # Model and data sections validate their own ranges; non-finite floats are caught here
+        # for every section, with the section-qualified name.
+        for section in ("model", "optim", "sparsity", "train", "data"):
+            _check_finite(section, getattr(self, section))
         seq_len = getattr(self.data, "seq_len", None)
         if seq_len is not None and seq_len > self.model.max_seq_len:
             raise ValueError(f"data.seq_len={seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
@@ -401,6 +424,34 @@ class ExperimentConfig:
     @property
     def seq_len(self) -> int:
         return int(self.data.seq_len)
+
+    @property
+    def schedule_steps(self) -> int:
+        """Horizon of the learning-rate schedule: optim.schedule_steps, or train.steps when 0."""
+        return self.optim.schedule_steps or self.train.steps
+
+
+def with_fixed_schedule(cfg: ExperimentConfig) -> ExperimentConfig:
+    """`cfg` with optim.schedule_steps resolved (0 -> train.steps): what a new run saves, so that a
+    later `--set train.steps=...` on resume extends the run without re-planning its schedule."""
+    if cfg.optim.schedule_steps:
+        return cfg
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, schedule_steps=cfg.train.steps))
+
+
+# Fields that may differ between a run's saved config and the config it continues (or is evaluated)
+# with: how long and how it runs, what it logs, where it reads from; never what it computes.
+# Everything else is fixed for the life of a run directory.
+RESUMABLE_FIELDS = frozenset({
+    "name",  # a label (the default run directory name)
+    "train.steps", "train.time_limit_s", "train.log_every", "train.eval_every", "train.eval_batches",
+    "train.eval_batch_size", "train.checkpoint_every", "train.keep_checkpoints", "train.tensorboard",
+    "train.progress_bar", "train.num_devices", "train.micro_batch", "train.fsdp",
+    "optim.schedule_steps",
+    "model.ffn_backend", "model.ffn_op_config", "model.ffn_interpret", "model.ffn_expected_active",
+    "model.remat", "model.attention_impl",
+    "data.source", "data.cache_dir", "data.progress", "data.num_threads", "data.prefetch", "data.iterator",
+})
 
 
 # ----------------------------------------------------------------------------- (de)serialisation

@@ -1,4 +1,8 @@
-"""Evaluate a saved checkpoint: validation loss, perplexity, per-layer activity and dead neurons."""
+"""Evaluate a saved checkpoint: validation loss, perplexity, per-layer activity and dead neurons.
+
+Restores the parameters alone (checkpoint.restore_params_with_meta: no optimizer, no Trainer),
+builds the data with the tokenizer saved in the run, and evaluates on the run's validation split.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -8,47 +12,51 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from flax import nnx
 
 from twell_jax import checkpoint as ckpt_lib
 from twell_jax import config as config_lib
+from twell_jax import parallel
 from twell_jax.config import ExperimentConfig
-from twell_jax.train import Trainer, dead_window, evaluate_params, make_eval_step
+from twell_jax.model import init_model
+from twell_jax.data import DataSource, build_experiment_data
+from twell_jax.train import evaluate_params, make_eval_step, with_saved_tokenizer
 
 
 def evaluate_checkpoint(path: str | Path, *, step: int | None = None, overrides: list[str] | None = None,
-                        echo: Callable[[str], None] = print) -> dict[str, Any]:
+                        echo: Callable[[str], None] = print,
+                        data_builder: Callable[[ExperimentConfig], DataSource] = build_experiment_data) -> dict[str, Any]:
     """Restore the run at `path` (a run dir or its checkpoints/ dir) and evaluate it on the validation split.
 
-    `overrides` may change evaluation-only fields (e.g. train.eval_batches=32, train.num_devices=1).
+    `step` picks a checkpoint (default: the newest intact one, with a warning for each newer one
+    that fails verification). `overrides` may change only config.RESUMABLE_FIELDS (e.g.
+    train.eval_batches=32, train.num_devices=1, data.source=<the moved corpus>). A non-finite
+    loss raises FloatingPointError.
     """
     ckpt_dir = ckpt_lib.checkpoint_dir(path)
-    store = ckpt_lib.CheckpointStore(ckpt_dir, create=False)
-    meta = store.restore_meta(step)
-    store.close()
-    cfg = config_lib.apply_overrides(config_lib.from_dict(meta["config"]), overrides or [])
-    echo(f"[twell] evaluating {ckpt_dir} (step {meta['step']}, config {cfg.name!r})")
-    cfg = with_auto_hints(cfg, ckpt_dir.parent, echo)
-    trainer = Trainer(cfg, ckpt_dir.parent, echo=echo)
-    with jax.set_mesh(trainer.mesh):
-        state, _ = trainer.restore_state() if step is None else _restore_step(trainer, step)
-        eval_fn = jax.jit(make_eval_step(cfg, trainer.graphdef))
-        result = evaluate_params(cfg, trainer.data, eval_fn, state["params"], trainer.mesh)
-    since = np.asarray(jax.device_get(state["since_active"]))
-    result["step"] = int(meta["step"])
+    if not ckpt_dir.is_dir():
+        raise FileNotFoundError(f"no checkpoint directory at {ckpt_dir}")
+    run_dir = ckpt_dir.parent
+    saved = ckpt_lib.load_run_config(run_dir)
+    cfg = config_lib.apply_overrides(saved, overrides or [])
+    ckpt_lib.check_compatible(config_lib.to_dict(saved), cfg)
+    cfg = with_auto_hints(cfg, run_dir, echo)
+    mesh = parallel.make_mesh(cfg.train.num_devices)
+    with jax.set_mesh(mesh):
+        params, meta, step = ckpt_lib.restore_params_with_meta(run_dir, step, mesh=mesh, warn=echo)
+        echo(f"[twell] evaluating {ckpt_dir} (step {step}, config {cfg.name!r})")
+        data = data_builder(with_saved_tokenizer(cfg, run_dir))
+        ckpt_lib.check_corpus_fingerprint(run_dir, data, echo)
+        graphdef = nnx.split(nnx.eval_shape(lambda: init_model(cfg.model, cfg.train.seed)))[0]
+        result = evaluate_params(cfg, data, jax.jit(make_eval_step(cfg, graphdef)), params, mesh, step=step)
+    result["step"] = step
     result["l0_mean"] = float(np.mean(result["l0_per_layer"]))
     result["sparsity"] = 1.0 - result["l0_mean"] / cfg.model.d_ff
-    result["dead_share_per_layer"] = (since >= dead_window(cfg)).mean(axis=1).tolist()
+    result["dead_share_per_layer"] = meta["dead_share_per_layer"]
     echo(f"[twell] validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} over "
          f"{int(result['tokens'])} tokens; mean active FFN neurons/token {result['l0_mean']:.1f} of "
          f"{cfg.model.d_ff} ({100 * result['sparsity']:.1f}% zero)")
     return result
-
-
-def _restore_step(trainer: Trainer, step: int) -> tuple[Any, dict[str, Any]]:
-    meta = trainer.store.restore_meta(step)
-    ckpt_lib.check_compatible(meta["config"], trainer.cfg)
-    target = ckpt_lib.abstract_with_shardings(trainer.abstract_state, trainer.state_shardings)
-    return trainer.store.restore(target, step)
 
 
 def expected_active_from_run(run_dir: str | Path, n_layers: int) -> tuple[float, ...] | None:
@@ -74,7 +82,7 @@ def with_auto_hints(cfg: ExperimentConfig, run_dir: str | Path,
     with backend "auto" and no hint is set: "auto" then decides dense vs sparse per layer at trace
     time instead of sampling tokens on the device (speed only; the results are the same)."""
     model = cfg.model
-    if (model.ffn_kind not in ("twell", "relu") or model.ffn_backend != "auto" or model.ffn_expected_active
+    if (not model.kind.sparse_op or model.ffn_backend != "auto" or model.ffn_expected_active
             or "expected_active_per_token" in model.ffn_op_config):
         return cfg
     hints = expected_active_from_run(run_dir, model.n_layers)
@@ -84,4 +92,3 @@ def with_auto_hints(cfg: ExperimentConfig, run_dir: str | Path,
     echo("[twell] 'auto' backend hints (expected active neurons/token per layer, from the run's "
          f"metrics.jsonl): {', '.join(f'{v:.1f}' for v in hints)}")
     return dataclasses.replace(cfg, model=dataclasses.replace(model, ffn_expected_active=hints))
-

@@ -5,7 +5,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -21,36 +21,62 @@ def to_python(value: Any) -> Any:
     return array.tolist()
 
 
-def check_finite(step: int, metrics: dict[str, Any], names: tuple[str, ...]) -> None:
-    """NaN/Inf guard: raise FloatingPointError naming the step and the first bad metric."""
+def check_finite(step: int, metrics: dict[str, Any], names: tuple[str, ...], *,
+                 hint: str = "training diverged (try a lower optim.lr, a longer optim.warmup_steps or a "
+                             "smaller sparsity.l1_coef)") -> None:
+    """NaN/Inf guard: raise FloatingPointError naming the step, the first bad metric and `hint`."""
     for name in names:
         if name not in metrics:
             continue
         values = np.asarray(metrics[name], dtype=np.float64)
         if not np.all(np.isfinite(values)):
-            raise FloatingPointError(
-                f"non-finite {name}={values.tolist()} at step {step}: training diverged (try a lower "
-                f"optim.lr, a longer optim.warmup_steps or a smaller sparsity.l1_coef)")
+            raise FloatingPointError(f"non-finite {name}={values.tolist()} at step {step}: {hint}")
 
 
-class MetricsWriter:
-    """Writes one JSON object per logged step to `<run>/metrics.jsonl` and scalars to TensorBoard."""
+def truncate_jsonl(path: Path, last_step: int) -> int:
+    """Drop the records of `path` with a step after `last_step` (what a resumed run will write
+    again); atomic. Returns how many were dropped."""
+    from twell_jax.checkpoint import atomic_write_text
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool, total_steps: int, initial_step: int,
-                 progress_bar: bool):
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    if len(kept) != len(lines):
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
+    return len(lines) - len(kept)
+
+
+class MetricsSink:
+    """The one place a run's telemetry goes: `<run>/metrics.jsonl` (one JSON object per record),
+    TensorBoard scalars (tensorboardX) and the console (tqdm bar + message lines).
+
+    Opened at `start_step` (0 for a new run, the restored step on resume): records after it, left by
+    an interrupted earlier attempt, are removed from metrics.jsonl and purged from TensorBoard, so a
+    resumed run's logs hold every step once.
+    """
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool, total_steps: int, start_step: int,
+                 progress_bar: bool, echo: Callable[[str], None] = print):
         self.run_dir = run_dir
         self.jsonl_path = run_dir / "metrics.jsonl"
+        self.echo = echo
+        dropped = truncate_jsonl(self.jsonl_path, start_step)
+        if dropped:
+            echo(f"[twell] metrics.jsonl: dropped {dropped} record(s) after step {start_step} (re-run now)")
         self._jsonl = open(self.jsonl_path, "a")
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            # purge_step: TensorBoard hides the events at steps >= it from older event files.
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"),
+                                     purge_step=start_step + 1 if start_step else None)
         self._bar = None
         if progress_bar:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step",
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                              dynamic_ncols=True, file=sys.stderr, leave=True)
 
     def progress(self, step: int, postfix: dict[str, Any]) -> None:
@@ -82,14 +108,17 @@ class MetricsWriter:
         if self._bar is not None:
             self._bar.write(text, file=sys.stderr)
         else:
-            print(text, flush=True)
+            self.echo(text)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        self._jsonl.close()
+            self._bar = None
+        if not self._jsonl.closed:
+            self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
 
 
 def _short(value: Any) -> str:

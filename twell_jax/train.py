@@ -1,4 +1,4 @@
-"""Training loop: jit-compiled data-parallel step with gradient accumulation, telemetry, checkpoints.
+"""Training: the jit-compiled data-parallel step with gradient accumulation, and the `Trainer` loop.
 
 All mesh plumbing lives in `Trainer.__init__` (one place): a 1-D "data" mesh over
 `train.num_devices` devices (`twell_jax.parallel.make_mesh`), params / optimizer state replicated
@@ -7,8 +7,14 @@ NamedSharding in/out shardings and the state donated, compiled once before the l
 analysis logged) and run under `jax.set_mesh(mesh)` so the sparse op can `shard_map` its kernels.
 
 One optimizer step = `accum` micro-batches of `train.micro_batch` sequences per device, scanned with
-`jax.lax.scan`, gradients averaged. The loop fetches step N's metrics only after dispatching step
-N + 1, so the host never stalls the device; every step's metrics pass the NaN/Inf guard.
+`jax.lax.scan`, gradients averaged. The loop fetches each step's metrics as soon as the step is
+done (the step time is the interval between two completions), passes them through the NaN/Inf
+guard and hands them to the run's one `MetricsSink` and to the caller's `Hooks`.
+
+A run directory holds one run (twell_jax/checkpoint.py): a new run refuses a non-empty directory
+unless told to overwrite; `resume=True` continues from the newest intact checkpoint (or `step`),
+with the run's saved config as the reference. SIGINT/SIGTERM finish the current step, checkpoint
+and raise `TrainingInterrupted`.
 """
 from __future__ import annotations
 
@@ -16,9 +22,11 @@ import dataclasses
 import json
 import logging
 import math
+import signal
+import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +40,7 @@ from twell_jax import parallel
 from twell_jax.config import ExperimentConfig
 from twell_jax.data import DataSource, build_experiment_data
 from twell_jax.loss import cross_entropy, l1_coefficient, total_loss
-from twell_jax.metrics import MetricsWriter, check_finite, device_peak_memory_bytes, to_python
+from twell_jax.metrics import MetricsSink, check_finite, device_peak_memory_bytes, to_python
 from twell_jax.model import apply_model, init_model, split_model
 from twell_jax.optimizer import build_optimizer, learning_rate_schedule
 from twell_jax.sparsity import dead_share, init_counters, position_profile, reinit_dead_rows, update_counters
@@ -51,6 +59,19 @@ GUARDED_METRICS = ("loss", "ce", "l1", "grad_norm", "l0_per_layer")
 def default_run_dir(cfg: ExperimentConfig, root: str | Path = "runs") -> Path:
     """runs/<name>-<YYYYmmdd-HHMMSS>."""
     return Path(root) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def check_op_config(cfg: ExperimentConfig) -> None:
+    """`model.ffn_op_config` holds valid SparseFFNConfig fields (checked by constructing one)."""
+    from twell_jax import ops
+
+    try:
+        ops.SparseFFNConfig(**cfg.model.ffn_op_config)
+    except TypeError as err:
+        known = ", ".join(f.name for f in dataclasses.fields(ops.SparseFFNConfig))
+        raise ValueError(f"model.ffn_op_config={cfg.model.ffn_op_config!r}: {err} (known keys: {known})") from None
+    except ValueError as err:
+        raise ValueError(f"model.ffn_op_config={cfg.model.ffn_op_config!r}: {err}") from None
 
 
 def dead_window(cfg: ExperimentConfig) -> int:
@@ -99,7 +120,7 @@ def make_train_step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, optimizer: op
                     accum_steps: int) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict]]:
     """The pure step function (state, batch) -> (state, metrics); jit it with shardings."""
     track = cfg.sparsity.track_neurons and cfg.model.is_relu_family
-    lr_schedule = learning_rate_schedule(cfg.optim, cfg.train.steps)
+    lr_schedule = learning_rate_schedule(cfg.optim, cfg.schedule_steps)
     window = dead_window(cfg)
 
     def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -170,16 +191,88 @@ class TrainResult:
     last_metrics: dict[str, Any] | None = None  # the full record of the last step (per-layer lists too)
 
 
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+    """Extension points of `Trainer.run` (every callback is optional)."""
+
+    on_step: Callable[[dict[str, Any]], None] | None = None  # each step's full record, as logged
+    on_eval: Callable[[int, dict[str, Any]], None] | None = None  # (step, validation metrics)
+    on_checkpoint: Callable[[int, Path], None] | None = None  # (step, checkpoint directory) after a save
+    # Save a checkpoint at the end (and on SIGINT/SIGTERM). False for throw-away runs such as
+    # benchmarks, whose optimizer state would cost seconds and gigabytes to write.
+    save_final: bool = True
+
+
+class TrainingInterrupted(RuntimeError):
+    """SIGINT/SIGTERM stopped the run after a step; its message says how to resume."""
+
+    def __init__(self, signal_name: str, step: int, run_dir: Path, saved: bool):
+        self.signal_name, self.step, self.run_dir, self.saved = signal_name, step, run_dir, saved
+        how = (f"checkpoint saved; continue with: twell train --out {run_dir} --resume" if saved
+               else "no checkpoint saved (Hooks.save_final=False)")
+        super().__init__(f"{signal_name} received: stopped after step {step}; {how}")
+
+
+class _StopSignals:
+    """Within the block, SIGINT/SIGTERM set a flag (the loop stops after the current step) instead of
+    killing the process. Only the main thread can install handlers; elsewhere this does nothing."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if self.received is not None:  # a second signal: give up the graceful stop, die as asked
+            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+            signal.raise_signal(signum)
+            return
+        self.received = signal.Signals(signum).name
+
+    def __enter__(self) -> "_StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 class Trainer:
-    """Builds mesh, model, optimizer, data and checkpoint store for one run; `run()` trains."""
+    """Builds mesh, model, optimizer, data and checkpoint store for one run; `run()` trains.
+
+    resume=True continues the run in `run_dir`: `cfg` may differ from the run's saved config only in
+    config.RESUMABLE_FIELDS; `resume_step` picks a checkpoint (default: the newest intact one).
+    A new run needs an empty (or missing) `run_dir`, or `overwrite=True`.
+    """
 
     def __init__(self, cfg: ExperimentConfig, run_dir: str | Path, *, resume: bool = False,
+                 resume_step: int | None = None, overwrite: bool = False,
                  data_builder: Callable[[ExperimentConfig], DataSource] = build_experiment_data,
-                 echo: Callable[[str], None] = print):
-        self.cfg = cfg
+                 echo: Callable[[str], None] = print, hooks: Hooks | None = None):
         self.run_dir = Path(run_dir)
-        self.resume = resume
+        self.resume, self.resume_step, self.overwrite = resume, resume_step, overwrite
         self.echo = echo
+        self.hooks = hooks or Hooks()
+        self.store = None
+        check_op_config(cfg)
+        if resume:
+            ckpt_dir = self.run_dir / ckpt_lib.CHECKPOINT_SUBDIR
+            if not (ckpt_dir.is_dir() and any(c.name.isdigit() for c in ckpt_dir.iterdir())):
+                raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir.absolute()} (is --out the run "
+                                        "directory of the run to continue?)")
+            saved = ckpt_lib.load_run_config(self.run_dir)
+            if not cfg.optim.schedule_steps:  # keep the run's schedule unless one is asked for
+                cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, schedule_steps=saved.schedule_steps))
+            ckpt_lib.check_compatible(config_lib.to_dict(saved), cfg)
+        else:
+            cfg = config_lib.with_fixed_schedule(cfg)
+            if self.run_dir.is_dir() and any(self.run_dir.iterdir()) and not overwrite:
+                ckpt_lib.prepare_new_run_dir(self.run_dir, overwrite=False)  # raises, naming the directory
+        self.cfg = cfg
         tc = cfg.train
         # ---- mesh plumbing (the one place that knows about devices)
         self.mesh = parallel.make_mesh(tc.num_devices)
@@ -191,15 +284,17 @@ class Trainer:
         self.batch_sharding = parallel.batch_sharding(self.mesh)
         self.replicated = parallel.replicated(self.mesh)
 
-        self.data = data_builder(cfg)
+        self.data = data_builder(with_saved_tokenizer(cfg, self.run_dir) if resume else cfg)
         if self.data.vocab_size > cfg.model.vocab_size:
             raise ValueError(f"the tokenizer has {self.data.vocab_size} tokens but model.vocab_size="
                              f"{cfg.model.vocab_size}; raise model.vocab_size")
+        if resume:
+            ckpt_lib.check_corpus_fingerprint(self.run_dir, self.data, echo)
 
         abstract_model = nnx.eval_shape(lambda: init_model(cfg.model, tc.seed))
         self.graphdef, abstract_state = nnx.split(abstract_model)
         abstract_params = nnx.to_pure_dict(abstract_state)
-        self.optimizer = build_optimizer(cfg.optim, tc.steps)
+        self.optimizer = build_optimizer(cfg.optim, cfg.schedule_steps)
         abstract_train_state = {
             "params": abstract_params,
             "opt_state": jax.eval_shape(self.optimizer.init, abstract_params),
@@ -208,6 +303,14 @@ class Trainer:
         }
         self.state_shardings = parallel.param_shardings(self.mesh, abstract_train_state, fsdp=tc.fsdp)
         self.abstract_state = abstract_train_state
+        # Everything that can be checked has been: only now may a new run take over the directory.
+        if not resume:
+            ckpt_lib.prepare_new_run_dir(self.run_dir, overwrite=overwrite)
+            tokenizer_path = getattr(self.data, "tokenizer_json_path", None)
+            if tokenizer_path:
+                ckpt_lib.save_tokenizer(self.run_dir, tokenizer_path)
+            ckpt_lib.save_corpus_fingerprint(self.run_dir, self.data)
+        ckpt_lib.atomic_write_text(self.run_dir / ckpt_lib.CONFIG_FILE, config_lib.to_json(cfg))
         self.store = ckpt_lib.CheckpointStore(self.run_dir / ckpt_lib.CHECKPOINT_SUBDIR,
                                               max_to_keep=tc.keep_checkpoints)
 
@@ -223,145 +326,149 @@ class Trainer:
         return jax.jit(init, out_shardings=self.state_shardings)()
 
     def restore_state(self) -> tuple[TrainState, dict[str, Any]]:
-        meta = self.store.restore_meta()
-        ckpt_lib.check_compatible(meta["config"], self.cfg)
-        target = ckpt_lib.abstract_with_shardings(self.abstract_state, self.state_shardings)
-        state, meta = self.store.restore(target)
-        return state, meta
+        """The verified state of checkpoint `resume_step` (default: the newest intact one); newer
+        checkpoints are moved aside so that this run's next saves become the latest."""
+        shardings = self.state_shardings
+        targets = {
+            ckpt_lib.PARAMS_ITEM: ckpt_lib.abstract_with_shardings(self.abstract_state["params"], shardings["params"]),
+            ckpt_lib.TRAIN_ITEM: ckpt_lib.abstract_with_shardings(
+                {k: v for k, v in self.abstract_state.items() if k != "params"},
+                {k: v for k, v in shardings.items() if k != "params"}),
+        }
+        items, meta, step = self.store.restore_verified(targets, self.resume_step, warn=self.echo)
+        for moved in self.store.quarantine_after(step, self.run_dir):
+            self.echo(f"[twell] warning: continuing from step {step}: newer checkpoint moved to {moved}")
+        return {"params": items[ckpt_lib.PARAMS_ITEM], **items[ckpt_lib.TRAIN_ITEM]}, meta
+
+    def save(self, state: TrainState, history: list[dict[str, Any]]) -> None:
+        since = np.asarray(jax.device_get(state["since_active"]))
+        meta = {"config": config_lib.to_dict(self.cfg), "data_iter": _json_ready(self.data.train_iter.get_state()),
+                "step": int(state["step"]), "history": history,
+                "dead_share_per_layer": (since >= dead_window(self.cfg)).mean(axis=1).tolist()}
+        self.store.save(int(state["step"]), state["params"],
+                        {k: v for k, v in state.items() if k != "params"}, meta)
+        if self.hooks.on_checkpoint is not None:
+            self.hooks.on_checkpoint(int(state["step"]), self.store.step_dir(int(state["step"])))
+
+    def evaluate(self, eval_fn: Callable, params: Any, step: int) -> dict[str, Any]:
+        return evaluate_params(self.cfg, self.data, eval_fn, params, self.mesh, step=step)
 
     # ------------------------------------------------------------------ loop
     def run(self, *, stop_after_step: int | None = None) -> TrainResult:
         """Train to `train.steps` (or stop after `stop_after_step`, as if killed, for tests)."""
-        cfg, tc = self.cfg, self.cfg.train
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(config_lib.to_json(cfg))
-        seq_len = cfg.seq_len
-        tokens_per_step = tc.global_batch * seq_len
-        self.echo(f"[twell] run dir: {self.run_dir.absolute()}")
-        self.echo(f"[twell] model: {cfg.model.ffn_kind} FFN (backend "
-                  f"{cfg.model.kind.backend(cfg.model.ffn_backend)}), "
-                  f"{cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.n_layers} layers, d_model "
-                  f"{cfg.model.d_model}, d_ff {cfg.model.d_ff}; L1 coef {cfg.sparsity.l1_coef:g}")
-        self.echo(f"[twell] devices: {self.num_devices} x {jax.devices()[0].platform}; global batch "
-                  f"{tc.global_batch} x {seq_len} tokens = {tokens_per_step} tokens/step; micro-batch "
-                  f"{tc.micro_batch}/device, {self.accum_steps} accumulation step(s)")
-
+        cfg, tc, hooks = self.cfg, self.cfg.train, self.hooks
+        tokens_per_step = tc.global_batch * cfg.seq_len
+        self._describe(tokens_per_step)
         history: list[dict[str, Any]] = []
-        with jax.set_mesh(self.mesh):
-            if self.resume and self.store.latest_step() is not None:
+        with jax.set_mesh(self.mesh), _StopSignals() as signals:
+            if self.resume:
                 state, meta = self.restore_state()
                 self.data.train_iter.set_state(_from_json_ready(meta["data_iter"]))
                 history = meta.get("history", [])
                 self.echo(f"[twell] resumed from step {int(state['step'])} ({self.store.directory})")
             else:
-                if self.resume:
-                    self.echo(f"[twell] --resume: no checkpoint in {self.store.directory}, starting fresh")
                 state = self.init_state()
             start_step = int(state["step"])
-
-            train_step = make_train_step(cfg, self.graphdef, self.optimizer, self.accum_steps)
-            jitted = jax.jit(train_step, in_shardings=(self.state_shardings, {"tokens": self.batch_sharding}),
-                             out_shardings=(self.state_shardings, self.replicated), donate_argnames=("state",))
-            batch_spec = {"tokens": jax.ShapeDtypeStruct((tc.global_batch, seq_len + 1), jnp.int32,
-                                                         sharding=self.batch_sharding)}
-            t0 = time.perf_counter()
-            compiled = jitted.lower(state, batch_spec).compile()
-            compile_s = time.perf_counter() - t0
-            self.echo(f"[twell] train step compiled in {compile_s:.1f}s; {_memory_analysis_text(compiled)}")
+            compiled, compile_s = self._compile(state)
             eval_fn = jax.jit(make_eval_step(cfg, self.graphdef))
-
-            writer = MetricsWriter(self.run_dir, tensorboard=tc.tensorboard, total_steps=tc.steps,
-                                   initial_step=start_step, progress_bar=tc.progress_bar)
-            self.echo(f"[twell] metrics: {writer.jsonl_path}"
+            sink = MetricsSink(self.run_dir, tensorboard=tc.tensorboard, total_steps=tc.steps,
+                               start_step=start_step, progress_bar=tc.progress_bar, echo=self.echo)
+            self.echo(f"[twell] metrics: {sink.jsonl_path}"
                       + (f", TensorBoard: {self.run_dir / 'tensorboard'}" if tc.tensorboard else ""))
             last_val: dict[str, Any] = {}
             last_record: dict[str, Any] = {}
             step_times: list[float] = []
-            time_limited = False
+            stop_reason = None
+            end_step = tc.steps if stop_after_step is None else min(tc.steps, stop_after_step)
             try:
-                mark = time.perf_counter()
-                end_step = tc.steps if stop_after_step is None else min(tc.steps, stop_after_step)
-
-                def log_step(step_no: int, device_metrics: dict[str, jax.Array]) -> None:
-                    """Fetch a finished step's metrics (blocking) and log them with its wall time."""
-                    nonlocal mark
-                    host = to_python(jax.device_get(device_metrics))
-                    now = time.perf_counter()
-                    step_time, mark = now - mark, now
-                    check_finite(step_no, host, GUARDED_METRICS)
-                    step_times.append(step_time)
-                    record = {"step": step_no, **host, "step_time_s": step_time,
-                              **parallel.tokens_per_second(tokens_per_step, step_time,
-                                                           self.num_devices)}
-                    peak = device_peak_memory_bytes()
-                    if peak is not None:
-                        record["peak_memory_bytes"] = peak
-                    history.append(compact_record(record))
-                    last_record.clear()
-                    last_record.update(record)
-                    l0 = float(np.mean(host["l0_per_layer"]))
-                    writer.progress(step_no, {"loss": host["loss"], "ce": host["ce"], "l0": l0,
-                                              "tok/s": int(record["tokens_per_s"])})
-                    if step_no % tc.log_every == 0 or step_no == end_step:
-                        writer.write(record)
-
-                loop_start = time.perf_counter()
-                for step in range(start_step, end_step):
+                mark = loop_start = time.perf_counter()
+                for step_no in range(start_step + 1, end_step + 1):
                     batch = parallel.host_to_global(next(self.data.train_iter), self.mesh)
                     state, device_metrics = compiled(state, batch)
-                    # Fetch this step's metrics now: the step time is the interval between two
-                    # step completions, exact whatever the runtime does at dispatch (on GPUs a
-                    # dispatch can block until the step it launches is done, which made one-step-
-                    # behind fetching misattribute times). Batches are prefetched by the data
-                    # pipeline's threads, so the device waits only for the host bookkeeping.
-                    step_no = step + 1
-                    log_step(step_no, device_metrics)
-                    do_eval = tc.eval_every and step_no % tc.eval_every == 0 and step_no != tc.steps
-                    do_ckpt = tc.checkpoint_every and step_no % tc.checkpoint_every == 0 and step_no != end_step
-                    if do_eval or do_ckpt:
-                        if do_eval:
-                            last_val = self.evaluate(eval_fn, state["params"])
-                            writer.write({"step": step_no, **{f"val_{k}": v for k, v in last_val.items()}})
-                            writer.message(f"[twell] step {step_no}: val loss {last_val['loss']:.4f} "
-                                           f"(ppl {last_val['perplexity']:.2f})")
-                        if do_ckpt:
-                            self.save(state, history)
-                            writer.message(f"[twell] step {step_no}: checkpoint -> {self.store.directory}")
-                        mark = time.perf_counter()
-                    if tc.time_limit_s and time.perf_counter() - loop_start >= tc.time_limit_s and step_no < end_step:
-                        time_limited = True
-                        writer.message(f"[twell] step {step_no}: train.time_limit_s={tc.time_limit_s:g} reached, "
-                                       f"stopping ({end_step - step_no} of {end_step} steps not run)")
+                    host = to_python(jax.device_get(device_metrics))  # waits for this step
+                    now = time.perf_counter()
+                    step_times.append(now - mark)
+                    check_finite(step_no, host, GUARDED_METRICS)
+                    last_record = self._record(step_no, host, step_times[-1], tokens_per_step)
+                    history.append(compact_record(last_record))
+                    sink.progress(step_no, {"loss": host["loss"], "ce": host["ce"],
+                                            "l0": float(np.mean(host["l0_per_layer"])),
+                                            "tok/s": int(last_record["tokens_per_s"])})
+                    if step_no % tc.log_every == 0 or step_no == end_step:
+                        sink.write(last_record)
+                    if hooks.on_step is not None:
+                        hooks.on_step(last_record)
+                    if tc.eval_every and step_no % tc.eval_every == 0 and step_no != tc.steps:
+                        last_val = self._eval_and_log(sink, eval_fn, state, step_no)
+                    if tc.checkpoint_every and step_no % tc.checkpoint_every == 0 and step_no != end_step:
+                        self.save(state, history)
+                        sink.message(f"[twell] step {step_no}: checkpoint -> {self.store.directory}")
+                    if signals.received:
+                        stop_reason = signals.received
+                    elif tc.time_limit_s and time.perf_counter() - loop_start >= tc.time_limit_s and step_no < end_step:
+                        stop_reason = "time_limit"
+                        sink.message(f"[twell] step {step_no}: train.time_limit_s={tc.time_limit_s:g} reached, "
+                                     f"stopping ({end_step - step_no} of {end_step} steps not run)")
+                    if stop_reason:
                         break
-            finally:
-                writer.close()
+                    mark = time.perf_counter()  # evaluations and saves are not step time
 
-            finished = int(state["step"])
-            if self.store.latest_step() != finished:
-                self.save(state, history)
-                self.echo(f"[twell] checkpoint at step {finished} -> {self.store.directory}")
-            if finished >= tc.steps or time_limited:
-                last_val = self.evaluate(eval_fn, state["params"])
-                writer_rec = {"step": finished, **{f"val_{k}": v for k, v in last_val.items()}}
-                with open(self.run_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(to_python(writer_rec)) + "\n")
-                self.echo(f"[twell] final validation: loss {last_val['loss']:.4f}, perplexity "
-                          f"{last_val['perplexity']:.2f}, mean active FFN neurons/token "
-                          f"{np.mean(last_val['l0_per_layer']):.1f} of {cfg.model.d_ff}")
+                finished = int(state["step"])
+                if hooks.save_final and self.store.latest_step() != finished:
+                    self.save(state, history)
+                    sink.message(f"[twell] checkpoint at step {finished} -> {self.store.directory}")
+                if stop_reason not in (None, "time_limit") and finished < end_step:
+                    raise TrainingInterrupted(stop_reason, finished, self.run_dir.absolute(), hooks.save_final)
+                if finished >= tc.steps or stop_reason == "time_limit":
+                    last_val = self._eval_and_log(sink, eval_fn, state, finished)
+            finally:
+                sink.close()
             summary = self._summary(state, history, last_val, step_times, compile_s)
-            summary["stopped_by_time_limit"] = time_limited
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            summary["stopped_by_time_limit"] = stop_reason == "time_limit"
+            ckpt_lib.atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
             self.echo(f"[twell] summary: {self.run_dir / 'summary.json'}")
         return TrainResult(run_dir=self.run_dir, history=history, summary=summary, state=state,
-                           last_metrics=dict(last_record) or None)
+                           last_metrics=last_record or None)
 
-    def save(self, state: TrainState, history: list[dict[str, Any]]) -> None:
-        meta = {"config": config_lib.to_dict(self.cfg), "data_iter": _json_ready(self.data.train_iter.get_state()),
-                "step": int(state["step"]), "history": history}
-        self.store.save(int(state["step"]), state, meta)
+    def _describe(self, tokens_per_step: int) -> None:
+        cfg, tc = self.cfg, self.cfg.train
+        self.echo(f"[twell] run dir: {self.run_dir.absolute()}")
+        self.echo(f"[twell] model: {cfg.model.ffn_kind} FFN (backend {cfg.model.kind.backend(cfg.model.ffn_backend)}), "
+                  f"{cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.n_layers} layers, d_model "
+                  f"{cfg.model.d_model}, d_ff {cfg.model.d_ff}; L1 coef {cfg.sparsity.l1_coef:g}")
+        self.echo(f"[twell] devices: {self.num_devices} x {jax.devices()[0].platform}; global batch "
+                  f"{tc.global_batch} x {cfg.seq_len} tokens = {tokens_per_step} tokens/step; micro-batch "
+                  f"{tc.micro_batch}/device, {self.accum_steps} accumulation step(s)")
 
-    def evaluate(self, eval_fn: Callable, params: Any) -> dict[str, Any]:
-        return evaluate_params(self.cfg, self.data, eval_fn, params, self.mesh)
+    def _compile(self, state: TrainState) -> tuple[Any, float]:
+        train_step = make_train_step(self.cfg, self.graphdef, self.optimizer, self.accum_steps)
+        jitted = jax.jit(train_step, in_shardings=(self.state_shardings, {"tokens": self.batch_sharding}),
+                         out_shardings=(self.state_shardings, self.replicated), donate_argnames=("state",))
+        batch_spec = {"tokens": jax.ShapeDtypeStruct((self.cfg.train.global_batch, self.cfg.seq_len + 1), jnp.int32,
+                                                     sharding=self.batch_sharding)}
+        t0 = time.perf_counter()
+        compiled = jitted.lower(state, batch_spec).compile()
+        compile_s = time.perf_counter() - t0
+        self.echo(f"[twell] train step compiled in {compile_s:.1f}s; {_memory_analysis_text(compiled)}")
+        return compiled, compile_s
+
+    def _record(self, step_no: int, host: dict[str, Any], step_time: float, tokens_per_step: int) -> dict[str, Any]:
+        record = {"step": step_no, **host, "step_time_s": step_time,
+                  **parallel.tokens_per_second(tokens_per_step, step_time, self.num_devices)}
+        peak = device_peak_memory_bytes()
+        if peak is not None:
+            record["peak_memory_bytes"] = peak
+        return record
+
+    def _eval_and_log(self, sink: MetricsSink, eval_fn: Callable, state: TrainState, step_no: int) -> dict[str, Any]:
+        val = self.evaluate(eval_fn, state["params"], step_no)
+        sink.write({"step": step_no, **{f"val_{k}": v for k, v in val.items()}})
+        sink.message(f"[twell] step {step_no}: validation loss {val['loss']:.4f}, perplexity "
+                     f"{val['perplexity']:.2f}, mean active FFN neurons/token {np.mean(val['l0_per_layer']):.1f} "
+                     f"of {self.cfg.model.d_ff}")
+        if self.hooks.on_eval is not None:
+            self.hooks.on_eval(step_no, val)
+        return val
 
     def _summary(self, state: TrainState, history: list[dict[str, Any]], val: dict[str, Any],
                  step_times: list[float], compile_s: float) -> dict[str, Any]:
@@ -398,11 +505,13 @@ def compact_record(record: dict[str, Any]) -> dict[str, Any]:
     return compact
 
 
-def evaluate_params(cfg: ExperimentConfig, data: DataSource, eval_fn: Callable, params: Any, mesh: Any) -> dict[str, Any]:
+def evaluate_params(cfg: ExperimentConfig, data: DataSource, eval_fn: Callable, params: Any, mesh: Any, *,
+                    step: int = 0) -> dict[str, Any]:
     """Validation loss, perplexity and per-layer mean active neurons over the held-out batches.
 
     Uses the first `train.eval_batches` full batches of `train.eval_batch_size` sequences (global)
-    in the data pipeline's fixed validation order, so every evaluation sees the same tokens.
+    in the data pipeline's fixed validation order, so every evaluation sees the same tokens. A
+    non-finite result raises FloatingPointError (naming `step`) instead of being reported.
     """
     ce_sum, tokens, l0_sum = 0.0, 0.0, None
     for batch in data.val_batches(cfg.train.eval_batch_size, max_batches=cfg.train.eval_batches):
@@ -416,6 +525,8 @@ def evaluate_params(cfg: ExperimentConfig, data: DataSource, eval_fn: Callable, 
         raise ValueError("the validation split produced no batches; lower train.eval_batch_size or raise "
                          "data.val_fraction")
     loss = ce_sum / tokens
+    check_finite(step, {"val_loss": loss, "val_l0_per_layer": l0_sum}, ("val_loss", "val_l0_per_layer"),
+                 hint="the parameters evaluated are broken (a diverged run or a damaged checkpoint)")
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens,
             "l0_per_layer": (l0_sum / tokens).tolist()}
 
@@ -458,8 +569,17 @@ def _from_json_ready(value: Any) -> Any:
     return value
 
 
+def with_saved_tokenizer(cfg: ExperimentConfig, run_dir: str | Path) -> ExperimentConfig:
+    """`cfg` reading the tokenizer saved in `run_dir` (when there is one) instead of re-training it:
+    what a resumed or evaluated run builds its data with (its saved config is left unchanged)."""
+    saved = ckpt_lib.saved_tokenizer(run_dir)
+    if saved is None:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(saved.absolute())))
+
+
 def train(cfg: ExperimentConfig, run_dir: str | Path | None = None, *, resume: bool = False,
           echo: Callable[[str], None] = print, **kwargs: Any) -> TrainResult:
-    """Convenience wrapper: build a Trainer for `cfg` and run it."""
+    """Convenience wrapper: build a Trainer for `cfg` and run it (kwargs go to `Trainer`)."""
     run_dir = default_run_dir(cfg) if run_dir is None else Path(run_dir)
     return Trainer(cfg, run_dir, resume=resume, echo=echo, **kwargs).run()
