@@ -176,3 +176,21 @@ def test_ops_end_to_end_with_pallas_backend(gated):
     assert y.shape == x3.shape
     assert rel_err(y.reshape(37, 45), y_ref) < 1e-5
     assert int(aux["row_overflow"]) == 1
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("dense_rows,max_active", [((), 1000.0), ((2, 30), 1000.0),
+                                                   ((0, 1, 2, 5, 9), 1000.0), ((), 0.0)])
+def test_neuron_counts_on_every_branch(gated, dense_rows, max_active):
+    """Per-neuron / per-token counts: stored slots of clean rows, recomputed overflow rows (fix-up),
+    the all-dense fallback and auto's dense branch all give the exact gate > 0 counts."""
+    x, wg, wu, wd = make_inputs(jnp.float32, dense_rows=dense_rows)
+    cfg = config(overflow_rows=3, neuron_counts=True, auto_max_active=max_active)
+    if gated:
+        _, aux = pallas_backend.auto_gated_ffn_forward(x, wg, wu, wd, cfg, interpret=True)
+    else:
+        _, aux = pallas_backend.auto_ffn_forward(x, wg, wd, cfg, interpret=True)
+    active = np.asarray(jnp.einsum("md,hd->mh", x, wg, precision=jax.lax.Precision.HIGHEST)) > 0
+    np.testing.assert_array_equal(np.asarray(aux["neuron_active_count"]), active.sum(0))
+    np.testing.assert_array_equal(np.asarray(aux["token_active_count"]), active.sum(1))
+    assert int(aux["row_overflow"]) == len(dense_rows) or max_active == 0.0

@@ -39,6 +39,7 @@ from jax import lax
 
 from pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn
 from pallas_kernels.twell_pack import PackBlockSizes, pack_gate
+from twell_jax import ops
 
 # Cost model of the forward, fitted on an H200 (bf16, D = 2048, H = 5632, M = 2048 .. 65536;
 # round 2, BENCHMARKS.md). Times in ms, k = mean active neurons per token:
@@ -91,6 +92,8 @@ def _settings(config: Any, m: int) -> dict[str, Any]:
         expected_active=expected,
         pack_block_sizes=field("pack_block_sizes", PackBlockSizes()),
         ffn_block_sizes=field("ffn_block_sizes", FFNBlockSizes()),
+        neuron_counts=bool(field("neuron_counts", False)),
+        config=config,
     )
 
 
@@ -130,26 +133,25 @@ def _validate(x_MxD: jax.Array, weights: dict[str, jax.Array]) -> None:
         h = w.shape[0]
 
 
+def _weights(w_act_HxD: jax.Array, w_up_HxD: jax.Array | None, w_down_HxD: jax.Array) -> tuple[jax.Array, ...]:
+    """The op's weight tuple: (w_gate, w_up, w_down) gated, (w_up, w_down) non-gated."""
+    return (w_act_HxD, w_down_HxD) if w_up_HxD is None else (w_act_HxD, w_up_HxD, w_down_HxD)
+
+
 def _dense_rows(x_RxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
                 w_down_HxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Dense FFN on some rows, same formula as ops.py: (y [R, D], l1 per row [R], l0 per row [R])."""
-    pre_RxH = jnp.einsum("rd,hd->rh", x_RxD, w_act_HxD, preferred_element_type=jnp.float32)
-    act_RxH = jax.nn.relu(pre_RxH)
-    if w_up_HxD is not None:
-        act_RxH = act_RxH * jnp.einsum("rd,hd->rh", x_RxD, w_up_HxD,
-                                       preferred_element_type=jnp.float32)
-    h_RxH = act_RxH.astype(x_RxD.dtype)
-    y_RxD = jnp.einsum("rh,hd->rd", h_RxH, w_down_HxD,
-                       preferred_element_type=jnp.float32).astype(x_RxD.dtype)
-    l1_R = jnp.sum(jnp.abs(h_RxH.astype(jnp.float32)), axis=1)
-    l0_R = jnp.sum(pre_RxH > 0, axis=1, dtype=jnp.int32)
-    return y_RxD, l1_R, l0_R
+    """The op's dense formula (ops.dense_hidden) on some rows: (y [R, D], l1 per row [R], active
+    [R, H])."""
+    weights = _weights(w_act_HxD, w_up_HxD, w_down_HxD)
+    h_RxH, active_RxH = ops.dense_hidden(w_up_HxD is not None, x_RxD, weights)
+    y_RxD = jnp.einsum("rh,hd->rd", h_RxH, w_down_HxD)
+    return y_RxD, jnp.sum(jnp.abs(h_RxH), axis=1, dtype=jnp.float32), active_RxH
 
 
 def _sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
                     w_down_HxD: jax.Array, s: dict[str, Any], interpret: bool) -> tuple[jax.Array, Aux]:
     """Pack + fused FFN + exact fix-up of overflowing rows. w_up None = non-gated."""
-    m = x_MxD.shape[0]
+    m, h = x_MxD.shape[0], w_act_HxD.shape[0]
     values, indices, counts = pack_gate(x_MxD, w_act_HxD, tile=s["tile"], slots=s["slots"],
                                         block_sizes=s["pack_block_sizes"], interpret=interpret)
     y_MxD, l1_M = sparse_ffn(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD,
@@ -158,25 +160,36 @@ def _sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array 
     row_overflow_M = jnp.any(tile_overflow_MxNT, axis=1)
     n_row_overflow = jnp.sum(row_overflow_M, dtype=jnp.int32)
     capacity = s["overflow_rows"]
+    want_counts = s["neuron_counts"]
+    if want_counts:
+        # Neurons fired in rows without overflow: their stored slots are exactly the actives.
+        slot_S = jnp.arange(values.shape[-1], dtype=jnp.int32)
+        stored_MxNTxS = (slot_S < counts[..., None]) & ~row_overflow_M[:, None, None]
+        neuron_H = jnp.zeros((h,), jnp.int32).at[indices.reshape(-1)].add(
+            stored_MxNTxS.reshape(-1).astype(jnp.int32), mode="drop")
+    else:
+        neuron_H = jnp.zeros((h,), jnp.int32)
 
     def keep(operands):
         return operands
 
     def fix_rows(operands):
-        y, l1 = operands
+        y, l1, neurons = operands
         # Fixed-capacity gather of the overflowing rows; fill slots point past the end and are
         # dropped by the scatter.
         rows_R = jnp.nonzero(row_overflow_M, size=capacity, fill_value=m)[0]
-        y_RxD, l1_R, _ = _dense_rows(x_MxD[jnp.minimum(rows_R, m - 1)], w_act_HxD, w_up_HxD,
-                                     w_down_HxD)
-        return y.at[rows_R].set(y_RxD, mode="drop"), l1.at[rows_R].set(l1_R, mode="drop")
+        y_RxD, l1_R, active_RxH = _dense_rows(x_MxD[jnp.minimum(rows_R, m - 1)], w_act_HxD, w_up_HxD,
+                                              w_down_HxD)
+        if want_counts:  # the overflowing rows' neurons, fill rows masked out
+            neurons = neurons + jnp.sum(active_RxH & (rows_R < m)[:, None], axis=0, dtype=jnp.int32)
+        return y.at[rows_R].set(y_RxD, mode="drop"), l1.at[rows_R].set(l1_R, mode="drop"), neurons
 
     def all_dense(operands):
-        y, l1, _ = _dense_rows(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD)
-        return y, l1
+        y, l1, active_MxH = _dense_rows(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD)
+        return y, l1, jnp.sum(active_MxH, axis=0, dtype=jnp.int32)
 
     branch = jnp.where(n_row_overflow == 0, 0, jnp.where(n_row_overflow <= capacity, 1, 2))
-    y_MxD, l1_M = lax.switch(branch, (keep, fix_rows, all_dense), (y_MxD, l1_M))
+    y_MxD, l1_M, neuron_H = lax.switch(branch, (keep, fix_rows, all_dense), (y_MxD, l1_M, neuron_H))
     tokens = max(m, 1)
     aux = {
         "l1": jnp.sum(l1_M) / tokens,
@@ -185,28 +198,19 @@ def _sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array 
         "row_overflow": n_row_overflow,
         "dense_fallback": (branch == 2).astype(jnp.int32),
     }
+    if want_counts:
+        aux["neuron_active_count"] = neuron_H
+        aux["token_active_count"] = jnp.sum(counts, axis=1, dtype=jnp.int32)
     return y_MxD, aux
 
 
 def _dense_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
-                   w_down_HxD: jax.Array) -> tuple[jax.Array, Aux]:
-    """The dense branch of "auto": the same XLA ops as the op's "dense" backend (twell_jax/ops.py),
-    so choosing it costs exactly what backend="dense" costs (with or without the aux in use: unused
-    aux is dead code under jit). No packing, so no overflow to report; dense_fallback = 1."""
-    g_MxH = jnp.einsum("md,hd->mh", x_MxD, w_act_HxD, preferred_element_type=jnp.float32)
-    if w_up_HxD is not None:
-        u_MxH = jnp.einsum("md,hd->mh", x_MxD, w_up_HxD, preferred_element_type=jnp.float32)
-        h_MxH = (jax.nn.relu(g_MxH) * u_MxH).astype(x_MxD.dtype)
-    else:
-        h_MxH = jax.nn.relu(g_MxH).astype(x_MxD.dtype)
-    y_MxD = jnp.einsum("mh,hd->md", h_MxH, w_down_HxD,
-                       preferred_element_type=jnp.float32).astype(x_MxD.dtype)
-    tokens = max(x_MxD.shape[0], 1)
-    zero = jnp.zeros((), jnp.int32)
-    return y_MxD, {"l1": jnp.sum(jnp.abs(h_MxH.astype(jnp.float32))) / tokens,
-                   "l0": jnp.sum((g_MxH > 0).astype(jnp.float32)) / tokens,
-                   "tile_overflow": zero, "row_overflow": zero,
-                   "dense_fallback": jnp.ones((), jnp.int32)}
+                   w_down_HxD: jax.Array, neuron_counts: bool = False) -> tuple[jax.Array, Aux]:
+    """The dense branch of "auto": the op's own dense formula (ops._dense_forward), so choosing it
+    costs exactly what backend="dense" costs. No packing, so no overflow to report; dense_fallback = 1."""
+    y_MxD, aux = ops._dense_forward(w_up_HxD is not None, x_MxD, _weights(w_act_HxD, w_up_HxD, w_down_HxD),
+                                    neuron_counts)
+    return y_MxD, {**aux, "dense_fallback": jnp.ones((), jnp.int32)}
 
 
 def sampled_active_per_token(x_MxD: jax.Array, w_act_HxD: jax.Array, n_sample: int) -> jax.Array:
@@ -236,23 +240,34 @@ def calibrate_active_per_token(x: jax.Array, w_gate_HxD: jax.Array, *,
     return float(sampled_active_per_token(x_MxD, w_gate_HxD, n))
 
 
-def _auto_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret):
+def auto_use_sparse(gated: bool, x_MxD: jax.Array, w_act_HxD: jax.Array, config: Any) -> bool | jax.Array:
+    """"auto"'s choice for this call: True/False when it is known at trace time (a hint in the
+    config, or a shape on which dense always wins), else a traced bool from the gate
+    pre-activations of a strided sample of tokens (the caller branches with lax.cond)."""
+    s = _settings(config, x_MxD.shape[0])
     if x_MxD.shape[0] == 0:
-        return _dense_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD)
-    threshold = _threshold(s, x_MxD, w_act_HxD, gated=w_up_HxD is not None)
+        return False
+    threshold = _threshold(s, x_MxD, w_act_HxD, gated=gated)
     if s["expected_active"] is not None:
-        # Static choice at trace time from the measured active count: the chosen path alone is
-        # compiled, with no sample, no device-side branch and no host round trip.
-        if float(s["expected_active"]) <= threshold:
-            return _sparse_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret)
-        return _dense_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD)
+        # Static choice from the measured active count: no sample, no branch, no host round trip.
+        return float(s["expected_active"]) <= threshold
     if threshold < 0:  # the shape alone says dense wins at any sparsity
-        return _dense_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD)
-    # No hint: estimate on the device from a strided sample of tokens and branch there.
-    estimate = sampled_active_per_token(x_MxD, w_act_HxD, s["auto_sample_rows"])
-    return lax.cond(estimate <= threshold,
-                    lambda: _sparse_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret),
-                    lambda: _dense_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD))
+        return False
+    return sampled_active_per_token(x_MxD, w_act_HxD, s["auto_sample_rows"]) <= threshold
+
+
+def _auto_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret):
+    use_sparse = auto_use_sparse(w_up_HxD is not None, x_MxD, w_act_HxD, s["config"])
+
+    def sparse():
+        return _sparse_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret)
+
+    def dense():
+        return _dense_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s["neuron_counts"])
+
+    if isinstance(use_sparse, bool):
+        return sparse() if use_sparse else dense()
+    return lax.cond(use_sparse, sparse, dense)
 
 
 def _entry(forward: Callable, x_MxD, weights: dict[str, jax.Array], config, interpret: bool):
