@@ -1,4 +1,4 @@
-"""The paper's models (twell.md 5.1-5.3): d_model 2048, d_ff 5632, 32 heads, vocab 49152, context 2048.
+"""The paper's models (its section 5): d_model 2048, d_ff 5632, 32 heads, vocab 49152, context 2048.
 
 0.5b / 1b / 1.5b / 2b = 8 / 18 / 28 / 38 layers. 1M-token global batch (512 x 2048), micro-batch 8
 per device, AdamW lr 1e-3, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 (not on norms), 600 warm-up

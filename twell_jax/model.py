@@ -236,11 +236,7 @@ class FeedForward(nnx.Module):
         dt = x_BxSxD.dtype
         w_up, w_down = self.w_up[...].astype(dt), self.w_down[...].astype(dt)
         if self.kind == "swiglu":
-            g = jnp.einsum("bsd,hd->bsh", x_BxSxD, self.w_gate[...].astype(dt))
-            u = jnp.einsum("bsd,hd->bsh", x_BxSxD, w_up)
-            h_BxSxH = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(dt)
-            y = jnp.einsum("bsh,hd->bsd", h_BxSxH, w_down)
-            return y, ops.dense_aux(h_BxSxH, h_BxSxH != 0)
+            return ops.dense_ffn(True, x_BxSxD, (self.w_gate[...].astype(dt), w_up, w_down), activation="silu")
         config = self.op_config
         if neuron_counts:
             config = dataclasses.replace(config or ops.SparseFFNConfig(), neuron_counts=True)

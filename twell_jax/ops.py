@@ -31,14 +31,18 @@ access (gathering the up / down rows of the active neurons of a token, or the we
 of a neuron) is a contiguous D-vector read, never a strided column.
 
 Backends:
-    "dense"      plain XLA matmuls with f32 accumulation; plain JAX autodiff.
+    "dense"      `dense_ffn`, the one copy of the dense formula (also every fallback, the Pallas
+                 glue's dense branch and the model's dense kinds): compute-dtype GEMMs with f32
+                 accumulation, f32 gating product, aux from the x-dtype h; plain JAX autodiff.
     "reference"  the sparse algorithm in pure JAX (TwELL pack of the gate, SDDMM for the up
                  activations on the gate pattern, hybrid ELL+tail SpMM for the down projection);
                  backward: the sparse hybrid backward below. A `jax.custom_vjp`.
     "pallas"     forward by the Pallas kernels (`twell_jax.pallas_backend`, imported lazily),
                  backward = the reference sparse backward. Needs a GPU unless interpret=True.
-    "auto"       on a GPU: the Pallas forward with its device-side dense/sparse switch and the exact
-                 dense backward; elsewhere: "dense".
+    "auto"       on a GPU: dense or sparse decided first (`pallas_backend.auto_use_sparse`: at
+                 trace time from a hint, else a lax.cond on a sampled active count); dense = the
+                 "dense" backend exactly, sparse = the Pallas forward + the exact dense backward;
+                 elsewhere: "dense".
 
 Every custom_vjp backward keeps only (x, weights) as residuals and recomputes what it needs from
 them, so any forward implementation can share it and `jax.checkpoint` stores nothing extra.
@@ -61,8 +65,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +75,10 @@ from jax.sharding import AxisType, PartitionSpec
 
 from twell_jax import format as twell_format
 from twell_jax import hybrid
+
+if TYPE_CHECKING:  # annotations only: the kernels are imported lazily (Triton-backed Pallas)
+    from pallas_kernels.twell_ffn import FFNBlockSizes
+    from pallas_kernels.twell_pack import PackBlockSizes
 
 BACKENDS = ("dense", "reference", "pallas", "auto")
 AUX_KEYS = ("l1", "l0", "tile_overflow", "row_overflow", "dense_fallback")
@@ -124,10 +133,10 @@ class SparseFFNConfig:
     # Pallas "auto": expected mean actives per token (e.g. the L0 telemetry of training). When set,
     # "auto" decides dense vs sparse at trace time for free, instead of sampling on the device.
     expected_active_per_token: float | None = None
-    # Pallas: block sizes of the pack kernel (a pallas_kernels.twell_pack.PackBlockSizes, or None).
-    pack_block_sizes: Any = None
-    # Pallas: block sizes of the fused FFN kernel (a pallas_kernels.twell_ffn.FFNBlockSizes, or None).
-    ffn_block_sizes: Any = None
+    # Pallas: block sizes of the pack kernel (None = the kernel's defaults).
+    pack_block_sizes: PackBlockSizes | None = None
+    # Pallas: block sizes of the fused FFN kernel (None = the kernel's defaults).
+    ffn_block_sizes: FFNBlockSizes | None = None
     # Add the per-neuron and per-token active counts to aux (COUNT_KEYS), computed from the
     # pattern the op builds anyway, so telemetry needs no second gate GEMM.
     neuron_counts: bool = False
@@ -141,6 +150,14 @@ class SparseFFNConfig:
             raise ValueError(f"SparseFFNConfig.slots ({self.slots}) must be <= tile ({self.tile})")
         _check_capacity_spec("SparseFFNConfig.tail_rows", self.tail_rows)
         _check_capacity_spec("SparseFFNConfig.transpose_tail_rows", self.transpose_tail_rows)
+        for name, module, cls in (("pack_block_sizes", "twell_pack", "PackBlockSizes"),
+                                  ("ffn_block_sizes", "twell_ffn", "FFNBlockSizes")):
+            value = getattr(self, name)
+            if value is not None:  # imported only here: the kernels load Triton-backed Pallas
+                expected = getattr(importlib.import_module(f"pallas_kernels.{module}"), cls)
+                if not isinstance(value, expected):
+                    raise ValueError(f"SparseFFNConfig.{name} must be None or a pallas_kernels.{module}.{cls}, "
+                                     f"got {value!r}")
         if not isinstance(self.neuron_counts, bool):
             raise ValueError(f"SparseFFNConfig.neuron_counts must be a bool, got {self.neuron_counts!r}")
         if self.data_axis is not None and not isinstance(self.data_axis, str):
@@ -179,17 +196,27 @@ def _matmul_t(x: jax.Array, w_HxD: jax.Array) -> jax.Array:
     return jnp.einsum("...d,hd->...h", x, w_HxD)
 
 
-def dense_hidden(gated: bool, x: jax.Array, weights: Weights) -> tuple[jax.Array, jax.Array]:
-    """(h [..., H] in x's dtype, active [..., H] bool) of the dense formula.
+DENSE_ACTIVATIONS = ("relu", "silu")
+
+
+def dense_hidden(gated: bool, x: jax.Array, weights: Weights,
+                 activation: str = "relu") -> tuple[jax.Array, jax.Array]:
+    """(h [..., H] in x's dtype, active [..., H] bool) of the dense formula: the ONE copy, used by
+    the "dense" backend, every fallback and fix-up, the Pallas glue's dense branch and the model's
+    dense kinds (swiglu through activation="silu").
 
     The GEMM outputs stay in x's dtype (bf16 operands forward and backward); the gating product
-    is formed in f32 and rounded once. `active` is gate > 0: the pattern every backend packs."""
+    is formed in f32 and rounded once. `active` is the pattern: gate > 0 for relu (what every
+    sparse backend packs), h != 0 for silu (never exactly sparse)."""
+    if activation not in DENSE_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {DENSE_ACTIVATIONS}, got {activation!r}")
     g = _matmul_t(x, weights[0])
+    act = jax.nn.relu if activation == "relu" else jax.nn.silu
     if gated:
-        h = (jax.nn.relu(g.astype(jnp.float32)) * _matmul_t(x, weights[1]).astype(jnp.float32)).astype(x.dtype)
+        h = (act(g.astype(jnp.float32)) * _matmul_t(x, weights[1]).astype(jnp.float32)).astype(x.dtype)
     else:
-        h = jax.nn.relu(g)
-    return h, g > 0
+        h = act(g.astype(jnp.float32)).astype(x.dtype)
+    return h, (g > 0 if activation == "relu" else h != 0)
 
 
 def dense_aux(h: jax.Array, active: jax.Array, neuron_counts: bool = False) -> Aux:
@@ -209,10 +236,11 @@ def dense_aux(h: jax.Array, active: jax.Array, neuron_counts: bool = False) -> A
     return aux
 
 
-def _dense_forward(gated: bool, x: jax.Array, weights: Weights,
-                   neuron_counts: bool = False) -> tuple[jax.Array, Aux]:
-    """The dense formula; plain JAX autodiff differentiates it (the "dense" backend)."""
-    h, active = dense_hidden(gated, x, weights)
+def dense_ffn(gated: bool, x: jax.Array, weights: Weights, *, neuron_counts: bool = False,
+              activation: str = "relu") -> tuple[jax.Array, Aux]:
+    """y and aux of the dense formula, differentiated by plain JAX autodiff (the "dense" backend);
+    weights = (w_gate, w_up, w_down) gated, (w_up, w_down) non-gated, all neuron-major [H, D]."""
+    h, active = dense_hidden(gated, x, weights, activation)
     y = jnp.einsum("...h,hd->...d", h, weights[-1])
     return y, dense_aux(h, active, neuron_counts)
 
@@ -222,7 +250,7 @@ def _dense_backward(gated: bool, x: jax.Array, weights: Weights, gy: jax.Array,
     """Gradients of <gy, y> + gl1 * l1 by autodiff of the dense formula (gy in y's dtype, so every
     backward GEMM has x-dtype operands)."""
     def y_and_l1(x_, weights_):
-        y, aux = _dense_forward(gated, x_, weights_)
+        y, aux = dense_ffn(gated, x_, weights_)
         return y, aux["l1"]
 
     _, vjp = jax.vjp(y_and_l1, x, weights)
@@ -274,7 +302,7 @@ def reference_forward(gated: bool, x_MxD: jax.Array, weights: Weights,
         return y, hybrid.sum_values(h, jnp.abs) / n_tokens
 
     def dense_branch() -> tuple[jax.Array, jax.Array]:
-        y, aux = _dense_forward(gated, x_MxD, weights)
+        y, aux = dense_ffn(gated, x_MxD, weights)
         return y, aux["l1"]
 
     forward_fallback = pattern.tail_overflow > 0
@@ -295,7 +323,7 @@ def reference_forward(gated: bool, x_MxD: jax.Array, weights: Weights,
 
 def reference_backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
                        gl1: jax.Array, config: SparseFFNConfig) -> tuple[jax.Array, Weights]:
-    """Gradients of <gy, y> + gl1 * l1 on the hybrid format (twell.md 4.6), recomputing the
+    """Gradients of <gy, y> + gl1 * l1 on the hybrid format (docs/format.md), recomputing the
     pattern from (x, weights). Falls back to the dense backward when a tail would overflow."""
     n_tokens, n_neurons = x_MxD.shape[0], weights[0].shape[0]
     act_MxH = _activation(gated, x_MxD, weights)
@@ -406,7 +434,7 @@ def _op_body(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
         return _sparse_op(sparse_plan, config, x_MxD, weights)
 
     def dense() -> tuple[jax.Array, Aux]:
-        y, aux = _dense_forward(plan.gated, x_MxD, weights, config.neuron_counts)
+        y, aux = dense_ffn(plan.gated, x_MxD, weights, neuron_counts=config.neuron_counts)
         return y, {**aux, "dense_fallback": jnp.ones((), jnp.int32)}  # "auto" chose the dense path
 
     use_sparse = pallas_backend.auto_use_sparse(plan.gated, x_MxD, weights[0], config)
@@ -562,7 +590,7 @@ def _dispatch(gated: bool, x: Any, weights: dict[str, Any], backend: str, config
     plan = _plan(gated, backend, interpret)
     n_tokens = math.prod(x.shape[:-1])
     if plan is None or n_tokens == 0:
-        return _dense_forward(gated, x, w, config.neuron_counts)
+        return dense_ffn(gated, x, w, neuron_counts=config.neuron_counts)
     x_MxD = x.reshape(n_tokens, x.shape[-1])
     y_MxD, aux = _sparse_call(plan, config, x_MxD, w, _data_axis_size(config))
     if config.neuron_counts:

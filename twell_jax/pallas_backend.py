@@ -24,10 +24,10 @@ dense path can no longer win; the choice must come first. Two ways:
     device-side branch: ~0.02-0.05 ms, BENCHMARKS.md).
 The choice only affects speed; both branches are exact.
 
-Config fields read (getattr, with defaults, so any config object or None works):
-    tile (256), slots (32), overflow_rows (min(M, max(16, M // 64))), auto_sample_rows (32),
-    auto_max_active (None: the cost model's k*), expected_active_per_token (None: sample on the
-    device), pack_block_sizes (PackBlockSizes()), ffn_block_sizes (FFNBlockSizes()).
+Config: a `twell_jax.ops.SparseFFNConfig` (validated there, once) or None for its defaults;
+the glue reads tile, slots, overflow_rows (None: min(M, max(16, M // 64))), auto_sample_rows
+(None: 32), auto_max_active (None: the cost model's k*), expected_active_per_token (None: sample
+on the device), the kernels' block sizes (None: their defaults) and neuron_counts.
 """
 from __future__ import annotations
 
@@ -73,26 +73,22 @@ def _require_runnable(interpret: bool) -> None:
             "Pallas interpreter (slow, for tests), or use backend='dense' / 'reference'.")
 
 
-def _settings(config: Any, m: int) -> dict[str, Any]:
-    def field(name: str, default: Any) -> Any:
-        value = getattr(config, name, None)
-        return default if value is None else value
-
-    expected = field("expected_active_per_token", None)
-    if expected is not None and (isinstance(expected, bool) or not isinstance(expected, (int, float))
-                                 or not expected >= 0):
-        raise ValueError(f"config.expected_active_per_token must be None or a number >= 0, got "
-                         f"{expected!r}")
+def _settings(config: ops.SparseFFNConfig | None, m: int) -> dict[str, Any]:
+    """The kernel settings of a (validated) op config for a call with m tokens; None = defaults."""
+    if config is None:
+        config = ops.SparseFFNConfig()
+    elif not isinstance(config, ops.SparseFFNConfig):
+        raise ValueError(f"config must be a twell_jax.ops.SparseFFNConfig or None, got {type(config).__name__}")
     return dict(
-        tile=int(field("tile", 256)),
-        slots=int(field("slots", 32)),
-        overflow_rows=int(field("overflow_rows", min(m, max(16, m // 64)))),
-        auto_sample_rows=int(field("auto_sample_rows", 32)),
-        auto_max_active=field("auto_max_active", None),  # None: the shape cost model decides
-        expected_active=expected,
-        pack_block_sizes=field("pack_block_sizes", PackBlockSizes()),
-        ffn_block_sizes=field("ffn_block_sizes", FFNBlockSizes()),
-        neuron_counts=bool(field("neuron_counts", False)),
+        tile=config.tile,
+        slots=config.slots,
+        overflow_rows=config.overflow_rows or min(m, max(16, m // 64)),
+        auto_sample_rows=config.auto_sample_rows or 32,
+        auto_max_active=config.auto_max_active,  # None: the shape cost model decides
+        expected_active=config.expected_active_per_token,
+        pack_block_sizes=config.pack_block_sizes or PackBlockSizes(),
+        ffn_block_sizes=config.ffn_block_sizes or FFNBlockSizes(),
+        neuron_counts=config.neuron_counts,
         config=config,
     )
 
@@ -206,10 +202,10 @@ def _sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array 
 
 def _dense_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
                    w_down_HxD: jax.Array, neuron_counts: bool = False) -> tuple[jax.Array, Aux]:
-    """The dense branch of "auto": the op's own dense formula (ops._dense_forward), so choosing it
+    """The dense branch of "auto": the op's own dense formula (ops.dense_ffn), so choosing it
     costs exactly what backend="dense" costs. No packing, so no overflow to report; dense_fallback = 1."""
-    y_MxD, aux = ops._dense_forward(w_up_HxD is not None, x_MxD, _weights(w_act_HxD, w_up_HxD, w_down_HxD),
-                                    neuron_counts)
+    y_MxD, aux = ops.dense_ffn(w_up_HxD is not None, x_MxD, _weights(w_act_HxD, w_up_HxD, w_down_HxD),
+                               neuron_counts=neuron_counts)
     return y_MxD, {**aux, "dense_fallback": jnp.ones((), jnp.int32)}
 
 
@@ -240,12 +236,13 @@ def calibrate_active_per_token(x: jax.Array, w_gate_HxD: jax.Array, *,
     return float(sampled_active_per_token(x_MxD, w_gate_HxD, n))
 
 
-def auto_use_sparse(gated: bool, x_MxD: jax.Array, w_act_HxD: jax.Array, config: Any) -> bool | jax.Array:
+def auto_use_sparse(gated: bool, x_MxD: jax.Array, w_act_HxD: jax.Array,
+                    config: ops.SparseFFNConfig | None) -> bool | jax.Array:
     """"auto"'s choice for this call: True/False when it is known at trace time (a hint in the
     config, or a shape on which dense always wins), else a traced bool from the gate
     pre-activations of a strided sample of tokens (the caller branches with lax.cond)."""
     s = _settings(config, x_MxD.shape[0])
-    if x_MxD.shape[0] == 0:
+    if x_MxD.shape[0] == 0:  # nothing to pack (the op handles empty batches before it gets here)
         return False
     threshold = _threshold(s, x_MxD, w_act_HxD, gated=gated)
     if s["expected_active"] is not None:
@@ -270,30 +267,31 @@ def _auto_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret):
     return lax.cond(use_sparse, sparse, dense)
 
 
-def _entry(forward: Callable, x_MxD, weights: dict[str, jax.Array], config, interpret: bool):
+def _entry(forward: Callable, x_MxD: jax.Array, weights: dict[str, jax.Array],
+           config: ops.SparseFFNConfig | None, interpret: bool) -> tuple[jax.Array, Aux]:
+    """Checks, then `forward`; an empty batch takes the dense formula (the kernels need a row)."""
     _require_runnable(interpret)
     _validate(x_MxD, weights)
-    return forward(x_MxD, *weights.values(), _settings(config, x_MxD.shape[0]), interpret)
+    s = _settings(config, x_MxD.shape[0])
+    if x_MxD.shape[0] == 0:
+        w = list(weights.values())
+        w_up = w[1] if len(w) == 3 else None
+        return _dense_forward(x_MxD, w[0], w_up, w[-1], s["neuron_counts"])
+    return forward(x_MxD, *weights.values(), s, interpret)
 
 
 def gated_ffn_forward(x_MxD: jax.Array, w_gate_HxD: jax.Array, w_up_HxD: jax.Array,
-                      w_down_HxD: jax.Array, config: Any = None, *,
+                      w_down_HxD: jax.Array, config: ops.SparseFFNConfig | None = None, *,
                       interpret: bool = False) -> tuple[jax.Array, Aux]:
     """y = (relu(x W_gate^T) * (x W_up^T)) W_down through the Pallas kernels; returns (y, aux)."""
-    if x_MxD.shape[0] == 0:
-        _require_runnable(interpret)
-        return _dense_forward(x_MxD, w_gate_HxD, w_up_HxD, w_down_HxD)
     return _entry(_sparse_forward, x_MxD,
                   dict(w_gate_HxD=w_gate_HxD, w_up_HxD=w_up_HxD, w_down_HxD=w_down_HxD),
                   config, interpret)
 
 
-def ffn_forward(x_MxD: jax.Array, w_up_HxD: jax.Array, w_down_HxD: jax.Array, config: Any = None,
+def ffn_forward(x_MxD: jax.Array, w_up_HxD: jax.Array, w_down_HxD: jax.Array, config: ops.SparseFFNConfig | None = None,
                 *, interpret: bool = False) -> tuple[jax.Array, Aux]:
     """y = relu(x W_up^T) W_down through the Pallas kernels; returns (y, aux)."""
-    if x_MxD.shape[0] == 0:
-        _require_runnable(interpret)
-        return _dense_forward(x_MxD, w_up_HxD, None, w_down_HxD)
 
     def forward(x, w_up, w_down, s, interp):
         return _sparse_forward(x, w_up, None, w_down, s, interp)
@@ -302,7 +300,7 @@ def ffn_forward(x_MxD: jax.Array, w_up_HxD: jax.Array, w_down_HxD: jax.Array, co
 
 
 def auto_gated_ffn_forward(x_MxD: jax.Array, w_gate_HxD: jax.Array, w_up_HxD: jax.Array,
-                           w_down_HxD: jax.Array, config: Any = None, *,
+                           w_down_HxD: jax.Array, config: ops.SparseFFNConfig | None = None, *,
                            interpret: bool = False) -> tuple[jax.Array, Aux]:
     """Like gated_ffn_forward, but runs the dense XLA FFN when the sampled sparsity says it is faster."""
     return _entry(_auto_forward, x_MxD,
@@ -311,23 +309,10 @@ def auto_gated_ffn_forward(x_MxD: jax.Array, w_gate_HxD: jax.Array, w_up_HxD: ja
 
 
 def auto_ffn_forward(x_MxD: jax.Array, w_up_HxD: jax.Array, w_down_HxD: jax.Array,
-                     config: Any = None, *, interpret: bool = False) -> tuple[jax.Array, Aux]:
+                     config: ops.SparseFFNConfig | None = None, *, interpret: bool = False) -> tuple[jax.Array, Aux]:
     """Like ffn_forward, but runs the dense XLA FFN when the sampled sparsity says it is faster."""
 
     def forward(x, w_up, w_down, s, interp):
         return _auto_forward(x, w_up, None, w_down, s, interp)
 
     return _entry(forward, x_MxD, dict(w_up_HxD=w_up_HxD, w_down_HxD=w_down_HxD), config, interpret)
-
-
-def pack(x_MxD: jax.Array, w_HxD: jax.Array, config: Any = None, *, interpret: bool = False):
-    """TwELL pack of relu(x W^T) by the Pallas kernel, as a twell_jax.format.TwELL."""
-    from twell_jax.format import TwELL  # local: format is optional for the kernels-only scripts
-
-    _require_runnable(interpret)
-    _validate(x_MxD, dict(w_HxD=w_HxD))
-    s = _settings(config, x_MxD.shape[0])
-    values, indices, counts = pack_gate(x_MxD, w_HxD, tile=s["tile"], slots=s["slots"],
-                                        block_sizes=s["pack_block_sizes"], interpret=interpret)
-    return TwELL(values=values, indices=indices, counts=counts, n_cols=w_HxD.shape[0],
-                 tile=s["tile"])
