@@ -3,7 +3,7 @@
 Each preset module defines `get_config() -> ExperimentConfig`:
 - tiny: CPU smoke run (2 cores, a few minutes): 4 layers, d_model 128, d_ff 512, seq 128, BPE 2048.
 - small: tens of millions of parameters, minutes on one GPU.
-- 0.5b / 1b / 1.5b / 2b: the paper's models (twell.md 5.1-5.3).
+- 0.5b / 1b / 1.5b / 2b: the paper's models ("Sparser, Faster, Lighter Transformer Language Models", section 5).
 - micro: a few-second model for tests.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     PYTHONUNBUFFERED=1 python experiments/bench_ffn.py [--quick] [--out DIR]
 
-Synthetic sparsity (anchors.md): x[:, 0] = 1, W_gate[:, 0] = -z with z the normal quantile of
+Synthetic sparsity (docs/kernels.md): x[:, 0] = 1, W_gate[:, 0] = -z with z the normal quantile of
 1 - p, p = k / H, other entries N(0, 1) for x and N(0, 1/D) for the weights, so each neuron fires
 with probability p (k active neurons per token on average).
 
@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn, sparse_ffn_reference  # noqa: E402
 from pallas_kernels.twell_pack import PackBlockSizes, pack_gate, pack_gate_reference  # noqa: E402
-from twell_jax import pallas_backend  # noqa: E402
+from twell_jax import ops, pallas_backend  # noqa: E402
 
 D, H, TILE, SLOTS = 2048, 5632, 256, 32
 M_MAIN = 16384
@@ -57,23 +57,19 @@ def make_inputs(key, m: int, k_active: float, n_sets: int = 3):
 
 @jax.jit
 def dense_gated(x, w_gate, w_up, w_down):
-    g = jnp.einsum("md,hd->mh", x, w_gate, preferred_element_type=jnp.float32)
-    u = jnp.einsum("md,hd->mh", x, w_up, preferred_element_type=jnp.float32)
-    h = (jax.nn.relu(g) * u).astype(x.dtype)
-    return jnp.einsum("mh,hd->md", h, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
+    """The op's "dense" backend, y only (its aux is dead code under jit)."""
+    return ops.gated_ffn(x, w_gate, w_up, w_down, backend="dense")[0]
 
 
 @jax.jit
 def dense_plain(x, w_up, w_down):
-    h = jax.nn.relu(jnp.einsum("md,hd->mh", x, w_up, preferred_element_type=jnp.float32))
-    return jnp.einsum("mh,hd->md", h.astype(x.dtype), w_down,
-                      preferred_element_type=jnp.float32).astype(x.dtype)
+    return ops.ffn(x, w_up, w_down, backend="dense")[0]
 
 
 @jax.jit
 def xla_gate(x, w_gate):
-    return jax.nn.relu(jnp.einsum("md,hd->mh", x, w_gate,
-                                  preferred_element_type=jnp.float32)).astype(x.dtype)
+    """The XLA gate GEMM + ReLU: what the pack kernel's GEMM competes with."""
+    return jax.nn.relu(jnp.einsum("md,hd->mh", x, w_gate))
 
 
 # --- attribution variants of the pack kernel: the same GEMM loop with parts of the epilogue left out
@@ -252,11 +248,8 @@ def main() -> None:
     table.append(f"  used below: {list(ffn_bs.__dict__.values())}")
 
     def make_config(expected_active=None):
-        class Config:  # the fields of twell_jax.ops.SparseFFNConfig read by pallas_backend
-            tile, slots = TILE, SLOTS
-            pack_block_sizes, ffn_block_sizes = pack_bs, ffn_bs
-            expected_active_per_token = expected_active
-        return Config()
+        return ops.SparseFFNConfig(tile=TILE, slots=SLOTS, pack_block_sizes=pack_bs, ffn_block_sizes=ffn_bs,
+                                   expected_active_per_token=expected_active)
 
     def y_only(fn):
         return jax.jit(lambda *a: fn(*a)[0])
@@ -267,7 +260,7 @@ def main() -> None:
         lambda x, g, u, d: pallas_backend.auto_gated_ffn_forward(x, g, u, d, make_config(),
                                                                interpret=INTERPRET))
     auto_sample_y = y_only(auto_sample)
-    dense_aux = jax.jit(lambda x, g, u, d: pallas_backend._dense_forward(x, g, u, d))
+    dense_aux = jax.jit(lambda x, g, u, d: ops.gated_ffn(x, g, u, d, backend="dense"))
     dense_aux_y = y_only(dense_aux)  # aux dead: must equal the plain dense FFN
 
     # 3. end to end. auto_hint = static choice from calibrate_active_per_token on the inputs.

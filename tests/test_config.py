@@ -57,7 +57,7 @@ def test_overrides_are_typed():
     cfg = config_lib.apply_overrides(get_config("micro"), [
         "model.n_layers=3", "optim.lr=1e-2", "model.remat=true", "train.num_devices=none",
         "model.ffn_kind=relu", "name=x", 'model.ffn_op_config={"slots": 8}', "data.max_documents=5"])
-    assert cfg.model.n_layers == 3 and cfg.optim.lr == 1e-2 and cfg.model.remat is True
+    assert cfg.model.n_layers == 3 and cfg.optim.lr == 1e-2 and cfg.model.remat == "full"
     assert cfg.train.num_devices is None and cfg.model.ffn_kind == "relu" and cfg.name == "x"
     assert cfg.model.ffn_op_config == {"slots": 8} and cfg.data.max_documents == 5
 

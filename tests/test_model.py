@@ -1,7 +1,10 @@
-"""Model: shapes, layouts, causality, remat equivalence, telemetry consistency, input validation."""
+"""Model: shapes, layouts, causality, remat policies, telemetry consistency, the attention choice,
+input validation."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +13,8 @@ import pytest
 
 from configs import get_config
 from twell_jax.config import ModelConfig
-from twell_jax.model import apply_model, init_model, rope, split_model
+from twell_jax import model as model_lib
+from twell_jax.model import apply_model, choose_attention, describe_execution, init_model, rope, split_model
 
 # Prime-ish small shapes: D=24 (3 heads of 8), H=37, V=61, S=11.
 CFG = ModelConfig(vocab_size=61, d_model=24, n_layers=2, n_heads=3, d_ff=37, max_seq_len=16,
@@ -54,20 +58,122 @@ def test_causality(kind):
     assert not np.allclose(before[:, 7:], after[:, 7:])
 
 
-def test_remat_matches_no_remat():
+@pytest.mark.parametrize("policy", ["full", "dots", "ffn"])
+def test_remat_policies_match_no_remat(policy):
     graphdef, params = split_model(init_model(CFG, seed=2))
-    graphdef_remat, _ = split_model(init_model(dataclasses.replace(CFG, remat=True), seed=2))
+    graphdef_remat, _ = split_model(init_model(dataclasses.replace(CFG, remat=policy), seed=2))
     tokens = _tokens()
 
     def loss(gd):
         def fn(p):
-            logits, aux = apply_model(gd, p, tokens)
-            return jnp.mean(logits ** 2) + jnp.mean(aux["l1"])
-        return jax.jit(jax.value_and_grad(fn))(params)
+            logits, aux = apply_model(gd, p, tokens, track_neurons=True)
+            return jnp.mean(logits ** 2) + jnp.mean(aux["l1"]), aux["neuron_active_count"]
+        return jax.jit(jax.value_and_grad(fn, has_aux=True))(params)
 
-    (v0, g0), (v1, g1) = loss(graphdef), loss(graphdef_remat)
+    ((v0, n0), g0), ((v1, n1), g1) = loss(graphdef), loss(graphdef_remat)
     np.testing.assert_allclose(v0, v1, rtol=1e-6)
+    np.testing.assert_array_equal(n0, n1)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g0, g1)
+
+
+def test_remat_bools_of_old_configs_map_to_policies():
+    assert dataclasses.replace(CFG, remat=True).remat == "full"
+    assert dataclasses.replace(CFG, remat=False).remat == "none"
+    with pytest.raises(ValueError, match="model.remat must be one of"):
+        dataclasses.replace(CFG, remat="sometimes")
+
+
+@pytest.mark.parametrize("backend", ["dense", "reference"])
+def test_neuron_telemetry_comes_from_the_op_without_an_extra_gemm(backend):
+    """Tracking neurons adds no matmul: the counts are the op's own (same dot_general count)."""
+    cfg = dataclasses.replace(CFG, ffn_backend=backend)
+    graphdef, params = split_model(init_model(cfg, seed=3))
+    tokens = _tokens()
+
+    def n_dots(track):
+        def fn(p):
+            logits, aux = apply_model(graphdef, p, tokens, track_neurons=track)
+            return jnp.sum(logits) + jnp.sum(aux["l1"])
+        return jax.jit(fn).lower(params).as_text().count("dot_general")
+
+    assert n_dots(True) == n_dots(False)
+    _, aux = apply_model(graphdef, params, tokens, track_neurons=True)
+    ref_counts = []
+    x = tokens
+    model = nnx_merge(graphdef, params)
+    # The counts equal relu(gate) > 0 of each layer's FFN input (recomputed here, in f32).
+    h = jnp.take(model.embed[...], x, axis=0)
+    for block in model.blocks:
+        h = h + block.attn(block.attn_norm(h))
+        ffn_in = block.ffn_norm(h)
+        fired = jnp.einsum("bsd,hd->bsh", ffn_in, block.ffn.w_gate[...]) > 0
+        ref_counts.append(np.asarray(jnp.sum(fired, axis=(0, 1))))
+        h = h + block.ffn(ffn_in)[0]
+    np.testing.assert_array_equal(np.asarray(aux["neuron_active_count"]), np.stack(ref_counts))
+
+
+def nnx_merge(graphdef, params):
+    from flax import nnx
+
+    return nnx.merge(graphdef, params)
+
+
+GPU_H100 = ("gpu", "NVIDIA H100 80GB HBM3", (9, 0))
+
+
+def _ok_probe(seq_len, head_dim, dtype):
+    return None
+
+
+def test_attention_choice():
+    bf16 = jnp.bfloat16
+    choose = functools.partial(choose_attention, dtype=bf16, head_dim=64, seq_len=2048)
+    # CPU: XLA, silently; "cudnn" asked for explicitly is an error naming the shape.
+    assert choose("auto", device=("cpu", "cpu", None), probe=_ok_probe) == "xla"
+    with pytest.raises(ValueError, match=r"seq 2048.*head dim 64.*not an NVIDIA GPU"):
+        choose("cudnn", device=("cpu", "cpu", None), probe=_ok_probe)
+    assert choose("xla", device=GPU_H100, probe=_ok_probe) == "xla"
+    # An H100 with a shape cuDNN takes: cuDNN for "auto" and "cudnn".
+    assert choose("auto", device=GPU_H100, probe=_ok_probe) == "cudnn"
+    assert choose("cudnn", device=GPU_H100, probe=_ok_probe) == "cudnn"
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(seq_len=2047), "sequence length 2047 is odd"),
+    (dict(dtype=jnp.float32), "takes bfloat16/float16"),
+    (dict(head_dim=20), "head dim 20 must be a multiple of 8"),
+    (dict(head_dim=512), "<= 256"),
+])
+def test_attention_fallback_on_gpu_warns_once_or_raises(change, reason, caplog):
+    args = dict(dtype=jnp.bfloat16, head_dim=64, seq_len=2048, device=GPU_H100, probe=_ok_probe) | change
+    with pytest.raises(ValueError, match=reason):
+        choose_attention("cudnn", **args)
+    model_lib._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="twell_jax.model"):
+        assert choose_attention("auto", **args) == "xla"
+        assert choose_attention("auto", **args) == "xla"
+    warnings = [r for r in caplog.records if "falling back to XLA" in r.getMessage()]
+    assert len(warnings) == 1 and reason in warnings[0].getMessage()
+
+
+def test_attention_probe_refusal_falls_back():
+    def refusing_probe(seq_len, head_dim, dtype):
+        return "NotImplementedError: Unsupported sequence length"
+
+    model_lib._warned.clear()
+    args = dict(dtype=jnp.bfloat16, head_dim=64, seq_len=1000, device=GPU_H100, probe=refusing_probe)
+    assert choose_attention("auto", **args) == "xla"
+    with pytest.raises(ValueError, match="Unsupported sequence length"):
+        choose_attention("cudnn", **args)
+    # Pre-Hopper GPUs take head dims up to 128 only.
+    with pytest.raises(ValueError, match="<= 128"):
+        choose_attention("cudnn", dtype=jnp.bfloat16, head_dim=192, seq_len=64,
+                         device=("gpu", "NVIDIA A100-SXM4-80GB", (8, 0)), probe=_ok_probe)
+
+
+def test_describe_execution_names_policy_and_attention():
+    line = describe_execution(dataclasses.replace(CFG, remat="dots"), seq_len=11)
+    assert "remat 'dots'" in line and "attention xla" in line and "seq 11" in line
 
 
 def test_bf16_compute_keeps_fp32_master_weights():

@@ -2,6 +2,7 @@
 L1 term), the exact paths (tails, dense fallback), transformations, meshes, and input checks."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 
@@ -359,3 +360,88 @@ def test_pallas_forward_in_interpret_mode_shares_the_sparse_backward():
     assert rel_err(y, y_ref) < 1e-5
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
         assert rel_err(a, b) < 1e-5
+
+
+COUNTS_CASES = [  # backend, config, gated, M, D, H, zero fraction, adversarial
+    ("dense", "default", True, 23, 9, 31, 0.5, "none"),
+    ("dense", "default", False, 30, 8, 40, 0.0, "none"),
+    ("reference", "tight", True, 101, 33, 70, 0.9, "zero_and_dense_rows"),
+    ("reference", "tight", False, 53, 11, 40, 0.5, "hot_neuron"),
+    ("reference", "fallback_fwd", True, 40, 12, 33, 0.7, "none"),  # the dense fallback path
+    ("reference", "default", True, 29, 16, 50, 1.0, "none"),  # all zero
+]
+
+
+@pytest.mark.parametrize("backend, config_name, gated, m, d, h, zero_fraction, adversarial", COUNTS_CASES)
+def test_neuron_counts_from_the_op(backend, config_name, gated, m, d, h, zero_fraction, adversarial):
+    """config.neuron_counts adds exact per-neuron and per-token active counts (gate > 0), with the
+    rest of the op unchanged."""
+    config = dataclasses.replace(CONFIGS[config_name], neuron_counts=True)
+    x, weights = make_inputs(gated, m, d, h, jnp.float32, zero_fraction, seed=3, adversarial=adversarial)
+    fn = ops.gated_ffn if gated else ops.ffn
+    x_3d = x.reshape(1, m, d)
+    y, aux = jax.jit(lambda x_, w_: fn(x_, *w_, backend=backend, config=config))(x_3d, weights)
+    y_plain, aux_plain = jax.jit(lambda x_, w_: fn(x_, *w_, backend=backend, config=CONFIGS[config_name]))(
+        x_3d, weights)
+    *_, g = dense_formula(gated, x, weights)
+    active = np.asarray(g) > 0
+    assert set(aux) == set(ops.AUX_KEYS) | set(ops.COUNT_KEYS) and set(aux_plain) == set(ops.AUX_KEYS)
+    assert aux["neuron_active_count"].shape == (h,) and aux["token_active_count"].shape == (1, m)
+    np.testing.assert_array_equal(np.asarray(aux["neuron_active_count"]), active.sum(0))
+    np.testing.assert_array_equal(np.asarray(aux["token_active_count"])[0], active.sum(1))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_plain))
+    for key in ops.AUX_KEYS:
+        np.testing.assert_array_equal(np.asarray(aux[key]), np.asarray(aux_plain[key]))
+
+
+@pytest.mark.parametrize("n_devices", [1, 8])
+def test_neuron_counts_under_a_data_mesh(n_devices):
+    config = dataclasses.replace(CONFIGS["tight"], neuron_counts=True)
+    x, weights = make_inputs(True, 13, 9, 20, jnp.float32, 0.6, seed=5)  # 13 tokens: padding
+    call = jax.jit(lambda x_, w_: ops.gated_ffn(x_, *w_, backend="reference", config=config))
+    mesh = jax.make_mesh((n_devices,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n_devices])
+    with jax.set_mesh(mesh):
+        _, aux = call(x, weights)
+    active = np.asarray(dense_formula(True, x, weights)[3]) > 0
+    np.testing.assert_array_equal(np.asarray(aux["neuron_active_count"]), active.sum(0))
+    np.testing.assert_array_equal(np.asarray(aux["token_active_count"]), active.sum(1))
+
+
+def test_neuron_counts_flag_is_validated():
+    with pytest.raises(ValueError, match="neuron_counts must be a bool"):
+        ops.SparseFFNConfig(neuron_counts=1)
+
+
+@pytest.mark.parametrize("hint, sparse_chosen", [(None, None), (1.0, True), (1000.0, False)])
+def test_auto_on_a_gpu_decides_outside_the_custom_vjp(hint, sparse_chosen, monkeypatch):
+    """"auto" as it runs on a GPU (simulated: Pallas in interpret mode): forward, aux and gradients
+    match the oracle on either path; a dense decision at trace time is exactly the "dense" backend
+    (plain autodiff, no Pallas call), a sparse one is the Pallas forward + dense backward, and
+    without a hint both are compiled behind a cond on the sampled active count."""
+    pytest.importorskip("pallas_kernels.twell_ffn")
+    from twell_jax import pallas_backend
+
+    monkeypatch.setattr(pallas_backend, "available", lambda: True)
+    config = ops.SparseFFNConfig(tile=16, slots=4, auto_max_active=8.0, expected_active_per_token=hint,
+                                 neuron_counts=True)
+    x, weights = make_inputs(True, 13, 16, 40, jnp.float32, 0.9, seed=1)  # ~4 actives per token
+    cot = jnp.asarray(np.random.default_rng(2).standard_normal((13, 16)), jnp.float32)
+
+    def loss(x_, w_):
+        y, aux = ops.gated_ffn(x_, *w_, backend="auto", config=config, interpret=True)
+        return loss_of(y, aux["l1"], cot), (y, aux)
+
+    grad_fn = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    (_, (y, aux)), grads = grad_fn(x, weights)
+    y_ref, l1_ref, l0_ref, g, grads_ref = oracle(True, x, weights, cot)
+    assert rel_err(y, y_ref) < 1e-5 and float(aux["l0"]) == pytest.approx(float(l0_ref))
+    np.testing.assert_allclose(float(aux["l1"]), float(l1_ref), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(aux["neuron_active_count"]), np.sum(np.asarray(g) > 0, axis=0))
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+        assert rel_err(a, b) < 1e-5
+    jaxpr = str(jax.make_jaxpr(loss)(x, weights))
+    if sparse_chosen is None:
+        assert "cond[" in jaxpr and "pallas_call" in jaxpr and int(aux["dense_fallback"]) == 0
+    else:
+        assert ("pallas_call" in jaxpr) == sparse_chosen and ("custom_vjp_call" in jaxpr) == sparse_chosen
+        assert int(aux["dense_fallback"]) == (not sparse_chosen)

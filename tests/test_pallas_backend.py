@@ -90,15 +90,9 @@ def test_auto_gated_forward_matches_dense():
     assert rel_err(y, y_ref) < 1e-5 and int(aux["dense_fallback"]) == 1
 
 
-class HintConfig:
-    """A duck-typed config carrying the measured active count (pallas_backend reads fields by
-    name, so it also works with objects other than ops.SparseFFNConfig)."""
-
-    def __init__(self, expected_active_per_token, auto_max_active=None):
-        self.tile, self.slots = 32, 4
-        self.pack_block_sizes = PackBlockSizes(16, 16, 4, 2)
-        self.expected_active_per_token = expected_active_per_token
-        self.auto_max_active = auto_max_active
+def HintConfig(expected_active_per_token, auto_max_active=None):
+    """The op config carrying a measured active count."""
+    return config(expected_active_per_token=expected_active_per_token, auto_max_active=auto_max_active)
 
 
 def test_op_config_hint_reaches_the_static_decision():
@@ -128,7 +122,15 @@ def test_auto_with_hint_decides_statically(hint, dense_chosen):
     assert n_conds(cfg) == ((0, False) if dense_chosen else (1, True))
     assert n_conds(HintConfig(None, auto_max_active=3.0)) == (2, True)
     with pytest.raises(ValueError, match="expected_active_per_token"):
-        pallas_backend.auto_gated_ffn_forward(x, wg, wu, wd, HintConfig(-1.0), interpret=True)
+        HintConfig(-1.0)  # validated once, by the op config
+
+
+def test_the_glue_takes_only_the_typed_op_config():
+    x, wg, wu, wd = make_inputs(jnp.float32, m=4, d=8, h=16)
+    with pytest.raises(ValueError, match="config must be a twell_jax.ops.SparseFFNConfig"):
+        pallas_backend.gated_ffn_forward(x, wg, wu, wd, {"tile": 32}, interpret=True)
+    with pytest.raises(ValueError, match="pack_block_sizes must be None or a pallas_kernels.twell_pack.PackBlockSizes"):
+        ops.SparseFFNConfig(pack_block_sizes=(16, 16, 4, 2))
 
 
 def test_calibrate_and_crossover():
@@ -176,3 +178,21 @@ def test_ops_end_to_end_with_pallas_backend(gated):
     assert y.shape == x3.shape
     assert rel_err(y.reshape(37, 45), y_ref) < 1e-5
     assert int(aux["row_overflow"]) == 1
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("dense_rows,max_active", [((), 1000.0), ((2, 30), 1000.0),
+                                                   ((0, 1, 2, 5, 9), 1000.0), ((), 0.0)])
+def test_neuron_counts_on_every_branch(gated, dense_rows, max_active):
+    """Per-neuron / per-token counts: stored slots of clean rows, recomputed overflow rows (fix-up),
+    the all-dense fallback and auto's dense branch all give the exact gate > 0 counts."""
+    x, wg, wu, wd = make_inputs(jnp.float32, dense_rows=dense_rows)
+    cfg = config(overflow_rows=3, neuron_counts=True, auto_max_active=max_active)
+    if gated:
+        _, aux = pallas_backend.auto_gated_ffn_forward(x, wg, wu, wd, cfg, interpret=True)
+    else:
+        _, aux = pallas_backend.auto_ffn_forward(x, wg, wd, cfg, interpret=True)
+    active = np.asarray(jnp.einsum("md,hd->mh", x, wg, precision=jax.lax.Precision.HIGHEST)) > 0
+    np.testing.assert_array_equal(np.asarray(aux["neuron_active_count"]), active.sum(0))
+    np.testing.assert_array_equal(np.asarray(aux["token_active_count"]), active.sum(1))
+    assert int(aux["row_overflow"]) == len(dense_rows) or max_active == 0.0

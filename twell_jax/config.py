@@ -24,6 +24,8 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 SYNTHETIC_SOURCE = "synthetic"
 # Backslash escapes a string field may use on the command line (`decode_escapes`).
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+# Rematerialisation policies of the model (twell_jax/model.py:REMAT_POLICIES says what each saves).
+REMAT_POLICIES = ("none", "full", "dots", "ffn")
 # A byte-level BPE needs the 256 byte tokens plus the end-of-text token.
 MIN_BPE_VOCAB_SIZE = 257
 
@@ -128,8 +130,14 @@ class ModelConfig:
     # from the run's own telemetry; a value in ffn_op_config applies to every layer and wins.
     ffn_expected_active: tuple[float, ...] = ()
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"  # activations/matmuls (master params f32)
-    remat: bool = False  # rematerialise each block in the backward (saves activation memory)
-    attention_impl: Literal["auto", "xla", "cudnn"] = "auto"  # jax.nn.dot_product_attention backend
+    # Rematerialisation in the backward: "none" (keep every activation: fastest, most memory),
+    # "full" (recompute each block from its input), "dots" (keep the matmul outputs, recompute the
+    # rest), "ffn" (recompute the FFN sub-block only). A bool from an old config means
+    # True -> "full", False -> "none".
+    remat: Literal["none", "full", "dots", "ffn"] | bool = "none"
+    # Attention: "auto" = cuDNN flash attention on NVIDIA GPUs when it takes the shape (else XLA,
+    # with one logged warning naming the shape), XLA elsewhere; "cudnn" = cuDNN or an error; "xla".
+    attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
 
     def __post_init__(self) -> None:
         _check_positive("model", vocab_size=self.vocab_size, d_model=self.d_model,
@@ -144,6 +152,9 @@ class ModelConfig:
         _check_choice("model", "ffn_backend", self.ffn_backend, FFN_BACKENDS)
         _check_choice("model", "compute_dtype", self.compute_dtype, DTYPES)
         _check_choice("model", "attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        if isinstance(self.remat, bool):  # configs saved before remat became a policy
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
+        _check_choice("model", "remat", self.remat, REMAT_POLICIES)
         if not isinstance(self.ffn_op_config, dict):
             raise ValueError(f"model.ffn_op_config must be a dict, got {type(self.ffn_op_config).__name__}")
         hints = self.ffn_expected_active

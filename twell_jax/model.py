@@ -1,19 +1,29 @@
 """Llama-style decoder LM in Flax NNX with a configurable (sparse) FFN.
 
 Token embedding (tied output head), pre-norm blocks (RMSNorm -> causal MHA with RoPE -> residual,
-RMSNorm -> FFN -> residual), final RMSNorm. Parameters are fp32 master weights; the forward casts
-them to `compute_dtype` (bf16 by default) and returns fp32 logits. FFN weights use the sparse op's
-neuron-major [H, D] layout for all three matrices (w_down included), so the model hands them to
-`twell_jax.ops` untouched.
+RMSNorm -> FFN -> residual), final RMSNorm. FFN weights use the sparse op's neuron-major [H, D]
+layout for all three matrices (w_down included), so the model hands them to `twell_jax.ops`
+untouched.
+
+Mixed precision: parameters are fp32 master weights; the forward casts them to `compute_dtype`
+(bf16 by default), and every matmul of the forward AND of the backward has compute-dtype operands
+(the GEMMs accumulate in fp32 on the GPU). No matmul asks for an f32 output
+(preferred_element_type), because its cotangent would then be f32 and the transposed backward
+GEMMs f32 x f32; where f32 matters (norm statistics, RoPE angles, softmax inside attention, the
+FFN gating product, the loss) the values are upcast after the GEMM. The logits come out of a bf16
+GEMM and are returned in fp32 for the cross-entropy.
 
 `Transformer.__call__` returns `(logits_BxSxV, aux)`; `aux` stacks the per-layer FFN telemetry on a
 leading layer axis: the op's scalars ("l1", "l0", overflow counters) as [L], and, when
 `track_neurons=True`, "neuron_active_count" [L, H] (tokens on which each neuron fired) and
-"position_active" [L, S] (mean active neurons per token position over the batch).
+"position_active" [L, S] (mean active neurons per token position over the batch), both taken from
+the op's own counts (`SparseFFNConfig.neuron_counts`), so tracking costs no extra GEMM.
 """
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import logging
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +32,18 @@ from flax import nnx
 from twell_jax import ops
 from twell_jax.config import ModelConfig
 
+logger = logging.getLogger(__name__)
+
 Aux = dict[str, jax.Array]
+
+# What each model.remat policy keeps for the backward (the rest is recomputed from the block input).
+REMAT_POLICIES = {
+    "none": "keep every activation (fastest, most memory)",
+    "full": "recompute each block from its input (least memory, ~1/3 more FLOPs)",
+    "dots": "keep the matmul outputs of each block, recompute the elementwise work",
+    "ffn": "recompute the FFN sub-block (its [tokens, d_ff] activations are the largest); the "
+           "sparse op's kinds keep only (x, weights) anyway",
+}
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> nnx.Param:
@@ -69,8 +90,96 @@ def rope(x_BxSxNxK: jax.Array, theta: float) -> jax.Array:
     return rotated.astype(x_BxSxNxK.dtype)
 
 
+def _device_facts() -> tuple[str, str, tuple[int, int] | None]:
+    """(platform, device kind, CUDA compute capability or None) of the default device."""
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    try:
+        major_minor = tuple(int(v) for v in str(capability).split(".")[:2]) if capability else None
+    except ValueError:
+        major_minor = None
+    return device.platform, str(getattr(device, "device_kind", "")), major_minor
+
+
+def cudnn_attention_refusal(*, platform: str, device_kind: str, capability: tuple[int, int] | None,
+                            dtype: Any, head_dim: int, seq_len: int) -> str | None:
+    """Why cuDNN flash attention cannot run this causal self-attention, or None when it can.
+
+    The rules of JAX's own check (jax/_src/cudnn/fused_attention_stablehlo.py, check_layout and
+    check_is_flash_attention): NVIDIA GPU, fp16/bf16 inputs, head dim a multiple of 8 and <= 128
+    (<= 256 from Hopper, compute capability 9.0, on); plus an even sequence length: JAX refuses
+    odd lengths in training with a bias, and cuDNN refused 2047 without one on an H100 (JAX 0.11.2)
+    while 2048 ran."""
+    if platform != "gpu" or "nvidia" not in device_kind.lower():
+        return f"the device is {platform} ({device_kind or 'unknown kind'}), not an NVIDIA GPU"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"cuDNN flash attention takes bfloat16/float16, the compute dtype is {jnp.dtype(dtype).name}"
+    max_head = 256 if capability is not None and capability >= (9, 0) else 128
+    if head_dim % 8 or head_dim > max_head:
+        return f"head dim {head_dim} must be a multiple of 8 and <= {max_head} on this GPU"
+    if seq_len % 2:
+        return f"sequence length {seq_len} is odd (cuDNN refused 2047 and ran 2048)"
+    return None
+
+
+_probe_results: dict[tuple[int, int, str], str | None] = {}
+_warned: set[tuple[Any, ...]] = set()
+
+
+def _probe_cudnn(seq_len: int, head_dim: int, dtype: Any) -> str | None:
+    """Compile cuDNN attention forward + backward at this (seq, head dim, dtype) once per process:
+    None when it compiles, else the error text (the rules above cannot know every cuDNN limit)."""
+    key = (seq_len, head_dim, jnp.dtype(dtype).name)
+    if key not in _probe_results:
+        def loss(q, k, v):
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+            return jnp.sum(out.astype(jnp.float32))
+
+        spec = jax.ShapeDtypeStruct((1, seq_len, 1, head_dim), jnp.dtype(dtype))
+        try:
+            jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(spec, spec, spec).compile()
+            _probe_results[key] = None
+        except Exception as err:  # noqa: BLE001 (any refusal means: do not use cuDNN here)
+            _probe_results[key] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return _probe_results[key]
+
+
+def choose_attention(requested: str, *, dtype: Any, head_dim: int, seq_len: int,
+                     device: tuple[str, str, tuple[int, int] | None] | None = None,
+                     probe: Callable[[int, int, Any], str | None] = _probe_cudnn) -> str:
+    """The `jax.nn.dot_product_attention` implementation for model.attention_impl=`requested`.
+
+    "xla" -> "xla". "cudnn" -> "cudnn", or a ValueError naming the shape when cuDNN cannot take it.
+    "auto" -> "cudnn" on an NVIDIA GPU when it can take the shape; on a GPU when it cannot, "xla"
+    with ONE logged warning naming the shape and the reason (XLA attention is ~3x slower there);
+    elsewhere "xla" silently. `device` = (platform, device kind, compute capability), default the
+    default device; `probe(seq_len, head_dim, dtype)` compiles cuDNN once to catch its own refusals.
+    """
+    if requested == "xla":
+        return "xla"
+    platform, kind, capability = _device_facts() if device is None else device
+    shape = f"[batch, seq {seq_len}, heads, head dim {head_dim}] {jnp.dtype(dtype).name}"
+    reason = cudnn_attention_refusal(platform=platform, device_kind=kind, capability=capability,
+                                     dtype=dtype, head_dim=head_dim, seq_len=seq_len)
+    if reason is None:
+        reason = probe(seq_len, head_dim, dtype)
+    if reason is None:
+        return "cudnn"
+    if requested == "cudnn":
+        raise ValueError(f"model.attention_impl='cudnn' cannot run attention of shape {shape}: {reason}. "
+                         "Use attention_impl='auto' (falls back to XLA) or 'xla'.")
+    if requested != "auto":
+        raise ValueError(f"model.attention_impl must be 'auto', 'xla' or 'cudnn', got {requested!r}")
+    if platform == "gpu" and (shape, reason) not in _warned:
+        _warned.add((shape, reason))
+        logger.warning("attention_impl='auto': cuDNN flash attention cannot run attention of shape %s (%s); "
+                       "falling back to XLA attention, which is several times slower", shape, reason)
+    return "xla"
+
+
 class Attention(nnx.Module):
-    """Causal multi-head self-attention through `jax.nn.dot_product_attention` (cuDNN flash on GPU)."""
+    """Causal multi-head self-attention through `jax.nn.dot_product_attention`, with the
+    implementation picked per shape at trace time by `choose_attention`."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, std = cfg.d_model, cfg.init_std
@@ -81,7 +190,7 @@ class Attention(nnx.Module):
         self.w_out = _normal(rngs, (d, d), std)
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
         self.rope_theta = cfg.rope_theta
-        self.implementation = None if cfg.attention_impl == "auto" else cfg.attention_impl
+        self.attention_impl = cfg.attention_impl
 
     def __call__(self, x_BxSxD: jax.Array) -> jax.Array:
         b, s, _ = x_BxSxD.shape
@@ -93,8 +202,9 @@ class Attention(nnx.Module):
         q_BxSxNxK = rope(project(self.w_q), self.rope_theta)
         k_BxSxNxK = rope(project(self.w_k), self.rope_theta)
         v_BxSxNxK = project(self.w_v)
+        implementation = choose_attention(self.attention_impl, dtype=dt, head_dim=self.head_dim, seq_len=s)
         out_BxSxNxK = jax.nn.dot_product_attention(
-            q_BxSxNxK, k_BxSxNxK, v_BxSxNxK, is_causal=True, implementation=self.implementation)
+            q_BxSxNxK, k_BxSxNxK, v_BxSxNxK, is_causal=True, implementation=implementation)
         return out_BxSxNxK.reshape(b, s, -1) @ self.w_out[...].astype(dt)
 
 
@@ -120,30 +230,21 @@ class FeedForward(nnx.Module):
         self.op_config = build_op_config(cfg, layer)
         self.interpret = cfg.ffn_interpret
 
-    def gate_preactivation(self, x_BxSxD: jax.Array) -> jax.Array:
-        """The pre-activation whose sign decides which neurons fire: x Wg^T (x Wu^T for "relu")."""
-        w = self.w_gate if self.gated else self.w_up
-        return jnp.einsum("bsd,hd->bsh", x_BxSxD, w[...].astype(x_BxSxD.dtype))
-
-    def __call__(self, x_BxSxD: jax.Array) -> tuple[jax.Array, Aux]:
+    def __call__(self, x_BxSxD: jax.Array, neuron_counts: bool = False) -> tuple[jax.Array, Aux]:
+        """(y, aux); with neuron_counts the op adds "neuron_active_count" [H] and
+        "token_active_count" [B, S] to aux (relu kinds only)."""
         dt = x_BxSxD.dtype
         w_up, w_down = self.w_up[...].astype(dt), self.w_down[...].astype(dt)
         if self.kind == "swiglu":
-            g = jnp.einsum("bsd,hd->bsh", x_BxSxD, self.w_gate[...].astype(dt), preferred_element_type=jnp.float32)
-            u = jnp.einsum("bsd,hd->bsh", x_BxSxD, w_up, preferred_element_type=jnp.float32)
-            h_BxSxH = (jax.nn.silu(g) * u).astype(dt)
-            y = jnp.einsum("bsh,hd->bsd", h_BxSxH, w_down, preferred_element_type=jnp.float32).astype(dt)
-            tokens = h_BxSxH.shape[0] * h_BxSxH.shape[1]
-            zero = jnp.zeros((), jnp.int32)
-            aux = {"l1": jnp.sum(jnp.abs(h_BxSxH.astype(jnp.float32))) / tokens,
-                   "l0": jnp.sum((h_BxSxH != 0).astype(jnp.float32)) / tokens,
-                   "tile_overflow": zero, "row_overflow": zero, "dense_fallback": zero}
-            return y, aux
+            return ops.dense_ffn(True, x_BxSxD, (self.w_gate[...].astype(dt), w_up, w_down), activation="silu")
+        config = self.op_config
+        if neuron_counts:
+            config = dataclasses.replace(config or ops.SparseFFNConfig(), neuron_counts=True)
         if not self.gated:
-            return ops.ffn(x_BxSxD, w_up, w_down, backend=self.backend, config=self.op_config,
+            return ops.ffn(x_BxSxD, w_up, w_down, backend=self.backend, config=config,
                            interpret=self.interpret)
         return ops.gated_ffn(x_BxSxD, self.w_gate[...].astype(dt), w_up, w_down,
-                             backend=self.backend, config=self.op_config, interpret=self.interpret)
+                             backend=self.backend, config=config, interpret=self.interpret)
 
 
 class Block(nnx.Module):
@@ -155,18 +256,22 @@ class Block(nnx.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = FeedForward(cfg, rngs, layer)
         self.track_neurons = cfg.is_relu_family
+        self.remat_ffn = cfg.remat == "ffn"
 
     def __call__(self, x_BxSxD: jax.Array, track_neurons: bool) -> tuple[jax.Array, Aux]:
         x_BxSxD = x_BxSxD + self.attn(self.attn_norm(x_BxSxD))
-        ffn_in_BxSxD = self.ffn_norm(x_BxSxD)
-        y_BxSxD, aux = self.ffn(ffn_in_BxSxD)
+        counts = track_neurons and self.track_neurons
+
+        def ffn_sublayer(norm: RMSNorm, ffn: FeedForward, x: jax.Array) -> tuple[jax.Array, Aux]:
+            return ffn(norm(x), neuron_counts=counts)
+
+        if self.remat_ffn:
+            ffn_sublayer = nnx.remat(ffn_sublayer)
+        y_BxSxD, aux = ffn_sublayer(self.ffn_norm, self.ffn, x_BxSxD)
         aux = dict(aux)
-        if track_neurons and self.track_neurons:
-            # Telemetry only (no gradient). Under jit with the dense backend XLA shares this matmul
-            # with the op's own gate GEMM; sparse backends pay one extra gate GEMM per layer.
-            fired_BxSxH = jax.lax.stop_gradient(self.ffn.gate_preactivation(ffn_in_BxSxD)) > 0
-            aux["neuron_active_count"] = jnp.sum(fired_BxSxH, axis=(0, 1), dtype=jnp.int32)
-            aux["position_active"] = jnp.mean(jnp.sum(fired_BxSxH, axis=-1, dtype=jnp.float32), axis=0)
+        if counts:
+            # Telemetry only (no gradient), from the op's own counts of the pattern it computed.
+            aux["position_active"] = jnp.mean(aux.pop("token_active_count").astype(jnp.float32), axis=0)
         return x_BxSxD + y_BxSxD, aux
 
 
@@ -186,20 +291,41 @@ class Transformer(nnx.Module):
         if tokens_BxS.shape[1] > self.max_seq_len:
             raise ValueError(f"sequence length {tokens_BxS.shape[1]} exceeds model.max_seq_len={self.max_seq_len}")
         dt = _dtype(self.compute_dtype)
-        embed_VxD = self.embed[...].astype(dt)
-        x_BxSxD = jnp.take(embed_VxD, tokens_BxS, axis=0)
+        # Gather the rows from the fp32 table, then cast: the embedding gradient (a scatter-add over
+        # tokens) then accumulates in fp32 rather than in the compute dtype.
+        x_BxSxD = jnp.take(self.embed[...], tokens_BxS, axis=0).astype(dt)
+
+        def run_block(blk: Block, x: jax.Array) -> tuple[jax.Array, Aux]:
+            return blk(x, track_neurons)
+
+        if self.remat == "full":
+            # prevent_cse=True (default): keeps XLA from merging the recomputation with the forward.
+            run_block = nnx.remat(run_block)
+        elif self.remat == "dots":
+            run_block = nnx.remat(run_block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
         auxes = []
         for block in self.blocks:
-            if self.remat:
-                # prevent_cse=True (default): keeps XLA from merging the recomputation with the forward.
-                x_BxSxD, aux = nnx.remat(lambda blk, x: blk(x, track_neurons))(block, x_BxSxD)
-            else:
-                x_BxSxD, aux = block(x_BxSxD, track_neurons)
+            x_BxSxD, aux = run_block(block, x_BxSxD)
             auxes.append(aux)
         x_BxSxD = self.final_norm(x_BxSxD)
-        logits_BxSxV = jnp.einsum("bsd,vd->bsv", x_BxSxD, embed_VxD, preferred_element_type=jnp.float32)
+        # A compute-dtype GEMM (bf16 operands forward and backward), upcast for the fp32 loss.
+        logits_BxSxV = jnp.einsum("bsd,vd->bsv", x_BxSxD, self.embed[...].astype(dt)).astype(jnp.float32)
         stacked = {key: jnp.stack([a[key] for a in auxes]) for key in auxes[0]}
         return logits_BxSxV, stacked
+
+
+def describe_execution(cfg: ModelConfig, seq_len: int) -> str:
+    """One line for the start-up log: compute dtype, remat policy, the attention implementation
+    this device will run at `seq_len` (a fallback is named with its reason), FFN kind/backend."""
+    dt = _dtype(cfg.compute_dtype)
+    try:
+        attention = choose_attention(cfg.attention_impl, dtype=dt, head_dim=cfg.head_dim, seq_len=seq_len)
+    except ValueError as err:
+        attention = f"error: {err}"
+    return (f"model execution: compute {cfg.compute_dtype} (fp32 master weights), remat {cfg.remat!r} "
+            f"({REMAT_POLICIES[cfg.remat]}), attention {attention} (model.attention_impl="
+            f"{cfg.attention_impl!r}, seq {seq_len}, head dim {cfg.head_dim}), FFN {cfg.ffn_kind} "
+            f"({cfg.kind.backend(cfg.ffn_backend)})")
 
 
 def init_model(cfg: ModelConfig, seed: int) -> Transformer:

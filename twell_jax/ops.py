@@ -15,6 +15,9 @@ CONTRACT (other modules rely on it; keep it stable):
         "tile_overflow": int32, (row, tile) pairs whose non-zeros exceed the TwELL slots
         "row_overflow": int32, rows whose non-zeros exceed the ELL width (sent to the dense tail)
         "dense_fallback": int32, 1 if the call fell back to the exact dense path (tail capacity exceeded)
+      and, only when config.neuron_counts is True (COUNT_KEYS; for telemetry, no extra GEMM):
+        "neuron_active_count": int32 [H], tokens of this call on which each neuron fired
+        "token_active_count": int32 [...] (x.shape[:-1]), active neurons of each token
     backend: "dense" | "reference" | "pallas" | "auto"
     config: SparseFFNConfig (None = defaults)
     interpret: run the Pallas kernels in the Pallas interpreter (pallas backends only; for tests)
@@ -28,14 +31,18 @@ access (gathering the up / down rows of the active neurons of a token, or the we
 of a neuron) is a contiguous D-vector read, never a strided column.
 
 Backends:
-    "dense"      plain XLA matmuls with f32 accumulation; plain JAX autodiff.
+    "dense"      `dense_ffn`, the one copy of the dense formula (also every fallback, the Pallas
+                 glue's dense branch and the model's dense kinds): compute-dtype GEMMs with f32
+                 accumulation, f32 gating product, aux from the x-dtype h; plain JAX autodiff.
     "reference"  the sparse algorithm in pure JAX (TwELL pack of the gate, SDDMM for the up
                  activations on the gate pattern, hybrid ELL+tail SpMM for the down projection);
                  backward: the sparse hybrid backward below. A `jax.custom_vjp`.
     "pallas"     forward by the Pallas kernels (`twell_jax.pallas_backend`, imported lazily),
                  backward = the reference sparse backward. Needs a GPU unless interpret=True.
-    "auto"       on a GPU: the Pallas forward with its device-side dense/sparse switch and the exact
-                 dense backward; elsewhere: "dense".
+    "auto"       on a GPU: dense or sparse decided first (`pallas_backend.auto_use_sparse`: at
+                 trace time from a hint, else a lax.cond on a sampled active count); dense = the
+                 "dense" backend exactly, sparse = the Pallas forward + the exact dense backward;
+                 elsewhere: "dense".
 
 Every custom_vjp backward keeps only (x, weights) as residuals and recomputes what it needs from
 them, so any forward implementation can share it and `jax.checkpoint` stores nothing extra.
@@ -58,8 +65,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -68,8 +76,13 @@ from jax.sharding import AxisType, PartitionSpec
 from twell_jax import format as twell_format
 from twell_jax import hybrid
 
+if TYPE_CHECKING:  # annotations only: the kernels are imported lazily (Triton-backed Pallas)
+    from pallas_kernels.twell_ffn import FFNBlockSizes
+    from pallas_kernels.twell_pack import PackBlockSizes
+
 BACKENDS = ("dense", "reference", "pallas", "auto")
 AUX_KEYS = ("l1", "l0", "tile_overflow", "row_overflow", "dense_fallback")
+COUNT_KEYS = ("neuron_active_count", "token_active_count")  # added when config.neuron_counts
 
 Aux = dict[str, jax.Array]
 Weights = tuple[jax.Array, ...]
@@ -120,10 +133,13 @@ class SparseFFNConfig:
     # Pallas "auto": expected mean actives per token (e.g. the L0 telemetry of training). When set,
     # "auto" decides dense vs sparse at trace time for free, instead of sampling on the device.
     expected_active_per_token: float | None = None
-    # Pallas: block sizes of the pack kernel (a pallas_kernels.twell_pack.PackBlockSizes, or None).
-    pack_block_sizes: Any = None
-    # Pallas: block sizes of the fused FFN kernel (a pallas_kernels.twell_ffn.FFNBlockSizes, or None).
-    ffn_block_sizes: Any = None
+    # Pallas: block sizes of the pack kernel (None = the kernel's defaults).
+    pack_block_sizes: PackBlockSizes | None = None
+    # Pallas: block sizes of the fused FFN kernel (None = the kernel's defaults).
+    ffn_block_sizes: FFNBlockSizes | None = None
+    # Add the per-neuron and per-token active counts to aux (COUNT_KEYS), computed from the
+    # pattern the op builds anyway, so telemetry needs no second gate GEMM.
+    neuron_counts: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tile", "slots", "ell_width", "transpose_ell_width"):
@@ -134,6 +150,16 @@ class SparseFFNConfig:
             raise ValueError(f"SparseFFNConfig.slots ({self.slots}) must be <= tile ({self.tile})")
         _check_capacity_spec("SparseFFNConfig.tail_rows", self.tail_rows)
         _check_capacity_spec("SparseFFNConfig.transpose_tail_rows", self.transpose_tail_rows)
+        for name, module, cls in (("pack_block_sizes", "twell_pack", "PackBlockSizes"),
+                                  ("ffn_block_sizes", "twell_ffn", "FFNBlockSizes")):
+            value = getattr(self, name)
+            if value is not None:  # imported only here: the kernels load Triton-backed Pallas
+                expected = getattr(importlib.import_module(f"pallas_kernels.{module}"), cls)
+                if not isinstance(value, expected):
+                    raise ValueError(f"SparseFFNConfig.{name} must be None or a pallas_kernels.{module}.{cls}, "
+                                     f"got {value!r}")
+        if not isinstance(self.neuron_counts, bool):
+            raise ValueError(f"SparseFFNConfig.neuron_counts must be a bool, got {self.neuron_counts!r}")
         if self.data_axis is not None and not isinstance(self.data_axis, str):
             raise ValueError(f"SparseFFNConfig.data_axis must be a str or None, got {self.data_axis!r}")
         for name in ("overflow_rows", "auto_sample_rows"):
@@ -164,45 +190,71 @@ class SparseFFNConfig:
 # ----------------------------------------------------------------------------------------------
 
 def _matmul_t(x: jax.Array, w_HxD: jax.Array) -> jax.Array:
-    """f32 x @ w.T for x [..., D]."""
-    return jnp.einsum("...d,hd->...h", x, w_HxD, preferred_element_type=jnp.float32)
+    """x @ w.T for x [..., D], in the operands' dtype. On a GPU the GEMM accumulates in f32 anyway;
+    asking for an f32 output (preferred_element_type) would make the cotangent f32 and so the
+    transposed GEMMs of the backward f32 x f32, about 2x slower for bf16 models."""
+    return jnp.einsum("...d,hd->...h", x, w_HxD)
 
 
-def _dense_aux(h: jax.Array, active: jax.Array) -> Aux:
+DENSE_ACTIVATIONS = ("relu", "silu")
+
+
+def dense_hidden(gated: bool, x: jax.Array, weights: Weights,
+                 activation: str = "relu") -> tuple[jax.Array, jax.Array]:
+    """(h [..., H] in x's dtype, active [..., H] bool) of the dense formula: the ONE copy, used by
+    the "dense" backend, every fallback and fix-up, the Pallas glue's dense branch and the model's
+    dense kinds (swiglu through activation="silu").
+
+    The GEMM outputs stay in x's dtype (bf16 operands forward and backward); the gating product
+    is formed in f32 and rounded once. `active` is the pattern: gate > 0 for relu (what every
+    sparse backend packs), h != 0 for silu (never exactly sparse)."""
+    if activation not in DENSE_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {DENSE_ACTIVATIONS}, got {activation!r}")
+    g = _matmul_t(x, weights[0])
+    act = jax.nn.relu if activation == "relu" else jax.nn.silu
+    if gated:
+        h = (act(g.astype(jnp.float32)) * _matmul_t(x, weights[1]).astype(jnp.float32)).astype(x.dtype)
+    else:
+        h = act(g.astype(jnp.float32)).astype(x.dtype)
+    return h, (g > 0 if activation == "relu" else h != 0)
+
+
+def dense_aux(h: jax.Array, active: jax.Array, neuron_counts: bool = False) -> Aux:
+    """The op's aux of a dense evaluation: l1 from h (f32 accumulation over the x-dtype h, no f32
+    copy of [M, H]), l0 and the optional counts from the `active` pattern."""
     tokens = max(1, h.size // max(1, h.shape[-1]))
     zero = jnp.zeros((), jnp.int32)
-    return {
-        "l1": jnp.sum(jnp.abs(h.astype(jnp.float32))) / tokens,
-        "l0": jnp.sum(active.astype(jnp.float32)) / tokens,
-        "tile_overflow": zero,
-        "row_overflow": zero,
-        "dense_fallback": zero,
-    }
-
-
-def _dense_forward(gated: bool, x: jax.Array, weights: Weights) -> tuple[jax.Array, Aux]:
-    """The dense formula; plain JAX autodiff differentiates it (the "dense" backend)."""
-    if gated:
-        w_gate, w_up, w_down = weights
-        g = _matmul_t(x, w_gate)
-        h = (jax.nn.relu(g) * _matmul_t(x, w_up)).astype(x.dtype)
+    aux = {"l1": jnp.sum(jnp.abs(h), dtype=jnp.float32) / tokens,
+           "tile_overflow": zero, "row_overflow": zero, "dense_fallback": zero}
+    if neuron_counts:
+        per_token = jnp.sum(active, axis=-1, dtype=jnp.int32)
+        aux["token_active_count"] = per_token
+        aux["neuron_active_count"] = jnp.sum(active.reshape(-1, active.shape[-1]), axis=0, dtype=jnp.int32)
+        aux["l0"] = jnp.sum(per_token, dtype=jnp.float32) / tokens
     else:
-        w_up, w_down = weights
-        g = _matmul_t(x, w_up)
-        h = jax.nn.relu(g).astype(x.dtype)
-    y = jnp.einsum("...h,hd->...d", h, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
-    return y, _dense_aux(h, g > 0)
+        aux["l0"] = jnp.sum(active, dtype=jnp.float32) / tokens
+    return aux
+
+
+def dense_ffn(gated: bool, x: jax.Array, weights: Weights, *, neuron_counts: bool = False,
+              activation: str = "relu") -> tuple[jax.Array, Aux]:
+    """y and aux of the dense formula, differentiated by plain JAX autodiff (the "dense" backend);
+    weights = (w_gate, w_up, w_down) gated, (w_up, w_down) non-gated, all neuron-major [H, D]."""
+    h, active = dense_hidden(gated, x, weights, activation)
+    y = jnp.einsum("...h,hd->...d", h, weights[-1])
+    return y, dense_aux(h, active, neuron_counts)
 
 
 def _dense_backward(gated: bool, x: jax.Array, weights: Weights, gy: jax.Array,
                     gl1: jax.Array) -> tuple[jax.Array, Weights]:
-    """Gradients of <gy, y> + gl1 * l1 by autodiff of the dense formula."""
+    """Gradients of <gy, y> + gl1 * l1 by autodiff of the dense formula (gy in y's dtype, so every
+    backward GEMM has x-dtype operands)."""
     def y_and_l1(x_, weights_):
-        y, aux = _dense_forward(gated, x_, weights_)
+        y, aux = dense_ffn(gated, x_, weights_)
         return y, aux["l1"]
 
     _, vjp = jax.vjp(y_and_l1, x, weights)
-    return vjp((gy, gl1.astype(jnp.float32)))
+    return vjp((gy.astype(x.dtype), gl1.astype(jnp.float32)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,24 +302,28 @@ def reference_forward(gated: bool, x_MxD: jax.Array, weights: Weights,
         return y, hybrid.sum_values(h, jnp.abs) / n_tokens
 
     def dense_branch() -> tuple[jax.Array, jax.Array]:
-        y, aux = _dense_forward(gated, x_MxD, weights)
+        y, aux = dense_ffn(gated, x_MxD, weights)
         return y, aux["l1"]
 
     forward_fallback = pattern.tail_overflow > 0
     y, l1 = jax.lax.cond(forward_fallback, dense_branch, sparse_branch)
     fallback = forward_fallback | _needs_dense_backward(act_MxH, config)
-    return y, {
+    aux = {
         "l1": l1,
         "l0": jnp.sum(pattern.row_nnz, dtype=jnp.float32) / n_tokens,
         "tile_overflow": twell_format.overflow_count(packed),
         "row_overflow": jnp.sum(pattern.row_nnz > config.ell_width, dtype=jnp.int32),
         "dense_fallback": fallback.astype(jnp.int32),
     }
+    if config.neuron_counts:
+        aux["neuron_active_count"] = jnp.sum(act_MxH > 0, axis=0, dtype=jnp.int32)
+        aux["token_active_count"] = pattern.row_nnz.astype(jnp.int32)
+    return y, aux
 
 
 def reference_backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
                        gl1: jax.Array, config: SparseFFNConfig) -> tuple[jax.Array, Weights]:
-    """Gradients of <gy, y> + gl1 * l1 on the hybrid format (twell.md 4.6), recomputing the
+    """Gradients of <gy, y> + gl1 * l1 on the hybrid format (docs/format.md), recomputing the
     pattern from (x, weights). Falls back to the dense backward when a tail would overflow."""
     n_tokens, n_neurons = x_MxD.shape[0], weights[0].shape[0]
     act_MxH = _activation(gated, x_MxD, weights)
@@ -317,7 +373,7 @@ class _Plan:
     """How one call runs (static)."""
 
     gated: bool
-    forward: str  # "reference" | "pallas" | "pallas_auto"
+    forward: str  # "reference" | "pallas" | "pallas_auto" (decided in _op_body, then "pallas" or dense)
     backward: str  # "sparse" | "dense"
     interpret: bool
 
@@ -328,12 +384,13 @@ def _run_forward(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
         return reference_forward(plan.gated, x_MxD, weights, config)
     from twell_jax import pallas_backend  # lazy: the kernels need Triton-capable jax builds
 
-    if plan.forward == "pallas":
-        fn = pallas_backend.gated_ffn_forward if plan.gated else pallas_backend.ffn_forward
-    else:
-        fn = pallas_backend.auto_gated_ffn_forward if plan.gated else pallas_backend.auto_ffn_forward
+    fn = pallas_backend.gated_ffn_forward if plan.gated else pallas_backend.ffn_forward
     y, aux = fn(x_MxD, *weights, config, interpret=plan.interpret)
-    return y, {key: aux[key] for key in AUX_KEYS}
+    return y, {key: aux[key] for key in _aux_keys(config)}
+
+
+def _aux_keys(config: SparseFFNConfig) -> tuple[str, ...]:
+    return AUX_KEYS + COUNT_KEYS if config.neuron_counts else AUX_KEYS
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -358,6 +415,32 @@ def _sparse_op_bwd(plan: _Plan, config: SparseFFNConfig, residuals: tuple[jax.Ar
 
 
 _sparse_op.defvjp(_sparse_op_fwd, _sparse_op_bwd)
+
+
+def _op_body(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
+             weights: Weights) -> tuple[jax.Array, Aux]:
+    """One call on local tokens. "pallas_auto" decides dense vs sparse OUTSIDE the custom_vjp:
+    its dense branch is the plain dense formula under autodiff (exactly the "dense" backend, which
+    keeps its activations for the backward), its sparse branch the Pallas forward with the dense
+    backward recomputing from (x, weights). A model that is not sparse yet (initialisation) thus
+    trains at the dense speed instead of paying the backward's recompute."""
+    if plan.forward != "pallas_auto":
+        return _sparse_op(plan, config, x_MxD, weights)
+    from twell_jax import pallas_backend
+
+    sparse_plan = dataclasses.replace(plan, forward="pallas")
+
+    def sparse() -> tuple[jax.Array, Aux]:
+        return _sparse_op(sparse_plan, config, x_MxD, weights)
+
+    def dense() -> tuple[jax.Array, Aux]:
+        y, aux = dense_ffn(plan.gated, x_MxD, weights, neuron_counts=config.neuron_counts)
+        return y, {**aux, "dense_fallback": jnp.ones((), jnp.int32)}  # "auto" chose the dense path
+
+    use_sparse = pallas_backend.auto_use_sparse(plan.gated, x_MxD, weights[0], config)
+    if isinstance(use_sparse, bool):  # decided at trace time: only that path is compiled
+        return sparse() if use_sparse else dense()
+    return jax.lax.cond(use_sparse, sparse, dense)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -386,10 +469,10 @@ def _sharded_call(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array, weight
     def local(x_loc: jax.Array, weights_loc: Weights) -> tuple[jax.Array, Aux]:
         # The weights are replicated (spec P()): shard_map's transpose sums the per-shard weight
         # gradients over the axis, so the custom_vjp returns local gradients only.
-        y, aux = _sparse_op(plan, config, x_loc, weights_loc)
+        y, aux = _op_body(plan, config, x_loc, weights_loc)
         m_loc = x_loc.shape[0]
         # Padded tokens are zero: they add nothing to l1/l0 sums, so divide by the true count.
-        return y, {
+        global_aux = {
             "l1": jax.lax.psum(aux["l1"] * m_loc, axis) / n_tokens,
             "l0": jax.lax.psum(aux["l0"] * m_loc, axis) / n_tokens,
             "tile_overflow": jax.lax.psum(aux["tile_overflow"], axis),
@@ -397,11 +480,19 @@ def _sharded_call(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array, weight
             # psum + clip rather than pmax: pmax has no JVP rule, even for integers.
             "dense_fallback": jnp.minimum(jax.lax.psum(aux["dense_fallback"], axis), 1),
         }
+        if config.neuron_counts:
+            # A zero (padding) token activates nothing, so the neuron counts need no correction.
+            global_aux["neuron_active_count"] = jax.lax.psum(aux["neuron_active_count"], axis)
+            global_aux["token_active_count"] = aux["token_active_count"]
+        return y, global_aux
 
+    aux_specs = {key: PartitionSpec() for key in AUX_KEYS}
+    if config.neuron_counts:
+        aux_specs.update(neuron_active_count=PartitionSpec(), token_active_count=PartitionSpec(axis))
     # check_vma=False: a pallas_call inside shard_map needs per-output variance annotations whose
     # spelling differs between JAX 0.10 and 0.11; the specs here are simple enough to state.
     sharded = jax.shard_map(local, in_specs=(PartitionSpec(axis), PartitionSpec()),
-                            out_specs=(PartitionSpec(axis), PartitionSpec()), axis_names={axis},
+                            out_specs=(PartitionSpec(axis), aux_specs), axis_names={axis},
                             check_vma=False)
     mesh = jax.sharding.get_abstract_mesh()
     explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis] == AxisType.Explicit
@@ -412,6 +503,10 @@ def _sharded_call(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array, weight
     y_pad, aux = sharded(x_pad, weights)
     if explicit:
         y_pad = jax.sharding.reshard(y_pad, PartitionSpec())  # so the unpadding slice is legal
+        if config.neuron_counts:
+            aux["token_active_count"] = jax.sharding.reshard(aux["token_active_count"], PartitionSpec())
+    if config.neuron_counts:
+        aux["token_active_count"] = aux["token_active_count"][:n_tokens]
     return y_pad[:n_tokens], aux
 
 
@@ -420,7 +515,7 @@ def _sparse_call(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array, weights
                  n_shards: int) -> tuple[jax.Array, Aux]:
     if n_shards > 1:
         return _sharded_call(plan, config, x_MxD, weights, n_shards)
-    return _sparse_op(plan, config, x_MxD, weights)
+    return _op_body(plan, config, x_MxD, weights)
 
 
 def _validate(x: jax.Array, weights: dict[str, jax.Array], backend: str, config: Any,
@@ -495,9 +590,11 @@ def _dispatch(gated: bool, x: Any, weights: dict[str, Any], backend: str, config
     plan = _plan(gated, backend, interpret)
     n_tokens = math.prod(x.shape[:-1])
     if plan is None or n_tokens == 0:
-        return _dense_forward(gated, x, w)
+        return dense_ffn(gated, x, w, neuron_counts=config.neuron_counts)
     x_MxD = x.reshape(n_tokens, x.shape[-1])
     y_MxD, aux = _sparse_call(plan, config, x_MxD, w, _data_axis_size(config))
+    if config.neuron_counts:
+        aux["token_active_count"] = aux["token_active_count"].reshape(x.shape[:-1])
     return y_MxD.reshape(x.shape), aux
 
 

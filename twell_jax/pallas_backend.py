@@ -24,10 +24,10 @@ dense path can no longer win; the choice must come first. Two ways:
     device-side branch: ~0.02-0.05 ms, BENCHMARKS.md).
 The choice only affects speed; both branches are exact.
 
-Config fields read (getattr, with defaults, so any config object or None works):
-    tile (256), slots (32), overflow_rows (min(M, max(16, M // 64))), auto_sample_rows (32),
-    auto_max_active (None: the cost model's k*), expected_active_per_token (None: sample on the
-    device), pack_block_sizes (PackBlockSizes()), ffn_block_sizes (FFNBlockSizes()).
+Config: a `twell_jax.ops.SparseFFNConfig` (validated there, once) or None for its defaults;
+the glue reads tile, slots, overflow_rows (None: min(M, max(16, M // 64))), auto_sample_rows
+(None: 32), auto_max_active (None: the cost model's k*), expected_active_per_token (None: sample
+on the device), the kernels' block sizes (None: their defaults) and neuron_counts.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ from jax import lax
 
 from pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn
 from pallas_kernels.twell_pack import PackBlockSizes, pack_gate
+from twell_jax import ops
 
 # Cost model of the forward, fitted on an H200 (bf16, D = 2048, H = 5632, M = 2048 .. 65536;
 # round 2, BENCHMARKS.md). Times in ms, k = mean active neurons per token:
@@ -72,25 +73,23 @@ def _require_runnable(interpret: bool) -> None:
             "Pallas interpreter (slow, for tests), or use backend='dense' / 'reference'.")
 
 
-def _settings(config: Any, m: int) -> dict[str, Any]:
-    def field(name: str, default: Any) -> Any:
-        value = getattr(config, name, None)
-        return default if value is None else value
-
-    expected = field("expected_active_per_token", None)
-    if expected is not None and (isinstance(expected, bool) or not isinstance(expected, (int, float))
-                                 or not expected >= 0):
-        raise ValueError(f"config.expected_active_per_token must be None or a number >= 0, got "
-                         f"{expected!r}")
+def _settings(config: ops.SparseFFNConfig | None, m: int) -> dict[str, Any]:
+    """The kernel settings of a (validated) op config for a call with m tokens; None = defaults."""
+    if config is None:
+        config = ops.SparseFFNConfig()
+    elif not isinstance(config, ops.SparseFFNConfig):
+        raise ValueError(f"config must be a twell_jax.ops.SparseFFNConfig or None, got {type(config).__name__}")
     return dict(
-        tile=int(field("tile", 256)),
-        slots=int(field("slots", 32)),
-        overflow_rows=int(field("overflow_rows", min(m, max(16, m // 64)))),
-        auto_sample_rows=int(field("auto_sample_rows", 32)),
-        auto_max_active=field("auto_max_active", None),  # None: the shape cost model decides
-        expected_active=expected,
-        pack_block_sizes=field("pack_block_sizes", PackBlockSizes()),
-        ffn_block_sizes=field("ffn_block_sizes", FFNBlockSizes()),
+        tile=config.tile,
+        slots=config.slots,
+        overflow_rows=config.overflow_rows or min(m, max(16, m // 64)),
+        auto_sample_rows=config.auto_sample_rows or 32,
+        auto_max_active=config.auto_max_active,  # None: the shape cost model decides
+        expected_active=config.expected_active_per_token,
+        pack_block_sizes=config.pack_block_sizes or PackBlockSizes(),
+        ffn_block_sizes=config.ffn_block_sizes or FFNBlockSizes(),
+        neuron_counts=config.neuron_counts,
+        config=config,
     )
 
 
@@ -130,26 +129,25 @@ def _validate(x_MxD: jax.Array, weights: dict[str, jax.Array]) -> None:
         h = w.shape[0]
 
 
+def _weights(w_act_HxD: jax.Array, w_up_HxD: jax.Array | None, w_down_HxD: jax.Array) -> tuple[jax.Array, ...]:
+    """The op's weight tuple: (w_gate, w_up, w_down) gated, (w_up, w_down) non-gated."""
+    return (w_act_HxD, w_down_HxD) if w_up_HxD is None else (w_act_HxD, w_up_HxD, w_down_HxD)
+
+
 def _dense_rows(x_RxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
                 w_down_HxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Dense FFN on some rows, same formula as ops.py: (y [R, D], l1 per row [R], l0 per row [R])."""
-    pre_RxH = jnp.einsum("rd,hd->rh", x_RxD, w_act_HxD, preferred_element_type=jnp.float32)
-    act_RxH = jax.nn.relu(pre_RxH)
-    if w_up_HxD is not None:
-        act_RxH = act_RxH * jnp.einsum("rd,hd->rh", x_RxD, w_up_HxD,
-                                       preferred_element_type=jnp.float32)
-    h_RxH = act_RxH.astype(x_RxD.dtype)
-    y_RxD = jnp.einsum("rh,hd->rd", h_RxH, w_down_HxD,
-                       preferred_element_type=jnp.float32).astype(x_RxD.dtype)
-    l1_R = jnp.sum(jnp.abs(h_RxH.astype(jnp.float32)), axis=1)
-    l0_R = jnp.sum(pre_RxH > 0, axis=1, dtype=jnp.int32)
-    return y_RxD, l1_R, l0_R
+    """The op's dense formula (ops.dense_hidden) on some rows: (y [R, D], l1 per row [R], active
+    [R, H])."""
+    weights = _weights(w_act_HxD, w_up_HxD, w_down_HxD)
+    h_RxH, active_RxH = ops.dense_hidden(w_up_HxD is not None, x_RxD, weights)
+    y_RxD = jnp.einsum("rh,hd->rd", h_RxH, w_down_HxD)
+    return y_RxD, jnp.sum(jnp.abs(h_RxH), axis=1, dtype=jnp.float32), active_RxH
 
 
 def _sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
                     w_down_HxD: jax.Array, s: dict[str, Any], interpret: bool) -> tuple[jax.Array, Aux]:
     """Pack + fused FFN + exact fix-up of overflowing rows. w_up None = non-gated."""
-    m = x_MxD.shape[0]
+    m, h = x_MxD.shape[0], w_act_HxD.shape[0]
     values, indices, counts = pack_gate(x_MxD, w_act_HxD, tile=s["tile"], slots=s["slots"],
                                         block_sizes=s["pack_block_sizes"], interpret=interpret)
     y_MxD, l1_M = sparse_ffn(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD,
@@ -158,25 +156,36 @@ def _sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array 
     row_overflow_M = jnp.any(tile_overflow_MxNT, axis=1)
     n_row_overflow = jnp.sum(row_overflow_M, dtype=jnp.int32)
     capacity = s["overflow_rows"]
+    want_counts = s["neuron_counts"]
+    if want_counts:
+        # Neurons fired in rows without overflow: their stored slots are exactly the actives.
+        slot_S = jnp.arange(values.shape[-1], dtype=jnp.int32)
+        stored_MxNTxS = (slot_S < counts[..., None]) & ~row_overflow_M[:, None, None]
+        neuron_H = jnp.zeros((h,), jnp.int32).at[indices.reshape(-1)].add(
+            stored_MxNTxS.reshape(-1).astype(jnp.int32), mode="drop")
+    else:
+        neuron_H = jnp.zeros((h,), jnp.int32)
 
     def keep(operands):
         return operands
 
     def fix_rows(operands):
-        y, l1 = operands
+        y, l1, neurons = operands
         # Fixed-capacity gather of the overflowing rows; fill slots point past the end and are
         # dropped by the scatter.
         rows_R = jnp.nonzero(row_overflow_M, size=capacity, fill_value=m)[0]
-        y_RxD, l1_R, _ = _dense_rows(x_MxD[jnp.minimum(rows_R, m - 1)], w_act_HxD, w_up_HxD,
-                                     w_down_HxD)
-        return y.at[rows_R].set(y_RxD, mode="drop"), l1.at[rows_R].set(l1_R, mode="drop")
+        y_RxD, l1_R, active_RxH = _dense_rows(x_MxD[jnp.minimum(rows_R, m - 1)], w_act_HxD, w_up_HxD,
+                                              w_down_HxD)
+        if want_counts:  # the overflowing rows' neurons, fill rows masked out
+            neurons = neurons + jnp.sum(active_RxH & (rows_R < m)[:, None], axis=0, dtype=jnp.int32)
+        return y.at[rows_R].set(y_RxD, mode="drop"), l1.at[rows_R].set(l1_R, mode="drop"), neurons
 
     def all_dense(operands):
-        y, l1, _ = _dense_rows(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD)
-        return y, l1
+        y, l1, active_MxH = _dense_rows(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD)
+        return y, l1, jnp.sum(active_MxH, axis=0, dtype=jnp.int32)
 
     branch = jnp.where(n_row_overflow == 0, 0, jnp.where(n_row_overflow <= capacity, 1, 2))
-    y_MxD, l1_M = lax.switch(branch, (keep, fix_rows, all_dense), (y_MxD, l1_M))
+    y_MxD, l1_M, neuron_H = lax.switch(branch, (keep, fix_rows, all_dense), (y_MxD, l1_M, neuron_H))
     tokens = max(m, 1)
     aux = {
         "l1": jnp.sum(l1_M) / tokens,
@@ -185,28 +194,19 @@ def _sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array 
         "row_overflow": n_row_overflow,
         "dense_fallback": (branch == 2).astype(jnp.int32),
     }
+    if want_counts:
+        aux["neuron_active_count"] = neuron_H
+        aux["token_active_count"] = jnp.sum(counts, axis=1, dtype=jnp.int32)
     return y_MxD, aux
 
 
 def _dense_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
-                   w_down_HxD: jax.Array) -> tuple[jax.Array, Aux]:
-    """The dense branch of "auto": the same XLA ops as the op's "dense" backend (twell_jax/ops.py),
-    so choosing it costs exactly what backend="dense" costs (with or without the aux in use: unused
-    aux is dead code under jit). No packing, so no overflow to report; dense_fallback = 1."""
-    g_MxH = jnp.einsum("md,hd->mh", x_MxD, w_act_HxD, preferred_element_type=jnp.float32)
-    if w_up_HxD is not None:
-        u_MxH = jnp.einsum("md,hd->mh", x_MxD, w_up_HxD, preferred_element_type=jnp.float32)
-        h_MxH = (jax.nn.relu(g_MxH) * u_MxH).astype(x_MxD.dtype)
-    else:
-        h_MxH = jax.nn.relu(g_MxH).astype(x_MxD.dtype)
-    y_MxD = jnp.einsum("mh,hd->md", h_MxH, w_down_HxD,
-                       preferred_element_type=jnp.float32).astype(x_MxD.dtype)
-    tokens = max(x_MxD.shape[0], 1)
-    zero = jnp.zeros((), jnp.int32)
-    return y_MxD, {"l1": jnp.sum(jnp.abs(h_MxH.astype(jnp.float32))) / tokens,
-                   "l0": jnp.sum((g_MxH > 0).astype(jnp.float32)) / tokens,
-                   "tile_overflow": zero, "row_overflow": zero,
-                   "dense_fallback": jnp.ones((), jnp.int32)}
+                   w_down_HxD: jax.Array, neuron_counts: bool = False) -> tuple[jax.Array, Aux]:
+    """The dense branch of "auto": the op's own dense formula (ops.dense_ffn), so choosing it
+    costs exactly what backend="dense" costs. No packing, so no overflow to report; dense_fallback = 1."""
+    y_MxD, aux = ops.dense_ffn(w_up_HxD is not None, x_MxD, _weights(w_act_HxD, w_up_HxD, w_down_HxD),
+                               neuron_counts=neuron_counts)
+    return y_MxD, {**aux, "dense_fallback": jnp.ones((), jnp.int32)}
 
 
 def sampled_active_per_token(x_MxD: jax.Array, w_act_HxD: jax.Array, n_sample: int) -> jax.Array:
@@ -236,49 +236,62 @@ def calibrate_active_per_token(x: jax.Array, w_gate_HxD: jax.Array, *,
     return float(sampled_active_per_token(x_MxD, w_gate_HxD, n))
 
 
-def _auto_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret):
-    if x_MxD.shape[0] == 0:
-        return _dense_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD)
-    threshold = _threshold(s, x_MxD, w_act_HxD, gated=w_up_HxD is not None)
+def auto_use_sparse(gated: bool, x_MxD: jax.Array, w_act_HxD: jax.Array,
+                    config: ops.SparseFFNConfig | None) -> bool | jax.Array:
+    """"auto"'s choice for this call: True/False when it is known at trace time (a hint in the
+    config, or a shape on which dense always wins), else a traced bool from the gate
+    pre-activations of a strided sample of tokens (the caller branches with lax.cond)."""
+    s = _settings(config, x_MxD.shape[0])
+    if x_MxD.shape[0] == 0:  # nothing to pack (the op handles empty batches before it gets here)
+        return False
+    threshold = _threshold(s, x_MxD, w_act_HxD, gated=gated)
     if s["expected_active"] is not None:
-        # Static choice at trace time from the measured active count: the chosen path alone is
-        # compiled, with no sample, no device-side branch and no host round trip.
-        if float(s["expected_active"]) <= threshold:
-            return _sparse_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret)
-        return _dense_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD)
+        # Static choice from the measured active count: no sample, no branch, no host round trip.
+        return float(s["expected_active"]) <= threshold
     if threshold < 0:  # the shape alone says dense wins at any sparsity
-        return _dense_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD)
-    # No hint: estimate on the device from a strided sample of tokens and branch there.
-    estimate = sampled_active_per_token(x_MxD, w_act_HxD, s["auto_sample_rows"])
-    return lax.cond(estimate <= threshold,
-                    lambda: _sparse_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret),
-                    lambda: _dense_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD))
+        return False
+    return sampled_active_per_token(x_MxD, w_act_HxD, s["auto_sample_rows"]) <= threshold
 
 
-def _entry(forward: Callable, x_MxD, weights: dict[str, jax.Array], config, interpret: bool):
+def _auto_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret):
+    use_sparse = auto_use_sparse(w_up_HxD is not None, x_MxD, w_act_HxD, s["config"])
+
+    def sparse():
+        return _sparse_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret)
+
+    def dense():
+        return _dense_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s["neuron_counts"])
+
+    if isinstance(use_sparse, bool):
+        return sparse() if use_sparse else dense()
+    return lax.cond(use_sparse, sparse, dense)
+
+
+def _entry(forward: Callable, x_MxD: jax.Array, weights: dict[str, jax.Array],
+           config: ops.SparseFFNConfig | None, interpret: bool) -> tuple[jax.Array, Aux]:
+    """Checks, then `forward`; an empty batch takes the dense formula (the kernels need a row)."""
     _require_runnable(interpret)
     _validate(x_MxD, weights)
-    return forward(x_MxD, *weights.values(), _settings(config, x_MxD.shape[0]), interpret)
+    s = _settings(config, x_MxD.shape[0])
+    if x_MxD.shape[0] == 0:
+        w = list(weights.values())
+        w_up = w[1] if len(w) == 3 else None
+        return _dense_forward(x_MxD, w[0], w_up, w[-1], s["neuron_counts"])
+    return forward(x_MxD, *weights.values(), s, interpret)
 
 
 def gated_ffn_forward(x_MxD: jax.Array, w_gate_HxD: jax.Array, w_up_HxD: jax.Array,
-                      w_down_HxD: jax.Array, config: Any = None, *,
+                      w_down_HxD: jax.Array, config: ops.SparseFFNConfig | None = None, *,
                       interpret: bool = False) -> tuple[jax.Array, Aux]:
     """y = (relu(x W_gate^T) * (x W_up^T)) W_down through the Pallas kernels; returns (y, aux)."""
-    if x_MxD.shape[0] == 0:
-        _require_runnable(interpret)
-        return _dense_forward(x_MxD, w_gate_HxD, w_up_HxD, w_down_HxD)
     return _entry(_sparse_forward, x_MxD,
                   dict(w_gate_HxD=w_gate_HxD, w_up_HxD=w_up_HxD, w_down_HxD=w_down_HxD),
                   config, interpret)
 
 
-def ffn_forward(x_MxD: jax.Array, w_up_HxD: jax.Array, w_down_HxD: jax.Array, config: Any = None,
+def ffn_forward(x_MxD: jax.Array, w_up_HxD: jax.Array, w_down_HxD: jax.Array, config: ops.SparseFFNConfig | None = None,
                 *, interpret: bool = False) -> tuple[jax.Array, Aux]:
     """y = relu(x W_up^T) W_down through the Pallas kernels; returns (y, aux)."""
-    if x_MxD.shape[0] == 0:
-        _require_runnable(interpret)
-        return _dense_forward(x_MxD, w_up_HxD, None, w_down_HxD)
 
     def forward(x, w_up, w_down, s, interp):
         return _sparse_forward(x, w_up, None, w_down, s, interp)
@@ -287,7 +300,7 @@ def ffn_forward(x_MxD: jax.Array, w_up_HxD: jax.Array, w_down_HxD: jax.Array, co
 
 
 def auto_gated_ffn_forward(x_MxD: jax.Array, w_gate_HxD: jax.Array, w_up_HxD: jax.Array,
-                           w_down_HxD: jax.Array, config: Any = None, *,
+                           w_down_HxD: jax.Array, config: ops.SparseFFNConfig | None = None, *,
                            interpret: bool = False) -> tuple[jax.Array, Aux]:
     """Like gated_ffn_forward, but runs the dense XLA FFN when the sampled sparsity says it is faster."""
     return _entry(_auto_forward, x_MxD,
@@ -296,23 +309,10 @@ def auto_gated_ffn_forward(x_MxD: jax.Array, w_gate_HxD: jax.Array, w_up_HxD: ja
 
 
 def auto_ffn_forward(x_MxD: jax.Array, w_up_HxD: jax.Array, w_down_HxD: jax.Array,
-                     config: Any = None, *, interpret: bool = False) -> tuple[jax.Array, Aux]:
+                     config: ops.SparseFFNConfig | None = None, *, interpret: bool = False) -> tuple[jax.Array, Aux]:
     """Like ffn_forward, but runs the dense XLA FFN when the sampled sparsity says it is faster."""
 
     def forward(x, w_up, w_down, s, interp):
         return _auto_forward(x, w_up, None, w_down, s, interp)
 
     return _entry(forward, x_MxD, dict(w_up_HxD=w_up_HxD, w_down_HxD=w_down_HxD), config, interpret)
-
-
-def pack(x_MxD: jax.Array, w_HxD: jax.Array, config: Any = None, *, interpret: bool = False):
-    """TwELL pack of relu(x W^T) by the Pallas kernel, as a twell_jax.format.TwELL."""
-    from twell_jax.format import TwELL  # local: format is optional for the kernels-only scripts
-
-    _require_runnable(interpret)
-    _validate(x_MxD, dict(w_HxD=w_HxD))
-    s = _settings(config, x_MxD.shape[0])
-    values, indices, counts = pack_gate(x_MxD, w_HxD, tile=s["tile"], slots=s["slots"],
-                                        block_sizes=s["pack_block_sizes"], interpret=interpret)
-    return TwELL(values=values, indices=indices, counts=counts, n_cols=w_HxD.shape[0],
-                 tile=s["tile"])

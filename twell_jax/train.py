@@ -41,7 +41,7 @@ from twell_jax.config import ExperimentConfig
 from twell_jax.data import DataSource, build_experiment_data
 from twell_jax.loss import cross_entropy, l1_coefficient, total_loss
 from twell_jax.metrics import MetricsSink, check_finite, device_peak_memory_bytes, to_python
-from twell_jax.model import apply_model, init_model, split_model
+from twell_jax.model import apply_model, describe_execution, init_model, split_model
 from twell_jax.optimizer import build_optimizer, learning_rate_schedule
 from twell_jax.sparsity import dead_share, init_counters, position_profile, reinit_dead_rows, update_counters
 
@@ -436,6 +436,7 @@ class Trainer:
         self.echo(f"[twell] model: {cfg.model.ffn_kind} FFN (backend {cfg.model.kind.backend(cfg.model.ffn_backend)}), "
                   f"{cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.n_layers} layers, d_model "
                   f"{cfg.model.d_model}, d_ff {cfg.model.d_ff}; L1 coef {cfg.sparsity.l1_coef:g}")
+        self.echo(f"[twell] {describe_execution(cfg.model, cfg.seq_len)}")
         self.echo(f"[twell] devices: {self.num_devices} x {jax.devices()[0].platform}; global batch "
                   f"{tc.global_batch} x {cfg.seq_len} tokens = {tokens_per_step} tokens/step; micro-batch "
                   f"{tc.micro_batch}/device, {self.accum_steps} accumulation step(s)")

@@ -1,0 +1,306 @@
+"""Speed and memory of one training step of the model, against a plain-JAX Llama of the same shapes.
+
+    python experiments/bench_step.py --config 0.5b --micro-batch 8 \
+        --variants ref:none,relu_gated:none,twell:none,relu_gated:dots --out step.json
+    python experiments/bench_step.py --dry-run          # tiny shapes on CPU (what the test runs)
+
+A variant is `kind:remat` with kind an FFN kind of the model (model.ffn_kind) or `ref` (the plain-JAX
+reference model written below), remat a policy of model.remat. One step = jax.grad of CE (+ the L1
+penalty for kinds trained with it), plus the AdamW update of the trainer with --optimizer, on one
+device, on one micro-batch of random tokens. Every variant runs in this process: compiled once
+(its compiled memory analysis recorded), warmed up, then timed as the median over --repeats runs of
+--steps back-to-back steps (one jax.block_until_ready per run). A variant that fails (e.g. out of
+memory) is reported and the next one runs.
+
+Reported per variant: ms/step, tokens/s, MFU = tokens/s * (6 N + 12 L S D) / --peak-flops (N = the
+parameter count, tied embedding once; 989e12 = H100 bf16 dense), the compiled memory
+(arguments + outputs + temporaries - aliased) and the device's peak bytes in use so far (a
+process-wide high-water mark: JAX cannot reset it between variants), and the ratio of tokens/s to the
+first `ref` row. Shapes come from a preset (`--config`, configs.get_config), overridable with --set.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from configs import get_config  # noqa: E402
+from twell_jax import config as config_lib  # noqa: E402
+from twell_jax.config import FFN_KIND_TABLE, REMAT_POLICIES, ExperimentConfig, ModelConfig  # noqa: E402
+from twell_jax.loss import cross_entropy, total_loss  # noqa: E402
+from twell_jax.metrics import device_peak_memory_bytes  # noqa: E402
+from twell_jax.model import apply_model, describe_execution, init_model, split_model  # noqa: E402
+from twell_jax.optimizer import build_optimizer  # noqa: E402
+
+H100_BF16_PEAK_FLOPS = 989e12
+# --dry-run: a tiny model of the preset's family, fp32 on CPU, to check the script end to end.
+DRY_RUN_SETS = ["model.vocab_size=512", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
+                "model.d_ff=64", "model.max_seq_len=16", "data.vocab_size=300", "data.seq_len=16",
+                "model.compute_dtype=float32"]
+
+
+# ----------------------------------------------------------------------------- reference model
+
+
+def reference_init(cfg: ModelConfig, key: jax.Array) -> dict[str, Any]:
+    """A plain Llama (tied embedding, RMSNorm, RoPE, MHA, relu-gated FFN of the same widths) with
+    bf16 parameters: nothing of twell_jax, so the baseline needs no trust in the library."""
+    d, h, dt = cfg.d_model, cfg.d_ff, jnp.bfloat16
+    keys = iter(jax.random.split(key, 1 + 7 * cfg.n_layers))
+    normal = lambda shape: (cfg.init_std * jax.random.normal(next(keys), shape)).astype(dt)  # noqa: E731
+    layers = [{"wq": normal((d, d)), "wk": normal((d, d)), "wv": normal((d, d)), "wo": normal((d, d)),
+               "wg": normal((d, h)), "wu": normal((d, h)), "wd": normal((h, d)),
+               "n1": jnp.ones((d,), dt), "n2": jnp.ones((d,), dt)} for _ in range(cfg.n_layers)]
+    return {"embed": normal((cfg.vocab_size, d)), "layers": layers, "norm": jnp.ones((d,), dt)}
+
+
+def reference_loss(cfg: ModelConfig, remat: str, attention: str | None,
+                   params: dict[str, Any], tokens_BxT: jax.Array) -> jax.Array:
+    """Mean next-token CE of the reference model (bf16 dots, f32 norms/softmax/loss)."""
+    n, k = cfg.n_heads, cfg.head_dim
+
+    def norm(x, scale):
+        x32 = x.astype(jnp.float32)
+        return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + cfg.norm_eps)
+                * scale.astype(jnp.float32)).astype(x.dtype)
+
+    def rope(x):  # [B, S, N, K], non-interleaved halves
+        s = x.shape[1]
+        freq = 1.0 / cfg.rope_theta ** (jnp.arange(k // 2, dtype=jnp.float32) / (k // 2))
+        ang = jnp.arange(s, dtype=jnp.float32)[:, None] * freq
+        cos, sin = jnp.cos(ang)[None, :, None], jnp.sin(ang)[None, :, None]
+        x1, x2 = x[..., : k // 2].astype(jnp.float32), x[..., k // 2:].astype(jnp.float32)
+        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+    def block(x, p):
+        b, s, d = x.shape
+        a = norm(x, p["n1"])
+        q, kk, v = (rope((a @ p[w]).reshape(b, s, n, k)) if w != "wv" else (a @ p[w]).reshape(b, s, n, k)
+                    for w in ("wq", "wk", "wv"))
+        o = jax.nn.dot_product_attention(q, kk, v, is_causal=True, implementation=attention)
+        x = x + o.reshape(b, s, d) @ p["wo"]
+        f = norm(x, p["n2"])
+        hidden = (jax.nn.relu((f @ p["wg"]).astype(jnp.float32)) * (f @ p["wu"]).astype(jnp.float32))
+        return x + hidden.astype(x.dtype) @ p["wd"]
+
+    if remat == "full":
+        block = jax.checkpoint(block)
+    elif remat == "dots":
+        block = jax.checkpoint(block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    x = params["embed"][tokens_BxT[:, :-1]]
+    for p in params["layers"]:
+        x = block(x, p)
+    logits = (norm(x, params["norm"]) @ params["embed"].T).astype(jnp.float32)
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tokens_BxT[:, 1:]))
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+def parse_variants(text: str) -> list[tuple[str, str]]:
+    """"kind:remat,..." -> [(kind, remat)], validated (kind: an FFN kind or "ref")."""
+    variants = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        kind, _, remat = item.partition(":")
+        remat = remat or "none"
+        if kind != "ref" and kind not in FFN_KIND_TABLE:
+            raise ValueError(f"--variants: unknown kind {kind!r} in {item!r}; expected 'ref' or one of "
+                             f"{', '.join(FFN_KIND_TABLE)}")
+        if kind == "ref" and remat not in ("none", "full", "dots"):
+            raise ValueError(f"--variants: the reference model takes remat none, full or dots, got {item!r}")
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"--variants: unknown remat policy {remat!r} in {item!r}; expected one of "
+                             f"{', '.join(REMAT_POLICIES)}")
+        variants.append((kind, remat))
+    if not variants:
+        raise ValueError("--variants is empty")
+    return variants
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs of one training token: 6 N + 12 L S D (PaLM appendix B convention)."""
+    return 6.0 * cfg.num_params() + 12.0 * cfg.n_layers * seq_len * cfg.d_model
+
+
+def variant_config(base: ExperimentConfig, kind: str, remat: str) -> ExperimentConfig:
+    """The preset with this FFN kind and remat policy (L1 off for kinds trained without it)."""
+    sets = [f"model.remat={remat}"]
+    if kind != "ref":
+        sets.append(f"model.ffn_kind={kind}")
+        if not FFN_KIND_TABLE[kind].l1:
+            sets.append("sparsity.l1_coef=0")
+    return config_lib.apply_overrides(base, sets)
+
+
+def build_step(cfg: ExperimentConfig, kind: str, optimizer: bool) -> tuple[Callable, Any, str]:
+    """(step(state, tokens) -> state, initial state, a note on how it runs)."""
+    if kind == "ref":
+        on_gpu = jax.default_backend() == "gpu"
+        attention = "cudnn" if on_gpu and cfg.model.compute_dtype == "bfloat16" else None
+        params = reference_init(cfg.model, jax.random.key(0))
+        loss_fn = lambda p, t: reference_loss(cfg.model, cfg.model.remat, attention, p, t)  # noqa: E731
+        note = f"plain JAX, bf16 params, attention {attention or 'xla'}"
+    else:
+        graphdef, params = split_model(init_model(cfg.model, seed=0))
+        track = cfg.sparsity.track_neurons and cfg.model.is_relu_family
+        l1_coef = jnp.float32(cfg.sparsity.l1_coef)
+
+        def loss_fn(p, tokens_BxT):
+            logits, aux = apply_model(graphdef, p, tokens_BxT[:, :-1], track_neurons=track)
+            ce, _ = cross_entropy(logits, tokens_BxT[:, 1:])
+            return total_loss(ce, aux["l1"], l1_coef)
+
+        note = describe_execution(cfg.model, cfg.seq_len)
+    if optimizer:
+        opt = build_optimizer(cfg.optim, cfg.train.steps) if kind != "ref" else optax.adamw(1e-4)
+        state = (params, opt.init(params))
+
+        def step(state, tokens_BxT):
+            p, o = state
+            grads = jax.grad(loss_fn)(p, tokens_BxT)
+            updates, o = opt.update(grads, o, p)
+            return optax.apply_updates(p, updates), o
+    else:
+        state = params
+
+        def step(state, tokens_BxT):
+            # The gradient only: returned as the new state so nothing is dead code under jit.
+            return jax.grad(loss_fn)(state, tokens_BxT)
+    return step, state, note
+
+
+def compiled_memory_bytes(compiled: Any) -> int | None:
+    """Arguments + outputs + temporaries - aliased bytes of a compiled step, where reported."""
+    try:
+        analysis = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 (not every backend implements it)
+        return None
+    if analysis is None:
+        return None
+    return int(sum(getattr(analysis, f"{name}_size_in_bytes", 0) for name in ("argument", "output", "temp"))
+               - getattr(analysis, "alias_size_in_bytes", 0))
+
+
+def run_variant(base: ExperimentConfig, kind: str, remat: str, micro_batch: int, *, steps: int,
+                warmup: int, repeats: int, optimizer: bool, peak_flops: float) -> dict[str, Any]:
+    """Compile, warm up and time one variant; any failure is returned as {"error": ...}."""
+    cfg = variant_config(base, kind, remat)
+    seq_len = cfg.seq_len
+    row: dict[str, Any] = {"variant": f"{kind}:{remat}", "kind": kind, "remat": remat,
+                           "micro_batch": micro_batch, "seq_len": seq_len}
+    try:
+        step, state, row["how"] = build_step(cfg, kind, optimizer)
+        tokens = jax.random.randint(jax.random.key(1), (micro_batch, seq_len + 1), 0, cfg.model.vocab_size)
+        jitted = jax.jit(step, donate_argnums=0)
+        t0 = time.perf_counter()
+        compiled = jitted.lower(state, tokens).compile()
+        row["compile_s"] = time.perf_counter() - t0
+        row["compiled_memory_bytes"] = compiled_memory_bytes(compiled)
+        for _ in range(warmup):
+            state = compiled(state, tokens)
+        jax.block_until_ready(state)
+        per_step = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                state = compiled(state, tokens)
+            jax.block_until_ready(state)
+            per_step.append((time.perf_counter() - t0) / steps)
+        ms = statistics.median(per_step) * 1e3
+        tokens_per_s = micro_batch * seq_len / (ms / 1e3)
+        row.update(ms_per_step=ms, ms_per_step_runs=[t * 1e3 for t in per_step], tokens_per_s=tokens_per_s,
+                   mfu=tokens_per_s * flops_per_token(cfg.model, seq_len) / peak_flops,
+                   peak_bytes_so_far=device_peak_memory_bytes())
+    except Exception as err:  # noqa: BLE001 (an OOM or a refused shape: report it, run the next one)
+        row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]
+    finally:
+        state = None
+        gc.collect()
+        jax.clear_caches()
+    return row
+
+
+def _gib(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / 2**30:.2f}"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The summary table (last thing printed)."""
+    ref = next((r for r in rows if r["kind"] == "ref" and "error" not in r), None)
+    lines = ["| variant | ms/step | tokens/s | MFU | vs ref | compiled GiB | peak GiB (so far) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | failed: {r['error'][:80]} | | | | | |")
+            continue
+        ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.3f}" if ref else "n/a"
+        lines.append(f"| {r['variant']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
+                     f"{ratio} | {_gib(r['compiled_memory_bytes'])} | {_gib(r['peak_bytes_so_far'])} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="0.5b", help="preset whose model shapes are used (configs/)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="config overrides applied to the preset (e.g. model.n_layers=4 data.seq_len=1024)")
+    parser.add_argument("--variants", default="ref:none,relu_gated:none,twell:none",
+                        help="comma-separated kind:remat (kind = an FFN kind or 'ref')")
+    parser.add_argument("--micro-batch", type=int, default=None, help="sequences per step (default: the preset's)")
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed run")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
+    parser.add_argument("--optimizer", action="store_true", help="include the AdamW update in the step")
+    parser.add_argument("--peak-flops", type=float, default=H100_BF16_PEAK_FLOPS,
+                        help="device peak FLOP/s for MFU (default: H100 bf16 dense, 989e12)")
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="tiny shapes, 1 step x 1 run (checks the script on CPU)")
+    args = parser.parse_args(argv)
+    variants = parse_variants(args.variants)
+    for name in ("steps", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+    sets = list(args.set)
+    if args.dry_run:
+        sets = DRY_RUN_SETS + sets
+        args.steps, args.warmup, args.repeats = 1, 1, 1
+    base = config_lib.apply_overrides(get_config(args.config), sets)
+    micro_batch = args.micro_batch or (2 if args.dry_run else base.train.micro_batch)
+    if micro_batch < 1:
+        parser.error("--micro-batch must be >= 1")
+    device = jax.devices()[0]
+    print(f"[bench_step] {args.config} ({base.model.n_layers} layers, d_model {base.model.d_model}, d_ff "
+          f"{base.model.d_ff}, vocab {base.model.vocab_size}, seq {base.seq_len}), micro-batch {micro_batch}, "
+          f"{'grad + AdamW' if args.optimizer else 'grad only'}, on {device.device_kind}; "
+          f"MFU against {args.peak_flops:.3g} FLOP/s", flush=True)
+    rows = []
+    for kind, remat in variants:
+        row = run_variant(base, kind, remat, micro_batch, steps=args.steps, warmup=args.warmup,
+                          repeats=args.repeats, optimizer=args.optimizer, peak_flops=args.peak_flops)
+        detail = row.get("error") or f"{row['ms_per_step']:.2f} ms/step, {row['tokens_per_s']:,.0f} tokens/s"
+        print(f"[bench_step] {row['variant']}: {detail} ({row.get('how', '')})", flush=True)
+        rows.append(row)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"config": args.config, "sets": sets, "micro_batch": micro_batch,
+                                              "device": device.device_kind, "optimizer": args.optimizer,
+                                              "peak_flops": args.peak_flops, "rows": rows}, indent=2))
+        print(f"[bench_step] wrote {args.out}")
+    print(format_table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

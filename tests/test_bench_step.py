@@ -1,0 +1,58 @@
+"""experiments/bench_step.py end to end at tiny shapes on CPU (no timing is asserted)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import bench_step  # noqa: E402
+
+
+def test_dry_run_times_every_variant_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    rows = bench_step.main(["--dry-run", "--config", "0.5b", "--optimizer", "--out", str(out),
+                            "--variants", "ref:none,twell:dots,relu:ffn"])
+    assert [r["variant"] for r in rows] == ["ref:none", "twell:dots", "relu:ffn"]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["ms_per_step"] > 0 and row["tokens_per_s"] > 0 and 0 < row["mfu"]
+        assert row["seq_len"] == 16 and row["micro_batch"] == 2
+    assert "remat 'dots'" in rows[1]["how"] and "plain JAX" in rows[0]["how"]
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == json.loads(json.dumps(rows)) and saved["micro_batch"] == 2
+    lines = capsys.readouterr().out.strip().splitlines()
+    table = lines[-5:]  # printed last: header, rule, one row per variant
+    assert table[0].startswith("| variant |") and table[2].startswith("| ref:none") and "| 1.000 |" in table[2]
+
+
+def test_a_failing_variant_is_reported_and_the_rest_run(monkeypatch, capsys):
+    real = bench_step.build_step
+
+    def build_step(cfg, kind, optimizer):
+        if kind == "relu_gated":
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 99 GiB")
+        return real(cfg, kind, optimizer)
+
+    monkeypatch.setattr(bench_step, "build_step", build_step)
+    rows = bench_step.main(["--dry-run", "--config", "micro", "--variants", "relu_gated:none,twell:none"])
+    assert "RESOURCE_EXHAUSTED" in rows[0]["error"] and "error" not in rows[1]
+    assert "failed: RuntimeError: RESOURCE_EXHAUSTED" in capsys.readouterr().out
+
+
+def test_flops_per_token_matches_the_issue_figure():
+    from configs import get_config
+
+    cfg = get_config("0.5b").model
+    # 0.5b: 6N + 12 L S D = 3.47e9 FLOPs per token (131,700 tokens/s = 46% of 989 TFLOP/s).
+    assert bench_step.flops_per_token(cfg, 2048) == pytest.approx(3.47e9, rel=2e-3)
+    assert 131_700 * bench_step.flops_per_token(cfg, 2048) / 989e12 == pytest.approx(0.46, abs=0.005)
+
+
+@pytest.mark.parametrize("text,match", [("gelu:none", "unknown kind 'gelu'"), ("twell:often", "unknown remat"),
+                                        ("ref:ffn", "reference model takes"), ("", "empty")])
+def test_bad_variants_are_rejected(text, match):
+    with pytest.raises(ValueError, match=match):
+        bench_step.parse_variants(text)
