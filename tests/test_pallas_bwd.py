@@ -200,9 +200,16 @@ def test_tail_capacity_exceeded_runs_the_dense_backward(which):
     assert all(bool(jnp.all(jnp.isnan(g))) for g in (dx, *dws))
 
 
-def test_op_gradients_keep_vs_recompute_pattern_and_determinism():
+def _forbid_dense_backward(monkeypatch) -> None:
+    """Make the op's dense backward return NaN, so a test sees if the fallback ran."""
+    monkeypatch.setattr(ops, "_dense_backward",
+                        lambda gated, x, weights, gy, gl1: _nan_backward(x, weights)())
+
+
+def test_op_gradients_keep_vs_recompute_pattern_and_determinism(monkeypatch):
     """Through ops.gated_ffn (custom_vjp wiring): gradients match the dense oracle; recomputing
     the pattern in the backward gives the same bits as keeping it; two runs give the same bits."""
+    _forbid_dense_backward(monkeypatch)
     x, weights = make_inputs(True, 21, 16, 47, jnp.float32, 0.92, seed=11,
                              adversarial="dense_first_tokens")
     cot = jnp.asarray(np.random.default_rng(12).standard_normal((21, 16)), jnp.float32)
@@ -225,9 +232,10 @@ def test_op_gradients_keep_vs_recompute_pattern_and_determinism():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
 
 
-def test_under_shard_map_on_8_devices():
+def test_under_shard_map_on_8_devices(monkeypatch):
     """ops.gated_ffn(..., backend="pallas", interpret=True) under an 8-device data mesh: the same
     gradients as the dense oracle (each shard runs the Pallas backward on its tokens)."""
+    _forbid_dense_backward(monkeypatch)
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 (simulated) devices")
     m, d, h = 40, 16, 37
