@@ -260,6 +260,22 @@ def dense_rows_backward(gated: bool, x_RxD: jax.Array, gy_RxD: jax.Array, weight
     return mm(d_act, w_act), (outer(d_act, x32), outer(h, gy32))
 
 
+def neuron_major_lists(cols_MxW: jax.Array, valid_MxW: jax.Array, entries: tuple[jax.Array, ...],
+                       n_neurons: int) -> tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, ...]]:
+    """Transpose of a token-major ELL to neuron-major CSR lists: (start [H], count [H], tokens [E],
+    values [E] per entry array), E = M * W, entries of neuron j at [start_j, start_j + count_j) in
+    ascending token order. A stable sort by neuron id (invalid slots get id H and sort last);
+    the offsets by a binary search in the sorted ids. Deterministic, no atomics."""
+    width = cols_MxW.shape[1]
+    key_E = jnp.where(valid_MxW, cols_MxW, n_neurons).reshape(-1)
+    sorted_key_E, perm_E = lax.sort((key_E, jnp.arange(key_E.shape[0], dtype=jnp.int32)),
+                                    num_keys=1, is_stable=True)
+    bounds_H1 = jnp.searchsorted(sorted_key_E, jnp.arange(n_neurons + 1, dtype=jnp.int32),
+                                 side="left").astype(jnp.int32)
+    return (bounds_H1[:-1], bounds_H1[1:] - bounds_H1[:-1], perm_E // width,
+            tuple(v.reshape(-1)[perm_E] for v in entries))
+
+
 def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array, gl1: jax.Array,
              config: Any, interpret: bool, pack: Pack | None,
              dense_backward: Callable[[], tuple[jax.Array, Weights]]) -> tuple[jax.Array, Weights]:
@@ -291,19 +307,9 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
         dx_MxD, cols_MxW, entries = token_backward(
             x_MxD, gy_MxD, values, indices, kernel_counts, w_act, w_up, w_down, l1_scale,
             width=config.ell_width, block_sizes=bc.token_block_sizes, interpret=interpret)
-        width = cols_MxW.shape[1]
         nnz_M = jnp.where(tail_M, 0, jnp.sum(jnp.minimum(counts, slots), axis=1))
-        valid_MxW = jnp.arange(width, dtype=jnp.int32)[None, :] < nnz_M[:, None]
-        # Transpose: stable sort by neuron id (invalid slots get id H and sort last), so inside a
-        # neuron the entries stay in token order; offsets by binary search in the sorted ids.
-        key_E = jnp.where(valid_MxW, cols_MxW, h).reshape(-1)
-        sorted_key_E, perm_E = lax.sort((key_E, jnp.arange(key_E.shape[0], dtype=jnp.int32)),
-                                        num_keys=1, is_stable=True)
-        tokens_E = perm_E // width
-        values_E = tuple(v.reshape(-1)[perm_E] for v in entries)
-        bounds_H1 = jnp.searchsorted(sorted_key_E, jnp.arange(h + 1, dtype=jnp.int32),
-                                     side="left").astype(jnp.int32)
-        start_H, count_H = bounds_H1[:-1], bounds_H1[1:] - bounds_H1[:-1]
+        valid_MxW = jnp.arange(cols_MxW.shape[1], dtype=jnp.int32)[None, :] < nnz_M[:, None]
+        start_H, count_H, tokens_E, values_E = neuron_major_lists(cols_MxW, valid_MxW, entries, h)
         hot_H = count_H > config.transpose_ell_width
         n_hot = jnp.sum(hot_H, dtype=jnp.int32)
         kernel_count_H = jnp.where(hot_H, 0, count_H)
