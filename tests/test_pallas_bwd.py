@@ -88,8 +88,8 @@ def test_kernel_arguments_are_validated():
         TokenBwdBlockSizes(block_t=3)
     with pytest.raises(ValueError, match="block_n"):
         NeuronBwdBlockSizes(block_n=0)
-    with pytest.raises(ValueError, match="small_token_tail"):
-        pallas_training.BackwardConfig(small_token_tail=0)
+    with pytest.raises(ValueError, match="token_tail_chunk"):
+        pallas_training.BackwardConfig(token_tail_chunk=0)
     x, weights = make_inputs(True, 4, 8, 16, jnp.float32, 0.5, seed=0)
     values, indices, counts = pack_gate_reference(x, weights[0], tile=TILE, slots=SLOTS)
     with pytest.raises(ValueError, match="gy_MxD"):
@@ -111,12 +111,12 @@ def test_kernel_arguments_are_validated():
 # Op-level backward vs jax.grad of the dense formula
 # ---------------------------------------------------------------------------------------------
 
-# Tiny tiles so tile overflow, token tails and hot neurons occur at small shapes; small buckets
-# so both bucket sizes are reachable.
+# Tiny tiles so tile overflow, token tails and hot neurons occur at small shapes; chunks of 2 so
+# the tail loops run several chunks, the last one partly filled.
 CONFIG = ops.SparseFFNConfig(tile=TILE, slots=SLOTS, ell_width=8, tail_rows=0.5,
                              transpose_ell_width=6, transpose_tail_rows=0.5,
-                             backward=pallas_training.BackwardConfig(small_token_tail=2,
-                                                                     small_neuron_tail=2))
+                             backward=pallas_training.BackwardConfig(token_tail_chunk=2,
+                                                                     neuron_tail_chunk=2))
 
 
 def _nan_backward(x, weights):
@@ -152,7 +152,7 @@ CASES = [
     (True, 31, 19, 37, jnp.float32, 0.95, "hot_neuron", (False, True)),
     (True, 37, 16, 45, jnp.bfloat16, 0.9, "zero_and_dense_rows", (True, True)),
     (False, 29, 11, 43, jnp.float32, 0.9, "zero_and_dense_rows", (True, False)),
-    (True, 26, 12, 35, jnp.float32, 0.95, "hot_neurons", (True, True)),  # 4 hot > the small bucket
+    (True, 26, 12, 35, jnp.float32, 0.95, "hot_neurons", (True, True)),  # 4 hot: two chunks
     (False, 19, 23, 31, jnp.bfloat16, 0.95, "hot_neuron", (False, True)),
 ]
 

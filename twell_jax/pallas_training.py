@@ -15,11 +15,13 @@ The backward of gated_ffn / ffn (twell.md 4.6) over the hybrid ELL + dense-tail 
     neuron-major pallas_kernels.twell_bwd_neuron: dW_down, dW_up, dW_gate of the other neurons,
                  starting from the tails' f32 contributions so every gradient is rounded once
 
-Tails are sized statically with device-side counts and `lax.switch` (no host sync): no tail costs
-nothing, a small tail (BackwardConfig.small_*_tail rows, e.g. the first token of each sequence)
-runs a small block, a larger one the config's full capacity; beyond that capacity the exact
-dense backward runs for the call (`lax.cond`). Deterministic: fixed reduction orders, a stable
-sort, scatters to unique positions, no atomics.
+Tails are sized on the device with no host sync: the tail rows (neurons) are listed by a
+static-size `nonzero` and processed in fixed-size chunks (BackwardConfig.*_tail_chunk) by a loop
+whose trip count is the device-side count, so no tail costs nothing, the first token of each
+sequence costs one chunk, and the temporary memory is one chunk's whatever the count. Beyond the
+config's capacities (tail_capacity(M), transpose_tail_capacity(H)) the exact dense backward runs
+for the call (`lax.cond`). Deterministic: fixed reduction orders, a stable sort, scatters to
+unique positions, no atomics.
 
 Transpose: the brief asks for a counting sort (histogram, prefix sum, rank scatter). The rank of
 an entry among the entries of its neuron is what needs either a sort or atomics; this first
@@ -33,7 +35,6 @@ choice at trace time.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import jax
@@ -61,11 +62,11 @@ class BackwardConfig:
     # (0.72 ms on the H100 at that shape). TODO(lead, GPU): confirm with
     # `python experiments/bench_ffn_train.py --quick` (rows pallas vs pallas_recompute).
     keep_gate_pattern: bool = True
-    # Row capacity of the small token-tail block (rows with an overflowing tile or > ell_width
-    # actives). Up to this many rows run a block this size; more run config.tail_capacity(M).
-    small_token_tail: int = 64
-    # Neuron capacity of the small hot-neuron block; more run config.transpose_tail_capacity(H).
-    small_neuron_tail: int = 64
+    # Token-tail rows (an overflowing tile or > ell_width actives) per dense block: the tail runs
+    # ceil(rows / chunk) blocks of [chunk, H] (the first tokens of 8 sequences: one block).
+    token_tail_chunk: int = 64
+    # Hot neurons per dense block of the neuron tail ([M, chunk] values, GEMMs with x and gy).
+    neuron_tail_chunk: int = 64
     # Block sizes of the token-major kernel (pallas_kernels.twell_bwd_token).
     token_block_sizes: TokenBwdBlockSizes = TokenBwdBlockSizes()
     # Block sizes of the neuron-major kernel (pallas_kernels.twell_bwd_neuron).
@@ -74,7 +75,7 @@ class BackwardConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.keep_gate_pattern, bool):
             raise ValueError(f"BackwardConfig.keep_gate_pattern must be a bool, got {self.keep_gate_pattern!r}")
-        for name in ("small_token_tail", "small_neuron_tail"):
+        for name in ("token_tail_chunk", "neuron_tail_chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"BackwardConfig.{name} must be an int >= 1, got {value!r}")
@@ -215,15 +216,20 @@ def forward(gated: bool, forward_kind: str, x_MxD: jax.Array, weights: Weights, 
 # Backward
 # ----------------------------------------------------------------------------------------------
 
-def _bucketed(n: jax.Array, capacities: tuple[int, ...], fn: Callable[[int], Any]) -> Any:
-    """fn(c) for the smallest capacity c >= n (capacities ascending, n <= the last)."""
-    index = sum((n > c).astype(jnp.int32) for c in capacities[:-1]) if len(capacities) > 1 else 0
-    return lax.switch(index, [functools.partial(fn, c) for c in capacities])
+def _chunked(mask_N: jax.Array, capacity: int, chunk: int, body: Callable[[jax.Array, Any], Any],
+             carry: Any) -> Any:
+    """Run body(ids_C, carry) over the True positions of mask_N (ascending, at most `capacity`),
+    `chunk` at a time; ids past the last are len(mask_N) (callers drop them). The trip count is
+    the device-side count: no host sync, nothing runs when the mask is empty."""
+    n = mask_N.shape[0]
+    padded = max(chunk, -(-capacity // chunk) * chunk)
+    ids_P = jnp.nonzero(mask_N, size=padded, fill_value=n)[0].astype(jnp.int32)
+    n_chunks = (jnp.minimum(jnp.sum(mask_N, dtype=jnp.int32), capacity) + chunk - 1) // chunk
 
+    def step(c, carry):
+        return body(lax.dynamic_slice(ids_P, (c * chunk,), (chunk,)), carry)
 
-def _capacities(small: int, full: int) -> tuple[int, ...]:
-    """Bucket capacities 0 (nothing to do), small, full (deduplicated, ascending)."""
-    return tuple(sorted({0, min(small, full), full}))
+    return lax.fori_loop(0, n_chunks, step, carry)
 
 
 def dense_rows_backward(gated: bool, x_RxD: jax.Array, gy_RxD: jax.Array, weights: Weights,
@@ -299,8 +305,8 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
     l1_scale = gl1.astype(jnp.float32) / m
     tail_M = token_tail_mask(counts, slots, config.ell_width)
     n_tail = jnp.sum(tail_M, dtype=jnp.int32)
-    token_caps = _capacities(bc.small_token_tail, config.tail_capacity(m))
-    hot_caps = _capacities(bc.small_neuron_tail, config.transpose_tail_capacity(h))
+    token_cap = config.tail_capacity(m)
+    hot_cap = config.transpose_tail_capacity(h)
 
     def sparse() -> tuple[jax.Array, Weights]:
         kernel_counts = jnp.where(tail_M[:, None], 0, counts)
@@ -314,31 +320,28 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
         n_hot = jnp.sum(hot_H, dtype=jnp.int32)
         kernel_count_H = jnp.where(hot_H, 0, count_H)
 
-        def token_tail(cap: int) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-            zeros = tuple(jnp.zeros((h, d), jnp.float32) for _ in weights)
-            if cap == 0:
-                return dx_MxD, zeros
-            rows_C = jnp.nonzero(tail_M, size=cap, fill_value=m)[0]
+        def token_tail_chunk(rows_C: jax.Array, carry):
+            dx, inits = carry
             used_C = (rows_C < m)[:, None]
             safe_C = jnp.minimum(rows_C, m - 1)
-            x_CxD = jnp.where(used_C, x_MxD[safe_C], 0)
+            x_CxD = jnp.where(used_C, x_MxD[safe_C], 0)  # zero rows contribute nothing
             gy_CxD = jnp.where(used_C, gy_MxD[safe_C], 0)
             dx_CxD, contribs = dense_rows_backward(gated, x_CxD, gy_CxD, weights, l1_scale)
-            return dx_MxD.at[rows_C].set(dx_CxD.astype(dx_MxD.dtype), mode="drop"), contribs
+            return (dx.at[rows_C].set(dx_CxD.astype(dx.dtype), mode="drop"),
+                    tuple(a + b for a, b in zip(inits, contribs)))
 
-        def hot_tail(cap: int, inits: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-            if cap == 0:
-                return inits
-            hot_C = jnp.nonzero(hot_H, size=cap, fill_value=h)[0]
-            slot_of_H = jnp.full((h + 1,), cap, jnp.int32).at[hot_C].set(
-                jnp.arange(cap, dtype=jnp.int32), mode="drop")
-            slot_MxW = jnp.where(valid_MxW, slot_of_H[cols_MxW], cap)
-            rows_MxW = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32)[:, None], slot_MxW.shape)
+        x32, gy32 = x_MxD.astype(jnp.float32), gy_MxD.astype(jnp.float32)
+        rows_MxW = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32)[:, None], cols_MxW.shape)
+
+        def hot_chunk(hot_C: jax.Array, inits):
+            chunk = hot_C.shape[0]
+            slot_of_H = jnp.full((h + 1,), chunk, jnp.int32).at[hot_C].set(
+                jnp.arange(chunk, dtype=jnp.int32), mode="drop")
+            slot_MxW = jnp.where(valid_MxW, slot_of_H[cols_MxW], chunk)
 
             def dense(v_MxW):  # [M, C]: a token holds a neuron at most once, so positions are unique
-                return jnp.zeros((m, cap), jnp.float32).at[rows_MxW, slot_MxW].set(v_MxW, mode="drop")
+                return jnp.zeros((m, chunk), jnp.float32).at[rows_MxW, slot_MxW].set(v_MxW, mode="drop")
 
-            x32, gy32 = x_MxD.astype(jnp.float32), gy_MxD.astype(jnp.float32)
             if gated:
                 t, d_up, d_gate = (dense(v) for v in entries)
                 pieces = ((d_gate, x32), (d_up, x32), (t, gy32))
@@ -355,8 +358,10 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
             return dx_MxD, grads
 
         def with_tails() -> tuple[jax.Array, Weights]:
-            dx_tail, inits = _bucketed(n_tail, token_caps, token_tail)
-            inits = _bucketed(n_hot, hot_caps, lambda cap: hot_tail(cap, inits))
+            zeros = tuple(jnp.zeros((h, d), jnp.float32) for _ in weights)
+            dx_tail, inits = _chunked(tail_M, token_cap, bc.token_tail_chunk, token_tail_chunk,
+                                      (dx_MxD, zeros))
+            inits = _chunked(hot_H, hot_cap, bc.neuron_tail_chunk, hot_chunk, inits)
             grads = neuron_backward(x_MxD, gy_MxD, start_H, kernel_count_H, tokens_E, values_E,
                                     inits, block_sizes=bc.neuron_block_sizes, interpret=interpret)
             return dx_tail, grads
@@ -364,7 +369,7 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
         def finish() -> tuple[jax.Array, Weights]:
             return lax.cond((n_tail > 0) | (n_hot > 0), with_tails, no_tails)
 
-        return lax.cond(n_hot > hot_caps[-1], dense_backward, finish)
+        return lax.cond(n_hot > hot_cap, dense_backward, finish)
 
-    dx, grads = lax.cond(n_tail > token_caps[-1], dense_backward, sparse)
+    dx, grads = lax.cond(n_tail > token_cap, dense_backward, sparse)
     return dx.astype(x_MxD.dtype), tuple(g.astype(w.dtype) for g, w in zip(grads, weights))
