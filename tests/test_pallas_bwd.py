@@ -200,6 +200,17 @@ def test_tail_capacity_exceeded_runs_the_dense_backward(which):
     assert all(bool(jnp.all(jnp.isnan(g))) for g in (dx, *dws))
 
 
+def test_forward_aux_reports_a_backward_fallback():
+    """The token tail is known from the forward's pack: aux["dense_fallback"] says in advance that
+    the backward will take the dense path (here the Pallas forward itself stays sparse)."""
+    x, weights = make_inputs(True, 23, 17, 53, jnp.float32, 0.9, seed=7,
+                             adversarial="zero_and_dense_rows")
+    for tail_rows, expected in ((0, 1), (1.0, 0)):
+        config = ops.SparseFFNConfig(tile=TILE, slots=SLOTS, ell_width=8, tail_rows=tail_rows)
+        _, aux = ops.gated_ffn(x, *weights, backend="pallas", config=config, interpret=True)
+        assert int(aux["row_overflow"]) > 0 and int(aux["dense_fallback"]) == expected
+
+
 def _forbid_dense_backward(monkeypatch) -> None:
     """Make the op's dense backward return NaN, so a test sees if the fallback ran."""
     monkeypatch.setattr(ops, "_dense_backward",
