@@ -45,8 +45,8 @@ IMPLEMENTATIONS = ("triton", "xla")
 # H = 5632, 1..1024 tokens; within 3% at 1..256 tokens, 6% high at 1024):
 #   one XLA GEMM = GEMM_LAUNCH_US + (D H itemsize) / HBM_BYTES_PER_US + 2 M D H / GEMM_FLOPS_PER_US
 #   dense        = n_gemms one-GEMMs (3 gated, 2 not)
-# The decode part is an ESTIMATE, not yet measured (experiments/bench_ffn_decode.py prints the
-# measured times beside these predictions; refit the three DECODE_* constants from them):
+# The decode part was fitted on an H100 on 2026-11-22 (BENCHMARKS.md, experiments/bench_ffn_decode.py:
+# 33.7 / 31.2 / 82.9 us at 1 / 8 / 64 tokens, unions 28 / 205 / 1588):
 #   decode = one gate GEMM + DECODE_FIXED_US (compaction + 2 Pallas launches + small fusions)
 #            + union * n_rows * D * itemsize / DECODE_ROW_BYTES_PER_US   (each active row once)
 #            + n_rows * 2 * max(M, 16) * union * D / DECODE_FLOPS_PER_US  (gather-GEMMs, >= 16 rows)
@@ -55,12 +55,12 @@ IMPLEMENTATIONS = ("triton", "xla")
 GEMM_LAUNCH_US = 5.0
 HBM_BYTES_PER_US = 3.35e6
 GEMM_FLOPS_PER_US = 6.0e8
-DECODE_FIXED_US = 8.0
-DECODE_ROW_BYTES_PER_US = 2.0e6
+DECODE_FIXED_US = 12.0
+DECODE_ROW_BYTES_PER_US = 2.6e5
 DECODE_FLOPS_PER_US = 2.0e8
-# The decode path is chosen when its predicted time is at most this fraction of dense (the decode
-# constants are estimates: demand a clear predicted win so "auto" stays >= 0.98x dense).
-DECODE_MARGIN = 0.9
+# The decode path is chosen when its predicted time is at most this fraction of dense (a margin
+# for the fit's error, so that "auto" stays >= 0.98x dense).
+DECODE_MARGIN = 0.95
 
 Aux = dict[str, jax.Array]
 

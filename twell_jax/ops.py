@@ -38,14 +38,20 @@ Backends:
                  activations on the gate pattern, hybrid ELL+tail SpMM for the down projection);
                  backward: the sparse hybrid backward below. A `jax.custom_vjp`.
     "pallas"     forward by the Pallas kernels (`twell_jax.pallas_backend`, imported lazily),
-                 backward = the reference sparse backward. Needs a GPU unless interpret=True.
-    "auto"       on a GPU: dense or sparse decided first (`pallas_backend.auto_use_sparse`: at
-                 trace time from a hint, else a lax.cond on a sampled active count); dense = the
-                 "dense" backend exactly, sparse = the Pallas forward + the exact dense backward;
-                 elsewhere: "dense".
+                 backward by the Pallas backward kernels (`twell_jax.pallas_training`: the
+                 forward keeps its TwELL pack for it). Needs a GPU unless interpret=True.
+    "auto"       on a GPU with config.expected_active_per_token set: per layer, forward and
+                 backward each sparse (Pallas) or dense from a cost model
+                 (`pallas_training.choose_training_path`), decided at trace time (at decode sizes, a few tokens per call, the
+                 forward spread over the active neurons: `twell_jax.decode_backend`); on a GPU
+                 without the hint: dense or sparse decided first, outside the custom_vjp, by a
+                 lax.cond on a sampled active count (`pallas_backend.auto_use_sparse`): dense =
+                 the "dense" backend exactly, sparse = the Pallas forward + the exact dense
+                 backward; elsewhere: "dense".
 
-Every custom_vjp backward keeps only (x, weights) as residuals and recomputes what it needs from
-them, so any forward implementation can share it and `jax.checkpoint` stores nothing extra.
+The reference and dense backwards keep only (x, weights) as residuals and recompute what they
+need; the Pallas backward also keeps the forward's TwELL pack unless
+`pallas_training.BackwardConfig.keep_gate_pattern` is False.
 
 Exactness (no non-zero is ever dropped): gate rows with an overflowing TwELL tile or more than
 `ell_width` actives go, complete, to the dense tail of the hybrid; if the tail capacity (static,
@@ -79,6 +85,7 @@ from twell_jax import hybrid
 if TYPE_CHECKING:  # annotations only: the kernels are imported lazily (Triton-backed Pallas)
     from pallas_kernels.twell_ffn import FFNBlockSizes
     from pallas_kernels.twell_pack import PackBlockSizes
+    from twell_jax.pallas_training import BackwardConfig
 
 BACKENDS = ("dense", "reference", "pallas", "auto")
 AUX_KEYS = ("l1", "l0", "tile_overflow", "row_overflow", "dense_fallback")
@@ -140,6 +147,8 @@ class SparseFFNConfig:
     # Add the per-neuron and per-token active counts to aux (COUNT_KEYS), computed from the
     # pattern the op builds anyway, so telemetry needs no second gate GEMM.
     neuron_counts: bool = False
+    # Pallas backward knobs (None = pallas_training.BackwardConfig's defaults).
+    backward: BackwardConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("tile", "slots", "ell_width", "transpose_ell_width"):
@@ -158,6 +167,11 @@ class SparseFFNConfig:
                 if not isinstance(value, expected):
                     raise ValueError(f"SparseFFNConfig.{name} must be None or a pallas_kernels.{module}.{cls}, "
                                      f"got {value!r}")
+        if self.backward is not None:  # imported only here, like the kernels' block sizes
+            expected = importlib.import_module("twell_jax.pallas_training").BackwardConfig
+            if not isinstance(self.backward, expected):
+                raise ValueError("SparseFFNConfig.backward must be None or a twell_jax.pallas_training."
+                                 f"BackwardConfig, got {self.backward!r}")
         if not isinstance(self.neuron_counts, bool):
             raise ValueError(f"SparseFFNConfig.neuron_counts must be a bool, got {self.neuron_counts!r}")
         if self.data_axis is not None and not isinstance(self.data_axis, str):
@@ -373,13 +387,25 @@ class _Plan:
     """How one call runs (static)."""
 
     gated: bool
-    forward: str  # "reference" | "pallas" | "pallas_auto" (decided in _op_body, then "pallas" or dense)
-    backward: str  # "sparse" | "dense"
+    forward: str  # "reference" | "pallas" | "pallas_auto" (decided in _op_body) | "dense" | "decode"
+    backward: str  # "sparse" (reference) | "pallas" (twell_jax.pallas_training) | "dense"
     interpret: bool
 
 
 def _run_forward(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
                  weights: Weights) -> tuple[jax.Array, Aux]:
+    if plan.forward == "decode":
+        from twell_jax import decode_backend  # lazy, like pallas_backend
+
+        fn = decode_backend.decode_gated_ffn_forward if plan.gated else decode_backend.decode_ffn_forward
+        y, aux = fn(x_MxD, *weights, config=config, interpret=plan.interpret)
+        if config.neuron_counts:  # the decode path has no packed pattern: count from the dense gate
+            _, counts = dense_ffn(plan.gated, x_MxD, weights, neuron_counts=True)
+            aux = {**aux, **{key: counts[key] for key in COUNT_KEYS}}
+        return y, {key: aux[key] for key in _aux_keys(config)}
+    if plan.backward == "pallas" or plan.forward == "dense":
+        y, aux, _ = _pallas_training_forward(plan, config, x_MxD, weights)
+        return y, aux
     if plan.forward == "reference":
         return reference_forward(plan.gated, x_MxD, weights, config)
     from twell_jax import pallas_backend  # lazy: the kernels need Triton-capable jax builds
@@ -399,16 +425,35 @@ def _sparse_op(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
     return _run_forward(plan, config, x_MxD, weights)
 
 
+def _pallas_training_forward(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
+                             weights: Weights) -> tuple[jax.Array, Aux, Any]:
+    """Forward of a plan with the Pallas backward: (y, aux, the TwELL pack kept for it or None)."""
+    from twell_jax import pallas_training  # lazy, like pallas_backend
+
+    y, aux, pack = pallas_training.forward(plan.gated, plan.forward, x_MxD, weights, config,
+                                           plan.interpret)
+    return y, {key: aux[key] for key in _aux_keys(config)}, pack
+
+
 def _sparse_op_fwd(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array, weights: Weights
-                   ) -> tuple[tuple[jax.Array, Aux], tuple[jax.Array, Weights]]:
+                   ) -> tuple[tuple[jax.Array, Aux], tuple[Any, ...]]:
+    if plan.backward == "pallas":
+        y, aux, pack = _pallas_training_forward(plan, config, x_MxD, weights)
+        return (y, aux), (x_MxD, weights, pack)
     return _run_forward(plan, config, x_MxD, weights), (x_MxD, weights)
 
 
 def _sparse_op_bwd(plan: _Plan, config: SparseFFNConfig, residuals: tuple[jax.Array, Weights],
                    cotangents: tuple[jax.Array, Aux]) -> tuple[jax.Array, Weights]:
-    x_MxD, weights = residuals
+    x_MxD, weights = residuals[:2]
     gy_MxD, g_aux = cotangents
     gl1 = jnp.asarray(g_aux["l1"], jnp.float32)  # l0 and the counters are not differentiable
+    if plan.backward == "pallas":
+        from twell_jax import pallas_training
+
+        return pallas_training.backward(
+            plan.gated, x_MxD, weights, gy_MxD, gl1, config, plan.interpret, residuals[2],
+            functools.partial(_dense_backward, plan.gated, x_MxD, weights, gy_MxD, gl1))
     if plan.backward == "dense":
         return _dense_backward(plan.gated, x_MxD, weights, gy_MxD, gl1)
     return reference_backward(plan.gated, x_MxD, weights, gy_MxD, gl1, config)
@@ -561,8 +606,10 @@ def _pallas_module(required: bool):
     return pallas_backend
 
 
-def _plan(gated: bool, backend: str, interpret: bool) -> _Plan | None:
-    """The plan of a sparse backend, or None when the call runs the plain dense backend."""
+def _plan(gated: bool, backend: str, interpret: bool, config: SparseFFNConfig,
+          shape: tuple[int, int, int, int]) -> _Plan | None:
+    """The plan of a sparse backend, or None when the call runs the plain dense backend.
+    shape = (tokens per shard, D, H, itemsize), for the training "auto" choice."""
     if backend == "dense":
         return None
     if backend == "reference":
@@ -574,11 +621,28 @@ def _plan(gated: bool, backend: str, interpret: bool) -> _Plan | None:
                 "backend='pallas' needs a GPU (pallas_backend.available() is False); pass "
                 "interpret=True to run the kernels in the Pallas interpreter, or use "
                 "backend='reference' or 'dense'")
-        return _Plan(gated, "pallas", "sparse", interpret)
+        return _Plan(gated, "pallas", "pallas", interpret)
     module = _pallas_module(required=False)  # "auto"
-    if module is not None and module.available():
+    if module is None or not module.available():
+        return None
+    if config.expected_active_per_token is None:
+        # No hint: the forward samples on the device and branches; the backward stays dense.
         return _Plan(gated, "pallas_auto", "dense", interpret)
-    return None
+    from twell_jax import pallas_training
+
+    m, d_model, n_neurons, itemsize = shape
+    from twell_jax import decode_backend
+
+    if decode_backend.prefer_decode_path(m, d_model, n_neurons, config.expected_active_per_token, gated,
+                                         itemsize=itemsize):
+        # Decode sizes (a few tokens per call): the work spread over the active neurons.
+        return _Plan(gated, "decode", "dense", interpret)
+    fwd_sparse, bwd_sparse = pallas_training.choose_training_path(
+        m, d_model, n_neurons, config.expected_active_per_token, gated, itemsize=itemsize,
+        ell_width=config.ell_width,
+        keep_pattern=pallas_training.backward_settings(config).keep_gate_pattern)
+    return _Plan(gated, "pallas" if fwd_sparse else "dense", "pallas" if bwd_sparse else "dense",
+                 interpret)
 
 
 def _dispatch(gated: bool, x: Any, weights: dict[str, Any], backend: str, config: Any,
@@ -587,12 +651,14 @@ def _dispatch(gated: bool, x: Any, weights: dict[str, Any], backend: str, config
     weights = {name: jnp.asarray(w) for name, w in weights.items()}
     config = _validate(x, weights, backend, config, interpret)
     w = tuple(weights.values())
-    plan = _plan(gated, backend, interpret)
     n_tokens = math.prod(x.shape[:-1])
+    n_shards = _data_axis_size(config)
+    plan = _plan(gated, backend, interpret, config,
+                 (-(-n_tokens // n_shards), x.shape[-1], w[0].shape[0], x.dtype.itemsize))
     if plan is None or n_tokens == 0:
         return dense_ffn(gated, x, w, neuron_counts=config.neuron_counts)
     x_MxD = x.reshape(n_tokens, x.shape[-1])
-    y_MxD, aux = _sparse_call(plan, config, x_MxD, w, _data_axis_size(config))
+    y_MxD, aux = _sparse_call(plan, config, x_MxD, w, n_shards)
     if config.neuron_counts:
         aux["token_active_count"] = aux["token_active_count"].reshape(x.shape[:-1])
     return y_MxD.reshape(x.shape), aux

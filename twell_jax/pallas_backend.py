@@ -145,11 +145,15 @@ def _dense_rows(x_RxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | No
 
 
 def _sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
-                    w_down_HxD: jax.Array, s: dict[str, Any], interpret: bool) -> tuple[jax.Array, Aux]:
-    """Pack + fused FFN + exact fix-up of overflowing rows. w_up None = non-gated."""
+                    w_down_HxD: jax.Array, s: dict[str, Any], interpret: bool,
+                    pack: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> tuple[jax.Array, Aux]:
+    """Pack + fused FFN + exact fix-up of overflowing rows. w_up None = non-gated. `pack`: the
+    (values, indices, counts) of pack_gate(x, w_act) when the caller already has it (the training
+    forward keeps it for the Pallas backward, twell_jax/pallas_training.py)."""
     m, h = x_MxD.shape[0], w_act_HxD.shape[0]
-    values, indices, counts = pack_gate(x_MxD, w_act_HxD, tile=s["tile"], slots=s["slots"],
-                                        block_sizes=s["pack_block_sizes"], interpret=interpret)
+    values, indices, counts = pack if pack is not None else pack_gate(
+        x_MxD, w_act_HxD, tile=s["tile"], slots=s["slots"], block_sizes=s["pack_block_sizes"],
+        interpret=interpret)
     y_MxD, l1_M = sparse_ffn(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD,
                              block_sizes=s["ffn_block_sizes"], interpret=interpret)
     tile_overflow_MxNT = counts > s["slots"]

@@ -1,0 +1,317 @@
+"""The Pallas backward (pallas_kernels/twell_bwd_*.py, twell_jax/pallas_training.py) in interpret
+mode on CPU: each kernel against its jnp reference, the op-level gradients (x, every weight, the
+L1 term) against jax.grad of the dense formula on adversarial patterns, the tail and fallback
+paths, shard_map over 8 simulated devices, bitwise determinism and the training "auto" choice."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+from pallas_kernels.twell_bwd_neuron import (NeuronBwdBlockSizes, neuron_backward,
+                                             neuron_backward_reference)
+from pallas_kernels.twell_bwd_token import (TokenBwdBlockSizes, token_backward,
+                                            token_backward_reference)
+from pallas_kernels.twell_pack import pack_gate_reference
+from test_ops import TOL, loss_of, make_inputs, oracle, rel_err
+from twell_jax import ops, pallas_backend, pallas_training
+
+TILE, SLOTS = 16, 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels vs their references
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,gated,block_t", [
+    (jnp.float32, True, 1), (jnp.bfloat16, True, 2), (jnp.float32, False, 2), (jnp.bfloat16, False, 1)])
+def test_token_backward_matches_reference(dtype, gated, block_t):
+    m, d, h = 13, 23, 41  # primes: no dimension is a multiple of a block
+    x, weights = make_inputs(gated, m, d, h, dtype, 0.85, seed=3, adversarial="zero_and_dense_rows")
+    gy = jnp.asarray(np.random.default_rng(4).standard_normal((m, d)), dtype)
+    w_act, w_up, w_down = (weights[0], weights[1], weights[2]) if gated else (weights[0], None, weights[1])
+    values, indices, counts = pack_gate_reference(x, w_act, tile=TILE, slots=SLOTS)
+    # The caller's contract: rows with an overflowing tile or > width entries get count 0.
+    width = 8
+    tail = pallas_training.token_tail_mask(counts, SLOTS, width)
+    assert bool(tail[3]) and not bool(jnp.all(tail))  # the dense row is a tail row
+    counts = jnp.where(tail[:, None], 0, counts)
+    scale = jnp.float32(0.3)
+    out = token_backward(x, gy, values, indices, counts, w_act, w_up, w_down, scale, width=width,
+                         block_sizes=TokenBwdBlockSizes(block_t=block_t), interpret=True)
+    ref = token_backward_reference(x, gy, values, indices, counts, w_act, w_up, w_down, scale,
+                                   width=width)
+    dx, cols, entries = out
+    assert dx.shape == x.shape and dx.dtype == dtype and cols.shape == (m, width)
+    assert len(entries) == (3 if gated else 2)
+    np.testing.assert_array_equal(cols, ref[1])
+    assert rel_err(dx, ref[0]) < TOL[dtype]
+    for e, e_ref in zip(entries, ref[2]):
+        assert rel_err(e, e_ref) < 1e-5
+    nnz = jnp.sum(jnp.minimum(counts, SLOTS), axis=1)
+    assert int(jnp.sum(jnp.abs(entries[0]) > 0)) <= int(jnp.sum(nnz)) and int(jnp.sum(nnz)) > 0
+    assert not bool(jnp.any(dx[0])) and not bool(jnp.any(entries[1][0]))  # all-zero token 0
+
+
+@pytest.mark.parametrize("dtype,n_values,block_n,with_init", [
+    (jnp.float32, 3, 1, False), (jnp.float32, 2, 2, True), (jnp.bfloat16, 3, 4, True),
+    (jnp.bfloat16, 2, 1, False)])
+def test_neuron_backward_matches_reference(dtype, n_values, block_n, with_init):
+    rng = np.random.default_rng(5)
+    m, d, h, e = 11, 19, 7, 31
+    x = jnp.asarray(rng.standard_normal((m, d)), dtype)
+    gy = jnp.asarray(rng.standard_normal((m, d)), dtype)
+    count = jnp.asarray([3, 0, 9, 2, 0, 11, 4], jnp.int32)  # empty neurons, e > sum: unused tail
+    start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(count)[:-1]]).astype(jnp.int32)
+    tokens = jnp.asarray(rng.integers(0, m, e), jnp.int32)
+    values = tuple(jnp.asarray(rng.standard_normal(e), jnp.float32) for _ in range(n_values))
+    init = (tuple(jnp.asarray(rng.standard_normal((h, d)), jnp.float32) for _ in range(n_values))
+            if with_init else None)
+    out = neuron_backward(x, gy, start, count, tokens, values, init,
+                          block_sizes=NeuronBwdBlockSizes(block_n=block_n), interpret=True)
+    ref = neuron_backward_reference(x, gy, start, count, tokens, values, init)
+    assert len(out) == n_values
+    for a, b in zip(out, ref):
+        assert a.shape == (h, d) and a.dtype == dtype
+        assert rel_err(a, b) < TOL[dtype]
+    if not with_init:
+        assert not bool(jnp.any(out[0][1])) and not bool(jnp.any(out[0][4]))  # neurons without entries
+
+
+def test_kernel_arguments_are_validated():
+    with pytest.raises(ValueError, match="block_t"):
+        TokenBwdBlockSizes(block_t=3)
+    with pytest.raises(ValueError, match="block_n"):
+        NeuronBwdBlockSizes(block_n=0)
+    with pytest.raises(ValueError, match="token_tail_chunk"):
+        pallas_training.BackwardConfig(token_tail_chunk=0)
+    x, weights = make_inputs(True, 4, 8, 16, jnp.float32, 0.5, seed=0)
+    values, indices, counts = pack_gate_reference(x, weights[0], tile=TILE, slots=SLOTS)
+    with pytest.raises(ValueError, match="gy_MxD"):
+        token_backward(x, x[:2], values, indices, counts, *weights, jnp.float32(0), width=8,
+                       interpret=True)
+    with pytest.raises(ValueError, match="w_down_HxD"):
+        token_backward(x, x, values, indices, counts, weights[0], weights[1], weights[2][:3],
+                       jnp.float32(0), width=8, interpret=True)
+    start = jnp.zeros((16,), jnp.int32)
+    with pytest.raises(ValueError, match="values_E"):
+        neuron_backward(x, x, start, start, jnp.zeros((5,), jnp.int32), (jnp.zeros((5,)),),
+                        interpret=True)
+    with pytest.raises(ValueError, match="config.backward"):
+        ops.gated_ffn(x, *weights, backend="pallas", interpret=True,
+                      config=ops.SparseFFNConfig(backward="keep"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Op-level backward vs jax.grad of the dense formula
+# ---------------------------------------------------------------------------------------------
+
+# Tiny tiles so tile overflow, token tails and hot neurons occur at small shapes; chunks of 2 so
+# the tail loops run several chunks, the last one partly filled.
+CONFIG = ops.SparseFFNConfig(tile=TILE, slots=SLOTS, ell_width=8, tail_rows=0.5,
+                             transpose_ell_width=6, transpose_tail_rows=0.5,
+                             backward=pallas_training.BackwardConfig(token_tail_chunk=2,
+                                                                     neuron_tail_chunk=2))
+
+
+def _nan_backward(x, weights):
+    """A stand-in for the dense backward: NaN gradients show that the fallback ran."""
+    return lambda: (jnp.full_like(x, jnp.nan), tuple(jnp.full_like(w, jnp.nan) for w in weights))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def pallas_grads(gated, config, x, weights, cot):
+    """The Pallas backward called directly, with the NaN stand-in for its dense fallback."""
+    w_act = weights[0]
+    gy = cot.astype(x.dtype)
+    pack = pack_gate_reference(x, w_act, tile=config.tile, slots=config.slots)
+    return pallas_training.backward(gated, x, weights, gy, jnp.float32(0.37), config, True, pack,
+                                    _nan_backward(x, weights))
+
+
+def _counts(x, weights, config):
+    """(token-tail rows, hot neurons) of the pattern, the quantities the tails are sized by."""
+    g = np.asarray(jnp.einsum("md,hd->mh", x.astype(jnp.float32), weights[0].astype(jnp.float32),
+                              precision=jax.lax.Precision.HIGHEST))
+    _, _, counts = pack_gate_reference(x, weights[0], tile=config.tile, slots=config.slots)
+    tail = np.asarray(pallas_training.token_tail_mask(counts, config.slots, config.ell_width))
+    hot = ((g > 0) & ~tail[:, None]).sum(0) > config.transpose_ell_width
+    return int(tail.sum()), int(hot.sum())
+
+
+# gated, M, D, H, dtype, zero fraction, adversarial, (token-tail rows, hot neurons) expected > 0
+CASES = [
+    (True, 23, 17, 53, jnp.float32, 0.97, "none", (False, False)),
+    (True, 23, 17, 53, jnp.float32, 1.0, "none", (False, False)),  # all zero
+    (True, 29, 13, 41, jnp.float32, 0.93, "dense_first_tokens", (True, False)),
+    (True, 31, 19, 37, jnp.float32, 0.95, "hot_neuron", (False, True)),
+    (True, 37, 16, 45, jnp.bfloat16, 0.9, "zero_and_dense_rows", (True, True)),
+    (False, 29, 11, 43, jnp.float32, 0.9, "zero_and_dense_rows", (True, False)),
+    (True, 26, 12, 35, jnp.float32, 0.95, "hot_neurons", (True, True)),  # 4 hot: two chunks
+    (False, 19, 23, 31, jnp.bfloat16, 0.95, "hot_neuron", (False, True)),
+]
+
+
+@pytest.mark.parametrize("gated,m,d,h,dtype,zero_fraction,adversarial,tails", CASES)
+def test_backward_matches_dense_grad(gated, m, d, h, dtype, zero_fraction, adversarial, tails):
+    x, weights = make_inputs(gated, m, d, h, dtype, zero_fraction, seed=7,
+                             adversarial="hot_neuron" if adversarial == "hot_neurons" else adversarial)
+    if adversarial == "hot_neurons":  # four neurons active on every token, in three tiles
+        weights = (weights[0].at[jnp.array([12, 20, 33]), 0].set(50.0),) + weights[1:]
+    n_tail, n_hot = _counts(x, weights, CONFIG)
+    assert (n_tail > 0, n_hot > 0) == tails  # the case exercises the paths it claims to
+    assert n_tail <= CONFIG.tail_capacity(m) and n_hot <= CONFIG.transpose_tail_capacity(h)
+    cot = jnp.asarray(np.random.default_rng(8).standard_normal((m, d)), jnp.float32)
+    dx, dws = pallas_grads(gated, CONFIG, x, weights, cot)
+    _, _, _, _, (dx_ref, dws_ref) = oracle(gated, x, weights, cot)
+    for name, grad, ref in zip(("x", "w_act", "w_up", "w_down"), (dx, *dws), (dx_ref, *dws_ref)):
+        assert grad.dtype == dtype and grad.shape == ref.shape, name
+        assert not bool(jnp.any(jnp.isnan(grad))), f"{name}: the dense fallback ran"
+        assert rel_err(grad, ref) < TOL[dtype], (name, rel_err(grad, ref))
+
+
+def test_l1_gradient_alone():
+    """gy = 0: the gradients are the L1 term's alone (sign(h) gl1 / M through the pattern)."""
+    x, weights = make_inputs(True, 17, 13, 29, jnp.float32, 0.9, seed=9, adversarial="hot_neuron")
+    cot = jnp.zeros((17, 13), jnp.float32)
+    dx, dws = pallas_grads(True, CONFIG, x, weights, cot)
+    _, _, _, _, (dx_ref, dws_ref) = oracle(True, x, weights, cot)
+    assert float(jnp.max(jnp.abs(dx_ref))) > 0
+    for grad, ref in zip((dx, *dws), (dx_ref, *dws_ref)):
+        assert rel_err(grad, ref) < 1e-5
+    assert not bool(jnp.any(dws[2]))  # dW_down = h^T gy = 0
+
+
+@pytest.mark.parametrize("which", ["token", "neuron"])
+def test_tail_capacity_exceeded_runs_the_dense_backward(which):
+    x, weights = make_inputs(True, 23, 17, 53, jnp.float32, 0.9, seed=7,
+                             adversarial="zero_and_dense_rows" if which == "token" else "hot_neuron")
+    config = (ops.SparseFFNConfig(tile=TILE, slots=SLOTS, ell_width=8, tail_rows=0,
+                                  transpose_ell_width=6, transpose_tail_rows=1.0) if which == "token"
+              else ops.SparseFFNConfig(tile=TILE, slots=SLOTS, ell_width=8, tail_rows=1.0,
+                                       transpose_ell_width=6, transpose_tail_rows=0))
+    cot = jnp.ones((23, 17), jnp.float32)
+    dx, dws = pallas_grads(True, config, x, weights, cot)
+    assert all(bool(jnp.all(jnp.isnan(g))) for g in (dx, *dws))
+
+
+def test_forward_aux_reports_a_backward_fallback():
+    """The token tail is known from the forward's pack: aux["dense_fallback"] says in advance that
+    the backward will take the dense path (here the Pallas forward itself stays sparse)."""
+    x, weights = make_inputs(True, 23, 17, 53, jnp.float32, 0.9, seed=7,
+                             adversarial="zero_and_dense_rows")
+    for tail_rows, expected in ((0, 1), (1.0, 0)):
+        config = ops.SparseFFNConfig(tile=TILE, slots=SLOTS, ell_width=8, tail_rows=tail_rows)
+        _, aux = ops.gated_ffn(x, *weights, backend="pallas", config=config, interpret=True)
+        assert int(aux["row_overflow"]) > 0 and int(aux["dense_fallback"]) == expected
+
+
+def _forbid_dense_backward(monkeypatch) -> None:
+    """Make the op's dense backward return NaN, so a test sees if the fallback ran."""
+    monkeypatch.setattr(ops, "_dense_backward",
+                        lambda gated, x, weights, gy, gl1: _nan_backward(x, weights)())
+
+
+def test_op_gradients_keep_vs_recompute_pattern_and_determinism(monkeypatch):
+    """Through ops.gated_ffn (custom_vjp wiring): gradients match the dense oracle; recomputing
+    the pattern in the backward gives the same bits as keeping it; two runs give the same bits."""
+    _forbid_dense_backward(monkeypatch)
+    x, weights = make_inputs(True, 21, 16, 47, jnp.float32, 0.92, seed=11,
+                             adversarial="dense_first_tokens")
+    cot = jnp.asarray(np.random.default_rng(12).standard_normal((21, 16)), jnp.float32)
+
+    def grads(config):
+        def loss(x_, w_):
+            y, aux = ops.gated_ffn(x_, *w_, backend="pallas", config=config, interpret=True)
+            return loss_of(y, aux["l1"], cot)
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(x, weights)
+
+    keep = grads(CONFIG)
+    recompute = grads(dataclasses.replace(CONFIG, backward=dataclasses.replace(
+        CONFIG.backward, keep_gate_pattern=False)))
+    again = grads(CONFIG)
+    _, _, _, _, ref = oracle(True, x, weights, cot)
+    for a, b, c, r in zip(jax.tree.leaves(keep), jax.tree.leaves(recompute), jax.tree.leaves(again),
+                          jax.tree.leaves(ref)):
+        assert rel_err(a, r) < 1e-5
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+
+
+def test_under_shard_map_on_8_devices(monkeypatch):
+    """ops.gated_ffn(..., backend="pallas", interpret=True) under an 8-device data mesh: the same
+    gradients as the dense oracle (each shard runs the Pallas backward on its tokens)."""
+    _forbid_dense_backward(monkeypatch)
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (simulated) devices")
+    m, d, h = 40, 16, 37
+    x, weights = make_inputs(True, m, d, h, jnp.float32, 0.9, seed=13, adversarial="hot_neuron")
+    cot = jnp.asarray(np.random.default_rng(14).standard_normal((m, d)), jnp.float32)
+    config = ops.SparseFFNConfig(tile=TILE, slots=SLOTS, ell_width=8, tail_rows=1.0,
+                                 transpose_ell_width=2, transpose_tail_rows=1.0)
+
+    def loss(x_, w_):
+        y, aux = ops.gated_ffn(x_, *w_, backend="pallas", config=config, interpret=True)
+        return loss_of(y, aux["l1"], cot)
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:8])
+    with jax.set_mesh(mesh):
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, weights)
+    _, _, _, _, ref = oracle(True, x, weights, cot)
+    for a, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
+        assert rel_err(a, r) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# Training "auto"
+# ---------------------------------------------------------------------------------------------
+
+def test_choose_training_path_is_monotone_and_dense_when_dense_wins():
+    m, d, h = 16384, 2048, 5632
+    choices = [pallas_training.choose_training_path(m, d, h, k, True) for k in (1, 29, 56, 112, 2000)]
+    assert choices[0] == (True, True) and choices[-1] == (False, False)
+    for (f0, b0), (f1, b1) in zip(choices, choices[1:]):
+        assert f1 <= f0 and b1 <= b0  # sparser never turns a piece dense
+    # A piece is sparse only when its modelled time beats dense by the safety margin.
+    for k in (1, 29, 56, 112):
+        fwd_sparse, bwd_sparse = pallas_training.choose_training_path(m, d, h, k, True)
+        dense_fwd, dense_bwd = pallas_training.dense_times_ms(m, d, h, True)
+        sparse_fwd, sparse_bwd = pallas_training.sparse_times_ms(m, d, h, k, True,
+                                                                 keep_pattern=fwd_sparse)
+        assert fwd_sparse == (sparse_fwd <= pallas_training.SAFETY * dense_fwd)
+        assert bwd_sparse == (sparse_bwd <= pallas_training.SAFETY * dense_bwd)
+    with pytest.raises(ValueError, match="expected_active"):
+        pallas_training.choose_training_path(m, d, h, -1.0, True)
+
+
+@pytest.mark.parametrize("choice", [(True, True), (False, True), (True, False), (False, False)])
+def test_auto_with_hint_routes_forward_and_backward(choice, monkeypatch):
+    """With a GPU (simulated: available() patched, kernels interpreted), "auto" + a hint runs the
+    plan that choose_training_path picks (each of the four), with exact gradients."""
+    monkeypatch.setattr(pallas_backend, "available", lambda: True)
+    asked = []
+    monkeypatch.setattr(pallas_training, "choose_training_path",
+                        lambda *a, **k: asked.append(a) or choice)
+    plans = []
+    original = ops._sparse_call
+    monkeypatch.setattr(ops, "_sparse_call", lambda *a: plans.append(a[0]) or original(*a))
+    x, weights = make_inputs(True, 13, 16, 29, jnp.float32, 0.9, seed=15)
+    cot = jnp.asarray(np.random.default_rng(16).standard_normal((13, 16)), jnp.float32)
+    config = ops.SparseFFNConfig(tile=TILE, slots=SLOTS, expected_active_per_token=2.5)
+
+    def loss(x_, w_):
+        y, aux = ops.gated_ffn(x_, *w_, backend="auto", config=config, interpret=True)
+        return loss_of(y, aux["l1"], cot)
+
+    grads = jax.grad(loss, argnums=(0, 1))(x, weights)
+    assert asked == [(13, 16, 29, 2.5, True)]
+    names = {True: "pallas", False: "dense"}
+    assert [(p.forward, p.backward) for p in plans] == [(names[choice[0]], names[choice[1]])]
+    _, _, _, _, ref = oracle(True, x, weights, cot)
+    for a, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
+        assert rel_err(a, r) < 1e-5

@@ -1,0 +1,29 @@
+"""experiments/bench_ffn_train.py --dry-run: the benchmark script runs end to end on CPU (Pallas
+interpreter, tiny shapes) and its correctness check holds. It times nothing that is asserted."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_ffn_train_dry_run(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)  # one CPU device is enough
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_ffn_train.py"),
+                           "--dry-run", "--out", str(tmp_path)], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "bench_ffn_train.json").read_text())["rows"]
+    assert rows and all("error" not in r for r in rows), rows
+    row = rows[0]
+    assert set(row["ms"]) == {"xla_bf16", "dense", "reference", "pallas", "pallas_recompute", "auto"}
+    for backend, errs in row["errors"].items():  # bf16 gradients within bf16 rounding of xla_bf16
+        for name, e in errs.items():
+            assert e["rel"] < 3e-2, (backend, name, e)
+    assert set(row["piece_ms"]) >= {"token_major", "transpose", "neuron_major"}
+    assert "compiled temporary memory" in (tmp_path / "table.txt").read_text()
