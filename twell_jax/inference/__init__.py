@@ -1,0 +1,11 @@
+"""Inference: load a trained run, generate text with a KV cache, Hugging Face Llama interop.
+
+    from twell_jax.inference import load_run, generate
+    loaded = load_run("runs/tiny-20260101-120000")            # params in bf16, config, tokenizer
+    print(generate(loaded, ["def main("], max_new_tokens=32).texts[0])
+"""
+from twell_jax.inference.generate import GenerationResult, Generator, SamplingConfig, generate, sample_tokens
+from twell_jax.inference.load import LoadedModel, load_run, model_with_params, restore_params
+
+__all__ = ["GenerationResult", "Generator", "LoadedModel", "SamplingConfig", "generate", "load_run",
+           "model_with_params", "restore_params", "sample_tokens"]
