@@ -5,7 +5,8 @@
     print(generate(loaded, ["def main("], max_new_tokens=32).texts[0])
 """
 from twell_jax.inference.generate import GenerationResult, Generator, SamplingConfig, generate, sample_tokens
-from twell_jax.inference.load import LoadedModel, load_run, model_with_params, restore_params
+from twell_jax.inference.load import (LoadedModel, experiment_config_for, load_run, model_with_params,
+                                     restore_params)
 
-__all__ = ["GenerationResult", "Generator", "LoadedModel", "SamplingConfig", "generate", "load_run",
+__all__ = ["GenerationResult", "Generator", "LoadedModel", "SamplingConfig", "experiment_config_for", "generate", "load_run",
            "model_with_params", "restore_params", "sample_tokens"]

@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from twell_jax.config import DataConfig, ExperimentConfig, ModelConfig, SparsityConfig
-from twell_jax.inference.load import LoadedModel, model_with_params
+from twell_jax.config import ModelConfig
+from twell_jax.inference.load import LoadedModel, experiment_config_for, model_with_params
 from twell_jax.model import Transformer, split_model
 
 CONFIG_FILE = "config.json"
@@ -192,10 +192,7 @@ def import_hf(path: str | Path, *, dtype: str = "float32", ffn_kind: str | None 
         tokenizer = tokenizer_lib.load_tokenizer(str(path / TOKENIZER_FILE))
     eos = hf.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
-    data = DataConfig(tokenizer=str(path / TOKENIZER_FILE), seq_len=model_cfg.max_seq_len,
-                      vocab_size=model_cfg.vocab_size)
-    cfg = ExperimentConfig(name=path.name or "hf", model=model_cfg, data=data,
-                           sparsity=SparsityConfig(l1_coef=2e-5 if model_cfg.kind.l1 else 0.0))
+    cfg = experiment_config_for(model_cfg, name=path.name or "hf", tokenizer_path=str(path / TOKENIZER_FILE))
     return LoadedModel(model=model_with_params(model_cfg, params, dtype), config=cfg, tokenizer=tokenizer,
                        step=None, eos_id=None if eos is None else int(eos))
 

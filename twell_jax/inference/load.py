@@ -21,7 +21,7 @@ from flax import nnx
 
 from twell_jax import checkpoint as ckpt_lib
 from twell_jax import config as config_lib
-from twell_jax.config import DTYPES, ExperimentConfig, ModelConfig
+from twell_jax.config import DTYPES, DataConfig, ExperimentConfig, ModelConfig, SparsityConfig
 from twell_jax.evaluate import with_auto_hints
 from twell_jax.model import Transformer, init_model
 
@@ -46,6 +46,17 @@ class LoadedModel:
     @property
     def model_config(self) -> ModelConfig:
         return self.config.model
+
+
+def experiment_config_for(model_cfg: ModelConfig, *, name: str = "model",
+                          tokenizer_path: str | None = None) -> ExperimentConfig:
+    """An ExperimentConfig around a bare model config (a random or imported model), so that such a
+    model travels as a LoadedModel like a trained run. Without `tokenizer_path` the data section
+    names a BPE of the model's vocabulary size (which must then be >= 257)."""
+    data = DataConfig(tokenizer=tokenizer_path or "bpe", seq_len=model_cfg.max_seq_len,
+                      vocab_size=min(model_cfg.vocab_size, DataConfig().vocab_size))
+    sparsity = SparsityConfig(l1_coef=SparsityConfig().l1_coef if model_cfg.kind.l1 else 0.0)
+    return ExperimentConfig(name=name, model=model_cfg, data=data, sparsity=sparsity)
 
 
 def model_with_params(cfg: ModelConfig, params: dict[str, Any], dtype: str) -> Transformer:
