@@ -249,11 +249,11 @@ def export_hf(model: LoadedModel | Transformer, out_dir: str | Path, *, cfg: Mod
         raise FileExistsError(f"{out_dir} exists and is not an empty directory; refusing to overwrite it")
     if eos_id is None and tokenizer is not None:
         eos_id = tokenizer.token_to_id("<|endoftext|>")
+    hf = hf_config_from_model(cfg, eos_id=eos_id, dtype=dtype)  # first: refuses kinds without a Llama layout
     params = split_model(module)[1]
     tensors = {name: jnp.asarray(value, dtype) for name, value in hf_tensors_from_params(params, cfg).items()}
     # safetensors wants contiguous row-major buffers: materialise the transposes.
     tensors = {name: jnp.array(np.ascontiguousarray(jax.device_get(value))) for name, value in tensors.items()}
-    hf = hf_config_from_model(cfg, eos_id=eos_id, dtype=dtype)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
