@@ -10,6 +10,9 @@ neuron-major [H, D] layout for all three matrices (w_down included), so the mode
 leading layer axis: the op's scalars ("l1", "l0", overflow counters) as [L], and, when
 `track_neurons=True`, "neuron_active_count" [L, H] (tokens on which each neuron fired) and
 "position_active" [L, S] (mean active neurons per token position over the batch).
+
+`Transformer.decode` runs S new tokens per row against a preallocated `KVCache` (prefill and
+decode steps of generation, `twell_jax.inference`), with per-row RoPE positions and masks.
 """
 from __future__ import annotations
 
@@ -262,9 +265,13 @@ class Transformer(nnx.Module):
         Row b's real tokens start at slot `start_B[b]` (left padding: earlier slots are never
         attended to) and sit at RoPE position slot - start_B[b], so a left-padded row computes
         exactly what it would alone. Returns (fp32 logits [B, S, V] if `all_logits` else those of
-        the last new token [B, V], the updated cache, aux stacked over layers)."""
+        the last new token [B, V], the updated cache, aux stacked over layers). The caller keeps
+        cache_index + S <= T (a traced index cannot be checked here; the cache write would clamp)."""
+        length, rows = cache.k_LxBxTxNxK.shape[2], cache.k_LxBxTxNxK.shape[1]
+        if tokens_BxS.ndim != 2 or tokens_BxS.shape[1] > length or tokens_BxS.shape[0] != rows:
+            raise ValueError(f"tokens must be [batch, S] with S <= the cache length {length} and batch = the "
+                             f"cache's {rows} rows, got shape {tokens_BxS.shape}")
         b, s = tokens_BxS.shape
-        length = cache.k_LxBxTxNxK.shape[2]
         dt = _dtype(self.compute_dtype)
         embed_VxD = self.embed[...].astype(dt)
         x_BxSxD = jnp.take(embed_VxD, tokens_BxS, axis=0)

@@ -256,9 +256,8 @@ def generate(model: "LoadedModel | Generator", prompts: Sequence[str] | Sequence
     if isinstance(model, Generator):
         generator = model
     else:
-        generator = getattr(model, "_generator", None)
-        if generator is None:
-            generator = Generator(model)
-            model._generator = generator  # one set of programs per loaded model
+        if model._generator is None:
+            model._generator = Generator(model)  # one set of programs per loaded model
+        generator = model._generator
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     return generator.generate(prompts, max_new_tokens, sampling, eos, stream)

@@ -42,6 +42,8 @@ class LoadedModel:
     tokenizer: "Tokenizer | None"  # None when neither the run nor its data section provides one
     step: int | None  # checkpoint step (None for a model that did not come from a run)
     eos_id: int | None = None  # end-of-text id (the data section's eot_token), None if unknown
+    # The compiled programs of `generate(loaded, ...)`, made on first use and reused by later calls.
+    _generator: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property
     def model_config(self) -> ModelConfig:
