@@ -4,6 +4,7 @@
     twell train --out DIR --resume [--step N] [--set train.steps=500]
     twell eval --checkpoint runs/tiny-20250101-120000 [--step N] [--set train.eval_batches=32]
     twell compare --config tiny [--set ...] [--out DIR]
+    twell generate --checkpoint RUN --prompt "def main(" [--max-new-tokens 64 --temperature 0.8 --top-k 50]
     twell configs            (list presets)
 
 Exit status: 0 done, 2 a clear error (bad argument, bad config, missing or corrupt checkpoint,
@@ -82,6 +83,18 @@ def _parser() -> argparse.ArgumentParser:
     add_set(p_compare, "config overrides for both runs (repeatable)")
     p_compare.add_argument("--out", default=None, help="output directory (default runs/compare-<name>-<timestamp>)")
 
+    p_gen = sub.add_parser("generate", help="continue prompts with a trained run (KV cache, streamed)")
+    p_gen.add_argument("--checkpoint", required=True, help="run directory (or its checkpoints/ dir)")
+    p_gen.add_argument("--prompt", action="append", required=True,
+                       help="prompt text; repeat for a batch (a single prompt is streamed as it is generated)")
+    p_gen.add_argument("--max-new-tokens", type=int, default=64)
+    p_gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p_gen.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    p_gen.add_argument("--top-p", type=float, default=1.0, help="1 = no nucleus cut")
+    p_gen.add_argument("--seed", type=int, default=0)
+    p_gen.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p_gen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+
     sub.add_parser("configs", help="list the presets")
     return parser
 
@@ -139,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
             out = Path(args.out) if args.out else Path("runs") / f"compare-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
             print(f"[twell] compare: config {args.config!r}, writing to {out.absolute()}")
             compare(cfg, out)
+        elif args.command == "generate":
+            from twell_jax.inference.cli import run_generate
+
+            run_generate(args)
     except TrainingInterrupted as err:
         print(f"twell {args.command}: {err}", file=sys.stderr)
         return EXIT_SIGNAL.get(err.signal_name, EXIT_ERROR)

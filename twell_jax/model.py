@@ -18,12 +18,15 @@ leading layer axis: the op's scalars ("l1", "l0", overflow counters) as [L], and
 `track_neurons=True`, "neuron_active_count" [L, H] (tokens on which each neuron fired) and
 "position_active" [L, S] (mean active neurons per token position over the batch), both taken from
 the op's own counts (`SparseFFNConfig.neuron_counts`), so tracking costs no extra GEMM.
+
+`Transformer.decode` runs S new tokens per row against a preallocated `KVCache` (prefill and
+decode steps of generation, `twell_jax.inference`), with per-row RoPE positions and masks.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -76,14 +79,18 @@ class RMSNorm(nnx.Module):
         return (x32 * inv_rms * self.scale[...]).astype(x_BxSxD.dtype)
 
 
-def rope(x_BxSxNxK: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding, non-interleaved: rotates the pairs (x[i], x[i + K/2])."""
+def rope(x_BxSxNxK: jax.Array, theta: float, positions_BxS: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding, non-interleaved: rotates the pairs (x[i], x[i + K/2]).
+
+    Token s of row b sits at position `positions_BxS[b, s]` (default: s, the same for every row)."""
     seq_len, head_dim = x_BxSxNxK.shape[1], x_BxSxNxK.shape[-1]
     half = head_dim // 2
     inv_freq_K2 = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
-    angle_SxK2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq_K2[None, :]
-    cos = jnp.cos(angle_SxK2)[None, :, None, :]
-    sin = jnp.sin(angle_SxK2)[None, :, None, :]
+    if positions_BxS is None:
+        positions_BxS = jnp.arange(seq_len)[None, :]
+    angle_BxSxK2 = positions_BxS.astype(jnp.float32)[..., None] * inv_freq_K2
+    cos = jnp.cos(angle_BxSxK2)[:, :, None, :]
+    sin = jnp.sin(angle_BxSxK2)[:, :, None, :]
     x32 = x_BxSxNxK.astype(jnp.float32)
     x1, x2 = x32[..., :half], x32[..., half:]
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -207,6 +214,29 @@ class Attention(nnx.Module):
             q_BxSxNxK, k_BxSxNxK, v_BxSxNxK, is_causal=True, implementation=implementation)
         return out_BxSxNxK.reshape(b, s, -1) @ self.w_out[...].astype(dt)
 
+    def decode(self, x_BxSxD: jax.Array, positions_BxS: jax.Array, k_BxTxNxK: jax.Array, v_BxTxNxK: jax.Array,
+               cache_index: jax.Array, visible_BxSxT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """KV-cached attention: the S new tokens' keys/values are written at cache slots
+        [cache_index, cache_index + S) of the [B, T, N, K] caches, then each query attends to the
+        slots `visible_BxSxT` allows. Same projections and RoPE as `__call__`, at the given positions.
+        Returns (output [B, S, D], updated k cache, updated v cache)."""
+        b, s, _ = x_BxSxD.shape
+        dt = x_BxSxD.dtype
+
+        def project(w: nnx.Param) -> jax.Array:
+            return (x_BxSxD @ w[...].astype(dt)).reshape(b, s, self.n_heads, self.head_dim)
+
+        q_BxSxNxK = rope(project(self.w_q), self.rope_theta, positions_BxS)
+        k_BxSxNxK = rope(project(self.w_k), self.rope_theta, positions_BxS)
+        start = (0, cache_index, 0, 0)
+        k_BxTxNxK = jax.lax.dynamic_update_slice(k_BxTxNxK, k_BxSxNxK.astype(k_BxTxNxK.dtype), start)
+        v_BxTxNxK = jax.lax.dynamic_update_slice(v_BxTxNxK, project(self.w_v).astype(v_BxTxNxK.dtype), start)
+        # XLA attention: an explicit mask over the cache (cuDNN's fused kernels want causal-only).
+        out_BxSxNxK = jax.nn.dot_product_attention(
+            q_BxSxNxK, k_BxTxNxK.astype(dt), v_BxTxNxK.astype(dt), mask=visible_BxSxT[:, None],
+            implementation="xla")
+        return out_BxSxNxK.reshape(b, s, -1) @ self.w_out[...].astype(dt), k_BxTxNxK, v_BxTxNxK
+
 
 class FeedForward(nnx.Module):
     """The FFN chosen by `cfg.ffn_kind`; weights neuron-major [H, D].
@@ -274,6 +304,33 @@ class Block(nnx.Module):
             aux["position_active"] = jnp.mean(aux.pop("token_active_count").astype(jnp.float32), axis=0)
         return x_BxSxD + y_BxSxD, aux
 
+    def decode(self, x_BxSxD: jax.Array, positions_BxS: jax.Array, k_BxTxNxK: jax.Array, v_BxTxNxK: jax.Array,
+               cache_index: jax.Array, visible_BxSxT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, Aux]:
+        """The block with KV-cached attention (`Attention.decode`) and the same FFN call."""
+        attn_BxSxD, k_BxTxNxK, v_BxTxNxK = self.attn.decode(
+            self.attn_norm(x_BxSxD), positions_BxS, k_BxTxNxK, v_BxTxNxK, cache_index, visible_BxSxT)
+        x_BxSxD = x_BxSxD + attn_BxSxD
+        y_BxSxD, aux = self.ffn(self.ffn_norm(x_BxSxD))
+        return x_BxSxD + y_BxSxD, k_BxTxNxK, v_BxTxNxK, aux
+
+
+class KVCache(NamedTuple):
+    """Preallocated attention caches of every layer; a pytree. Slot t of row b holds the key/value
+    of the token written there (`Transformer.decode`); which slots are real is the caller's mask."""
+
+    k_LxBxTxNxK: jax.Array
+    v_LxBxTxNxK: jax.Array
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: str | jnp.dtype | None = None) -> KVCache:
+    """Zeroed caches of `length` slots for `batch` rows, in `dtype` (default: the compute dtype)."""
+    if batch < 1 or not 1 <= length <= cfg.max_seq_len:
+        raise ValueError(f"cache needs batch >= 1 and 1 <= length <= model.max_seq_len={cfg.max_seq_len}, "
+                         f"got batch={batch}, length={length}")
+    shape = (cfg.n_layers, batch, length, cfg.n_heads, cfg.head_dim)
+    dt = jnp.dtype(dtype or cfg.compute_dtype)
+    return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+
 
 class Transformer(nnx.Module):
     """Decoder-only LM. `__call__(tokens_BxS) -> (logits_BxSxV fp32, aux stacked over layers)`."""
@@ -312,6 +369,44 @@ class Transformer(nnx.Module):
         logits_BxSxV = jnp.einsum("bsd,vd->bsv", x_BxSxD, self.embed[...].astype(dt)).astype(jnp.float32)
         stacked = {key: jnp.stack([a[key] for a in auxes]) for key in auxes[0]}
         return logits_BxSxV, stacked
+
+    def decode(self, tokens_BxS: jax.Array, cache: KVCache, cache_index: jax.Array, start_B: jax.Array,
+               *, all_logits: bool = False) -> tuple[jax.Array, KVCache, Aux]:
+        """Forward of S new tokens per row written at cache slots [cache_index, cache_index + S).
+
+        Row b's real tokens start at slot `start_B[b]` (left padding: earlier slots are never
+        attended to) and sit at RoPE position slot - start_B[b], so a left-padded row computes
+        exactly what it would alone. Returns (fp32 logits [B, S, V] if `all_logits` else those of
+        the last new token [B, V], the updated cache, aux stacked over layers). The caller keeps
+        cache_index + S <= T (a traced index cannot be checked here; the cache write would clamp)."""
+        length, rows = cache.k_LxBxTxNxK.shape[2], cache.k_LxBxTxNxK.shape[1]
+        if tokens_BxS.ndim != 2 or tokens_BxS.shape[1] > length or tokens_BxS.shape[0] != rows:
+            raise ValueError(f"tokens must be [batch, S] with S <= the cache length {length} and batch = the "
+                             f"cache's {rows} rows, got shape {tokens_BxS.shape}")
+        b, s = tokens_BxS.shape
+        dt = _dtype(self.compute_dtype)
+        embed_VxD = self.embed[...].astype(dt)
+        x_BxSxD = jnp.take(embed_VxD, tokens_BxS, axis=0)
+        slot_S = cache_index + jnp.arange(s)
+        positions_BxS = jnp.maximum(slot_S[None, :] - start_B[:, None], 0)
+        slot_T = jnp.arange(length)
+        # Causal over the slots, and no padding slot as a key; a padding query sees itself only,
+        # so that its softmax is never empty (its output is never used).
+        visible_BxSxT = (slot_T[None, None, :] <= slot_S[None, :, None]) & (
+            (slot_T[None, None, :] >= start_B[:, None, None]) | (slot_T[None, None, :] == slot_S[None, :, None]))
+        k_all, v_all = cache
+        auxes = []
+        for layer, block in enumerate(self.blocks):
+            x_BxSxD, k_BxTxNxK, v_BxTxNxK, aux = block.decode(
+                x_BxSxD, positions_BxS, k_all[layer], v_all[layer], cache_index, visible_BxSxT)
+            k_all, v_all = k_all.at[layer].set(k_BxTxNxK), v_all.at[layer].set(v_BxTxNxK)
+            auxes.append(aux)
+        if not all_logits:
+            x_BxSxD = x_BxSxD[:, -1:]
+        x_BxSxD = self.final_norm(x_BxSxD)
+        logits = jnp.einsum("bsd,vd->bsv", x_BxSxD, embed_VxD, preferred_element_type=jnp.float32)
+        stacked = {key: jnp.stack([a[key] for a in auxes]) for key in auxes[0]}
+        return (logits if all_logits else logits[:, 0]), KVCache(k_all, v_all), stacked
 
 
 def describe_execution(cfg: ModelConfig, seq_len: int) -> str:

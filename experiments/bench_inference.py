@@ -1,0 +1,262 @@
+"""Model-level inference benchmark: sparse (`twell`) beside its dense twin (`relu_gated`), same weights.
+
+    python experiments/bench_inference.py --checkpoint runs/0.5b-...   # a trained-sparse run (GPU)
+    python experiments/bench_inference.py --config 0.5b                # random init: NOT sparse (plumbing)
+    python experiments/bench_inference.py --dry-run                    # tiny shapes on CPU (the test)
+
+Prefill (the paper's protocol): `--prefill-batch` x `--context` tokens through the decoder body
+(embedding, blocks, final norm; the LM head excluded), tokens/s, and energy per token from NVML
+power sampling (a thread reading the board power every ~50 ms; trapezoid integration over the
+timed window; skipped with a message where NVML is absent). Decode: tokens/s of KV-cached decode
+steps (`Transformer.decode`, LM head included) at batch 1, 8 and 64 after a prefilled context of
+`--context` - `--decode-steps` tokens, so the last step attends to `--context` slots. Each variant
+prints its per-layer mean active FFN neurons per token beside its figures. The dense twin runs the
+same parameters with `ffn_kind=relu_gated` (plain XLA); the sparse variants run `ffn_kind=twell`
+with the op backends of `--backends`. A short table is printed last; `--out` gets the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from twell_jax.config import ModelConfig  # noqa: E402
+from twell_jax.inference.load import load_run, model_with_params  # noqa: E402
+from twell_jax.model import Transformer, init_cache, init_model, split_model  # noqa: E402
+
+DECODE_BATCHES = (1, 8, 64)
+PREFILL_CHUNK = 256  # tokens per call when filling the decode context
+
+
+class PowerSampler:
+    """Board power of one GPU sampled by a background thread (NVML); energy by the trapezoid rule."""
+
+    def __init__(self, device_index: int = 0, period_s: float = 0.05):
+        import pynvml  # nvidia-ml-py
+
+        pynvml.nvmlInit()
+        self._nvml = pynvml
+        self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        self.period_s = period_s
+        self.samples: list[tuple[float, float]] = []  # (time s, watts)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            watts = self._nvml.nvmlDeviceGetPowerUsage(self._handle) / 1000.0
+            self.samples.append((time.perf_counter(), watts))
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> "PowerSampler":
+        self.samples, self._stop = [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def energy_j(self, start: float, end: float) -> float:
+        """Joules between `start` and `end` (perf_counter times), trapezoid over the samples inside."""
+        inside = [(t, w) for t, w in self.samples if start <= t <= end]
+        if len(inside) < 2:
+            raise RuntimeError(f"only {len(inside)} power samples in the timed window; time longer")
+        times, watts = np.array([t for t, _ in inside]), np.array([w for _, w in inside])
+        energy = float(np.sum((watts[1:] + watts[:-1]) / 2 * np.diff(times)))
+        # Extend the two ends at the nearest sample's power (the window rarely starts on a sample).
+        return energy + watts[0] * (times[0] - start) + watts[-1] * (end - times[-1])
+
+
+def make_power_sampler(enabled: bool) -> PowerSampler | None:
+    if not enabled:
+        return None
+    try:
+        return PowerSampler()
+    except Exception as err:  # no pynvml, no driver, no GPU
+        print(f"[bench] energy skipped: NVML unavailable ({type(err).__name__}: {err})")
+        return None
+
+
+def body(model: Transformer, tokens_BxS: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Decoder body: embedding, blocks, final norm (no LM head); (hidden [B, S, D], l0 per layer [L])."""
+    x_BxSxD = jnp.take(model.embed[...].astype(model.compute_dtype), tokens_BxS, axis=0)
+    l0 = []
+    for block in model.blocks:
+        x_BxSxD, aux = block(x_BxSxD, False)
+        l0.append(aux["l0"])
+    return model.final_norm(x_BxSxD), jnp.stack(l0)
+
+
+def timed(fn: Callable[[], Any], min_seconds: float, min_iters: int) -> tuple[float, int, float, float]:
+    """(seconds per call, calls, window start, window end): calls run back to back until both minima."""
+    jax.block_until_ready(fn())  # compile + warm-up
+    calls, start = 0, time.perf_counter()
+    while True:
+        out = fn()
+        calls += 1
+        if calls >= min_iters and time.perf_counter() - start >= min_seconds:
+            break
+    jax.block_until_ready(out)
+    end = time.perf_counter()
+    return (end - start) / calls, calls, start, end
+
+
+def variant_models(base: ModelConfig, params: dict[str, Any], backends: list[str], dtype: str,
+                   interpret: bool) -> dict[str, Transformer]:
+    """{"dense": relu_gated twin, "twell-<backend>": sparse model} over the same parameters."""
+    variants = {"dense": dataclasses.replace(base, ffn_kind="relu_gated", ffn_backend="dense")}
+    for backend in backends:
+        variants[f"twell-{backend}"] = dataclasses.replace(base, ffn_kind="twell", ffn_backend=backend,
+                                                           ffn_interpret=interpret and backend == "pallas")
+    return {name: model_with_params(cfg, params, dtype) for name, cfg in variants.items()}
+
+
+def bench_prefill(model: Transformer, tokens_BxS: jax.Array, sampler: PowerSampler | None,
+                  min_seconds: float) -> dict[str, Any]:
+    graphdef, state = nnx.split(model)
+    fn = jax.jit(lambda st, t: body(nnx.merge(graphdef, st), t))
+    _, l0 = fn(state, tokens_BxS)
+    if sampler is not None:
+        with sampler:
+            per_call, calls, start, end = timed(lambda: fn(state, tokens_BxS), min_seconds, 3)
+        energy = sampler.energy_j(start, end) / (calls * tokens_BxS.size)
+    else:
+        per_call, calls, _, _ = timed(lambda: fn(state, tokens_BxS), min_seconds, 3)
+        energy = None
+    return {"tokens_per_s": tokens_BxS.size / per_call, "ms_per_call": 1e3 * per_call, "calls": calls,
+            "energy_j_per_token": energy, "l0_per_layer": np.asarray(l0, np.float64).round(2).tolist()}
+
+
+def bench_decode(model: Transformer, cfg: ModelConfig, batch: int, context: int, steps: int,
+                 min_seconds: float, seed: int) -> dict[str, Any]:
+    graphdef, state = nnx.split(model)
+    prefill_len = context - steps
+    tokens = jax.random.randint(jax.random.key(seed), (batch, prefill_len), 0, cfg.vocab_size)
+    start_B = jnp.zeros((batch,), jnp.int32)
+
+    def prefill(st: nnx.State, t: jax.Array) -> tuple[jax.Array, Any]:
+        # In chunks: the masked attention of one call materialises [B, N, chunk, context] scores.
+        model_, cache = nnx.merge(graphdef, st), init_cache(cfg, batch, context)
+        for begin in range(0, prefill_len, PREFILL_CHUNK):
+            logits, cache, _ = model_.decode(t[:, begin:begin + PREFILL_CHUNK], cache, jnp.int32(begin), start_B)
+        return jnp.argmax(logits, -1).astype(jnp.int32), cache
+
+    def run_steps(st: nnx.State, token_B: jax.Array, cache: Any) -> tuple[jax.Array, jax.Array]:
+        # `steps` greedy decode steps in one program (a fori_loop): host dispatch is not what we time.
+        model_ = nnx.merge(graphdef, st)
+
+        def one(i: jax.Array, carry: tuple) -> tuple:
+            token, cache_, l0 = carry
+            logits, cache_, aux = model_.decode(token[:, None], cache_, prefill_len + i, start_B)
+            return jnp.argmax(logits, -1).astype(jnp.int32), cache_, l0 + aux["l0"] / steps
+
+        token_B, _, l0 = jax.lax.fori_loop(0, steps, one, (token_B, cache, jnp.zeros((cfg.n_layers,))))
+        return token_B, l0
+
+    token_B, cache = jax.jit(prefill)(state, tokens)
+    step_fn = jax.jit(run_steps)
+    _, l0 = step_fn(state, token_B, cache)
+    per_call, calls, _, _ = timed(lambda: step_fn(state, token_B, cache), min_seconds, 2)
+    return {"tokens_per_s": batch * steps / per_call, "ms_per_step": 1e3 * per_call / steps, "calls": calls,
+            "l0_per_layer": np.asarray(l0, np.float64).round(2).tolist()}
+
+
+def load_params(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, Any], str]:
+    if args.checkpoint:
+        loaded = load_run(args.checkpoint, step=args.step, dtype=args.dtype)
+        return loaded.config.model, split_model(loaded.model)[1], f"checkpoint {args.checkpoint} step {loaded.step}"
+    from configs import get_config
+
+    cfg = get_config(args.config).model
+    if args.dry_run:
+        cfg = dataclasses.replace(cfg, vocab_size=300, d_model=64, n_layers=2, n_heads=4, d_ff=256, max_seq_len=64)
+    cfg = dataclasses.replace(cfg, compute_dtype=args.dtype)
+    params = split_model(init_model(cfg, args.seed))[1]
+    return cfg, params, f"random init of {args.config}" + (" (dry-run shapes)" if args.dry_run else "")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--checkpoint", help="trained run directory (sparse weights)")
+    source.add_argument("--config", default="0.5b", help="preset for a random init (not sparse: plumbing only)")
+    parser.add_argument("--step", type=int, default=None)
+    parser.add_argument("--backends", default="auto,pallas", help="op backends of the sparse rows")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--prefill-batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=2048, help="prefill length and decode context")
+    parser.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCHES)))
+    parser.add_argument("--decode-steps", type=int, default=32, help="decode steps per timed program")
+    parser.add_argument("--min-seconds", type=float, default=3.0, help="minimum timed window per figure")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-energy", action="store_true", help="skip NVML power sampling")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: checks the plumbing")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.backends, args.dtype = "reference", "float32"  # the sparse algorithm on a CPU
+        args.prefill_batch, args.context, args.decode_steps, args.min_seconds = 2, 32, 4, 0.0
+        args.decode_batches = "1,2"
+    backends = [b for b in args.backends.split(",") if b]
+    batches = [int(b) for b in args.decode_batches.split(",") if b]
+    cfg, params, source_text = load_params(args)
+    if args.context > cfg.max_seq_len or args.decode_steps >= args.context:
+        raise SystemExit(f"--context {args.context} must be <= model.max_seq_len={cfg.max_seq_len} and > "
+                         f"--decode-steps {args.decode_steps}")
+    device = jax.devices()[0]
+    print(f"[bench] {source_text} on {device.device_kind} ({jax.default_backend()}), {args.dtype}; "
+          f"d_model {cfg.d_model}, d_ff {cfg.d_ff}, {cfg.n_layers} layers; variants dense + "
+          + ", ".join(f"twell-{b}" for b in backends))
+    models = variant_models(cfg, params, backends, args.dtype, interpret=args.dry_run)
+    sampler = make_power_sampler(not args.no_energy and not args.dry_run and jax.default_backend() == "gpu")
+    tokens = jax.random.randint(jax.random.key(args.seed), (args.prefill_batch, args.context), 0, cfg.vocab_size)
+    rows: list[dict[str, Any]] = []
+    for name, model in models.items():
+        r = bench_prefill(model, tokens, sampler, args.min_seconds)
+        rows.append({"variant": name, "phase": "prefill", "batch": args.prefill_batch, **r})
+        energy = "" if r["energy_j_per_token"] is None else f", {1e3 * r['energy_j_per_token']:.3f} mJ/token"
+        print(f"[bench] prefill {name}: {r['tokens_per_s']:.0f} tokens/s{energy}; active/layer {r['l0_per_layer']}")
+        for batch in batches:
+            r = bench_decode(model, cfg, batch, args.context, args.decode_steps, args.min_seconds, args.seed)
+            rows.append({"variant": name, "phase": "decode", "batch": batch, **r})
+            print(f"[bench] decode  {name} batch {batch}: {r['tokens_per_s']:.1f} tokens/s "
+                  f"({r['ms_per_step']:.3f} ms/step); active/layer {r['l0_per_layer']}")
+    dense = {(r["phase"], r["batch"]): r for r in rows if r["variant"] == "dense"}
+    for r in rows:
+        ref = dense[(r["phase"], r["batch"])]
+        r["speed_vs_dense"] = r["tokens_per_s"] / ref["tokens_per_s"]
+        if r.get("energy_j_per_token") is not None and ref.get("energy_j_per_token"):
+            r["energy_vs_dense"] = r["energy_j_per_token"] / ref["energy_j_per_token"]
+    print("\n| phase | batch | variant | tokens/s | vs dense | mJ/token | vs dense | mean active/token |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        mj = "-" if r.get("energy_j_per_token") is None else f"{1e3 * r['energy_j_per_token']:.3f}"
+        ev = f"{r['energy_vs_dense']:.3f}x" if "energy_vs_dense" in r else "-"
+        print(f"| {r['phase']} | {r['batch']} | {r['variant']} | {r['tokens_per_s']:.1f} | "
+              f"{r['speed_vs_dense']:.3f}x | {mj} | {ev} | {np.mean(r['l0_per_layer']):.1f} of {cfg.d_ff} |")
+    result = {"source": source_text, "device": device.device_kind, "backend": jax.default_backend(),
+              "dtype": args.dtype, "context": args.context, "decode_steps": args.decode_steps,
+              "model": dataclasses.asdict(cfg), "rows": rows, "date": time.strftime("%Y-%m-%d")}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"[bench] wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

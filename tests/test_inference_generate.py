@@ -1,0 +1,167 @@
+"""KV-cached decoding and generation: exact against the full forward, bounded compilations,
+sampling, EOS, streaming, errors."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from twell_jax.config import ModelConfig
+from twell_jax.inference import (Generator, LoadedModel, SamplingConfig, experiment_config_for, generate,
+                                 sample_tokens)
+from twell_jax.model import init_cache, init_model
+
+VOCAB = 300  # >= 257: a BPE-sized vocabulary (experiment_config_for)
+
+
+def _model_cfg(**overrides) -> ModelConfig:
+    # init_std 0.2: logits far from ties, so greedy choices are robust to rounding. The generation
+    # mechanics run the op's dense backend (fast to compile); the exactness test runs the sparse one.
+    fields = dict(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, d_ff=48, max_seq_len=64,
+                  compute_dtype="float32", ffn_kind="twell", ffn_backend="dense", init_std=0.2)
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def _loaded(model_cfg: ModelConfig, seed: int = 0) -> LoadedModel:
+    return LoadedModel(model=init_model(model_cfg, seed), config=experiment_config_for(model_cfg), tokenizer=None,
+                       step=None)
+
+
+@pytest.mark.parametrize("kind,backend", [("twell", "reference"), ("relu", "reference"), ("swiglu", "dense")])
+def test_kv_cached_logits_equal_the_full_forward_at_every_position_for_a_ragged_batch(kind, backend):
+    cfg = _model_cfg(ffn_kind=kind, ffn_backend=backend)
+    model = init_model(cfg, 1)
+    rng = np.random.default_rng(0)
+    lengths = [5, 1, 8, 3]  # 8 fills the bucket (no padding), 1 is a lone token at the last slot
+    bucket, steps = 8, 5
+    seqs = [rng.integers(0, VOCAB, size=n + steps) for n in lengths]
+    tokens_BxP = np.zeros((len(lengths), bucket), np.int32)
+    start_B = np.array([bucket - n for n in lengths], np.int32)
+    for b, n in enumerate(lengths):
+        tokens_BxP[b, bucket - n:] = seqs[b][:n]
+    cache = init_cache(cfg, len(lengths), cfg.max_seq_len)
+    logits_BxPxV, cache, _ = model.decode(jnp.asarray(tokens_BxP), cache, jnp.int32(0), jnp.asarray(start_B),
+                                          all_logits=True)
+    forward = jax.jit(lambda tokens: model(tokens)[0])
+    full = [np.asarray(forward(jnp.asarray(seq[None]))[0]) for seq in seqs]  # alone, unpadded
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(np.asarray(logits_BxPxV[b, bucket - n:]), full[b][:n], rtol=1e-5, atol=1e-5)
+    step_fn = jax.jit(lambda m_tokens, c, i: model.decode(m_tokens, c, i, jnp.asarray(start_B)))
+    for t in range(steps):
+        fed_B = np.array([seq[n + t] for seq, n in zip(seqs, lengths)], np.int32)
+        logits_BxV, cache, _ = step_fn(jnp.asarray(fed_B[:, None]), cache, jnp.int32(bucket + t))
+        for b, n in enumerate(lengths):
+            np.testing.assert_allclose(np.asarray(logits_BxV[b]), full[b][n + t], rtol=1e-5, atol=1e-5)
+
+
+def _greedy_by_full_forward(model, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    forward = jax.jit(lambda tokens: model(tokens)[0])
+    for _ in range(n):
+        logits = forward(jnp.asarray([ids]))[0, -1]
+        ids.append(int(jnp.argmax(logits)))
+    return ids[len(prompt):]
+
+
+def test_greedy_generation_equals_a_full_forward_loop_per_row():
+    loaded = _loaded(_model_cfg())
+    prompts = [[3, 14, 15, 9, 2, 6], [5], [35, 8, 9, 7, 9, 3, 2, 38, 4, 6, 26]]
+    result = generate(loaded, prompts, max_new_tokens=4, eos=())
+    for prompt, out in zip(prompts, result.tokens):
+        assert out == _greedy_by_full_forward(loaded.model, prompt, 4)
+    assert result.finish_reasons == ["length"] * 3
+    assert result.prompt_lengths == [6, 1, 11]
+    assert result.texts is None  # no tokenizer
+
+
+def test_a_mix_of_prompt_lengths_compiles_one_prefill_per_bucket_and_one_decode_step():
+    generator = Generator(_loaded(_model_cfg()), cache_len=64)
+    rng = np.random.default_rng(1)
+    lengths = [1, 5, 8, 9, 16, 17, 31, 33, 40]
+    for n in lengths:
+        prompts = [list(rng.integers(0, VOCAB, size=n)), list(rng.integers(0, VOCAB, size=max(1, n // 2)))]
+        generator.generate(prompts, max_new_tokens=2, eos=())
+    # Buckets 8, 16, 32, 64 (40 + 2 fits the 64-slot cache only in a 63-slot bucket: capped).
+    buckets = {generator.prompt_bucket(n, 2) for n in lengths}
+    assert buckets == {8, 16, 32, 63}
+    assert generator.traces == {"prefill": len(buckets), "decode": 1}
+    # Another row bucket (3 prompts -> 4 rows) adds one program per shape, nothing per length.
+    for n in (3, 20, 4):
+        generator.generate([[1] * n, [2], [3, 4]], max_new_tokens=2, eos=())
+    assert generator.traces == {"prefill": len(buckets) + 2, "decode": 2}
+
+
+def test_eos_stops_each_row_on_its_own():
+    loaded = _loaded(_model_cfg())
+    prompts = [[1, 2, 3], [40, 41], [7]]
+    free = generate(loaded, prompts, max_new_tokens=8, eos=())
+    eos = free.tokens[0][2]
+    stopped = generate(loaded, prompts, max_new_tokens=8, eos=eos)
+    for row_free, row, reason in zip(free.tokens, stopped.tokens, stopped.finish_reasons):
+        if eos in row_free:
+            cut = row_free.index(eos) + 1
+            assert row == row_free[:cut] and reason == "eos"
+        else:
+            assert row == row_free and reason == "length"
+    assert stopped.finish_reasons[0] == "eos" and len(stopped.tokens[0]) <= 3
+
+
+def test_stream_gets_every_token_in_order_as_generated():
+    loaded = _loaded(_model_cfg())
+    seen: list[tuple[int, int, str]] = []
+    result = generate(loaded, [[4, 5, 6], [9]], max_new_tokens=5, eos=(),
+                      stream=lambda row, token, text: seen.append((row, token, text)))
+    for row in range(2):
+        assert [t for r, t, _ in seen if r == row] == result.tokens[row]
+    assert [r for r, _, _ in seen] == [0, 1] * 5  # one step at a time, rows interleaved
+    assert all(text == "" for _, _, text in seen)  # no tokenizer: nothing printable
+
+
+def test_sampling_is_seeded_and_top_k_one_or_zero_temperature_is_greedy():
+    loaded = _loaded(_model_cfg())
+    prompts = [[1, 2, 3], [4]]
+    greedy = generate(loaded, prompts, max_new_tokens=6, eos=()).tokens
+    a = generate(loaded, prompts, max_new_tokens=6, temperature=1.5, seed=3, eos=()).tokens
+    b = generate(loaded, prompts, max_new_tokens=6, temperature=1.5, seed=3, eos=()).tokens
+    c = generate(loaded, prompts, max_new_tokens=6, temperature=1.5, seed=4, eos=()).tokens
+    assert a == b and a != c and a != greedy
+    assert generate(loaded, prompts, max_new_tokens=6, temperature=1.5, top_k=1, seed=3, eos=()).tokens == greedy
+    assert generate(loaded, prompts, max_new_tokens=6, temperature=1.5, top_p=1e-6, seed=3, eos=()).tokens == greedy
+
+
+def test_sample_tokens_respects_top_k_and_top_p():
+    logits_1xV = jnp.log(jnp.asarray([[0.05, 0.4, 0.1, 0.3, 0.15]]))
+    keys = jax.random.split(jax.random.key(0), 2000)
+
+    def draw(temperature, top_k, top_p):
+        fn = jax.vmap(lambda k: sample_tokens(logits_1xV, k, jnp.float32(temperature), jnp.int32(top_k),
+                                              jnp.float32(top_p))[0])
+        return np.asarray(fn(keys))
+
+    assert set(draw(1.0, 2, 1.0)) == {1, 3}
+    assert set(draw(1.0, 0, 0.75)) == {1, 3, 4}  # 0.4 + 0.3 < 0.75: the third most likely joins
+    assert set(draw(1.0, 0, 0.7)) == {1, 3}  # 0.4 + 0.3 reaches 0.7
+    assert set(draw(0.0, 0, 1.0)) == {1}
+    counts = np.bincount(draw(1.0, 0, 1.0), minlength=5) / len(keys)
+    np.testing.assert_allclose(counts, [0.05, 0.4, 0.1, 0.3, 0.15], atol=0.04)
+
+
+def test_generation_errors_name_the_problem():
+    loaded = _loaded(_model_cfg(max_seq_len=16))
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate(loaded, [[1], []], max_new_tokens=2)
+    with pytest.raises(ValueError, match="does not fit the cache of 16"):
+        generate(loaded, [[1] * 10], max_new_tokens=8)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        generate(loaded, ["hello"], max_new_tokens=2)
+    with pytest.raises(ValueError, match="outside"):
+        generate(loaded, [[VOCAB]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="single string"):
+        generate(loaded, "hello", max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(loaded, [[1]], max_new_tokens=0)
+    with pytest.raises(ValueError, match="eos"):
+        generate(loaded, [[1]], max_new_tokens=2, eos="x")
+    for bad in (dict(temperature=-1.0), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5), dict(seed=-1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingConfig(**bad)

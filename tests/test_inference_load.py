@@ -1,0 +1,127 @@
+"""load_run on a real (micro) training run, the README's inference example, `twell generate`, and
+the inference benchmark's dry run."""
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+
+import jax
+import numpy as np
+import pytest
+
+from twell_jax import cli
+from twell_jax.inference import load_run
+from twell_jax.model import split_model
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def micro_run(tmp_path_factory):
+    """A 4-step micro run under <tmp>/runs/micro (what the README's example loads), its final params."""
+    from configs import get_config
+    from twell_jax.train import train
+
+    root = tmp_path_factory.mktemp("inference")
+    result = train(get_config("micro"), root / "runs" / "micro", echo=lambda _: None)
+    return root, jax.device_get(result.state["params"])
+
+
+def test_load_run_restores_the_trained_params_in_the_requested_dtype(micro_run):
+    root, trained = micro_run
+    with pytest.warns(UserWarning, match="tokenizer.json not found: rebuilding"):
+        loaded = load_run(root / "runs" / "micro", dtype="float32")
+    assert loaded.step == 4 and loaded.config.name == "micro" and loaded.config.model.compute_dtype == "float32"
+    jax.tree.map(np.testing.assert_array_equal, split_model(loaded.model)[1], trained)
+    # The run's telemetry fills the per-layer "auto" hints.
+    assert len(loaded.config.model.ffn_expected_active) == loaded.config.model.n_layers
+    assert loaded.tokenizer.get_vocab_size() <= loaded.config.model.vocab_size and loaded.eos_id == 0
+    with pytest.warns(UserWarning):
+        half = load_run(root / "runs" / "micro" / "checkpoints", step=4)  # the checkpoints dir works too
+    for got, want in zip(jax.tree.leaves(split_model(half.model)[1]), jax.tree.leaves(trained)):
+        assert got.dtype == np.dtype("bfloat16")
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want).astype("bfloat16"))
+
+
+def test_load_run_prefers_the_runs_tokenizer_json(micro_run, tmp_path):
+    root, _ = micro_run
+    from tokenizers import Tokenizer, models
+
+    run = tmp_path / "run"
+    shutil.copytree(root / "runs" / "micro", run)
+    vocab = {"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, 50)}}
+    Tokenizer(models.WordLevel(vocab, unk_token="w1")).save(str(run / "tokenizer.json"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        loaded = load_run(run)
+    assert loaded.tokenizer.get_vocab_size() == 50 and loaded.eos_id == 0
+
+
+def test_load_run_errors_name_what_is_wrong(micro_run, tmp_path):
+    root, _ = micro_run
+    with pytest.raises(FileNotFoundError, match="no run directory"):
+        load_run(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
+        load_run(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match=r"available steps: \[4\]"):
+        load_run(root / "runs" / "micro", step=3)
+    with pytest.raises(ValueError, match="dtype"):
+        load_run(root / "runs" / "micro", dtype="float16")
+    broken = tmp_path / "broken"
+    shutil.copytree(root / "runs" / "micro", broken)
+    for path in (broken / "checkpoints" / "4" / "state").rglob("*"):
+        if path.is_file() and path.name not in ("_METADATA", "commit_success.txt"):
+            path.write_bytes(b"")
+    with pytest.raises(ValueError, match="checkpoint .*4"):
+        load_run(broken)
+
+
+def test_readme_inference_example_runs(micro_run, monkeypatch, capsys):
+    root, _ = micro_run
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Inference"):]
+    example = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+    assert len(example.strip().splitlines()) <= 6
+    monkeypatch.chdir(root)
+    namespace: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the tokenizer fallback of a run without tokenizer.json
+        exec(compile(example, "README.md#inference", "exec"), namespace)
+    result = namespace["result"]
+    assert len(result.texts) == 2 and all(len(t) <= 8 for t in result.tokens)
+    assert str(result.texts) in capsys.readouterr().out
+
+
+def test_twell_generate_streams_and_reports_errors(micro_run, capsys):
+    root, _ = micro_run
+    rc = cli.main(["generate", "--checkpoint", str(root / "runs" / "micro"), "--prompt", "def main(",
+                   "--max-new-tokens", "5", "--dtype", "float32", "--temperature", "0.7", "--top-k", "20",
+                   "--seed", "1"])
+    captured = capsys.readouterr()
+    assert rc == 0 and captured.out.startswith("def main(")
+    assert "stopped:" in captured.err
+    rc = cli.main(["generate", "--checkpoint", str(root / "runs" / "missing"), "--prompt", "x"])
+    assert rc == 2 and "no run directory" in capsys.readouterr().err
+
+
+def test_bench_inference_dry_run_writes_its_table_and_json(tmp_path):
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_inference.py"), "--dry-run",
+                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| phase | batch | variant |" in proc.stdout
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["phase"], r["batch"]) for r in rows} == {("prefill", 2), ("decode", 1), ("decode", 2)}
+    assert {r["variant"] for r in rows} == {"dense", "twell-reference"}
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and len(r["l0_per_layer"]) == 2
+    # The same weights: dense and sparse rows see the same activity.
+    prefill = {r["variant"]: r["l0_per_layer"] for r in rows if r["phase"] == "prefill"}
+    np.testing.assert_allclose(prefill["dense"], prefill["twell-reference"], rtol=1e-4)

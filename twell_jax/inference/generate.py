@@ -1,0 +1,263 @@
+"""Text generation with a KV cache: batched ragged prompts, sampling, EOS, streaming.
+
+How the number of compiled programs stays bounded: prompts are left-padded to a power-of-two
+length bucket (at least `MIN_PROMPT_BUCKET`) and the batch to a power-of-two row count; every
+call with the same row bucket shares ONE decode-step program (fixed cache length, the write slot,
+the per-row starts and the sampling settings are traced values) plus one prefill program per
+prompt bucket. `Generator.traces` counts the programs traced so far.
+
+Left padding: row b's prompt occupies cache slots [P - len_b, P) and sits at RoPE positions
+0..len_b - 1; `Transformer.decode` hides the padding slots from every query, so each row computes
+exactly what it would alone (tested against the full forward).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from twell_jax.model import init_cache
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from twell_jax.inference.load import LoadedModel
+
+# Shortest prompt bucket: tiny prompts share one prefill program.
+MIN_PROMPT_BUCKET = 8
+
+# stream(row, token_id, text): called for every generated token as soon as it is known; `text` is
+# the newly printable text of that row ("" while a multi-byte character is incomplete, or when the
+# model has no tokenizer).
+StreamFn = Callable[[int, int, str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is picked from the logits."""
+
+    temperature: float = 0.0  # 0 = greedy (argmax); > 0 samples from softmax(logits / temperature)
+    top_k: int = 0  # sample among the k most likely tokens (0 = no limit; ties at the cut are kept)
+    top_p: float = 1.0  # nucleus: the smallest most-likely set with probability >= top_p (1 = all)
+    seed: int = 0  # PRNG seed of the sampling (same seed, prompts and settings = same output)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, bool) or not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = no limit), got {self.top_k!r}")
+        if isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """What `generate` produced, one entry per prompt (in the order given)."""
+
+    tokens: list[list[int]]  # generated ids (the EOS id included when a row stopped on it)
+    texts: list[str] | None  # decoded generated text (EOS excluded); None without a tokenizer
+    finish_reasons: list[str]  # "eos" or "length" (max_new_tokens reached)
+    prompt_lengths: list[int]
+
+
+def sample_tokens(logits_BxV: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                  top_p: jax.Array) -> jax.Array:
+    """Next token per row [B] (int32): argmax when temperature == 0, else a sample from the
+    temperature-scaled softmax restricted to the top-k tokens, then to the top-p nucleus of those.
+    All settings may be traced, so one program serves every setting."""
+    vocab = logits_BxV.shape[-1]
+    logits_BxV = logits_BxV.astype(jnp.float32)
+    greedy_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    scaled_BxV = logits_BxV / jnp.maximum(temperature, 1e-6)
+    sorted_BxV = -jnp.sort(-scaled_BxV, axis=-1)  # descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    in_top_k_V = jnp.arange(vocab) < k
+    sorted_BxV = jnp.where(in_top_k_V[None, :], sorted_BxV, -jnp.inf)
+    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+    # A token stays in the nucleus while the mass strictly before it is < top_p (the first always does).
+    in_nucleus_BxV = (jnp.cumsum(probs_BxV, axis=-1) - probs_BxV) < top_p
+    keep_BxV = in_nucleus_BxV & in_top_k_V[None, :]
+    n_keep_B = jnp.maximum(jnp.sum(keep_BxV, axis=-1), 1)
+    threshold_Bx1 = jnp.take_along_axis(sorted_BxV, (n_keep_B - 1)[:, None], axis=-1)
+    masked_BxV = jnp.where(scaled_BxV >= threshold_Bx1, scaled_BxV, -jnp.inf)
+    sampled_B = jax.random.categorical(key, masked_BxV, axis=-1).astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled_B, greedy_B)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+class Generator:
+    """Compiled prefill / decode-step programs of one model, reused across `generate` calls."""
+
+    def __init__(self, loaded: "LoadedModel", *, cache_len: int | None = None):
+        model_cfg = loaded.config.model
+        self.loaded = loaded
+        self.cache_len = model_cfg.max_seq_len if cache_len is None else cache_len
+        if not 2 <= self.cache_len <= model_cfg.max_seq_len:
+            raise ValueError(f"cache_len must be in [2, model.max_seq_len={model_cfg.max_seq_len}], got {cache_len}")
+        self.graphdef, self.state = nnx.split(loaded.model)
+        self.traces = {"prefill": 0, "decode": 0}  # programs traced (= compiled) so far
+        model_cfg_ = model_cfg
+        cache_len_ = self.cache_len
+
+        def prefill(state: nnx.State, tokens_BxP: jax.Array, start_B: jax.Array, key: jax.Array,
+                    temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> tuple[jax.Array, object]:
+            self.traces["prefill"] += 1
+            model = nnx.merge(self.graphdef, state)
+            cache = init_cache(model_cfg_, tokens_BxP.shape[0], cache_len_)
+            logits_BxV, cache, _ = model.decode(tokens_BxP, cache, jnp.int32(0), start_B)
+            return sample_tokens(logits_BxV, jax.random.fold_in(key, 0), temperature, top_k, top_p), cache
+
+        def decode_step(state: nnx.State, cache: object, token_B: jax.Array, cache_index: jax.Array,
+                        start_B: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                        top_p: jax.Array) -> tuple[jax.Array, object]:
+            self.traces["decode"] += 1
+            model = nnx.merge(self.graphdef, state)
+            logits_BxV, cache, _ = model.decode(token_B[:, None], cache, cache_index, start_B)
+            return sample_tokens(logits_BxV, jax.random.fold_in(key, cache_index), temperature, top_k, top_p), cache
+
+        self._prefill = jax.jit(prefill)
+        # The cache is updated in place on accelerators (CPU cannot donate buffers and would warn).
+        donate = (1,) if jax.default_backend() != "cpu" else ()
+        self._decode_step = jax.jit(decode_step, donate_argnums=donate)
+
+    @property
+    def num_compilations(self) -> int:
+        return self.traces["prefill"] + self.traces["decode"]
+
+    def encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+        """Token ids of each prompt (strings need the model's tokenizer); errors name the prompt."""
+        tokenizer, vocab = self.loaded.tokenizer, self.loaded.config.model.vocab_size
+        if isinstance(prompts, str):
+            raise ValueError("prompts must be a list of strings or of token-id lists, got a single string")
+        out = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                if tokenizer is None:
+                    raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+                ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+            else:
+                ids = [int(t) for t in prompt]
+            if not ids:
+                raise ValueError(f"prompt {i} is empty (it needs at least one token)")
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
+            out.append(ids)
+        if not out:
+            raise ValueError("prompts is empty")
+        return out
+
+    def prompt_bucket(self, longest: int, max_new_tokens: int) -> int:
+        """The padded prompt length: a power of two >= longest (>= MIN_PROMPT_BUCKET), shortened to
+        leave room in the cache for max_new_tokens - 1 decode steps."""
+        if longest + max_new_tokens - 1 > self.cache_len:
+            raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} does not fit the "
+                             f"cache of {self.cache_len} tokens (model.max_seq_len); shorten the prompt or "
+                             "max_new_tokens")
+        return min(max(_next_pow2(longest), MIN_PROMPT_BUCKET), self.cache_len - max_new_tokens + 1)
+
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int = 64,
+                 sampling: SamplingConfig = SamplingConfig(), eos: int | Sequence[int] | None = None,
+                 stream: StreamFn | None = None) -> GenerationResult:
+        """See `generate` (module level)."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        ids = self.encode(prompts)
+        eos_ids = _eos_set(eos, self.loaded.eos_id)
+        n_rows, rows = len(ids), _next_pow2(len(ids))
+        lengths = [len(p) for p in ids]
+        bucket = self.prompt_bucket(max(lengths), max_new_tokens)
+        tokens_BxP = np.zeros((rows, bucket), np.int32)
+        start_B = np.full((rows,), bucket - 1, np.int32)  # padding rows: one token at the last slot
+        for b, prompt in enumerate(ids):
+            tokens_BxP[b, bucket - len(prompt):] = prompt
+            start_B[b] = bucket - len(prompt)
+        key = jax.random.key(sampling.seed)
+        settings = (jnp.float32(sampling.temperature), jnp.int32(sampling.top_k), jnp.float32(sampling.top_p))
+        start = jnp.asarray(start_B)
+        token_B, cache = self._prefill(self.state, jnp.asarray(tokens_BxP), start, key, *settings)
+        out: list[list[int]] = [[] for _ in range(n_rows)]
+        reasons = ["length"] * n_rows
+        done = [False] * n_rows
+        printer = _StreamPrinter(self.loaded.tokenizer, n_rows, stream)
+        for step in range(max_new_tokens):
+            if step:
+                token_B, cache = self._decode_step(self.state, cache, token_B, jnp.int32(bucket + step - 1),
+                                                   start, key, *settings)
+            host_B = np.asarray(token_B)
+            for b in range(n_rows):
+                if done[b]:
+                    continue
+                token = int(host_B[b])
+                out[b].append(token)
+                printer.push(b, token, token in eos_ids)
+                if token in eos_ids:
+                    done[b], reasons[b] = True, "eos"
+            if all(done):
+                break
+        texts = None
+        if self.loaded.tokenizer is not None:
+            texts = [self.loaded.tokenizer.decode([t for t in row if t not in eos_ids]) for row in out]
+        return GenerationResult(tokens=out, texts=texts, finish_reasons=reasons, prompt_lengths=lengths)
+
+
+def _eos_set(eos: int | Sequence[int] | None, default: int | None) -> frozenset[int]:
+    if eos is None:
+        return frozenset() if default is None else frozenset([default])
+    if isinstance(eos, (int, np.integer)) and not isinstance(eos, bool):
+        return frozenset([int(eos)])
+    if isinstance(eos, (list, tuple, set, frozenset)) and all(
+            isinstance(e, (int, np.integer)) and not isinstance(e, bool) for e in eos):
+        return frozenset(int(e) for e in eos)
+    raise ValueError(f"eos must be None (the model's end-of-text id), a token id or a list of ids (() = never "
+                     f"stop early), got {eos!r}")
+
+
+class _StreamPrinter:
+    """Turns each row's token stream into newly printable text for the stream callback."""
+
+    def __init__(self, tokenizer: object, n_rows: int, stream: StreamFn | None):
+        self.tokenizer, self.stream = tokenizer, stream
+        self.ids: list[list[int]] = [[] for _ in range(n_rows)]
+        self.emitted = [0] * n_rows
+
+    def push(self, row: int, token: int, is_eos: bool) -> None:
+        if self.stream is None:
+            return
+        text = ""
+        if self.tokenizer is not None and not is_eos:
+            self.ids[row].append(token)
+            decoded = self.tokenizer.decode(self.ids[row])
+            # Hold back a trailing incomplete UTF-8 sequence (decoded as U+FFFD) until it completes.
+            if not decoded.endswith("\ufffd"):
+                text, self.emitted[row] = decoded[self.emitted[row]:], len(decoded)
+        self.stream(row, token, text)
+
+
+def generate(model: "LoadedModel | Generator", prompts: Sequence[str] | Sequence[Sequence[int]],
+             max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             seed: int = 0, eos: int | Sequence[int] | None = None,
+             stream: StreamFn | None = None) -> GenerationResult:
+    """Continue each prompt (a string, or a list of token ids) by up to `max_new_tokens` tokens.
+
+    Greedy when temperature == 0, else sampling with top-k / top-p and `seed`. A row stops at
+    its first token in `eos` (default: the model's end-of-text id; () never stops early).
+    `stream(row, token_id, text)` is called for each new token as soon as it is known. Pass a
+    `Generator` (or the same LoadedModel again: its Generator is cached on it) to reuse compiled
+    programs across calls."""
+    if isinstance(model, Generator):
+        generator = model
+    else:
+        if model._generator is None:
+            model._generator = Generator(model)  # one set of programs per loaded model
+        generator = model._generator
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    return generator.generate(prompts, max_new_tokens, sampling, eos, stream)

@@ -1,0 +1,130 @@
+"""Load a trained run for inference: parameters (no optimizer state), config, tokenizer.
+
+`load_run(run_dir)` restores only the parameters of a verified checkpoint
+(`twell_jax.checkpoint.restore_params`: the newest intact one, or `step`), so no optimizer or
+Trainer is built. The tokenizer is the one saved with the run (`<run>/tokenizer.json`); a run
+without one gets the tokenizer its config's data section builds, with a warning.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from twell_jax import checkpoint as ckpt_lib
+from twell_jax.config import DTYPES, DataConfig, ExperimentConfig, ModelConfig, SparsityConfig
+from twell_jax.evaluate import with_auto_hints
+from twell_jax.model import Transformer, init_model
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from tokenizers import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model ready for inference: params cast to the compute dtype inside `model`."""
+
+    model: Transformer  # the NNX module (params in `config.model.compute_dtype`)
+    config: ExperimentConfig  # the run's config, compute_dtype set to the load dtype
+    tokenizer: "Tokenizer | None"  # None when neither the run nor its data section provides one
+    step: int | None  # checkpoint step (None for a model that did not come from a run)
+    eos_id: int | None = None  # end-of-text id (the data section's eot_token), None if unknown
+    # The compiled programs of `generate(loaded, ...)`, made on first use and reused by later calls.
+    _generator: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.config.model
+
+
+def experiment_config_for(model_cfg: ModelConfig, *, name: str = "model",
+                          tokenizer_path: str | None = None) -> ExperimentConfig:
+    """An ExperimentConfig around a bare model config (a random or imported model), so that such a
+    model travels as a LoadedModel like a trained run. Without `tokenizer_path` the data section
+    names a BPE of the model's vocabulary size (which must then be >= 257)."""
+    data = DataConfig(tokenizer=tokenizer_path or "bpe", seq_len=model_cfg.max_seq_len,
+                      vocab_size=min(model_cfg.vocab_size, DataConfig().vocab_size))
+    sparsity = SparsityConfig(l1_coef=SparsityConfig().l1_coef if model_cfg.kind.l1 else 0.0)
+    return ExperimentConfig(name=name, model=model_cfg, data=data, sparsity=sparsity)
+
+
+def model_with_params(cfg: ModelConfig, params: dict[str, Any], dtype: str) -> Transformer:
+    """A Transformer of `cfg` (compute dtype `dtype`) holding `params` cast to `dtype`.
+
+    `params` is the plain nested dict of `model.split_model`; a missing or misshapen entry is an
+    error naming it."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    cfg = dataclasses.replace(cfg, compute_dtype=dtype)
+    abstract = nnx.eval_shape(lambda: init_model(cfg, 0))
+    graphdef, state = nnx.split(abstract)
+    expected = nnx.to_pure_dict(state)
+    want = {jax.tree_util.keystr(p): leaf.shape for p, leaf in jax.tree_util.tree_leaves_with_path(expected)}
+    have = {jax.tree_util.keystr(p): tuple(leaf.shape) for p, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    problems = [f"{k}: missing" for k in want if k not in have]
+    problems += [f"{k}: unexpected" for k in have if k not in want]
+    problems += [f"{k}: shape {have[k]}, expected {want[k]}" for k in want if k in have and have[k] != want[k]]
+    if problems:
+        raise ValueError("parameters do not match the model config: " + "; ".join(sorted(problems)[:12]))
+    cast = jax.tree.map(lambda leaf: jnp.asarray(leaf).astype(dtype), params)
+    nnx.replace_by_pure_dict(state, cast)
+    return nnx.merge(graphdef, state)
+
+
+def load_tokenizer_for_run(run_dir: str | Path, cfg: ExperimentConfig) -> "Tokenizer | None":
+    """The tokenizer saved with the run (`checkpoint.saved_tokenizer`), else the one the config's
+    data section builds (the same cache or training as at training time; warns), else None (warns)."""
+    from twell_jax.data import build_data
+    from twell_jax.data import tokenizer as tokenizer_lib
+
+    path = ckpt_lib.saved_tokenizer(run_dir)
+    if path is not None:
+        return tokenizer_lib.load_tokenizer(str(path))
+    warnings.warn(f"{Path(run_dir) / ckpt_lib.TOKENIZER_FILE} not found: rebuilding the tokenizer from the run's "
+                  f"data config (tokenizer={cfg.data.tokenizer!r}, source={cfg.data.source!r}); this needs the "
+                  "same tokenizer file or BPE cache / corpus as at training time", stacklevel=3)
+    try:
+        json_path = build_data(cfg.data, global_batch=1).tokenizer_json_path
+    except (ValueError, OSError, ImportError) as err:
+        warnings.warn(f"no tokenizer for {run_dir}: {err}; generation then needs token ids", stacklevel=3)
+        return None
+    return None if json_path is None else tokenizer_lib.load_tokenizer(json_path)
+
+
+def eos_id_of(tokenizer: "Tokenizer | None", cfg: ExperimentConfig) -> int | None:
+    """The id of the data config's end-of-text token in `tokenizer` (None when absent)."""
+    if tokenizer is None:
+        return None
+    token_id = tokenizer.token_to_id(cfg.data.eot_token)
+    return None if token_id is None else int(token_id)
+
+
+def load_run(run_dir: str | Path, step: int | None = None, dtype: str = "bfloat16") -> LoadedModel:
+    """Load a trained run (a run dir or its checkpoints/ dir) for inference.
+
+    `step`: the checkpoint step (default: the latest). `dtype`: compute dtype, and the dtype the
+    parameters are cast to ("bfloat16" or "float32")."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    run_path = ckpt_lib.checkpoint_dir(run_dir).parent
+    if not run_path.exists():
+        raise FileNotFoundError(f"no run directory at {run_path.absolute()}")
+    params, cfg, step = ckpt_lib.restore_params(run_path, step, warn=logger.warning)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compute_dtype=dtype))
+    # Per-layer active counts from the run's telemetry: "auto" then picks dense/sparse at trace time.
+    cfg = with_auto_hints(cfg, run_path, echo=logger.info)
+    tokenizer = load_tokenizer_for_run(run_path, cfg)
+    if tokenizer is not None and tokenizer.get_vocab_size() > cfg.model.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is "
+                         f"{cfg.model.vocab_size}: not this run's tokenizer")
+    model = model_with_params(cfg.model, params, dtype)
+    return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, step=step, eos_id=eos_id_of(tokenizer, cfg))
