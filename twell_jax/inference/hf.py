@@ -187,7 +187,7 @@ def import_hf(path: str | Path, *, dtype: str = "float32", ffn_kind: str | None 
     params = params_from_hf(read_safetensors(path), model_cfg, down_proj_layout)
     tokenizer = None
     if (path / TOKENIZER_FILE).is_file():
-        from twell_jax import tokenizer as tokenizer_lib
+        from twell_jax.data import tokenizer as tokenizer_lib
 
         tokenizer = tokenizer_lib.load_tokenizer(str(path / TOKENIZER_FILE))
     eos = hf.get("eos_token_id")
