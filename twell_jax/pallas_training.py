@@ -109,20 +109,23 @@ def backward_settings(config: Any) -> BackwardConfig:
 #                     + H * NEURON_MS_PER_NEURON + M * k * 2 * D * b / NEURON_BYTES_PER_MS     neuron-major
 #                     + (pack time, when the pattern is recomputed)
 # n_tok_rows = rows gathered per entry by the token-major kernel: 3 (W, U, G) gated, 2 (W, U).
-# The values below are ESTIMATES (not measured): token-major at the forward FFN's gather rate;
-# neuron-major gathers x/gy rows that do not fit in L2 (~HBM rate); sort ~0.2 ms for 2M keys.
+# Fitted on an H100 on 2026-11-22 (BENCHMARKS.md, `bench_ffn_train.py --quick`, M 16384, D 2048,
+# H 5632, bf16): the Pallas backward took 2.82 ms at k = 29 and 5.1 ms at k = 56 (fwd+bwd minus
+# the forward), i.e. ~0.37 ms fixed + 0.084 ms per active neuron per token: both gather passes
+# at an effective ~4 TB/s; XLA's dense backward (6 GEMMs) took 2.46 ms.
 # ----------------------------------------------------------------------------------------------
 COST_TABLE = dict(
     BWD_FIXED_MS=0.15,
-    TOKEN_MS_PER_TOKEN=1.6e-5,
-    TOKEN_BYTES_PER_MS=8.4e9,
-    SORT_MS_PER_SLOT=1.0e-7,
-    NEURON_MS_PER_NEURON=2.0e-5,
-    NEURON_BYTES_PER_MS=3.0e9,
+    TOKEN_MS_PER_TOKEN=5.0e-6,
+    TOKEN_BYTES_PER_MS=4.0e9,
+    SORT_MS_PER_SLOT=5.0e-8,
+    NEURON_MS_PER_NEURON=7.0e-6,
+    NEURON_BYTES_PER_MS=4.0e9,
+    DENSE_BWD_FLOPS_PER_MS=9.2e11,
 )
-# A sparse piece is chosen only when its modelled time is at most SAFETY x the dense piece's:
-# with model errors up to 1/SAFETY - 1 - 2% (8.9%) the step stays >= 0.98x dense, and with a
-# hint above the crossover the chosen path IS the dense path (1.00x by construction).
+# A plan with a sparse piece is chosen only when its modelled time is at most SAFETY x the dense
+# plan's: with model errors up to 1/SAFETY - 1 - 2% (8.9%) the step stays >= 0.98x dense, and
+# otherwise the chosen plan IS the dense program (1.00x by construction).
 SAFETY = 0.9
 
 
@@ -130,7 +133,7 @@ def dense_times_ms(m: int, d: int, h: int, gated: bool) -> tuple[float, float]:
     """Modelled (forward, backward) ms of the dense FFN with bf16 operands."""
     flops = 2.0 * m * d * h
     fwd = pallas_backend.DENSE_LAUNCH_MS + (3 if gated else 2) * flops / pallas_backend.DENSE_FLOPS_PER_MS
-    bwd = pallas_backend.DENSE_LAUNCH_MS + (6 if gated else 4) * flops / pallas_backend.DENSE_FLOPS_PER_MS
+    bwd = pallas_backend.DENSE_LAUNCH_MS + (6 if gated else 4) * flops / COST_TABLE["DENSE_BWD_FLOPS_PER_MS"]
     return fwd, bwd
 
 
@@ -157,17 +160,26 @@ def choose_training_path(m: int, d: int, h: int, expected_active: float, gated: 
                          keep_pattern: bool = True) -> tuple[bool, bool]:
     """(forward sparse?, backward sparse?) for one layer from its expected active count per token.
 
-    Each piece is sparse only if its modelled time <= SAFETY x the dense piece's. A sparse
-    backward without a sparse forward recomputes the pattern (its cost includes the pack)."""
+    The four plans are compared whole, because the pieces are not independent: a dense backward
+    after a sparse forward runs inside the op's custom_vjp and recomputes the pre-activations (2
+    GEMMs gated, 1 not) that plain autodiff of the dense plan keeps; a sparse backward after a
+    dense forward recomputes the pattern (the pack). A plan with a sparse piece wins only if its
+    modelled time is <= SAFETY x the dense plan's; otherwise the dense plan runs."""
     if isinstance(expected_active, bool) or not expected_active >= 0:
         raise ValueError(f"expected_active must be a number >= 0, got {expected_active!r}")
     dense_fwd, dense_bwd = dense_times_ms(m, d, h, gated)
-    sparse_fwd, _ = sparse_times_ms(m, d, h, expected_active, gated, itemsize=itemsize,
-                                    ell_width=ell_width)
-    forward_sparse = sparse_fwd <= SAFETY * dense_fwd
-    _, sparse_bwd = sparse_times_ms(m, d, h, expected_active, gated, itemsize=itemsize,
-                                    ell_width=ell_width, keep_pattern=forward_sparse and keep_pattern)
-    return forward_sparse, sparse_bwd <= SAFETY * dense_bwd
+    recompute = (2.0 if gated else 1.0) / (3.0 if gated else 2.0) * dense_fwd
+    sparse_fwd, sparse_bwd_kept = sparse_times_ms(m, d, h, expected_active, gated, itemsize=itemsize,
+                                                  ell_width=ell_width, keep_pattern=keep_pattern)
+    _, sparse_bwd_repacked = sparse_times_ms(m, d, h, expected_active, gated, itemsize=itemsize,
+                                             ell_width=ell_width, keep_pattern=False)
+    plans = {
+        (True, True): sparse_fwd + sparse_bwd_kept,
+        (True, False): sparse_fwd + dense_bwd + recompute,
+        (False, True): dense_fwd + sparse_bwd_repacked,
+    }
+    best = min(plans, key=plans.get)
+    return best if plans[best] <= SAFETY * (dense_fwd + dense_bwd) else (False, False)
 
 
 # ----------------------------------------------------------------------------------------------
