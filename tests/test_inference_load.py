@@ -32,15 +32,15 @@ def micro_run(tmp_path_factory):
 
 def test_load_run_restores_the_trained_params_in_the_requested_dtype(micro_run):
     root, trained = micro_run
-    with pytest.warns(UserWarning, match="tokenizer.json not found: rebuilding"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the run saved its tokenizer: no fallback warning
         loaded = load_run(root / "runs" / "micro", dtype="float32")
     assert loaded.step == 4 and loaded.config.name == "micro" and loaded.config.model.compute_dtype == "float32"
     jax.tree.map(np.testing.assert_array_equal, split_model(loaded.model)[1], trained)
     # The run's telemetry fills the per-layer "auto" hints.
     assert len(loaded.config.model.ffn_expected_active) == loaded.config.model.n_layers
     assert loaded.tokenizer.get_vocab_size() <= loaded.config.model.vocab_size and loaded.eos_id == 0
-    with pytest.warns(UserWarning):
-        half = load_run(root / "runs" / "micro" / "checkpoints", step=4)  # the checkpoints dir works too
+    half = load_run(root / "runs" / "micro" / "checkpoints", step=4)  # the checkpoints dir works too
     for got, want in zip(jax.tree.leaves(split_model(half.model)[1]), jax.tree.leaves(trained)):
         assert got.dtype == np.dtype("bfloat16")
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want).astype("bfloat16"))
@@ -60,20 +60,30 @@ def test_load_run_prefers_the_runs_tokenizer_json(micro_run, tmp_path):
     assert loaded.tokenizer.get_vocab_size() == 50 and loaded.eos_id == 0
 
 
+def test_load_run_without_a_saved_tokenizer_rebuilds_it_with_a_warning(micro_run, tmp_path):
+    root, _ = micro_run
+    run = tmp_path / "run"
+    shutil.copytree(root / "runs" / "micro", run)
+    (run / "tokenizer.json").unlink()
+    with pytest.warns(UserWarning, match="tokenizer.json not found: rebuilding"):
+        loaded = load_run(run)
+    assert loaded.tokenizer.get_vocab_size() <= loaded.config.model.vocab_size and loaded.eos_id == 0
+
+
 def test_load_run_errors_name_what_is_wrong(micro_run, tmp_path):
     root, _ = micro_run
     with pytest.raises(FileNotFoundError, match="no run directory"):
         load_run(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
         load_run(tmp_path / "empty")
-    with pytest.raises(FileNotFoundError, match=r"available steps: \[4\]"):
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint for step 3 .*steps: \[4\]"):
         load_run(root / "runs" / "micro", step=3)
     with pytest.raises(ValueError, match="dtype"):
         load_run(root / "runs" / "micro", dtype="float16")
     broken = tmp_path / "broken"
     shutil.copytree(root / "runs" / "micro", broken)
-    for path in (broken / "checkpoints" / "4" / "state").rglob("*"):
+    for path in (broken / "checkpoints" / "4" / "params").rglob("*"):
         if path.is_file() and path.name not in ("_METADATA", "commit_success.txt"):
             path.write_bytes(b"")
     with pytest.raises(ValueError, match="checkpoint .*4"):

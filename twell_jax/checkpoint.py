@@ -333,6 +333,9 @@ def restore_params_with_meta(run_dir: str | Path, step: int | None = None, *,
     run_dir = Path(run_dir)
     store = CheckpointStore(checkpoint_dir(run_dir), create=False)
     try:
+        if step is not None and step not in store.all_steps():
+            raise FileNotFoundError(f"no checkpoint for step {step} in {store.directory} (steps: "
+                                    f"{store.all_steps() or 'none'})")
         cfg = config_lib.from_dict(store.restore_meta(step)["config"]) if step is not None else \
             load_run_config(store.directory.parent)
         abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: init_model(cfg.model, cfg.train.seed)))[1])
