@@ -21,9 +21,9 @@ Training "auto" hints. When the sparse op runs backend "auto" and the user gave 
 decides dense vs sparse per layer at trace time and compiles exactly one path (without a hint it
 compiles both behind a device-side branch, which costs time and memory). A fresh run measures each
 layer's mean active neurons per token with one forward on the first micro-batch of its first batch
-(a model at initialisation is ~50% active: the step compiled is exactly the dense one); a resumed
-run takes the hints its checkpoint was saved with (else the last l0 in metrics.jsonl, else a
-measurement). Every `train.auto_refresh_every` steps the step's own l0_per_layer (fetched for
+(through the dense backend: same counts; a model at initialisation is ~50% active, so the step
+compiled is exactly the dense one); a resumed run takes the hints its checkpoint was saved with
+(else the last l0 in metrics.jsonl, else a measurement). Every `train.auto_refresh_every` steps the step's own l0_per_layer (fetched for
 logging anyway: no extra host sync) gives new per-layer decisions (`auto_decisions`, which is
 `ops.auto_decision`, i.e. the op's own plan); only when one changes are the hints replaced, the
 graphdef rebuilt (params keep their structure) and the step recompiled, once, with a log line
@@ -541,10 +541,14 @@ class Trainer:
         position = iterator.get_state()
         tokens = np.asarray(next(iterator)["tokens"], np.int32)
         iterator.set_state(position)
-        rows = self.cfg.train.micro_batch * self.num_devices  # one micro-batch: the memory of a step's forward
+        # One micro-batch (this process's rows of it): the memory of a step's forward, not more.
+        rows = self.cfg.train.micro_batch * max(1, self.num_devices // jax.process_count())
         placed = parallel.host_to_global({"tokens": tokens[:rows]}, self.mesh)
-        graphdef = abstract_graphdef(self.cfg.model, self.cfg.train.seed)  # no hints: "auto" as the user set it
-        return measure_active_per_layer(graphdef, state["params"], placed["tokens"])
+        # The dense backend: the same l0 exactly (a backend never changes results), without
+        # compiling "auto"'s two hint-less paths just to count.
+        dense = dataclasses.replace(self.cfg.model, ffn_backend="dense")
+        return measure_active_per_layer(abstract_graphdef(dense, self.cfg.train.seed), state["params"],
+                                        placed["tokens"])
 
     def _use_hints(self, hints: Sequence[float]) -> None:
         """Compile with these hints from now on: their decisions and the graphdef built with them."""
