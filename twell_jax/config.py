@@ -269,6 +269,10 @@ class TrainConfig:
     # Wall-clock budget of the training loop in seconds (compilation excluded); the run stops after
     # the step that crosses it, then checkpoints and evaluates as at the end. 0 = no limit.
     time_limit_s: float = 0.0
+    # Sparse op with backend "auto" and no model.ffn_expected_active: the trainer sets the per-layer
+    # hints itself (measured on the first batch, then from the logged l0) and re-plans every this
+    # many steps, recompiling the step only when some layer's dense/sparse decision changes. 0 = never.
+    auto_refresh_every: int = 200
 
     def __post_init__(self) -> None:
         _check_finite("train", self)
@@ -282,6 +286,9 @@ class TrainConfig:
             raise ValueError(f"train.time_limit_s must be >= 0 seconds (0 = no limit), got {self.time_limit_s!r}")
         if self.eval_every < 0 or self.checkpoint_every < 0:
             raise ValueError("train.eval_every and train.checkpoint_every must be >= 0")
+        if isinstance(self.auto_refresh_every, bool) or not isinstance(self.auto_refresh_every, int) \
+                or self.auto_refresh_every < 0:
+            raise ValueError(f"train.auto_refresh_every must be an int >= 0 (0 = never), got {self.auto_refresh_every!r}")
         if self.global_batch % self.micro_batch:
             raise ValueError(f"train.global_batch={self.global_batch} must be a multiple of "
                              f"train.micro_batch={self.micro_batch}")
@@ -457,7 +464,7 @@ RESUMABLE_FIELDS = frozenset({
     "name",  # a label (the default run directory name)
     "train.steps", "train.time_limit_s", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.eval_batch_size", "train.checkpoint_every", "train.keep_checkpoints", "train.tensorboard",
-    "train.progress_bar", "train.num_devices", "train.micro_batch", "train.fsdp",
+    "train.progress_bar", "train.num_devices", "train.micro_batch", "train.fsdp", "train.auto_refresh_every",
     "optim.schedule_steps",
     "model.ffn_backend", "model.ffn_op_config", "model.ffn_interpret", "model.ffn_expected_active",
     "model.remat", "model.attention_impl",

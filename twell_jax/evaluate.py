@@ -20,7 +20,7 @@ from twell_jax import parallel
 from twell_jax.config import ExperimentConfig
 from twell_jax.model import init_model
 from twell_jax.data import DataSource, build_experiment_data
-from twell_jax.train import evaluate_params, make_eval_step, with_saved_tokenizer
+from twell_jax.train import evaluate_params, make_eval_step, manages_auto_hints, with_saved_tokenizer
 
 
 def evaluate_checkpoint(path: str | Path, *, step: int | None = None, overrides: list[str] | None = None,
@@ -82,8 +82,7 @@ def with_auto_hints(cfg: ExperimentConfig, run_dir: str | Path,
     with backend "auto" and no hint is set: "auto" then decides dense vs sparse per layer at trace
     time instead of sampling tokens on the device (speed only; the results are the same)."""
     model = cfg.model
-    if (not model.kind.sparse_op or model.ffn_backend != "auto" or model.ffn_expected_active
-            or "expected_active_per_token" in model.ffn_op_config):
+    if not manages_auto_hints(model):
         return cfg
     hints = expected_active_from_run(run_dir, model.n_layers)
     if hints is None:

@@ -645,6 +645,16 @@ def _plan(gated: bool, backend: str, interpret: bool, config: SparseFFNConfig,
                  interpret)
 
 
+def auto_decision(gated: bool, config: SparseFFNConfig, shape: tuple[int, int, int, int],
+                  interpret: bool = False) -> tuple[str, str]:
+    """(forward, backward) that backend "auto" compiles for one call of `shape` = (tokens per shard,
+    D, H, itemsize) under `config` (its `expected_active_per_token` hint included): `_plan`'s static
+    outcome, ("dense", "dense") when the call runs the plain dense backend. The trainer compares
+    these per layer to decide whether refreshed hints need a recompile."""
+    plan = _plan(gated, "auto", interpret, config, shape)
+    return ("dense", "dense") if plan is None else (plan.forward, plan.backward)
+
+
 def _dispatch(gated: bool, x: Any, weights: dict[str, Any], backend: str, config: Any,
               interpret: Any) -> tuple[jax.Array, Aux]:
     x = jnp.asarray(x)

@@ -15,6 +15,20 @@ A run directory holds one run (twell_jax/checkpoint.py): a new run refuses a non
 unless told to overwrite; `resume=True` continues from the newest intact checkpoint (or `step`),
 with the run's saved config as the reference. SIGINT/SIGTERM finish the current step, checkpoint
 and raise `TrainingInterrupted`.
+
+Training "auto" hints. When the sparse op runs backend "auto" and the user gave no hint
+(`manages_auto_hints`), the trainer supplies `model.ffn_expected_active` itself, so that "auto"
+decides dense vs sparse per layer at trace time and compiles exactly one path (without a hint it
+compiles both behind a device-side branch, which costs time and memory). A fresh run measures each
+layer's mean active neurons per token with one forward on the first micro-batch of its first batch
+(through the dense backend: same counts; a model at initialisation is ~50% active, so the step
+compiled is exactly the dense one); a resumed run takes the hints its checkpoint was saved with
+(else the last l0 in metrics.jsonl, else a measurement). Every `train.auto_refresh_every` steps the step's own l0_per_layer (fetched for
+logging anyway: no extra host sync) gives new per-layer decisions (`auto_decisions`, which is
+`ops.auto_decision`, i.e. the op's own plan); only when one changes are the hints replaced, the
+graphdef rebuilt (params keep their structure) and the step recompiled, once, with a log line
+naming every layer's decision. The hints in use go into every metrics record
+(`auto_hints_per_layer`) and into the checkpoints' config.
 """
 from __future__ import annotations
 
@@ -26,7 +40,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,11 +51,11 @@ from flax import nnx
 from twell_jax import checkpoint as ckpt_lib
 from twell_jax import config as config_lib
 from twell_jax import parallel
-from twell_jax.config import ExperimentConfig
+from twell_jax.config import ExperimentConfig, ModelConfig
 from twell_jax.data import DataSource, build_experiment_data
 from twell_jax.loss import cross_entropy, l1_coefficient, total_loss
 from twell_jax.metrics import MetricsSink, check_finite, device_peak_memory_bytes, to_python
-from twell_jax.model import apply_model, describe_execution, init_model, split_model
+from twell_jax.model import apply_model, build_op_config, describe_execution, init_model, split_model
 from twell_jax.optimizer import build_optimizer, learning_rate_schedule
 from twell_jax.sparsity import dead_share, init_counters, position_profile, reinit_dead_rows, update_counters
 
@@ -72,6 +86,58 @@ def check_op_config(cfg: ExperimentConfig) -> None:
         raise ValueError(f"model.ffn_op_config={cfg.model.ffn_op_config!r}: {err} (known keys: {known})") from None
     except ValueError as err:
         raise ValueError(f"model.ffn_op_config={cfg.model.ffn_op_config!r}: {err}") from None
+
+
+def manages_auto_hints(model: ModelConfig) -> bool:
+    """True when the sparse op runs backend "auto" and the user set no `expected_active_per_token`
+    hint (neither `model.ffn_expected_active` nor one in `model.ffn_op_config`): the hints are then
+    filled from telemetry (by the trainer, and by `evaluate.with_auto_hints` for eval/inference)."""
+    return (model.kind.sparse_op and model.ffn_backend == "auto" and not model.ffn_expected_active
+            and "expected_active_per_token" not in model.ffn_op_config)
+
+
+Decision = tuple[str, str]  # (forward, backward) of one layer's op call, as ops.auto_decision names them
+
+
+def with_hints(cfg: ExperimentConfig, hints: Sequence[float]) -> ExperimentConfig:
+    """`cfg` with `model.ffn_expected_active` = `hints` (one per layer)."""
+    model = dataclasses.replace(cfg.model, ffn_expected_active=tuple(float(v) for v in hints))
+    return dataclasses.replace(cfg, model=model)
+
+
+def auto_decisions(cfg: ExperimentConfig, hints: Sequence[float], num_devices: int) -> tuple[Decision, ...]:
+    """Per layer, the (forward, backward) path that backend "auto" compiles for the training step's
+    FFN calls (one micro-batch of `train.micro_batch` sequences per device) with these hints."""
+    from twell_jax import ops
+
+    model = with_hints(cfg, hints).model
+    itemsize = jnp.dtype(model.compute_dtype).itemsize
+    decisions = []
+    for layer in range(model.n_layers):
+        op_config = build_op_config(model, layer)
+        # The op splits the micro-batch over the mesh's data axis (when its config names it).
+        per_shard = cfg.train.micro_batch * (1 if op_config.data_axis == parallel.DATA_AXIS else num_devices)
+        shape = (per_shard * cfg.seq_len, model.d_model, model.d_ff, itemsize)
+        decisions.append(ops.auto_decision(model.kind.gated, op_config, shape, model.ffn_interpret))
+    return tuple(decisions)
+
+
+def describe_decisions(decisions: Sequence[Decision]) -> str:
+    """"layer 0 dense/dense, layer 1 pallas/dense, ..." (forward/backward per layer)."""
+    return ", ".join(f"layer {i} {fwd}/{bwd}" for i, (fwd, bwd) in enumerate(decisions))
+
+
+def measure_active_per_layer(graphdef: nnx.GraphDef, params: Any, tokens_BxT: jax.Array) -> tuple[float, ...]:
+    """Each layer's mean active FFN neurons per token (the model's aux l0) on one forward of
+    `tokens_BxT` (inputs tokens[:, :-1], as in training)."""
+    forward = jax.jit(lambda p, t: apply_model(graphdef, p, t[:, :-1])[1]["l0"])
+    return tuple(float(v) for v in np.asarray(jax.device_get(forward(params, tokens_BxT))))
+
+
+def abstract_graphdef(model: ModelConfig, seed: int) -> nnx.GraphDef:
+    """The graphdef of `model` (static structure and attributes, hints included), built without
+    allocating parameters."""
+    return nnx.split(nnx.eval_shape(lambda: init_model(model, seed)))[0]
 
 
 def dead_window(cfg: ExperimentConfig) -> int:
@@ -258,6 +324,9 @@ class Trainer:
         self.echo = echo
         self.hooks = hooks or Hooks()
         self.store = None
+        self.auto_hints: tuple[float, ...] | None = None  # the "auto" hints compiled in (managed runs)
+        self.decisions: tuple[Decision, ...] | None = None  # their per-layer (forward, backward)
+        self.step_builds = 0  # how many times the train step was compiled in this process
         check_op_config(cfg)
         if resume:
             ckpt_dir = self.run_dir / ckpt_lib.CHECKPOINT_SUBDIR
@@ -303,6 +372,7 @@ class Trainer:
         }
         self.state_shardings = parallel.param_shardings(self.mesh, abstract_train_state, fsdp=tc.fsdp)
         self.abstract_state = abstract_train_state
+        self.manage_hints = manages_auto_hints(cfg.model)
         # Everything that can be checked has been: only now may a new run take over the directory.
         if not resume:
             ckpt_lib.prepare_new_run_dir(self.run_dir, overwrite=overwrite)
@@ -342,8 +412,10 @@ class Trainer:
 
     def save(self, state: TrainState, history: list[dict[str, Any]]) -> None:
         since = np.asarray(jax.device_get(state["since_active"]))
-        meta = {"config": config_lib.to_dict(self.cfg), "data_iter": _json_ready(self.data.train_iter.get_state()),
+        # The config with the "auto" hints in use: what evaluation / inference of this step should run.
+        meta = {"config": config_lib.to_dict(self.step_cfg), "data_iter": _json_ready(self.data.train_iter.get_state()),
                 "step": int(state["step"]), "history": history,
+                "auto_hints": list(self.auto_hints) if self.auto_hints is not None else None,
                 "dead_share_per_layer": (since >= dead_window(self.cfg)).mean(axis=1).tolist()}
         self.store.save(int(state["step"]), state["params"],
                         {k: v for k, v in state.items() if k != "params"}, meta)
@@ -361,6 +433,7 @@ class Trainer:
         self._describe(tokens_per_step)
         history: list[dict[str, Any]] = []
         with jax.set_mesh(self.mesh), _StopSignals() as signals:
+            meta: dict[str, Any] = {}
             if self.resume:
                 state, meta = self.restore_state()
                 self.data.train_iter.set_state(_from_json_ready(meta["data_iter"]))
@@ -368,9 +441,15 @@ class Trainer:
                 self.echo(f"[twell] resumed from step {int(state['step'])} ({self.store.directory})")
             else:
                 state = self.init_state()
+            if self.manage_hints:
+                hints, source = self._initial_hints(state, meta)
+                self._use_hints(hints)
+                self.echo(f"[twell] 'auto' backend hints (mean active FFN neurons/token per layer, {source}): "
+                          f"{', '.join(f'{v:.1f}' for v in hints)}; plan: {describe_decisions(self.decisions)}"
+                          + (f"; re-planned every {tc.auto_refresh_every} steps" if tc.auto_refresh_every else ""))
             start_step = int(state["step"])
             compiled, compile_s = self._compile(state)
-            eval_fn = jax.jit(make_eval_step(cfg, self.graphdef))
+            eval_fn = jax.jit(make_eval_step(self.step_cfg, self.graphdef))
             sink = MetricsSink(self.run_dir, tensorboard=tc.tensorboard, total_steps=tc.steps,
                                start_step=start_step, progress_bar=tc.progress_bar, echo=self.echo)
             self.echo(f"[twell] metrics: {sink.jsonl_path}"
@@ -398,6 +477,11 @@ class Trainer:
                         sink.write(last_record)
                     if hooks.on_step is not None:
                         hooks.on_step(last_record)
+                    if (self.manage_hints and tc.auto_refresh_every and step_no % tc.auto_refresh_every == 0
+                            and step_no < end_step and self._refresh_hints(step_no, host["l0_per_layer"], sink)):
+                        compiled, seconds = self._compile(state)
+                        compile_s += seconds
+                        eval_fn = jax.jit(make_eval_step(self.step_cfg, self.graphdef))
                     if tc.eval_every and step_no % tc.eval_every == 0 and step_no != tc.steps:
                         last_val = self._eval_and_log(sink, eval_fn, state, step_no)
                     if tc.checkpoint_every and step_no % tc.checkpoint_every == 0 and step_no != end_step:
@@ -430,6 +514,60 @@ class Trainer:
         return TrainResult(run_dir=self.run_dir, history=history, summary=summary, state=state,
                            last_metrics=last_record or None)
 
+    # ------------------------------------------------------------------ "auto" hints
+    @property
+    def step_cfg(self) -> ExperimentConfig:
+        """The config the step is compiled with: `cfg` plus the "auto" hints in use (if any)."""
+        return self.cfg if self.auto_hints is None else with_hints(self.cfg, self.auto_hints)
+
+    def _initial_hints(self, state: TrainState, meta: dict[str, Any]) -> tuple[tuple[float, ...], str]:
+        """(hints, where they come from) for the first compile of a managed run."""
+        from twell_jax.evaluate import expected_active_from_run  # evaluate imports this module
+
+        n_layers = self.cfg.model.n_layers
+        saved = meta.get("auto_hints")
+        if isinstance(saved, list) and len(saved) == n_layers:
+            return tuple(float(v) for v in saved), f"saved with the checkpoint of step {int(state['step'])}"
+        if self.resume:
+            logged = expected_active_from_run(self.run_dir, n_layers)
+            if logged is not None:
+                return logged, "the run's last logged l0 in metrics.jsonl"
+        return self._measure_first_batch(state), "measured on the first micro-batch of the next batch"
+
+    def _measure_first_batch(self, state: TrainState) -> tuple[float, ...]:
+        """Mean active neurons per token per layer of the current params on the first micro-batch
+        of the batch the loop will train on next (the data iterator is rewound afterwards)."""
+        iterator = self.data.train_iter
+        position = iterator.get_state()
+        tokens = np.asarray(next(iterator)["tokens"], np.int32)
+        iterator.set_state(position)
+        # One micro-batch (this process's rows of it): the memory of a step's forward, not more.
+        rows = self.cfg.train.micro_batch * max(1, self.num_devices // jax.process_count())
+        placed = parallel.host_to_global({"tokens": tokens[:rows]}, self.mesh)
+        # The dense backend: the same l0 exactly (a backend never changes results), without
+        # compiling "auto"'s two hint-less paths just to count.
+        dense = dataclasses.replace(self.cfg.model, ffn_backend="dense")
+        return measure_active_per_layer(abstract_graphdef(dense, self.cfg.train.seed), state["params"],
+                                        placed["tokens"])
+
+    def _use_hints(self, hints: Sequence[float]) -> None:
+        """Compile with these hints from now on: their decisions and the graphdef built with them."""
+        self.auto_hints = tuple(float(v) for v in hints)
+        self.decisions = auto_decisions(self.cfg, self.auto_hints, self.num_devices)
+        self.graphdef = abstract_graphdef(self.step_cfg.model, self.cfg.train.seed)
+
+    def _refresh_hints(self, step_no: int, l0_per_layer: Sequence[float], sink: MetricsSink) -> bool:
+        """Re-plan from this step's l0; True when some layer's decision changed (the caller then
+        recompiles). Unchanged decisions keep the hints compiled in: no recompile."""
+        decisions = auto_decisions(self.cfg, l0_per_layer, self.num_devices)
+        if decisions == self.decisions:
+            return False
+        changed = [i for i, (old, new) in enumerate(zip(self.decisions, decisions)) if old != new]
+        self._use_hints(l0_per_layer)
+        sink.message(f"[twell] step {step_no}: 'auto' plan changed in layer(s) {changed}; recompiling the step "
+                     f"with hints {', '.join(f'{v:.1f}' for v in self.auto_hints)}: {describe_decisions(decisions)}")
+        return True
+
     def _describe(self, tokens_per_step: int) -> None:
         cfg, tc = self.cfg, self.cfg.train
         self.echo(f"[twell] run dir: {self.run_dir.absolute()}")
@@ -442,7 +580,8 @@ class Trainer:
                   f"{tc.micro_batch}/device, {self.accum_steps} accumulation step(s)")
 
     def _compile(self, state: TrainState) -> tuple[Any, float]:
-        train_step = make_train_step(self.cfg, self.graphdef, self.optimizer, self.accum_steps)
+        self.step_builds += 1
+        train_step = make_train_step(self.step_cfg, self.graphdef, self.optimizer, self.accum_steps)
         jitted = jax.jit(train_step, in_shardings=(self.state_shardings, {"tokens": self.batch_sharding}),
                          out_shardings=(self.state_shardings, self.replicated), donate_argnames=("state",))
         batch_spec = {"tokens": jax.ShapeDtypeStruct((self.cfg.train.global_batch, self.cfg.seq_len + 1), jnp.int32,
@@ -459,6 +598,8 @@ class Trainer:
         peak = device_peak_memory_bytes()
         if peak is not None:
             record["peak_memory_bytes"] = peak
+        if self.auto_hints is not None:
+            record["auto_hints_per_layer"] = list(self.auto_hints)
         return record
 
     def _eval_and_log(self, sink: MetricsSink, eval_fn: Callable, state: TrainState, step_no: int) -> dict[str, Any]:
@@ -492,6 +633,8 @@ class Trainer:
             "median_step_time_s": median_step,
             "tokens_per_s": cfg.train.global_batch * cfg.seq_len / median_step if steady else None,
             "peak_memory_bytes": max(peaks) if peaks else None, "compile_time_s": compile_s,
+            "step_builds": self.step_builds,
+            "auto_hints_per_layer": list(self.auto_hints) if self.auto_hints is not None else None,
             "final_train_ce": history[-1]["ce"] if history else None,
         }
 

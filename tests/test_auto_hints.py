@@ -1,0 +1,148 @@
+"""The trainer's management of training "auto" hints: measured at start, restored on resume,
+re-planned every train.auto_refresh_every steps with a recompile only when a decision changes.
+
+On the CPU "auto" always runs dense (pallas_backend.available() is False), so the refresh logic is
+driven by a monkeypatched `ops.auto_decision`; the step compiled is the dense one either way, which
+is what lets the loss trajectories of a rebuilt and a never-rebuilt run be compared exactly."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from test_train import FakeData, micro_cfg
+from twell_jax import checkpoint as ckpt_lib
+from twell_jax import ops
+from twell_jax.model import init_model, split_model
+from twell_jax.train import Hooks, Trainer, auto_decisions, manages_auto_hints, measure_active_per_layer
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(line)]
+
+
+def test_which_configs_the_trainer_manages():
+    cfg = micro_cfg()
+    assert manages_auto_hints(cfg.model)  # micro: twell, backend auto, no hint
+    assert not manages_auto_hints(micro_cfg("model.ffn_expected_active=[1.0, 2.0]").model)
+    assert not manages_auto_hints(micro_cfg("model.ffn_backend=dense").model)
+    assert not manages_auto_hints(micro_cfg("model.ffn_kind=relu_gated", "sparsity.l1_coef=0").model)
+    hinted_op = dataclasses.replace(cfg.model, ffn_op_config={"expected_active_per_token": 3.0})
+    assert not manages_auto_hints(hinted_op)
+    with pytest.raises(ValueError, match="train.auto_refresh_every"):
+        micro_cfg("train.auto_refresh_every=-1")
+
+
+def test_auto_decision_is_the_ops_plan(monkeypatch):
+    """ops.auto_decision reports what _plan compiles: dense on the CPU; on a (pretended) GPU, the
+    training cost model's choice, or the decode path at decode sizes."""
+    from twell_jax import decode_backend, pallas_backend, pallas_training
+
+    shape = (16384, 2048, 5632, 2)
+    assert ops.auto_decision(True, ops.SparseFFNConfig(expected_active_per_token=29.0), shape) == ("dense", "dense")
+    monkeypatch.setattr(pallas_backend, "available", lambda: True)
+    for hint in (0.0, 29.0, 112.0, 2816.0):
+        config = ops.SparseFFNConfig(expected_active_per_token=hint)
+        fwd, bwd = pallas_training.choose_training_path(
+            *shape[:3], hint, True, itemsize=2, ell_width=config.ell_width,
+            keep_pattern=pallas_training.backward_settings(config).keep_gate_pattern)
+        expected = ("pallas" if fwd else "dense", "pallas" if bwd else "dense")
+        if decode_backend.prefer_decode_path(*shape[:3], hint, True, itemsize=2):
+            expected = ("decode", "dense")  # so few actives that the decode path wins even here
+        assert ops.auto_decision(True, config, shape) == expected, hint
+    assert ops.auto_decision(True, ops.SparseFFNConfig(expected_active_per_token=2816.0), shape) == ("dense", "dense")
+    decode_shape = (1, 2048, 5632, 2)
+    if decode_backend.prefer_decode_path(1, 2048, 5632, 29.0, True, itemsize=2):
+        assert ops.auto_decision(True, ops.SparseFFNConfig(expected_active_per_token=29.0), decode_shape)[0] == "decode"
+
+
+def test_fresh_run_takes_its_hints_from_the_first_batch(tmp_path):
+    cfg = micro_cfg("train.steps=1")
+    trainer = Trainer(cfg, tmp_path, data_builder=FakeData)
+    result = trainer.run()
+    # Independently: the initial params on the first micro-batch of the first training batch.
+    graphdef, params = split_model(init_model(cfg.model, cfg.train.seed))
+    first = next(FakeData(cfg).train_iter)["tokens"][:cfg.train.micro_batch]
+    expected = measure_active_per_layer(graphdef, params, jnp.asarray(first))
+    assert 0 < min(expected) and max(expected) < cfg.model.d_ff  # a real measurement, not a default
+    hints = result.last_metrics["auto_hints_per_layer"]
+    np.testing.assert_allclose(hints, expected, rtol=1e-6)
+    assert trainer.step_builds == 1
+    assert _records(tmp_path)[0]["auto_hints_per_layer"] == hints
+    # The checkpoint's config carries the hints in use; config.json stays the user's (no hints),
+    # which is how a resume knows the trainer manages them.
+    _, meta, _ = ckpt_lib.restore_params_with_meta(tmp_path, 1)
+    assert meta["config"]["model"]["ffn_expected_active"] == hints and meta["auto_hints"] == hints
+    assert ckpt_lib.load_run_config(tmp_path).model.ffn_expected_active == ()
+    # A run with a user hint is left alone.
+    fixed = Trainer(micro_cfg("train.steps=1", "model.ffn_expected_active=[1.0, 2.0]"), tmp_path / "fixed",
+                    data_builder=FakeData, hooks=Hooks(save_final=False)).run()
+    assert "auto_hints_per_layer" not in fixed.last_metrics
+
+
+def test_refresh_recompiles_only_when_a_decision_changes(tmp_path, monkeypatch):
+    flip = {"sparse": False}  # the pretended cost model: every layer dense until the hook flips it
+
+    def fake_decision(gated, config, shape, interpret=False):
+        assert config.expected_active_per_token is not None
+        return ("pallas", "dense") if flip["sparse"] else ("dense", "dense")
+
+    monkeypatch.setattr(ops, "auto_decision", fake_decision)
+
+    def flip_after_step_2(record):
+        if record["step"] == 2:
+            flip["sparse"] = True
+
+    messages = []
+    changing = Trainer(micro_cfg("train.steps=4", "train.auto_refresh_every=1"), tmp_path / "a",
+                       data_builder=FakeData, echo=messages.append,
+                       hooks=Hooks(on_step=flip_after_step_2, save_final=False))
+    a = changing.run()
+    flip["sparse"] = False
+    steady = Trainer(micro_cfg("train.steps=4", "train.auto_refresh_every=1"), tmp_path / "b",
+                     data_builder=FakeData, hooks=Hooks(save_final=False))
+    b = steady.run()
+
+    # Unchanged decisions: the l0 moves every step, yet the hints compiled in and the step stay.
+    b_records = _records(tmp_path / "b")
+    assert b_records[0]["l0_per_layer"] != b_records[1]["l0_per_layer"]
+    assert all(r["auto_hints_per_layer"] == b_records[0]["auto_hints_per_layer"] for r in b_records)
+    assert steady.step_builds == 1 and b.summary["step_builds"] == 1
+    # A changed decision at step 2: one rebuild, with step 2's l0 as the new hints from step 3 on.
+    a_records = _records(tmp_path / "a")
+    assert changing.step_builds == 2
+    assert changing.decisions == (("pallas", "dense"),) * 2
+    assert a_records[1]["auto_hints_per_layer"] == a_records[0]["auto_hints_per_layer"]
+    assert a_records[2]["auto_hints_per_layer"] == pytest.approx(a_records[1]["l0_per_layer"])
+    assert a_records[3]["auto_hints_per_layer"] == a_records[2]["auto_hints_per_layer"]
+    assert any("step 2: 'auto' plan changed in layer(s) [0, 1]; recompiling" in m for m in messages)
+    # Same params, same batches: the rebuild leaves the loss trajectory exactly as it was.
+    assert [r["loss"] for r in a.history] == [r["loss"] for r in b.history]
+    assert [r["grad_norm"] for r in a.history] == [r["grad_norm"] for r in b.history]
+
+
+def test_resume_restores_the_hints(tmp_path, monkeypatch):
+    cfg = micro_cfg("train.steps=2", "train.auto_refresh_every=0")
+    first = Trainer(cfg, tmp_path, data_builder=FakeData).run()
+    saved = first.last_metrics["auto_hints_per_layer"]
+
+    def no_measurement(self, state):
+        raise AssertionError("a resumed run must not re-measure when its checkpoint has hints")
+
+    monkeypatch.setattr(Trainer, "_measure_first_batch", no_measurement)
+    messages = []
+    resumed = Trainer(micro_cfg("train.steps=3", "train.auto_refresh_every=0"), tmp_path, resume=True,
+                      data_builder=FakeData, echo=messages.append)
+    result = resumed.run()
+    assert result.last_metrics["step"] == 3 and result.last_metrics["auto_hints_per_layer"] == saved
+    assert any("saved with the checkpoint of step 2" in m for m in messages)
+    # A checkpoint without hints (older runs): the last l0 logged in metrics.jsonl (validation or training).
+    again = Trainer(micro_cfg("train.steps=3"), tmp_path, resume=True, data_builder=FakeData)
+    hints, source = again._initial_hints({"step": 3}, {})
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])  # the final validation
+    assert list(hints) == last["val_l0_per_layer"] and "metrics.jsonl" in source
+    assert auto_decisions(again.cfg, hints, 1) == (("dense", "dense"),) * 2  # CPU: "auto" is dense
