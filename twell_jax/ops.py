@@ -14,7 +14,8 @@ CONTRACT (other modules rely on it; keep it stable):
         "l0": f32, mean number of active neurons per token
         "tile_overflow": int32, (row, tile) pairs whose non-zeros exceed the TwELL slots
         "row_overflow": int32, rows whose non-zeros exceed the ELL width (sent to the dense tail)
-        "dense_fallback": int32, 1 if the call fell back to the exact dense path (tail capacity exceeded)
+        "dense_fallback": int32, 1 if the call fell back to the exact dense path (tail capacity
+                          exceeded, or a non-finite input or weight: the NaN policy below)
       and, only when config.neuron_counts is True (COUNT_KEYS; for telemetry, no extra GEMM):
         "neuron_active_count": int32 [H], tokens of this call on which each neuron fired
         "token_active_count": int32 [...] (x.shape[:-1]), active neurons of each token
@@ -59,6 +60,13 @@ so no host sync) is exceeded in the forward, or the neuron-major transposes of t
 theirs, a `lax.cond` runs the exact dense computation for that call instead, and
 aux["dense_fallback"] says so.
 
+NaN policy: PROPAGATE. A NaN/Inf in x or in any weight row (silent neurons included) makes y and
+the gradients non-finite on every backend exactly where the "dense" backend's are, and aux["l0"] is
+the same on every backend: every sparse path checks `isfinite` over x and the weights once per call
+(on device, no host sync) and on a non-finite value runs the exact dense forward and backward
+instead (aux["dense_fallback"] = 1). The check reads every weight once per call, which the decode
+path otherwise avoids.
+
 Under a mesh (`jax.set_mesh`) whose `config.data_axis` has size > 1, the sparse backends run inside
 `jax.shard_map` over that axis (tokens split, weights replicated, aux reduced to global scalars),
 because Pallas calls are not partitioned by XLA. Tokens are zero-padded to a multiple of the axis
@@ -73,7 +81,7 @@ import dataclasses
 import functools
 import importlib
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -392,8 +400,9 @@ class _Plan:
     interpret: bool
 
 
-def _run_forward(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
-                 weights: Weights) -> tuple[jax.Array, Aux]:
+def _run_sparse_forward(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
+                        weights: Weights) -> tuple[jax.Array, Aux]:
+    """The plan's forward, assuming finite inputs (see `_run_forward`)."""
     if plan.forward == "decode":
         from twell_jax import decode_backend  # lazy, like pallas_backend
 
@@ -413,6 +422,44 @@ def _run_forward(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
     fn = pallas_backend.gated_ffn_forward if plan.gated else pallas_backend.ffn_forward
     y, aux = fn(x_MxD, *weights, config, interpret=plan.interpret)
     return y, {key: aux[key] for key in _aux_keys(config)}
+
+
+def _non_finite(x_MxD: jax.Array, weights: Weights) -> jax.Array:
+    """bool scalar: a NaN/Inf anywhere in x or the weights (one reduction per call, on device).
+    The sparse paths skip the rows of silent neurons, so they must not run on such inputs: the
+    NaN policy is to propagate like the dense formula (docs/format.md)."""
+    return ~functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(a)) for a in (x_MxD, *weights)])
+
+
+def _same_variance(anchor: jax.Array, tree: Any) -> Any:
+    """`tree` unchanged in value, typed to vary (inside a caller's shard_map) over every mesh axis
+    `anchor` varies over: both branches of the fallback's lax.cond then have equal types although
+    one returns constants (the zero counters). `where(p, a, a)` is `a`; XLA folds it away."""
+    return jax.tree.map(lambda a: jnp.where(anchor, a, a), tree)
+
+
+def _with_dense_fallback(non_finite: jax.Array, gated: bool, config: SparseFFNConfig,
+                         x_MxD: jax.Array, weights: Weights,
+                         sparse: Callable[[], Any]) -> Any:
+    """`sparse()` (whose first two outputs are (y, aux)), or the exact dense forward when
+    `non_finite`; the dense branch fills any further outputs (the Pallas pack) with zeros."""
+    shapes = jax.eval_shape(sparse)
+
+    def dense() -> Any:
+        y, aux = dense_ffn(gated, x_MxD, weights, neuron_counts=config.neuron_counts)
+        aux = {**aux, "dense_fallback": jnp.ones((), jnp.int32)}
+        out = (y, {key: aux[key].astype(shapes[1][key].dtype) for key in shapes[1]})
+        rest = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tuple(shapes[2:]))
+        return _same_variance(non_finite, out + rest)
+
+    return jax.lax.cond(non_finite, dense, lambda: _same_variance(non_finite, sparse()))
+
+
+def _run_forward(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
+                 weights: Weights) -> tuple[jax.Array, Aux]:
+    """The plan's forward; the exact dense forward when an input or weight is not finite."""
+    return _with_dense_fallback(_non_finite(x_MxD, weights), plan.gated, config, x_MxD, weights,
+                                lambda: _run_sparse_forward(plan, config, x_MxD, weights))
 
 
 def _aux_keys(config: SparseFFNConfig) -> tuple[str, ...]:
@@ -437,26 +484,37 @@ def _pallas_training_forward(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Ar
 
 def _sparse_op_fwd(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array, weights: Weights
                    ) -> tuple[tuple[jax.Array, Aux], tuple[Any, ...]]:
+    # Residuals: (x, weights, non_finite[, the Pallas pack]); the flag, computed once here, also
+    # sends the backward to the dense formula.
+    non_finite = _non_finite(x_MxD, weights)
     if plan.backward == "pallas":
-        y, aux, pack = _pallas_training_forward(plan, config, x_MxD, weights)
-        return (y, aux), (x_MxD, weights, pack)
-    return _run_forward(plan, config, x_MxD, weights), (x_MxD, weights)
+        y, aux, pack = _with_dense_fallback(
+            non_finite, plan.gated, config, x_MxD, weights,
+            lambda: _pallas_training_forward(plan, config, x_MxD, weights))
+        return (y, aux), (x_MxD, weights, non_finite, pack)
+    y, aux = _with_dense_fallback(non_finite, plan.gated, config, x_MxD, weights,
+                                  lambda: _run_sparse_forward(plan, config, x_MxD, weights))
+    return (y, aux), (x_MxD, weights, non_finite)
 
 
-def _sparse_op_bwd(plan: _Plan, config: SparseFFNConfig, residuals: tuple[jax.Array, Weights],
+def _sparse_op_bwd(plan: _Plan, config: SparseFFNConfig, residuals: tuple[Any, ...],
                    cotangents: tuple[jax.Array, Aux]) -> tuple[jax.Array, Weights]:
-    x_MxD, weights = residuals[:2]
+    x_MxD, weights, non_finite = residuals[:3]
     gy_MxD, g_aux = cotangents
     gl1 = jnp.asarray(g_aux["l1"], jnp.float32)  # l0 and the counters are not differentiable
-    if plan.backward == "pallas":
-        from twell_jax import pallas_training
-
-        return pallas_training.backward(
-            plan.gated, x_MxD, weights, gy_MxD, gl1, config, plan.interpret, residuals[2],
-            functools.partial(_dense_backward, plan.gated, x_MxD, weights, gy_MxD, gl1))
+    dense_backward = functools.partial(_dense_backward, plan.gated, x_MxD, weights, gy_MxD, gl1)
     if plan.backward == "dense":
-        return _dense_backward(plan.gated, x_MxD, weights, gy_MxD, gl1)
-    return reference_backward(plan.gated, x_MxD, weights, gy_MxD, gl1, config)
+        return dense_backward()
+
+    def sparse_backward() -> tuple[jax.Array, Weights]:
+        if plan.backward == "pallas":
+            from twell_jax import pallas_training
+
+            return pallas_training.backward(plan.gated, x_MxD, weights, gy_MxD, gl1, config,
+                                            plan.interpret, residuals[3], dense_backward)
+        return reference_backward(plan.gated, x_MxD, weights, gy_MxD, gl1, config)
+
+    return jax.lax.cond(non_finite, dense_backward, sparse_backward)
 
 
 _sparse_op.defvjp(_sparse_op_fwd, _sparse_op_bwd)
