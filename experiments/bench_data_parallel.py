@@ -9,7 +9,7 @@ values for the dense FFN, and no tokenizer has to be trained on the GPU machine.
 barely-trained model on random tokens is not that of real text: read the sparse rows as the cost
 of the data-parallel machinery around the op, not as the sparse kernels' speed on real data.
 
-Timing: the real `twell_jax.train.Trainer` loop (jit-compiled before the loop, each step's metrics
+Timing: the real `twell_jax.training.train.Trainer` loop (jit-compiled before the loop, each step's metrics
 fetched when it completes, batches placed with `parallel.host_to_global`). Its per-step wall times are recorded;
 the first `--warmup` steps are dropped, and the median of the rest is reported.
 
@@ -46,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import jax  # noqa: E402
 
 from configs import get_config  # noqa: E402
-from twell_jax import parallel  # noqa: E402
-from twell_jax import train as train_lib  # noqa: E402
+from twell_jax.training import parallel  # noqa: E402
+from twell_jax.training import train as train_lib  # noqa: E402
 from twell_jax.config import ExperimentConfig  # noqa: E402
 
 

@@ -9,7 +9,7 @@ with probability p (k active neurons per token on average).
 Every variant is checked against the dense formula before it is timed. Timings: medians over
 batches of back-to-back calls (one sync per batch), after warm-up, rotating over 3 input sets.
 Ratios are to the XLA dense FFN timed in the same process. Imports no grain: only the kernels
-and twell_jax.pallas_backend.
+and twell_jax.ops.pallas_forward.
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ from jax.experimental.pallas import triton as plgpu
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn, sparse_ffn_reference  # noqa: E402
 from pallas_kernels.twell_pack import PackBlockSizes, pack_gate, pack_gate_reference  # noqa: E402
-from twell_jax import ops, pallas_backend  # noqa: E402
+from twell_jax import ops  # noqa: E402
+from twell_jax.ops import pallas_forward  # noqa: E402
 
 D, H, TILE, SLOTS = 2048, 5632, 256, 32
 M_MAIN = 16384
@@ -185,7 +186,7 @@ def main() -> None:
     t_gate = bench(xla_gate, [(x, wg) for x in xs])
     row = dict(kind="baseline", m=m, k=29, dense_ms=t_dense, xla_gate_ms=t_gate)
     for n in (16, 32, 64):
-        sample = jax.jit(functools.partial(pallas_backend.sampled_active_per_token, n_sample=n))
+        sample = jax.jit(functools.partial(pallas_forward.sampled_active_per_token, n_sample=n))
         row[f"sample{n}_ms"] = bench(sample, [(x, wg) for x in xs])
     log(row)
 
@@ -254,10 +255,10 @@ def main() -> None:
     def y_only(fn):
         return jax.jit(lambda *a: fn(*a)[0])
 
-    gated = jax.jit(lambda x, g, u, d: pallas_backend.gated_ffn_forward(
+    gated = jax.jit(lambda x, g, u, d: pallas_forward.gated_ffn_forward(
         x, g, u, d, make_config(), interpret=INTERPRET))
     auto_sample = jax.jit(
-        lambda x, g, u, d: pallas_backend.auto_gated_ffn_forward(x, g, u, d, make_config(),
+        lambda x, g, u, d: pallas_forward.auto_gated_ffn_forward(x, g, u, d, make_config(),
                                                                interpret=INTERPRET))
     auto_sample_y = y_only(auto_sample)
     dense_aux = jax.jit(lambda x, g, u, d: ops.gated_ffn(x, g, u, d, backend="dense"))
@@ -280,9 +281,9 @@ def main() -> None:
       try:
         xs_k, wg_k, wu_k, wd_k = make_inputs(jax.random.fold_in(key, m_case), m_case, k)
         sets = [(x, wg_k, wu_k, wd_k) for x in xs_k]
-        measured = pallas_backend.calibrate_active_per_token(xs_k[0], wg_k)
+        measured = pallas_forward.calibrate_active_per_token(xs_k[0], wg_k)
         cfg = make_config(measured)
-        auto_hint = jax.jit(lambda x, g, u, d, cfg=cfg: pallas_backend.auto_gated_ffn_forward(
+        auto_hint = jax.jit(lambda x, g, u, d, cfg=cfg: pallas_forward.auto_gated_ffn_forward(
             x, g, u, d, cfg, interpret=INTERPRET))
         fns = dict(total=gated, dense=dense_gated, dense_aux=dense_aux, dense_aux_y=dense_aux_y,
                    auto_hint=auto_hint, auto_hint_y=y_only(auto_hint), auto_smp=auto_sample,
@@ -291,7 +292,7 @@ def main() -> None:
         y_sp, aux = gated(*sets[0])
         y_hint, aux_hint = auto_hint(*sets[0])
         y_smp, aux_smp = auto_sample(*sets[0])
-        k_star = pallas_backend.crossover_active_per_token(m_case, D, H)
+        k_star = pallas_forward.crossover_active_per_token(m_case, D, H)
         row = dict(kind="e2e", m=m_case, k=k, calibrated=measured, k_star=k_star,
                    err_total=rel_err(y_sp, y_dense), err_hint=rel_err(y_hint, y_dense),
                    err_smp=rel_err(y_smp, y_dense), aux={n: float(v) for n, v in aux.items()},
@@ -321,7 +322,7 @@ def main() -> None:
         log(dict(kind="e2e", m=m_case, k=k, error=repr(e)[:500]))
 
     # 4. non-gated at 29 active.
-    plain = jax.jit(lambda x, u, d: pallas_backend.ffn_forward(x, u, d, make_config(),
+    plain = jax.jit(lambda x, u, d: pallas_forward.ffn_forward(x, u, d, make_config(),
                                                                         interpret=INTERPRET))
     xs_k, _, wu_k, wd_k = make_inputs(key, M_MAIN, 29.0)
     wu_k = wu_k.at[:, 0].set(-statistics.NormalDist().inv_cdf(1 - 29.0 / H))

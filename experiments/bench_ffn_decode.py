@@ -9,7 +9,7 @@ hoisted or cached), per-call time = loop time / calls, median of `--repeats` loo
 interleaved:
 
     dense        the XLA dense FFN (bf16 operands, fp32 accumulation): the op's "dense" formula
-    decode       twell_jax.decode_backend.decode_gated_ffn_forward, implementation="triton"
+    decode       twell_jax.ops.pallas_decode.decode_gated_ffn_forward, implementation="triton"
     decode_xla   the same with implementation="xla" (row gathers + small XLA dots)
     pallas       ops.gated_ffn(backend="pallas") (pack + one program per token)
     auto         ops.gated_ffn(backend="auto") with expected_active_per_token = 29
@@ -17,7 +17,7 @@ interleaved:
 Every variant is first checked against the dense output (relative error) and the decode path's
 aux is recorded. Beside the times: the HBM floors (bytes / 3.35e12 B/s: all three matrices for
 dense; W_gate plus the U and W rows of the call's active-neuron union for sparse) and the
-decode_backend cost model's predictions (to refit its DECODE_* constants). Prints a short table
+pallas_decode cost model's predictions (to refit its DECODE_* constants). Prints a short table
 last; JSON to --out. `--interpret`: tiny shapes through the Pallas interpreter (a test runs it).
 `--sweep`: also time the decode path's launch variants (SWEEP: block sizes, a bounded capacity)
 to pick DecodeBlockSizes defaults; e.g. `--sweep --tokens 1,8,64`.
@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_ffn  # noqa: E402  (the synthetic-sparsity generator; reads bench_ffn.D / .H)
 from pallas_kernels.twell_decode import DecodeBlockSizes  # noqa: E402
-from twell_jax import decode_backend, ops  # noqa: E402
+from twell_jax.ops import pallas_decode  # noqa: E402
+from twell_jax import ops  # noqa: E402
 
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM
 K_ACTIVE = 29.0
@@ -70,7 +71,7 @@ def decode_variant(interpret: bool, overrides: dict, capacity_per_token: int | N
         config = types.SimpleNamespace(
             decode_block_sizes=DecodeBlockSizes(**overrides),
             decode_capacity=None if capacity_per_token is None else capacity_per_token * x.shape[0])
-        return decode_backend.decode_gated_ffn_forward(x, w_gate, w_up, w_down, config=config,
+        return pallas_decode.decode_gated_ffn_forward(x, w_gate, w_up, w_down, config=config,
                                                        implementation="triton",
                                                        interpret=interpret)[0]
     return fn
@@ -82,9 +83,9 @@ def variants(interpret: bool, sweep: bool = False) -> dict:
     extra = {name: decode_variant(interpret, *spec) for name, spec in SWEEP.items()} if sweep else {}
     base = {
         "dense": lambda x, g, u, d: ops.gated_ffn(x, g, u, d, backend="dense")[0],
-        "decode": lambda x, g, u, d: decode_backend.decode_gated_ffn_forward(
+        "decode": lambda x, g, u, d: pallas_decode.decode_gated_ffn_forward(
             x, g, u, d, implementation="triton", interpret=interpret)[0],
-        "decode_xla": lambda x, g, u, d: decode_backend.decode_gated_ffn_forward(
+        "decode_xla": lambda x, g, u, d: pallas_decode.decode_gated_ffn_forward(
             x, g, u, d, implementation="xla")[0],
         "pallas": lambda x, g, u, d: ops.gated_ffn(x, g, u, d, backend="pallas",
                                                    interpret=interpret)[0],
@@ -140,12 +141,12 @@ def main(argv: list[str] | None = None) -> dict:
         row = dict(m=m, union=union, l0=l0,
                    floor_dense_us=(3 * h * d * 2 + 2 * m * d * 2) / HBM_BYTES_PER_S * 1e6,
                    floor_sparse_us=((h + 2 * union) * d * 2 + 2 * m * d * 2) / HBM_BYTES_PER_S * 1e6,
-                   model_dense_us=decode_backend.dense_time_us(m, d, h),
-                   model_decode_us=decode_backend.decode_time_us(m, d, h, l0),
-                   prefer_decode=decode_backend.prefer_decode_path(m, d, h, k_active, True))
+                   model_dense_us=pallas_decode.dense_time_us(m, d, h),
+                   model_decode_us=pallas_decode.decode_time_us(m, d, h, l0),
+                   prefer_decode=pallas_decode.prefer_decode_path(m, d, h, k_active, True))
         # Correctness first: one call of each variant against dense.
         y_dense = jax.jit(fns["dense"])(x, wg, wu, wd)
-        _, aux = jax.jit(lambda *a: decode_backend.decode_gated_ffn_forward(
+        _, aux = jax.jit(lambda *a: pallas_decode.decode_gated_ffn_forward(
             *a, implementation="triton", interpret=args.interpret))(x, wg, wu, wd)
         row["decode_aux"] = {name: float(v) for name, v in aux.items()}
         loops = {}

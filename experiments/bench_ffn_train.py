@@ -38,7 +38,8 @@ from pallas_kernels.twell_bwd_neuron import neuron_backward  # noqa: E402
 from pallas_kernels.twell_bwd_token import token_backward  # noqa: E402
 from pallas_kernels.twell_ffn import sparse_ffn  # noqa: E402
 from pallas_kernels.twell_pack import pack_gate  # noqa: E402
-from twell_jax import ops, pallas_backend, pallas_training  # noqa: E402
+from twell_jax import ops  # noqa: E402
+from twell_jax.ops import pallas_forward, pallas_backward  # noqa: E402
 
 L1_COEF = 3e-4 / 8  # the 0.5b recipe's lambda over its 8 layers (twell.md 4.9)
 BACKENDS = ("xla_bf16", "dense", "reference", "pallas", "pallas_recompute", "auto")
@@ -78,12 +79,12 @@ def temp_mb(fn, args) -> float:
 def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int):
     """The Pallas path's pieces as separately jitted functions of (x, wg, wu, wd, gy)."""
     s = dict(tile=config.tile, slots=config.slots)
-    bc = pallas_training.backward_settings(config)
+    bc = pallas_backward.backward_settings(config)
     pack = jax.jit(lambda x, wg: pack_gate(x, wg, **s, interpret=interpret))
 
     def token_inputs(x, wg):
         values, indices, counts = pack(x, wg)
-        tail = pallas_training.token_tail_mask(counts, config.slots, config.ell_width)
+        tail = pallas_backward.token_tail_mask(counts, config.slots, config.ell_width)
         return values, indices, jnp.where(tail[:, None], 0, counts), tail
 
     def token(x, wg, wu, wd, gy, prepared):
@@ -96,7 +97,7 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int):
     def transpose(cols, counts, entries):
         nnz = jnp.sum(jnp.minimum(counts, config.slots), axis=1)
         valid = jnp.arange(cols.shape[1])[None, :] < nnz[:, None]
-        return pallas_training.neuron_major_lists(cols, valid, entries, h)
+        return pallas_backward.neuron_major_lists(cols, valid, entries, h)
 
     def neuron(x, gy, lists):
         start, count, tokens, values = lists
@@ -106,7 +107,7 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int):
 
     @jax.jit
     def token_tail64(x, wg, wu, wd, gy):
-        return pallas_training.dense_rows_backward(True, x[:64], gy[:64], (wg, wu, wd),
+        return pallas_backward.dense_rows_backward(True, x[:64], gy[:64], (wg, wu, wd),
                                                    jnp.float32(1e-5))
 
     return pack, jax.jit(token_inputs), jax.jit(token), transpose, jax.jit(neuron), token_tail64
@@ -150,14 +151,14 @@ def main() -> None:
             gy = (jax.random.normal(jax.random.fold_in(key, 7), (m, d), jnp.float32)
                   / np.sqrt(m)).astype(bench_ffn.DTYPE)
             sets = [(x, wg, wu, wd, gy) for x in xs]
-            measured = pallas_backend.calibrate_active_per_token(xs[0], wg)
-            configs = dict(pallas_recompute=dataclasses.replace(config, backward=pallas_training.BackwardConfig(
+            measured = pallas_forward.calibrate_active_per_token(xs[0], wg)
+            configs = dict(pallas_recompute=dataclasses.replace(config, backward=pallas_backward.BackwardConfig(
                 keep_gate_pattern=False)), auto=dataclasses.replace(config, expected_active_per_token=measured))
             backends = [b for b in BACKENDS if not (b == "reference" and m > 16384)]
             steps = {b: make_train_step(b, configs.get(b, config), interpret) for b in backends}
             row = dict(kind="train", m=m, k=k, calibrated=measured, errors={}, temp_mb={})
             if not interpret:
-                row["auto_plan"] = pallas_training.choose_training_path(m, d, h, measured, True)
+                row["auto_plan"] = pallas_backward.choose_training_path(m, d, h, measured, True)
             # Correctness first: each backend's gradients against xla_bf16's.
             base = steps["xla_bf16"](*sets[0])
             for b in backends:

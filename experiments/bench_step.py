@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from configs import get_config  # noqa: E402
 from twell_jax import config as config_lib  # noqa: E402
 from twell_jax.config import FFN_KIND_TABLE, REMAT_POLICIES, ExperimentConfig, ModelConfig  # noqa: E402
-from twell_jax.loss import cross_entropy, total_loss  # noqa: E402
-from twell_jax.metrics import device_peak_memory_bytes  # noqa: E402
+from twell_jax.training.loss import cross_entropy, total_loss  # noqa: E402
+from twell_jax.training.metrics import device_peak_memory_bytes  # noqa: E402
 from twell_jax.model import apply_model, describe_execution, init_model, split_model  # noqa: E402
-from twell_jax.optimizer import build_optimizer  # noqa: E402
+from twell_jax.training.optimizer import build_optimizer  # noqa: E402
 
 H100_BF16_PEAK_FLOPS = 989e12
 # --dry-run: a tiny model of the preset's family, fp32 on CPU, to check the script end to end.

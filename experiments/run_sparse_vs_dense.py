@@ -74,7 +74,7 @@ sys.path.insert(0, str(REPO_ROOT))  # run from a checkout, uninstalled
 # would hold a CUDA context (and by default 75% of every GPU's memory) while the children run.
 from configs import get_config  # noqa: E402
 from twell_jax import config as config_lib  # noqa: E402
-from twell_jax import parallel  # noqa: E402
+from twell_jax.training import parallel  # noqa: E402
 from twell_jax.config import FFN_KINDS, ExperimentConfig  # noqa: E402
 
 SCRIPT_ID = "experiments/run_sparse_vs_dense.py"
@@ -216,7 +216,7 @@ def _child_train(spec: dict[str, Any]) -> dict[str, Any]:
     run_dir = Path(spec["run_dir"])
     data_builder = None  # the config's own data (data.source=synthetic for --data synthetic)
 
-    from twell_jax import train as train_lib
+    from twell_jax.training import train as train_lib
 
     start = time.perf_counter()
     progress = ChildProgress(start)

@@ -18,7 +18,7 @@ are read from HBM once per call, whatever the number of tokens M:
                      with a dynamic K loop over ceil(n / block_h) neuron steps. No split over the
                      neurons, so no partial outputs, no reduction pass, no atomics.
 
-Rounding follows the op's dense formula (twell_jax/ops.py): g and u in fp32, h rounded once to the
+Rounding follows the op's dense formula (twell_jax/ops/dense.py): g and u in fp32, h rounded once to the
 activation dtype, y accumulated in fp32 and rounded once. Deterministic: every loop has a fixed
 order and nothing is accumulated across programs.
 
@@ -27,7 +27,7 @@ Non-gated FFN: h = round(relu(g[:, order])) (no U rows); the caller builds it an
 
 Capacity: the kernels read only order[:min(n, C)] for a static C (a multiple of
 max(block_n, block_h)); h is [M, C]. Actives beyond C are NOT read here: the caller checks
-n <= C (twell_jax/decode_backend.py falls back to the exact dense formula otherwise). No operand
+n <= C (twell_jax/ops/pallas_decode.py falls back to the exact dense formula otherwise). No operand
 is padded: rows >= M, columns >= D and dead list entries are masked lanes of the gathers.
 """
 from __future__ import annotations
@@ -318,7 +318,7 @@ def sparse_decode_ffn_reference(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.A
                                 ) -> tuple[jax.Array, jax.Array]:
     """Plain-jnp `sparse_decode_ffn` (row gathers + small dots; same rounding points).
 
-    Also the "xla" implementation of twell_jax/decode_backend.py, with precision DEFAULT. The dots
+    Also the "xla" implementation of twell_jax/ops/pallas_decode.py, with precision DEFAULT. The dots
     take fp32 copies of the gathered rows: exact for 16-bit operands (their products fit in the
     fp32 and TF32 mantissas), and it avoids XLA:CPU's missing bf16 x bf16 -> f32 dot thunk."""
     f32 = jnp.float32

@@ -15,7 +15,7 @@ summation order), h = fp32(a) * u is NOT rounded, the down-projection accumulate
 y is rounded to the output dtype. (The CUDA reference's default rounds every product to bf16.)
 
 Only slots < min(count, S) are read: entries of overflowing tiles beyond S are NOT included here;
-the caller (twell_jax/pallas_backend.py) recomputes those rows exactly.
+the caller (twell_jax/ops/pallas_forward.py) recomputes those rows exactly.
 
 Per-row l1 (sum over active neurons of |h|) is returned too so the op reports l1 without the
 hidden activation.

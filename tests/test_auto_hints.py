@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from test_train import FakeData, micro_cfg
-from twell_jax import checkpoint as ckpt_lib
+from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax import ops
 from twell_jax.model import init_model, split_model
-from twell_jax.train import Hooks, Trainer, auto_decisions, manages_auto_hints, measure_active_per_layer
+from twell_jax.training.train import Hooks, Trainer, auto_decisions, manages_auto_hints, measure_active_per_layer
 
 
 def _records(run_dir):
@@ -40,7 +40,9 @@ def test_which_configs_the_trainer_manages():
 def test_auto_decision_is_the_ops_plan(monkeypatch):
     """ops.auto_decision reports what _plan compiles: dense on the CPU; on a (pretended) GPU, the
     training cost model's choice, or the decode path at decode sizes."""
-    from twell_jax import decode_backend, pallas_backend, pallas_training
+    from twell_jax.ops import pallas_backward as pallas_training
+    from twell_jax.ops import pallas_decode as decode_backend
+    from twell_jax.ops import pallas_forward as pallas_backend
 
     shape = (16384, 2048, 5632, 2)
     assert ops.auto_decision(True, ops.SparseFFNConfig(expected_active_per_token=29.0), shape) == ("dense", "dense")

@@ -8,8 +8,8 @@ import pytest
 
 from configs import get_config
 from twell_jax import config as config_lib
-from twell_jax.checkpoint import CheckpointStore
-from twell_jax.train import Trainer
+from twell_jax.training.checkpoint import CheckpointStore
+from twell_jax.training.train import Trainer
 
 
 @pytest.fixture(scope="module")

@@ -444,7 +444,7 @@ def test_txt_separator_escapes_from_the_command_line(tmp_path):
 
 def test_training_without_a_validation_split_is_refused_before_it_starts(tmp_path):
     """Used to train the whole run, then fail at the final evaluation with no summary."""
-    from twell_jax.train import Trainer
+    from twell_jax.training.train import Trainer
 
     book = _book(tmp_path)
     run_dir = tmp_path / "run"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from twell_jax import format as tf
+from twell_jax.ops import format as tf
 
 
 def oracle_pack(dense: np.ndarray, tile: int, slots: int):

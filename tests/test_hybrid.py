@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from twell_jax import format as tf
-from twell_jax import hybrid as hy
+from twell_jax.ops import format as tf
+from twell_jax.ops import hybrid as hy
 
 
 def random_sparse(rng: np.random.Generator, r: int, n: int, zero_fraction: float) -> np.ndarray:

@@ -15,7 +15,7 @@ import pytest
 
 from twell_jax import ops
 from twell_jax.config import ModelConfig
-from twell_jax.loss import cross_entropy, total_loss
+from twell_jax.training.loss import cross_entropy, total_loss
 from twell_jax.model import apply_model, init_model, split_model
 
 # Every width distinct, so a dot_general's operand shapes say which matmul it is:
@@ -74,7 +74,7 @@ def test_op_dense_backward_has_no_f32_matmul_operands(gated):
     x = jax.random.normal(keys[0], (B * S, D), jnp.bfloat16)
     weights = tuple(jax.random.normal(k, (H, D), jnp.bfloat16) for k in keys[1:(4 if gated else 3)])
     gy = jnp.ones((B * S, D), jnp.bfloat16)
-    hlo = jax.jit(lambda x_, w_: ops._dense_backward(gated, x_, w_, gy, jnp.float32(0.5))).lower(
+    hlo = jax.jit(lambda x_, w_: ops.dense_backward(gated, x_, w_, gy, jnp.float32(0.5))).lower(
         x, weights).as_text()
     wide, bad = wide_dots_with_f32_operands(hlo)
     assert wide >= (5 if gated else 3), wide

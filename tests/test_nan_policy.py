@@ -51,21 +51,17 @@ def _run(gated: bool, backend: str, x: jax.Array, weights: dict[str, jax.Array])
     return y, aux, grads
 
 
-# Not yet the op's behaviour (issue 11 item 10; ops.py belongs to the dense-speed work): the sparse
-# backends skip the rows of silent neurons, so a NaN/Inf there never reaches y or the gradients,
-# and a non-finite input spreads to fewer gradient entries than in the dense backward.
-_NOT_YET = pytest.mark.xfail(strict=True, reason="sparse backends do not propagate non-finite values like dense")
 CASES = [
-    pytest.param(True, "w_up", np.nan, "reference", marks=_NOT_YET),
-    pytest.param(True, "w_up", np.nan, "pallas", marks=_NOT_YET),
-    pytest.param(True, "w_down", np.inf, "reference", marks=_NOT_YET),
-    pytest.param(True, "w_down", np.inf, "pallas", marks=_NOT_YET),
-    pytest.param(True, "x", np.nan, "reference", marks=_NOT_YET),
-    pytest.param(True, "x", np.nan, "pallas", marks=_NOT_YET),
+    pytest.param(True, "w_up", np.nan, "reference"),
+    pytest.param(True, "w_up", np.nan, "pallas"),
+    pytest.param(True, "w_down", np.inf, "reference"),
+    pytest.param(True, "w_down", np.inf, "pallas"),
+    pytest.param(True, "x", np.nan, "reference"),
+    pytest.param(True, "x", np.nan, "pallas"),
     pytest.param(False, "w_down", np.nan, "reference"),
-    pytest.param(False, "w_down", np.nan, "pallas", marks=_NOT_YET),
-    pytest.param(False, "x", np.inf, "reference", marks=_NOT_YET),
-    pytest.param(False, "x", np.inf, "pallas", marks=_NOT_YET),
+    pytest.param(False, "w_down", np.nan, "pallas"),
+    pytest.param(False, "x", np.inf, "reference"),
+    pytest.param(False, "x", np.inf, "pallas"),
 ]
 
 
@@ -79,6 +75,7 @@ def test_non_finite_values_propagate_like_dense(gated, where, value, backend):
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
         np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
     np.testing.assert_array_equal(np.asarray(aux["l0"]), np.asarray(aux_ref["l0"]))
+    assert int(aux["dense_fallback"]) == 1  # the sparse backends report taking the dense path
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import AxisType
 
 from twell_jax import ops
+from twell_jax.ops import dispatch
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}  # relative error ||out - ref|| / ||ref||
 L1_COEF = 0.37
@@ -248,8 +249,8 @@ def test_data_parallel_mesh_matches_unsharded(n_devices, monkeypatch):
     cot = jnp.asarray(np.random.default_rng(6).standard_normal((13, 9)), jnp.float32)
     y, aux, grads = run_op(gated, "reference", config, x, weights, cot)
     shard_counts = []
-    original = ops._sharded_call
-    monkeypatch.setattr(ops, "_sharded_call", lambda *a: shard_counts.append(a[-1]) or original(*a))
+    original = dispatch._sharded_call
+    monkeypatch.setattr(dispatch, "_sharded_call", lambda *a: shard_counts.append(a[-1]) or original(*a))
     mesh = jax.make_mesh((n_devices,), ("data",), axis_types=(AxisType.Auto,),
                          devices=jax.devices()[:n_devices])
     with jax.set_mesh(mesh):  # the mesh is part of jit's cache key: this traces afresh
@@ -419,9 +420,9 @@ def test_auto_on_a_gpu_decides_outside_the_custom_vjp(hint, sparse_chosen, monke
     (plain autodiff, no Pallas call), a sparse one is the Pallas forward + dense backward, and
     without a hint both are compiled behind a cond on the sampled active count."""
     pytest.importorskip("pallas_kernels.twell_ffn")
-    from twell_jax import pallas_backend
+    from twell_jax.ops import pallas_forward
 
-    monkeypatch.setattr(pallas_backend, "available", lambda: True)
+    monkeypatch.setattr(pallas_forward, "available", lambda: True)
     config = ops.SparseFFNConfig(tile=16, slots=4, auto_max_active=8.0, expected_active_per_token=hint,
                                  neuron_counts=True)
     x, weights = make_inputs(True, 13, 16, 40, jnp.float32, 0.9, seed=1)  # ~4 actives per token

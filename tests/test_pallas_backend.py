@@ -1,11 +1,12 @@
-"""twell_jax/pallas_backend.py (glue of the Pallas kernels) vs the dense formula, in interpret mode."""
+"""twell_jax/ops/pallas_forward.py (glue of the Pallas kernels) vs the dense formula, in interpret mode."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.twell_pack import PackBlockSizes
-from twell_jax import ops, pallas_backend
+from twell_jax import ops
+from twell_jax.ops import pallas_forward
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -47,7 +48,7 @@ def rel_err(a, b) -> float:
 ])
 def test_gated_forward_matches_dense(dtype, dense_rows, expect_branch):
     x, wg, wu, wd = make_inputs(dtype, dense_rows=dense_rows)
-    y, aux = pallas_backend.gated_ffn_forward(x, wg, wu, wd, config(overflow_rows=3), interpret=True)
+    y, aux = pallas_forward.gated_ffn_forward(x, wg, wu, wd, config(overflow_rows=3), interpret=True)
     y_ref, l1_ref, l0_ref = dense(x, wg, wu, wd)
     assert y.shape == x.shape and y.dtype == dtype
     assert rel_err(y, y_ref) < TOL[dtype]
@@ -66,12 +67,12 @@ def test_gated_forward_matches_dense(dtype, dense_rows, expect_branch):
 def test_ffn_and_auto_forward_match_dense(dtype):
     x, w_act, _, wd = make_inputs(dtype, dense_rows=(7,))
     y_ref, l1_ref, _ = dense(x, w_act, None, wd)
-    y, aux = pallas_backend.ffn_forward(x, w_act, wd, config(), interpret=True)
+    y, aux = pallas_forward.ffn_forward(x, w_act, wd, config(), interpret=True)
     assert rel_err(y, y_ref) < TOL[dtype] and int(aux["row_overflow"]) == 1
     assert float(aux["l1"]) == pytest.approx(float(l1_ref), rel=TOL[dtype])
     # auto: a few actives per token here; a threshold above picks sparse, 0 picks dense.
     for max_active, dense_chosen in ((1000.0, 0), (0.0, 1)):
-        y, aux = pallas_backend.auto_ffn_forward(x, w_act, wd, config(auto_max_active=max_active),
+        y, aux = pallas_forward.auto_ffn_forward(x, w_act, wd, config(auto_max_active=max_active),
                                                  interpret=True)
         assert rel_err(y, y_ref) < TOL[dtype]
         assert int(aux["dense_fallback"]) == dense_chosen
@@ -80,13 +81,13 @@ def test_ffn_and_auto_forward_match_dense(dtype):
 def test_auto_gated_forward_matches_dense():
     x, wg, wu, wd = make_inputs(jnp.float32)
     y_ref, _, l0_ref = dense(x, wg, wu, wd)
-    y, aux = pallas_backend.auto_gated_ffn_forward(x, wg, wu, wd, config(auto_max_active=1000.0),
+    y, aux = pallas_forward.auto_gated_ffn_forward(x, wg, wu, wd, config(auto_max_active=1000.0),
                                                    interpret=True)
     assert rel_err(y, y_ref) < 1e-5 and int(aux["dense_fallback"]) == 0
     assert float(aux["l0"]) == pytest.approx(float(l0_ref))
     # Default threshold = the cost model's crossover: negative for this tiny shape, so dense.
-    assert pallas_backend.crossover_active_per_token(37, 45, 150) < 0
-    y, aux = pallas_backend.auto_gated_ffn_forward(x, wg, wu, wd, config(), interpret=True)
+    assert pallas_forward.crossover_active_per_token(37, 45, 150) < 0
+    y, aux = pallas_forward.auto_gated_ffn_forward(x, wg, wu, wd, config(), interpret=True)
     assert rel_err(y, y_ref) < 1e-5 and int(aux["dense_fallback"]) == 1
 
 
@@ -99,7 +100,7 @@ def test_op_config_hint_reaches_the_static_decision():
     x, wg, wu, wd = make_inputs(jnp.float32)
     for hint, dense_chosen in ((1.0, 0), (5.0, 1)):
         cfg = config(expected_active_per_token=hint, auto_max_active=3.0)
-        _, aux = pallas_backend.auto_gated_ffn_forward(x, wg, wu, wd, cfg, interpret=True)
+        _, aux = pallas_forward.auto_gated_ffn_forward(x, wg, wu, wd, cfg, interpret=True)
         assert int(aux["dense_fallback"]) == dense_chosen
 
 
@@ -107,7 +108,7 @@ def test_op_config_hint_reaches_the_static_decision():
 def test_auto_with_hint_decides_statically(hint, dense_chosen):
     x, wg, wu, wd = make_inputs(jnp.float32)
     cfg = HintConfig(hint, auto_max_active=3.0)
-    y, aux = pallas_backend.auto_gated_ffn_forward(x, wg, wu, wd, cfg, interpret=True)
+    y, aux = pallas_forward.auto_gated_ffn_forward(x, wg, wu, wd, cfg, interpret=True)
     y_ref, l1_ref, l0_ref = dense(x, wg, wu, wd)
     assert rel_err(y, y_ref) < 1e-5 and int(aux["dense_fallback"]) == dense_chosen
     assert float(aux["l0"]) == pytest.approx(float(l0_ref))
@@ -115,7 +116,7 @@ def test_auto_with_hint_decides_statically(hint, dense_chosen):
     # Static: no dense/sparse branch on the device. The only cond left is the sparse path's
     # overflow switch (3 branches); without a hint the sample's 2-way cond wraps it.
     def n_conds(c):
-        jaxpr = str(jax.make_jaxpr(lambda *a: pallas_backend.auto_gated_ffn_forward(
+        jaxpr = str(jax.make_jaxpr(lambda *a: pallas_forward.auto_gated_ffn_forward(
             *a, c, interpret=True))(x, wg, wu, wd))
         return jaxpr.count(" cond["), "pallas_call" in jaxpr
 
@@ -128,7 +129,7 @@ def test_auto_with_hint_decides_statically(hint, dense_chosen):
 def test_the_glue_takes_only_the_typed_op_config():
     x, wg, wu, wd = make_inputs(jnp.float32, m=4, d=8, h=16)
     with pytest.raises(ValueError, match="config must be a twell_jax.ops.SparseFFNConfig"):
-        pallas_backend.gated_ffn_forward(x, wg, wu, wd, {"tile": 32}, interpret=True)
+        pallas_forward.gated_ffn_forward(x, wg, wu, wd, {"tile": 32}, interpret=True)
     with pytest.raises(ValueError, match="pack_block_sizes must be None or a pallas_kernels.twell_pack.PackBlockSizes"):
         ops.SparseFFNConfig(pack_block_sizes=(16, 16, 4, 2))
 
@@ -136,33 +137,33 @@ def test_the_glue_takes_only_the_typed_op_config():
 def test_calibrate_and_crossover():
     x, wg, _, _ = make_inputs(jnp.float32)
     _, _, l0_ref = dense(x, wg, wg, wg)
-    assert pallas_backend.calibrate_active_per_token(x, wg) == pytest.approx(float(l0_ref))
-    assert pallas_backend.calibrate_active_per_token(x.reshape(1, 37, 45), wg,
+    assert pallas_forward.calibrate_active_per_token(x, wg) == pytest.approx(float(l0_ref))
+    assert pallas_forward.calibrate_active_per_token(x.reshape(1, 37, 45), wg,
                                                      max_tokens=37) == pytest.approx(float(l0_ref))
     with pytest.raises(ValueError, match="w_gate_HxD"):
-        pallas_backend.calibrate_active_per_token(x, wg[:, :3])
+        pallas_forward.calibrate_active_per_token(x, wg[:, :3])
     # The paper's shape: sparse pays off below ~50 actives at large M, less at small M.
-    k_large = pallas_backend.crossover_active_per_token(16384, 2048, 5632)
-    k_small = pallas_backend.crossover_active_per_token(2048, 2048, 5632)
+    k_large = pallas_forward.crossover_active_per_token(16384, 2048, 5632)
+    k_small = pallas_forward.crossover_active_per_token(2048, 2048, 5632)
     assert 40 < k_large < 60 and k_small < 29 < k_large
 
 
 def test_without_gpu_the_pallas_path_raises_a_clear_error():
-    if pallas_backend.available():
+    if pallas_forward.available():
         pytest.skip("a GPU is present")
     x, wg, wu, wd = make_inputs(jnp.float32, m=4, d=8, h=16)
     with pytest.raises(RuntimeError, match="needs a CUDA GPU.*interpret=True"):
-        pallas_backend.gated_ffn_forward(x, wg, wu, wd, config(), interpret=False)
+        pallas_forward.gated_ffn_forward(x, wg, wu, wd, config(), interpret=False)
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
-        pallas_backend.auto_ffn_forward(x, wu, wd, None, interpret=False)
+        pallas_forward.auto_ffn_forward(x, wu, wd, None, interpret=False)
 
 
 def test_bad_arguments_raise_value_error():
     x, wg, wu, wd = make_inputs(jnp.float32, m=4, d=8, h=16)
     with pytest.raises(ValueError, match="w_up_HxD"):
-        pallas_backend.gated_ffn_forward(x, wg, wu[:, :5], wd, config(), interpret=True)
+        pallas_forward.gated_ffn_forward(x, wg, wu[:, :5], wd, config(), interpret=True)
     with pytest.raises(ValueError, match="x_MxD"):
-        pallas_backend.ffn_forward(x[0], wu, wd, config(), interpret=True)
+        pallas_forward.ffn_forward(x[0], wu, wd, config(), interpret=True)
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -189,9 +190,9 @@ def test_neuron_counts_on_every_branch(gated, dense_rows, max_active):
     x, wg, wu, wd = make_inputs(jnp.float32, dense_rows=dense_rows)
     cfg = config(overflow_rows=3, neuron_counts=True, auto_max_active=max_active)
     if gated:
-        _, aux = pallas_backend.auto_gated_ffn_forward(x, wg, wu, wd, cfg, interpret=True)
+        _, aux = pallas_forward.auto_gated_ffn_forward(x, wg, wu, wd, cfg, interpret=True)
     else:
-        _, aux = pallas_backend.auto_ffn_forward(x, wg, wd, cfg, interpret=True)
+        _, aux = pallas_forward.auto_ffn_forward(x, wg, wd, cfg, interpret=True)
     active = np.asarray(jnp.einsum("md,hd->mh", x, wg, precision=jax.lax.Precision.HIGHEST)) > 0
     np.testing.assert_array_equal(np.asarray(aux["neuron_active_count"]), active.sum(0))
     np.testing.assert_array_equal(np.asarray(aux["token_active_count"]), active.sum(1))

@@ -1,4 +1,4 @@
-"""The Pallas backward (pallas_kernels/twell_bwd_*.py, twell_jax/pallas_training.py) in interpret
+"""The Pallas backward (pallas_kernels/twell_bwd_*.py, twell_jax/ops/pallas_backward.py) in interpret
 mode on CPU: each kernel against its jnp reference, the op-level gradients (x, every weight, the
 L1 term) against jax.grad of the dense formula on adversarial patterns, the tail and fallback
 paths, shard_map over 8 simulated devices, bitwise determinism and the training "auto" choice."""
@@ -19,7 +19,8 @@ from pallas_kernels.twell_bwd_token import (TokenBwdBlockSizes, token_backward,
                                             token_backward_reference)
 from pallas_kernels.twell_pack import pack_gate_reference
 from test_ops import TOL, loss_of, make_inputs, oracle, rel_err
-from twell_jax import ops, pallas_backend, pallas_training
+from twell_jax import ops
+from twell_jax.ops import dispatch, pallas_backward, pallas_forward
 
 TILE, SLOTS = 16, 4
 
@@ -38,7 +39,7 @@ def test_token_backward_matches_reference(dtype, gated, block_t):
     values, indices, counts = pack_gate_reference(x, w_act, tile=TILE, slots=SLOTS)
     # The caller's contract: rows with an overflowing tile or > width entries get count 0.
     width = 8
-    tail = pallas_training.token_tail_mask(counts, SLOTS, width)
+    tail = pallas_backward.token_tail_mask(counts, SLOTS, width)
     assert bool(tail[3]) and not bool(jnp.all(tail))  # the dense row is a tail row
     counts = jnp.where(tail[:, None], 0, counts)
     scale = jnp.float32(0.3)
@@ -89,7 +90,7 @@ def test_kernel_arguments_are_validated():
     with pytest.raises(ValueError, match="block_n"):
         NeuronBwdBlockSizes(block_n=0)
     with pytest.raises(ValueError, match="token_tail_chunk"):
-        pallas_training.BackwardConfig(token_tail_chunk=0)
+        pallas_backward.BackwardConfig(token_tail_chunk=0)
     x, weights = make_inputs(True, 4, 8, 16, jnp.float32, 0.5, seed=0)
     values, indices, counts = pack_gate_reference(x, weights[0], tile=TILE, slots=SLOTS)
     with pytest.raises(ValueError, match="gy_MxD"):
@@ -115,7 +116,7 @@ def test_kernel_arguments_are_validated():
 # the tail loops run several chunks, the last one partly filled.
 CONFIG = ops.SparseFFNConfig(tile=TILE, slots=SLOTS, ell_width=8, tail_rows=0.5,
                              transpose_ell_width=6, transpose_tail_rows=0.5,
-                             backward=pallas_training.BackwardConfig(token_tail_chunk=2,
+                             backward=pallas_backward.BackwardConfig(token_tail_chunk=2,
                                                                      neuron_tail_chunk=2))
 
 
@@ -130,7 +131,7 @@ def pallas_grads(gated, config, x, weights, cot):
     w_act = weights[0]
     gy = cot.astype(x.dtype)
     pack = pack_gate_reference(x, w_act, tile=config.tile, slots=config.slots)
-    return pallas_training.backward(gated, x, weights, gy, jnp.float32(0.37), config, True, pack,
+    return pallas_backward.backward(gated, x, weights, gy, jnp.float32(0.37), config, True, pack,
                                     _nan_backward(x, weights))
 
 
@@ -139,7 +140,7 @@ def _counts(x, weights, config):
     g = np.asarray(jnp.einsum("md,hd->mh", x.astype(jnp.float32), weights[0].astype(jnp.float32),
                               precision=jax.lax.Precision.HIGHEST))
     _, _, counts = pack_gate_reference(x, weights[0], tile=config.tile, slots=config.slots)
-    tail = np.asarray(pallas_training.token_tail_mask(counts, config.slots, config.ell_width))
+    tail = np.asarray(pallas_backward.token_tail_mask(counts, config.slots, config.ell_width))
     hot = ((g > 0) & ~tail[:, None]).sum(0) > config.transpose_ell_width
     return int(tail.sum()), int(hot.sum())
 
@@ -213,7 +214,7 @@ def test_forward_aux_reports_a_backward_fallback():
 
 def _forbid_dense_backward(monkeypatch) -> None:
     """Make the op's dense backward return NaN, so a test sees if the fallback ran."""
-    monkeypatch.setattr(ops, "_dense_backward",
+    monkeypatch.setattr(dispatch, "dense_backward",
                         lambda gated, x, weights, gy, gl1: _nan_backward(x, weights)())
 
 
@@ -273,33 +274,33 @@ def test_under_shard_map_on_8_devices(monkeypatch):
 
 def test_choose_training_path_is_monotone_and_dense_when_dense_wins():
     m, d, h = 16384, 2048, 5632
-    choices = [pallas_training.choose_training_path(m, d, h, k, True) for k in (1, 29, 56, 112, 2000)]
+    choices = [pallas_backward.choose_training_path(m, d, h, k, True) for k in (1, 29, 56, 112, 2000)]
     assert choices[0] == (True, True) and choices[-1] == (False, False)
     for (f0, b0), (f1, b1) in zip(choices, choices[1:]):
         assert f1 <= f0 and b1 <= b0  # sparser never turns a piece dense
     # A piece is sparse only when its modelled time beats dense by the safety margin.
     for k in (1, 29, 56, 112):
-        fwd_sparse, bwd_sparse = pallas_training.choose_training_path(m, d, h, k, True)
-        dense_fwd, dense_bwd = pallas_training.dense_times_ms(m, d, h, True)
-        sparse_fwd, sparse_bwd = pallas_training.sparse_times_ms(m, d, h, k, True,
+        fwd_sparse, bwd_sparse = pallas_backward.choose_training_path(m, d, h, k, True)
+        dense_fwd, dense_bwd = pallas_backward.dense_times_ms(m, d, h, True)
+        sparse_fwd, sparse_bwd = pallas_backward.sparse_times_ms(m, d, h, k, True,
                                                                  keep_pattern=fwd_sparse)
-        assert fwd_sparse == (sparse_fwd <= pallas_training.SAFETY * dense_fwd)
-        assert bwd_sparse == (sparse_bwd <= pallas_training.SAFETY * dense_bwd)
+        assert fwd_sparse == (sparse_fwd <= pallas_backward.SAFETY * dense_fwd)
+        assert bwd_sparse == (sparse_bwd <= pallas_backward.SAFETY * dense_bwd)
     with pytest.raises(ValueError, match="expected_active"):
-        pallas_training.choose_training_path(m, d, h, -1.0, True)
+        pallas_backward.choose_training_path(m, d, h, -1.0, True)
 
 
 @pytest.mark.parametrize("choice", [(True, True), (False, True), (True, False), (False, False)])
 def test_auto_with_hint_routes_forward_and_backward(choice, monkeypatch):
     """With a GPU (simulated: available() patched, kernels interpreted), "auto" + a hint runs the
     plan that choose_training_path picks (each of the four), with exact gradients."""
-    monkeypatch.setattr(pallas_backend, "available", lambda: True)
+    monkeypatch.setattr(pallas_forward, "available", lambda: True)
     asked = []
-    monkeypatch.setattr(pallas_training, "choose_training_path",
+    monkeypatch.setattr(pallas_backward, "choose_training_path",
                         lambda *a, **k: asked.append(a) or choice)
     plans = []
-    original = ops._sparse_call
-    monkeypatch.setattr(ops, "_sparse_call", lambda *a: plans.append(a[0]) or original(*a))
+    original = dispatch._sparse_call
+    monkeypatch.setattr(dispatch, "_sparse_call", lambda *a: plans.append(a[0]) or original(*a))
     x, weights = make_inputs(True, 13, 16, 29, jnp.float32, 0.9, seed=15)
     cot = jnp.asarray(np.random.default_rng(16).standard_normal((13, 16)), jnp.float32)
     config = ops.SparseFFNConfig(tile=TILE, slots=SLOTS, expected_active_per_token=2.5)

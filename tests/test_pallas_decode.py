@@ -1,5 +1,5 @@
 """Decode-size sparse FFN: pallas_kernels/twell_decode.py (interpret mode) and its glue
-twell_jax/decode_backend.py, against the plain-jnp references and the dense formula."""
+twell_jax/ops/pallas_decode.py, against the plain-jnp references and the dense formula."""
 import types
 
 import jax
@@ -9,7 +9,7 @@ import pytest
 
 from pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compact_active_reference,
                                          sparse_decode_ffn, sparse_decode_ffn_reference)
-from twell_jax import decode_backend
+from twell_jax.ops import pallas_decode
 
 # rel. error (Frobenius) vs the fp32 HIGHEST dense formula / vs the kernel's own reference. bf16
 # rounds h once (like the op's dense backend): a rounding flip of h moves y by ~1 bf16 ulp.
@@ -171,9 +171,9 @@ def test_sparse_decode_ffn_rejects_bad_arguments():
 
 def run(implementation, gated, x, wg, wu, wd, cfg):
     if gated:
-        return decode_backend.decode_gated_ffn_forward(x, wg, wu, wd, config=cfg,
+        return pallas_decode.decode_gated_ffn_forward(x, wg, wu, wd, config=cfg,
                                                        implementation=implementation, interpret=True)
-    return decode_backend.decode_ffn_forward(x, wg, wd, config=cfg, implementation=implementation,
+    return pallas_decode.decode_ffn_forward(x, wg, wd, config=cfg, implementation=implementation,
                                              interpret=True)
 
 
@@ -231,29 +231,29 @@ def test_decode_forward_reads_the_op_config():
     y_ref, _, _ = dense(x, wg, wu, wd)
     cfg = ops.SparseFFNConfig(expected_active_per_token=2.0)  # no decode_* fields: defaults
     for implementation in ("triton", "xla"):
-        y, aux = jax.jit(lambda *a: decode_backend.decode_gated_ffn_forward(
+        y, aux = jax.jit(lambda *a: pallas_decode.decode_gated_ffn_forward(
             *a, config=cfg, implementation=implementation, interpret=True))(x, wg, wu, wd)
         assert rel_err(y, y_ref) <= TOL_DENSE[jnp.bfloat16] and int(aux["dense_fallback"]) == 0
 
 
 def test_decode_forward_empty_and_bad_input():
     x, wg, wu, wd = make_inputs(jnp.float32, m=2)
-    y, aux = decode_backend.decode_gated_ffn_forward(x[:0], wg, wu, wd, implementation="xla")
+    y, aux = pallas_decode.decode_gated_ffn_forward(x[:0], wg, wu, wd, implementation="xla")
     assert y.shape == (0, x.shape[1]) and float(aux["l0"]) == 0.0
     with pytest.raises(ValueError, match="implementation"):
-        decode_backend.decode_gated_ffn_forward(x, wg, wu, wd, implementation="cuda")
+        pallas_decode.decode_gated_ffn_forward(x, wg, wu, wd, implementation="cuda")
     with pytest.raises(ValueError, match="decode_capacity"):
-        decode_backend.decode_gated_ffn_forward(x, wg, wu, wd, config=config(capacity=0),
+        pallas_decode.decode_gated_ffn_forward(x, wg, wu, wd, config=config(capacity=0),
                                                 implementation="xla")
     with pytest.raises(ValueError, match="decode_block_sizes"):
-        decode_backend.decode_ffn_forward(x, wg, wd, config=config(block_sizes=(16, 16)),
+        pallas_decode.decode_ffn_forward(x, wg, wd, config=config(block_sizes=(16, 16)),
                                           implementation="xla")
     with pytest.raises(ValueError, match="w_up_HxD"):
-        decode_backend.decode_gated_ffn_forward(x, wg, wu.astype(jnp.bfloat16), wd,
+        pallas_decode.decode_gated_ffn_forward(x, wg, wu.astype(jnp.bfloat16), wd,
                                                 implementation="xla")
     if jax.default_backend() != "gpu":
         with pytest.raises(RuntimeError, match="interpret=True"):
-            decode_backend.decode_gated_ffn_forward(x, wg, wu, wd)  # triton without a GPU
+            pallas_decode.decode_gated_ffn_forward(x, wg, wu, wd)  # triton without a GPU
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,21 +263,21 @@ def test_decode_forward_empty_and_bad_input():
 def test_dense_cost_model_matches_issue_13_measurements():
     # H100, D 2048, H 5632, bf16, XLA dense (issue 13): tokens per call -> us.
     for m, measured_us in ((1, 35.7), (8, 36.2), (64, 44.7), (256, 66.6)):
-        assert decode_backend.dense_time_us(m, 2048, 5632) == pytest.approx(measured_us, rel=0.05)
+        assert pallas_decode.dense_time_us(m, 2048, 5632) == pytest.approx(measured_us, rel=0.05)
 
 
 def test_prefer_decode_path():
     d, h = 2048, 5632
     for m in (1, 8, 64):
-        assert decode_backend.prefer_decode_path(m, d, h, 29.0, True)
+        assert pallas_decode.prefer_decode_path(m, d, h, 29.0, True)
     for m in (256, 1024, 65536):  # the union of 256+ tokens covers most neurons: dense
-        assert not decode_backend.prefer_decode_path(m, d, h, 29.0, True)
-    assert not decode_backend.prefer_decode_path(1, d, h, 2816.0, True)  # half the neurons active
-    assert not decode_backend.prefer_decode_path(1, d, h, None, True)  # no hint: caller decides
-    assert decode_backend.expected_union(1, 29.0, h) == pytest.approx(29.0)
-    assert decode_backend.expected_union(10**6, 29.0, h) == pytest.approx(h)
+        assert not pallas_decode.prefer_decode_path(m, d, h, 29.0, True)
+    assert not pallas_decode.prefer_decode_path(1, d, h, 2816.0, True)  # half the neurons active
+    assert not pallas_decode.prefer_decode_path(1, d, h, None, True)  # no hint: caller decides
+    assert pallas_decode.expected_union(1, 29.0, h) == pytest.approx(29.0)
+    assert pallas_decode.expected_union(10**6, 29.0, h) == pytest.approx(h)
     with pytest.raises(ValueError):
-        decode_backend.expected_union(1, -1.0, h)
+        pallas_decode.expected_union(1, -1.0, h)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Tests of twell_jax/parallel.py (mesh, batch layout, shardings, host->global) on 8 simulated CPU
+"""Tests of twell_jax/training/parallel.py (mesh, batch layout, shardings, host->global) on 8 simulated CPU
 devices (tests/conftest.py sets the XLA flag)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from twell_jax import parallel as par
+from twell_jax.training import parallel as par
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8, reason="needs 8 (simulated) devices: see tests/conftest.py"
@@ -242,7 +242,7 @@ def test_initialize_distributed_rejects_bad_process_id(monkeypatch):
 # mesh (and with a fixed per-device micro-batch, the number of accumulation steps) changes.
 
 from twell_jax import ops as ops_lib  # noqa: E402
-from twell_jax import train as train_lib  # noqa: E402
+from twell_jax.training import train as train_lib  # noqa: E402
 from twell_jax.config import (ExperimentConfig, ModelConfig, OptimConfig,  # noqa: E402
                               SparsityConfig, TrainConfig)
 from twell_jax.config import DataConfig  # noqa: E402
@@ -369,7 +369,7 @@ import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 import jax.numpy as jnp
 import numpy as np
-from twell_jax import parallel as par
+from twell_jax.training import parallel as par
 
 par.initialize_distributed()          # driven by JAX_COORDINATOR_ADDRESS / _NUM_PROCESSES / _PROCESS_ID
 par.initialize_distributed()          # second call: no-op

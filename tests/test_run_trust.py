@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 from configs import get_config, list_configs
-from twell_jax import checkpoint as ckpt_lib
+from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax import config as config_lib
 from twell_jax.cli import _parser, main
-from twell_jax.evaluate import evaluate_checkpoint
-from twell_jax.optimizer import learning_rate_schedule
+from twell_jax.training.evaluate import evaluate_checkpoint
+from twell_jax.training.optimizer import learning_rate_schedule
 from twell_jax.data import build_experiment_data
-from twell_jax.train import check_op_config
+from twell_jax.training.train import check_op_config
 
 REPO = Path(__file__).resolve().parents[1]
 

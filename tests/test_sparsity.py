@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from twell_jax.config import ModelConfig, OptimConfig, SparsityConfig
-from twell_jax.loss import l1_coefficient, total_loss
+from twell_jax.training.loss import l1_coefficient, total_loss
 from twell_jax.model import init_model, split_model
-from twell_jax.optimizer import build_optimizer
-from twell_jax.sparsity import (COUNTER_CAP, dead_share, position_profile, reinit_dead_rows,
+from twell_jax.training.optimizer import build_optimizer
+from twell_jax.training.sparsity import (COUNTER_CAP, dead_share, position_profile, reinit_dead_rows,
                                 update_counters)
 
 

@@ -11,9 +11,9 @@ import pytest
 
 from configs import get_config
 from twell_jax import config as config_lib
-from twell_jax.loss import l1_coefficient
+from twell_jax.training.loss import l1_coefficient
 from twell_jax.model import init_model, split_model
-from twell_jax.train import Trainer, accumulate_gradients
+from twell_jax.training.train import Trainer, accumulate_gradients
 
 
 class FakeIterator:
@@ -150,7 +150,7 @@ def test_time_limit_stops_early_then_checkpoints_evaluates_and_resumes(tmp_path)
 
 
 def test_hooks_see_every_step_eval_and_checkpoint(tmp_path):
-    from twell_jax.train import Hooks
+    from twell_jax.training.train import Hooks
 
     seen = {"steps": [], "evals": [], "checkpoints": []}
     hooks = Hooks(on_step=lambda r: seen["steps"].append(r["step"]),

@@ -42,7 +42,7 @@ def check_resumable_overrides(overrides: list[str]) -> None:
 
 def resume_config(run_dir: Path, preset: str | None, overrides: list[str]) -> config_lib.ExperimentConfig:
     """The saved config of the run in `run_dir` with `overrides` (resumable fields only) applied."""
-    from twell_jax import checkpoint as ckpt_lib
+    from twell_jax.training import checkpoint as ckpt_lib
 
     if not run_dir.is_dir():
         raise FileNotFoundError(f"--resume: no run directory at {run_dir.absolute()} (check --out)")
@@ -100,8 +100,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> None:
-    from twell_jax import parallel
-    from twell_jax.train import default_run_dir, train
+    from twell_jax.training import parallel
+    from twell_jax.training.train import default_run_dir, train
 
     # Multi-host launch (SLURM, Open MPI, JAX_COORDINATOR_ADDRESS): before anything touches devices.
     parallel.initialize_distributed()
@@ -134,13 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         for name in list_configs():
             print(name)
         return 0
-    from twell_jax.train import TrainingInterrupted
+    from twell_jax.training.train import TrainingInterrupted
 
     try:
         if args.command == "train":
             _train(args)
         elif args.command == "eval":
-            from twell_jax.evaluate import evaluate_checkpoint
+            from twell_jax.training.evaluate import evaluate_checkpoint
 
             check_resumable_overrides(args.set)
             result = evaluate_checkpoint(args.checkpoint, step=args.step, overrides=args.set)

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import numpy as np
 
 from twell_jax.config import ExperimentConfig
-from twell_jax.train import TrainResult, train
+from twell_jax.training.train import TrainResult, train
 
 
 def twin_configs(cfg: ExperimentConfig) -> tuple[ExperimentConfig, ExperimentConfig]:

@@ -231,7 +231,7 @@ class SparsityConfig:
     dead_window_tokens: int = 0
     track_neurons: bool = True  # compute per-neuron activity (dead neurons, position profile) each step
     position_buckets: int = 8  # the active-count profile averages positions into this many buckets
-    reinit_dead: bool = False  # re-sample dead gate rows (rule in twell_jax/sparsity.py:reinit_dead_rows)
+    reinit_dead: bool = False  # re-sample dead gate rows (rule in twell_jax/training/sparsity.py:reinit_dead_rows)
     reinit_every: int = 100  # check for dead neurons to re-initialise every this many optimizer steps
 
     def __post_init__(self) -> None:

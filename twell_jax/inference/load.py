@@ -1,7 +1,7 @@
 """Load a trained run for inference: parameters (no optimizer state), config, tokenizer.
 
 `load_run(run_dir)` restores only the parameters of a verified checkpoint
-(`twell_jax.checkpoint.restore_params`: the newest intact one, or `step`), so no optimizer or
+(`twell_jax.training.checkpoint.restore_params`: the newest intact one, or `step`), so no optimizer or
 Trainer is built. The tokenizer is the one saved with the run (`<run>/tokenizer.json`); a run
 without one gets the tokenizer its config's data section builds, with a warning.
 """
@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from twell_jax import checkpoint as ckpt_lib
+from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax.config import DTYPES, DataConfig, ExperimentConfig, ModelConfig, SparsityConfig
-from twell_jax.evaluate import with_auto_hints
+from twell_jax.training.evaluate import with_auto_hints
 from twell_jax.model import Transformer, init_model
 
 if TYPE_CHECKING:  # pragma: no cover - typing only

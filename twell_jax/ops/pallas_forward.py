@@ -1,4 +1,4 @@
-"""Glue between the sparse FFN op (twell_jax/ops.py) and the Pallas (Triton) inference kernels.
+"""Glue between the sparse FFN op (twell_jax/ops/) and the Pallas (Triton) inference kernels.
 
 Forward only (the op's backward is pure JAX). Each forward is
 
@@ -149,7 +149,7 @@ def _sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array 
                     pack: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> tuple[jax.Array, Aux]:
     """Pack + fused FFN + exact fix-up of overflowing rows. w_up None = non-gated. `pack`: the
     (values, indices, counts) of pack_gate(x, w_act) when the caller already has it (the training
-    forward keeps it for the Pallas backward, twell_jax/pallas_training.py)."""
+    forward keeps it for the Pallas backward, twell_jax/ops/pallas_backward.py)."""
     m, h = x_MxD.shape[0], w_act_HxD.shape[0]
     values, indices, counts = pack if pack is not None else pack_gate(
         x_MxD, w_act_HxD, tile=s["tile"], slots=s["slots"], block_sizes=s["pack_block_sizes"],

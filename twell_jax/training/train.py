@@ -48,16 +48,16 @@ import numpy as np
 import optax
 from flax import nnx
 
-from twell_jax import checkpoint as ckpt_lib
+from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax import config as config_lib
-from twell_jax import parallel
+from twell_jax.training import parallel
 from twell_jax.config import ExperimentConfig, ModelConfig
 from twell_jax.data import DataSource, build_experiment_data
-from twell_jax.loss import cross_entropy, l1_coefficient, total_loss
-from twell_jax.metrics import MetricsSink, check_finite, device_peak_memory_bytes, to_python
+from twell_jax.training.loss import cross_entropy, l1_coefficient, total_loss
+from twell_jax.training.metrics import MetricsSink, check_finite, device_peak_memory_bytes, to_python
 from twell_jax.model import apply_model, build_op_config, describe_execution, init_model, split_model
-from twell_jax.optimizer import build_optimizer, learning_rate_schedule
-from twell_jax.sparsity import dead_share, init_counters, position_profile, reinit_dead_rows, update_counters
+from twell_jax.training.optimizer import build_optimizer, learning_rate_schedule
+from twell_jax.training.sparsity import dead_share, init_counters, position_profile, reinit_dead_rows, update_counters
 
 logger = logging.getLogger(__name__)
 

@@ -14,13 +14,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from twell_jax import checkpoint as ckpt_lib
+from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax import config as config_lib
-from twell_jax import parallel
+from twell_jax.training import parallel
 from twell_jax.config import ExperimentConfig
 from twell_jax.model import init_model
 from twell_jax.data import DataSource, build_experiment_data
-from twell_jax.train import evaluate_params, make_eval_step, manages_auto_hints, with_saved_tokenizer
+from twell_jax.training.train import evaluate_params, make_eval_step, manages_auto_hints, with_saved_tokenizer
 
 
 def evaluate_checkpoint(path: str | Path, *, step: int | None = None, overrides: list[str] | None = None,

@@ -36,7 +36,7 @@ def check_finite(step: int, metrics: dict[str, Any], names: tuple[str, ...], *,
 def truncate_jsonl(path: Path, last_step: int) -> int:
     """Drop the records of `path` with a step after `last_step` (what a resumed run will write
     again); atomic. Returns how many were dropped."""
-    from twell_jax.checkpoint import atomic_write_text
+    from twell_jax.training.checkpoint import atomic_write_text
 
     if not path.exists():
         return 0

@@ -10,7 +10,7 @@ A run directory (`twell train --out DIR`) holds ONE run:
   "params" (the model parameters, restorable alone: evaluation needs no optimizer), "train"
   ({opt_state, step, since_active}) and "meta" (JSON: config, data-iterator position, step, metric
   history, and a checksum of every array of the other two items);
-- `metrics.jsonl`, `tensorboard/`, `summary.json` (see twell_jax/metrics.py and train.py).
+- `metrics.jsonl`, `tensorboard/`, `summary.json` (see twell_jax/training/metrics.py and train.py).
 
 Orbax writes into a temporary directory and renames it on success, so a save killed midway leaves
 the previous checkpoint as the latest (the tmp directory is ignored). A restore checks Orbax's own

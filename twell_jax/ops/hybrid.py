@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from twell_jax import format as twell_format
+from twell_jax.ops import format as twell_format
 
 # ELL slots processed per step of the product loops: bounds the gathered [R, chunk, D] block.
 _SLOT_CHUNK = 8

@@ -7,7 +7,7 @@
                                         gathers + small XLA dots (implementation="xla")
 
 Each active neuron's U and W rows are read once per call, whatever the number of tokens, and the
-work is spread over the active neurons instead of one program per token (pallas_backend's fused
+work is spread over the active neurons instead of one program per token (pallas_forward's fused
 kernel), which puts a one-token call on one SM. Rounding is the op's dense formula: h rounded once
 to the activation dtype, y accumulated in fp32.
 
@@ -37,7 +37,7 @@ from jax import lax
 
 from pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compact_active_reference,
                                          sparse_decode_ffn, sparse_decode_ffn_reference)
-from twell_jax.pallas_backend import _require_runnable, _validate
+from twell_jax.ops.pallas_forward import _require_runnable, _validate
 
 IMPLEMENTATIONS = ("triton", "xla")
 

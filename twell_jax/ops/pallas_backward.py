@@ -44,7 +44,7 @@ from jax import lax
 from pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes, neuron_backward
 from pallas_kernels.twell_bwd_token import TokenBwdBlockSizes, token_backward
 from pallas_kernels.twell_pack import pack_gate
-from twell_jax import pallas_backend
+from twell_jax.ops import pallas_forward
 
 Weights = tuple[jax.Array, ...]
 Pack = tuple[jax.Array, jax.Array, jax.Array]  # (values [M,NT,S], indices [M,NT,S], counts [M,NT])
@@ -93,7 +93,7 @@ def backward_settings(config: Any) -> BackwardConfig:
     if value is None:
         return BackwardConfig()
     if not isinstance(value, BackwardConfig):
-        raise ValueError(f"config.backward must be a pallas_training.BackwardConfig or None, got "
+        raise ValueError(f"config.backward must be a pallas_backward.BackwardConfig or None, got "
                          f"{type(value).__name__}")
     return value
 
@@ -101,7 +101,7 @@ def backward_settings(config: Any) -> BackwardConfig:
 # ----------------------------------------------------------------------------------------------
 # Cost model of the training step's FFN pieces, for "auto". ONE TABLE, to be fitted on the H100
 # from `python experiments/bench_ffn_train.py` (its per-piece times); the forward's constants are
-# pallas_backend's (fitted on an H200, checked on the H100). Times in ms; k = active per token.
+# pallas_forward's (fitted on an H200, checked on the H100). Times in ms; k = active per token.
 #   dense backward  = DENSE_LAUNCH_MS + n_bwd_gemms * 2 M D H / DENSE_FLOPS_PER_MS     (6 gated, 4)
 #   sparse backward = BWD_FIXED_MS
 #                     + M * (TOKEN_MS_PER_TOKEN + k * n_tok_rows * D * b / TOKEN_BYTES_PER_MS)  token-major
@@ -132,8 +132,8 @@ SAFETY = 0.9
 def dense_times_ms(m: int, d: int, h: int, gated: bool) -> tuple[float, float]:
     """Modelled (forward, backward) ms of the dense FFN with bf16 operands."""
     flops = 2.0 * m * d * h
-    fwd = pallas_backend.DENSE_LAUNCH_MS + (3 if gated else 2) * flops / pallas_backend.DENSE_FLOPS_PER_MS
-    bwd = pallas_backend.DENSE_LAUNCH_MS + (6 if gated else 4) * flops / COST_TABLE["DENSE_BWD_FLOPS_PER_MS"]
+    fwd = pallas_forward.DENSE_LAUNCH_MS + (3 if gated else 2) * flops / pallas_forward.DENSE_FLOPS_PER_MS
+    bwd = pallas_forward.DENSE_LAUNCH_MS + (6 if gated else 4) * flops / COST_TABLE["DENSE_BWD_FLOPS_PER_MS"]
     return fwd, bwd
 
 
@@ -141,7 +141,7 @@ def sparse_times_ms(m: int, d: int, h: int, k: float, gated: bool, *, itemsize: 
                     ell_width: int = 128, keep_pattern: bool = True) -> tuple[float, float]:
     """Modelled (forward, backward) ms of the sparse FFN (pack + fused FFN; Pallas backward)."""
     c = COST_TABLE
-    pb = pallas_backend
+    pb = pallas_forward
     pack_ms = 2.0 * m * d * h / pb.PACK_FLOPS_PER_MS
     n_rows = 2 if gated else 1
     fwd = (pb.SPARSE_FIXED_MS + pack_ms + m * pb.FFN_TOKEN_MS * n_rows / 2
@@ -202,21 +202,21 @@ def forward(gated: bool, forward_kind: str, x_MxD: jax.Array, weights: Weights, 
             interpret: bool) -> tuple[jax.Array, Aux, Pack | None]:
     """The training forward: (y, aux, the pack kept for the backward or None).
 
-    forward_kind "pallas": pack + fused FFN (pallas_backend); "dense": the dense formula (the
+    forward_kind "pallas": pack + fused FFN (pallas_forward); "dense": the dense formula (the
     training "auto" when only the backward is sparse). aux["dense_fallback"] also reports a
     backward that will fall back because its token tail exceeds the capacity."""
-    pallas_backend._require_runnable(interpret)
+    pallas_forward._require_runnable(interpret)
     w_act, w_up, w_down = _split(gated, weights)
     m = x_MxD.shape[0]
-    s = pallas_backend._settings(config, m)
+    s = pallas_forward._settings(config, m)
     if forward_kind == "dense" or m == 0:
-        y, aux = pallas_backend._dense_forward(x_MxD, w_act, w_up, w_down, s["neuron_counts"])
+        y, aux = pallas_forward._dense_forward(x_MxD, w_act, w_up, w_down, s["neuron_counts"])
         return y, aux, None
     if forward_kind != "pallas":
         raise ValueError(f"forward_kind must be 'pallas' or 'dense', got {forward_kind!r}")
     pack = pack_gate(x_MxD, w_act, tile=s["tile"], slots=s["slots"],
                      block_sizes=s["pack_block_sizes"], interpret=interpret)
-    y, aux = pallas_backend._sparse_forward(x_MxD, w_act, w_up, w_down, s, interpret, pack=pack)
+    y, aux = pallas_forward._sparse_forward(x_MxD, w_act, w_up, w_down, s, interpret, pack=pack)
     n_tail = jnp.sum(token_tail_mask(pack[2], s["slots"], config.ell_width), dtype=jnp.int32)
     aux = dict(aux)
     aux["dense_fallback"] = jnp.maximum(aux["dense_fallback"],
@@ -300,7 +300,7 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
     """Gradients of <gy, y> + gl1 * l1 (module doc). `pack` = the forward's pack or None
     (recomputed); `dense_backward()` = the op's exact dense backward, run when a tail capacity is
     exceeded. Returns (dx in x's dtype, weight gradients in weight order and dtype)."""
-    pallas_backend._require_runnable(interpret)
+    pallas_forward._require_runnable(interpret)
     bc = backward_settings(config)
     w_act, w_up, w_down = _split(gated, weights)
     m, d = x_MxD.shape
@@ -310,7 +310,7 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
     slots = config.slots
     if pack is None:
         pack = pack_gate(x_MxD, w_act, tile=config.tile, slots=slots,
-                         block_sizes=config.pack_block_sizes or pallas_backend.PackBlockSizes(),
+                         block_sizes=config.pack_block_sizes or pallas_forward.PackBlockSizes(),
                          interpret=interpret)
     values, indices, counts = pack
     gy_MxD = gy_MxD.astype(x_MxD.dtype)

@@ -3,7 +3,7 @@
 One choke point for everything that knows about devices. The trainer builds the mesh with
 `make_mesh`, enters it with `jax.set_mesh(mesh)`, places parameters with `param_shardings` and feeds
 each step with `host_to_global`; `jax.jit` + `NamedSharding` (GSPMD) then inserts the gradient
-all-reduce. The sparse op (`twell_jax/ops.py`) wraps its Pallas calls in `jax.shard_map` over
+all-reduce. The sparse op (`twell_jax/ops/`) wraps its Pallas calls in `jax.shard_map` over
 `DATA_AXIS`, because Pallas kernels cannot be partitioned by GSPMD. docs/parallel.md explains why.
 
 Multi-host: every process calls `initialize_distributed()` first, reads only its own slice of the

@@ -1,0 +1,93 @@
+"""The sparse FFN op: public functions, backend dispatch, custom_vjp, shard_map wrapper.
+
+CONTRACT (other modules rely on it; keep it stable):
+
+    gated_ffn(x, w_gate, w_up, w_down, *, backend="auto", config=None, interpret=False) -> (y, aux)
+        y = (relu(x @ w_gate.T) * (x @ w_up.T)) @ w_down
+    ffn(x, w_up, w_down, *, backend="auto", config=None, interpret=False) -> (y, aux)
+        y = relu(x @ w_up.T) @ w_down
+
+    x: [..., D]; every weight is neuron-major [H, D]; all the same float dtype (f32 or bf16).
+    y: same shape and dtype as x.
+    aux: dict of scalars
+        "l1": f32, mean over tokens of sum over neurons of |h| (differentiable: add lambda*l1 to the loss)
+        "l0": f32, mean number of active neurons per token
+        "tile_overflow": int32, (row, tile) pairs whose non-zeros exceed the TwELL slots
+        "row_overflow": int32, rows whose non-zeros exceed the ELL width (sent to the dense tail)
+        "dense_fallback": int32, 1 if the call fell back to the exact dense path (tail capacity
+                          exceeded, or a non-finite input or weight: the NaN policy below)
+      and, only when config.neuron_counts is True (COUNT_KEYS; for telemetry, no extra GEMM):
+        "neuron_active_count": int32 [H], tokens of this call on which each neuron fired
+        "token_active_count": int32 [...] (x.shape[:-1]), active neurons of each token
+    backend: "dense" | "reference" | "pallas" | "auto"
+    config: SparseFFNConfig (None = defaults)
+    interpret: run the Pallas kernels in the Pallas interpreter (pallas backends only; for tests)
+
+For the reference backend, "dense_fallback" covers the forward and the backward (the backward's
+decision is a function of the same activation counts, so the forward reports it in advance).
+Under vmap each aux entry gets the mapped axis; under a data mesh they are global.
+
+Why neuron-major weights: hidden neuron j owns row j of w_gate, w_up and w_down, so every sparse
+access (gathering the up / down rows of the active neurons of a token, or the weight-gradient row
+of a neuron) is a contiguous D-vector read, never a strided column.
+
+Backends:
+    "dense"      `dense_ffn`, the one copy of the dense formula (also every fallback, the Pallas
+                 glue's dense branch and the model's dense kinds): compute-dtype GEMMs with f32
+                 accumulation, f32 gating product, aux from the x-dtype h; plain JAX autodiff.
+    "reference"  the sparse algorithm in pure JAX (TwELL pack of the gate, SDDMM for the up
+                 activations on the gate pattern, hybrid ELL+tail SpMM for the down projection);
+                 backward: the sparse hybrid backward below. A `jax.custom_vjp`.
+    "pallas"     forward by the Pallas kernels (`twell_jax.ops.pallas_forward`, imported lazily),
+                 backward by the Pallas backward kernels (`twell_jax.ops.pallas_backward`: the
+                 forward keeps its TwELL pack for it). Needs a GPU unless interpret=True.
+    "auto"       on a GPU with config.expected_active_per_token set: per layer, forward and
+                 backward each sparse (Pallas) or dense from a cost model
+                 (`pallas_backward.choose_training_path`), decided at trace time (at decode sizes, a few tokens per call, the
+                 forward spread over the active neurons: `twell_jax.ops.pallas_decode`); on a GPU
+                 without the hint: dense or sparse decided first, outside the custom_vjp, by a
+                 lax.cond on a sampled active count (`pallas_forward.auto_use_sparse`): dense =
+                 the "dense" backend exactly, sparse = the Pallas forward + the exact dense
+                 backward; elsewhere: "dense".
+
+The reference and dense backwards keep only (x, weights) as residuals and recompute what they
+need; the Pallas backward also keeps the forward's TwELL pack unless
+`pallas_backward.BackwardConfig.keep_gate_pattern` is False.
+
+Exactness (no non-zero is ever dropped): gate rows with an overflowing TwELL tile or more than
+`ell_width` actives go, complete, to the dense tail of the hybrid; if the tail capacity (static,
+so no host sync) is exceeded in the forward, or the neuron-major transposes of the backward exceed
+theirs, a `lax.cond` runs the exact dense computation for that call instead, and
+aux["dense_fallback"] says so.
+
+NaN policy: PROPAGATE. A NaN/Inf in x or in any weight row (silent neurons included) makes y and
+the gradients non-finite on every backend exactly where the "dense" backend's are, and aux["l0"] is
+the same on every backend: every sparse path checks `isfinite` over x and the weights once per call
+(on device, no host sync) and on a non-finite value runs the exact dense forward and backward
+instead (aux["dense_fallback"] = 1). The check reads every weight once per call, which the decode
+path otherwise avoids.
+
+Under a mesh (`jax.set_mesh`) whose `config.data_axis` has size > 1, the sparse backends run inside
+`jax.shard_map` over that axis (tokens split, weights replicated, aux reduced to global scalars),
+because Pallas calls are not partitioned by XLA. Tokens are zero-padded to a multiple of the axis
+size (a zero token activates nothing).
+
+Limits: indices are int32, so H and the token count per call are only bounded by memory. The
+reference backend is a correctness oracle, not a fast path: it computes the gate densely.
+
+Files (one job each): `config.py` SparseFFNConfig and the aux keys; `dense.py` the dense formula
+and its aux (the only copy); `reference.py` the pure-JAX sparse forward and backward; `dispatch.py`
+validation, plans, the custom_vjp, shard_map, `gated_ffn` / `ffn`; `format.py` and `hybrid.py` the
+formats; `pallas_forward.py`, `pallas_backward.py`, `pallas_decode.py` the Pallas glue (imported
+lazily: the kernels need Triton-capable jax builds).
+"""
+from __future__ import annotations
+
+from twell_jax.ops.config import AUX_KEYS, COUNT_KEYS, Aux, SparseFFNConfig, Weights
+from twell_jax.ops.dense import DENSE_ACTIVATIONS, dense_aux, dense_backward, dense_ffn, dense_hidden
+from twell_jax.ops.dispatch import BACKENDS, auto_decision, ffn, gated_ffn
+from twell_jax.ops.reference import reference_backward, reference_forward
+
+__all__ = ["AUX_KEYS", "BACKENDS", "COUNT_KEYS", "DENSE_ACTIVATIONS", "Aux", "SparseFFNConfig", "Weights",
+           "auto_decision", "dense_aux", "dense_backward", "dense_ffn", "dense_hidden", "ffn", "gated_ffn",
+           "reference_backward", "reference_forward"]

@@ -1,0 +1,123 @@
+"""SparseFFNConfig (the static knobs of the sparse backends) and the op's typed interface:
+the aux keys and the (x, weights) -> (y, aux) value types shared by every file of the op."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from typing import TYPE_CHECKING
+
+import jax
+
+if TYPE_CHECKING:  # annotations only: the kernels are imported lazily (Triton-backed Pallas)
+    from pallas_kernels.twell_ffn import FFNBlockSizes
+    from pallas_kernels.twell_pack import PackBlockSizes
+    from twell_jax.ops.pallas_backward import BackwardConfig
+
+AUX_KEYS = ("l1", "l0", "tile_overflow", "row_overflow", "dense_fallback")
+COUNT_KEYS = ("neuron_active_count", "token_active_count")  # added when config.neuron_counts
+
+Aux = dict[str, jax.Array]
+Weights = tuple[jax.Array, ...]
+
+
+def _check_capacity_spec(name: str, value: int | float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be an int (rows) or a float fraction in [0, 1], got {value!r}")
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"{name} as a row count must be >= 0, got {value}")
+    if isinstance(value, float) and not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} as a fraction must be in [0, 1], got {value}")
+
+
+def _resolve_capacity(spec: int | float, n: int) -> int:
+    """Rows of capacity for a spec that is a row count (int) or a fraction of n (float)."""
+    return min(n, spec) if isinstance(spec, int) else min(n, math.ceil(spec * n))
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseFFNConfig:
+    """Static knobs of the sparse backends (hashable: it is a jit static argument)."""
+
+    # TwELL tile width T: hidden columns per tile (the N extent of the gate GEMM tile).
+    tile: int = 256
+    # TwELL slots S stored per (token, tile); a tile with more actives overflows (handled exactly).
+    slots: int = 32
+    # ELL width W of the token-major hybrid: tokens with more actives go to the dense tail.
+    ell_width: int = 128
+    # Dense tail capacity of the token-major hybrid: int = rows, float = fraction of the tokens.
+    tail_rows: int | float = 0.125
+    # ELL width of the neuron-major (transposed) hybrids of the backward: tokens per neuron.
+    transpose_ell_width: int = 256
+    # Tail capacity of the transposed hybrids: int = rows, float = fraction of the neurons H.
+    transpose_tail_rows: int | float = 0.25
+    # Mesh axis that splits the tokens; the sparse backends shard_map over it. None = never.
+    data_axis: str | None = "data"
+    # Pallas: rows with tile overflow recomputed in a fixed block (None = the backend's default).
+    overflow_rows: int | None = None
+    # Pallas "auto" without a hint: tokens sampled on the device to estimate the active count
+    # (None = the backend's default, 32 tokens).
+    auto_sample_rows: int | None = None
+    # Pallas "auto": mean actives per token above which the dense path runs (None = the per-shape
+    # crossover of the backend's cost model, pallas_forward.crossover_active_per_token).
+    auto_max_active: float | None = None
+    # Pallas "auto": expected mean actives per token (e.g. the L0 telemetry of training). When set,
+    # "auto" decides dense vs sparse at trace time for free, instead of sampling on the device.
+    expected_active_per_token: float | None = None
+    # Pallas: block sizes of the pack kernel (None = the kernel's defaults).
+    pack_block_sizes: PackBlockSizes | None = None
+    # Pallas: block sizes of the fused FFN kernel (None = the kernel's defaults).
+    ffn_block_sizes: FFNBlockSizes | None = None
+    # Add the per-neuron and per-token active counts to aux (COUNT_KEYS), computed from the
+    # pattern the op builds anyway, so telemetry needs no second gate GEMM.
+    neuron_counts: bool = False
+    # Pallas backward knobs (None = pallas_backward.BackwardConfig's defaults).
+    backward: BackwardConfig | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tile", "slots", "ell_width", "transpose_ell_width"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SparseFFNConfig.{name} must be an int >= 1, got {value!r}")
+        if self.slots > self.tile:
+            raise ValueError(f"SparseFFNConfig.slots ({self.slots}) must be <= tile ({self.tile})")
+        _check_capacity_spec("SparseFFNConfig.tail_rows", self.tail_rows)
+        _check_capacity_spec("SparseFFNConfig.transpose_tail_rows", self.transpose_tail_rows)
+        for name, module, cls in (("pack_block_sizes", "twell_pack", "PackBlockSizes"),
+                                  ("ffn_block_sizes", "twell_ffn", "FFNBlockSizes")):
+            value = getattr(self, name)
+            if value is not None:  # imported only here: the kernels load Triton-backed Pallas
+                expected = getattr(importlib.import_module(f"pallas_kernels.{module}"), cls)
+                if not isinstance(value, expected):
+                    raise ValueError(f"SparseFFNConfig.{name} must be None or a pallas_kernels.{module}.{cls}, "
+                                     f"got {value!r}")
+        if self.backward is not None:  # imported only here, like the kernels' block sizes
+            expected = importlib.import_module("twell_jax.ops.pallas_backward").BackwardConfig
+            if not isinstance(self.backward, expected):
+                raise ValueError("SparseFFNConfig.backward must be None or a twell_jax.ops.pallas_backward."
+                                 f"BackwardConfig, got {self.backward!r}")
+        if not isinstance(self.neuron_counts, bool):
+            raise ValueError(f"SparseFFNConfig.neuron_counts must be a bool, got {self.neuron_counts!r}")
+        if self.data_axis is not None and not isinstance(self.data_axis, str):
+            raise ValueError(f"SparseFFNConfig.data_axis must be a str or None, got {self.data_axis!r}")
+        for name in ("overflow_rows", "auto_sample_rows"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"SparseFFNConfig.{name} must be None or an int >= 1, got {value!r}")
+        if self.auto_max_active is not None and (
+                isinstance(self.auto_max_active, bool) or not isinstance(self.auto_max_active, (int, float))
+                or not self.auto_max_active >= 0):
+            raise ValueError(f"SparseFFNConfig.auto_max_active must be None or >= 0, got {self.auto_max_active!r}")
+        expected = self.expected_active_per_token
+        if expected is not None and (isinstance(expected, bool) or not isinstance(expected, (int, float))
+                                     or not expected >= 0):
+            raise ValueError("SparseFFNConfig.expected_active_per_token must be None or a number >= 0, "
+                             f"got {expected!r}")
+
+    def tail_capacity(self, n_tokens: int) -> int:
+        """Tail rows of the token-major hybrid for a call with n_tokens tokens."""
+        return _resolve_capacity(self.tail_rows, n_tokens)
+
+    def transpose_tail_capacity(self, n_neurons: int) -> int:
+        """Tail rows of the neuron-major hybrids for a layer with n_neurons neurons."""
+        return _resolve_capacity(self.transpose_tail_rows, n_neurons)
