@@ -1,7 +1,7 @@
 """Training: the jit-compiled data-parallel step with gradient accumulation, and the `Trainer` loop.
 
 All mesh plumbing lives in `Trainer.__init__` (one place): a 1-D "data" mesh over
-`train.num_devices` devices (`twell_jax.parallel.make_mesh`), params / optimizer state replicated
+`train.num_devices` devices (`twell_jax.training.parallel.make_mesh`), params / optimizer state replicated
 (or FSDP-sharded with `train.fsdp`), the batch split over "data". The step is `jax.jit` with
 NamedSharding in/out shardings and the state donated, compiled once before the loop (its memory
 analysis logged) and run under `jax.set_mesh(mesh)` so the sparse op can `shard_map` its kernels.
@@ -522,7 +522,7 @@ class Trainer:
 
     def _initial_hints(self, state: TrainState, meta: dict[str, Any]) -> tuple[tuple[float, ...], str]:
         """(hints, where they come from) for the first compile of a managed run."""
-        from twell_jax.evaluate import expected_active_from_run  # evaluate imports this module
+        from twell_jax.training.evaluate import expected_active_from_run  # evaluate imports this module
 
         n_layers = self.cfg.model.n_layers
         saved = meta.get("auto_hints")
