@@ -89,3 +89,29 @@ def test_finite_inputs_with_a_silent_neuron_match_dense(gated, backend):
     np.testing.assert_allclose(aux["l0"], aux_ref["l0"])
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_check_finite_off_reads_only_active_rows_and_is_validated():
+    """check_finite=False (generation from verified weights): no NaN/Inf pass, so a NaN in a row
+    of a neuron that never fires does not reach y, and no dense fallback is reported."""
+    import jax.numpy as jnp
+    import numpy as np
+    import pytest
+
+    from twell_jax import ops
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((6, 8)), jnp.float32)
+    w_gate = jnp.asarray(rng.standard_normal((12, 8)), jnp.float32)
+    w_gate = w_gate.at[3].set(-1.0)
+    x = jnp.abs(x)  # x > 0 and w_gate[3] < 0: neuron 3 is silent on every token
+    w_up = jnp.asarray(rng.standard_normal((12, 8)), jnp.float32)
+    w_down = jnp.asarray(rng.standard_normal((12, 8)), jnp.float32).at[3, 0].set(jnp.nan)
+    unchecked = ops.SparseFFNConfig(tile=4, slots=4, check_finite=False)
+    y, aux = ops.gated_ffn(x, w_gate, w_up, w_down, backend="reference", config=unchecked)
+    assert np.all(np.isfinite(np.asarray(y))) and int(aux["dense_fallback"]) == 0
+    y_checked, aux_checked = ops.gated_ffn(x, w_gate, w_up, w_down, backend="reference",
+                                           config=ops.SparseFFNConfig(tile=4, slots=4))
+    assert not np.all(np.isfinite(np.asarray(y_checked))) and int(aux_checked["dense_fallback"]) == 1
+    with pytest.raises(ValueError, match="check_finite"):
+        ops.SparseFFNConfig(check_finite=1)

@@ -122,6 +122,11 @@ def load_run(run_dir: str | Path, step: int | None = None, dtype: str = "bfloat1
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compute_dtype=dtype))
     # Per-layer active counts from the run's telemetry: "auto" then picks dense/sparse at trace time.
     cfg = with_auto_hints(cfg, run_path, echo=logger.info)
+    if cfg.model.kind.sparse_op and "check_finite" not in cfg.model.ffn_op_config:
+        # restore_params verified every parameter finite, so the op's per-call NaN/Inf pass over
+        # the weights (which costs more than a sparse decode step) is skipped (docs/format.md).
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, ffn_op_config={**cfg.model.ffn_op_config, "check_finite": False}))
     tokenizer = load_tokenizer_for_run(run_path, cfg)
     if tokenizer is not None and tokenizer.get_vocab_size() > cfg.model.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is "

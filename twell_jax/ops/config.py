@@ -71,6 +71,12 @@ class SparseFFNConfig:
     # Add the per-neuron and per-token active counts to aux (COUNT_KEYS), computed from the
     # pattern the op builds anyway, so telemetry needs no second gate GEMM.
     neuron_counts: bool = False
+    # The NaN policy (docs/format.md): every sparse call checks x and the weights for NaN/Inf (one
+    # pass over them, on the device) and then runs the exact dense formula, so non-finite values
+    # propagate as in dense. False skips that pass: the sparse paths then read only the rows of
+    # active neurons, and a non-finite value elsewhere does not reach y. For decoding with weights
+    # verified finite once (`inference.load_run` does), where the pass costs more than the FFN.
+    check_finite: bool = True
     # Pallas backward knobs (None = pallas_backward.BackwardConfig's defaults).
     backward: BackwardConfig | None = None
 
@@ -96,6 +102,8 @@ class SparseFFNConfig:
             if not isinstance(self.backward, expected):
                 raise ValueError("SparseFFNConfig.backward must be None or a twell_jax.ops.pallas_backward."
                                  f"BackwardConfig, got {self.backward!r}")
+        if not isinstance(self.check_finite, bool):
+            raise ValueError(f"SparseFFNConfig.check_finite must be a bool, got {self.check_finite!r}")
         if not isinstance(self.neuron_counts, bool):
             raise ValueError(f"SparseFFNConfig.neuron_counts must be a bool, got {self.neuron_counts!r}")
         if self.data_axis is not None and not isinstance(self.data_axis, str):

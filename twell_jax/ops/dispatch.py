@@ -57,10 +57,13 @@ def _run_sparse_forward(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
     return y, {key: aux[key] for key in _aux_keys(config)}
 
 
-def _non_finite(x_MxD: jax.Array, weights: Weights) -> jax.Array:
+def _non_finite(config: SparseFFNConfig, x_MxD: jax.Array, weights: Weights) -> jax.Array:
     """bool scalar: a NaN/Inf anywhere in x or the weights (one reduction per call, on device).
     The sparse paths skip the rows of silent neurons, so they must not run on such inputs: the
-    NaN policy is to propagate like the dense formula (docs/format.md)."""
+    NaN policy is to propagate like the dense formula (docs/format.md). A constant False when
+    config.check_finite is off."""
+    if not config.check_finite:
+        return jnp.zeros((), jnp.bool_)
     return ~functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(a)) for a in (x_MxD, *weights)])
 
 
@@ -76,6 +79,8 @@ def _with_dense_fallback(non_finite: jax.Array, gated: bool, config: SparseFFNCo
                          sparse: Callable[[], Any]) -> Any:
     """`sparse()` (whose first two outputs are (y, aux)), or the exact dense forward when
     `non_finite`; the dense branch fills any further outputs (the Pallas pack) with zeros."""
+    if not config.check_finite:
+        return sparse()
     shapes = jax.eval_shape(sparse)
 
     def dense() -> Any:
@@ -91,7 +96,7 @@ def _with_dense_fallback(non_finite: jax.Array, gated: bool, config: SparseFFNCo
 def _run_forward(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
                  weights: Weights) -> tuple[jax.Array, Aux]:
     """The plan's forward; the exact dense forward when an input or weight is not finite."""
-    return _with_dense_fallback(_non_finite(x_MxD, weights), plan.gated, config, x_MxD, weights,
+    return _with_dense_fallback(_non_finite(config, x_MxD, weights), plan.gated, config, x_MxD, weights,
                                 lambda: _run_sparse_forward(plan, config, x_MxD, weights))
 
 
@@ -119,7 +124,7 @@ def _sparse_op_fwd(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array, weigh
                    ) -> tuple[tuple[jax.Array, Aux], tuple[Any, ...]]:
     # Residuals: (x, weights, non_finite[, the Pallas pack]); the flag, computed once here, also
     # sends the backward to the dense formula.
-    non_finite = _non_finite(x_MxD, weights)
+    non_finite = _non_finite(config, x_MxD, weights)
     if plan.backward == "pallas":
         y, aux, pack = _with_dense_fallback(
             non_finite, plan.gated, config, x_MxD, weights,
