@@ -41,11 +41,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.common import next_pow2 as _next_pow2
+
 from pallas_kernels.twell_pack import _dot_precision, _is_pow2
 
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _round_up(n: int, k: int) -> int:
