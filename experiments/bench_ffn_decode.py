@@ -9,6 +9,7 @@ hoisted or cached), per-call time = loop time / calls, median of `--repeats` loo
 interleaved:
 
     dense        the XLA dense FFN (bf16 operands, fp32 accumulation): the op's "dense" formula
+    plain_jax    relu(x Wg^T) * (x Wu^T) @ Wd in plain jnp, outside the op (the baseline's check)
     decode       twell_jax.ops.pallas_decode.decode_gated_ffn_forward, implementation="triton"
     decode_xla   the same with implementation="xla" (row gathers + small XLA dots)
     pallas       ops.gated_ffn(backend="pallas") (pack + one program per token)
@@ -85,6 +86,8 @@ def variants(interpret: bool, sweep: bool = False) -> dict:
     extra = {name: decode_variant(interpret, *spec) for name, spec in SWEEP.items()} if sweep else {}
     base = {
         "dense": lambda x, g, u, d: ops.gated_ffn(x, g, u, d, backend="dense")[0],
+        # Plain JAX of the same shapes, outside the op: shows the op's dense row is a fair baseline.
+        "plain_jax": lambda x, g, u, d: (jax.nn.relu(x @ g.T) * (x @ u.T)) @ d,
         "decode": lambda x, g, u, d: pallas_decode.decode_gated_ffn_forward(
             x, g, u, d, implementation="triton", interpret=interpret)[0],
         "decode_xla": lambda x, g, u, d: pallas_decode.decode_gated_ffn_forward(
