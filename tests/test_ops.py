@@ -15,6 +15,7 @@ from jax.sharding import AxisType
 
 from twell_jax import ops
 from twell_jax.ops import dispatch
+from oracles import rel_err
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}  # relative error ||out - ref|| / ||ref||
 L1_COEF = 0.37
@@ -99,11 +100,6 @@ def run_op(gated, backend, config, x, weights, cot):
 
     (_, (y, aux)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, weights)
     return y, aux, grads
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def expected_counts(g: np.ndarray, config: ops.SparseFFNConfig) -> dict[str, int]:

@@ -7,6 +7,7 @@ import pytest
 from pallas_kernels.twell_pack import PackBlockSizes
 from twell_jax import ops
 from twell_jax.ops import pallas_forward
+from oracles import dense_forward as dense, rel_err
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -23,22 +24,6 @@ def make_inputs(dtype, m=37, d=45, h=150, dense_rows=(), seed=0):
     ws = [rng.normal(size=(h, d)).astype(np.float32) / np.sqrt(d) for _ in range(3)]
     ws[0][:, 0] = -2.3  # ~1% of the gate fires: no tile of a normal token overflows
     return [jnp.asarray(a, dtype) for a in (x, *ws)]
-
-
-def dense(x, w_act, w_up, w_down):
-    hi = jax.lax.Precision.HIGHEST
-    f = lambda a: a.astype(jnp.float32)
-    pre = jnp.einsum("md,hd->mh", f(x), f(w_act), precision=hi)
-    h = jax.nn.relu(pre)
-    if w_up is not None:
-        h = h * jnp.einsum("md,hd->mh", f(x), f(w_up), precision=hi)
-    y = jnp.einsum("mh,hd->md", h, f(w_down), precision=hi)
-    return y, jnp.abs(h).sum(1).mean(), (pre > 0).sum(1).mean()
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 @pytest.mark.parametrize("dtype,dense_rows,expect_branch", [

@@ -10,6 +10,7 @@ import pytest
 from pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compact_active_reference,
                                          sparse_decode_ffn, sparse_decode_ffn_reference)
 from twell_jax.ops import pallas_decode
+from oracles import dense_forward as dense, rel_err
 
 # rel. error (Frobenius) vs the fp32 HIGHEST dense formula / vs the kernel's own reference. bf16
 # rounds h once (like the op's dense backend): a rounding flip of h moves y by ~1 bf16 ulp.
@@ -34,22 +35,6 @@ def make_inputs(dtype, m=8, d=45, h=150, pattern="sparse", seed=0):
     elif pattern != "sparse":
         raise ValueError(pattern)
     return [jnp.asarray(a, dtype) for a in (x, *ws)]
-
-
-def dense(x, w_act, w_up, w_down):
-    hi = jax.lax.Precision.HIGHEST
-    f = lambda a: a.astype(jnp.float32)
-    pre = jnp.einsum("md,hd->mh", f(x), f(w_act), precision=hi)
-    h = jax.nn.relu(pre)
-    if w_up is not None:
-        h = h * jnp.einsum("md,hd->mh", f(x), f(w_up), precision=hi)
-    y = jnp.einsum("mh,hd->md", h, f(w_down), precision=hi)
-    return y, jnp.abs(h).sum(1).mean(), (pre > 0).sum(1).mean()
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def config(capacity=None, block_sizes=SMALL, expected=None):

@@ -7,14 +7,10 @@ import pytest
 
 from pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn, sparse_ffn_reference
 from pallas_kernels.twell_pack import pack_gate_reference
+from oracles import rel_err
 
 TILE, SLOTS = 32, 4
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def make_case(dtype, m=37, d=45, h=150, seed=0):
