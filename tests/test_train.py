@@ -163,3 +163,21 @@ def test_hooks_see_every_step_eval_and_checkpoint(tmp_path):
     # save_final=False: a throw-away run writes no checkpoint at all (periodic ones off too).
     Trainer(micro_cfg("train.steps=2"), tmp_path / "b", data_builder=FakeData, hooks=Hooks(save_final=False)).run()
     assert not any((tmp_path / "b" / "checkpoints").iterdir())
+
+
+def test_should_stop_hook_ends_the_run_saved_and_evaluated(tmp_path):
+    seen = []
+
+    def stop_at_two(record):
+        seen.append(record["step"])
+        return "enough" if record["step"] == 2 else None
+
+    cfg = micro_cfg("train.steps=5", "train.tensorboard=false")
+    from twell_jax.training.train import Hooks
+
+    result = Trainer(cfg, tmp_path, data_builder=FakeData, hooks=Hooks(should_stop=stop_at_two)).run()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert seen == [1, 2] and [r["step"] for r in result.history] == [1, 2]
+    assert summary["stopped_by_hook"] is True and summary["stopped_by_time_limit"] is False
+    assert summary["val_loss"] is not None and np.isfinite(summary["val_loss"])
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [2]

@@ -264,6 +264,9 @@ class Hooks:
     on_step: Callable[[dict[str, Any]], None] | None = None  # each step's full record, as logged
     on_eval: Callable[[int, dict[str, Any]], None] | None = None  # (step, validation metrics)
     on_checkpoint: Callable[[int, Path], None] | None = None  # (step, checkpoint directory) after a save
+    # After each step, given its record: a reason (non-empty text) ends the run there, which is then
+    # saved and evaluated like a run that reached train.time_limit_s (e.g. "trained until sparse").
+    should_stop: Callable[[dict[str, Any]], str | None] | None = None
     # Save a checkpoint at the end (and on SIGINT/SIGTERM). False for throw-away runs such as
     # benchmarks, whose optimizer state would cost seconds and gigabytes to write.
     save_final: bool = True
@@ -489,6 +492,10 @@ class Trainer:
                         sink.message(f"[twell] step {step_no}: checkpoint -> {self.store.directory}")
                     if signals.received:
                         stop_reason = signals.received
+                    elif hooks.should_stop is not None and step_no < end_step and (
+                            why := hooks.should_stop(last_record)):
+                        stop_reason = "hook"
+                        sink.message(f"[twell] step {step_no}: stopping ({why})")
                     elif tc.time_limit_s and time.perf_counter() - loop_start >= tc.time_limit_s and step_no < end_step:
                         stop_reason = "time_limit"
                         sink.message(f"[twell] step {step_no}: train.time_limit_s={tc.time_limit_s:g} reached, "
@@ -501,14 +508,15 @@ class Trainer:
                 if hooks.save_final and self.store.latest_step() != finished:
                     self.save(state, history)
                     sink.message(f"[twell] checkpoint at step {finished} -> {self.store.directory}")
-                if stop_reason not in (None, "time_limit") and finished < end_step:
+                if stop_reason not in (None, "time_limit", "hook") and finished < end_step:
                     raise TrainingInterrupted(stop_reason, finished, self.run_dir.absolute(), hooks.save_final)
-                if finished >= tc.steps or stop_reason == "time_limit":
+                if finished >= tc.steps or stop_reason in ("time_limit", "hook"):
                     last_val = self._eval_and_log(sink, eval_fn, state, finished)
             finally:
                 sink.close()
             summary = self._summary(state, history, last_val, step_times, compile_s)
             summary["stopped_by_time_limit"] = stop_reason == "time_limit"
+            summary["stopped_by_hook"] = stop_reason == "hook"
             ckpt_lib.atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
             self.echo(f"[twell] summary: {self.run_dir / 'summary.json'}")
         return TrainResult(run_dir=self.run_dir, history=history, summary=summary, state=state,
