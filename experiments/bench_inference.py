@@ -7,7 +7,9 @@
 Prefill (the paper's protocol): `--prefill-batch` x `--context` tokens through the decoder body
 (embedding, blocks, final norm; the LM head excluded), tokens/s, and energy per token from NVML
 power sampling (a thread reading the board power every ~50 ms; trapezoid integration over the
-timed window; skipped with a message where NVML is absent). Decode: tokens/s of KV-cached decode
+timed window; skipped with a message where NVML is absent). With `--checkpoint`, every token fed
+(prefill batch, decode context) is text from the run's validation split, and "auto" gets the run's
+per-layer activity hints; a random init gets random ids. Decode: tokens/s of KV-cached decode
 steps (`Transformer.decode`, LM head included) at batch 1, 8 and 64 after a prefilled context of
 `--context` - `--decode-steps` tokens, so the last step attends to `--context` slots. Each variant
 prints its per-layer mean active FFN neurons per token beside its figures. The dense twin runs the
@@ -33,8 +35,10 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from twell_jax.config import ModelConfig  # noqa: E402
-from twell_jax.inference.load import load_run, model_with_params  # noqa: E402
+from twell_jax.inference.load import load_run, model_with_params, validation_tokens  # noqa: E402
 from twell_jax.model import Transformer, init_cache, init_model, split_model  # noqa: E402
+from twell_jax.training.checkpoint import checkpoint_dir  # noqa: E402
+from twell_jax.training.evaluate import expected_active_from_run  # noqa: E402
 
 DECODE_BATCHES = (1, 8, 64)
 PREFILL_CHUNK = 256  # tokens per call when filling the decode context
@@ -116,12 +120,16 @@ def timed(fn: Callable[[], Any], min_seconds: float, min_iters: int) -> tuple[fl
 
 
 def variant_models(base: ModelConfig, params: dict[str, Any], backends: list[str], dtype: str,
-                   interpret: bool) -> dict[str, Transformer]:
-    """{"dense": relu_gated twin, "twell-<backend>": sparse model} over the same parameters."""
-    variants = {"dense": dataclasses.replace(base, ffn_kind="relu_gated", ffn_backend="dense")}
+                   interpret: bool, hints: tuple[float, ...] | None = None) -> dict[str, Transformer]:
+    """{"dense": relu_gated twin, "twell-<backend>": sparse model} over the same parameters; `hints`:
+    the run's per-layer active counts, which "auto" decides with (as `load_run` does for a run
+    trained with "auto")."""
+    variants = {"dense": dataclasses.replace(base, ffn_kind="relu_gated", ffn_backend="dense",
+                                             ffn_expected_active=())}
     for backend in backends:
-        variants[f"twell-{backend}"] = dataclasses.replace(base, ffn_kind="twell", ffn_backend=backend,
-                                                           ffn_interpret=interpret and backend == "pallas")
+        variants[f"twell-{backend}"] = dataclasses.replace(
+            base, ffn_kind="twell", ffn_backend=backend, ffn_interpret=interpret and backend == "pallas",
+            ffn_expected_active=base.ffn_expected_active or (hints if backend == "auto" and hints else ()))
     return {name: model_with_params(cfg, params, dtype) for name, cfg in variants.items()}
 
 
@@ -141,11 +149,12 @@ def bench_prefill(model: Transformer, tokens_BxS: jax.Array, sampler: PowerSampl
             "energy_j_per_token": energy, "l0_per_layer": np.asarray(l0, np.float64).round(2).tolist()}
 
 
-def bench_decode(model: Transformer, cfg: ModelConfig, batch: int, context: int, steps: int,
-                 min_seconds: float, seed: int) -> dict[str, Any]:
+def bench_decode(model: Transformer, cfg: ModelConfig, tokens: jax.Array, context: int, steps: int,
+                 min_seconds: float) -> dict[str, Any]:
+    """KV-cached decode of `steps` tokens per row after prefilling `tokens` [batch, context - steps]."""
     graphdef, state = nnx.split(model)
-    prefill_len = context - steps
-    tokens = jax.random.randint(jax.random.key(seed), (batch, prefill_len), 0, cfg.vocab_size)
+    batch, prefill_len = tokens.shape
+    assert prefill_len == context - steps, (tokens.shape, context, steps)
     start_B = jnp.zeros((batch,), jnp.int32)
 
     def prefill(st: nnx.State, t: jax.Array) -> tuple[jax.Array, Any]:
@@ -221,9 +230,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"[bench] {source_text} on {device.device_kind} ({jax.default_backend()}), {args.dtype}; "
           f"d_model {cfg.d_model}, d_ff {cfg.d_ff}, {cfg.n_layers} layers; variants dense + "
           + ", ".join(f"twell-{b}" for b in backends))
-    models = variant_models(cfg, params, backends, args.dtype, interpret=args.dry_run)
+    hints = None
+    rows_needed = max([args.prefill_batch, *batches])
+    if args.checkpoint:  # the model's activity on text, not on random ids
+        text = validation_tokens(args.checkpoint, rows_needed)
+        if text.shape[1] - 1 < args.context:
+            raise SystemExit(f"--context {args.context} is longer than the run's sequences ({text.shape[1] - 1})")
+        text = jnp.asarray(text[:, :args.context])
+        hints = expected_active_from_run(checkpoint_dir(args.checkpoint).parent, cfg.n_layers)
+    else:
+        text = jax.random.randint(jax.random.key(args.seed), (rows_needed, args.context), 0, cfg.vocab_size)
+    models = variant_models(cfg, params, backends, args.dtype, interpret=args.dry_run, hints=hints)
     sampler = make_power_sampler(not args.no_energy and not args.dry_run and jax.default_backend() == "gpu")
-    tokens = jax.random.randint(jax.random.key(args.seed), (args.prefill_batch, args.context), 0, cfg.vocab_size)
+    tokens = text[:args.prefill_batch]
     rows: list[dict[str, Any]] = []
     for name, model in models.items():
         r = bench_prefill(model, tokens, sampler, args.min_seconds)
@@ -231,7 +250,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         energy = "" if r["energy_j_per_token"] is None else f", {1e3 * r['energy_j_per_token']:.3f} mJ/token"
         print(f"[bench] prefill {name}: {r['tokens_per_s']:.0f} tokens/s{energy}; active/layer {r['l0_per_layer']}")
         for batch in batches:
-            r = bench_decode(model, cfg, batch, args.context, args.decode_steps, args.min_seconds, args.seed)
+            r = bench_decode(model, cfg, text[:batch, :args.context - args.decode_steps], args.context,
+                             args.decode_steps, args.min_seconds)
             rows.append({"variant": name, "phase": "decode", "batch": batch, **r})
             print(f"[bench] decode  {name} batch {batch}: {r['tokens_per_s']:.1f} tokens/s "
                   f"({r['ms_per_step']:.3f} ms/step); active/layer {r['l0_per_layer']}")

@@ -2,12 +2,18 @@
 
     python experiments/bench_step.py --config 0.5b --micro-batch 8 \
         --variants ref:none,relu_gated:none,twell:none,relu_gated:dots --out step.json
+    python experiments/bench_step.py --checkpoint runs/0.5b-sparse --optimizer \
+        --variants ref:none,relu_gated:none,twell@pallas:none,twell@auto:none
     python experiments/bench_step.py --dry-run          # tiny shapes on CPU (what the test runs)
 
-A variant is `kind:remat` with kind an FFN kind of the model (model.ffn_kind) or `ref` (the plain-JAX
-reference model written below), remat a policy of model.remat. One step = jax.grad of CE (+ the L1
+A variant is `kind[@backend]:remat` with kind an FFN kind of the model (model.ffn_kind) or `ref` (the
+plain-JAX reference model written below), backend an op backend for the kinds that run the sparse op
+(default: the config's), remat a policy of model.remat. One step = jax.grad of CE (+ the L1
 penalty for kinds trained with it), plus the AdamW update of the trainer with --optimizer, on one
-device, on one micro-batch of random tokens. Every variant runs in this process: compiled once
+device, on one micro-batch of random tokens; with `--checkpoint RUN` (a trained run, e.g. from
+experiments/train_to_sparse.py) on the run's shapes and parameters and the first micro-batch of its
+validation split, with "auto" given the run's per-layer activity hints, and each relu-family row shows
+its measured active FFN neurons per token (per layer in the JSON and the progress lines). Every variant runs in this process: compiled once
 (its compiled memory analysis recorded), warmed up, then timed as the median over --repeats runs of
 --steps back-to-back steps (one jax.block_until_ready per run). A variant that fails (e.g. out of
 memory) is reported and the next one runs.
@@ -21,6 +27,7 @@ first `ref` row. Shapes come from a preset (`--config`, configs.get_config), ove
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -39,7 +46,12 @@ from twell_jax import config as config_lib  # noqa: E402
 from twell_jax.config import FFN_KIND_TABLE, REMAT_POLICIES, ExperimentConfig, ModelConfig  # noqa: E402
 from twell_jax.training.loss import cross_entropy, total_loss  # noqa: E402
 from twell_jax.training.metrics import device_peak_memory_bytes  # noqa: E402
-from twell_jax.model import apply_model, describe_execution, init_model, split_model  # noqa: E402
+from twell_jax.inference.load import validation_tokens  # noqa: E402
+from twell_jax.model import apply_model, choose_attention, describe_execution, init_model, split_model  # noqa: E402
+from twell_jax.ops import BACKENDS  # noqa: E402
+from twell_jax.training.checkpoint import checkpoint_dir, restore_params  # noqa: E402
+from twell_jax.training.evaluate import expected_active_from_run  # noqa: E402
+from twell_jax.training.train import abstract_graphdef, measure_active_per_layer  # noqa: E402
 from twell_jax.training.optimizer import build_optimizer  # noqa: E402
 
 H100_BF16_PEAK_FLOPS = 989e12
@@ -107,24 +119,35 @@ def reference_loss(cfg: ModelConfig, remat: str, attention: str | None,
 # ----------------------------------------------------------------------------- variants
 
 
-def parse_variants(text: str) -> list[tuple[str, str]]:
-    """"kind:remat,..." -> [(kind, remat)], validated (kind: an FFN kind or "ref")."""
+def parse_variants(text: str) -> list[tuple[str, str | None, str]]:
+    """"kind[@backend]:remat,..." -> [(kind, backend or None, remat)], validated (kind: an FFN kind or
+    "ref"; backend: an op backend, only for kinds that run the sparse op)."""
     variants = []
     for item in filter(None, (part.strip() for part in text.split(","))):
-        kind, _, remat = item.partition(":")
+        spec, _, remat = item.partition(":")
+        kind, _, backend = spec.partition("@")
         remat = remat or "none"
         if kind != "ref" and kind not in FFN_KIND_TABLE:
             raise ValueError(f"--variants: unknown kind {kind!r} in {item!r}; expected 'ref' or one of "
                              f"{', '.join(FFN_KIND_TABLE)}")
+        if backend and (kind == "ref" or not FFN_KIND_TABLE[kind].sparse_op):
+            raise ValueError(f"--variants: {item!r}: only kinds that run the sparse op take @backend")
+        if backend and backend not in BACKENDS:
+            raise ValueError(f"--variants: unknown backend {backend!r} in {item!r}; expected one of "
+                             f"{', '.join(BACKENDS)}")
         if kind == "ref" and remat not in ("none", "full", "dots"):
             raise ValueError(f"--variants: the reference model takes remat none, full or dots, got {item!r}")
         if remat not in REMAT_POLICIES:
             raise ValueError(f"--variants: unknown remat policy {remat!r} in {item!r}; expected one of "
                              f"{', '.join(REMAT_POLICIES)}")
-        variants.append((kind, remat))
+        variants.append((kind, backend or None, remat))
     if not variants:
         raise ValueError("--variants is empty")
     return variants
+
+
+def variant_label(kind: str, backend: str | None, remat: str) -> str:
+    return f"{kind}{'@' + backend if backend else ''}:{remat}"
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -132,26 +155,41 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6.0 * cfg.num_params() + 12.0 * cfg.n_layers * seq_len * cfg.d_model
 
 
-def variant_config(base: ExperimentConfig, kind: str, remat: str) -> ExperimentConfig:
-    """The preset with this FFN kind and remat policy (L1 off for kinds trained without it)."""
+def variant_config(base: ExperimentConfig, kind: str, backend: str | None, remat: str,
+                   hints: tuple[float, ...] | None = None) -> ExperimentConfig:
+    """The preset with this FFN kind, op backend and remat policy (L1 off for kinds trained without
+    it); `hints`: per-layer expected active neurons per token for the sparse op's "auto" (a trained run's)."""
     sets = [f"model.remat={remat}"]
     if kind != "ref":
         sets.append(f"model.ffn_kind={kind}")
+        if backend:
+            sets.append(f"model.ffn_backend={backend}")
         if not FFN_KIND_TABLE[kind].l1:
             sets.append("sparsity.l1_coef=0")
-    return config_lib.apply_overrides(base, sets)
+    cfg = config_lib.apply_overrides(base, sets)
+    if hints and kind != "ref" and FFN_KIND_TABLE[kind].sparse_op and not cfg.model.ffn_expected_active:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, ffn_expected_active=tuple(hints)))
+    return cfg
 
 
-def build_step(cfg: ExperimentConfig, kind: str, optimizer: bool) -> tuple[Callable, Any, str]:
-    """(step(state, tokens) -> state, initial state, a note on how it runs)."""
+def build_step(cfg: ExperimentConfig, kind: str, optimizer: bool,
+               params: dict[str, Any] | None = None) -> tuple[Callable, Any, str, Callable | None]:
+    """(step(state, tokens) -> state, initial state, a note on how it runs, tokens -> per-layer
+    active FFN neurons per token or None). `params`: trained parameters (default: a random init)."""
+    active = None
     if kind == "ref":
-        on_gpu = jax.default_backend() == "gpu"
-        attention = "cudnn" if on_gpu and cfg.model.compute_dtype == "bfloat16" else None
+        # The model's own per-shape choice (cuDNN on an NVIDIA GPU where it takes the shape).
+        attention = choose_attention(cfg.model.attention_impl, dtype=jnp.bfloat16, head_dim=cfg.model.head_dim,
+                                     seq_len=cfg.seq_len)
+        attention = None if attention == "xla" else attention
         params = reference_init(cfg.model, jax.random.key(0))
         loss_fn = lambda p, t: reference_loss(cfg.model, cfg.model.remat, attention, p, t)  # noqa: E731
         note = f"plain JAX, bf16 params, attention {attention or 'xla'}"
     else:
-        graphdef, params = split_model(init_model(cfg.model, seed=0))
+        if params is None:
+            graphdef, params = split_model(init_model(cfg.model, seed=0))
+        else:  # a copy: the timed step donates its state
+            graphdef, params = abstract_graphdef(cfg.model, seed=0), jax.tree.map(jnp.array, params)
         track = cfg.sparsity.track_neurons and cfg.model.is_relu_family
         l1_coef = jnp.float32(cfg.sparsity.l1_coef)
 
@@ -160,6 +198,8 @@ def build_step(cfg: ExperimentConfig, kind: str, optimizer: bool) -> tuple[Calla
             ce, _ = cross_entropy(logits, tokens_BxT[:, 1:])
             return total_loss(ce, aux["l1"], l1_coef)
 
+        if cfg.model.is_relu_family:
+            active = lambda t, p=params: measure_active_per_layer(graphdef, p, t)  # noqa: E731
         note = describe_execution(cfg.model, cfg.seq_len)
     if optimizer:
         opt = build_optimizer(cfg.optim, cfg.train.steps) if kind != "ref" else optax.adamw(1e-4)
@@ -176,7 +216,7 @@ def build_step(cfg: ExperimentConfig, kind: str, optimizer: bool) -> tuple[Calla
         def step(state, tokens_BxT):
             # The gradient only: returned as the new state so nothing is dead code under jit.
             return jax.grad(loss_fn)(state, tokens_BxT)
-    return step, state, note
+    return step, state, note, active
 
 
 def compiled_memory_bytes(compiled: Any) -> int | None:
@@ -191,16 +231,20 @@ def compiled_memory_bytes(compiled: Any) -> int | None:
                - getattr(analysis, "alias_size_in_bytes", 0))
 
 
-def run_variant(base: ExperimentConfig, kind: str, remat: str, micro_batch: int, *, steps: int,
-                warmup: int, repeats: int, optimizer: bool, peak_flops: float) -> dict[str, Any]:
-    """Compile, warm up and time one variant; any failure is returned as {"error": ...}."""
-    cfg = variant_config(base, kind, remat)
+def run_variant(base: ExperimentConfig, kind: str, backend: str | None, remat: str, micro_batch: int,
+                tokens: jax.Array, *, steps: int, warmup: int, repeats: int, optimizer: bool, peak_flops: float,
+                params: dict[str, Any] | None = None, hints: tuple[float, ...] | None = None) -> dict[str, Any]:
+    """Compile, warm up and time one variant on `tokens` [micro_batch, seq + 1]; any failure is
+    returned as {"error": ...}. `params`: trained parameters for the library's model (the `ref`
+    row always runs its own random init: a dense step's time does not depend on the values)."""
+    cfg = variant_config(base, kind, backend, remat, hints)
     seq_len = cfg.seq_len
-    row: dict[str, Any] = {"variant": f"{kind}:{remat}", "kind": kind, "remat": remat,
-                           "micro_batch": micro_batch, "seq_len": seq_len}
+    row: dict[str, Any] = {"variant": variant_label(kind, backend, remat), "kind": kind, "backend": backend,
+                           "remat": remat, "micro_batch": micro_batch, "seq_len": seq_len}
     try:
-        step, state, row["how"] = build_step(cfg, kind, optimizer)
-        tokens = jax.random.randint(jax.random.key(1), (micro_batch, seq_len + 1), 0, cfg.model.vocab_size)
+        step, state, row["how"], active = build_step(cfg, kind, optimizer, params)
+        if active is not None:
+            row["active_per_layer"] = [round(float(v), 2) for v in active(tokens)]
         jitted = jax.jit(step, donate_argnums=0)
         t0 = time.perf_counter()
         compiled = jitted.lower(state, tokens).compile()
@@ -237,25 +281,31 @@ def _gib(value: int | None) -> str:
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The summary table (last thing printed)."""
     ref = next((r for r in rows if r["kind"] == "ref" and "error" not in r), None)
-    lines = ["| variant | ms/step | tokens/s | MFU | vs ref | compiled GiB | peak GiB (so far) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| variant | ms/step | tokens/s | MFU | vs ref | compiled GiB | peak GiB (so far) | active/token |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['variant']} | failed: {r['error'][:80]} | | | | | |")
+            lines.append(f"| {r['variant']} | failed: {r['error'][:80]} | | | | | | |")
             continue
         ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.3f}" if ref else "n/a"
+        active = f"{statistics.fmean(r['active_per_layer']):.1f}" if r.get("active_per_layer") else "-"
         lines.append(f"| {r['variant']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
-                     f"{ratio} | {_gib(r['compiled_memory_bytes'])} | {_gib(r['peak_bytes_so_far'])} |")
+                     f"{ratio} | {_gib(r['compiled_memory_bytes'])} | {_gib(r['peak_bytes_so_far'])} | {active} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="0.5b", help="preset whose model shapes are used (configs/)")
+    parser.add_argument("--checkpoint", default=None,
+                        help="a trained run instead of a preset: its shapes, parameters and per-layer activity "
+                             "hints, and the first micro-batch of its validation split as the tokens")
+    parser.add_argument("--step", type=int, default=None, help="with --checkpoint: the step (default: newest)")
     parser.add_argument("--set", nargs="*", default=[], metavar="SECTION.FIELD=VALUE",
                         help="config overrides applied to the preset (e.g. model.n_layers=4 data.seq_len=1024)")
     parser.add_argument("--variants", default="ref:none,relu_gated:none,twell:none",
-                        help="comma-separated kind:remat (kind = an FFN kind or 'ref')")
+                        help="comma-separated kind[@backend]:remat (kind = an FFN kind or 'ref'; backend = an "
+                             "op backend for the sparse kinds, default the config's)")
     parser.add_argument("--micro-batch", type=int, default=None, help="sequences per step (default: the preset's)")
     parser.add_argument("--steps", type=int, default=10, help="steps per timed run")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
@@ -275,26 +325,45 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         parser.error("--warmup must be >= 0")
     sets = list(args.set)
     if args.dry_run:
-        sets = DRY_RUN_SETS + sets
+        sets = sets if args.checkpoint else DRY_RUN_SETS + sets  # a run's shapes are its own
         args.steps, args.warmup, args.repeats = 1, 1, 1
-    base = config_lib.apply_overrides(get_config(args.config), sets)
+    params, hints, source = None, None, args.config
+    if args.checkpoint:
+        params, run_cfg, step = restore_params(args.checkpoint, args.step)
+        base = config_lib.apply_overrides(run_cfg, sets)
+        hints = expected_active_from_run(checkpoint_dir(args.checkpoint).parent, base.model.n_layers)
+        source = f"checkpoint {args.checkpoint} step {step}"
+    else:
+        base = config_lib.apply_overrides(get_config(args.config), sets)
     micro_batch = args.micro_batch or (2 if args.dry_run else base.train.micro_batch)
     if micro_batch < 1:
         parser.error("--micro-batch must be >= 1")
+    if args.checkpoint:
+        tokens = jnp.asarray(validation_tokens(args.checkpoint, micro_batch))
+        if tokens.shape[1] != base.seq_len + 1:
+            parser.error(f"--set changed the sequence length: the run's validation split holds "
+                         f"{tokens.shape[1] - 1}-token sequences")
+    else:
+        tokens = jax.random.randint(jax.random.key(1), (micro_batch, base.seq_len + 1), 0, base.model.vocab_size)
     device = jax.devices()[0]
-    print(f"[bench_step] {args.config} ({base.model.n_layers} layers, d_model {base.model.d_model}, d_ff "
+    print(f"[bench_step] {source} ({base.model.n_layers} layers, d_model {base.model.d_model}, d_ff "
           f"{base.model.d_ff}, vocab {base.model.vocab_size}, seq {base.seq_len}), micro-batch {micro_batch}, "
           f"{'grad + AdamW' if args.optimizer else 'grad only'}, on {device.device_kind}; "
-          f"MFU against {args.peak_flops:.3g} FLOP/s", flush=True)
+          f"MFU against {args.peak_flops:.3g} FLOP/s; tokens: "
+          f"{'its validation split' if args.checkpoint else 'random ids'}"
+          + (f"; 'auto' hints from the run: {', '.join(f'{v:.1f}' for v in hints)}" if hints else ""), flush=True)
     rows = []
-    for kind, remat in variants:
-        row = run_variant(base, kind, remat, micro_batch, steps=args.steps, warmup=args.warmup,
-                          repeats=args.repeats, optimizer=args.optimizer, peak_flops=args.peak_flops)
+    for kind, backend, remat in variants:
+        row = run_variant(base, kind, backend, remat, micro_batch, tokens, steps=args.steps, warmup=args.warmup,
+                          repeats=args.repeats, optimizer=args.optimizer, peak_flops=args.peak_flops,
+                          params=params, hints=hints)
         detail = row.get("error") or f"{row['ms_per_step']:.2f} ms/step, {row['tokens_per_s']:,.0f} tokens/s"
+        if row.get("active_per_layer"):
+            detail += f"; active/token per layer {row['active_per_layer']}"
         print(f"[bench_step] {row['variant']}: {detail} ({row.get('how', '')})", flush=True)
         rows.append(row)
     if args.out:
-        Path(args.out).write_text(json.dumps({"config": args.config, "sets": sets, "micro_batch": micro_batch,
+        Path(args.out).write_text(json.dumps({"config": args.config, "source": source, "hints": hints, "sets": sets, "micro_batch": micro_batch,
                                               "device": device.device_kind, "optimizer": args.optimizer,
                                               "peak_flops": args.peak_flops, "rows": rows}, indent=2))
         print(f"[bench_step] wrote {args.out}")

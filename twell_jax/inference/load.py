@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from twell_jax.training import checkpoint as ckpt_lib
@@ -133,3 +134,22 @@ def load_run(run_dir: str | Path, step: int | None = None, dtype: str = "bfloat1
                          f"{cfg.model.vocab_size}: not this run's tokenizer")
     model = model_with_params(cfg.model, params, dtype)
     return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, step=step, eos_id=eos_id_of(tokenizer, cfg))
+
+
+def validation_tokens(run_dir: str | Path, batch_size: int) -> np.ndarray:
+    """int32[batch_size, seq_len + 1]: the first `batch_size` sequences of a run's validation split,
+    built from its saved config and tokenizer (the data cache of the training run makes this cheap).
+    What benchmarks of a trained model feed it: its activity on random token ids is not its activity
+    on text."""
+    from twell_jax.data import build_data
+    from twell_jax.training.train import with_saved_tokenizer
+
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    run_path = ckpt_lib.checkpoint_dir(run_dir).parent
+    cfg = with_saved_tokenizer(ckpt_lib.load_run_config(run_path), run_path)
+    bundle = build_data(cfg.data, global_batch=1)
+    if bundle.num_val_sequences < batch_size:
+        raise ValueError(f"{run_path}: the validation split has {bundle.num_val_sequences} sequences of "
+                         f"{bundle.seq_len + 1} tokens, fewer than the {batch_size} asked for")
+    return np.asarray(next(iter(bundle.val_batches(batch_size, max_batches=1)))["tokens"], np.int32)
