@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     hints = None
     rows_needed = max([args.prefill_batch, *batches])
     if args.checkpoint:  # the model's activity on text, not on random ids
-        text = validation_tokens(args.checkpoint, rows_needed)
+        text = validation_tokens(args.checkpoint, rows_needed, cycle=True)
         if text.shape[1] - 1 < args.context:
             raise SystemExit(f"--context {args.context} is longer than the run's sequences ({text.shape[1] - 1})")
         text = jnp.asarray(text[:, :args.context])

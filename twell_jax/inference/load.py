@@ -136,11 +136,11 @@ def load_run(run_dir: str | Path, step: int | None = None, dtype: str = "bfloat1
     return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, step=step, eos_id=eos_id_of(tokenizer, cfg))
 
 
-def validation_tokens(run_dir: str | Path, batch_size: int) -> np.ndarray:
+def validation_tokens(run_dir: str | Path, batch_size: int, *, cycle: bool = False) -> np.ndarray:
     """int32[batch_size, seq_len + 1]: the first `batch_size` sequences of a run's validation split,
     built from its saved config and tokenizer (the data cache of the training run makes this cheap).
     What benchmarks of a trained model feed it: its activity on random token ids is not its activity
-    on text."""
+    on text. `cycle`: a split of fewer sequences is repeated to `batch_size` rows instead of refused."""
     from twell_jax.data import build_data
     from twell_jax.training.train import with_saved_tokenizer
 
@@ -149,7 +149,9 @@ def validation_tokens(run_dir: str | Path, batch_size: int) -> np.ndarray:
     run_path = ckpt_lib.checkpoint_dir(run_dir).parent
     cfg = with_saved_tokenizer(ckpt_lib.load_run_config(run_path), run_path)
     bundle = build_data(cfg.data, global_batch=1)
-    if bundle.num_val_sequences < batch_size:
-        raise ValueError(f"{run_path}: the validation split has {bundle.num_val_sequences} sequences of "
+    available = bundle.num_val_sequences
+    if available < batch_size and not cycle:
+        raise ValueError(f"{run_path}: the validation split has {available} sequences of "
                          f"{bundle.seq_len + 1} tokens, fewer than the {batch_size} asked for")
-    return np.asarray(next(iter(bundle.val_batches(batch_size, max_batches=1)))["tokens"], np.int32)
+    rows = np.asarray(next(iter(bundle.val_batches(min(batch_size, available), max_batches=1)))["tokens"], np.int32)
+    return rows[np.arange(batch_size) % len(rows)]
