@@ -1,0 +1,89 @@
+"""experiments/train_to_sparse.py and the benchmarks that take its checkpoint (`bench_step.py
+--checkpoint`, `bench_inference.py --checkpoint`), end to end at micro shapes on CPU. No timing is
+asserted."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import bench_inference  # noqa: E402
+import bench_step  # noqa: E402
+import train_to_sparse  # noqa: E402
+
+from twell_jax.inference.load import load_run, validation_tokens  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def sparse_run(tmp_path_factory):
+    """A micro run stopped by the sparsity criterion (a target every step meets, 2 steps in a row),
+    with sequences long enough for bench_inference's dry-run context of 32."""
+    out = tmp_path_factory.mktemp("sparse") / "run"
+    summary = out.parent / "summary.json"
+    reached = train_to_sparse.main(["--dry-run", "--out", str(out), "--target-active", "1000", "--patience", "2",
+                                    "--steps", "6", "--summary", str(summary),
+                                    "--set", "data.seq_len=40", "model.max_seq_len=64"])
+    return out, reached, json.loads(summary.read_text())
+
+
+def test_the_stop_criterion_ends_the_run_checkpointed_and_loadable(sparse_run):
+    out, reached, saved = sparse_run
+    assert reached["reached_target"] and reached["steps"] == 2  # streak of 2 reached at step 2 of 6
+    assert saved["steps"] == 2 and [t["step"] for t in saved["trajectory"]] == [1, 2]
+    assert len(reached["val_l0_per_layer"]) == len(reached["train_l0_per_layer"]) == 2
+    # The L1 ramp: coefficient at step index 1 of a 2000-step ramp to 5e-3.
+    assert reached["l1_coef_reached"] == pytest.approx(5e-3 * 1 / 2000)
+    loaded = load_run(out, dtype="float32")
+    assert loaded.step == 2 and loaded.config.model.ffn_kind == "twell"
+
+
+def test_a_target_never_met_runs_to_the_step_limit(tmp_path):
+    reached = train_to_sparse.main(["--dry-run", "--out", str(tmp_path / "r"), "--target-active", "0.001",
+                                    "--steps", "2"])
+    assert not reached["reached_target"] and reached["steps"] == 2
+
+
+def test_validation_tokens_come_from_the_runs_split_and_cycle_only_when_asked(sparse_run):
+    out = sparse_run[0]
+    rows = validation_tokens(out, 3)
+    assert rows.shape == (3, 41) and rows.dtype == np.int32
+    # The micro preset's synthetic split holds 5% of 2**20 sequences = 52,429.
+    with pytest.raises(ValueError, match="has 52429 sequences .* fewer than the 60000 asked for"):
+        validation_tokens(out, 60_000)
+    many = validation_tokens(out, 60_000, cycle=True)
+    assert many.shape == (60_000, 41) and np.array_equal(many[:3], rows)
+    assert np.array_equal(many[52_429:52_432], rows)  # the split again from its start
+
+
+def test_bench_step_times_the_runs_parameters_on_its_text(sparse_run, tmp_path):
+    out = sparse_run[0]
+    json_path = tmp_path / "step.json"
+    rows = bench_step.main(["--dry-run", "--checkpoint", str(out), "--variants",
+                            "ref:none,relu_gated:none,twell@reference:none", "--out", str(json_path)])
+    assert [r["variant"] for r in rows] == ["ref:none", "relu_gated:none", "twell@reference:none"]
+    assert all("error" not in r for r in rows), rows
+    # Same trained weights, same tokens: the dense twin and the sparse op count the same active neurons.
+    assert rows[1]["active_per_layer"] == rows[2]["active_per_layer"] and "active_per_layer" not in rows[0]
+    assert rows[1]["seq_len"] == 40
+    saved = json.loads(json_path.read_text())
+    assert saved["source"].startswith("checkpoint") and len(saved["hints"]) == 2
+
+
+def test_bench_inference_feeds_the_runs_text(sparse_run, tmp_path):
+    out = sparse_run[0]
+    result = bench_inference.main(["--dry-run", "--checkpoint", str(out), "--out", str(tmp_path / "inf.json")])
+    phases = {(r["phase"], r["batch"], r["variant"]) for r in result["rows"]}
+    assert ("prefill", 2, "dense") in phases and ("decode", 2, "twell-reference") in phases
+    assert result["source"].startswith("checkpoint")
+
+
+@pytest.mark.parametrize("text,match", [("ref@pallas:none", "only kinds that run the sparse op"),
+                                        ("relu_gated@pallas", "only kinds that run the sparse op"),
+                                        ("twell@gpu:none", "unknown backend 'gpu'")])
+def test_bad_backend_variants_are_rejected(text, match):
+    with pytest.raises(ValueError, match=match):
+        bench_step.parse_variants(text)
