@@ -1,7 +1,5 @@
 """Decode-size sparse FFN: pallas_kernels/twell_decode.py (interpret mode) and its glue
 twell_jax/ops/pallas_decode.py, against the plain-jnp references and the dense formula."""
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +7,7 @@ import pytest
 
 from pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compact_active_reference,
                                          sparse_decode_ffn, sparse_decode_ffn_reference)
+from twell_jax import ops
 from twell_jax.ops import pallas_decode
 from oracles import dense_forward as dense, rel_err
 
@@ -38,8 +37,8 @@ def make_inputs(dtype, m=8, d=45, h=150, pattern="sparse", seed=0):
 
 
 def config(capacity=None, block_sizes=SMALL, expected=None):
-    return types.SimpleNamespace(decode_capacity=capacity, decode_block_sizes=block_sizes,
-                                 expected_active_per_token=expected)
+    return ops.SparseFFNConfig(decode_capacity=capacity, decode_block_sizes=block_sizes,
+                               expected_active_per_token=expected)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,12 +208,10 @@ def test_decode_forward_is_bitwise_deterministic():
     np.testing.assert_array_equal(np.asarray(y1.view(jnp.uint16)), np.asarray(y2.view(jnp.uint16)))
 
 
-def test_decode_forward_reads_the_op_config():
-    from twell_jax import ops
-
+def test_decode_forward_defaults_of_the_op_config():
     x, wg, wu, wd = make_inputs(jnp.bfloat16, m=3, seed=7)
     y_ref, _, _ = dense(x, wg, wu, wd)
-    cfg = ops.SparseFFNConfig(expected_active_per_token=2.0)  # no decode_* fields: defaults
+    cfg = ops.SparseFFNConfig(expected_active_per_token=2.0)  # decode_* fields left at None
     for implementation in ("triton", "xla"):
         y, aux = jax.jit(lambda *a: pallas_decode.decode_gated_ffn_forward(
             *a, config=cfg, implementation=implementation, interpret=True))(x, wg, wu, wd)
@@ -228,11 +225,11 @@ def test_decode_forward_empty_and_bad_input():
     with pytest.raises(ValueError, match="implementation"):
         pallas_decode.decode_gated_ffn_forward(x, wg, wu, wd, implementation="cuda")
     with pytest.raises(ValueError, match="decode_capacity"):
-        pallas_decode.decode_gated_ffn_forward(x, wg, wu, wd, config=config(capacity=0),
-                                                implementation="xla")
+        ops.SparseFFNConfig(decode_capacity=0)
     with pytest.raises(ValueError, match="decode_block_sizes"):
-        pallas_decode.decode_ffn_forward(x, wg, wd, config=config(block_sizes=(16, 16)),
-                                          implementation="xla")
+        ops.SparseFFNConfig(decode_block_sizes=(16, 16))
+    with pytest.raises(ValueError, match="config must be"):
+        pallas_decode.decode_ffn_forward(x, wg, wd, config={"decode_capacity": 8}, implementation="xla")
     with pytest.raises(ValueError, match="w_up_HxD"):
         pallas_decode.decode_gated_ffn_forward(x, wg, wu.astype(jnp.bfloat16), wd,
                                                 implementation="xla")

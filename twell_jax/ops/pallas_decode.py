@@ -20,16 +20,14 @@ aux["dense_fallback"] = 1. When C covers H no cond is built (a cond may cost a h
 Aux (the op's contract): l1 and l0 exact; tile_overflow = row_overflow = 0 (no packed format here);
 dense_fallback = 1 when the capacity was exceeded.
 
-Config fields read (getattr with defaults, so SparseFFNConfig or any object or None works):
-    decode_capacity (None), decode_block_sizes (DecodeBlockSizes()), expected_active_per_token
-    (None; only sizes the "xla" default capacity).
+Config: a `twell_jax.ops.SparseFFNConfig` (validated there) or None for its defaults; the glue
+reads decode_capacity, decode_block_sizes (None: DecodeBlockSizes()) and expected_active_per_token
+(only to size the "xla" default capacity).
 
 "auto" hook: `prefer_decode_path(m, d, h, expected_active, gated)` compares `decode_time_us` with
 `dense_time_us` (docs/kernels.md, "Decode path").
 """
 from __future__ import annotations
-
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +35,7 @@ from jax import lax
 
 from pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compact_active_reference,
                                          sparse_decode_ffn, sparse_decode_ffn_reference)
+from twell_jax.ops.config import SparseFFNConfig
 from twell_jax.ops.pallas_forward import _require_runnable, _validate
 
 IMPLEMENTATIONS = ("triton", "xla")
@@ -102,17 +101,15 @@ def prefer_decode_path(m: int, d: int, h: int, expected_active: float | None, ga
             <= DECODE_MARGIN * dense_time_us(m, d, h, gated=gated, itemsize=itemsize))
 
 
-def _capacity(config: Any, m: int, h: int, block_sizes: DecodeBlockSizes, implementation: str) -> int:
+def _capacity(config: SparseFFNConfig, m: int, h: int, block_sizes: DecodeBlockSizes,
+              implementation: str) -> int:
     """Static length of the active list (a multiple of block_sizes.chunk)."""
-    capacity = getattr(config, "decode_capacity", None)
-    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
-                                 or capacity < 1):
-        raise ValueError(f"config.decode_capacity must be None or an int >= 1, got {capacity!r}")
+    capacity = config.decode_capacity
     if capacity is None:
         if implementation == "triton":
             capacity = h
         else:
-            per_token = getattr(config, "expected_active_per_token", None)
+            per_token = config.expected_active_per_token
             capacity = int(max(64, 2 * m * (32 if per_token is None else per_token)))
     chunk = block_sizes.chunk
     return -(-min(capacity, h) // chunk) * chunk
@@ -131,7 +128,7 @@ def _dense_from_gate(x_MxD: jax.Array, g_MxH: jax.Array, w_up_HxD: jax.Array | N
 
 
 def _decode_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
-                    w_down_HxD: jax.Array, config: Any, implementation: str,
+                    w_down_HxD: jax.Array, config: SparseFFNConfig, implementation: str,
                     interpret: bool) -> tuple[jax.Array, Aux]:
     m = x_MxD.shape[0]
     h = w_act_HxD.shape[0]
@@ -140,10 +137,7 @@ def _decode_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array 
         y_MxD, _ = _dense_from_gate(x_MxD, jnp.zeros((0, h), jnp.float32), w_up_HxD, w_down_HxD)
         return y_MxD, {"l1": jnp.zeros((), jnp.float32), "l0": jnp.zeros((), jnp.float32),
                        "tile_overflow": zero, "row_overflow": zero, "dense_fallback": zero}
-    block_sizes = getattr(config, "decode_block_sizes", None) or DecodeBlockSizes()
-    if not isinstance(block_sizes, DecodeBlockSizes):
-        raise ValueError(f"config.decode_block_sizes must be a DecodeBlockSizes or None, got "
-                         f"{type(block_sizes).__name__}")
+    block_sizes = config.decode_block_sizes or DecodeBlockSizes()
     capacity = _capacity(config, m, h, block_sizes, implementation)
     # Same XLA op as the dense backend's gate, so the active pattern is the dense one.
     g_MxH = jnp.einsum("md,hd->mh", x_MxD, w_act_HxD, preferred_element_type=jnp.float32)
@@ -180,8 +174,12 @@ def _decode_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array 
                    "dense_fallback": overflow.astype(jnp.int32)}
 
 
-def _entry(x_MxD: jax.Array, weights: dict[str, jax.Array], config: Any, implementation: str,
-           interpret: bool) -> tuple[jax.Array, Aux]:
+def _entry(x_MxD: jax.Array, weights: dict[str, jax.Array], config: SparseFFNConfig | None,
+           implementation: str, interpret: bool) -> tuple[jax.Array, Aux]:
+    if config is None:
+        config = SparseFFNConfig()
+    elif not isinstance(config, SparseFFNConfig):
+        raise ValueError(f"config must be a twell_jax.ops.SparseFFNConfig or None, got {type(config).__name__}")
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if not isinstance(interpret, bool):
@@ -196,7 +194,7 @@ def _entry(x_MxD: jax.Array, weights: dict[str, jax.Array], config: Any, impleme
 
 
 def decode_gated_ffn_forward(x_MxD: jax.Array, w_gate_HxD: jax.Array, w_up_HxD: jax.Array,
-                             w_down_HxD: jax.Array, *, config: Any = None,
+                             w_down_HxD: jax.Array, *, config: SparseFFNConfig | None = None,
                              implementation: str = "triton",
                              interpret: bool = False) -> tuple[jax.Array, Aux]:
     """y = (relu(x W_gate^T) * (x W_up^T)) W_down over the union of active neurons; (y, aux)."""
@@ -205,7 +203,7 @@ def decode_gated_ffn_forward(x_MxD: jax.Array, w_gate_HxD: jax.Array, w_up_HxD: 
 
 
 def decode_ffn_forward(x_MxD: jax.Array, w_up_HxD: jax.Array, w_down_HxD: jax.Array, *,
-                       config: Any = None, implementation: str = "triton",
+                       config: SparseFFNConfig | None = None, implementation: str = "triton",
                        interpret: bool = False) -> tuple[jax.Array, Aux]:
     """y = relu(x W_up^T) W_down over the union of active neurons; (y, aux)."""
     return _entry(x_MxD, dict(w_up_HxD=w_up_HxD, w_down_HxD=w_down_HxD), config, implementation,
