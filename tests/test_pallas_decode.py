@@ -191,6 +191,25 @@ def test_decode_forward_matches_dense(implementation, dtype, m, pattern, capacit
         assert aux[key].dtype == jnp.int32 and aux[key].shape == ()
 
 
+@pytest.mark.parametrize("implementation", ["triton", "xla"])
+@pytest.mark.parametrize("m,pattern,capacity,fallback", [
+    (3, "sparse", None, 0), (8, "all_zero", None, 0), (8, "one_hot", 16, 0),
+    (3, "dense_token", 32, 1),  # the counts survive the dense fallback
+])
+def test_decode_forward_neuron_counts(implementation, m, pattern, capacity, fallback):
+    """config.neuron_counts: the per-neuron and per-token counts of gate > 0, from the gate the
+    decode path computes (the op's dispatch no longer recomputes it)."""
+    x, wg, wu, wd = make_inputs(jnp.float32, m=m, pattern=pattern, seed=m)
+    cfg = ops.SparseFFNConfig(decode_capacity=capacity, decode_block_sizes=SMALL, neuron_counts=True)
+    _, aux = run(implementation, True, x, wg, wu, wd, cfg)
+    active = np.asarray(jnp.einsum("md,hd->mh", x, wg, precision=jax.lax.Precision.HIGHEST)) > 0
+    np.testing.assert_array_equal(np.asarray(aux["neuron_active_count"]), active.sum(0))
+    np.testing.assert_array_equal(np.asarray(aux["token_active_count"]), active.sum(1))
+    assert aux["neuron_active_count"].dtype == jnp.int32 and int(aux["dense_fallback"]) == fallback
+    _, aux = run(implementation, False, x[:0], wg, wu, wd, cfg)  # empty call: zero counts
+    assert aux["token_active_count"].shape == (0,) and not np.any(np.asarray(aux["neuron_active_count"]))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_decode_forward_prime_shapes_and_default_blocks(dtype):
     # Prime D and H, default (GPU) block sizes: D < block_k, H < one list chunk of the xla default.

@@ -41,9 +41,6 @@ def _run_sparse_forward(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
 
         fn = pallas_decode.decode_gated_ffn_forward if plan.gated else pallas_decode.decode_ffn_forward
         y, aux = fn(x_MxD, *weights, config=config, interpret=plan.interpret)
-        if config.neuron_counts:  # the decode path has no packed pattern: count from the dense gate
-            _, counts = dense_ffn(plan.gated, x_MxD, weights, neuron_counts=True)
-            aux = {**aux, **{key: counts[key] for key in COUNT_KEYS}}
         return y, {key: aux[key] for key in _aux_keys(config)}
     if plan.backward == "pallas" or plan.forward == "dense":
         y, aux, _ = _pallas_training_forward(plan, config, x_MxD, weights)
