@@ -8,17 +8,18 @@ For every token i and every stored active neuron j of its TwELL pack (slot < min
                 dx_i += dr U_j + dg G_j
                 entry values (t, d_up, d_gate) = (h, dr, dg)
     non-gated:  h = a                  dt = gy_i . W_j + l1_scale * sign(h)
-                dx_i += dt U_j         entry values (t, d_act) = (h, dt)
+                dx_i += dt G_j         entry values (t, d_act) = (h, dt)
 
 `round` is the activation dtype (the dense formula rounds h to x's dtype before the down
-projection and the L1 norm). G is the packed ("act") weight, U the up weight (gated only), W the
+projection and the L1 norm). G is the packed ("act") weight: the gate weight gated, the op's up
+weight non-gated (its relu gives the pattern); U the up weight beside the gate (gated only), W the
 down weight, all neuron-major [H, D]. The per-entry values are written in a token-major ELL of
 width `width` (slot = rank of the entry in the token's row: tiles ascending, slots ascending), with
 the neuron ids in `cols`, for the weight-gradient pass (twell_bwd_neuron.py, after a transpose).
 
 One program handles `block_t` tokens: x_i and gy_i stay in registers, dx_i accumulates in fp32
 registers, each active neuron costs one gather of the rows it needs (W_j, U_j, G_j gated; W_j,
-U_j non-gated), each read once. The ELL rows are assembled in [block_t, width] register tiles and
+G_j non-gated), each read once. The ELL rows are assembled in [block_t, width] register tiles and
 written with one block store (the pack kernel's trick): no scatter, no atomics.
 
 The caller guarantees that every row has at most `width` stored entries and no overflowing tile

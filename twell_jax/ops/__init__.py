@@ -65,7 +65,9 @@ the gradients non-finite on every backend exactly where the "dense" backend's ar
 the same on every backend: every sparse path checks `isfinite` over x and the weights once per call
 (on device, no host sync) and on a non-finite value runs the exact dense forward and backward
 instead (aux["dense_fallback"] = 1). The check reads every weight once per call, which the decode
-path otherwise avoids.
+path otherwise avoids: `SparseFFNConfig(check_finite=False)` drops it (and its conds) for weights
+verified finite once (`inference.load_run` does); the sparse paths then read only the rows of
+active neurons, and a non-finite value elsewhere does not reach y (docs/format.md).
 
 Under a mesh (`jax.set_mesh`) whose `config.data_axis` has size > 1, the sparse backends run inside
 `jax.shard_map` over that axis (tokens split, weights replicated, aux reduced to global scalars),

@@ -59,8 +59,11 @@ class SparseFFNConfig:
     # Pallas "auto" without a hint: tokens sampled on the device to estimate the active count
     # (None = the backend's default, 32 tokens).
     auto_sample_rows: int | None = None
-    # Pallas "auto": mean actives per token above which the dense path runs (None = the per-shape
-    # crossover of the backend's cost model, pallas_forward.crossover_active_per_token).
+    # Pallas "auto": mean actives per token above which the forward runs dense (None = the per-shape
+    # crossover of the forward's cost model, pallas_forward.crossover_active_per_token). The op
+    # reads it only without a hint (expected_active_per_token None), against the sampled count;
+    # with a hint its plan comes from pallas_backward.choose_training_path and
+    # pallas_decode.prefer_decode_path. (pallas_forward's auto_* entries compare a hint with it.)
     auto_max_active: float | None = None
     # Pallas "auto": expected mean actives per token (e.g. the L0 telemetry of training). When set,
     # "auto" decides dense vs sparse at trace time for free, instead of sampling on the device.
