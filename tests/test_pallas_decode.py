@@ -304,4 +304,6 @@ def test_bench_ffn_decode_interpret(tmp_path):
         assert row["decode_aux"]["dense_fallback"] == 0 and row["union"] >= 1
     saved = json.loads((tmp_path / "bench_ffn_decode.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(results["rows"]))
-    assert (tmp_path / "table_decode.txt").read_text().count("\n") == 3
+    first_fields = [line.split()[0] for line in (tmp_path / "table_decode.txt").read_text().splitlines()
+                    if line.strip()]
+    assert [f for f in first_fields if f.isdigit()] == ["1", "8"]  # one line per measured row
