@@ -32,7 +32,6 @@ import os
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import jax
@@ -70,7 +69,7 @@ SWEEP = {
 
 def decode_variant(interpret: bool, overrides: dict, capacity_per_token: int | None):
     def fn(x, w_gate, w_up, w_down):
-        config = types.SimpleNamespace(
+        config = ops.SparseFFNConfig(
             decode_block_sizes=DecodeBlockSizes(**overrides),
             decode_capacity=None if capacity_per_token is None else capacity_per_token * x.shape[0])
         return pallas_decode.decode_gated_ffn_forward(x, w_gate, w_up, w_down, config=config,

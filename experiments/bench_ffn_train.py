@@ -79,7 +79,7 @@ def temp_mb(fn, args) -> float:
 def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int):
     """The Pallas path's pieces as separately jitted functions of (x, wg, wu, wd, gy)."""
     s = dict(tile=config.tile, slots=config.slots)
-    bc = pallas_backward.backward_settings(config)
+    bc = config.backward or pallas_backward.BackwardConfig()
     pack = jax.jit(lambda x, wg: pack_gate(x, wg, **s, interpret=interpret))
 
     def token_inputs(x, wg):

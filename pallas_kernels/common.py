@@ -1,5 +1,11 @@
-"""Small integer helpers shared by the kernels' block-size dataclasses and launchers."""
+"""Helpers shared by the kernels' block-size dataclasses, argument checks and launchers."""
 from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
 
 
 def is_pow2(n: int) -> bool:
@@ -10,3 +16,53 @@ def is_pow2(n: int) -> bool:
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, (n - 1).bit_length())
+
+
+def round_up(n: int, k: int) -> int:
+    """The smallest multiple of k >= n (grids cover a padded extent)."""
+    return -(-n // k) * k
+
+
+class LaunchSizes(Protocol):
+    """What every kernel's block-size dataclass carries for the Triton launch."""
+
+    num_warps: int
+    num_stages: int
+
+
+def check_launch_sizes(sizes: LaunchSizes) -> None:
+    """Raise ValueError (naming the dataclass and field) unless num_warps is 1, 2, 4, 8 or 16 and
+    num_stages is in [1, 8]; called by each block-size dataclass's __post_init__."""
+    owner = type(sizes).__name__
+    if sizes.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{owner}.num_warps must be 1, 2, 4, 8 or 16, got {sizes.num_warps}")
+    if not 1 <= sizes.num_stages <= 8:
+        raise ValueError(f"{owner}.num_stages must be in [1, 8], got {sizes.num_stages}")
+
+
+def compiler_params(sizes: LaunchSizes) -> plgpu.CompilerParams:
+    """The explicit Triton CompilerParams every pallas_call passes (JAX 0.11 wants one)."""
+    return plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages)
+
+
+def pad_rows(n_rows: int, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """Each array zero-padded along axis 0 to n_rows (unchanged when already that long)."""
+    return tuple(a if a.shape[0] == n_rows else
+                 jnp.pad(a, ((0, n_rows - a.shape[0]),) + ((0, 0),) * (a.ndim - 1)) for a in arrays)
+
+
+def validate_packed_operands(x_MxD: jax.Array, values: jax.Array, indices: jax.Array,
+                             counts: jax.Array) -> None:
+    """Raise ValueError naming the offending argument: x [M, D] and a TwELL pack of M rows
+    (values [M, NT, S] with S a power of two, indices int32 like values, counts int32 [M, NT])."""
+    if x_MxD.ndim != 2:
+        raise ValueError(f"x_MxD must be 2-D [M, D], got shape {x_MxD.shape}")
+    m = x_MxD.shape[0]
+    if counts.ndim != 2 or counts.shape[0] != m or counts.dtype != jnp.int32:
+        raise ValueError(f"counts must be int32 [M={m}, NT], got {counts.dtype}{counts.shape}")
+    n_tiles = counts.shape[1]
+    if values.ndim != 3 or values.shape[:2] != (m, n_tiles) or not is_pow2(values.shape[2]):
+        raise ValueError(f"values must be [M={m}, NT={n_tiles}, S] with S a power of two, got "
+                         f"{values.shape}")
+    if indices.shape != values.shape or indices.dtype != jnp.int32:
+        raise ValueError(f"indices must be int32 {values.shape}, got {indices.dtype}{indices.shape}")

@@ -24,7 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import is_pow2 as _is_pow2, next_pow2 as _next_pow2
+from pallas_kernels.common import (check_launch_sizes, compiler_params, is_pow2 as _is_pow2,
+                                   next_pow2 as _next_pow2, pad_rows, round_up)
 
 
 
@@ -42,10 +43,7 @@ class NeuronBwdBlockSizes:
     def __post_init__(self) -> None:
         if not _is_pow2(self.block_n) or self.block_n > 64:
             raise ValueError(f"NeuronBwdBlockSizes.block_n must be a power of two <= 64, got {self.block_n}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"NeuronBwdBlockSizes.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if not 1 <= self.num_stages <= 8:
-            raise ValueError(f"NeuronBwdBlockSizes.num_stages must be in [1, 8], got {self.num_stages}")
+        check_launch_sizes(self)
 
 
 def _neuron_bwd_kernel(*refs, gated: bool, has_init: bool, d: int, d_block: int) -> None:
@@ -141,11 +139,11 @@ def neuron_backward(x_MxD: jax.Array, gy_MxD: jax.Array, start_H: jax.Array, cou
     h = start_H.shape[0]
     d = x_MxD.shape[1]
     bn = block_sizes.block_n
-    h_pad = -(-h // bn) * bn
-    if h_pad != h:  # padded neurons have count 0: they read nothing and write zeros
-        start_H, count_H = (jnp.pad(a, (0, h_pad - h)) for a in (start_H, count_H))
-        if init is not None:
-            init = tuple(jnp.pad(r, ((0, h_pad - h), (0, 0))) for r in init)
+    h_pad = round_up(h, bn)
+    # Padded neurons have count 0: they read nothing and write zeros.
+    start_H, count_H = pad_rows(h_pad, start_H, count_H)
+    if init is not None:
+        init = pad_rows(h_pad, *init)
     n_out = len(values_E)
     kernel = functools.partial(_neuron_bwd_kernel, gated=gated, has_init=init is not None, d=d,
                                d_block=_next_pow2(d))
@@ -160,8 +158,7 @@ def neuron_backward(x_MxD: jax.Array, gy_MxD: jax.Array, start_H: jax.Array, cou
                   *[full(v) for v in values_E], *[row_spec] * len(init)],
         out_specs=[row_spec] * n_out,
         out_shape=[jax.ShapeDtypeStruct((h_pad, d), x_MxD.dtype)] * n_out,
-        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps,
-                                             num_stages=block_sizes.num_stages),
+        compiler_params=compiler_params(block_sizes),
         interpret=interpret,
         debug=debug,
         name="twell_bwd_neuron_gated" if gated else "twell_bwd_neuron",

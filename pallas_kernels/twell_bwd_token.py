@@ -8,17 +8,18 @@ For every token i and every stored active neuron j of its TwELL pack (slot < min
                 dx_i += dr U_j + dg G_j
                 entry values (t, d_up, d_gate) = (h, dr, dg)
     non-gated:  h = a                  dt = gy_i . W_j + l1_scale * sign(h)
-                dx_i += dt U_j         entry values (t, d_act) = (h, dt)
+                dx_i += dt G_j         entry values (t, d_act) = (h, dt)
 
 `round` is the activation dtype (the dense formula rounds h to x's dtype before the down
-projection and the L1 norm). G is the packed ("act") weight, U the up weight (gated only), W the
+projection and the L1 norm). G is the packed ("act") weight: the gate weight gated, the op's up
+weight non-gated (its relu gives the pattern); U the up weight beside the gate (gated only), W the
 down weight, all neuron-major [H, D]. The per-entry values are written in a token-major ELL of
 width `width` (slot = rank of the entry in the token's row: tiles ascending, slots ascending), with
 the neuron ids in `cols`, for the weight-gradient pass (twell_bwd_neuron.py, after a transpose).
 
 One program handles `block_t` tokens: x_i and gy_i stay in registers, dx_i accumulates in fp32
 registers, each active neuron costs one gather of the rows it needs (W_j, U_j, G_j gated; W_j,
-U_j non-gated), each read once. The ELL rows are assembled in [block_t, width] register tiles and
+G_j non-gated), each read once. The ELL rows are assembled in [block_t, width] register tiles and
 written with one block store (the pack kernel's trick): no scatter, no atomics.
 
 The caller guarantees that every row has at most `width` stored entries and no overflowing tile
@@ -36,7 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import is_pow2 as _is_pow2, next_pow2 as _next_pow2
+from pallas_kernels.common import (check_launch_sizes, compiler_params, is_pow2 as _is_pow2,
+                                   next_pow2 as _next_pow2, pad_rows, round_up, validate_packed_operands)
 
 
 
@@ -54,10 +56,7 @@ class TokenBwdBlockSizes:
     def __post_init__(self) -> None:
         if not _is_pow2(self.block_t) or self.block_t > 64:
             raise ValueError(f"TokenBwdBlockSizes.block_t must be a power of two <= 64, got {self.block_t}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"TokenBwdBlockSizes.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if not 1 <= self.num_stages <= 8:
-            raise ValueError(f"TokenBwdBlockSizes.num_stages must be in [1, 8], got {self.num_stages}")
+        check_launch_sizes(self)
 
 
 def _token_bwd_kernel(*refs, gated: bool, slots: int, n_tiles: int, d: int, d_block: int,
@@ -141,20 +140,11 @@ def _token_bwd_kernel(*refs, gated: bool, slots: int, n_tiles: int, d: int, d_bl
 def validate_token_bwd_args(x_MxD, gy_MxD, values, indices, counts, w_act_HxD, w_up_HxD,
                             w_down_HxD, width: int) -> None:
     """Raise ValueError naming the offending argument."""
-    if x_MxD.ndim != 2:
-        raise ValueError(f"x_MxD must be 2-D [M, D], got shape {x_MxD.shape}")
-    m, d = x_MxD.shape
+    validate_packed_operands(x_MxD, values, indices, counts)
+    d = x_MxD.shape[1]
     if gy_MxD.shape != x_MxD.shape or gy_MxD.dtype != x_MxD.dtype:
         raise ValueError(f"gy_MxD must be {x_MxD.dtype}{x_MxD.shape} like x_MxD, got "
                          f"{gy_MxD.dtype}{gy_MxD.shape}")
-    if counts.ndim != 2 or counts.shape[0] != m or counts.dtype != jnp.int32:
-        raise ValueError(f"counts must be int32 [M={m}, NT], got {counts.dtype}{counts.shape}")
-    n_tiles = counts.shape[1]
-    if values.ndim != 3 or values.shape[:2] != (m, n_tiles) or not _is_pow2(values.shape[2]):
-        raise ValueError(f"values must be [M={m}, NT={n_tiles}, S] with S a power of two, got "
-                         f"{values.shape}")
-    if indices.shape != values.shape or indices.dtype != jnp.int32:
-        raise ValueError(f"indices must be int32 {values.shape}, got {indices.dtype}{indices.shape}")
     h = w_act_HxD.shape[0] if w_act_HxD.ndim == 2 else None
     for name, w in (("w_act_HxD", w_act_HxD), ("w_up_HxD", w_up_HxD), ("w_down_HxD", w_down_HxD)):
         if w is not None and (w.ndim != 2 or w.shape != (h, d) or w.dtype != x_MxD.dtype):
@@ -190,8 +180,7 @@ def _token_bwd_triton(x_MxD, gy_MxD, values, indices, counts, w_act_HxD, w_up_Hx
         out_shape=[jax.ShapeDtypeStruct((m, d), x_MxD.dtype),
                    jax.ShapeDtypeStruct((m, width), jnp.int32),
                    *[jax.ShapeDtypeStruct((m, width), jnp.float32)] * n_values],
-        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps,
-                                             num_stages=block_sizes.num_stages),
+        compiler_params=compiler_params(block_sizes),
         interpret=interpret,
         debug=debug,
         name="twell_bwd_token_gated" if gated else "twell_bwd_token",
@@ -213,12 +202,9 @@ def token_backward(x_MxD: jax.Array, gy_MxD: jax.Array, values: jax.Array, indic
     validate_token_bwd_args(x_MxD, gy_MxD, values, indices, counts, w_act_HxD, w_up_HxD,
                             w_down_HxD, width)
     m = x_MxD.shape[0]
-    m_pad = -(-m // block_sizes.block_t) * block_sizes.block_t
-    if m_pad != m:
-        pad = m_pad - m  # padded rows have count 0: they read nothing and write zeros
-        x_MxD, gy_MxD = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x_MxD, gy_MxD))
-        values, indices = (jnp.pad(a, ((0, pad), (0, 0), (0, 0))) for a in (values, indices))
-        counts = jnp.pad(counts, ((0, pad), (0, 0)))
+    # Padded rows have count 0: they read nothing and write zeros.
+    x_MxD, gy_MxD, values, indices, counts = pad_rows(round_up(m, block_sizes.block_t), x_MxD, gy_MxD,
+                                                      values, indices, counts)
     scale_1 = jnp.reshape(l1_scale.astype(jnp.float32), (1,))
     dx_MxD, cols_MxW, *entries = _token_bwd_triton(
         x_MxD, gy_MxD, values, indices, counts, w_act_HxD, w_up_HxD, w_down_HxD, scale_1,

@@ -41,14 +41,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import next_pow2 as _next_pow2
-
-from pallas_kernels.twell_pack import _dot_precision, _is_pow2
-
-
-
-def _round_up(n: int, k: int) -> int:
-    return -(-n // k) * k
+from pallas_kernels.common import (check_launch_sizes, compiler_params, is_pow2 as _is_pow2,
+                                   next_pow2 as _next_pow2, round_up)
+from pallas_kernels.twell_pack import _dot_precision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +64,7 @@ class DecodeBlockSizes:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not _is_pow2(value) or value < 16:
                 raise ValueError(f"DecodeBlockSizes.{name} must be a power of two >= 16, got {value!r}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"DecodeBlockSizes.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if not 1 <= self.num_stages <= 8:
-            raise ValueError(f"DecodeBlockSizes.num_stages must be in [1, 8], got {self.num_stages}")
+        check_launch_sizes(self)
 
     @property
     def chunk(self) -> int:
@@ -82,10 +74,6 @@ class DecodeBlockSizes:
     def block_m(self, m: int) -> int:
         """Token rows per program for a call with m tokens (>= 16: tensor-core dot minimum)."""
         return max(16, min(self.max_block_m, _next_pow2(m)))
-
-
-def _compiler_params(block_sizes: DecodeBlockSizes) -> plgpu.CompilerParams:
-    return plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -263,7 +251,7 @@ def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array, n_ac
     validate_decode_args(x_MxD, g_MxH, order, n_active, w_up_HxD, w_down_HxD, capacity, block_sizes)
     m, d = x_MxD.shape
     bm = block_sizes.block_m(m)
-    m_pad = _round_up(m, bm)
+    m_pad = round_up(m, bm)
     precision = _dot_precision(x_MxD.dtype)
     n_spec = pl.BlockSpec((1,), lambda *_: (0,))
     if w_up_HxD is not None:
@@ -279,7 +267,7 @@ def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array, n_ac
                       pl.BlockSpec(w_up_HxD.shape, lambda c, i: (0, 0))],
             out_specs=pl.BlockSpec((bm, bn), lambda c, i: (i, c)),
             out_shape=jax.ShapeDtypeStruct((m_pad, capacity), x_MxD.dtype),
-            compiler_params=_compiler_params(block_sizes),
+            compiler_params=compiler_params(block_sizes),
             interpret=interpret,
             debug=debug,
             name="twell_decode_hidden",
@@ -289,7 +277,7 @@ def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array, n_ac
         h_MxC = jnp.where(live_C, jax.nn.relu(jnp.take(g_MxH, order[:capacity], axis=1)), 0.0)
         h_MpxC = jnp.pad(h_MxC.astype(x_MxD.dtype), ((0, m_pad - m), (0, 0)))
     bd = block_sizes.block_d
-    d_out = _round_up(d, bd)
+    d_out = round_up(d, bd)
     y_MpxDp = pl.pallas_call(
         functools.partial(_down_kernel, d=d, capacity=capacity, block_h=block_sizes.block_h,
                           precision=precision),
@@ -300,7 +288,7 @@ def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array, n_ac
                   pl.BlockSpec(w_down_HxD.shape, lambda j, i: (0, 0))],
         out_specs=pl.BlockSpec((bm, bd), lambda j, i: (i, j)),
         out_shape=jax.ShapeDtypeStruct((m_pad, d_out), x_MxD.dtype),
-        compiler_params=_compiler_params(block_sizes),
+        compiler_params=compiler_params(block_sizes),
         interpret=interpret,
         debug=debug,
         name="twell_decode_down",

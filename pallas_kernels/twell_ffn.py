@@ -31,7 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import is_pow2 as _is_pow2, next_pow2 as _next_pow2
+from pallas_kernels.common import (check_launch_sizes, compiler_params, is_pow2 as _is_pow2,
+                                   next_pow2 as _next_pow2, pad_rows, round_up, validate_packed_operands)
 
 
 
@@ -59,10 +60,7 @@ class FFNBlockSizes:
     def __post_init__(self) -> None:
         if not _is_pow2(self.block_t) or self.block_t > 64:
             raise ValueError(f"FFNBlockSizes.block_t must be a power of two <= 64, got {self.block_t}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"FFNBlockSizes.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if not 1 <= self.num_stages <= 8:
-            raise ValueError(f"FFNBlockSizes.num_stages must be in [1, 8], got {self.num_stages}")
+        check_launch_sizes(self)
         if not isinstance(self.head_slots, int) or not 0 <= self.head_slots <= 4:
             raise ValueError(f"FFNBlockSizes.head_slots must be an int in [0, 4], got "
                              f"{self.head_slots!r}")
@@ -145,17 +143,8 @@ def _ffn_kernel(*refs, gated: bool, slots: int, n_tiles: int, d: int, d_block: i
 
 def validate_ffn_args(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD) -> None:
     """Raise ValueError naming the offending argument."""
-    if x_MxD.ndim != 2:
-        raise ValueError(f"x_MxD must be 2-D [M, D], got shape {x_MxD.shape}")
-    m, d = x_MxD.shape
-    if counts.ndim != 2 or counts.shape[0] != m or counts.dtype != jnp.int32:
-        raise ValueError(f"counts must be int32 [M={m}, NT], got {counts.dtype}{counts.shape}")
-    n_tiles = counts.shape[1]
-    if values.ndim != 3 or values.shape[:2] != (m, n_tiles) or not _is_pow2(values.shape[2]):
-        raise ValueError(f"values must be [M={m}, NT={n_tiles}, S] with S a power of two, got "
-                         f"{values.shape}")
-    if indices.shape != values.shape or indices.dtype != jnp.int32:
-        raise ValueError(f"indices must be int32 {values.shape}, got {indices.dtype}{indices.shape}")
+    validate_packed_operands(x_MxD, values, indices, counts)
+    d = x_MxD.shape[1]
     for name, w in (("w_up_HxD", w_up_HxD), ("w_down_HxD", w_down_HxD)):
         if w is not None and (w.ndim != 2 or w.shape[1] != d or w.dtype != x_MxD.dtype):
             raise ValueError(f"{name} must be {x_MxD.dtype}[H, D={d}], got {w.dtype}{w.shape}")
@@ -183,8 +172,7 @@ def _ffn_triton(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD, *, block_s
                    pl.BlockSpec((bt,), lambda i: (i,))],
         out_shape=[jax.ShapeDtypeStruct((m, d), x_MxD.dtype),
                    jax.ShapeDtypeStruct((m,), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps,
-                                             num_stages=block_sizes.num_stages),
+        compiler_params=compiler_params(block_sizes),
         interpret=interpret,
         debug=debug,
         name="twell_gated_ffn" if gated else "twell_ffn",
@@ -202,13 +190,9 @@ def sparse_ffn(x_MxD: jax.Array, values: jax.Array, indices: jax.Array, counts: 
     """
     validate_ffn_args(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD)
     m = x_MxD.shape[0]
-    m_pad = -(-m // block_sizes.block_t) * block_sizes.block_t
-    if m_pad != m:
-        pad = m_pad - m  # padded rows have count 0: they read nothing and produce y = 0
-        x_MxD = jnp.pad(x_MxD, ((0, pad), (0, 0)))
-        values = jnp.pad(values, ((0, pad), (0, 0), (0, 0)))
-        indices = jnp.pad(indices, ((0, pad), (0, 0), (0, 0)))
-        counts = jnp.pad(counts, ((0, pad), (0, 0)))
+    # Padded rows have count 0: they read nothing and produce y = 0.
+    x_MxD, values, indices, counts = pad_rows(round_up(m, block_sizes.block_t), x_MxD, values, indices,
+                                              counts)
     y_MxD, l1_M = _ffn_triton(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD,
                               block_sizes=block_sizes, interpret=interpret, debug=debug)
     return y_MxD[:m], l1_M[:m]

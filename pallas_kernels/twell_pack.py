@@ -34,10 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import is_pow2 as _is_pow2
-
+from pallas_kernels.common import check_launch_sizes, compiler_params, is_pow2 as _is_pow2, round_up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +53,7 @@ class PackBlockSizes:
             value = getattr(self, name)
             if not _is_pow2(value) or value < 16:
                 raise ValueError(f"PackBlockSizes.{name} must be a power of two >= 16, got {value}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"PackBlockSizes.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if not 1 <= self.num_stages <= 8:
-            raise ValueError(f"PackBlockSizes.num_stages must be in [1, 8], got {self.num_stages}")
+        check_launch_sizes(self)
 
 
 def _dot_precision(dtype: jnp.dtype) -> lax.Precision:
@@ -156,16 +151,11 @@ def _pack_triton(x_MxD: jax.Array, w_HxD: jax.Array, *, tile: int, slots: int,
         out_shape=[jax.ShapeDtypeStruct((m, n_tiles, slots), x_MxD.dtype),
                    jax.ShapeDtypeStruct((m, n_tiles, slots), jnp.int32),
                    jax.ShapeDtypeStruct((m, n_tiles), jnp.int32)],
-        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps,
-                                             num_stages=block_sizes.num_stages),
+        compiler_params=compiler_params(block_sizes),
         interpret=interpret,
         debug=debug,
         name="twell_pack",
     )(x_MxD, w_HxD)
-
-
-def _round_up(n: int, k: int) -> int:
-    return -(-n // k) * k
 
 
 def validate_pack_args(x_MxD: jax.Array, w_HxD: jax.Array, tile: int, slots: int) -> None:
@@ -196,8 +186,8 @@ def pack_gate(x_MxD: jax.Array, w_HxD: jax.Array, *, tile: int = 256, slots: int
     validate_pack_args(x_MxD, w_HxD, tile, slots)
     m, d = x_MxD.shape
     h = w_HxD.shape[0]
-    m_pad, d_pad, h_pad = (_round_up(m, block_sizes.block_m), _round_up(d, block_sizes.block_k),
-                           _round_up(h, tile))
+    m_pad, d_pad, h_pad = (round_up(m, block_sizes.block_m), round_up(d, block_sizes.block_k),
+                           round_up(h, tile))
     if (m_pad, d_pad) != (m, d):
         x_MxD = jnp.pad(x_MxD, ((0, m_pad - m), (0, d_pad - d)))
     if (h_pad, d_pad) != (h, d):

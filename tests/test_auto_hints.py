@@ -51,7 +51,7 @@ def test_auto_decision_is_the_ops_plan(monkeypatch):
         config = ops.SparseFFNConfig(expected_active_per_token=hint)
         fwd, bwd = pallas_training.choose_training_path(
             *shape[:3], hint, True, itemsize=2, ell_width=config.ell_width,
-            keep_pattern=pallas_training.backward_settings(config).keep_gate_pattern)
+            keep_pattern=(config.backward or pallas_training.BackwardConfig()).keep_gate_pattern)
         expected = ("pallas" if fwd else "dense", "pallas" if bwd else "dense")
         if decode_backend.prefer_decode_path(*shape[:3], hint, True, itemsize=2):
             expected = ("decode", "dense")  # so few actives that the decode path wins even here

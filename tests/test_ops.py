@@ -340,8 +340,9 @@ def test_inside_a_caller_shard_map_the_op_runs_locally():
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
 
 
-def test_pallas_forward_in_interpret_mode_shares_the_sparse_backward():
-    """Glue only (the kernels are tested in their own files): Pallas forward + reference backward."""
+def test_pallas_backend_in_interpret_mode_matches_the_oracle():
+    """Glue only (the kernels are tested in their own files): backend="pallas" runs the Pallas
+    forward and the Pallas backward; y and the gradients (L1 term included) match the fp32 oracle."""
     pytest.importorskip("pallas_kernels.twell_ffn")
     config = ops.SparseFFNConfig(tile=16, slots=4, ell_width=8, tail_rows=1.0, transpose_ell_width=4,
                                  transpose_tail_rows=1.0)
@@ -447,3 +448,60 @@ def test_auto_on_a_gpu_decides_outside_the_custom_vjp(hint, sparse_chosen, monke
     else:
         assert ("pallas_call" in jaxpr) == sparse_chosen and ("custom_vjp_call" in jaxpr) == sparse_chosen
         assert int(aux["dense_fallback"]) == (not sparse_chosen)
+
+
+def test_check_finite_off_builds_no_nan_cond():
+    """check_finite=False: neither the forward nor the backward branches on the NaN flag (the
+    sparse paths' own capacity conds stay): exactly two conds fewer under grad."""
+    x, weights = make_inputs(True, 13, 16, 40, jnp.float32, 0.7, seed=1)
+    cot = jnp.ones((13, 16), jnp.float32)
+
+    def n_conds(check_finite: bool) -> int:
+        config = dataclasses.replace(CONFIGS["tight"], check_finite=check_finite)
+
+        def loss(x_, w_):
+            y, aux = ops.gated_ffn(x_, *w_, backend="reference", config=config)
+            return loss_of(y, aux["l1"], cot)
+
+        return str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, weights)).count("cond[")
+
+    assert n_conds(True) - n_conds(False) == 2
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_training_plan_with_a_dense_forward(poison, monkeypatch):
+    """A training "auto" plan whose forward is dense and backward sparse (Pallas, interpret mode):
+    the forward is the dense formula with no NaN cond around it (both branches would be the same);
+    y and the gradients match the oracle, and a NaN input propagates as in dense (the flag still
+    sends the backward to the dense formula)."""
+    pytest.importorskip("pallas_kernels.twell_bwd_token")
+    from twell_jax.ops import pallas_backward, pallas_forward
+
+    monkeypatch.setattr(pallas_forward, "available", lambda: True)
+    monkeypatch.setattr(pallas_backward, "choose_training_path", lambda *a, **k: (False, True))
+    config = ops.SparseFFNConfig(tile=16, slots=4, ell_width=8, tail_rows=1.0, transpose_ell_width=4,
+                                 transpose_tail_rows=1.0, expected_active_per_token=4.0)
+    assert ops.auto_decision(True, config, (13, 16, 40, 4), interpret=True) == ("dense", "pallas")
+    x, weights = make_inputs(True, 13, 16, 40, jnp.float32, 0.7, seed=1)
+    if poison:
+        x = x.at[3, 2].set(jnp.nan)
+    cot = jnp.asarray(np.random.default_rng(2).standard_normal((13, 16)), jnp.float32)
+
+    def forward(x_, w_):
+        return ops.gated_ffn(x_, *w_, backend="auto", config=config, interpret=True)
+
+    def loss(x_, w_):
+        y, aux = forward(x_, w_)
+        return loss_of(y, aux["l1"], cot), y
+
+    assert "cond[" not in str(jax.make_jaxpr(forward)(x, weights))
+    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, weights)
+    y_ref, _, _, _, grads_ref = oracle(True, x, weights, cot)
+    if poison:
+        np.testing.assert_array_equal(np.isfinite(np.asarray(y)), np.isfinite(np.asarray(y_ref)))
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+            np.testing.assert_array_equal(np.isfinite(np.asarray(a)), np.isfinite(np.asarray(b)))
+        return
+    assert rel_err(y, y_ref) < 1e-5
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+        assert rel_err(a, b) < 1e-5

@@ -26,4 +26,5 @@ def test_bench_ffn_train_dry_run(tmp_path):
         for name, e in errs.items():
             assert e["rel"] < 3e-2, (backend, name, e)
     assert set(row["piece_ms"]) >= {"token_major", "transpose", "neuron_major"}
-    assert "compiled temporary memory" in (tmp_path / "table.txt").read_text()
+    assert set(row["temp_mb"]) == set(row["ms"])  # compiled memory of every backend it timed
+    assert (tmp_path / "table.txt").stat().st_size > 0  # the printed table is saved too

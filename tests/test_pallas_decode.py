@@ -1,7 +1,5 @@
 """Decode-size sparse FFN: pallas_kernels/twell_decode.py (interpret mode) and its glue
 twell_jax/ops/pallas_decode.py, against the plain-jnp references and the dense formula."""
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +7,7 @@ import pytest
 
 from pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compact_active_reference,
                                          sparse_decode_ffn, sparse_decode_ffn_reference)
+from twell_jax import ops
 from twell_jax.ops import pallas_decode
 from oracles import dense_forward as dense, rel_err
 
@@ -38,8 +37,8 @@ def make_inputs(dtype, m=8, d=45, h=150, pattern="sparse", seed=0):
 
 
 def config(capacity=None, block_sizes=SMALL, expected=None):
-    return types.SimpleNamespace(decode_capacity=capacity, decode_block_sizes=block_sizes,
-                                 expected_active_per_token=expected)
+    return ops.SparseFFNConfig(decode_capacity=capacity, decode_block_sizes=block_sizes,
+                               expected_active_per_token=expected)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,6 +191,25 @@ def test_decode_forward_matches_dense(implementation, dtype, m, pattern, capacit
         assert aux[key].dtype == jnp.int32 and aux[key].shape == ()
 
 
+@pytest.mark.parametrize("implementation", ["triton", "xla"])
+@pytest.mark.parametrize("m,pattern,capacity,fallback", [
+    (3, "sparse", None, 0), (8, "all_zero", None, 0), (8, "one_hot", 16, 0),
+    (3, "dense_token", 32, 1),  # the counts survive the dense fallback
+])
+def test_decode_forward_neuron_counts(implementation, m, pattern, capacity, fallback):
+    """config.neuron_counts: the per-neuron and per-token counts of gate > 0, from the gate the
+    decode path computes (the op's dispatch no longer recomputes it)."""
+    x, wg, wu, wd = make_inputs(jnp.float32, m=m, pattern=pattern, seed=m)
+    cfg = ops.SparseFFNConfig(decode_capacity=capacity, decode_block_sizes=SMALL, neuron_counts=True)
+    _, aux = run(implementation, True, x, wg, wu, wd, cfg)
+    active = np.asarray(jnp.einsum("md,hd->mh", x, wg, precision=jax.lax.Precision.HIGHEST)) > 0
+    np.testing.assert_array_equal(np.asarray(aux["neuron_active_count"]), active.sum(0))
+    np.testing.assert_array_equal(np.asarray(aux["token_active_count"]), active.sum(1))
+    assert aux["neuron_active_count"].dtype == jnp.int32 and int(aux["dense_fallback"]) == fallback
+    _, aux = run(implementation, False, x[:0], wg, wu, wd, cfg)  # empty call: zero counts
+    assert aux["token_active_count"].shape == (0,) and not np.any(np.asarray(aux["neuron_active_count"]))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_decode_forward_prime_shapes_and_default_blocks(dtype):
     # Prime D and H, default (GPU) block sizes: D < block_k, H < one list chunk of the xla default.
@@ -209,12 +227,10 @@ def test_decode_forward_is_bitwise_deterministic():
     np.testing.assert_array_equal(np.asarray(y1.view(jnp.uint16)), np.asarray(y2.view(jnp.uint16)))
 
 
-def test_decode_forward_reads_the_op_config():
-    from twell_jax import ops
-
+def test_decode_forward_defaults_of_the_op_config():
     x, wg, wu, wd = make_inputs(jnp.bfloat16, m=3, seed=7)
     y_ref, _, _ = dense(x, wg, wu, wd)
-    cfg = ops.SparseFFNConfig(expected_active_per_token=2.0)  # no decode_* fields: defaults
+    cfg = ops.SparseFFNConfig(expected_active_per_token=2.0)  # decode_* fields left at None
     for implementation in ("triton", "xla"):
         y, aux = jax.jit(lambda *a: pallas_decode.decode_gated_ffn_forward(
             *a, config=cfg, implementation=implementation, interpret=True))(x, wg, wu, wd)
@@ -228,11 +244,11 @@ def test_decode_forward_empty_and_bad_input():
     with pytest.raises(ValueError, match="implementation"):
         pallas_decode.decode_gated_ffn_forward(x, wg, wu, wd, implementation="cuda")
     with pytest.raises(ValueError, match="decode_capacity"):
-        pallas_decode.decode_gated_ffn_forward(x, wg, wu, wd, config=config(capacity=0),
-                                                implementation="xla")
+        ops.SparseFFNConfig(decode_capacity=0)
     with pytest.raises(ValueError, match="decode_block_sizes"):
-        pallas_decode.decode_ffn_forward(x, wg, wd, config=config(block_sizes=(16, 16)),
-                                          implementation="xla")
+        ops.SparseFFNConfig(decode_block_sizes=(16, 16))
+    with pytest.raises(ValueError, match="config must be"):
+        pallas_decode.decode_ffn_forward(x, wg, wd, config={"decode_capacity": 8}, implementation="xla")
     with pytest.raises(ValueError, match="w_up_HxD"):
         pallas_decode.decode_gated_ffn_forward(x, wg, wu.astype(jnp.bfloat16), wd,
                                                 implementation="xla")
@@ -288,4 +304,6 @@ def test_bench_ffn_decode_interpret(tmp_path):
         assert row["decode_aux"]["dense_fallback"] == 0 and row["union"] >= 1
     saved = json.loads((tmp_path / "bench_ffn_decode.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(results["rows"]))
-    assert (tmp_path / "table_decode.txt").read_text().count("\n") == 3
+    first_fields = [line.split()[0] for line in (tmp_path / "table_decode.txt").read_text().splitlines()
+                    if line.strip()]
+    assert [f for f in first_fields if f.isdigit()] == ["1", "8"]  # one line per measured row

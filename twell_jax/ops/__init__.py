@@ -65,7 +65,9 @@ the gradients non-finite on every backend exactly where the "dense" backend's ar
 the same on every backend: every sparse path checks `isfinite` over x and the weights once per call
 (on device, no host sync) and on a non-finite value runs the exact dense forward and backward
 instead (aux["dense_fallback"] = 1). The check reads every weight once per call, which the decode
-path otherwise avoids.
+path otherwise avoids: `SparseFFNConfig(check_finite=False)` drops it (and its conds) for weights
+verified finite once (`inference.load_run` does); the sparse paths then read only the rows of
+active neurons, and a non-finite value elsewhere does not reach y (docs/format.md).
 
 Under a mesh (`jax.set_mesh`) whose `config.data_axis` has size > 1, the sparse backends run inside
 `jax.shard_map` over that axis (tokens split, weights replicated, aux reduced to global scalars),
@@ -84,10 +86,11 @@ lazily: the kernels need Triton-capable jax builds).
 from __future__ import annotations
 
 from twell_jax.ops.config import AUX_KEYS, COUNT_KEYS, Aux, SparseFFNConfig, Weights
-from twell_jax.ops.dense import DENSE_ACTIVATIONS, dense_aux, dense_backward, dense_ffn, dense_hidden
+from twell_jax.ops.dense import (DENSE_ACTIVATIONS, dense_aux, dense_backward, dense_fallback_ffn, dense_ffn,
+                                 dense_hidden)
 from twell_jax.ops.dispatch import BACKENDS, auto_decision, ffn, gated_ffn
 from twell_jax.ops.reference import reference_backward, reference_forward
 
 __all__ = ["AUX_KEYS", "BACKENDS", "COUNT_KEYS", "DENSE_ACTIVATIONS", "Aux", "SparseFFNConfig", "Weights",
-           "auto_decision", "dense_aux", "dense_backward", "dense_ffn", "dense_hidden", "ffn", "gated_ffn",
+           "auto_decision", "dense_aux", "dense_backward", "dense_fallback_ffn", "dense_ffn", "dense_hidden", "ffn", "gated_ffn",
            "reference_backward", "reference_forward"]

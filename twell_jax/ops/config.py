@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import jax
 
 if TYPE_CHECKING:  # annotations only: the kernels are imported lazily (Triton-backed Pallas)
+    from pallas_kernels.twell_decode import DecodeBlockSizes
     from pallas_kernels.twell_ffn import FFNBlockSizes
     from pallas_kernels.twell_pack import PackBlockSizes
     from twell_jax.ops.pallas_backward import BackwardConfig
@@ -58,8 +59,11 @@ class SparseFFNConfig:
     # Pallas "auto" without a hint: tokens sampled on the device to estimate the active count
     # (None = the backend's default, 32 tokens).
     auto_sample_rows: int | None = None
-    # Pallas "auto": mean actives per token above which the dense path runs (None = the per-shape
-    # crossover of the backend's cost model, pallas_forward.crossover_active_per_token).
+    # Pallas "auto": mean actives per token above which the forward runs dense (None = the per-shape
+    # crossover of the forward's cost model, pallas_forward.crossover_active_per_token). The op
+    # reads it only without a hint (expected_active_per_token None), against the sampled count;
+    # with a hint its plan comes from pallas_backward.choose_training_path and
+    # pallas_decode.prefer_decode_path. (pallas_forward's auto_* entries compare a hint with it.)
     auto_max_active: float | None = None
     # Pallas "auto": expected mean actives per token (e.g. the L0 telemetry of training). When set,
     # "auto" decides dense vs sparse at trace time for free, instead of sampling on the device.
@@ -68,6 +72,13 @@ class SparseFFNConfig:
     pack_block_sizes: PackBlockSizes | None = None
     # Pallas: block sizes of the fused FFN kernel (None = the kernel's defaults).
     ffn_block_sizes: FFNBlockSizes | None = None
+    # Pallas decode path (pallas_decode): static length of the list of active neurons of a call; a
+    # call with more active neurons runs the exact dense formula (dense_fallback = 1). None = every
+    # neuron for the Triton kernels (they skip the unused part at run time), min(H, max(64, 2 M k))
+    # for the "xla" implementation (k = expected_active_per_token, 32 when unset).
+    decode_capacity: int | None = None
+    # Pallas: block sizes of the decode kernels (None = the kernel's defaults).
+    decode_block_sizes: DecodeBlockSizes | None = None
     # Add the per-neuron and per-token active counts to aux (COUNT_KEYS), computed from the
     # pattern the op builds anyway, so telemetry needs no second gate GEMM.
     neuron_counts: bool = False
@@ -90,7 +101,8 @@ class SparseFFNConfig:
         _check_capacity_spec("SparseFFNConfig.tail_rows", self.tail_rows)
         _check_capacity_spec("SparseFFNConfig.transpose_tail_rows", self.transpose_tail_rows)
         for name, module, cls in (("pack_block_sizes", "twell_pack", "PackBlockSizes"),
-                                  ("ffn_block_sizes", "twell_ffn", "FFNBlockSizes")):
+                                  ("ffn_block_sizes", "twell_ffn", "FFNBlockSizes"),
+                                  ("decode_block_sizes", "twell_decode", "DecodeBlockSizes")):
             value = getattr(self, name)
             if value is not None:  # imported only here: the kernels load Triton-backed Pallas
                 expected = getattr(importlib.import_module(f"pallas_kernels.{module}"), cls)
@@ -108,7 +120,7 @@ class SparseFFNConfig:
             raise ValueError(f"SparseFFNConfig.neuron_counts must be a bool, got {self.neuron_counts!r}")
         if self.data_axis is not None and not isinstance(self.data_axis, str):
             raise ValueError(f"SparseFFNConfig.data_axis must be a str or None, got {self.data_axis!r}")
-        for name in ("overflow_rows", "auto_sample_rows"):
+        for name in ("overflow_rows", "auto_sample_rows", "decode_capacity"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"SparseFFNConfig.{name} must be None or an int >= 1, got {value!r}")

@@ -64,6 +64,14 @@ def dense_ffn(gated: bool, x: jax.Array, weights: Weights, *, neuron_counts: boo
     return y, dense_aux(h, active, neuron_counts)
 
 
+def dense_fallback_ffn(gated: bool, x: jax.Array, weights: Weights, *,
+                       neuron_counts: bool = False) -> tuple[jax.Array, Aux]:
+    """`dense_ffn` with aux["dense_fallback"] = 1: what a sparse path returns when it runs the
+    dense formula instead (a capacity exceeded, a non-finite input, or "auto" choosing dense)."""
+    y, aux = dense_ffn(gated, x, weights, neuron_counts=neuron_counts)
+    return y, {**aux, "dense_fallback": jnp.ones((), jnp.int32)}
+
+
 def dense_backward(gated: bool, x: jax.Array, weights: Weights, gy: jax.Array,
                     gl1: jax.Array) -> tuple[jax.Array, Weights]:
     """Gradients of <gy, y> + gl1 * l1 by autodiff of the dense formula (gy in y's dtype, so every

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec
 
 from twell_jax.ops.config import AUX_KEYS, COUNT_KEYS, Aux, SparseFFNConfig, Weights
-from twell_jax.ops.dense import dense_backward, dense_ffn
+from twell_jax.ops.dense import dense_backward, dense_fallback_ffn, dense_ffn
 from twell_jax.ops.reference import reference_backward, reference_forward
 
 BACKENDS = ("dense", "reference", "pallas", "auto")
@@ -41,9 +41,6 @@ def _run_sparse_forward(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
 
         fn = pallas_decode.decode_gated_ffn_forward if plan.gated else pallas_decode.decode_ffn_forward
         y, aux = fn(x_MxD, *weights, config=config, interpret=plan.interpret)
-        if config.neuron_counts:  # the decode path has no packed pattern: count from the dense gate
-            _, counts = dense_ffn(plan.gated, x_MxD, weights, neuron_counts=True)
-            aux = {**aux, **{key: counts[key] for key in COUNT_KEYS}}
         return y, {key: aux[key] for key in _aux_keys(config)}
     if plan.backward == "pallas" or plan.forward == "dense":
         y, aux, _ = _pallas_training_forward(plan, config, x_MxD, weights)
@@ -74,18 +71,20 @@ def _same_variance(anchor: jax.Array, tree: Any) -> Any:
     return jax.tree.map(lambda a: jnp.where(anchor, a, a), tree)
 
 
-def _with_dense_fallback(non_finite: jax.Array, gated: bool, config: SparseFFNConfig,
+def _with_dense_fallback(non_finite: jax.Array, plan: _Plan, config: SparseFFNConfig,
                          x_MxD: jax.Array, weights: Weights,
                          sparse: Callable[[], Any]) -> Any:
     """`sparse()` (whose first two outputs are (y, aux)), or the exact dense forward when
-    `non_finite`; the dense branch fills any further outputs (the Pallas pack) with zeros."""
-    if not config.check_finite:
+    `non_finite`; the dense branch fills any further outputs (the Pallas pack) with zeros. No cond
+    when the check is off, or when the plan's forward is the dense formula already (both branches
+    would be the same dense forward; `non_finite` still sends the backward to the dense formula)."""
+    if not config.check_finite or plan.forward == "dense":
         return sparse()
+    gated = plan.gated
     shapes = jax.eval_shape(sparse)
 
     def dense() -> Any:
-        y, aux = dense_ffn(gated, x_MxD, weights, neuron_counts=config.neuron_counts)
-        aux = {**aux, "dense_fallback": jnp.ones((), jnp.int32)}
+        y, aux = dense_fallback_ffn(gated, x_MxD, weights, neuron_counts=config.neuron_counts)
         out = (y, {key: aux[key].astype(shapes[1][key].dtype) for key in shapes[1]})
         rest = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tuple(shapes[2:]))
         return _same_variance(non_finite, out + rest)
@@ -96,7 +95,7 @@ def _with_dense_fallback(non_finite: jax.Array, gated: bool, config: SparseFFNCo
 def _run_forward(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
                  weights: Weights) -> tuple[jax.Array, Aux]:
     """The plan's forward; the exact dense forward when an input or weight is not finite."""
-    return _with_dense_fallback(_non_finite(config, x_MxD, weights), plan.gated, config, x_MxD, weights,
+    return _with_dense_fallback(_non_finite(config, x_MxD, weights), plan, config, x_MxD, weights,
                                 lambda: _run_sparse_forward(plan, config, x_MxD, weights))
 
 
@@ -127,10 +126,10 @@ def _sparse_op_fwd(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array, weigh
     non_finite = _non_finite(config, x_MxD, weights)
     if plan.backward == "pallas":
         y, aux, pack = _with_dense_fallback(
-            non_finite, plan.gated, config, x_MxD, weights,
+            non_finite, plan, config, x_MxD, weights,
             lambda: _pallas_training_forward(plan, config, x_MxD, weights))
         return (y, aux), (x_MxD, weights, non_finite, pack)
-    y, aux = _with_dense_fallback(non_finite, plan.gated, config, x_MxD, weights,
+    y, aux = _with_dense_fallback(non_finite, plan, config, x_MxD, weights,
                                   lambda: _run_sparse_forward(plan, config, x_MxD, weights))
     return (y, aux), (x_MxD, weights, non_finite)
 
@@ -152,6 +151,8 @@ def _sparse_op_bwd(plan: _Plan, config: SparseFFNConfig, residuals: tuple[Any, .
                                             plan.interpret, residuals[3], dense_bwd)
         return reference_backward(plan.gated, x_MxD, weights, gy_MxD, gl1, config)
 
+    if not config.check_finite:  # non_finite is a constant False: no cond in the program
+        return sparse_backward()
     return jax.lax.cond(non_finite, dense_bwd, sparse_backward)
 
 
@@ -175,8 +176,8 @@ def _op_body(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
         return _sparse_op(sparse_plan, config, x_MxD, weights)
 
     def dense() -> tuple[jax.Array, Aux]:
-        y, aux = dense_ffn(plan.gated, x_MxD, weights, neuron_counts=config.neuron_counts)
-        return y, {**aux, "dense_fallback": jnp.ones((), jnp.int32)}  # "auto" chose the dense path
+        # "auto" chose the dense path
+        return dense_fallback_ffn(plan.gated, x_MxD, weights, neuron_counts=config.neuron_counts)
 
     use_sparse = pallas_forward.auto_use_sparse(plan.gated, x_MxD, weights[0], config)
     if isinstance(use_sparse, bool):  # decided at trace time: only that path is compiled
@@ -341,7 +342,7 @@ def _plan(gated: bool, backend: str, interpret: bool, config: SparseFFNConfig,
     fwd_sparse, bwd_sparse = pallas_backward.choose_training_path(
         m, d_model, n_neurons, config.expected_active_per_token, gated, itemsize=itemsize,
         ell_width=config.ell_width,
-        keep_pattern=pallas_backward.backward_settings(config).keep_gate_pattern)
+        keep_pattern=(config.backward or pallas_backward.BackwardConfig()).keep_gate_pattern)
     if not (fwd_sparse or bwd_sparse):
         # The dense plan IS the "dense" backend (plain autodiff keeps its activations; a dense
         # backward inside the custom_vjp would recompute them).
@@ -370,11 +371,10 @@ def _dispatch(gated: bool, x: Any, weights: dict[str, Any], backend: str, config
     n_shards = _data_axis_size(config)
     plan = _plan(gated, backend, interpret, config,
                  (-(-n_tokens // n_shards), x.shape[-1], w[0].shape[0], x.dtype.itemsize))
-    if plan is None or plan is _AUTO_DENSE or n_tokens == 0:
-        y, aux = dense_ffn(gated, x, w, neuron_counts=config.neuron_counts)
-        if plan is _AUTO_DENSE:  # "auto" chose the dense path (as its device-side switch reports it)
-            aux = {**aux, "dense_fallback": jnp.ones((), jnp.int32)}
-        return y, aux
+    if plan is _AUTO_DENSE:  # "auto" chose the dense path (as its device-side switch reports it)
+        return dense_fallback_ffn(gated, x, w, neuron_counts=config.neuron_counts)
+    if plan is None or n_tokens == 0:
+        return dense_ffn(gated, x, w, neuron_counts=config.neuron_counts)
     x_MxD = x.reshape(n_tokens, x.shape[-1])
     y_MxD, aux = _sparse_call(plan, config, x_MxD, w, n_shards)
     if config.neuron_counts:

@@ -1,6 +1,7 @@
 """Training glue of the Pallas kernels: the op-level sparse backward and the training "auto" choice.
 
-The backward of gated_ffn / ffn (twell.md 4.6) over the hybrid ELL + dense-tail format:
+The backward of gated_ffn / ffn (the formulas: docs/kernels.md, "Backward") over the hybrid ELL +
+dense-tail format (docs/format.md):
 
     pattern      the forward's TwELL pack of relu(x W_act^T) (kept as a residual, or recomputed by
                  pack_gate when BackwardConfig.keep_gate_pattern is False)
@@ -23,14 +24,14 @@ config's capacities (tail_capacity(M), transpose_tail_capacity(H)) the exact den
 for the call (`lax.cond`). Deterministic: fixed reduction orders, a stable sort, scatters to
 unique positions, no atomics.
 
-Transpose: the brief asks for a counting sort (histogram, prefix sum, rank scatter). The rank of
-an entry among the entries of its neuron is what needs either a sort or atomics; this first
+Transpose: a counting sort (histogram, prefix sum, rank scatter) is the natural algorithm, but the
+rank of an entry among the entries of its neuron needs either a sort or atomics; this first
 version uses XLA's stable sort of M * W int32 keys, and the per-neuron offsets by a binary
 search in the sorted keys (no histogram atomics). Not measured against a Pallas counting sort.
 
 Training "auto" (`choose_training_path`): per layer, from the layer's expected active count and
-the cost tables below, whether the forward and the backward run sparse. No host sync: a static
-choice at trace time.
+the cost table below, which of the four whole plans (forward and backward each dense or sparse)
+runs. No host sync: a static choice at trace time.
 """
 from __future__ import annotations
 
@@ -41,9 +42,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.common import next_pow2
 from pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes, neuron_backward
 from pallas_kernels.twell_bwd_token import TokenBwdBlockSizes, token_backward
 from pallas_kernels.twell_pack import pack_gate
+from twell_jax import ops
 from twell_jax.ops import pallas_forward
 
 Weights = tuple[jax.Array, ...]
@@ -59,8 +62,8 @@ class BackwardConfig:
 
     # Keep the forward's TwELL pack for the backward (M * NT * S * (itemsize + 4) bytes: 69 MB at
     # M 16384, H 5632, S 32, bf16) instead of re-running the gate GEMM + pack in the backward
-    # (0.72 ms on the H100 at that shape). TODO(lead, GPU): confirm with
-    # `python experiments/bench_ffn_train.py --quick` (rows pallas vs pallas_recompute).
+    # (0.72 ms on the H100 at that shape). Measured equal on the H100 at k 29 (fwd+bwd 4.36 ms kept,
+    # 4.32 ms recomputed: BENCHMARKS.md), so False saves the memory at no measured cost.
     keep_gate_pattern: bool = True
     # Token-tail rows (an overflowing tile or > ell_width actives) per dense block: the tail runs
     # ceil(rows / chunk) blocks of [chunk, H] (the first tokens of 8 sequences: one block).
@@ -87,21 +90,10 @@ class BackwardConfig:
                              f"{type(self.neuron_block_sizes).__name__}")
 
 
-def backward_settings(config: Any) -> BackwardConfig:
-    """The config's BackwardConfig (`config.backward`), defaults when absent or None."""
-    value = getattr(config, "backward", None)
-    if value is None:
-        return BackwardConfig()
-    if not isinstance(value, BackwardConfig):
-        raise ValueError(f"config.backward must be a pallas_backward.BackwardConfig or None, got "
-                         f"{type(value).__name__}")
-    return value
-
-
 # ----------------------------------------------------------------------------------------------
-# Cost model of the training step's FFN pieces, for "auto". ONE TABLE, to be fitted on the H100
-# from `python experiments/bench_ffn_train.py` (its per-piece times); the forward's constants are
-# pallas_forward's (fitted on an H200, checked on the H100). Times in ms; k = active per token.
+# Cost model of the training step's FFN pieces, for "auto". ONE TABLE, fitted on the H100 (below);
+# the forward's constants are pallas_forward's (fitted on an H200, checked on the H100).
+# Times in ms; k = active per token.
 #   dense backward  = DENSE_LAUNCH_MS + n_bwd_gemms * 2 M D H / DENSE_FLOPS_PER_MS     (6 gated, 4)
 #   sparse backward = BWD_FIXED_MS
 #                     + M * (TOKEN_MS_PER_TOKEN + k * n_tok_rows * D * b / TOKEN_BYTES_PER_MS)  token-major
@@ -146,7 +138,7 @@ def sparse_times_ms(m: int, d: int, h: int, k: float, gated: bool, *, itemsize: 
     n_rows = 2 if gated else 1
     fwd = (pb.SPARSE_FIXED_MS + pack_ms + m * pb.FFN_TOKEN_MS * n_rows / 2
            + m * k * n_rows * d * itemsize / pb.FFN_BYTES_PER_MS)
-    width = 1 << max(0, (ell_width - 1).bit_length())
+    width = next_pow2(ell_width)  # the token-major ELL's width (pallas_kernels.twell_bwd_token)
     bwd = (c["BWD_FIXED_MS"]
            + m * (c["TOKEN_MS_PER_TOKEN"] + k * (n_rows + 1) * d * itemsize / c["TOKEN_BYTES_PER_MS"])
            + m * width * c["SORT_MS_PER_SLOT"]
@@ -198,7 +190,7 @@ def token_tail_mask(counts_MxNT: jax.Array, slots: int, ell_width: int) -> jax.A
             | (jnp.sum(counts_MxNT, axis=1) > ell_width))
 
 
-def forward(gated: bool, forward_kind: str, x_MxD: jax.Array, weights: Weights, config: Any,
+def forward(gated: bool, forward_kind: str, x_MxD: jax.Array, weights: Weights, config: ops.SparseFFNConfig,
             interpret: bool) -> tuple[jax.Array, Aux, Pack | None]:
     """The training forward: (y, aux, the pack kept for the backward or None).
 
@@ -210,7 +202,7 @@ def forward(gated: bool, forward_kind: str, x_MxD: jax.Array, weights: Weights, 
     m = x_MxD.shape[0]
     s = pallas_forward._settings(config, m)
     if forward_kind == "dense" or m == 0:
-        y, aux = pallas_forward._dense_forward(x_MxD, w_act, w_up, w_down, s["neuron_counts"])
+        y, aux = ops.dense_fallback_ffn(gated, x_MxD, weights, neuron_counts=s["neuron_counts"])
         return y, aux, None
     if forward_kind != "pallas":
         raise ValueError(f"forward_kind must be 'pallas' or 'dense', got {forward_kind!r}")
@@ -221,7 +213,7 @@ def forward(gated: bool, forward_kind: str, x_MxD: jax.Array, weights: Weights, 
     aux = dict(aux)
     aux["dense_fallback"] = jnp.maximum(aux["dense_fallback"],
                                         (n_tail > config.tail_capacity(m)).astype(jnp.int32))
-    return y, aux, pack if backward_settings(config).keep_gate_pattern else None
+    return y, aux, pack if (config.backward or BackwardConfig()).keep_gate_pattern else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,13 +287,13 @@ def neuron_major_lists(cols_MxW: jax.Array, valid_MxW: jax.Array, entries: tuple
 
 
 def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array, gl1: jax.Array,
-             config: Any, interpret: bool, pack: Pack | None,
+             config: ops.SparseFFNConfig, interpret: bool, pack: Pack | None,
              dense_backward: Callable[[], tuple[jax.Array, Weights]]) -> tuple[jax.Array, Weights]:
     """Gradients of <gy, y> + gl1 * l1 (module doc). `pack` = the forward's pack or None
     (recomputed); `dense_backward()` = the op's exact dense backward, run when a tail capacity is
     exceeded. Returns (dx in x's dtype, weight gradients in weight order and dtype)."""
     pallas_forward._require_runnable(interpret)
-    bc = backward_settings(config)
+    bc = config.backward or BackwardConfig()
     w_act, w_up, w_down = _split(gated, weights)
     m, d = x_MxD.shape
     h = w_act.shape[0]

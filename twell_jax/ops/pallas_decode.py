@@ -8,28 +8,29 @@
 
 Each active neuron's U and W rows are read once per call, whatever the number of tokens, and the
 work is spread over the active neurons instead of one program per token (pallas_forward's fused
-kernel), which puts a one-token call on one SM. Rounding is the op's dense formula: h rounded once
-to the activation dtype, y accumulated in fp32.
+kernel), which puts a one-token call on one SM. Rounding: h is rounded once to the activation
+dtype and y accumulated in fp32, like the dense formula, but g and u stay fp32 here while the dense
+formula rounds its GEMM outputs to x's dtype first; so in bf16 y differs from the dense backend by
+rounding (the tests bound it: tests/test_pallas_decode.py, TOL_DENSE).
 
 Exactness: the active list has a static capacity C (`config.decode_capacity`; None: every neuron
 for "triton", whose kernels skip the unused part of the list at run time, and
 min(H, max(64, 2 M k)) for "xla", which gathers all C rows). When a call has more than C active
-neurons a `lax.cond` runs the exact dense formula on the gate already computed, and
-aux["dense_fallback"] = 1. When C covers H no cond is built (a cond may cost a host round trip).
+neurons a `lax.cond` runs the op's dense formula (`ops.dense_ffn`), and aux["dense_fallback"] = 1.
+When C covers H no cond is built (a cond may cost a host round trip).
 
 Aux (the op's contract): l1 and l0 exact; tile_overflow = row_overflow = 0 (no packed format here);
-dense_fallback = 1 when the capacity was exceeded.
+dense_fallback = 1 when the capacity was exceeded; with config.neuron_counts the per-neuron and
+per-token counts, from the gate this path computes anyway.
 
-Config fields read (getattr with defaults, so SparseFFNConfig or any object or None works):
-    decode_capacity (None), decode_block_sizes (DecodeBlockSizes()), expected_active_per_token
-    (None; only sizes the "xla" default capacity).
+Config: a `twell_jax.ops.SparseFFNConfig` (validated there) or None for its defaults; the glue
+reads decode_capacity, decode_block_sizes (None: DecodeBlockSizes()) and expected_active_per_token
+(only to size the "xla" default capacity).
 
 "auto" hook: `prefer_decode_path(m, d, h, expected_active, gated)` compares `decode_time_us` with
 `dense_time_us` (docs/kernels.md, "Decode path").
 """
 from __future__ import annotations
-
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,9 @@ from jax import lax
 
 from pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compact_active_reference,
                                          sparse_decode_ffn, sparse_decode_ffn_reference)
-from twell_jax.ops.pallas_forward import _require_runnable, _validate
+from twell_jax.ops.config import SparseFFNConfig
+from twell_jax.ops.dense import dense_ffn
+from twell_jax.ops.pallas_forward import _require_runnable, _validate, _weights
 
 IMPLEMENTATIONS = ("triton", "xla")
 
@@ -102,53 +105,37 @@ def prefer_decode_path(m: int, d: int, h: int, expected_active: float | None, ga
             <= DECODE_MARGIN * dense_time_us(m, d, h, gated=gated, itemsize=itemsize))
 
 
-def _capacity(config: Any, m: int, h: int, block_sizes: DecodeBlockSizes, implementation: str) -> int:
+def _capacity(config: SparseFFNConfig, m: int, h: int, block_sizes: DecodeBlockSizes,
+              implementation: str) -> int:
     """Static length of the active list (a multiple of block_sizes.chunk)."""
-    capacity = getattr(config, "decode_capacity", None)
-    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
-                                 or capacity < 1):
-        raise ValueError(f"config.decode_capacity must be None or an int >= 1, got {capacity!r}")
+    capacity = config.decode_capacity
     if capacity is None:
         if implementation == "triton":
             capacity = h
         else:
-            per_token = getattr(config, "expected_active_per_token", None)
+            per_token = config.expected_active_per_token
             capacity = int(max(64, 2 * m * (32 if per_token is None else per_token)))
     chunk = block_sizes.chunk
     return -(-min(capacity, h) // chunk) * chunk
 
 
-def _dense_from_gate(x_MxD: jax.Array, g_MxH: jax.Array, w_up_HxD: jax.Array | None,
-                     w_down_HxD: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The op's dense formula given the gate pre-activation: (y [M, D], sum of |h|)."""
-    act_MxH = jax.nn.relu(g_MxH)
-    if w_up_HxD is not None:
-        act_MxH = act_MxH * jnp.einsum("md,hd->mh", x_MxD, w_up_HxD, preferred_element_type=jnp.float32)
-    h_MxH = act_MxH.astype(x_MxD.dtype)
-    y_MxD = jnp.einsum("mh,hd->md", h_MxH, w_down_HxD,
-                       preferred_element_type=jnp.float32).astype(x_MxD.dtype)
-    return y_MxD, jnp.sum(jnp.abs(h_MxH.astype(jnp.float32)))
-
-
 def _decode_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
-                    w_down_HxD: jax.Array, config: Any, implementation: str,
+                    w_down_HxD: jax.Array, config: SparseFFNConfig, implementation: str,
                     interpret: bool) -> tuple[jax.Array, Aux]:
     m = x_MxD.shape[0]
     h = w_act_HxD.shape[0]
+    gated = w_up_HxD is not None
+    weights = _weights(w_act_HxD, w_up_HxD, w_down_HxD)
+    if m == 0:  # nothing to compact: the dense formula (aux all zero, dense_fallback 0)
+        return dense_ffn(gated, x_MxD, weights, neuron_counts=config.neuron_counts)
     zero = jnp.zeros((), jnp.int32)
-    if m == 0:
-        y_MxD, _ = _dense_from_gate(x_MxD, jnp.zeros((0, h), jnp.float32), w_up_HxD, w_down_HxD)
-        return y_MxD, {"l1": jnp.zeros((), jnp.float32), "l0": jnp.zeros((), jnp.float32),
-                       "tile_overflow": zero, "row_overflow": zero, "dense_fallback": zero}
-    block_sizes = getattr(config, "decode_block_sizes", None) or DecodeBlockSizes()
-    if not isinstance(block_sizes, DecodeBlockSizes):
-        raise ValueError(f"config.decode_block_sizes must be a DecodeBlockSizes or None, got "
-                         f"{type(block_sizes).__name__}")
+    block_sizes = config.decode_block_sizes or DecodeBlockSizes()
     capacity = _capacity(config, m, h, block_sizes, implementation)
-    # Same XLA op as the dense backend's gate, so the active pattern is the dense one.
+    # f32 gate: its sign is the dense formula's pattern (rounding g to x's dtype keeps the sign).
     g_MxH = jnp.einsum("md,hd->mh", x_MxD, w_act_HxD, preferred_element_type=jnp.float32)
     # Tokens on which each neuron fires: non-zero = in the union; one reduction gives l0 too.
-    count_H = jnp.sum(g_MxH > 0, axis=0, dtype=jnp.int32)
+    active_MxH = g_MxH > 0
+    count_H = jnp.sum(active_MxH, axis=0, dtype=jnp.int32)
     l0 = jnp.sum(count_H, dtype=jnp.float32) / m
     if implementation == "triton":
         order_L, n_active = compact_active(count_H, interpret=interpret)
@@ -166,22 +153,32 @@ def _decode_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array 
             h_MxC, y_MxD = sparse_decode_ffn_reference(x_MxD, g_MxH, order_L, n_active, w_up_HxD,
                                                        w_down_HxD, capacity=capacity,
                                                        precision=lax.Precision.DEFAULT)
-        return y_MxD, jnp.sum(jnp.abs(h_MxC.astype(jnp.float32)))
+        return y_MxD, jnp.sum(jnp.abs(h_MxC.astype(jnp.float32))) / m
+
+    def dense() -> tuple[jax.Array, jax.Array]:  # the op's dense formula (recomputes the gate)
+        y_MxD, aux = dense_ffn(gated, x_MxD, weights)
+        return y_MxD, aux["l1"]
 
     if capacity >= h:  # every neuron fits: no overflow is possible, no cond
         overflow = jnp.zeros((), jnp.bool_)
-        y_MxD, l1_sum = sparse()
+        y_MxD, l1 = sparse()
     else:
         overflow = n_active[0] > capacity
-        y_MxD, l1_sum = lax.cond(overflow,
-                                 lambda: _dense_from_gate(x_MxD, g_MxH, w_up_HxD, w_down_HxD),
-                                 sparse)
-    return y_MxD, {"l1": l1_sum / m, "l0": l0, "tile_overflow": zero, "row_overflow": zero,
-                   "dense_fallback": overflow.astype(jnp.int32)}
+        y_MxD, l1 = lax.cond(overflow, dense, sparse)
+    aux = {"l1": l1, "l0": l0, "tile_overflow": zero, "row_overflow": zero,
+           "dense_fallback": overflow.astype(jnp.int32)}
+    if config.neuron_counts:  # from the gate computed anyway: no second gate GEMM
+        aux["neuron_active_count"] = count_H
+        aux["token_active_count"] = jnp.sum(active_MxH, axis=1, dtype=jnp.int32)
+    return y_MxD, aux
 
 
-def _entry(x_MxD: jax.Array, weights: dict[str, jax.Array], config: Any, implementation: str,
-           interpret: bool) -> tuple[jax.Array, Aux]:
+def _entry(x_MxD: jax.Array, weights: dict[str, jax.Array], config: SparseFFNConfig | None,
+           implementation: str, interpret: bool) -> tuple[jax.Array, Aux]:
+    if config is None:
+        config = SparseFFNConfig()
+    elif not isinstance(config, SparseFFNConfig):
+        raise ValueError(f"config must be a twell_jax.ops.SparseFFNConfig or None, got {type(config).__name__}")
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if not isinstance(interpret, bool):
@@ -196,7 +193,7 @@ def _entry(x_MxD: jax.Array, weights: dict[str, jax.Array], config: Any, impleme
 
 
 def decode_gated_ffn_forward(x_MxD: jax.Array, w_gate_HxD: jax.Array, w_up_HxD: jax.Array,
-                             w_down_HxD: jax.Array, *, config: Any = None,
+                             w_down_HxD: jax.Array, *, config: SparseFFNConfig | None = None,
                              implementation: str = "triton",
                              interpret: bool = False) -> tuple[jax.Array, Aux]:
     """y = (relu(x W_gate^T) * (x W_up^T)) W_down over the union of active neurons; (y, aux)."""
@@ -205,7 +202,7 @@ def decode_gated_ffn_forward(x_MxD: jax.Array, w_gate_HxD: jax.Array, w_up_HxD: 
 
 
 def decode_ffn_forward(x_MxD: jax.Array, w_up_HxD: jax.Array, w_down_HxD: jax.Array, *,
-                       config: Any = None, implementation: str = "triton",
+                       config: SparseFFNConfig | None = None, implementation: str = "triton",
                        interpret: bool = False) -> tuple[jax.Array, Aux]:
     """y = relu(x W_up^T) W_down over the union of active neurons; (y, aux)."""
     return _entry(x_MxD, dict(w_up_HxD=w_up_HxD, w_down_HxD=w_down_HxD), config, implementation,

@@ -1,6 +1,7 @@
-"""Glue between the sparse FFN op (twell_jax/ops/) and the Pallas (Triton) inference kernels.
+"""The Pallas forward of the sparse FFN op (twell_jax/ops/): glue to the Triton pack and FFN kernels.
 
-Forward only (the op's backward is pure JAX). Each forward is
+The backward is in pallas_backward.py (it reuses this forward's pack), the decode-size forward in
+pallas_decode.py. Each forward here is
 
     pack (pallas_kernels.twell_pack)      relu(x W_gate^T) -> TwELL, fp32 accumulation, on device
     fused FFN (pallas_kernels.twell_ffn)  TwELL + x + W_up + W_down -> y and per-row l1
@@ -204,15 +205,6 @@ def _sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array 
     return y_MxD, aux
 
 
-def _dense_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
-                   w_down_HxD: jax.Array, neuron_counts: bool = False) -> tuple[jax.Array, Aux]:
-    """The dense branch of "auto": the op's own dense formula (ops.dense_ffn), so choosing it
-    costs exactly what backend="dense" costs. No packing, so no overflow to report; dense_fallback = 1."""
-    y_MxD, aux = ops.dense_ffn(w_up_HxD is not None, x_MxD, _weights(w_act_HxD, w_up_HxD, w_down_HxD),
-                               neuron_counts=neuron_counts)
-    return y_MxD, {**aux, "dense_fallback": jnp.ones((), jnp.int32)}
-
-
 def sampled_active_per_token(x_MxD: jax.Array, w_act_HxD: jax.Array, n_sample: int) -> jax.Array:
     """f32 scalar: mean active gate neurons per token over a strided sample of n_sample tokens."""
     m = x_MxD.shape[0]
@@ -257,66 +249,60 @@ def auto_use_sparse(gated: bool, x_MxD: jax.Array, w_act_HxD: jax.Array,
     return sampled_active_per_token(x_MxD, w_act_HxD, s["auto_sample_rows"]) <= threshold
 
 
-def _auto_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret):
+def _auto_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
+                  w_down_HxD: jax.Array, s: dict[str, Any], interpret: bool) -> tuple[jax.Array, Aux]:
+    """"auto": the sparse forward, or the op's own dense formula (so choosing it costs exactly what
+    backend="dense" costs; dense_fallback = 1), decided by `auto_use_sparse`."""
     use_sparse = auto_use_sparse(w_up_HxD is not None, x_MxD, w_act_HxD, s["config"])
 
     def sparse():
         return _sparse_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret)
 
     def dense():
-        return _dense_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s["neuron_counts"])
+        return ops.dense_fallback_ffn(w_up_HxD is not None, x_MxD, _weights(w_act_HxD, w_up_HxD, w_down_HxD),
+                                      neuron_counts=s["neuron_counts"])
 
     if isinstance(use_sparse, bool):
         return sparse() if use_sparse else dense()
     return lax.cond(use_sparse, sparse, dense)
 
 
-def _entry(forward: Callable, x_MxD: jax.Array, weights: dict[str, jax.Array],
-           config: ops.SparseFFNConfig | None, interpret: bool) -> tuple[jax.Array, Aux]:
-    """Checks, then `forward`; an empty batch takes the dense formula (the kernels need a row)."""
+def _entry(forward: Callable[..., tuple[jax.Array, Aux]], x_MxD: jax.Array, w_act_HxD: jax.Array,
+           w_up_HxD: jax.Array | None, w_down_HxD: jax.Array, config: ops.SparseFFNConfig | None,
+           interpret: bool) -> tuple[jax.Array, Aux]:
+    """Checks, then `forward` (w_up None = non-gated); an empty batch takes the dense formula (the
+    kernels need a row)."""
     _require_runnable(interpret)
-    _validate(x_MxD, weights)
+    _validate(x_MxD, dict(w_up_HxD=w_act_HxD, w_down_HxD=w_down_HxD) if w_up_HxD is None  # non-gated
+              else dict(w_gate_HxD=w_act_HxD, w_up_HxD=w_up_HxD, w_down_HxD=w_down_HxD))
     s = _settings(config, x_MxD.shape[0])
     if x_MxD.shape[0] == 0:
-        w = list(weights.values())
-        w_up = w[1] if len(w) == 3 else None
-        return _dense_forward(x_MxD, w[0], w_up, w[-1], s["neuron_counts"])
-    return forward(x_MxD, *weights.values(), s, interpret)
+        return ops.dense_fallback_ffn(w_up_HxD is not None, x_MxD, _weights(w_act_HxD, w_up_HxD, w_down_HxD),
+                                      neuron_counts=s["neuron_counts"])
+    return forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret)
 
 
 def gated_ffn_forward(x_MxD: jax.Array, w_gate_HxD: jax.Array, w_up_HxD: jax.Array,
                       w_down_HxD: jax.Array, config: ops.SparseFFNConfig | None = None, *,
                       interpret: bool = False) -> tuple[jax.Array, Aux]:
     """y = (relu(x W_gate^T) * (x W_up^T)) W_down through the Pallas kernels; returns (y, aux)."""
-    return _entry(_sparse_forward, x_MxD,
-                  dict(w_gate_HxD=w_gate_HxD, w_up_HxD=w_up_HxD, w_down_HxD=w_down_HxD),
-                  config, interpret)
+    return _entry(_sparse_forward, x_MxD, w_gate_HxD, w_up_HxD, w_down_HxD, config, interpret)
 
 
-def ffn_forward(x_MxD: jax.Array, w_up_HxD: jax.Array, w_down_HxD: jax.Array, config: ops.SparseFFNConfig | None = None,
-                *, interpret: bool = False) -> tuple[jax.Array, Aux]:
+def ffn_forward(x_MxD: jax.Array, w_up_HxD: jax.Array, w_down_HxD: jax.Array,
+                config: ops.SparseFFNConfig | None = None, *, interpret: bool = False) -> tuple[jax.Array, Aux]:
     """y = relu(x W_up^T) W_down through the Pallas kernels; returns (y, aux)."""
-
-    def forward(x, w_up, w_down, s, interp):
-        return _sparse_forward(x, w_up, None, w_down, s, interp)
-
-    return _entry(forward, x_MxD, dict(w_up_HxD=w_up_HxD, w_down_HxD=w_down_HxD), config, interpret)
+    return _entry(_sparse_forward, x_MxD, w_up_HxD, None, w_down_HxD, config, interpret)
 
 
 def auto_gated_ffn_forward(x_MxD: jax.Array, w_gate_HxD: jax.Array, w_up_HxD: jax.Array,
                            w_down_HxD: jax.Array, config: ops.SparseFFNConfig | None = None, *,
                            interpret: bool = False) -> tuple[jax.Array, Aux]:
-    """Like gated_ffn_forward, but runs the dense XLA FFN when the sampled sparsity says it is faster."""
-    return _entry(_auto_forward, x_MxD,
-                  dict(w_gate_HxD=w_gate_HxD, w_up_HxD=w_up_HxD, w_down_HxD=w_down_HxD),
-                  config, interpret)
+    """Like gated_ffn_forward, but runs the dense XLA FFN when "auto" predicts it is faster."""
+    return _entry(_auto_forward, x_MxD, w_gate_HxD, w_up_HxD, w_down_HxD, config, interpret)
 
 
 def auto_ffn_forward(x_MxD: jax.Array, w_up_HxD: jax.Array, w_down_HxD: jax.Array,
                      config: ops.SparseFFNConfig | None = None, *, interpret: bool = False) -> tuple[jax.Array, Aux]:
-    """Like ffn_forward, but runs the dense XLA FFN when the sampled sparsity says it is faster."""
-
-    def forward(x, w_up, w_down, s, interp):
-        return _auto_forward(x, w_up, None, w_down, s, interp)
-
-    return _entry(forward, x_MxD, dict(w_up_HxD=w_up_HxD, w_down_HxD=w_down_HxD), config, interpret)
+    """Like ffn_forward, but runs the dense XLA FFN when "auto" predicts it is faster."""
+    return _entry(_auto_forward, x_MxD, w_up_HxD, None, w_down_HxD, config, interpret)
