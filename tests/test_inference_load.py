@@ -60,12 +60,18 @@ def test_load_run_prefers_the_runs_tokenizer_json(micro_run, tmp_path):
     assert loaded.tokenizer.get_vocab_size() == 50 and loaded.eos_id == 0
 
 
-def test_load_run_without_a_saved_tokenizer_rebuilds_it_with_a_warning(micro_run, tmp_path):
+def test_load_run_without_a_saved_tokenizer_rebuilds_it_with_a_warning(micro_run, tmp_path, monkeypatch):
     root, _ = micro_run
     run = tmp_path / "run"
     shutil.copytree(root / "runs" / "micro", run)
     (run / "tokenizer.json").unlink()
-    with pytest.warns(UserWarning, match="tokenizer.json not found: rebuilding"):
+    from twell_jax.data import bundle
+
+    def no_data_build(*args, **kwargs):
+        raise AssertionError("the tokenizer fallback must not build the token streams")
+
+    monkeypatch.setattr(bundle, "build_data", no_data_build)
+    with pytest.warns(UserWarning, match="tokenizer.json"):
         loaded = load_run(run)
     assert loaded.tokenizer.get_vocab_size() <= loaded.config.model.vocab_size and loaded.eos_id == 0
 
