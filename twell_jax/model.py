@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from twell_jax import ops
-from twell_jax.config import ModelConfig
+from twell_jax.config import ATTENTION_IMPLS, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +162,8 @@ def choose_attention(requested: str, *, dtype: Any, head_dim: int, seq_len: int,
     elsewhere "xla" silently. `device` = (platform, device kind, compute capability), default the
     default device; `probe(seq_len, head_dim, dtype)` compiles cuDNN once to catch its own refusals.
     """
+    if requested not in ATTENTION_IMPLS:  # first: a bad value is reported before any device probing
+        raise ValueError(f"model.attention_impl must be one of {ATTENTION_IMPLS}, got {requested!r}")
     if requested == "xla":
         return "xla"
     platform, kind, capability = _device_facts() if device is None else device
@@ -175,8 +177,6 @@ def choose_attention(requested: str, *, dtype: Any, head_dim: int, seq_len: int,
     if requested == "cudnn":
         raise ValueError(f"model.attention_impl='cudnn' cannot run attention of shape {shape}: {reason}. "
                          "Use attention_impl='auto' (falls back to XLA) or 'xla'.")
-    if requested != "auto":
-        raise ValueError(f"model.attention_impl must be 'auto', 'xla' or 'cudnn', got {requested!r}")
     if platform == "gpu" and (shape, reason) not in _warned:
         _warned.add((shape, reason))
         logger.warning("attention_impl='auto': cuDNN flash attention cannot run attention of shape %s (%s); "
