@@ -105,7 +105,7 @@ def test_readme_inference_example_runs(micro_run, monkeypatch, capsys):
     monkeypatch.chdir(root)
     namespace: dict = {}
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # the tokenizer fallback of a run without tokenizer.json
+        warnings.simplefilter("error")  # the run saved its tokenizer: no fallback warning, nor any other
         exec(compile(example, "README.md#inference", "exec"), namespace)
     result = namespace["result"]
     assert len(result.texts) == 2 and all(len(t) <= 8 for t in result.tokens)
