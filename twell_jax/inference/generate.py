@@ -3,8 +3,10 @@
 How the number of compiled programs stays bounded: prompts are left-padded to a power-of-two
 length bucket (at least `MIN_PROMPT_BUCKET`) and the batch to a power-of-two row count; every
 call with the same row bucket shares ONE decode-step program (fixed cache length, the write slot,
-the per-row starts and the sampling settings are traced values) plus one prefill program per
-prompt bucket. `Generator.traces` counts the programs traced so far.
+the per-row starts and the sampling settings are traced values), and each (row bucket, length
+bucket) pair one prefill program. A length bucket that would leave no room in the cache for
+`max_new_tokens` is shortened to fit (`Generator.prompt_bucket`). `Generator.traces` counts the
+programs traced so far.
 
 Left padding: row b's prompt occupies cache slots [P - len_b, P) and sits at RoPE positions
 0..len_b - 1; `Transformer.decode` hides the padding slots from every query, so each row computes
@@ -127,10 +129,6 @@ class Generator:
         # The cache is updated in place on accelerators (CPU cannot donate buffers and would warn).
         donate = (1,) if jax.default_backend() != "cpu" else ()
         self._decode_step = jax.jit(decode_step, donate_argnums=donate)
-
-    @property
-    def num_compilations(self) -> int:
-        return self.traces["prefill"] + self.traces["decode"]
 
     def encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
         """Token ids of each prompt (strings need the model's tokenizer); errors name the prompt."""

@@ -41,10 +41,6 @@ class LoadedModel:
     # The compiled programs of `generate(loaded, ...)`, made on first use and reused by later calls.
     _generator: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.config.model
-
 
 def experiment_config_for(model_cfg: ModelConfig, *, name: str = "model",
                           tokenizer_path: str | None = None) -> ExperimentConfig:
