@@ -138,6 +138,25 @@ def test_unsupported_llama_configs_are_clear_errors(change, match):
         model_config_from_hf({**hf, **change})
 
 
+def test_the_tokenizer_is_the_checkpoints_own_or_the_named_one_never_a_missing_file(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    src = FIXTURES / "llama_relu"
+    bare = import_hf(src)  # the fixture has no tokenizer.json: token ids only
+    assert bare.tokenizer is None and bare.config.data.is_synthetic
+    assert bare.config.data.vocab_size == bare.config.model.vocab_size
+    with pytest.raises(FileNotFoundError, match="tokenizer='.*nowhere.json': no such file"):
+        import_hf(src, tokenizer=tmp_path / "nowhere.json")
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(100)}, unk_token="t0")).save(str(tok_dir / "tokenizer.json"))
+    named = import_hf(src, tokenizer=tok_dir)  # a directory holding one works too
+    assert named.tokenizer.get_vocab_size() == 100 and named.config.data.tokenizer == str(tok_dir / "tokenizer.json")
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(200)}, unk_token="t0")).save(str(tmp_path / "big.json"))
+    with pytest.raises(ValueError, match="200 tokens but the model's vocab_size is 128"):
+        import_hf(src, tokenizer=tmp_path / "big.json")
+
+
 def test_missing_or_misshapen_tensors_are_named(tmp_path):
     src = FIXTURES / "llama_relu"
     missing = _copy_with(src, tmp_path / "m", lambda ts: {k: v for k, v in ts.items() if "layers.1.mlp.up" not in k})

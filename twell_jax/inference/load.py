@@ -45,10 +45,13 @@ class LoadedModel:
 def experiment_config_for(model_cfg: ModelConfig, *, name: str = "model",
                           tokenizer_path: str | None = None) -> ExperimentConfig:
     """An ExperimentConfig around a bare model config (a random or imported model), so that such a
-    model travels as a LoadedModel like a trained run. Without `tokenizer_path` the data section
-    names a BPE of the model's vocabulary size (which must then be >= 257)."""
-    data = DataConfig(tokenizer=tokenizer_path or "bpe", seq_len=model_cfg.max_seq_len,
-                      vocab_size=min(model_cfg.vocab_size, DataConfig().vocab_size))
+    model travels as a LoadedModel like a trained run. Its data section names `tokenizer_path`
+    (an existing tokenizer.json); without one it is the synthetic source of the model's vocabulary
+    (token ids, no tokenizer)."""
+    if tokenizer_path is None:
+        data = DataConfig(source="synthetic", vocab_size=model_cfg.vocab_size, seq_len=model_cfg.max_seq_len)
+    else:
+        data = DataConfig(tokenizer=tokenizer_path, seq_len=model_cfg.max_seq_len)
     sparsity = SparsityConfig(l1_coef=SparsityConfig().l1_coef if model_cfg.kind.l1 else 0.0)
     return ExperimentConfig(name=name, model=model_cfg, data=data, sparsity=sparsity)
 
