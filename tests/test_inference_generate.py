@@ -142,6 +142,16 @@ def test_sample_tokens_respects_top_k_and_top_p():
     assert set(draw(1.0, 0, 0.75)) == {1, 3, 4}  # 0.4 + 0.3 < 0.75: the third most likely joins
     assert set(draw(1.0, 0, 0.7)) == {1, 3}  # 0.4 + 0.3 reaches 0.7
     assert set(draw(0.0, 0, 1.0)) == {1}
+    assert set(draw(1.0, 1, 1.0)) == {1}
+    # Greedy settings are the argmax itself: of two tied maxima, always the first.
+    tied_1xV = jnp.asarray([[0.0, 2.0, 2.0, 1.0]])
+    for temperature, top_k in ((0.0, 0), (1.0, 1)):
+        picks = jax.vmap(lambda k: sample_tokens(tied_1xV, k, jnp.float32(temperature), jnp.int32(top_k),
+                                                 jnp.float32(1.0))[0])(keys[:200])
+        assert set(np.asarray(picks)) == {1}
+    # The greedy branch is a lax.cond: one program serves every setting, traced or not.
+    assert "cond" in str(jax.make_jaxpr(sample_tokens)(tied_1xV, keys[0], jnp.float32(0), jnp.int32(0),
+                                                       jnp.float32(1)))
     counts = np.bincount(draw(1.0, 0, 1.0), minlength=5) / len(keys)
     np.testing.assert_allclose(counts, [0.05, 0.4, 0.1, 0.3, 0.15], atol=0.04)
 
