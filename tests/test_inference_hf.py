@@ -45,7 +45,7 @@ def test_reference_checkpoint_with_transposed_down_proj_is_detected_by_shape(tmp
     src = FIXTURES / "llama_relu"
     path = _copy_with(src, tmp_path / "t", lambda ts: {k: (jnp.array(v.T) if "down_proj" in k else v)
                                                        for k, v in ts.items()})
-    loaded = import_hf(path, ffn_backend="reference")
+    loaded = import_hf(path, ffn_backend="dense")  # the layout, not the backend, is under test here
     np.testing.assert_allclose(_logits(loaded, np.load(src / "token_ids.npy")), np.load(src / "logits.npy"),
                                rtol=1e-5, atol=1e-5)
     # Told explicitly, the wrong layout is an error naming the tensor.
