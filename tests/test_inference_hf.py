@@ -45,7 +45,7 @@ def test_reference_checkpoint_with_transposed_down_proj_is_detected_by_shape(tmp
     src = FIXTURES / "llama_relu"
     path = _copy_with(src, tmp_path / "t", lambda ts: {k: (jnp.array(v.T) if "down_proj" in k else v)
                                                        for k, v in ts.items()})
-    loaded = import_hf(path, ffn_backend="reference")
+    loaded = import_hf(path, ffn_backend="dense")  # the layout, not the backend, is under test here
     np.testing.assert_allclose(_logits(loaded, np.load(src / "token_ids.npy")), np.load(src / "logits.npy"),
                                rtol=1e-5, atol=1e-5)
     # Told explicitly, the wrong layout is an error naming the tensor.
@@ -136,6 +136,25 @@ def test_unsupported_llama_configs_are_clear_errors(change, match):
     hf = json.loads((FIXTURES / "llama_relu" / "config.json").read_text())
     with pytest.raises(ValueError, match=match):
         model_config_from_hf({**hf, **change})
+
+
+def test_the_tokenizer_is_the_checkpoints_own_or_the_named_one_never_a_missing_file(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    src = FIXTURES / "llama_relu"
+    bare = import_hf(src)  # the fixture has no tokenizer.json: token ids only
+    assert bare.tokenizer is None and bare.config.data.is_synthetic
+    assert bare.config.data.vocab_size == bare.config.model.vocab_size
+    with pytest.raises(FileNotFoundError, match="tokenizer='.*nowhere.json': no such file"):
+        import_hf(src, tokenizer=tmp_path / "nowhere.json")
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(100)}, unk_token="t0")).save(str(tok_dir / "tokenizer.json"))
+    named = import_hf(src, tokenizer=tok_dir)  # a directory holding one works too
+    assert named.tokenizer.get_vocab_size() == 100 and named.config.data.tokenizer == str(tok_dir / "tokenizer.json")
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(200)}, unk_token="t0")).save(str(tmp_path / "big.json"))
+    with pytest.raises(ValueError, match="200 tokens but the model's vocab_size is 128"):
+        import_hf(src, tokenizer=tmp_path / "big.json")
 
 
 def test_missing_or_misshapen_tensors_are_named(tmp_path):

@@ -1,5 +1,5 @@
 """load_run on a real (micro) training run, the README's inference example, `twell generate`, and
-the inference benchmark's dry run."""
+the inference benchmark's dry run (its JSON rows)."""
 import os
 import pathlib
 import re
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from twell_jax import cli
-from twell_jax.inference import load_run
+from twell_jax.inference import cli as inference_cli
+from twell_jax.inference import generate, load_run
 from twell_jax.model import split_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -60,12 +61,18 @@ def test_load_run_prefers_the_runs_tokenizer_json(micro_run, tmp_path):
     assert loaded.tokenizer.get_vocab_size() == 50 and loaded.eos_id == 0
 
 
-def test_load_run_without_a_saved_tokenizer_rebuilds_it_with_a_warning(micro_run, tmp_path):
+def test_load_run_without_a_saved_tokenizer_rebuilds_it_with_a_warning(micro_run, tmp_path, monkeypatch):
     root, _ = micro_run
     run = tmp_path / "run"
     shutil.copytree(root / "runs" / "micro", run)
     (run / "tokenizer.json").unlink()
-    with pytest.warns(UserWarning, match="tokenizer.json not found: rebuilding"):
+    from twell_jax.data import bundle
+
+    def no_data_build(*args, **kwargs):
+        raise AssertionError("the tokenizer fallback must not build the token streams")
+
+    monkeypatch.setattr(bundle, "build_data", no_data_build)
+    with pytest.warns(UserWarning, match="tokenizer.json"):
         loaded = load_run(run)
     assert loaded.tokenizer.get_vocab_size() <= loaded.config.model.vocab_size and loaded.eos_id == 0
 
@@ -92,39 +99,50 @@ def test_load_run_errors_name_what_is_wrong(micro_run, tmp_path):
 
 def test_readme_inference_example_runs(micro_run, monkeypatch, capsys):
     root, _ = micro_run
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Inference"):]
-    example = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
-    assert len(example.strip().splitlines()) <= 6
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    examples = [b for b in blocks if "load_run(" in b]
+    assert examples, "README.md has no example of load_run"
+    example = examples[0]
     monkeypatch.chdir(root)
     namespace: dict = {}
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # the tokenizer fallback of a run without tokenizer.json
+        warnings.simplefilter("error")  # the run saved its tokenizer: no fallback warning, nor any other
         exec(compile(example, "README.md#inference", "exec"), namespace)
     result = namespace["result"]
     assert len(result.texts) == 2 and all(len(t) <= 8 for t in result.tokens)
     assert str(result.texts) in capsys.readouterr().out
 
 
-def test_twell_generate_streams_and_reports_errors(micro_run, capsys):
+def test_twell_generate_streams_and_reports_errors(micro_run, capsys, monkeypatch):
     root, _ = micro_run
-    rc = cli.main(["generate", "--checkpoint", str(root / "runs" / "micro"), "--prompt", "def main(",
-                   "--max-new-tokens", "5", "--dtype", "float32", "--temperature", "0.7", "--top-k", "20",
-                   "--seed", "1"])
+    run = root / "runs" / "micro"
+    loaded = load_run(run, dtype="float32")
+    requested = []
+
+    def load_once(checkpoint, step=None, dtype="bfloat16"):
+        requested.append((checkpoint, step, dtype))
+        return loaded  # the CLI's programs stay cached on it for the check below
+
+    monkeypatch.setattr(inference_cli, "load_run", load_once)
+    rc = cli.main(["generate", "--checkpoint", str(run), "--prompt", "def main(", "--max-new-tokens", "5",
+                   "--dtype", "float32", "--temperature", "0.7", "--top-k", "20", "--seed", "1"])
     captured = capsys.readouterr()
-    assert rc == 0 and captured.out.startswith("def main(")
-    assert "stopped:" in captured.err
+    assert rc == 0 and requested == [(str(run), None, "float32")]
+    # It printed the prompt and streamed the continuation that generate() gives for these settings.
+    expected = generate(loaded, ["def main("], max_new_tokens=5, temperature=0.7, top_k=20, seed=1)
+    assert captured.out == "def main(" + expected.texts[0] + "\n"
+    assert expected.finish_reasons[0] in captured.err
+    monkeypatch.undo()
     rc = cli.main(["generate", "--checkpoint", str(root / "runs" / "missing"), "--prompt", "x"])
     assert rc == 2 and "no run directory" in capsys.readouterr().err
 
 
-def test_bench_inference_dry_run_writes_its_table_and_json(tmp_path):
+def test_bench_inference_dry_run_measures_both_variants_on_the_same_weights(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_inference.py"), "--dry-run",
                            "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "| phase | batch | variant |" in proc.stdout
     import json
 
     rows = json.loads(out.read_text())["rows"]

@@ -152,8 +152,18 @@ def test_attention_fallback_on_gpu_warns_once_or_raises(change, reason, caplog):
     with caplog.at_level(logging.WARNING, logger="twell_jax.model"):
         assert choose_attention("auto", **args) == "xla"
         assert choose_attention("auto", **args) == "xla"
-    warnings = [r for r in caplog.records if "falling back to XLA" in r.getMessage()]
+    warnings = [r for r in caplog.records if r.name == "twell_jax.model" and r.levelno == logging.WARNING]
     assert len(warnings) == 1 and reason in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("device", [GPU_H100, ("cpu", "cpu", None)])
+def test_attention_choice_reports_a_bad_value_before_probing(device):
+    def probe_must_not_run(seq_len, head_dim, dtype):
+        raise AssertionError("probed cuDNN for an invalid attention_impl")
+
+    with pytest.raises(ValueError, match="attention_impl must be one of .*'flash'"):
+        choose_attention("flash", dtype=jnp.bfloat16, head_dim=64, seq_len=2048, device=device,
+                         probe=probe_must_not_run)
 
 
 def test_attention_probe_refusal_falls_back():

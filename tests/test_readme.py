@@ -1,20 +1,42 @@
-"""The README's code stays true: its Python example runs and its commands name real entry points."""
+"""The README stays true: its op example runs and gives the dense backend's gradients, and every
+command it shows names a real entry point with options that exist (wherever it appears)."""
 
 import pathlib
 import re
+import shlex
+import tomllib
 
 import jax
 import numpy as np
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+from twell_jax import cli
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
-def test_readme_python_example_runs_and_matches_the_dense_backend():
-    text = README.read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert blocks, "README.md has no python example"
+def _python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def _commands() -> list[list[str]]:
+    """Every shell command of the README's bash blocks, as argv lists (`a && b` gives two)."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
+        for line in block.splitlines():
+            words = shlex.split(line, comments=True)
+            while words:
+                cut = words.index("&&") if "&&" in words else len(words)
+                commands.append(words[:cut])
+                words = words[cut + 1:]
+    return commands
+
+
+def test_readme_op_example_runs_and_matches_the_dense_backend():
+    examples = [b for b in _python_blocks() if "ops.gated_ffn" in b]
+    assert examples, "README.md has no example of the sparse FFN op"
     namespace: dict = {}
-    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    exec(compile(examples[0], "README.md", "exec"), namespace)
     grads = namespace["grads"]
     assert set(grads) == {"w_gate", "w_up", "w_down"}
     # The example's reference-backend gradients equal the dense backend's.
@@ -29,10 +51,26 @@ def test_readme_python_example_runs_and_matches_the_dense_backend():
         np.testing.assert_allclose(grads[name], dense[name], rtol=1e-4, atol=1e-7)
 
 
-def test_readme_starts_with_the_two_setup_commands():
-    lines = README.read_text().splitlines()
-    first_block = lines[lines.index("```bash") + 1: lines.index("```bash") + 3]
-    assert "twell compare" in first_block[0]
-    assert "pytest" in first_block[1] and "tests" in first_block[1]
-    ci = (README.parent / ".ci" / "run").read_text()
-    assert "pytest -q tests" in ci
+def test_readme_commands_name_real_entry_points_and_options():
+    commands = _commands()
+    programs = {argv[0] for argv in commands}
+    assert {"twell", "python", "pip"} <= programs, programs
+    parser = cli._parser()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    for argv in commands:
+        if argv[0] == "twell":  # the CLI's own parser accepts it (a bad subcommand or option exits)
+            parser.parse_args(argv[1:])
+        elif argv[:3] == ["python", "-m", "pytest"]:  # the README's test command is what CI runs
+            assert " ".join(argv[2:]) in ci, argv
+        elif argv[0] == "python":
+            script = ROOT / argv[1]
+            assert script.is_file(), argv
+            source = script.read_text()
+            for option in (a for a in argv[2:] if a.startswith("--")):
+                assert f'"{option}"' in source, f"{argv[1]} defines no option {option}"
+        elif argv[:3] == ["pip", "install", "-e"]:
+            extra = re.fullmatch(r"\.(?:\[(\w+)\])?", argv[3])
+            assert extra and (extra.group(1) is None or extra.group(1) in extras), argv
+        else:
+            raise AssertionError(f"README command with an unknown program: {argv}")

@@ -11,7 +11,7 @@ Mixed precision: parameters are fp32 master weights; the forward casts them to `
 (preferred_element_type), because its cotangent would then be f32 and the transposed backward
 GEMMs f32 x f32; where f32 matters (norm statistics, RoPE angles, softmax inside attention, the
 FFN gating product, the loss) the values are upcast after the GEMM. The logits come out of a bf16
-GEMM and are returned in fp32 for the cross-entropy.
+GEMM and are returned in fp32 for the cross-entropy; `Transformer.decode` uses the same head.
 
 `Transformer.__call__` returns `(logits_BxSxV, aux)`; `aux` stacks the per-layer FFN telemetry on a
 leading layer axis: the op's scalars ("l1", "l0", overflow counters) as [L], and, when
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from twell_jax import ops
-from twell_jax.config import ModelConfig
+from twell_jax.config import ATTENTION_IMPLS, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +162,8 @@ def choose_attention(requested: str, *, dtype: Any, head_dim: int, seq_len: int,
     elsewhere "xla" silently. `device` = (platform, device kind, compute capability), default the
     default device; `probe(seq_len, head_dim, dtype)` compiles cuDNN once to catch its own refusals.
     """
+    if requested not in ATTENTION_IMPLS:  # first: a bad value is reported before any device probing
+        raise ValueError(f"model.attention_impl must be one of {ATTENTION_IMPLS}, got {requested!r}")
     if requested == "xla":
         return "xla"
     platform, kind, capability = _device_facts() if device is None else device
@@ -175,8 +177,6 @@ def choose_attention(requested: str, *, dtype: Any, head_dim: int, seq_len: int,
     if requested == "cudnn":
         raise ValueError(f"model.attention_impl='cudnn' cannot run attention of shape {shape}: {reason}. "
                          "Use attention_impl='auto' (falls back to XLA) or 'xla'.")
-    if requested != "auto":
-        raise ValueError(f"model.attention_impl must be 'auto', 'xla' or 'cudnn', got {requested!r}")
     if platform == "gpu" and (shape, reason) not in _warned:
         _warned.add((shape, reason))
         logger.warning("attention_impl='auto': cuDNN flash attention cannot run attention of shape %s (%s); "
@@ -199,16 +199,23 @@ class Attention(nnx.Module):
         self.rope_theta = cfg.rope_theta
         self.attention_impl = cfg.attention_impl
 
-    def __call__(self, x_BxSxD: jax.Array) -> jax.Array:
+    def _qkv(self, x_BxSxD: jax.Array,
+             positions_BxS: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(q, k, v), each [B, S, N, K] in the input dtype; q and k rotated at `positions_BxS`
+        (default: 0..S-1 in every row)."""
         b, s, _ = x_BxSxD.shape
         dt = x_BxSxD.dtype
 
         def project(w: nnx.Param) -> jax.Array:
             return (x_BxSxD @ w[...].astype(dt)).reshape(b, s, self.n_heads, self.head_dim)
 
-        q_BxSxNxK = rope(project(self.w_q), self.rope_theta)
-        k_BxSxNxK = rope(project(self.w_k), self.rope_theta)
-        v_BxSxNxK = project(self.w_v)
+        return (rope(project(self.w_q), self.rope_theta, positions_BxS),
+                rope(project(self.w_k), self.rope_theta, positions_BxS), project(self.w_v))
+
+    def __call__(self, x_BxSxD: jax.Array) -> jax.Array:
+        b, s, _ = x_BxSxD.shape
+        dt = x_BxSxD.dtype
+        q_BxSxNxK, k_BxSxNxK, v_BxSxNxK = self._qkv(x_BxSxD)
         implementation = choose_attention(self.attention_impl, dtype=dt, head_dim=self.head_dim, seq_len=s)
         out_BxSxNxK = jax.nn.dot_product_attention(
             q_BxSxNxK, k_BxSxNxK, v_BxSxNxK, is_causal=True, implementation=implementation)
@@ -222,15 +229,10 @@ class Attention(nnx.Module):
         Returns (output [B, S, D], updated k cache, updated v cache)."""
         b, s, _ = x_BxSxD.shape
         dt = x_BxSxD.dtype
-
-        def project(w: nnx.Param) -> jax.Array:
-            return (x_BxSxD @ w[...].astype(dt)).reshape(b, s, self.n_heads, self.head_dim)
-
-        q_BxSxNxK = rope(project(self.w_q), self.rope_theta, positions_BxS)
-        k_BxSxNxK = rope(project(self.w_k), self.rope_theta, positions_BxS)
+        q_BxSxNxK, k_BxSxNxK, v_BxSxNxK = self._qkv(x_BxSxD, positions_BxS)
         start = (0, cache_index, 0, 0)
         k_BxTxNxK = jax.lax.dynamic_update_slice(k_BxTxNxK, k_BxSxNxK.astype(k_BxTxNxK.dtype), start)
-        v_BxTxNxK = jax.lax.dynamic_update_slice(v_BxTxNxK, project(self.w_v).astype(v_BxTxNxK.dtype), start)
+        v_BxTxNxK = jax.lax.dynamic_update_slice(v_BxTxNxK, v_BxSxNxK.astype(v_BxTxNxK.dtype), start)
         # XLA attention: an explicit mask over the cache (cuDNN's fused kernels want causal-only).
         out_BxSxNxK = jax.nn.dot_product_attention(
             q_BxSxNxK, k_BxTxNxK.astype(dt), v_BxTxNxK.astype(dt), mask=visible_BxSxT[:, None],
@@ -332,6 +334,13 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: str | jnp.dtype
     return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
 
 
+def _logits(x_BxSxD: jax.Array, embed_VxD: jax.Array) -> jax.Array:
+    """The tied output head: a compute-dtype GEMM (bf16 operands forward and backward, no f32
+    output), upcast to fp32 for the loss and for sampling. Forward and decode share it, so decoded
+    logits are rounded as the forward's are."""
+    return jnp.einsum("bsd,vd->bsv", x_BxSxD, embed_VxD).astype(jnp.float32)
+
+
 class Transformer(nnx.Module):
     """Decoder-only LM. `__call__(tokens_BxS) -> (logits_BxSxV fp32, aux stacked over layers)`."""
 
@@ -364,9 +373,7 @@ class Transformer(nnx.Module):
         for block in self.blocks:
             x_BxSxD, aux = run_block(block, x_BxSxD)
             auxes.append(aux)
-        x_BxSxD = self.final_norm(x_BxSxD)
-        # A compute-dtype GEMM (bf16 operands forward and backward), upcast for the fp32 loss.
-        logits_BxSxV = jnp.einsum("bsd,vd->bsv", x_BxSxD, self.embed[...].astype(dt)).astype(jnp.float32)
+        logits_BxSxV = _logits(self.final_norm(x_BxSxD), self.embed[...].astype(dt))
         stacked = {key: jnp.stack([a[key] for a in auxes]) for key in auxes[0]}
         return logits_BxSxV, stacked
 
@@ -404,7 +411,7 @@ class Transformer(nnx.Module):
         if not all_logits:
             x_BxSxD = x_BxSxD[:, -1:]
         x_BxSxD = self.final_norm(x_BxSxD)
-        logits = jnp.einsum("bsd,vd->bsv", x_BxSxD, embed_VxD, preferred_element_type=jnp.float32)
+        logits = _logits(x_BxSxD, embed_VxD)
         stacked = {key: jnp.stack([a[key] for a in auxes]) for key in auxes[0]}
         return (logits if all_logits else logits[:, 0]), KVCache(k_all, v_all), stacked
 

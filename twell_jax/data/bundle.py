@@ -1,6 +1,7 @@
 """The one interface the trainer uses: `DataSource` (a Protocol) and its implementation
 `DataBundle`, built from a corpus (`build_data`), from random tokens (`synthetic_data`), or from
-an experiment config (`build_experiment_data`, the trainer's default data builder)."""
+an experiment config (`build_experiment_data`, the trainer's default data builder); and the
+tokenizer alone (`build_tokenizer`, for inference)."""
 from __future__ import annotations
 
 import dataclasses
@@ -123,6 +124,19 @@ def _check_layout(global_batch: int, process_index: int, process_count: int) -> 
                          f"process_count={process_count}: every process must get the same number of sequences")
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index={process_index}: expected 0 <= process_index < {process_count}")
+
+
+def build_tokenizer(cfg: DataConfig) -> "Tokenizer | None":
+    """The tokenizer `build_data(cfg)` would use (the user's file, or the cached / newly trained BPE),
+    without tokenizing the corpus; None for the synthetic source."""
+    if cfg.is_synthetic:
+        return None
+    files = list_source_files(cfg)
+    # Only a BPE not yet cached needs the split (it trains on the training documents alone).
+    tok, _, _ = tokenizer_lib.get_tokenizer(
+        cfg, files, listing_fingerprint(cfg, files),
+        lambda: select_validation(sum(1 for _ in iter_documents(cfg, files)), cfg))
+    return tok
 
 
 def build_data(cfg: DataConfig, *, global_batch: int, process_index: int = 0, process_count: int = 1) -> DataBundle:

@@ -3,8 +3,10 @@
 How the number of compiled programs stays bounded: prompts are left-padded to a power-of-two
 length bucket (at least `MIN_PROMPT_BUCKET`) and the batch to a power-of-two row count; every
 call with the same row bucket shares ONE decode-step program (fixed cache length, the write slot,
-the per-row starts and the sampling settings are traced values) plus one prefill program per
-prompt bucket. `Generator.traces` counts the programs traced so far.
+the per-row starts and the sampling settings are traced values), and each (row bucket, length
+bucket) pair one prefill program. A length bucket that would leave no room in the cache for
+`max_new_tokens` is shortened to fit (`Generator.prompt_bucket`). `Generator.traces` counts the
+programs traced so far.
 
 Left padding: row b's prompt occupies cache slots [P - len_b, P) and sits at RoPE positions
 0..len_b - 1; `Transformer.decode` hides the padding slots from every query, so each row computes
@@ -40,7 +42,7 @@ class SamplingConfig:
     """How the next token is picked from the logits."""
 
     temperature: float = 0.0  # 0 = greedy (argmax); > 0 samples from softmax(logits / temperature)
-    top_k: int = 0  # sample among the k most likely tokens (0 = no limit; ties at the cut are kept)
+    top_k: int = 0  # sample among the k most likely tokens (0 = no limit; 1 = greedy; ties at the cut are kept)
     top_p: float = 1.0  # nucleus: the smallest most-likely set with probability >= top_p (1 = all)
     seed: int = 0  # PRNG seed of the sampling (same seed, prompts and settings = same output)
 
@@ -67,12 +69,21 @@ class GenerationResult:
 
 def sample_tokens(logits_BxV: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
                   top_p: jax.Array) -> jax.Array:
-    """Next token per row [B] (int32): argmax when temperature == 0, else a sample from the
-    temperature-scaled softmax restricted to the top-k tokens, then to the top-p nucleus of those.
-    All settings may be traced, so one program serves every setting."""
-    vocab = logits_BxV.shape[-1]
+    """Next token per row [B] (int32): argmax when temperature == 0 or top_k == 1, else a sample
+    from the temperature-scaled softmax restricted to the top-k tokens, then to the top-p nucleus
+    of those. All settings may be traced, so one program serves every setting; a `lax.cond` runs
+    only the argmax for greedy settings (the sort and the sampling are skipped at run time)."""
     logits_BxV = logits_BxV.astype(jnp.float32)
-    greedy_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    return jax.lax.cond((temperature <= 0) | (top_k == 1),
+                        lambda: jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32),
+                        lambda: _sample(logits_BxV, key, temperature, top_k, top_p))
+
+
+def _sample(logits_BxV: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
+            top_p: jax.Array) -> jax.Array:
+    """The sampling branch of `sample_tokens` (temperature > 0)."""
+    vocab = logits_BxV.shape[-1]
+    # The floor keeps a vmapped cond (which evaluates both branches) free of 0/0 at temperature 0.
     scaled_BxV = logits_BxV / jnp.maximum(temperature, 1e-6)
     sorted_BxV = -jnp.sort(-scaled_BxV, axis=-1)  # descending
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
@@ -85,8 +96,7 @@ def sample_tokens(logits_BxV: jax.Array, key: jax.Array, temperature: jax.Array,
     n_keep_B = jnp.maximum(jnp.sum(keep_BxV, axis=-1), 1)
     threshold_Bx1 = jnp.take_along_axis(sorted_BxV, (n_keep_B - 1)[:, None], axis=-1)
     masked_BxV = jnp.where(scaled_BxV >= threshold_Bx1, scaled_BxV, -jnp.inf)
-    sampled_B = jax.random.categorical(key, masked_BxV, axis=-1).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled_B, greedy_B)
+    return jax.random.categorical(key, masked_BxV, axis=-1).astype(jnp.int32)
 
 
 def _next_pow2(n: int) -> int:
@@ -127,10 +137,6 @@ class Generator:
         # The cache is updated in place on accelerators (CPU cannot donate buffers and would warn).
         donate = (1,) if jax.default_backend() != "cpu" else ()
         self._decode_step = jax.jit(decode_step, donate_argnums=donate)
-
-    @property
-    def num_compilations(self) -> int:
-        return self.traces["prefill"] + self.traces["decode"]
 
     def encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
         """Token ids of each prompt (strings need the model's tokenizer); errors name the prompt."""

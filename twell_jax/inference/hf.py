@@ -32,7 +32,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from twell_jax.config import ModelConfig
 from twell_jax.inference.load import LoadedModel, experiment_config_for, model_with_params
@@ -175,25 +174,39 @@ def params_from_hf(tensors: dict[str, jax.Array], cfg: ModelConfig,
 
 
 def import_hf(path: str | Path, *, dtype: str = "float32", ffn_kind: str | None = None,
-              ffn_backend: str = "auto", down_proj_layout: str = "auto") -> LoadedModel:
-    """Load a HF Llama checkpoint dir as our model (params cast to `dtype`), with its tokenizer.json
-    when present. `ffn_kind`: for hidden_act relu, "twell" (default, the sparse op with
-    `ffn_backend`) or "relu_gated" (dense); "swiglu" for silu."""
+              ffn_backend: str = "auto", down_proj_layout: str = "auto",
+              tokenizer: str | Path | None = None) -> LoadedModel:
+    """Load a HF Llama checkpoint dir as our model (params cast to `dtype`), with a tokenizer.
+
+    `ffn_kind`: for hidden_act relu, "twell" (default, the sparse op with `ffn_backend`) or
+    "relu_gated" (dense); "swiglu" for silu. `tokenizer`: a tokenizer.json (or a directory holding
+    one) to use, an error when it does not exist; default the checkpoint's own tokenizer.json when
+    it has one, else no tokenizer (generation then takes token ids)."""
+    from twell_jax.data import tokenizer as tokenizer_lib
+
     path = Path(path)
     if not (path / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{path} has no {CONFIG_FILE} (expected a Hugging Face checkpoint directory)")
+    if tokenizer is None:
+        tokenizer_file = path / TOKENIZER_FILE if (path / TOKENIZER_FILE).is_file() else None
+    else:
+        tokenizer_file = Path(tokenizer).expanduser()
+        tokenizer_file = tokenizer_file / TOKENIZER_FILE if tokenizer_file.is_dir() else tokenizer_file
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"tokenizer={str(tokenizer)!r}: no such file (expected a {TOKENIZER_FILE} or a "
+                                    "directory holding one)")
     hf = json.loads((path / CONFIG_FILE).read_text())
     model_cfg = model_config_from_hf(hf, ffn_kind=ffn_kind, ffn_backend=ffn_backend, compute_dtype=dtype)
     params = params_from_hf(read_safetensors(path), model_cfg, down_proj_layout)
-    tokenizer = None
-    if (path / TOKENIZER_FILE).is_file():
-        from twell_jax.data import tokenizer as tokenizer_lib
-
-        tokenizer = tokenizer_lib.load_tokenizer(str(path / TOKENIZER_FILE))
+    tok = None if tokenizer_file is None else tokenizer_lib.load_tokenizer(str(tokenizer_file))
+    if tok is not None and tok.get_vocab_size() > model_cfg.vocab_size:
+        raise ValueError(f"the tokenizer {tokenizer_file} has {tok.get_vocab_size()} tokens but the model's "
+                         f"vocab_size is {model_cfg.vocab_size}: not this model's tokenizer")
     eos = hf.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
-    cfg = experiment_config_for(model_cfg, name=path.name or "hf", tokenizer_path=str(path / TOKENIZER_FILE))
-    return LoadedModel(model=model_with_params(model_cfg, params, dtype), config=cfg, tokenizer=tokenizer,
+    cfg = experiment_config_for(model_cfg, name=path.name or "hf",
+                                tokenizer_path=None if tokenizer_file is None else str(tokenizer_file))
+    return LoadedModel(model=model_with_params(model_cfg, params, dtype), config=cfg, tokenizer=tok,
                        step=None, eos_id=None if eos is None else int(eos))
 
 
@@ -251,9 +264,8 @@ def export_hf(model: LoadedModel | Transformer, out_dir: str | Path, *, cfg: Mod
         eos_id = tokenizer.token_to_id("<|endoftext|>")
     hf = hf_config_from_model(cfg, eos_id=eos_id, dtype=dtype)  # first: refuses kinds without a Llama layout
     params = split_model(module)[1]
+    # A transposed jax array is a new row-major buffer: safetensors takes it as it is.
     tensors = {name: jnp.asarray(value, dtype) for name, value in hf_tensors_from_params(params, cfg).items()}
-    # safetensors wants contiguous row-major buffers: materialise the transposes.
-    tensors = {name: jnp.array(np.ascontiguousarray(jax.device_get(value))) for name, value in tensors.items()}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()

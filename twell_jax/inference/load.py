@@ -42,18 +42,17 @@ class LoadedModel:
     # The compiled programs of `generate(loaded, ...)`, made on first use and reused by later calls.
     _generator: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.config.model
-
 
 def experiment_config_for(model_cfg: ModelConfig, *, name: str = "model",
                           tokenizer_path: str | None = None) -> ExperimentConfig:
     """An ExperimentConfig around a bare model config (a random or imported model), so that such a
-    model travels as a LoadedModel like a trained run. Without `tokenizer_path` the data section
-    names a BPE of the model's vocabulary size (which must then be >= 257)."""
-    data = DataConfig(tokenizer=tokenizer_path or "bpe", seq_len=model_cfg.max_seq_len,
-                      vocab_size=min(model_cfg.vocab_size, DataConfig().vocab_size))
+    model travels as a LoadedModel like a trained run. Its data section names `tokenizer_path`
+    (an existing tokenizer.json); without one it is the synthetic source of the model's vocabulary
+    (token ids, no tokenizer)."""
+    if tokenizer_path is None:
+        data = DataConfig(source="synthetic", vocab_size=model_cfg.vocab_size, seq_len=model_cfg.max_seq_len)
+    else:
+        data = DataConfig(tokenizer=tokenizer_path, seq_len=model_cfg.max_seq_len)
     sparsity = SparsityConfig(l1_coef=SparsityConfig().l1_coef if model_cfg.kind.l1 else 0.0)
     return ExperimentConfig(name=name, model=model_cfg, data=data, sparsity=sparsity)
 
@@ -83,9 +82,10 @@ def model_with_params(cfg: ModelConfig, params: dict[str, Any], dtype: str) -> T
 
 def load_tokenizer_for_run(run_dir: str | Path, cfg: ExperimentConfig) -> "Tokenizer | None":
     """The tokenizer saved with the run (`checkpoint.saved_tokenizer`), else the one the config's
-    data section builds (the same cache or training as at training time; warns), else None (warns)."""
-    from twell_jax.data import build_data
+    data section builds (`data.bundle.build_tokenizer`: the same file, or the same cached or
+    retrained BPE, as at training time; warns), else None (warns)."""
     from twell_jax.data import tokenizer as tokenizer_lib
+    from twell_jax.data.bundle import build_tokenizer
 
     path = ckpt_lib.saved_tokenizer(run_dir)
     if path is not None:
@@ -94,11 +94,14 @@ def load_tokenizer_for_run(run_dir: str | Path, cfg: ExperimentConfig) -> "Token
                   f"data config (tokenizer={cfg.data.tokenizer!r}, source={cfg.data.source!r}); this needs the "
                   "same tokenizer file or BPE cache / corpus as at training time", stacklevel=3)
     try:
-        json_path = build_data(cfg.data, global_batch=1).tokenizer_json_path
+        tokenizer = build_tokenizer(cfg.data)
     except (ValueError, OSError, ImportError) as err:
         warnings.warn(f"no tokenizer for {run_dir}: {err}; generation then needs token ids", stacklevel=3)
         return None
-    return None if json_path is None else tokenizer_lib.load_tokenizer(json_path)
+    if tokenizer is None:
+        warnings.warn(f"no tokenizer for {run_dir}: its data source is synthetic; generation then needs token ids",
+                      stacklevel=3)
+    return tokenizer
 
 
 def eos_id_of(tokenizer: "Tokenizer | None", cfg: ExperimentConfig) -> int | None:
