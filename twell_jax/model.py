@@ -221,23 +221,27 @@ class Attention(nnx.Module):
             q_BxSxNxK, k_BxSxNxK, v_BxSxNxK, is_causal=True, implementation=implementation)
         return out_BxSxNxK.reshape(b, s, -1) @ self.w_out[...].astype(dt)
 
-    def decode(self, x_BxSxD: jax.Array, positions_BxS: jax.Array, k_BxTxNxK: jax.Array, v_BxTxNxK: jax.Array,
-               cache_index: jax.Array, visible_BxSxT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """KV-cached attention: the S new tokens' keys/values are written at cache slots
-        [cache_index, cache_index + S) of the [B, T, N, K] caches, then each query attends to the
-        slots `visible_BxSxT` allows. Same projections and RoPE as `__call__`, at the given positions.
-        Returns (output [B, S, D], updated k cache, updated v cache)."""
+    def decode(self, x_BxSxD: jax.Array, positions_BxS: jax.Array, k_LxBxTxNxK: jax.Array,
+               v_LxBxTxNxK: jax.Array, layer: int, cache_index: jax.Array,
+               visible_BxSxT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """KV-cached attention: the S new tokens' keys/values are written at slots
+        [cache_index, cache_index + S) of this `layer`'s part of the [L, B, T, N, K] caches, then each
+        query attends to the slots `visible_BxSxT` allows. Same projections and RoPE as `__call__`, at
+        the given positions. Returns (output [B, S, D], updated k caches, updated v caches).
+
+        Only the new slots are written, in place in the all-layer arrays (taking the layer's
+        [B, T, N, K] out and setting it back would move the whole cache twice per step)."""
         b, s, _ = x_BxSxD.shape
         dt = x_BxSxD.dtype
         q_BxSxNxK, k_BxSxNxK, v_BxSxNxK = self._qkv(x_BxSxD, positions_BxS)
-        start = (0, cache_index, 0, 0)
-        k_BxTxNxK = jax.lax.dynamic_update_slice(k_BxTxNxK, k_BxSxNxK.astype(k_BxTxNxK.dtype), start)
-        v_BxTxNxK = jax.lax.dynamic_update_slice(v_BxTxNxK, v_BxSxNxK.astype(v_BxTxNxK.dtype), start)
+        start = (layer, 0, cache_index, 0, 0)
+        k_LxBxTxNxK = jax.lax.dynamic_update_slice(k_LxBxTxNxK, k_BxSxNxK[None].astype(k_LxBxTxNxK.dtype), start)
+        v_LxBxTxNxK = jax.lax.dynamic_update_slice(v_LxBxTxNxK, v_BxSxNxK[None].astype(v_LxBxTxNxK.dtype), start)
         # XLA attention: an explicit mask over the cache (cuDNN's fused kernels want causal-only).
         out_BxSxNxK = jax.nn.dot_product_attention(
-            q_BxSxNxK, k_BxTxNxK.astype(dt), v_BxTxNxK.astype(dt), mask=visible_BxSxT[:, None],
+            q_BxSxNxK, k_LxBxTxNxK[layer].astype(dt), v_LxBxTxNxK[layer].astype(dt), mask=visible_BxSxT[:, None],
             implementation="xla")
-        return out_BxSxNxK.reshape(b, s, -1) @ self.w_out[...].astype(dt), k_BxTxNxK, v_BxTxNxK
+        return out_BxSxNxK.reshape(b, s, -1) @ self.w_out[...].astype(dt), k_LxBxTxNxK, v_LxBxTxNxK
 
 
 class FeedForward(nnx.Module):
@@ -306,14 +310,15 @@ class Block(nnx.Module):
             aux["position_active"] = jnp.mean(aux.pop("token_active_count").astype(jnp.float32), axis=0)
         return x_BxSxD + y_BxSxD, aux
 
-    def decode(self, x_BxSxD: jax.Array, positions_BxS: jax.Array, k_BxTxNxK: jax.Array, v_BxTxNxK: jax.Array,
-               cache_index: jax.Array, visible_BxSxT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, Aux]:
-        """The block with KV-cached attention (`Attention.decode`) and the same FFN call."""
-        attn_BxSxD, k_BxTxNxK, v_BxTxNxK = self.attn.decode(
-            self.attn_norm(x_BxSxD), positions_BxS, k_BxTxNxK, v_BxTxNxK, cache_index, visible_BxSxT)
+    def decode(self, x_BxSxD: jax.Array, positions_BxS: jax.Array, k_LxBxTxNxK: jax.Array,
+               v_LxBxTxNxK: jax.Array, layer: int, cache_index: jax.Array,
+               visible_BxSxT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, Aux]:
+        """The block (number `layer`) with KV-cached attention (`Attention.decode`) and the same FFN call."""
+        attn_BxSxD, k_LxBxTxNxK, v_LxBxTxNxK = self.attn.decode(
+            self.attn_norm(x_BxSxD), positions_BxS, k_LxBxTxNxK, v_LxBxTxNxK, layer, cache_index, visible_BxSxT)
         x_BxSxD = x_BxSxD + attn_BxSxD
         y_BxSxD, aux = self.ffn(self.ffn_norm(x_BxSxD))
-        return x_BxSxD + y_BxSxD, k_BxTxNxK, v_BxTxNxK, aux
+        return x_BxSxD + y_BxSxD, k_LxBxTxNxK, v_LxBxTxNxK, aux
 
 
 class KVCache(NamedTuple):
@@ -404,9 +409,8 @@ class Transformer(nnx.Module):
         k_all, v_all = cache
         auxes = []
         for layer, block in enumerate(self.blocks):
-            x_BxSxD, k_BxTxNxK, v_BxTxNxK, aux = block.decode(
-                x_BxSxD, positions_BxS, k_all[layer], v_all[layer], cache_index, visible_BxSxT)
-            k_all, v_all = k_all.at[layer].set(k_BxTxNxK), v_all.at[layer].set(v_BxTxNxK)
+            x_BxSxD, k_all, v_all, aux = block.decode(
+                x_BxSxD, positions_BxS, k_all, v_all, layer, cache_index, visible_BxSxT)
             auxes.append(aux)
         if not all_logits:
             x_BxSxD = x_BxSxD[:, -1:]
