@@ -164,16 +164,29 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
     return jnp.sum(mixed, dtype=jnp.uint32)
 
 
+@jax.jit
+def _leaf_checksums(leaves: list[jax.Array]) -> list[jax.Array]:
+    """`_leaf_checksum` of each leaf, as one program (module-level: jit's cache survives across calls)."""
+    return [_leaf_checksum(x) for x in leaves]
+
+
+@jax.jit
+def _leaves_finite(leaves: list[jax.Array]) -> list[jax.Array]:
+    """Whether each leaf is all finite, as one program (module-level for the same reason)."""
+    return [jnp.all(jnp.isfinite(x)) for x in leaves]
+
+
 def tree_checksums(tree: Any) -> dict[str, int]:
     """{key path: uint32 checksum} of every array leaf of `tree` (computed on the devices)."""
     leaves = jax.tree_util.tree_leaves_with_path(tree)
-    sums = jax.device_get(jax.jit(lambda xs: [_leaf_checksum(x) for x in xs])([x for _, x in leaves]))
+    sums = jax.device_get(_leaf_checksums([x for _, x in leaves]))
     return {jax.tree_util.keystr(path): int(s) for (path, _), s in zip(leaves, sums)}
 
 
 def _nonfinite_leaves(tree: Any) -> list[str]:
+    """Key paths of the floating leaves of `tree` that hold a NaN or an infinity."""
     leaves = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-    finite = jax.device_get(jax.jit(lambda xs: [jnp.all(jnp.isfinite(x)) for x in xs])([x for _, x in leaves]))
+    finite = jax.device_get(_leaves_finite([x for _, x in leaves]))
     return [jax.tree_util.keystr(p) for (p, _), ok in zip(leaves, finite) if not ok]
 
 
