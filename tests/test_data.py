@@ -276,7 +276,7 @@ def test_stdlib_source_smoke(tmp_path):
      ("text_field", "")],
 )
 def test_config_errors_name_the_field(field, value):
-    with pytest.raises(ValueError, match=rf"^data\.{field}="):
+    with pytest.raises(ValueError, match=rf"^data\.{field}\b"):
         DataConfig(**{field: value})
 
 
