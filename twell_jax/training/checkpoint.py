@@ -196,12 +196,13 @@ def _nonfinite_leaves(tree: Any) -> list[str]:
 def checkpoint_dir(run_dir: str | Path) -> Path:
     """`<run>/checkpoints` for a run dir; a path that already is a checkpoints dir is returned as is."""
     run_dir = Path(run_dir).absolute()
-    if run_dir.name == CHECKPOINT_SUBDIR or not (run_dir / CHECKPOINT_SUBDIR).exists() and _has_steps(run_dir):
+    if run_dir.name == CHECKPOINT_SUBDIR or not (run_dir / CHECKPOINT_SUBDIR).exists() and has_steps(run_dir):
         return run_dir
     return run_dir / CHECKPOINT_SUBDIR
 
 
-def _has_steps(path: Path) -> bool:
+def has_steps(path: Path) -> bool:
+    """True when `path` is a directory holding at least one checkpoint step directory."""
     return path.is_dir() and any(child.name.isdigit() for child in path.iterdir())
 
 

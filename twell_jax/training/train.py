@@ -23,9 +23,11 @@ compiles both behind a device-side branch, which costs time and memory). A fresh
 layer's mean active neurons per token with one forward on the first micro-batch of its first batch
 (through the dense backend: same counts; a model at initialisation is ~50% active, so the step
 compiled is exactly the dense one); a resumed run takes the hints its checkpoint was saved with
-(else the last l0 in metrics.jsonl, else a measurement). Every `train.auto_refresh_every` steps the step's own l0_per_layer (fetched for
-logging anyway: no extra host sync) gives new per-layer decisions (`auto_decisions`, which is
-`ops.auto_decision`, i.e. the op's own plan); only when one changes are the hints replaced, the
+(`hints.run_hints`: else the last l0 in metrics.jsonl, else a measurement). Every
+`train.auto_refresh_every` steps the mean of the steps' l0_per_layer since the last re-plan (fetched
+for logging anyway: no extra host sync; a mean, so one noisy step does not flip a layer) gives new
+per-layer decisions (`auto_decisions`, which is `ops.auto_decision`, i.e. the op's own plan); only
+when one changes are the hints replaced by that mean, the
 graphdef rebuilt (params keep their structure) and the step recompiled, once, with a log line
 naming every layer's decision. The hints in use go into every metrics record
 (`auto_hints_per_layer`) and into the checkpoints' config.
@@ -53,6 +55,7 @@ from twell_jax import config as config_lib
 from twell_jax.training import parallel
 from twell_jax.config import ExperimentConfig, ModelConfig
 from twell_jax.data import DataSource, build_experiment_data
+from twell_jax.training.hints import manages_auto_hints, run_hints_and_source, with_hints
 from twell_jax.training.loss import cross_entropy, l1_coefficient, total_loss
 from twell_jax.training.metrics import MetricsSink, check_finite, device_peak_memory_bytes, to_python
 from twell_jax.model import apply_model, build_op_config, describe_execution, init_model, split_model
@@ -88,21 +91,7 @@ def check_op_config(cfg: ExperimentConfig) -> None:
         raise ValueError(f"model.ffn_op_config={cfg.model.ffn_op_config!r}: {err}") from None
 
 
-def manages_auto_hints(model: ModelConfig) -> bool:
-    """True when the sparse op runs backend "auto" and the user set no `expected_active_per_token`
-    hint (neither `model.ffn_expected_active` nor one in `model.ffn_op_config`): the hints are then
-    filled from telemetry (by the trainer, and by `evaluate.with_auto_hints` for eval/inference)."""
-    return (model.kind.sparse_op and model.ffn_backend == "auto" and not model.ffn_expected_active
-            and "expected_active_per_token" not in model.ffn_op_config)
-
-
 Decision = tuple[str, str]  # (forward, backward) of one layer's op call, as ops.auto_decision names them
-
-
-def with_hints(cfg: ExperimentConfig, hints: Sequence[float]) -> ExperimentConfig:
-    """`cfg` with `model.ffn_expected_active` = `hints` (one per layer)."""
-    model = dataclasses.replace(cfg.model, ffn_expected_active=tuple(float(v) for v in hints))
-    return dataclasses.replace(cfg, model=model)
 
 
 def auto_decisions(cfg: ExperimentConfig, hints: Sequence[float], num_devices: int) -> tuple[Decision, ...]:
@@ -326,6 +315,9 @@ class Trainer:
         self.store = None
         self.auto_hints: tuple[float, ...] | None = None  # the "auto" hints compiled in (managed runs)
         self.decisions: tuple[Decision, ...] | None = None  # their per-layer (forward, backward)
+        # Sum and count of the per-layer l0 of the steps since the last re-plan (managed runs).
+        self._l0_sum: np.ndarray | None = None
+        self._l0_steps = 0
         self.step_builds = 0  # how many times the train step was compiled in this process
         check_op_config(cfg)
         if resume:
@@ -477,8 +469,10 @@ class Trainer:
                         sink.write(last_record)
                     if hooks.on_step is not None:
                         hooks.on_step(last_record)
+                    if self.manage_hints:
+                        self._observe_l0(host["l0_per_layer"])
                     if (self.manage_hints and tc.auto_refresh_every and step_no % tc.auto_refresh_every == 0
-                            and step_no < end_step and self._refresh_hints(step_no, host["l0_per_layer"], sink)):
+                            and step_no < end_step and self._refresh_hints(step_no, sink)):
                         compiled, seconds = self._compile(state)
                         compile_s += seconds
                         eval_fn = jax.jit(make_eval_step(self.step_cfg, self.graphdef))
@@ -521,17 +515,13 @@ class Trainer:
         return self.cfg if self.auto_hints is None else with_hints(self.cfg, self.auto_hints)
 
     def _initial_hints(self, state: TrainState, meta: dict[str, Any]) -> tuple[tuple[float, ...], str]:
-        """(hints, where they come from) for the first compile of a managed run."""
-        from twell_jax.training.evaluate import expected_active_from_run  # evaluate imports this module
-
-        n_layers = self.cfg.model.n_layers
-        saved = meta.get("auto_hints")
-        if isinstance(saved, list) and len(saved) == n_layers:
-            return tuple(float(v) for v in saved), f"saved with the checkpoint of step {int(state['step'])}"
+        """(hints, where they come from) for the first compile of a managed run: a resumed run's
+        `run_hints` (its checkpoint's, else its logged l0), else a measurement."""
         if self.resume:
-            logged = expected_active_from_run(self.run_dir, n_layers)
-            if logged is not None:
-                return logged, "the run's last logged l0 in metrics.jsonl"
+            found = run_hints_and_source(self.run_dir, int(state["step"]), n_layers=self.cfg.model.n_layers,
+                                         meta=meta)
+            if found is not None:
+                return found
         return self._measure_first_batch(state), "measured on the first micro-batch of the next batch"
 
     def _measure_first_batch(self, state: TrainState) -> tuple[float, ...]:
@@ -550,20 +540,30 @@ class Trainer:
         return measure_active_per_layer(abstract_graphdef(dense, self.cfg.train.seed), state["params"],
                                         placed["tokens"])
 
-    def _use_hints(self, hints: Sequence[float]) -> None:
-        """Compile with these hints from now on: their decisions and the graphdef built with them."""
+    def _use_hints(self, hints: Sequence[float], decisions: tuple[Decision, ...] | None = None) -> None:
+        """Compile with these hints from now on: their decisions (`decisions` when the caller has
+        them already) and the graphdef built with them."""
         self.auto_hints = tuple(float(v) for v in hints)
-        self.decisions = auto_decisions(self.cfg, self.auto_hints, self.num_devices)
+        self.decisions = decisions or auto_decisions(self.cfg, self.auto_hints, self.num_devices)
         self.graphdef = abstract_graphdef(self.step_cfg.model, self.cfg.train.seed)
 
-    def _refresh_hints(self, step_no: int, l0_per_layer: Sequence[float], sink: MetricsSink) -> bool:
-        """Re-plan from this step's l0; True when some layer's decision changed (the caller then
-        recompiles). Unchanged decisions keep the hints compiled in: no recompile."""
-        decisions = auto_decisions(self.cfg, l0_per_layer, self.num_devices)
+    def _observe_l0(self, l0_per_layer: Sequence[float]) -> None:
+        """Add one step's per-layer l0 to the mean the next re-plan decides from."""
+        l0 = np.asarray(l0_per_layer, np.float64)
+        self._l0_sum = l0 if self._l0_sum is None else self._l0_sum + l0
+        self._l0_steps += 1
+
+    def _refresh_hints(self, step_no: int, sink: MetricsSink) -> bool:
+        """Re-plan from the mean l0 of the steps since the last re-plan, so that one noisy step
+        near a dense/sparse threshold does not flip the plan; True when some layer's decision
+        changed (the caller then recompiles). Unchanged decisions keep the hints: no recompile."""
+        mean_l0 = (self._l0_sum / self._l0_steps).tolist()
+        self._l0_sum, self._l0_steps = None, 0  # the next re-plan averages the steps after this one
+        decisions = auto_decisions(self.cfg, mean_l0, self.num_devices)
         if decisions == self.decisions:
             return False
         changed = [i for i, (old, new) in enumerate(zip(self.decisions, decisions)) if old != new]
-        self._use_hints(l0_per_layer)
+        self._use_hints(mean_l0, decisions)
         sink.message(f"[twell] step {step_no}: 'auto' plan changed in layer(s) {changed}; recompiling the step "
                      f"with hints {', '.join(f'{v:.1f}' for v in self.auto_hints)}: {describe_decisions(decisions)}")
         return True
