@@ -1,7 +1,6 @@
 """Training step and loop: golden first step, gradient accumulation, NaN guard, telemetry, re-init."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import jax
@@ -44,6 +43,9 @@ class FakeData:
     def __init__(self, cfg, bad_token=None, constant=False):
         self.vocab_size, self.eot_id, self.seq_len = cfg.model.vocab_size, 0, cfg.data.seq_len
         self.train_iter = FakeIterator(cfg.train.global_batch, self.seq_len, self.vocab_size, bad_token, constant)
+        # The rest of the DataSource interface: no tokenizer file, a fixed corpus fingerprint.
+        self.tokenizer_json_path = None
+        self.source_fingerprint = f"fake-{bad_token}-{constant}"
 
     def val_batches(self, batch_size, max_batches=None):
         for index in range(min(max_batches or 2, 2)):

@@ -11,7 +11,7 @@ One optimizer step = `accum` micro-batches of `train.micro_batch` sequences per 
 done (the step time is the interval between two completions), passes them through the NaN/Inf
 guard and hands them to the run's one `MetricsSink` and to the caller's `Hooks`.
 
-A run directory holds one run (twell_jax/checkpoint.py): a new run refuses a non-empty directory
+A run directory holds one run (twell_jax/training/checkpoint.py): a new run refuses a non-empty directory
 unless told to overwrite; `resume=True` continues from the newest intact checkpoint (or `step`),
 with the run's saved config as the reference. SIGINT/SIGTERM finish the current step, checkpoint
 and raise `TrainingInterrupted`.
@@ -134,13 +134,27 @@ def dead_window(cfg: ExperimentConfig) -> int:
     return cfg.sparsity.dead_window_tokens or cfg.train.global_batch * cfg.seq_len
 
 
+def tracks_neurons(cfg: ExperimentConfig) -> bool:
+    """True when the step updates the per-neuron activity counters (dead neurons, position profile):
+    asked for, and meaningful only for exactly sparse (ReLU) activations."""
+    return cfg.sparsity.track_neurons and cfg.model.is_relu_family
+
+
+def dead_share_per_layer(cfg: ExperimentConfig, since_LxH: Any) -> list[float] | None:
+    """Each layer's share of dead neurons from the counters (`sparsity.dead_share`), or None when the
+    run does not track neurons (its counters never move: a share of 0 would be a false claim)."""
+    if not tracks_neurons(cfg):
+        return None
+    return [float(v) for v in np.asarray(jax.device_get(dead_share(since_LxH, dead_window(cfg))))]
+
+
 def accumulate_gradients(cfg: ExperimentConfig, graphdef: nnx.GraphDef, params: Any, tokens_BxT: jax.Array,
                          since_LxH: jax.Array, l1_coef: jax.Array, accum_steps: int) -> tuple[Any, jax.Array, dict]:
     """Mean gradient of the loss over `accum_steps` equal micro-batches of `tokens_BxT` (a lax.scan).
 
     Returns (grads, updated since_active counters, per-micro-batch metrics stacked on axis 0).
     """
-    track = cfg.sparsity.track_neurons and cfg.model.is_relu_family
+    track = tracks_neurons(cfg)
     rows, width = tokens_BxT.shape
     micro_rows = rows // accum_steps
     micro_tokens = micro_rows * (width - 1)
@@ -174,7 +188,7 @@ def accumulate_gradients(cfg: ExperimentConfig, graphdef: nnx.GraphDef, params: 
 def make_train_step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                     accum_steps: int) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict]]:
     """The pure step function (state, batch) -> (state, metrics); jit it with shardings."""
-    track = cfg.sparsity.track_neurons and cfg.model.is_relu_family
+    track = tracks_neurons(cfg)
     lr_schedule = learning_rate_schedule(cfg.optim, cfg.schedule_steps)
     window = dead_window(cfg)
 
@@ -322,7 +336,7 @@ class Trainer:
         check_op_config(cfg)
         if resume:
             ckpt_dir = self.run_dir / ckpt_lib.CHECKPOINT_SUBDIR
-            if not (ckpt_dir.is_dir() and any(c.name.isdigit() for c in ckpt_dir.iterdir())):
+            if not ckpt_lib.has_steps(ckpt_dir):
                 raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir.absolute()} (is --out the run "
                                         "directory of the run to continue?)")
             saved = ckpt_lib.load_run_config(self.run_dir)
@@ -368,9 +382,8 @@ class Trainer:
         # Everything that can be checked has been: only now may a new run take over the directory.
         if not resume:
             ckpt_lib.prepare_new_run_dir(self.run_dir, overwrite=overwrite)
-            tokenizer_path = getattr(self.data, "tokenizer_json_path", None)
-            if tokenizer_path:
-                ckpt_lib.save_tokenizer(self.run_dir, tokenizer_path)
+            if self.data.tokenizer_json_path:
+                ckpt_lib.save_tokenizer(self.run_dir, self.data.tokenizer_json_path)
             ckpt_lib.save_corpus_fingerprint(self.run_dir, self.data)
         ckpt_lib.atomic_write_text(self.run_dir / ckpt_lib.CONFIG_FILE, config_lib.to_json(cfg))
         self.store = ckpt_lib.CheckpointStore(self.run_dir / ckpt_lib.CHECKPOINT_SUBDIR,
@@ -403,12 +416,11 @@ class Trainer:
         return {"params": items[ckpt_lib.PARAMS_ITEM], **items[ckpt_lib.TRAIN_ITEM]}, meta
 
     def save(self, state: TrainState, history: list[dict[str, Any]]) -> None:
-        since = np.asarray(jax.device_get(state["since_active"]))
         # The config with the "auto" hints in use: what evaluation / inference of this step should run.
         meta = {"config": config_lib.to_dict(self.step_cfg), "data_iter": _json_ready(self.data.train_iter.get_state()),
                 "step": int(state["step"]), "history": history,
                 "auto_hints": list(self.auto_hints) if self.auto_hints is not None else None,
-                "dead_share_per_layer": (since >= dead_window(self.cfg)).mean(axis=1).tolist()}
+                "dead_share_per_layer": dead_share_per_layer(self.cfg, state["since_active"])}
         self.store.save(int(state["step"]), state["params"],
                         {k: v for k, v in state.items() if k != "params"}, meta)
         if self.hooks.on_checkpoint is not None:
@@ -460,12 +472,13 @@ class Trainer:
                     now = time.perf_counter()
                     step_times.append(now - mark)
                     check_finite(step_no, host, GUARDED_METRICS)
-                    last_record = self._record(step_no, host, step_times[-1], tokens_per_step)
+                    logged = step_no % tc.log_every == 0 or step_no == end_step
+                    last_record = self._record(step_no, host, step_times[-1], tokens_per_step, memory=logged)
                     history.append(compact_record(last_record))
                     sink.progress(step_no, {"loss": host["loss"], "ce": host["ce"],
                                             "l0": float(np.mean(host["l0_per_layer"])),
                                             "tok/s": int(last_record["tokens_per_s"])})
-                    if step_no % tc.log_every == 0 or step_no == end_step:
+                    if logged:
                         sink.write(last_record)
                     if hooks.on_step is not None:
                         hooks.on_step(last_record)
@@ -592,10 +605,13 @@ class Trainer:
         self.echo(f"[twell] train step compiled in {compile_s:.1f}s; {_memory_analysis_text(compiled)}")
         return compiled, compile_s
 
-    def _record(self, step_no: int, host: dict[str, Any], step_time: float, tokens_per_step: int) -> dict[str, Any]:
+    def _record(self, step_no: int, host: dict[str, Any], step_time: float, tokens_per_step: int, *,
+                memory: bool) -> dict[str, Any]:
+        """A step's full record; `memory`: add the device's peak memory (read for logged records
+        only: the peak so far is a running maximum, so the end of the run has the run's peak)."""
         record = {"step": step_no, **host, "step_time_s": step_time,
                   **parallel.tokens_per_second(tokens_per_step, step_time, self.num_devices)}
-        peak = device_peak_memory_bytes()
+        peak = device_peak_memory_bytes() if memory else None
         if peak is not None:
             record["peak_memory_bytes"] = peak
         if self.auto_hints is not None:
@@ -615,12 +631,10 @@ class Trainer:
     def _summary(self, state: TrainState, history: list[dict[str, Any]], val: dict[str, Any],
                  step_times: list[float], compile_s: float) -> dict[str, Any]:
         cfg = self.cfg
-        since = np.asarray(jax.device_get(state["since_active"]))
-        dead = (since >= dead_window(cfg)).mean(axis=1).tolist() if cfg.model.is_relu_family else None
+        dead = dead_share_per_layer(cfg, state["since_active"])
         # Skip the first steps (warm caches, async start) in the speed figure.
         steady = step_times[min(2, len(step_times) - 1):] if step_times else []
         median_step = float(np.median(steady)) if steady else float("nan")
-        peaks = [r["peak_memory_bytes"] for r in history if "peak_memory_bytes" in r]
         l0 = val.get("l0_per_layer")
         return {
             "name": cfg.name, "ffn_kind": cfg.model.ffn_kind, "ffn_backend": cfg.model.ffn_backend,
@@ -632,7 +646,7 @@ class Trainer:
             "dead_share_per_layer": dead, "dead_share_mean": float(np.mean(dead)) if dead is not None else None,
             "median_step_time_s": median_step,
             "tokens_per_s": cfg.train.global_batch * cfg.seq_len / median_step if steady else None,
-            "peak_memory_bytes": max(peaks) if peaks else None, "compile_time_s": compile_s,
+            "peak_memory_bytes": device_peak_memory_bytes(), "compile_time_s": compile_s,
             "step_builds": self.step_builds,
             "auto_hints_per_layer": list(self.auto_hints) if self.auto_hints is not None else None,
             "final_train_ce": history[-1]["ce"] if history else None,
