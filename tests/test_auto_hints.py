@@ -80,10 +80,10 @@ def test_fresh_run_takes_its_hints_from_the_first_batch(tmp_path):
     _, meta, _ = ckpt_lib.restore_params_with_meta(tmp_path, 1)
     assert meta["config"]["model"]["ffn_expected_active"] == hints and meta["auto_hints"] == hints
     assert ckpt_lib.load_run_config(tmp_path).model.ffn_expected_active == ()
-    # A run with a user hint is left alone.
+    # A run with a user hint is left alone: its step compiles with the user's config as it is.
     fixed = Trainer(micro_cfg("train.steps=1", "model.ffn_expected_active=[1.0, 2.0]"), tmp_path / "fixed",
-                    data_builder=FakeData, hooks=Hooks(save_final=False)).run()
-    assert "auto_hints_per_layer" not in fixed.last_metrics
+                    data_builder=FakeData, hooks=Hooks(save_final=False))
+    assert not fixed.manage_hints and fixed.step_cfg is fixed.cfg
 
 
 def test_refresh_recompiles_only_when_a_decision_changes(tmp_path, monkeypatch):
