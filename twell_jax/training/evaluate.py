@@ -1,7 +1,8 @@
 """Evaluate a saved checkpoint: validation loss, perplexity, per-layer activity and dead neurons.
 
 Restores the parameters alone (checkpoint.restore_params_with_meta: no optimizer, no Trainer),
-gives backend "auto" the checkpoint's hints (hints.with_auto_hints), builds the data with the tokenizer saved in the run, and evaluates on the run's validation split.
+gives backend "auto" the checkpoint's hints (hints.with_auto_hints), builds the data with the
+tokenizer saved in the run, and evaluates on the run's validation split.
 """
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ def evaluate_checkpoint(path: str | Path, *, step: int | None = None, overrides:
     result["l0_mean"] = float(np.mean(result["l0_per_layer"]))
     result["sparsity"] = 1.0 - result["l0_mean"] / cfg.model.d_ff
     result["dead_share_per_layer"] = meta["dead_share_per_layer"]
+    # The "auto" hints the evaluation compiled with (None: none were set or found).
+    result["auto_hints_per_layer"] = list(cfg.model.ffn_expected_active) or None
     echo(f"[twell] validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} over "
          f"{int(result['tokens'])} tokens; mean active FFN neurons/token {result['l0_mean']:.1f} of "
          f"{cfg.model.d_ff} ({100 * result['sparsity']:.1f}% zero)")
