@@ -63,7 +63,7 @@ def bench_config(base: ExperimentConfig, ffn_kind: str, num_devices: int, micro_
     """`base` on `num_devices` devices, `micro_batch` sequences per device, one accumulation step."""
     model = dataclasses.replace(base.model, ffn_kind=ffn_kind)
     sparsity = base.sparsity
-    if ffn_kind in ("relu_gated", "swiglu"):
+    if not model.kind.l1:
         sparsity = dataclasses.replace(sparsity, l1_coef=0.0)  # dense baselines train without L1
     train = dataclasses.replace(
         base.train, steps=steps, num_devices=num_devices, micro_batch=micro_batch,
@@ -76,7 +76,9 @@ def bench_config(base: ExperimentConfig, ffn_kind: str, num_devices: int, micro_
 
 def run_one(cfg: ExperimentConfig, warmup: int, workdir: Path) -> dict[str, Any]:
     """Train `cfg` once; timing of the steps after `warmup`."""
-    result = train_lib.train(cfg, workdir / cfg.name, echo=lambda line: print("   ", line, flush=True))
+    # save_final=False: a throw-away run; writing params + Adam state would only cost time and disk.
+    result = train_lib.train(cfg, workdir / cfg.name, echo=lambda line: print("   ", line, flush=True),
+                             hooks=train_lib.Hooks(save_final=False))
     times = np.array([record["step_time_s"] for record in result.history], np.float64)
     steady = times[warmup:]
     step_s = float(np.median(steady))

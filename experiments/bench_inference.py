@@ -38,7 +38,7 @@ from twell_jax.config import ModelConfig  # noqa: E402
 from twell_jax.inference.load import load_run, model_with_params, validation_tokens  # noqa: E402
 from twell_jax.model import Transformer, init_cache, init_model, split_model  # noqa: E402
 from twell_jax.training.checkpoint import checkpoint_dir  # noqa: E402
-from twell_jax.training.evaluate import expected_active_from_run  # noqa: E402
+from twell_jax.training.hints import run_hints  # noqa: E402
 
 DECODE_BATCHES = (1, 8, 64)
 PREFILL_CHUNK = 256  # tokens per call when filling the decode context
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if text.shape[1] - 1 < args.context:
             raise SystemExit(f"--context {args.context} is longer than the run's sequences ({text.shape[1] - 1})")
         text = jnp.asarray(text[:, :args.context])
-        hints = expected_active_from_run(checkpoint_dir(args.checkpoint).parent, cfg.n_layers)
+        hints = run_hints(checkpoint_dir(args.checkpoint).parent, args.step, n_layers=cfg.n_layers)
     else:
         text = jax.random.randint(jax.random.key(args.seed), (rows_needed, args.context), 0, cfg.vocab_size)
     models = variant_models(cfg, params, backends, args.dtype, interpret=args.dry_run, hints=hints)

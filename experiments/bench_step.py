@@ -50,7 +50,7 @@ from twell_jax.inference.load import validation_tokens  # noqa: E402
 from twell_jax.model import apply_model, choose_attention, describe_execution, init_model, split_model  # noqa: E402
 from twell_jax.ops import BACKENDS  # noqa: E402
 from twell_jax.training.checkpoint import checkpoint_dir, restore_params  # noqa: E402
-from twell_jax.training.evaluate import expected_active_from_run  # noqa: E402
+from twell_jax.training.hints import run_hints  # noqa: E402
 from twell_jax.training.train import abstract_graphdef, measure_active_per_layer  # noqa: E402
 from twell_jax.training.optimizer import build_optimizer  # noqa: E402
 
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.checkpoint:
         params, run_cfg, step = restore_params(args.checkpoint, args.step)
         base = config_lib.apply_overrides(run_cfg, sets)
-        hints = expected_active_from_run(checkpoint_dir(args.checkpoint).parent, base.model.n_layers)
+        hints = run_hints(checkpoint_dir(args.checkpoint).parent, step, n_layers=base.model.n_layers)
         source = f"checkpoint {args.checkpoint} step {step}"
     else:
         base = config_lib.apply_overrides(get_config(args.config), sets)

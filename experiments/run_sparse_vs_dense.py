@@ -214,7 +214,6 @@ def _child_train(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = config_lib.from_dict(spec["config"])
     n = int(cfg.train.num_devices)
     run_dir = Path(spec["run_dir"])
-    data_builder = None  # the config's own data (data.source=synthetic for --data synthetic)
 
     from twell_jax.training import train as train_lib
 
@@ -223,8 +222,8 @@ def _child_train(spec: dict[str, Any]) -> dict[str, Any]:
     # save_final=False: the run dir is thrown away; writing params + Adam state (6 GB for 0.5b)
     # would cost seconds of the device call's budget and disk on a machine that never resumes.
     hooks = train_lib.Hooks(on_step=progress.on_step, save_final=False)
-    kwargs = {} if data_builder is None else {"data_builder": data_builder}
-    trainer = train_lib.Trainer(cfg, run_dir, echo=lambda line: print(line, flush=True), hooks=hooks, **kwargs)
+    # The config's own data (data.source=synthetic for --data synthetic).
+    trainer = train_lib.Trainer(cfg, run_dir, echo=lambda line: print(line, flush=True), hooks=hooks)
     result = trainer.run()
     train_call_s = time.perf_counter() - start
     peaks = [_peak_bytes(d) for d in jax.devices()[:n]]

@@ -1,7 +1,7 @@
 """The trainer's management of training "auto" hints: measured at start, restored on resume,
 re-planned every train.auto_refresh_every steps with a recompile only when a decision changes.
 
-On the CPU "auto" always runs dense (pallas_backend.available() is False), so the refresh logic is
+On the CPU "auto" always runs dense (ops.pallas_forward.available() is False), so the refresh logic is
 driven by a monkeypatched `ops.auto_decision`; the step compiled is the dense one either way, which
 is what lets the loss trajectories of a rebuilt and a never-rebuilt run be compared exactly."""
 from __future__ import annotations
@@ -17,7 +17,9 @@ from test_train import FakeData, micro_cfg
 from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax import ops
 from twell_jax.model import init_model, split_model
-from twell_jax.training.train import Hooks, Trainer, auto_decisions, manages_auto_hints, measure_active_per_layer
+from twell_jax.training import train as train_lib
+from twell_jax.training.hints import manages_auto_hints, run_hints
+from twell_jax.training.train import Hooks, Trainer, auto_decisions, measure_active_per_layer
 
 
 def _records(run_dir):
@@ -40,25 +42,23 @@ def test_which_configs_the_trainer_manages():
 def test_auto_decision_is_the_ops_plan(monkeypatch):
     """ops.auto_decision reports what _plan compiles: dense on the CPU; on a (pretended) GPU, the
     training cost model's choice, or the decode path at decode sizes."""
-    from twell_jax.ops import pallas_backward as pallas_training
-    from twell_jax.ops import pallas_decode as decode_backend
-    from twell_jax.ops import pallas_forward as pallas_backend
+    from twell_jax.ops import pallas_backward, pallas_decode, pallas_forward
 
     shape = (16384, 2048, 5632, 2)
     assert ops.auto_decision(True, ops.SparseFFNConfig(expected_active_per_token=29.0), shape) == ("dense", "dense")
-    monkeypatch.setattr(pallas_backend, "available", lambda: True)
+    monkeypatch.setattr(pallas_forward, "available", lambda: True)
     for hint in (0.0, 29.0, 112.0, 2816.0):
         config = ops.SparseFFNConfig(expected_active_per_token=hint)
-        fwd, bwd = pallas_training.choose_training_path(
+        fwd, bwd = pallas_backward.choose_training_path(
             *shape[:3], hint, True, itemsize=2, ell_width=config.ell_width,
-            keep_pattern=(config.backward or pallas_training.BackwardConfig()).keep_gate_pattern)
+            keep_pattern=(config.backward or pallas_backward.BackwardConfig()).keep_gate_pattern)
         expected = ("pallas" if fwd else "dense", "pallas" if bwd else "dense")
-        if decode_backend.prefer_decode_path(*shape[:3], hint, True, itemsize=2):
+        if pallas_decode.prefer_decode_path(*shape[:3], hint, True, itemsize=2):
             expected = ("decode", "dense")  # so few actives that the decode path wins even here
         assert ops.auto_decision(True, config, shape) == expected, hint
     assert ops.auto_decision(True, ops.SparseFFNConfig(expected_active_per_token=2816.0), shape) == ("dense", "dense")
     decode_shape = (1, 2048, 5632, 2)
-    if decode_backend.prefer_decode_path(1, 2048, 5632, 29.0, True, itemsize=2):
+    if pallas_decode.prefer_decode_path(1, 2048, 5632, 29.0, True, itemsize=2):
         assert ops.auto_decision(True, ops.SparseFFNConfig(expected_active_per_token=29.0), decode_shape)[0] == "decode"
 
 
@@ -80,10 +80,10 @@ def test_fresh_run_takes_its_hints_from_the_first_batch(tmp_path):
     _, meta, _ = ckpt_lib.restore_params_with_meta(tmp_path, 1)
     assert meta["config"]["model"]["ffn_expected_active"] == hints and meta["auto_hints"] == hints
     assert ckpt_lib.load_run_config(tmp_path).model.ffn_expected_active == ()
-    # A run with a user hint is left alone.
+    # A run with a user hint is left alone: its step compiles with the user's config as it is.
     fixed = Trainer(micro_cfg("train.steps=1", "model.ffn_expected_active=[1.0, 2.0]"), tmp_path / "fixed",
-                    data_builder=FakeData, hooks=Hooks(save_final=False)).run()
-    assert "auto_hints_per_layer" not in fixed.last_metrics
+                    data_builder=FakeData, hooks=Hooks(save_final=False))
+    assert not fixed.manage_hints and fixed.step_cfg is fixed.cfg
 
 
 def test_refresh_recompiles_only_when_a_decision_changes(tmp_path, monkeypatch):
@@ -99,9 +99,8 @@ def test_refresh_recompiles_only_when_a_decision_changes(tmp_path, monkeypatch):
         if record["step"] == 2:
             flip["sparse"] = True
 
-    messages = []
     changing = Trainer(micro_cfg("train.steps=4", "train.auto_refresh_every=1"), tmp_path / "a",
-                       data_builder=FakeData, echo=messages.append,
+                       data_builder=FakeData,
                        hooks=Hooks(on_step=flip_after_step_2, save_final=False))
     a = changing.run()
     flip["sparse"] = False
@@ -121,7 +120,6 @@ def test_refresh_recompiles_only_when_a_decision_changes(tmp_path, monkeypatch):
     assert a_records[1]["auto_hints_per_layer"] == a_records[0]["auto_hints_per_layer"]
     assert a_records[2]["auto_hints_per_layer"] == pytest.approx(a_records[1]["l0_per_layer"])
     assert a_records[3]["auto_hints_per_layer"] == a_records[2]["auto_hints_per_layer"]
-    assert any("step 2: 'auto' plan changed in layer(s) [0, 1]; recompiling" in m for m in messages)
     # Same params, same batches: the rebuild leaves the loss trajectory exactly as it was.
     assert [r["loss"] for r in a.history] == [r["loss"] for r in b.history]
     assert [r["grad_norm"] for r in a.history] == [r["grad_norm"] for r in b.history]
@@ -136,15 +134,45 @@ def test_resume_restores_the_hints(tmp_path, monkeypatch):
         raise AssertionError("a resumed run must not re-measure when its checkpoint has hints")
 
     monkeypatch.setattr(Trainer, "_measure_first_batch", no_measurement)
-    messages = []
     resumed = Trainer(micro_cfg("train.steps=3", "train.auto_refresh_every=0"), tmp_path, resume=True,
-                      data_builder=FakeData, echo=messages.append)
+                      data_builder=FakeData)
     result = resumed.run()
     assert result.last_metrics["step"] == 3 and result.last_metrics["auto_hints_per_layer"] == saved
-    assert any("saved with the checkpoint of step 2" in m for m in messages)
+    # Evaluation and inference read the same hints: the checkpoint's own, not the later telemetry.
+    assert run_hints(tmp_path, 2) == tuple(saved) and run_hints(tmp_path) == tuple(saved)
     # A checkpoint without hints (older runs): the last l0 logged in metrics.jsonl (validation or training).
     again = Trainer(micro_cfg("train.steps=3"), tmp_path, resume=True, data_builder=FakeData)
-    hints, source = again._initial_hints({"step": 3}, {})
+    hints, _ = again._initial_hints({"step": 3}, {})
     last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])  # the final validation
-    assert list(hints) == last["val_l0_per_layer"] and "metrics.jsonl" in source
+    assert list(hints) == last["val_l0_per_layer"]
+    # ... and only telemetry logged up to the checkpoint's step.
+    step_1 = [r for r in _records(tmp_path) if r["step"] == 1][0]
+    assert run_hints(tmp_path, 1, meta={"step": 1}) == tuple(step_1["l0_per_layer"])
     assert auto_decisions(again.cfg, hints, 1) == (("dense", "dense"),) * 2  # CPU: "auto" is dense
+
+
+def test_refresh_decides_from_the_mean_l0_since_the_last_refresh(tmp_path, monkeypatch):
+    """One re-plan per refresh, from the mean of the steps since the previous one (hysteresis: a
+    single noisy step does not decide), with one auto_decisions call per refresh."""
+    trainer = Trainer(micro_cfg("train.steps=4", "train.auto_refresh_every=2"), tmp_path,
+                      data_builder=FakeData, hooks=Hooks(save_final=False))
+    trainer._use_hints([10.0, 10.0], (("dense", "dense"),) * 2)
+    asked = []
+
+    def fake_decisions(cfg, hints, num_devices):
+        asked.append(list(hints))
+        return tuple(("pallas" if h < 5 else "dense", "dense") for h in hints)
+
+    monkeypatch.setattr(train_lib, "auto_decisions", fake_decisions)
+
+    class Sink:
+        def message(self, text):
+            pass
+
+    for l0 in ([2.0, 20.0], [12.0, 20.0]):  # one sparse-looking step; the mean (7, 20) stays dense
+        trainer._observe_l0(l0)
+    assert not trainer._refresh_hints(2, Sink()) and asked == [[7.0, 20.0]]
+    for l0 in ([3.0, 20.0], [1.0, 18.0]):  # only the steps since the last refresh count
+        trainer._observe_l0(l0)
+    assert trainer._refresh_hints(4, Sink()) and asked[1:] == [[2.0, 19.0]]
+    assert trainer.auto_hints == (2.0, 19.0) and trainer.decisions == (("pallas", "dense"), ("dense", "dense"))

@@ -2,6 +2,8 @@
 previous checkpoint usable, restoring into a different model config fails clearly."""
 from __future__ import annotations
 
+import shutil
+
 import jax
 import numpy as np
 import pytest
@@ -21,11 +23,19 @@ def cfg_with(cache_dir, *overrides):
     return config_lib.apply_overrides(get_config("micro"), [f"data.cache_dir={cache_dir}", *overrides])
 
 
-def test_resume_equals_uninterrupted_bitwise(tmp_path, cache_dir):
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory, cache_dir):
+    """A 4-step run "killed" after its step-2 checkpoint (shared: tests copy it before changing it)."""
+    path = tmp_path_factory.mktemp("killed") / "run"
+    Trainer(cfg_with(cache_dir, "train.steps=4", "train.checkpoint_every=2"), path).run(stop_after_step=2)
+    return path
+
+
+def test_resume_equals_uninterrupted_bitwise(tmp_path, cache_dir, killed_run):
     """Real data pipeline (Grain iterator state in the checkpoint), 4 steps vs 2 + resume + 2."""
     cfg = cfg_with(cache_dir, "train.steps=4", "train.checkpoint_every=2")
     full = Trainer(cfg, tmp_path / "full").run()
-    Trainer(cfg, tmp_path / "split").run(stop_after_step=2)  # "killed" after the step-2 checkpoint
+    shutil.copytree(killed_run, tmp_path / "split")
     store = CheckpointStore(tmp_path / "split" / "checkpoints")
     meta = store.restore_meta(2)
     store.close()
@@ -40,9 +50,8 @@ def test_resume_equals_uninterrupted_bitwise(tmp_path, cache_dir):
     assert full.summary["val_loss"] == resumed.summary["val_loss"]
 
 
-def test_interrupted_save_leaves_previous_checkpoint_usable(tmp_path, cache_dir):
-    cfg = cfg_with(cache_dir, "train.steps=2")
-    Trainer(cfg, tmp_path).run()
+def test_interrupted_save_leaves_previous_checkpoint_usable(tmp_path, cache_dir, killed_run):
+    shutil.copytree(killed_run, tmp_path, dirs_exist_ok=True)
     ckpt = tmp_path / "checkpoints"
     # What a save killed midway leaves behind: Orbax's temporary directory, never renamed.
     leftover = ckpt / "3.orbax-checkpoint-tmp-1234567"
@@ -56,8 +65,9 @@ def test_interrupted_save_leaves_previous_checkpoint_usable(tmp_path, cache_dir)
     assert [r["step"] for r in result.history] == [1, 2, 3]
 
 
-def test_restore_into_different_model_names_the_fields(tmp_path, cache_dir):
-    Trainer(cfg_with(cache_dir, "train.steps=1"), tmp_path).run()
+def test_restore_into_different_model_names_the_fields(cache_dir, killed_run):
     other = cfg_with(cache_dir, "train.steps=2", "model.d_ff=96", "model.n_layers=3")
+    before = sorted(p.relative_to(killed_run) for p in killed_run.rglob("*"))
     with pytest.raises(ValueError, match=r"model\.d_ff: checkpoint has 64, config has 96.*model\.n_layers"):
-        Trainer(other, tmp_path, resume=True).run()
+        Trainer(other, killed_run, resume=True).run()
+    assert sorted(p.relative_to(killed_run) for p in killed_run.rglob("*")) == before  # a failed command changes nothing

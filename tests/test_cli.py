@@ -1,6 +1,8 @@
 """The `twell` CLI end to end on the micro preset: train, eval, compare, errors."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -13,38 +15,42 @@ def cache_dir(tmp_path_factory):
     return str(tmp_path_factory.getbasetemp() / "twell_data_cache")
 
 
-def test_train_then_eval(tmp_path, cache_dir, capsys):
-    out = tmp_path / "run"
-    assert main(["train", "--config", "micro", "--out", str(out),
-                 "--set", f"data.cache_dir={cache_dir}", "train.steps=2"]) == 0
-    text = capsys.readouterr().out
-    assert f"run dir: {out.absolute()}" in text and "val_loss" in text
-    assert (out / "config.json").exists() and (out / "metrics.jsonl").exists() and (out / "summary.json").exists()
-    assert (out / "checkpoints" / "2").is_dir()
-
-    assert main(["eval", "--checkpoint", str(out)]) == 0
-    text = capsys.readouterr().out
-    result = json.loads(text[text.index("{"):])
-    summary = json.loads((out / "summary.json").read_text())
-    assert result["step"] == 2
-    assert result["loss"] == pytest.approx(summary["val_loss"], rel=1e-6)  # same params, same val batches
-    # eval hands the run's last per-layer activity to the "auto" backend as trace-time hints.
-    hints = ", ".join(f"{v:.1f}" for v in summary["val_l0_per_layer"])
-    assert f"'auto' backend hints (expected active neurons/token per layer, from the run's metrics.jsonl): {hints}" in text
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory, cache_dir):
+    """One `twell compare` (a dense and a sparse 2-step run), shared by the compare and eval tests
+    (`twell train` itself is exercised by tests/test_run_trust.py)."""
+    out = tmp_path_factory.mktemp("cli") / "cmp"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["compare", "--config", "micro", "--out", str(out),
+                     "--set", f"data.cache_dir={cache_dir}", "train.steps=2"]) == 0
+    return out, printed.getvalue()
 
 
-def test_compare_writes_table_png_and_summaries(tmp_path, cache_dir, capsys):
-    out = tmp_path / "cmp"
-    assert main(["compare", "--config", "micro", "--out", str(out),
-                 "--set", f"data.cache_dir={cache_dir}", "train.steps=2"]) == 0
-    text = capsys.readouterr().out
-    assert "relative CE change" in text and "FFN activation sparsity" in text
+def test_compare_writes_table_png_and_summaries(compared):
+    out, text = compared
     for name in ("compare.png", "compare.md", "compare.json"):
         assert (out / name).stat().st_size > 0, name
     summary = json.loads((out / "compare.json").read_text())
     assert summary["dense"]["ffn_kind"] == "relu_gated" and summary["dense"]["l1_coef"] == 0.0
     assert summary["twell"]["ffn_kind"] == "twell" and summary["twell"]["l1_coef"] > 0
-    assert (out / "dense" / "checkpoints").is_dir() and (out / "twell" / "checkpoints").is_dir()
+    for run in ("dense", "twell"):  # each is a complete run directory
+        assert all((out / run / name).exists() for name in ("config.json", "metrics.jsonl", "summary.json"))
+        assert (out / run / "checkpoints" / "2").is_dir()
+    # The printed table reports the measured validation losses of both runs.
+    assert f"{summary['dense']['val_loss']:.4f}" in text and f"{summary['twell']['val_loss']:.4f}" in text
+
+
+def test_eval_reproduces_the_runs_validation(compared, capsys):
+    run = compared[0] / "twell"
+    assert main(["eval", "--checkpoint", str(run)]) == 0
+    text = capsys.readouterr().out
+    result = json.loads(text[text.index("{"):])
+    summary = json.loads((run / "summary.json").read_text())
+    assert result["step"] == 2
+    assert result["loss"] == pytest.approx(summary["val_loss"], rel=1e-6)  # same params, same val batches
+    # eval hands the "auto" backend the hints the checkpoint was trained with (trace-time plan).
+    assert result["auto_hints_per_layer"] == summary["auto_hints_per_layer"] is not None
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -7,7 +7,7 @@ import pytest
 
 from configs import get_config, list_configs
 from twell_jax import config as config_lib
-from twell_jax.config import ExperimentConfig, ModelConfig, OptimConfig, SparsityConfig, TrainConfig
+from twell_jax.config import DataConfig, ExperimentConfig, ModelConfig, OptimConfig, SparsityConfig, TrainConfig
 
 
 @pytest.mark.parametrize("name", list_configs())
@@ -47,6 +47,11 @@ def test_unknown_preset():
     (lambda: ExperimentConfig(model=ModelConfig(ffn_kind="relu_gated"), sparsity=SparsityConfig(l1_coef=1e-3)),
      "dense baseline"),
     (lambda: ExperimentConfig(model=ModelConfig(max_seq_len=64)), "data.seq_len=128 exceeds"),
+    # Non-finite floats pass `> 0` comparisons: every section rejects them itself.
+    (lambda: ModelConfig(rope_theta=float("nan")), "model.rope_theta must be a finite number"),
+    (lambda: DataConfig(val_fraction=float("inf")), "data.val_fraction must be a finite number"),
+    (lambda: OptimConfig(warmup_steps=-1), "optim.warmup_steps must be >= 0"),
+    (lambda: TrainConfig(checkpoint_every=-1), "train.checkpoint_every must be >= 0"),
 ])
 def test_invariants_raise_clear_errors(factory, match):
     with pytest.raises(ValueError, match=match):

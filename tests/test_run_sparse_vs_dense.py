@@ -54,7 +54,7 @@ def test_records_both_kinds_on_both_counts(first_run):
         assert len(r["curves"]["ce"]) == len(r["curves"]["l0_mean"]) == r["steps_done"] > 0
         assert (out / "runs" / r["name"] / "metrics.jsonl").exists()
         # Efficiency against the same kind's own 1- and 2-device runs.
-        one, two = runs[(kind, 1)], runs[(kind, 2)]
+        one = runs[(kind, 1)]
         assert r["eff_vs_1"] == pytest.approx(r["tokens_per_s"] / (n * one["tokens_per_s"]))
         if n == 2:
             assert r["eff_vs_2"] == pytest.approx(1.0)
@@ -71,16 +71,14 @@ def test_records_both_kinds_on_both_counts(first_run):
 
 def test_writes_markdown_plot_and_prints_table_last(first_run):
     proc, out = first_run
-    markdown = (out / "sparse_vs_dense.md").read_text()
-    assert "| FFN | GPUs |" in markdown
-    for row in ("| relu_gated (dense) | 1 | timing |", "| relu_gated (dense) | 2 | curve |",
-                "| twell (L1 0.001) | 1 | timing |", "| twell (L1 0.001) | 2 | curve |"):
-        assert row in markdown
+    report = json.loads((out / "sparse_vs_dense.json").read_text())
+    markdown_rows = [line for line in (out / "sparse_vs_dense.md").read_text().splitlines() if line.startswith("|")]
+    tail = proc.stdout.strip().splitlines()[-8:]  # the table is the last thing printed
+    for r in report["runs"]:  # one table row per run, in the file and on stdout
+        cells = (r["ffn_kind"], f"{r['tokens_per_s']:,.0f}", f"{r['median_step_s']:.3f}")
+        assert sum(all(c in row for c in cells) for row in markdown_rows) == 1, r["name"]
+        assert sum(all(c in line for c in cells) for line in tail) == 1, r["name"]
     assert (out / "curves.png").stat().st_size > 0
-    tail = proc.stdout.strip().splitlines()
-    assert tail[-7].startswith("FFN") and "eff vs 1 GPU" in tail[-7]  # header, rule, 4 rows, note
-    assert tail[-5].startswith("relu_gated (dense)") and tail[-1].startswith("(step time")
-    assert "[svd] plan: 4 run(s)" in proc.stdout
 
 
 def test_baseline_merge_reports_efficiency_against_earlier_runs(first_run, tmp_path):

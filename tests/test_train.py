@@ -1,7 +1,6 @@
 """Training step and loop: golden first step, gradient accumulation, NaN guard, telemetry, re-init."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import jax
@@ -13,7 +12,7 @@ from configs import get_config
 from twell_jax import config as config_lib
 from twell_jax.training.loss import l1_coefficient
 from twell_jax.model import init_model, split_model
-from twell_jax.training.train import Trainer, accumulate_gradients
+from twell_jax.training.train import Hooks, Trainer, accumulate_gradients
 
 
 class FakeIterator:
@@ -44,6 +43,9 @@ class FakeData:
     def __init__(self, cfg, bad_token=None, constant=False):
         self.vocab_size, self.eot_id, self.seq_len = cfg.model.vocab_size, 0, cfg.data.seq_len
         self.train_iter = FakeIterator(cfg.train.global_batch, self.seq_len, self.vocab_size, bad_token, constant)
+        # The rest of the DataSource interface: no tokenizer file, a fixed corpus fingerprint.
+        self.tokenizer_json_path = None
+        self.source_fingerprint = f"fake-{bad_token}-{constant}"
 
     def val_batches(self, batch_size, max_batches=None):
         for index in range(min(max_batches or 2, 2)):
@@ -55,16 +57,28 @@ def micro_cfg(*overrides):
     return config_lib.apply_overrides(get_config("micro"), list(overrides))
 
 
-def test_golden_first_step(tmp_path):
-    """Pins loss and gradient norm after one step of the micro model on fixed synthetic tokens.
+@pytest.fixture(scope="module")
+def hooked_run(tmp_path_factory):
+    """One 3-step micro run with every hook recording (eval and checkpoint at step 2, logs every 3):
+    shared by the golden-step and hook tests, so the step compiles once for both."""
+    seen = {"steps": [], "evals": [], "checkpoints": []}
+    hooks = Hooks(on_step=lambda r: seen["steps"].append(r["step"]),
+                  on_eval=lambda step, val: seen["evals"].append((step, np.isfinite(val["loss"]))),
+                  on_checkpoint=lambda step, path: seen["checkpoints"].append((step, path.is_dir())))
+    cfg = micro_cfg("train.steps=3", "train.eval_every=2", "train.checkpoint_every=2", "train.log_every=3")
+    result = Trainer(cfg, tmp_path_factory.mktemp("hooked"), data_builder=FakeData, hooks=hooks).run()
+    return result, seen
+
+
+def test_golden_first_step(hooked_run):
+    """Pins loss and gradient norm of the first step of the micro model on fixed synthetic tokens
+    (computed from the initial parameters: independent of train.steps and the schedule).
 
     Legitimate reasons to update these numbers: a deliberate change of the model math (init, norm,
     RoPE, attention, FFN), of the loss, of the micro preset or of the synthetic batch. Never update
     them to silence a failure you cannot explain: that is a numerics regression.
     """
-    cfg = micro_cfg("train.steps=1")
-    result = Trainer(cfg, tmp_path, data_builder=FakeData).run()
-    first = result.history[0]
+    first = hooked_run[0].history[0]
     assert first["step"] == 1
     np.testing.assert_allclose(first["loss"], GOLDEN_LOSS, rtol=1e-5)
     np.testing.assert_allclose(first["grad_norm"], GOLDEN_GRAD_NORM, rtol=1e-4)
@@ -149,15 +163,8 @@ def test_time_limit_stops_early_then_checkpoints_evaluates_and_resumes(tmp_path)
         micro_cfg("train.time_limit_s=-1")
 
 
-def test_hooks_see_every_step_eval_and_checkpoint(tmp_path):
-    from twell_jax.training.train import Hooks
-
-    seen = {"steps": [], "evals": [], "checkpoints": []}
-    hooks = Hooks(on_step=lambda r: seen["steps"].append(r["step"]),
-                  on_eval=lambda step, val: seen["evals"].append((step, np.isfinite(val["loss"]))),
-                  on_checkpoint=lambda step, path: seen["checkpoints"].append((step, path.is_dir())))
-    cfg = micro_cfg("train.steps=3", "train.eval_every=2", "train.checkpoint_every=2", "train.log_every=3")
-    Trainer(cfg, tmp_path / "a", data_builder=FakeData, hooks=hooks).run()
+def test_hooks_see_every_step_eval_and_checkpoint(tmp_path, hooked_run):
+    seen = hooked_run[1]
     assert seen["steps"] == [1, 2, 3]  # every step, not only the logged ones
     assert seen["evals"] == [(2, True), (3, True)] and seen["checkpoints"] == [(2, True), (3, True)]
     # save_final=False: a throw-away run writes no checkpoint at all (periodic ones off too).

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from twell_jax.config import ExperimentConfig
+from twell_jax.config import FFN_KIND_TABLE, ExperimentConfig
 from twell_jax.training.train import TrainResult, train
 
 
@@ -39,8 +39,8 @@ def comparison_rows(dense: dict[str, Any], sparse: dict[str, Any]) -> list[tuple
         return "n/a" if x is None else f"{100 * x:.1f}%"
 
     return [
-        ("FFN", f"{dense['ffn_kind']} ({dense['ffn_backend'] if dense['ffn_kind'] != 'relu_gated' else 'dense'})",
-         f"{sparse['ffn_kind']} ({sparse['ffn_backend']})"),
+        ("FFN", f"{dense['ffn_kind']} ({FFN_KIND_TABLE[dense['ffn_kind']].backend(dense['ffn_backend'])})",
+         f"{sparse['ffn_kind']} ({FFN_KIND_TABLE[sparse['ffn_kind']].backend(sparse['ffn_backend'])})"),
         ("L1 coefficient", f"{dense['l1_coef']:g}", f"{sparse['l1_coef']:g}"),
         ("validation loss (CE)", f"{dense['val_loss']:.4f}", f"{sparse['val_loss']:.4f}"),
         ("relative CE change", "-", f"{rel:+.2f}%"),

@@ -24,8 +24,15 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 SYNTHETIC_SOURCE = "synthetic"
 # Backslash escapes a string field may use on the command line (`decode_escapes`).
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
-# Rematerialisation policies of the model (twell_jax/model.py:REMAT_POLICIES says what each saves).
-REMAT_POLICIES = ("none", "full", "dots", "ffn")
+# Rematerialisation policies of the model (model.remat) and what each keeps for the backward (the
+# rest is recomputed from the block input); twell_jax/model.py implements them.
+REMAT_POLICIES: dict[str, str] = {
+    "none": "keep every activation (fastest, most memory)",
+    "full": "recompute each block from its input (least memory, ~1/3 more FLOPs)",
+    "dots": "keep the matmul outputs of each block, recompute the elementwise work",
+    "ffn": "recompute the FFN sub-block (its [tokens, d_ff] activations are the largest); the "
+           "sparse op's kinds keep only (x, weights) anyway",
+}
 # A byte-level BPE needs the 256 byte tokens plus the end-of-text token.
 MIN_BPE_VOCAB_SIZE = 257
 
@@ -64,9 +71,17 @@ FFN_KINDS = tuple(FFN_KIND_TABLE)
 
 
 def _check_positive(section: str, **values: int | float) -> None:
+    """Each named value is > 0 (the error names `section.name`)."""
     for name, value in values.items():
         if value <= 0:
             raise ValueError(f"{section}.{name} must be > 0, got {value!r}")
+
+
+def _check_non_negative(section: str, **values: int | float) -> None:
+    """Each named value is >= 0 (the error names `section.name`)."""
+    for name, value in values.items():
+        if value < 0:
+            raise ValueError(f"{section}.{name} must be >= 0, got {value!r}")
 
 
 def _check_finite(section: str, obj: Any) -> None:
@@ -140,6 +155,7 @@ class ModelConfig:
     attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
 
     def __post_init__(self) -> None:
+        _check_finite("model", self)
         _check_positive("model", vocab_size=self.vocab_size, d_model=self.d_model,
                         n_layers=self.n_layers, n_heads=self.n_heads, d_ff=self.d_ff,
                         max_seq_len=self.max_seq_len, rope_theta=self.rope_theta,
@@ -154,7 +170,7 @@ class ModelConfig:
         _check_choice("model", "attention_impl", self.attention_impl, ATTENTION_IMPLS)
         if isinstance(self.remat, bool):  # configs saved before remat became a policy
             object.__setattr__(self, "remat", "full" if self.remat else "none")
-        _check_choice("model", "remat", self.remat, REMAT_POLICIES)
+        _check_choice("model", "remat", self.remat, tuple(REMAT_POLICIES))
         if not isinstance(self.ffn_op_config, dict):
             raise ValueError(f"model.ffn_op_config must be a dict, got {type(self.ffn_op_config).__name__}")
         hints = self.ffn_expected_active
@@ -205,18 +221,14 @@ class OptimConfig:
     def __post_init__(self) -> None:
         _check_finite("optim", self)
         _check_positive("optim", lr=self.lr, eps=self.eps)
-        if self.schedule_steps < 0:
-            raise ValueError(f"optim.schedule_steps must be >= 0 (0 = train.steps), got {self.schedule_steps}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check_non_negative("optim", schedule_steps=self.schedule_steps, warmup_steps=self.warmup_steps,
+                            weight_decay=self.weight_decay, clip_norm=self.clip_norm)
         _check_choice("optim", "schedule", self.schedule, ("cosine", "constant"))
         for name in ("b1", "b2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.weight_decay < 0 or self.clip_norm < 0:
-            raise ValueError("optim.weight_decay and optim.clip_norm must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -236,12 +248,8 @@ class SparsityConfig:
 
     def __post_init__(self) -> None:
         _check_finite("sparsity", self)
-        if self.l1_coef < 0:
-            raise ValueError(f"sparsity.l1_coef must be >= 0, got {self.l1_coef}")
-        if self.l1_warmup_start < 0 or self.l1_warmup_end < 0:
-            raise ValueError("sparsity.l1_warmup_start/l1_warmup_end must be >= 0")
-        if self.dead_window_tokens < 0:
-            raise ValueError(f"sparsity.dead_window_tokens must be >= 0, got {self.dead_window_tokens}")
+        _check_non_negative("sparsity", l1_coef=self.l1_coef, l1_warmup_start=self.l1_warmup_start,
+                            l1_warmup_end=self.l1_warmup_end, dead_window_tokens=self.dead_window_tokens)
         _check_positive("sparsity", position_buckets=self.position_buckets, reinit_every=self.reinit_every)
         if self.reinit_dead and not self.track_neurons:
             raise ValueError("sparsity.reinit_dead needs sparsity.track_neurons=True (it reads the dead counters)")
@@ -284,8 +292,7 @@ class TrainConfig:
             raise ValueError(f"train.num_devices must be >= 1 or None, got {self.num_devices}")
         if isinstance(self.time_limit_s, bool) or not self.time_limit_s >= 0:
             raise ValueError(f"train.time_limit_s must be >= 0 seconds (0 = no limit), got {self.time_limit_s!r}")
-        if self.eval_every < 0 or self.checkpoint_every < 0:
-            raise ValueError("train.eval_every and train.checkpoint_every must be >= 0")
+        _check_non_negative("train", eval_every=self.eval_every, checkpoint_every=self.checkpoint_every)
         if isinstance(self.auto_refresh_every, bool) or not isinstance(self.auto_refresh_every, int) \
                 or self.auto_refresh_every < 0:
             raise ValueError(f"train.auto_refresh_every must be an int >= 0 (0 = never), got {self.auto_refresh_every!r}")
@@ -355,6 +362,7 @@ class DataConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        _check_finite("data", self)
         if not isinstance(self.source, str) or not self.source:
             raise ValueError(f"data.source={self.source!r}: expected 'stdlib', 'synthetic' or a path")
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
@@ -367,16 +375,14 @@ class DataConfig:
                 f"data.vocab_size={self.vocab_size}: a byte-level BPE needs at least "
                 f"{MIN_BPE_VOCAB_SIZE} (256 bytes + the end-of-text token)"
             )
-        if self.seq_len < 1:
-            raise ValueError(f"data.seq_len={self.seq_len}: expected a positive integer")
-        if self.seed < 0:
-            raise ValueError(f"data.seed={self.seed}: expected a non-negative integer")
-        if self.split_seed < 0:
-            raise ValueError(f"data.split_seed={self.split_seed}: expected a non-negative integer")
+        _check_positive("data", seq_len=self.seq_len, bpe_min_frequency=self.bpe_min_frequency,
+                        encode_chunk_documents=self.encode_chunk_documents)
+        _check_non_negative("data", seed=self.seed, split_seed=self.split_seed, num_threads=self.num_threads,
+                            prefetch=self.prefetch)
         if isinstance(self.val_fraction, bool) or not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction={self.val_fraction}: expected 0 <= val_fraction < 1")
-        if self.max_documents is not None and self.max_documents < 1:
-            raise ValueError(f"data.max_documents={self.max_documents}: expected None or a positive integer")
+        if self.max_documents is not None:
+            _check_positive("data", max_documents=self.max_documents)
         if not self.cache_dir:
             raise ValueError(f"data.cache_dir={self.cache_dir!r}: expected a directory path")
         if not self.eot_token:
@@ -386,14 +392,6 @@ class DataConfig:
         if self.txt_separator is not None and not self.txt_separator_text:
             raise ValueError(f"data.txt_separator={self.txt_separator!r}: expected None (one document per "
                              "file) or a non-empty string")
-        if self.bpe_min_frequency < 1:
-            raise ValueError(f"data.bpe_min_frequency={self.bpe_min_frequency}: expected >= 1")
-        if self.encode_chunk_documents < 1:
-            raise ValueError(f"data.encode_chunk_documents={self.encode_chunk_documents}: expected >= 1")
-        if self.num_threads < 0:
-            raise ValueError(f"data.num_threads={self.num_threads}: expected >= 0")
-        if self.prefetch < 0:
-            raise ValueError(f"data.prefetch={self.prefetch}: expected >= 0")
         if self.synthetic_sequences < 2:
             raise ValueError(f"data.synthetic_sequences={self.synthetic_sequences}: expected >= 2")
 
@@ -422,16 +420,10 @@ class ExperimentConfig:
     data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self) -> None:
-        # Model and data sections validate their own ranges; non-finite floats are caught here
-        # for every section, with the section-qualified name.
-        for section in ("model", "optim", "sparsity", "train", "data"):
-            _check_finite(section, getattr(self, section))
-        seq_len = getattr(self.data, "seq_len", None)
-        if seq_len is not None and seq_len > self.model.max_seq_len:
-            raise ValueError(f"data.seq_len={seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
-        data_vocab = getattr(self.data, "vocab_size", None)
-        if getattr(self.data, "tokenizer", "bpe") == "bpe" and data_vocab is not None and data_vocab > self.model.vocab_size:
-            raise ValueError(f"data.vocab_size={data_vocab} exceeds model.vocab_size={self.model.vocab_size}")
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        if self.data.tokenizer == "bpe" and self.data.vocab_size > self.model.vocab_size:
+            raise ValueError(f"data.vocab_size={self.data.vocab_size} exceeds model.vocab_size={self.model.vocab_size}")
         if not self.model.kind.l1 and self.sparsity.l1_coef > 0:
             raise ValueError(
                 f"model.ffn_kind={self.model.ffn_kind!r} is a dense baseline trained without L1; set "
@@ -468,7 +460,7 @@ RESUMABLE_FIELDS = frozenset({
     "optim.schedule_steps",
     "model.ffn_backend", "model.ffn_op_config", "model.ffn_interpret", "model.ffn_expected_active",
     "model.remat", "model.attention_impl",
-    "data.source", "data.cache_dir", "data.progress", "data.num_threads", "data.prefetch", "data.iterator",
+    "data.source", "data.cache_dir", "data.progress", "data.num_threads", "data.prefetch",
 })
 
 

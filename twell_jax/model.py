@@ -33,21 +33,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from twell_jax import ops
-from twell_jax.config import ATTENTION_IMPLS, ModelConfig
+from twell_jax.config import ATTENTION_IMPLS, REMAT_POLICIES, ModelConfig
 
 logger = logging.getLogger(__name__)
 
 Aux = dict[str, jax.Array]
-
-# What each model.remat policy keeps for the backward (the rest is recomputed from the block input).
-REMAT_POLICIES = {
-    "none": "keep every activation (fastest, most memory)",
-    "full": "recompute each block from its input (least memory, ~1/3 more FLOPs)",
-    "dots": "keep the matmul outputs of each block, recompute the elementwise work",
-    "ffn": "recompute the FFN sub-block (its [tokens, d_ff] activations are the largest); the "
-           "sparse op's kinds keep only (x, weights) anyway",
-}
-
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> nnx.Param:
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32))

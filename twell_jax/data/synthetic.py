@@ -41,7 +41,8 @@ class SyntheticSequences:
 
     def __getitem__(self, index: int | slice | np.ndarray) -> np.ndarray:
         if isinstance(index, slice):
-            rows_K = np.arange(self._num_sequences, dtype=np.int64)[index]
+            # Only the rows the slice selects (a table may hold ~1e6 rows; a batch wants a few).
+            rows_K = np.arange(*index.indices(self._num_sequences), dtype=np.int64)
         else:
             rows_K = np.asarray(index, dtype=np.int64)
         if rows_K.size and (rows_K.min() < 0 or rows_K.max() >= self._num_sequences):

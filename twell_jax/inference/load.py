@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from twell_jax import config as config_lib
 from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax.config import DTYPES, DataConfig, ExperimentConfig, ModelConfig, SparsityConfig
-from twell_jax.training.evaluate import with_auto_hints
+from twell_jax.training.hints import with_auto_hints
 from twell_jax.model import Transformer, init_model
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -122,10 +123,11 @@ def load_run(run_dir: str | Path, step: int | None = None, dtype: str = "bfloat1
     run_path = ckpt_lib.checkpoint_dir(run_dir).parent
     if not run_path.exists():
         raise FileNotFoundError(f"no run directory at {run_path.absolute()}")
-    params, cfg, step = ckpt_lib.restore_params(run_path, step, warn=logger.warning)
+    params, meta, step = ckpt_lib.restore_params_with_meta(run_path, step, warn=logger.warning)
+    cfg = config_lib.from_dict(meta["config"])
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compute_dtype=dtype))
     # Per-layer active counts from the run's telemetry: "auto" then picks dense/sparse at trace time.
-    cfg = with_auto_hints(cfg, run_path, echo=logger.info)
+    cfg = with_auto_hints(cfg, run_path, step, meta=meta, echo=logger.info)
     if cfg.model.kind.sparse_op and "check_finite" not in cfg.model.ffn_op_config:
         # restore_params verified every parameter finite, so the op's per-call NaN/Inf pass over
         # the weights (which costs more than a sparse decode step) is skipped (docs/format.md).

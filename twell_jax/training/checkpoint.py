@@ -3,8 +3,9 @@
 A run directory (`twell train --out DIR`) holds ONE run:
 - `config.json`: the run's config, the source of truth on `--resume` (written atomically, and only
   once the run has been validated, so a command that fails never replaces it);
-- `tokenizer.json` + `data_fingerprint.json`: the tokenizer the run was trained with and a
-  fingerprint of the tokens it saw, so evaluation, resumption and generation never re-train a
+- `tokenizer.json` + `data_fingerprint.json`: the tokenizer the run was trained with and its data's
+  `source_fingerprint` (the SHA-256 of the corpus's document text in source order; for the
+  synthetic source, of its settings), so evaluation, resumption and generation never re-train a
   tokenizer, and a changed corpus is reported;
 - `checkpoints/<step>/`: one Orbax step directory per checkpoint with three items:
   "params" (the model parameters, restorable alone: evaluation needs no optimizer), "train"
@@ -25,13 +26,16 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from twell_jax import config as config_lib
+
+if TYPE_CHECKING:  # pragma: no cover - typing only (the data package is not needed to read a run)
+    from twell_jax.data import DataSource
 
 logger = logging.getLogger(__name__)
 
@@ -123,17 +127,12 @@ def saved_tokenizer(run_dir: str | Path) -> Path | None:
     return path if path.is_file() else None
 
 
-def corpus_fingerprint(data: Any) -> str | None:
-    """The data bundle's content fingerprint of its corpus (`DataSource.source_fingerprint`: a hash
-    of the documents' text, or of the synthetic settings), or None for a bundle without one."""
-    return getattr(data, "source_fingerprint", None)
-
-
-def check_corpus_fingerprint(run_dir: str | Path, data: Any, warn: Callable[[str], None]) -> None:
-    """Compare a bundle's fingerprint with the one saved in the run; warn (old/new) when they differ."""
+def check_corpus_fingerprint(run_dir: str | Path, data: DataSource, warn: Callable[[str], None]) -> None:
+    """Compare the data's `source_fingerprint` (SHA-256 of the corpus's document text) with the one
+    saved in the run; warn (old/new) when they differ."""
     path = Path(run_dir) / FINGERPRINT_FILE
-    new = corpus_fingerprint(data)
-    if new is None or not path.is_file():
+    new = data.source_fingerprint
+    if not path.is_file():
         return
     old = read_json_file(path, "data fingerprint").get("corpus")
     if old != new:
@@ -141,10 +140,9 @@ def check_corpus_fingerprint(run_dir: str | Path, data: Any, warn: Callable[[str
              f"{old} -> {new}, {path}): the data source changed since; results are not comparable")
 
 
-def save_corpus_fingerprint(run_dir: str | Path, data: Any) -> None:
-    fingerprint = corpus_fingerprint(data)
-    if fingerprint is not None:
-        atomic_write_text(Path(run_dir) / FINGERPRINT_FILE, json.dumps({"corpus": fingerprint}, indent=2))
+def save_corpus_fingerprint(run_dir: str | Path, data: DataSource) -> None:
+    """Record the data's `source_fingerprint` in the run (`data_fingerprint.json`)."""
+    atomic_write_text(Path(run_dir) / FINGERPRINT_FILE, json.dumps({"corpus": data.source_fingerprint}, indent=2))
 
 
 # ----------------------------------------------------------------------------- checksums
@@ -164,16 +162,29 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
     return jnp.sum(mixed, dtype=jnp.uint32)
 
 
+@jax.jit
+def _leaf_checksums(leaves: list[jax.Array]) -> list[jax.Array]:
+    """`_leaf_checksum` of each leaf, as one program (module-level: jit's cache survives across calls)."""
+    return [_leaf_checksum(x) for x in leaves]
+
+
+@jax.jit
+def _leaves_finite(leaves: list[jax.Array]) -> list[jax.Array]:
+    """Whether each leaf is all finite, as one program (module-level for the same reason)."""
+    return [jnp.all(jnp.isfinite(x)) for x in leaves]
+
+
 def tree_checksums(tree: Any) -> dict[str, int]:
     """{key path: uint32 checksum} of every array leaf of `tree` (computed on the devices)."""
     leaves = jax.tree_util.tree_leaves_with_path(tree)
-    sums = jax.device_get(jax.jit(lambda xs: [_leaf_checksum(x) for x in xs])([x for _, x in leaves]))
+    sums = jax.device_get(_leaf_checksums([x for _, x in leaves]))
     return {jax.tree_util.keystr(path): int(s) for (path, _), s in zip(leaves, sums)}
 
 
 def _nonfinite_leaves(tree: Any) -> list[str]:
+    """Key paths of the floating leaves of `tree` that hold a NaN or an infinity."""
     leaves = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-    finite = jax.device_get(jax.jit(lambda xs: [jnp.all(jnp.isfinite(x)) for x in xs])([x for _, x in leaves]))
+    finite = jax.device_get(_leaves_finite([x for _, x in leaves]))
     return [jax.tree_util.keystr(p) for (p, _), ok in zip(leaves, finite) if not ok]
 
 
@@ -183,12 +194,13 @@ def _nonfinite_leaves(tree: Any) -> list[str]:
 def checkpoint_dir(run_dir: str | Path) -> Path:
     """`<run>/checkpoints` for a run dir; a path that already is a checkpoints dir is returned as is."""
     run_dir = Path(run_dir).absolute()
-    if run_dir.name == CHECKPOINT_SUBDIR or not (run_dir / CHECKPOINT_SUBDIR).exists() and _has_steps(run_dir):
+    if run_dir.name == CHECKPOINT_SUBDIR or not (run_dir / CHECKPOINT_SUBDIR).exists() and has_steps(run_dir):
         return run_dir
     return run_dir / CHECKPOINT_SUBDIR
 
 
-def _has_steps(path: Path) -> bool:
+def has_steps(path: Path) -> bool:
+    """True when `path` is a directory holding at least one checkpoint step directory."""
     return path.is_dir() and any(child.name.isdigit() for child in path.iterdir())
 
 

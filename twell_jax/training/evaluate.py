@@ -1,26 +1,24 @@
 """Evaluate a saved checkpoint: validation loss, perplexity, per-layer activity and dead neurons.
 
 Restores the parameters alone (checkpoint.restore_params_with_meta: no optimizer, no Trainer),
-builds the data with the tokenizer saved in the run, and evaluates on the run's validation split.
+gives backend "auto" the checkpoint's hints (hints.with_auto_hints), builds the data with the
+tokenizer saved in the run, and evaluates on the run's validation split.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
 import numpy as np
-from flax import nnx
 
-from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax import config as config_lib
-from twell_jax.training import parallel
 from twell_jax.config import ExperimentConfig
-from twell_jax.model import init_model
 from twell_jax.data import DataSource, build_experiment_data
-from twell_jax.training.train import evaluate_params, make_eval_step, manages_auto_hints, with_saved_tokenizer
+from twell_jax.training import checkpoint as ckpt_lib
+from twell_jax.training import parallel
+from twell_jax.training.hints import expected_active_from_run, with_auto_hints
+from twell_jax.training.train import abstract_graphdef, evaluate_params, make_eval_step, with_saved_tokenizer
 
 
 def evaluate_checkpoint(path: str | Path, *, step: int | None = None, overrides: list[str] | None = None,
@@ -40,54 +38,27 @@ def evaluate_checkpoint(path: str | Path, *, step: int | None = None, overrides:
     saved = ckpt_lib.load_run_config(run_dir)
     cfg = config_lib.apply_overrides(saved, overrides or [])
     ckpt_lib.check_compatible(config_lib.to_dict(saved), cfg)
-    cfg = with_auto_hints(cfg, run_dir, echo)
     mesh = parallel.make_mesh(cfg.train.num_devices)
     with jax.set_mesh(mesh):
         params, meta, step = ckpt_lib.restore_params_with_meta(run_dir, step, mesh=mesh, warn=echo)
+        # The hints that checkpoint was trained with (its meta, already read), else its logged l0.
+        cfg = with_auto_hints(cfg, run_dir, step, meta=meta, echo=echo)
         echo(f"[twell] evaluating {ckpt_dir} (step {step}, config {cfg.name!r})")
         data = data_builder(with_saved_tokenizer(cfg, run_dir))
         ckpt_lib.check_corpus_fingerprint(run_dir, data, echo)
-        graphdef = nnx.split(nnx.eval_shape(lambda: init_model(cfg.model, cfg.train.seed)))[0]
+        graphdef = abstract_graphdef(cfg.model, cfg.train.seed)
         result = evaluate_params(cfg, data, jax.jit(make_eval_step(cfg, graphdef)), params, mesh, step=step)
     result["step"] = step
     result["l0_mean"] = float(np.mean(result["l0_per_layer"]))
     result["sparsity"] = 1.0 - result["l0_mean"] / cfg.model.d_ff
     result["dead_share_per_layer"] = meta["dead_share_per_layer"]
+    # The "auto" hints the evaluation compiled with (None: none were set or found).
+    result["auto_hints_per_layer"] = list(cfg.model.ffn_expected_active) or None
     echo(f"[twell] validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} over "
          f"{int(result['tokens'])} tokens; mean active FFN neurons/token {result['l0_mean']:.1f} of "
          f"{cfg.model.d_ff} ({100 * result['sparsity']:.1f}% zero)")
     return result
 
 
-def expected_active_from_run(run_dir: str | Path, n_layers: int) -> tuple[float, ...] | None:
-    """The latest per-layer mean active neurons per token a run logged (validation or training
-    record of its metrics.jsonl), or None when it has none for `n_layers` layers."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return None
-    latest = None
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        for key in ("val_l0_per_layer", "l0_per_layer"):
-            values = record.get(key)
-            if isinstance(values, list) and len(values) == n_layers:
-                latest = tuple(float(v) for v in values)
-                break
-    return latest
-
-
-def with_auto_hints(cfg: ExperimentConfig, run_dir: str | Path,
-                    echo: Callable[[str], None] = print) -> ExperimentConfig:
-    """`cfg` with `model.ffn_expected_active` filled from the run's telemetry when the sparse op runs
-    with backend "auto" and no hint is set: "auto" then decides dense vs sparse per layer at trace
-    time instead of sampling tokens on the device (speed only; the results are the same)."""
-    model = cfg.model
-    if not manages_auto_hints(model):
-        return cfg
-    hints = expected_active_from_run(run_dir, model.n_layers)
-    if hints is None:
-        echo("[twell] no per-layer activity telemetry in the run: 'auto' samples tokens on the device")
-        return cfg
-    echo("[twell] 'auto' backend hints (expected active neurons/token per layer, from the run's "
-         f"metrics.jsonl): {', '.join(f'{v:.1f}' for v in hints)}")
-    return dataclasses.replace(cfg, model=dataclasses.replace(model, ffn_expected_active=hints))
+# Older import site of the run-hint readers (twell_jax/training/hints.py holds them).
+__all__ = ["evaluate_checkpoint", "with_auto_hints", "expected_active_from_run"]

@@ -11,7 +11,7 @@ One optimizer step = `accum` micro-batches of `train.micro_batch` sequences per 
 done (the step time is the interval between two completions), passes them through the NaN/Inf
 guard and hands them to the run's one `MetricsSink` and to the caller's `Hooks`.
 
-A run directory holds one run (twell_jax/checkpoint.py): a new run refuses a non-empty directory
+A run directory holds one run (twell_jax/training/checkpoint.py): a new run refuses a non-empty directory
 unless told to overwrite; `resume=True` continues from the newest intact checkpoint (or `step`),
 with the run's saved config as the reference. SIGINT/SIGTERM finish the current step, checkpoint
 and raise `TrainingInterrupted`.
@@ -23,9 +23,11 @@ compiles both behind a device-side branch, which costs time and memory). A fresh
 layer's mean active neurons per token with one forward on the first micro-batch of its first batch
 (through the dense backend: same counts; a model at initialisation is ~50% active, so the step
 compiled is exactly the dense one); a resumed run takes the hints its checkpoint was saved with
-(else the last l0 in metrics.jsonl, else a measurement). Every `train.auto_refresh_every` steps the step's own l0_per_layer (fetched for
-logging anyway: no extra host sync) gives new per-layer decisions (`auto_decisions`, which is
-`ops.auto_decision`, i.e. the op's own plan); only when one changes are the hints replaced, the
+(`hints.run_hints`: else the last l0 in metrics.jsonl, else a measurement). Every
+`train.auto_refresh_every` steps the mean of the steps' l0_per_layer since the last re-plan (fetched
+for logging anyway: no extra host sync; a mean, so one noisy step does not flip a layer) gives new
+per-layer decisions (`auto_decisions`, which is `ops.auto_decision`, i.e. the op's own plan); only
+when one changes are the hints replaced by that mean, the
 graphdef rebuilt (params keep their structure) and the step recompiled, once, with a log line
 naming every layer's decision. The hints in use go into every metrics record
 (`auto_hints_per_layer`) and into the checkpoints' config.
@@ -53,6 +55,7 @@ from twell_jax import config as config_lib
 from twell_jax.training import parallel
 from twell_jax.config import ExperimentConfig, ModelConfig
 from twell_jax.data import DataSource, build_experiment_data
+from twell_jax.training.hints import manages_auto_hints, run_hints_and_source, with_hints
 from twell_jax.training.loss import cross_entropy, l1_coefficient, total_loss
 from twell_jax.training.metrics import MetricsSink, check_finite, device_peak_memory_bytes, to_python
 from twell_jax.model import apply_model, build_op_config, describe_execution, init_model, split_model
@@ -88,21 +91,7 @@ def check_op_config(cfg: ExperimentConfig) -> None:
         raise ValueError(f"model.ffn_op_config={cfg.model.ffn_op_config!r}: {err}") from None
 
 
-def manages_auto_hints(model: ModelConfig) -> bool:
-    """True when the sparse op runs backend "auto" and the user set no `expected_active_per_token`
-    hint (neither `model.ffn_expected_active` nor one in `model.ffn_op_config`): the hints are then
-    filled from telemetry (by the trainer, and by `evaluate.with_auto_hints` for eval/inference)."""
-    return (model.kind.sparse_op and model.ffn_backend == "auto" and not model.ffn_expected_active
-            and "expected_active_per_token" not in model.ffn_op_config)
-
-
 Decision = tuple[str, str]  # (forward, backward) of one layer's op call, as ops.auto_decision names them
-
-
-def with_hints(cfg: ExperimentConfig, hints: Sequence[float]) -> ExperimentConfig:
-    """`cfg` with `model.ffn_expected_active` = `hints` (one per layer)."""
-    model = dataclasses.replace(cfg.model, ffn_expected_active=tuple(float(v) for v in hints))
-    return dataclasses.replace(cfg, model=model)
 
 
 def auto_decisions(cfg: ExperimentConfig, hints: Sequence[float], num_devices: int) -> tuple[Decision, ...]:
@@ -145,13 +134,27 @@ def dead_window(cfg: ExperimentConfig) -> int:
     return cfg.sparsity.dead_window_tokens or cfg.train.global_batch * cfg.seq_len
 
 
+def tracks_neurons(cfg: ExperimentConfig) -> bool:
+    """True when the step updates the per-neuron activity counters (dead neurons, position profile):
+    asked for, and meaningful only for exactly sparse (ReLU) activations."""
+    return cfg.sparsity.track_neurons and cfg.model.is_relu_family
+
+
+def dead_share_per_layer(cfg: ExperimentConfig, since_LxH: Any) -> list[float] | None:
+    """Each layer's share of dead neurons from the counters (`sparsity.dead_share`), or None when the
+    run does not track neurons (its counters never move: a share of 0 would be a false claim)."""
+    if not tracks_neurons(cfg):
+        return None
+    return [float(v) for v in np.asarray(jax.device_get(dead_share(since_LxH, dead_window(cfg))))]
+
+
 def accumulate_gradients(cfg: ExperimentConfig, graphdef: nnx.GraphDef, params: Any, tokens_BxT: jax.Array,
                          since_LxH: jax.Array, l1_coef: jax.Array, accum_steps: int) -> tuple[Any, jax.Array, dict]:
     """Mean gradient of the loss over `accum_steps` equal micro-batches of `tokens_BxT` (a lax.scan).
 
     Returns (grads, updated since_active counters, per-micro-batch metrics stacked on axis 0).
     """
-    track = cfg.sparsity.track_neurons and cfg.model.is_relu_family
+    track = tracks_neurons(cfg)
     rows, width = tokens_BxT.shape
     micro_rows = rows // accum_steps
     micro_tokens = micro_rows * (width - 1)
@@ -185,7 +188,7 @@ def accumulate_gradients(cfg: ExperimentConfig, graphdef: nnx.GraphDef, params: 
 def make_train_step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                     accum_steps: int) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict]]:
     """The pure step function (state, batch) -> (state, metrics); jit it with shardings."""
-    track = cfg.sparsity.track_neurons and cfg.model.is_relu_family
+    track = tracks_neurons(cfg)
     lr_schedule = learning_rate_schedule(cfg.optim, cfg.schedule_steps)
     window = dead_window(cfg)
 
@@ -329,11 +332,14 @@ class Trainer:
         self.store = None
         self.auto_hints: tuple[float, ...] | None = None  # the "auto" hints compiled in (managed runs)
         self.decisions: tuple[Decision, ...] | None = None  # their per-layer (forward, backward)
+        # Sum and count of the per-layer l0 of the steps since the last re-plan (managed runs).
+        self._l0_sum: np.ndarray | None = None
+        self._l0_steps = 0
         self.step_builds = 0  # how many times the train step was compiled in this process
         check_op_config(cfg)
         if resume:
             ckpt_dir = self.run_dir / ckpt_lib.CHECKPOINT_SUBDIR
-            if not (ckpt_dir.is_dir() and any(c.name.isdigit() for c in ckpt_dir.iterdir())):
+            if not ckpt_lib.has_steps(ckpt_dir):
                 raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir.absolute()} (is --out the run "
                                         "directory of the run to continue?)")
             saved = ckpt_lib.load_run_config(self.run_dir)
@@ -379,9 +385,8 @@ class Trainer:
         # Everything that can be checked has been: only now may a new run take over the directory.
         if not resume:
             ckpt_lib.prepare_new_run_dir(self.run_dir, overwrite=overwrite)
-            tokenizer_path = getattr(self.data, "tokenizer_json_path", None)
-            if tokenizer_path:
-                ckpt_lib.save_tokenizer(self.run_dir, tokenizer_path)
+            if self.data.tokenizer_json_path:
+                ckpt_lib.save_tokenizer(self.run_dir, self.data.tokenizer_json_path)
             ckpt_lib.save_corpus_fingerprint(self.run_dir, self.data)
         ckpt_lib.atomic_write_text(self.run_dir / ckpt_lib.CONFIG_FILE, config_lib.to_json(cfg))
         self.store = ckpt_lib.CheckpointStore(self.run_dir / ckpt_lib.CHECKPOINT_SUBDIR,
@@ -414,12 +419,11 @@ class Trainer:
         return {"params": items[ckpt_lib.PARAMS_ITEM], **items[ckpt_lib.TRAIN_ITEM]}, meta
 
     def save(self, state: TrainState, history: list[dict[str, Any]]) -> None:
-        since = np.asarray(jax.device_get(state["since_active"]))
         # The config with the "auto" hints in use: what evaluation / inference of this step should run.
         meta = {"config": config_lib.to_dict(self.step_cfg), "data_iter": _json_ready(self.data.train_iter.get_state()),
                 "step": int(state["step"]), "history": history,
                 "auto_hints": list(self.auto_hints) if self.auto_hints is not None else None,
-                "dead_share_per_layer": (since >= dead_window(self.cfg)).mean(axis=1).tolist()}
+                "dead_share_per_layer": dead_share_per_layer(self.cfg, state["since_active"])}
         self.store.save(int(state["step"]), state["params"],
                         {k: v for k, v in state.items() if k != "params"}, meta)
         if self.hooks.on_checkpoint is not None:
@@ -471,17 +475,20 @@ class Trainer:
                     now = time.perf_counter()
                     step_times.append(now - mark)
                     check_finite(step_no, host, GUARDED_METRICS)
-                    last_record = self._record(step_no, host, step_times[-1], tokens_per_step)
+                    logged = step_no % tc.log_every == 0 or step_no == end_step
+                    last_record = self._record(step_no, host, step_times[-1], tokens_per_step, memory=logged)
                     history.append(compact_record(last_record))
                     sink.progress(step_no, {"loss": host["loss"], "ce": host["ce"],
                                             "l0": float(np.mean(host["l0_per_layer"])),
                                             "tok/s": int(last_record["tokens_per_s"])})
-                    if step_no % tc.log_every == 0 or step_no == end_step:
+                    if logged:
                         sink.write(last_record)
                     if hooks.on_step is not None:
                         hooks.on_step(last_record)
+                    if self.manage_hints:
+                        self._observe_l0(host["l0_per_layer"])
                     if (self.manage_hints and tc.auto_refresh_every and step_no % tc.auto_refresh_every == 0
-                            and step_no < end_step and self._refresh_hints(step_no, host["l0_per_layer"], sink)):
+                            and step_no < end_step and self._refresh_hints(step_no, sink)):
                         compiled, seconds = self._compile(state)
                         compile_s += seconds
                         eval_fn = jax.jit(make_eval_step(self.step_cfg, self.graphdef))
@@ -529,17 +536,13 @@ class Trainer:
         return self.cfg if self.auto_hints is None else with_hints(self.cfg, self.auto_hints)
 
     def _initial_hints(self, state: TrainState, meta: dict[str, Any]) -> tuple[tuple[float, ...], str]:
-        """(hints, where they come from) for the first compile of a managed run."""
-        from twell_jax.training.evaluate import expected_active_from_run  # evaluate imports this module
-
-        n_layers = self.cfg.model.n_layers
-        saved = meta.get("auto_hints")
-        if isinstance(saved, list) and len(saved) == n_layers:
-            return tuple(float(v) for v in saved), f"saved with the checkpoint of step {int(state['step'])}"
+        """(hints, where they come from) for the first compile of a managed run: a resumed run's
+        `run_hints` (its checkpoint's, else its logged l0), else a measurement."""
         if self.resume:
-            logged = expected_active_from_run(self.run_dir, n_layers)
-            if logged is not None:
-                return logged, "the run's last logged l0 in metrics.jsonl"
+            found = run_hints_and_source(self.run_dir, int(state["step"]), n_layers=self.cfg.model.n_layers,
+                                         meta=meta)
+            if found is not None:
+                return found
         return self._measure_first_batch(state), "measured on the first micro-batch of the next batch"
 
     def _measure_first_batch(self, state: TrainState) -> tuple[float, ...]:
@@ -558,20 +561,30 @@ class Trainer:
         return measure_active_per_layer(abstract_graphdef(dense, self.cfg.train.seed), state["params"],
                                         placed["tokens"])
 
-    def _use_hints(self, hints: Sequence[float]) -> None:
-        """Compile with these hints from now on: their decisions and the graphdef built with them."""
+    def _use_hints(self, hints: Sequence[float], decisions: tuple[Decision, ...] | None = None) -> None:
+        """Compile with these hints from now on: their decisions (`decisions` when the caller has
+        them already) and the graphdef built with them."""
         self.auto_hints = tuple(float(v) for v in hints)
-        self.decisions = auto_decisions(self.cfg, self.auto_hints, self.num_devices)
+        self.decisions = decisions or auto_decisions(self.cfg, self.auto_hints, self.num_devices)
         self.graphdef = abstract_graphdef(self.step_cfg.model, self.cfg.train.seed)
 
-    def _refresh_hints(self, step_no: int, l0_per_layer: Sequence[float], sink: MetricsSink) -> bool:
-        """Re-plan from this step's l0; True when some layer's decision changed (the caller then
-        recompiles). Unchanged decisions keep the hints compiled in: no recompile."""
-        decisions = auto_decisions(self.cfg, l0_per_layer, self.num_devices)
+    def _observe_l0(self, l0_per_layer: Sequence[float]) -> None:
+        """Add one step's per-layer l0 to the mean the next re-plan decides from."""
+        l0 = np.asarray(l0_per_layer, np.float64)
+        self._l0_sum = l0 if self._l0_sum is None else self._l0_sum + l0
+        self._l0_steps += 1
+
+    def _refresh_hints(self, step_no: int, sink: MetricsSink) -> bool:
+        """Re-plan from the mean l0 of the steps since the last re-plan, so that one noisy step
+        near a dense/sparse threshold does not flip the plan; True when some layer's decision
+        changed (the caller then recompiles). Unchanged decisions keep the hints: no recompile."""
+        mean_l0 = (self._l0_sum / self._l0_steps).tolist()
+        self._l0_sum, self._l0_steps = None, 0  # the next re-plan averages the steps after this one
+        decisions = auto_decisions(self.cfg, mean_l0, self.num_devices)
         if decisions == self.decisions:
             return False
         changed = [i for i, (old, new) in enumerate(zip(self.decisions, decisions)) if old != new]
-        self._use_hints(l0_per_layer)
+        self._use_hints(mean_l0, decisions)
         sink.message(f"[twell] step {step_no}: 'auto' plan changed in layer(s) {changed}; recompiling the step "
                      f"with hints {', '.join(f'{v:.1f}' for v in self.auto_hints)}: {describe_decisions(decisions)}")
         return True
@@ -600,10 +613,13 @@ class Trainer:
         self.echo(f"[twell] train step compiled in {compile_s:.1f}s; {_memory_analysis_text(compiled)}")
         return compiled, compile_s
 
-    def _record(self, step_no: int, host: dict[str, Any], step_time: float, tokens_per_step: int) -> dict[str, Any]:
+    def _record(self, step_no: int, host: dict[str, Any], step_time: float, tokens_per_step: int, *,
+                memory: bool) -> dict[str, Any]:
+        """A step's full record; `memory`: add the device's peak memory (read for logged records
+        only: the peak so far is a running maximum, so the end of the run has the run's peak)."""
         record = {"step": step_no, **host, "step_time_s": step_time,
                   **parallel.tokens_per_second(tokens_per_step, step_time, self.num_devices)}
-        peak = device_peak_memory_bytes()
+        peak = device_peak_memory_bytes() if memory else None
         if peak is not None:
             record["peak_memory_bytes"] = peak
         if self.auto_hints is not None:
@@ -623,12 +639,10 @@ class Trainer:
     def _summary(self, state: TrainState, history: list[dict[str, Any]], val: dict[str, Any],
                  step_times: list[float], compile_s: float) -> dict[str, Any]:
         cfg = self.cfg
-        since = np.asarray(jax.device_get(state["since_active"]))
-        dead = (since >= dead_window(cfg)).mean(axis=1).tolist() if cfg.model.is_relu_family else None
+        dead = dead_share_per_layer(cfg, state["since_active"])
         # Skip the first steps (warm caches, async start) in the speed figure.
         steady = step_times[min(2, len(step_times) - 1):] if step_times else []
         median_step = float(np.median(steady)) if steady else float("nan")
-        peaks = [r["peak_memory_bytes"] for r in history if "peak_memory_bytes" in r]
         l0 = val.get("l0_per_layer")
         return {
             "name": cfg.name, "ffn_kind": cfg.model.ffn_kind, "ffn_backend": cfg.model.ffn_backend,
@@ -640,7 +654,7 @@ class Trainer:
             "dead_share_per_layer": dead, "dead_share_mean": float(np.mean(dead)) if dead is not None else None,
             "median_step_time_s": median_step,
             "tokens_per_s": cfg.train.global_batch * cfg.seq_len / median_step if steady else None,
-            "peak_memory_bytes": max(peaks) if peaks else None, "compile_time_s": compile_s,
+            "peak_memory_bytes": device_peak_memory_bytes(), "compile_time_s": compile_s,
             "step_builds": self.step_builds,
             "auto_hints_per_layer": list(self.auto_hints) if self.auto_hints is not None else None,
             "final_train_ce": history[-1]["ce"] if history else None,

@@ -1,0 +1,116 @@
+"""The sparse op's "auto" hints of a run: which configs get them, and where a run's hints are read.
+
+A model whose sparse op runs backend "auto" with no user hint (`manages_auto_hints`) is given
+`model.ffn_expected_active` (per-layer mean active FFN neurons per token) from telemetry, so that
+"auto" decides dense vs sparse per layer at trace time. The trainer saves the hints it compiled
+with in each checkpoint's meta ("auto_hints"); `run_hints` is the one reader of a run's hints for
+evaluation, inference and resumption: the checkpoint's saved hints, else the last per-layer l0 the
+run logged in metrics.jsonl up to that step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from twell_jax.config import ExperimentConfig, ModelConfig
+from twell_jax.training import checkpoint as ckpt_lib
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def manages_auto_hints(model: ModelConfig) -> bool:
+    """True when the sparse op runs backend "auto" and the user set no `expected_active_per_token`
+    hint (neither `model.ffn_expected_active` nor one in `model.ffn_op_config`): the hints are then
+    filled from telemetry (by the trainer, and by `with_auto_hints` for eval/inference)."""
+    return (model.kind.sparse_op and model.ffn_backend == "auto" and not model.ffn_expected_active
+            and "expected_active_per_token" not in model.ffn_op_config)
+
+
+def with_hints(cfg: ExperimentConfig, hints: Sequence[float]) -> ExperimentConfig:
+    """`cfg` with `model.ffn_expected_active` = `hints` (one per layer)."""
+    model = dataclasses.replace(cfg.model, ffn_expected_active=tuple(float(v) for v in hints))
+    return dataclasses.replace(cfg, model=model)
+
+
+def expected_active_from_run(run_dir: str | Path, n_layers: int,
+                             up_to_step: int | None = None) -> tuple[float, ...] | None:
+    """The latest per-layer mean active neurons per token a run logged (validation or training
+    record of its metrics.jsonl, at or before `up_to_step` when given), or None when it has none
+    for `n_layers` layers."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return None
+    latest = None
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if up_to_step is not None and record.get("step", 0) > up_to_step:
+            continue
+        for key in ("val_l0_per_layer", "l0_per_layer"):
+            values = record.get(key)
+            if isinstance(values, list) and len(values) == n_layers:
+                latest = tuple(float(v) for v in values)
+                break
+    return latest
+
+
+def _checkpoint_meta(run_dir: Path, step: int | None) -> dict[str, Any] | None:
+    """The meta of checkpoint `step` (default: the latest) of the run, or None when it has none."""
+    directory = ckpt_lib.checkpoint_dir(run_dir)
+    if not ckpt_lib.has_steps(directory):
+        return None
+    store = ckpt_lib.CheckpointStore(directory, create=False)
+    try:
+        return store.restore_meta(step)
+    finally:
+        store.close()
+
+
+def run_hints_and_source(run_dir: str | Path, step: int | None = None, *, n_layers: int | None = None,
+                         meta: dict[str, Any] | None = None) -> tuple[tuple[float, ...], str] | None:
+    """`run_hints` and a few words saying where the hints come from (for log lines)."""
+    run_dir = Path(run_dir)
+    if meta is None:
+        meta = _checkpoint_meta(run_dir, step)
+    meta = meta or {}
+    step = meta.get("step", step)
+    if n_layers is None:
+        n_layers = (meta["config"]["model"]["n_layers"] if "config" in meta
+                    else ckpt_lib.load_run_config(run_dir).model.n_layers)
+    saved = meta.get("auto_hints")
+    if isinstance(saved, list) and len(saved) == n_layers:
+        return tuple(float(v) for v in saved), f"saved with the checkpoint of step {step}"
+    logged = expected_active_from_run(run_dir, n_layers, up_to_step=step)
+    if logged is not None:
+        return logged, f"the run's last logged l0 in {METRICS_FILE}"
+    return None
+
+
+def run_hints(run_dir: str | Path, step: int | None = None, *, n_layers: int | None = None,
+              meta: dict[str, Any] | None = None) -> tuple[float, ...] | None:
+    """The per-layer "auto" hints of the run in `run_dir` at checkpoint `step` (default: the latest):
+    the hints that checkpoint was trained with (its meta's "auto_hints"), else the last per-layer l0
+    logged in metrics.jsonl at or before that step, else None. `meta`: that checkpoint's meta when
+    the caller has already read it (it is not read again); `n_layers`: default from the run's config."""
+    found = run_hints_and_source(run_dir, step, n_layers=n_layers, meta=meta)
+    return None if found is None else found[0]
+
+
+def with_auto_hints(cfg: ExperimentConfig, run_dir: str | Path, step: int | None = None, *,
+                    meta: dict[str, Any] | None = None,
+                    echo: Callable[[str], None] = print) -> ExperimentConfig:
+    """`cfg` with `model.ffn_expected_active` = `run_hints` of checkpoint `step` when the sparse op
+    runs backend "auto" and no hint is set: "auto" then decides dense vs sparse per layer at trace
+    time instead of sampling tokens on the device (speed only; the results are the same)."""
+    model = cfg.model
+    if not manages_auto_hints(model):
+        return cfg
+    found = run_hints_and_source(run_dir, step, n_layers=model.n_layers, meta=meta)
+    if found is None:
+        echo("[twell] no per-layer activity telemetry in the run: 'auto' samples tokens on the device")
+        return cfg
+    hints, source = found
+    echo(f"[twell] 'auto' backend hints (expected active neurons/token per layer, {source}): "
+         f"{', '.join(f'{v:.1f}' for v in hints)}")
+    return with_hints(cfg, hints)
