@@ -211,11 +211,15 @@ def build_step(cfg: ExperimentConfig, kind: str, optimizer: bool,
             updates, o = opt.update(grads, o, p)
             return optax.apply_updates(p, updates), o
     else:
-        state = params
+        state = (params, jax.tree.map(jnp.zeros_like, params))  # (weights, last gradients)
 
         def step(state, tokens_BxT):
-            # The gradient only: returned as the new state so nothing is dead code under jit.
-            return jax.grad(loss_fn)(state, tokens_BxT)
+            # The gradient only. The parameters come back unchanged (aliased to the donated input)
+            # and the gradients go out beside them, so nothing is dead code under jit and every
+            # step sees the same weights: a sparse step's time depends on the values (replacing
+            # the weights by their gradients made later steps look far sparser than the model).
+            params, _ = state
+            return params, jax.grad(loss_fn)(params, tokens_BxT)
     return step, state, note, active
 
 

@@ -31,10 +31,10 @@ def test_dry_run_times_every_variant_and_writes_json(tmp_path, capsys):
 def test_a_failing_variant_is_reported_and_the_rest_run(monkeypatch, capsys):
     real = bench_step.build_step
 
-    def build_step(cfg, kind, optimizer):
+    def build_step(cfg, kind, optimizer, params=None):
         if kind == "relu_gated":
             raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 99 GiB")
-        return real(cfg, kind, optimizer)
+        return real(cfg, kind, optimizer, params)
 
     monkeypatch.setattr(bench_step, "build_step", build_step)
     rows = bench_step.main(["--dry-run", "--config", "micro", "--variants", "relu_gated:none,twell:none"])
@@ -56,3 +56,19 @@ def test_flops_per_token_matches_the_issue_figure():
 def test_bad_variants_are_rejected(text, match):
     with pytest.raises(ValueError, match=match):
         bench_step.parse_variants(text)
+
+
+def test_the_grad_only_step_keeps_the_weights():
+    """A sparse step's time depends on the weights' values: the timed step must not replace them."""
+    import jax
+    import jax.numpy as jnp
+    from configs import get_config
+
+    cfg = bench_step.variant_config(get_config("micro"), "twell", "reference", "none")
+    step, state, _, _ = bench_step.build_step(cfg, "twell", optimizer=False)
+    tokens = jax.random.randint(jax.random.key(0), (2, cfg.seq_len + 1), 0, cfg.model.vocab_size)
+    before = jax.tree.map(jnp.copy, state[0])
+    for _ in range(2):
+        state = jax.jit(step)(state, tokens)
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), before, state[0])))
+    assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(state[1]))
