@@ -41,10 +41,13 @@ def test_the_stop_criterion_ends_the_run_checkpointed_and_loadable(sparse_run):
     assert loaded.step == 2 and loaded.config.model.ffn_kind == "twell"
 
 
-def test_a_target_never_met_runs_to_the_step_limit(tmp_path):
-    reached = train_to_sparse.main(["--dry-run", "--out", str(tmp_path / "r"), "--target-active", "0.001",
-                                    "--steps", "2"])
-    assert not reached["reached_target"] and reached["steps"] == 2
+def test_the_criterion_needs_the_streak_and_restarts_it_on_a_miss():
+    stop = train_to_sparse.SparseEnough(target=10.0, patience=2)
+    said = [stop({"step": i, "ce": 1.0, "l0_per_layer": l0}) for i, l0 in
+            enumerate([[5.0, 5.0], [30.0, 1.0], [9.0, 11.0], [10.0, 10.0]], start=1)]
+    assert said[:3] == [None, None, None]  # step 2 breaks the streak (mean 15.5 > 10)
+    assert said[3] is not None and "<= 10" in said[3]
+    assert [t["l0_mean"] for t in stop.trajectory] == [5.0, 15.5, 10.0, 10.0]
 
 
 def test_validation_tokens_come_from_the_runs_split_and_cycle_only_when_asked(sparse_run):

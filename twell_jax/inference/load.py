@@ -91,6 +91,10 @@ def load_tokenizer_for_run(run_dir: str | Path, cfg: ExperimentConfig) -> "Token
     path = ckpt_lib.saved_tokenizer(run_dir)
     if path is not None:
         return tokenizer_lib.load_tokenizer(str(path))
+    if cfg.data.is_synthetic:  # nothing to rebuild: the run never had a tokenizer
+        warnings.warn(f"no tokenizer for {run_dir}: its data source is synthetic; generation then needs token ids",
+                      stacklevel=3)
+        return None
     warnings.warn(f"{Path(run_dir) / ckpt_lib.TOKENIZER_FILE} not found: rebuilding the tokenizer from the run's "
                   f"data config (tokenizer={cfg.data.tokenizer!r}, source={cfg.data.source!r}); this needs the "
                   "same tokenizer file or BPE cache / corpus as at training time", stacklevel=3)
@@ -99,9 +103,6 @@ def load_tokenizer_for_run(run_dir: str | Path, cfg: ExperimentConfig) -> "Token
     except (ValueError, OSError, ImportError) as err:
         warnings.warn(f"no tokenizer for {run_dir}: {err}; generation then needs token ids", stacklevel=3)
         return None
-    if tokenizer is None:
-        warnings.warn(f"no tokenizer for {run_dir}: its data source is synthetic; generation then needs token ids",
-                      stacklevel=3)
     return tokenizer
 
 
