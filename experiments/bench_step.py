@@ -9,8 +9,10 @@
 A variant is `kind[@backend]:remat` with kind an FFN kind of the model (model.ffn_kind) or `ref` (the
 plain-JAX reference model written below), backend an op backend for the kinds that run the sparse op
 (default: the config's), remat a policy of model.remat. One step = jax.grad of CE (+ the L1
-penalty for kinds trained with it), plus the AdamW update of the trainer with --optimizer, on one
-device, on one micro-batch of random tokens; with `--checkpoint RUN` (a trained run, e.g. from
+penalty for kinds trained with it), plus the AdamW update of the trainer with --optimizer. Without
+--optimizer the step returns the weights unchanged beside their gradients, so every timed step sees
+the same weights (a sparse step's time depends on their values) and the gradient buffer counts in
+the compiled memory, as it does in training. All steps run on one device, on one micro-batch of random tokens; with `--checkpoint RUN` (a trained run, e.g. from
 experiments/train_to_sparse.py) on the run's shapes and parameters and the first micro-batch of its
 validation split, with "auto" given the run's per-layer activity hints, and each relu-family row shows
 its measured active FFN neurons per token (per layer in the JSON and the progress lines). Every variant runs in this process: compiled once
