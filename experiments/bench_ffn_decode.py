@@ -5,7 +5,7 @@
 D 2048, H 5632, bf16, ~29 active gate neurons per token (the synthetic sparsity of
 experiments/bench_ffn.py, whose generator is imported). Variants, each timed as `--calls` (100)
 calls inside ONE jit (lax.fori_loop feeding x + 1e-3 y back into the next call, so nothing is
-hoisted or cached), per-call time = loop time / calls, median of `--repeats` loops, variants
+hoisted or cached; `--unroll` (10) calls per loop iteration: see calls_in_one_jit), per-call time = loop time / calls, median of `--repeats` loops, variants
 interleaved:
 
     dense        the XLA dense FFN (bf16 operands, fp32 accumulation): the op's "dense" formula
@@ -59,7 +59,7 @@ def rel_err(a: jax.Array, b: jax.Array) -> float:
 # fallback) enters the program.
 SWEEP = {
     "dec_bk256": (dict(block_k=256), None),
-    "dec_bk512_s1": (dict(block_k=512, num_stages=1), None),
+    "dec_bk128_s2": (dict(block_k=128, num_stages=2), None),  # the defaults before 2026-11-22
     "dec_bd32": (dict(block_d=32), None),
     "dec_bh16": (dict(block_h=16), None),
     "dec_w8": (dict(num_warps=8), None),
@@ -102,13 +102,17 @@ def variants(interpret: bool, sweep: bool = False) -> dict:
     return base | extra
 
 
-def calls_in_one_jit(fn, calls: int):
-    """jit(x, weights) -> x after `calls` dependent calls of fn."""
+def calls_in_one_jit(fn, calls: int, unroll: int = 1):
+    """jit(x, weights) -> x after `calls` dependent calls of fn, `unroll` calls per loop iteration.
+
+    Measured on the H100 (BENCHMARKS.md, 2026-11-22): 1 or 10 calls per iteration changed the
+    variants without a lax.cond by under 5%, and those with one (pallas; auto with its NaN/Inf
+    check) by up to 1.6x; 10 is closer to a model step, where the layers' calls run back to back."""
     def loop(x, w_gate, w_up, w_down):
         def body(_, x):
             y = fn(x, w_gate, w_up, w_down)
             return (x + y * 1e-3).astype(x.dtype)  # a true dependency: nothing can be hoisted
-        return lax.fori_loop(0, calls, body, x)
+        return lax.fori_loop(0, calls, body, x, unroll=unroll)
     return jax.jit(loop)
 
 
@@ -118,6 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--interpret", action="store_true",
                         help="tiny shapes in the Pallas interpreter (CPU check of the script)")
     parser.add_argument("--calls", type=int, default=100, help="calls per jitted loop")
+    parser.add_argument("--unroll", type=int, default=10,
+                        help="calls per loop iteration (see calls_in_one_jit)")
     parser.add_argument("--repeats", type=int, default=7, help="timed loops per variant")
     parser.add_argument("--tokens", default="1,8,64,256,1024", help="tokens per call, comma list")
     parser.add_argument("--sweep", action="store_true",
@@ -126,14 +132,16 @@ def main(argv: list[str] | None = None) -> dict:
     d, h, k_active = 2048, 5632, K_ACTIVE
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.interpret:
-        d, h, k_active, tokens, args.calls, args.repeats = 64, 96, 3.0, [1, 8], 2, 1
-    if min(tokens) < 1 or args.calls < 1 or args.repeats < 1:
-        raise SystemExit("--tokens entries, --calls and --repeats must be >= 1")
+        d, h, k_active, tokens, args.calls, args.repeats, args.unroll = 64, 96, 3.0, [1, 8], 2, 1, 2
+    if min(tokens) < 1 or args.calls < 1 or args.repeats < 1 or args.unroll < 1:
+        raise SystemExit("--tokens entries, --calls, --unroll and --repeats must be >= 1")
+    if args.calls % args.unroll:
+        raise SystemExit(f"--calls ({args.calls}) must be a multiple of --unroll ({args.unroll})")
     bench_ffn.D, bench_ffn.H = d, h  # make_inputs reads the module's shape globals
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": str(jax.devices()[0]), "jax": jax.__version__, "d": d, "h": h,
-                     "k": k_active, "calls": args.calls, "rows": []}
+                     "k": k_active, "calls": args.calls, "unroll": args.unroll, "rows": []}
     fns = variants(args.interpret, args.sweep)
     key = jax.random.PRNGKey(0)
     table = [f"{'tokens':>6} {'union':>6} {'l0':>5} " + " ".join(f"{n + ' us':>14}" for n in fns)
@@ -163,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
                 row[f"{name}_err"] = err
                 if not err < 2e-2:
                     raise AssertionError(f"{name} differs from dense: rel err {err:.3g}")
-                loop = calls_in_one_jit(fn, args.calls)
+                loop = calls_in_one_jit(fn, args.calls, args.unroll)
                 jax.block_until_ready(loop(x, wg, wu, wd))  # compile + warm up
                 loops[name] = loop
             except Exception as e:  # noqa: BLE001  (record and go on with the other variants)
@@ -190,7 +198,8 @@ def main(argv: list[str] | None = None) -> dict:
                      f" {row['model_dense_us']:>11.1f} {row['model_decode_us']:>9.1f}"
                      f" {str(row['prefer_decode']):>6}")
     print("\n".join(["", f"=== FFN at decode sizes ({results['device']}, bf16, D={d}, H={h}, "
-                     f"~{k_active:g} active/token, {args.calls} calls per jit; us per call, "
+                     f"~{k_active:g} active/token, {args.calls} calls per jit, {args.unroll} per loop "
+                     "iteration; us per call, "
                      "(x) = dense / variant) ==="] + table))
     (out_dir / "table_decode.txt").write_text("\n".join(table) + "\n")
     return results

@@ -48,16 +48,18 @@ from pallas_kernels.twell_pack import _dot_precision
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBlockSizes:
-    """Static launch parameters of the decode kernels. Defaults are NOT tuned on a GPU yet
-    (chosen so that a one-token call spreads over >= 32 programs in `down`)."""
+    """Static launch parameters of the decode kernels. block_k and num_stages are the best of the
+    `bench_ffn_decode.py --sweep` variants on the H100 (BENCHMARKS.md, 2026-11-22: 5-9% faster
+    than 128 / 2 at 1 and 8 tokens per call); the rest spread a one-token call over >= 32
+    programs in `down`."""
 
     block_n: int = 16  # hidden: active neurons per program (power of two, >= 16 for the dot)
-    block_k: int = 128  # hidden: D step of the u = x U^T loop (power of two, >= 16)
+    block_k: int = 512  # hidden: D step of the u = x U^T loop (power of two, >= 16)
     block_h: int = 32  # down: active neurons per K step (power of two, >= 16)
     block_d: int = 64  # down: output columns per program (power of two, >= 16)
     max_block_m: int = 64  # both: token rows per program, at most (power of two, >= 16)
     num_warps: int = 4  # warps per program (both kernels)
-    num_stages: int = 2  # software-pipelining depth of the K loops
+    num_stages: int = 1  # software-pipelining depth of the K loops
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "block_h", "block_d", "max_block_m"):
