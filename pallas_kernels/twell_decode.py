@@ -49,7 +49,7 @@ from pallas_kernels.twell_pack import _dot_precision
 @dataclasses.dataclass(frozen=True)
 class DecodeBlockSizes:
     """Static launch parameters of the decode kernels. block_k and num_stages are the best of the
-    `bench_ffn_decode.py --sweep` variants on the H100 (BENCHMARKS.md, 2026-11-22: 5-9% faster
+    `bench_ffn_decode.py --sweep` variants on the H100 (BENCHMARKS.md, 2026-11-22: 3-10% faster
     than 128 / 2 at 1 and 8 tokens per call); the rest spread a one-token call over >= 32
     programs in `down`."""
 
