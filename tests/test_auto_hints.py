@@ -19,6 +19,7 @@ from twell_jax import ops
 from twell_jax.model import init_model, split_model
 from twell_jax.training import train as train_lib
 from twell_jax.training.hints import manages_auto_hints, run_hints
+from twell_jax.training.plan_trial import PlanTrial
 from twell_jax.training.train import Hooks, Trainer, auto_decisions, measure_active_per_layer
 
 
@@ -99,12 +100,15 @@ def test_refresh_recompiles_only_when_a_decision_changes(tmp_path, monkeypatch):
         if record["step"] == 2:
             flip["sparse"] = True
 
-    changing = Trainer(micro_cfg("train.steps=4", "train.auto_refresh_every=1"), tmp_path / "a",
+    # auto_trial_steps=0: no A/B of the sparse plan here (tested below), so builds count plans only.
+    changing = Trainer(micro_cfg("train.steps=4", "train.auto_refresh_every=1", "train.auto_trial_steps=0"),
+                       tmp_path / "a",
                        data_builder=FakeData,
                        hooks=Hooks(on_step=flip_after_step_2, save_final=False))
     a = changing.run()
     flip["sparse"] = False
-    steady = Trainer(micro_cfg("train.steps=4", "train.auto_refresh_every=1"), tmp_path / "b",
+    steady = Trainer(micro_cfg("train.steps=4", "train.auto_refresh_every=1", "train.auto_trial_steps=0"),
+                     tmp_path / "b",
                      data_builder=FakeData, hooks=Hooks(save_final=False))
     b = steady.run()
 
@@ -176,3 +180,85 @@ def test_refresh_decides_from_the_mean_l0_since_the_last_refresh(tmp_path, monke
         trainer._observe_l0(l0)
     assert trainer._refresh_hints(4, Sink()) and asked[1:] == [[2.0, 19.0]]
     assert trainer.auto_hints == (2.0, 19.0) and trainer.decisions == (("pallas", "dense"), ("dense", "dense"))
+
+
+# ---------------------------------------------------------------------------------------------
+# the A/B of a sparse plan against the dense program (training/plan_trial.py)
+# ---------------------------------------------------------------------------------------------
+
+def test_plan_trial_arms_warmup_and_verdict():
+    trial = PlanTrial(2)
+    arms = []
+    for seconds in (9.0, 1.0, 1.2, 9.0, 1.1, 1.3):  # the first step of each arm is warm-up
+        arms.append(trial.arm())
+        trial.add(seconds)
+    assert arms == ["auto"] * 3 + ["dense"] * 3 and trial.decided and trial.arm() is None
+    assert trial.medians() == {"auto": pytest.approx(1.1), "dense": pytest.approx(1.2)}
+    assert trial.verdict() == "auto" and trial.speed_ratio() == pytest.approx(1.2 / 1.1)
+    slower = PlanTrial(1)
+    for seconds in (0.0, 1.0, 0.0, 0.97):  # auto at 0.97x dense: under the 0.98 floor
+        slower.add(seconds)
+    assert slower.verdict() == "dense"
+    within = PlanTrial(1)
+    for seconds in (0.0, 1.0, 0.0, 0.99):  # 0.99x: within the floor, the plan is kept
+        within.add(seconds)
+    assert within.verdict() == "auto"
+    with pytest.raises(RuntimeError):
+        within.add(1.0)
+    with pytest.raises(RuntimeError):
+        PlanTrial(1).medians()
+    with pytest.raises(ValueError, match="steps"):
+        PlanTrial(0)
+    with pytest.raises(ValueError, match="floor"):
+        PlanTrial(1, floor=1.5)
+    with pytest.raises(ValueError, match="train.auto_trial_steps"):
+        micro_cfg("train.auto_trial_steps=-1")
+
+
+_REAL_ADD = PlanTrial.add  # before any test patches it
+
+
+def _trial_run(tmp_path, monkeypatch, name, seconds_per_arm, *overrides):
+    """A micro run whose plan is (pretended) sparse in every layer, with each trial step's time
+    replaced by `seconds_per_arm[arm]` (CPU timings would decide nothing)."""
+    monkeypatch.setattr(ops, "auto_decision", lambda gated, config, shape, interpret=False: ("pallas", "dense"))
+
+    def add(trial, seconds):
+        _REAL_ADD(trial, seconds_per_arm[trial.arm()])
+
+    monkeypatch.setattr(PlanTrial, "add", add)
+    trainer = Trainer(micro_cfg(*overrides), tmp_path / name, data_builder=FakeData,
+                      hooks=Hooks(save_final=False), echo=lambda _: None)
+    return trainer, trainer.run()
+
+
+def test_trial_runs_dense_when_the_plan_is_slower(tmp_path, monkeypatch):
+    trainer, result = _trial_run(tmp_path, monkeypatch, "slow", {"auto": 2.0, "dense": 1.0},
+                                 "train.steps=7", "train.auto_trial_steps=2", "train.auto_refresh_every=0")
+    plans = [r["ffn_plan"] for r in _records(tmp_path / "slow")]
+    assert plans == ["auto"] * 3 + ["dense"] * 4  # 3 timed-or-warm-up steps per arm, then the verdict
+    assert trainer.step_builds == 2 and trainer.plan_in_use == "dense"
+    (trial,) = result.summary["auto_plan_trials"]
+    assert trial["kept"] == "dense" and trial["step"] == 6 and trial["auto_vs_dense"] == pytest.approx(0.5)
+    assert result.summary["ffn_plan_in_use"] == "dense"
+    # Both arms are ordinary training steps: the run equals one without the trial, bit for bit
+    # (on the CPU both programs are the dense formula).
+    plain = Trainer(micro_cfg("train.steps=7", "train.auto_trial_steps=0", "train.auto_refresh_every=0"),
+                    tmp_path / "plain", data_builder=FakeData, hooks=Hooks(save_final=False)).run()
+    assert [r["loss"] for r in result.history] == [r["loss"] for r in plain.history]
+    assert [r["grad_norm"] for r in result.history] == [r["grad_norm"] for r in plain.history]
+
+
+def test_trial_keeps_a_plan_within_the_floor_and_rechecks_a_dense_verdict(tmp_path, monkeypatch):
+    _, kept = _trial_run(tmp_path, monkeypatch, "kept", {"auto": 1.0, "dense": 0.99},
+                         "train.steps=6", "train.auto_trial_steps=1", "train.auto_refresh_every=0")
+    assert [r["ffn_plan"] for r in _records(tmp_path / "kept")] == ["auto"] * 2 + ["dense"] * 2 + ["auto"] * 2
+    assert kept.summary["auto_plan_trials"][0]["kept"] == "auto"
+    # A dense verdict is checked again at the next re-plan (decisions unchanged: no recompile of
+    # the plan; the dense program is compiled once per run).
+    trainer, again = _trial_run(tmp_path, monkeypatch, "again", {"auto": 2.0, "dense": 1.0},
+                                "train.steps=10", "train.auto_trial_steps=1", "train.auto_refresh_every=5")
+    assert [r["ffn_plan"] for r in _records(tmp_path / "again")] == (
+        ["auto"] * 2 + ["dense"] * 2 + ["dense"] + ["auto"] * 2 + ["dense"] * 3)
+    assert [t["step"] for t in again.summary["auto_plan_trials"]] == [4, 9]
+    assert trainer.step_builds == 2

@@ -281,6 +281,11 @@ class TrainConfig:
     # hints itself (measured on the first batch, then from the logged l0) and re-plans every this
     # many steps, recompiling the step only when some layer's dense/sparse decision changes. 0 = never.
     auto_refresh_every: int = 200
+    # Managed "auto" runs: after compiling a plan with a sparse piece, time this many training steps
+    # with it and as many with the dense program, and keep the sparse plan only if it runs at least
+    # 0.98x as fast (training/plan_trial.py); re-checked at each re-plan while dense is kept. 0 = trust
+    # the cost model.
+    auto_trial_steps: int = 5
 
     def __post_init__(self) -> None:
         _check_finite("train", self)
@@ -296,6 +301,9 @@ class TrainConfig:
         if isinstance(self.auto_refresh_every, bool) or not isinstance(self.auto_refresh_every, int) \
                 or self.auto_refresh_every < 0:
             raise ValueError(f"train.auto_refresh_every must be an int >= 0 (0 = never), got {self.auto_refresh_every!r}")
+        if isinstance(self.auto_trial_steps, bool) or not isinstance(self.auto_trial_steps, int) \
+                or self.auto_trial_steps < 0:
+            raise ValueError(f"train.auto_trial_steps must be an int >= 0 (0 = no trial), got {self.auto_trial_steps!r}")
         if self.global_batch % self.micro_batch:
             raise ValueError(f"train.global_batch={self.global_batch} must be a multiple of "
                              f"train.micro_batch={self.micro_batch}")
@@ -457,7 +465,7 @@ RESUMABLE_FIELDS = frozenset({
     "train.steps", "train.time_limit_s", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.eval_batch_size", "train.checkpoint_every", "train.keep_checkpoints", "train.tensorboard",
     "train.progress_bar", "train.num_devices", "train.micro_batch", "train.fsdp", "train.auto_refresh_every",
-    "optim.schedule_steps",
+    "train.auto_trial_steps", "optim.schedule_steps",
     "model.ffn_backend", "model.ffn_op_config", "model.ffn_interpret", "model.ffn_expected_active",
     "model.remat", "model.attention_impl",
     "data.source", "data.cache_dir", "data.progress", "data.num_threads", "data.prefetch",

@@ -31,6 +31,12 @@ when one changes are the hints replaced by that mean, the
 graphdef rebuilt (params keep their structure) and the step recompiled, once, with a log line
 naming every layer's decision. The hints in use go into every metrics record
 (`auto_hints_per_layer`) and into the checkpoints' config.
+
+The plan is then checked on the run (`plan_trial.py`, `train.auto_trial_steps`): a plan with a
+sparse piece runs that many timed steps, the dense program (compiled once per run) as many, and the
+sparse plan is kept only at >= 0.98x dense's median step time; otherwise the dense program runs
+until the next re-plan, which checks again. Each record names the program its step ran
+(`ffn_plan`); the summary lists the trials (`auto_plan_trials`).
 """
 from __future__ import annotations
 
@@ -56,6 +62,7 @@ from twell_jax.training import parallel
 from twell_jax.config import ExperimentConfig, ModelConfig
 from twell_jax.data import DataSource, build_experiment_data
 from twell_jax.training.hints import manages_auto_hints, run_hints_and_source, with_hints
+from twell_jax.training.plan_trial import PlanTrial
 from twell_jax.training.loss import cross_entropy, l1_coefficient, total_loss
 from twell_jax.training.metrics import MetricsSink, check_finite, device_peak_memory_bytes, to_python
 from twell_jax.model import apply_model, build_op_config, describe_execution, init_model, split_model
@@ -336,6 +343,12 @@ class Trainer:
         self._l0_sum: np.ndarray | None = None
         self._l0_steps = 0
         self.step_builds = 0  # how many times the train step was compiled in this process
+        # The A/B of a sparse "auto" plan against the dense program (plan_trial.py): the trial under
+        # way, the plan kept by the last one, the dense executable (compiled once), the record.
+        self.trial: PlanTrial | None = None
+        self.plan_in_use = "auto"
+        self._dense_compiled: Any = None
+        self.trials: list[dict[str, Any]] = []
         check_op_config(cfg)
         if resume:
             ckpt_dir = self.run_dir / ckpt_lib.CHECKPOINT_SUBDIR
@@ -456,6 +469,7 @@ class Trainer:
                           + (f"; re-planned every {tc.auto_refresh_every} steps" if tc.auto_refresh_every else ""))
             start_step = int(state["step"])
             compiled, compile_s = self._compile(state)
+            compiled_auto = compiled  # the "auto" plan's executable (`compiled` may be dense's)
             eval_fn = jax.jit(make_eval_step(self.step_cfg, self.graphdef))
             sink = MetricsSink(self.run_dir, tensorboard=tc.tensorboard, total_steps=tc.steps,
                                start_step=start_step, progress_bar=tc.progress_bar, echo=self.echo)
@@ -466,17 +480,30 @@ class Trainer:
             step_times: list[float] = []
             stop_reason = None
             end_step = tc.steps if stop_after_step is None else min(tc.steps, stop_after_step)
+            self._maybe_start_trial(start_step, sink)
             try:
                 mark = loop_start = time.perf_counter()
                 for step_no in range(start_step + 1, end_step + 1):
                     batch = parallel.host_to_global(next(self.data.train_iter), self.mesh)
-                    state, device_metrics = compiled(state, batch)
+                    plan = self.plan_in_use if self.trial is None else self.trial.arm()
+                    if self.trial is not None and plan == "dense" and self._dense_compiled is None:
+                        compile_s += self._compile_dense(state)
+                        mark = time.perf_counter()  # compilation is not step time
+                    runner = compiled if self.trial is None else (
+                        compiled_auto if plan == "auto" else self._dense_compiled)
+                    state, device_metrics = runner(state, batch)
                     host = to_python(jax.device_get(device_metrics))  # waits for this step
                     now = time.perf_counter()
                     step_times.append(now - mark)
                     check_finite(step_no, host, GUARDED_METRICS)
+                    if self.trial is not None:
+                        self.trial.add(step_times[-1])
+                        if self.trial.decided:
+                            compiled = compiled_auto if self._end_trial(step_no, sink) == "auto" else self._dense_compiled
                     logged = step_no % tc.log_every == 0 or step_no == end_step
                     last_record = self._record(step_no, host, step_times[-1], tokens_per_step, memory=logged)
+                    if self.manage_hints:
+                        last_record["ffn_plan"] = plan
                     history.append(compact_record(last_record))
                     sink.progress(step_no, {"loss": host["loss"], "ce": host["ce"],
                                             "l0": float(np.mean(host["l0_per_layer"])),
@@ -488,10 +515,16 @@ class Trainer:
                     if self.manage_hints:
                         self._observe_l0(host["l0_per_layer"])
                     if (self.manage_hints and tc.auto_refresh_every and step_no % tc.auto_refresh_every == 0
-                            and step_no < end_step and self._refresh_hints(step_no, sink)):
-                        compiled, seconds = self._compile(state)
-                        compile_s += seconds
-                        eval_fn = jax.jit(make_eval_step(self.step_cfg, self.graphdef))
+                            and step_no < end_step):
+                        if self._refresh_hints(step_no, sink):
+                            compiled, seconds = self._compile(state)
+                            compiled_auto = compiled
+                            self.plan_in_use = "auto"
+                            compile_s += seconds
+                            eval_fn = jax.jit(make_eval_step(self.step_cfg, self.graphdef))
+                            self._maybe_start_trial(step_no, sink)
+                        elif self.plan_in_use == "dense":  # the patterns move: check the plan again
+                            self._maybe_start_trial(step_no, sink)
                     if tc.eval_every and step_no % tc.eval_every == 0 and step_no != tc.steps:
                         last_val = self._eval_and_log(sink, eval_fn, state, step_no)
                     if tc.checkpoint_every and step_no % tc.checkpoint_every == 0 and step_no != end_step:
@@ -568,6 +601,36 @@ class Trainer:
         self.decisions = decisions or auto_decisions(self.cfg, self.auto_hints, self.num_devices)
         self.graphdef = abstract_graphdef(self.step_cfg.model, self.cfg.train.seed)
 
+    def _maybe_start_trial(self, step_no: int, sink: MetricsSink) -> None:
+        """Start an A/B of the compiled "auto" plan against dense (plan_trial.py) when the plan has a
+        sparse piece and train.auto_trial_steps > 0."""
+        steps = self.cfg.train.auto_trial_steps
+        if not (self.manage_hints and steps and any(d != ("dense", "dense") for d in self.decisions)):
+            return
+        self.trial = PlanTrial(steps)
+        sink.message(f"[twell] step {step_no}: timing the 'auto' plan against the dense program over the "
+                     f"next {2 * (steps + 1)} steps (train.auto_trial_steps={steps})")
+
+    def _compile_dense(self, state: TrainState) -> float:
+        """Compile the dense program (the op's dense backend) once per run; its compile seconds."""
+        dense = dataclasses.replace(self.cfg, model=dataclasses.replace(self.cfg.model, ffn_backend="dense"))
+        self._dense_compiled, seconds = self._compile(state, dense)
+        return seconds
+
+    def _end_trial(self, step_no: int, sink: MetricsSink) -> str:
+        """Close the trial: the plan to run until the next re-plan ("auto" or "dense")."""
+        trial, self.trial = self.trial, None
+        verdict, medians = trial.verdict(), trial.medians()
+        self.plan_in_use = verdict
+        self.trials.append({"step": step_no, "auto_step_s": medians["auto"], "dense_step_s": medians["dense"],
+                            "auto_vs_dense": trial.speed_ratio(), "kept": verdict,
+                            "decisions": [list(d) for d in self.decisions]})
+        sink.message(f"[twell] step {step_no}: 'auto' plan {medians['auto']:.4f} s/step, dense "
+                     f"{medians['dense']:.4f} s/step ({trial.speed_ratio():.3f}x dense): "
+                     + ("keeping the 'auto' plan" if verdict == "auto" else
+                        f"running the dense program (the plan is under {trial.floor:g}x dense)"))
+        return verdict
+
     def _observe_l0(self, l0_per_layer: Sequence[float]) -> None:
         """Add one step's per-layer l0 to the mean the next re-plan decides from."""
         l0 = np.asarray(l0_per_layer, np.float64)
@@ -600,9 +663,11 @@ class Trainer:
                   f"{tc.global_batch} x {cfg.seq_len} tokens = {tokens_per_step} tokens/step; micro-batch "
                   f"{tc.micro_batch}/device, {self.accum_steps} accumulation step(s)")
 
-    def _compile(self, state: TrainState) -> tuple[Any, float]:
+    def _compile(self, state: TrainState, cfg: ExperimentConfig | None = None) -> tuple[Any, float]:
+        """The train step compiled for `cfg` (default: the step config with the hints in use)."""
         self.step_builds += 1
-        train_step = make_train_step(self.step_cfg, self.graphdef, self.optimizer, self.accum_steps)
+        graphdef = self.graphdef if cfg is None else abstract_graphdef(cfg.model, self.cfg.train.seed)
+        train_step = make_train_step(cfg or self.step_cfg, graphdef, self.optimizer, self.accum_steps)
         jitted = jax.jit(train_step, in_shardings=(self.state_shardings, {"tokens": self.batch_sharding}),
                          out_shardings=(self.state_shardings, self.replicated), donate_argnames=("state",))
         batch_spec = {"tokens": jax.ShapeDtypeStruct((self.cfg.train.global_batch, self.cfg.seq_len + 1), jnp.int32,
@@ -657,6 +722,8 @@ class Trainer:
             "peak_memory_bytes": device_peak_memory_bytes(), "compile_time_s": compile_s,
             "step_builds": self.step_builds,
             "auto_hints_per_layer": list(self.auto_hints) if self.auto_hints is not None else None,
+            "ffn_plan_in_use": self.plan_in_use if self.manage_hints else None,
+            "auto_plan_trials": self.trials,
             "final_train_ce": history[-1]["ce"] if history else None,
         }
 
