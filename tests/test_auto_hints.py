@@ -54,13 +54,18 @@ def test_auto_decision_is_the_ops_plan(monkeypatch):
             *shape[:3], hint, True, itemsize=2, ell_width=config.ell_width,
             keep_pattern=(config.backward or pallas_backward.BackwardConfig()).keep_gate_pattern)
         expected = ("pallas" if fwd else "dense", "pallas" if bwd else "dense")
-        if pallas_decode.prefer_decode_path(*shape[:3], hint, True, itemsize=2):
+        if pallas_decode.prefer_decode_path(*shape[:3], hint, True, itemsize=2,
+                                            check_finite=config.check_finite):
             expected = ("decode", "dense")  # so few actives that the decode path wins even here
         assert ops.auto_decision(True, config, shape) == expected, hint
     assert ops.auto_decision(True, ops.SparseFFNConfig(expected_active_per_token=2816.0), shape) == ("dense", "dense")
     decode_shape = (1, 2048, 5632, 2)
-    if pallas_decode.prefer_decode_path(1, 2048, 5632, 29.0, True, itemsize=2):
-        assert ops.auto_decision(True, ops.SparseFFNConfig(expected_active_per_token=29.0), decode_shape)[0] == "decode"
+    unchecked = ops.SparseFFNConfig(expected_active_per_token=29.0, check_finite=False)
+    assert pallas_decode.prefer_decode_path(1, 2048, 5632, 29.0, True, itemsize=2)
+    assert ops.auto_decision(True, unchecked, decode_shape) == ("decode", "dense")
+    # With the NaN/Inf pass (the default), which reads every weight: the dense formula.
+    assert ops.auto_decision(True, ops.SparseFFNConfig(expected_active_per_token=29.0), decode_shape) == (
+        "dense", "dense")
 
 
 def test_fresh_run_takes_its_hints_from_the_first_batch(tmp_path):

@@ -336,7 +336,7 @@ def _plan(gated: bool, backend: str, interpret: bool, config: SparseFFNConfig,
     from twell_jax.ops import pallas_decode
 
     if pallas_decode.prefer_decode_path(m, d_model, n_neurons, config.expected_active_per_token, gated,
-                                         itemsize=itemsize):
+                                         itemsize=itemsize, check_finite=config.check_finite):
         # Decode sizes (a few tokens per call): the work spread over the active neurons.
         return _Plan(gated, "decode", "dense", interpret)
     fwd_sparse, bwd_sparse = pallas_backward.choose_training_path(
