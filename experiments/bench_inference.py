@@ -1,4 +1,5 @@
-"""Model-level inference benchmark: sparse (`twell`) beside its dense twin (`relu_gated`), same weights.
+"""Model-level inference benchmark: sparse (`twell`) beside its dense twin (`relu_gated`) and a plain-JAX
+Llama, all with the same weights.
 
     python experiments/bench_inference.py --checkpoint runs/0.5b-...   # a trained-sparse run (GPU)
     python experiments/bench_inference.py --config 0.5b                # random init: NOT sparse (plumbing)
@@ -12,9 +13,17 @@ timed window; skipped with a message where NVML is absent). With `--checkpoint`,
 per-layer activity hints; a random init gets random ids. Decode: tokens/s of KV-cached decode
 steps (`Transformer.decode`, LM head included) at batch 1, 8 and 64 after a prefilled context of
 `--context` - `--decode-steps` tokens, so the last step attends to `--context` slots. Each variant
-prints its per-layer mean active FFN neurons per token beside its figures. The dense twin runs the
-same parameters with `ffn_kind=relu_gated` (plain XLA); the sparse variants run `ffn_kind=twell`
-with the op backends of `--backends`. A short table is printed last; `--out` gets the JSON.
+prints its per-layer mean active FFN neurons per token beside its figures.
+
+Rows: `plain` is the plain-JAX Llama of experiments/plain_llama.py (nothing of twell_jax in its
+math) holding the model's weights in the compute dtype: its body for prefill, its KV-cached decode
+(the same preallocated cache, in-place writes, chunked prefill and masked attention over the cache
+as the model's decode) for decode; it has no FFN telemetry, so no active counts. The dense twin
+(`dense`) runs the same parameters with `ffn_kind=relu_gated` (the op's dense backend, plain XLA);
+the sparse variants run `ffn_kind=twell` with the op backends of `--backends`. Every row runs in
+this process on the same tokens; each figure is also given as a ratio to the dense twin and to
+plain, and each prefill row records how far its hidden states are from plain's (the same weights
+give the same states up to rounding). A short table is printed last; `--out` gets the JSON.
 """
 from __future__ import annotations
 
@@ -33,10 +42,13 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # plain_llama, also when imported from elsewhere
 
+from plain_llama import reference_body, reference_decode_step, reference_params_from_model  # noqa: E402
+from plain_llama import reference_prefill_cache  # noqa: E402
 from twell_jax.config import ModelConfig  # noqa: E402
 from twell_jax.inference.load import load_run, model_with_params, validation_tokens  # noqa: E402
-from twell_jax.model import Transformer, init_cache, init_model, split_model  # noqa: E402
+from twell_jax.model import Transformer, choose_attention, init_cache, init_model, split_model  # noqa: E402
 from twell_jax.training.checkpoint import checkpoint_dir  # noqa: E402
 from twell_jax.training.hints import run_hints  # noqa: E402
 
@@ -105,6 +117,55 @@ def body(model: Transformer, tokens_BxS: jax.Array) -> tuple[jax.Array, jax.Arra
     return model.final_norm(x_BxSxD), jnp.stack(l0)
 
 
+@dataclasses.dataclass(frozen=True)
+class Runner:
+    """One row's model as pure functions of its parameters. Every jitted program takes the
+    parameters as an argument: closing over them would bake the weights in as constants."""
+
+    params: Any  # the pytree each function below takes first
+    # (params, tokens_BxS) -> (hidden_BxSxD, l0_L or None): the decoder body, no LM head.
+    body: Callable[[Any, jax.Array], tuple[jax.Array, jax.Array | None]]
+    # (params, tokens_BxS, length) -> (last-token logits_BxV, a cache of `length` slots filled at [0, S)).
+    prefill: Callable[[Any, jax.Array, int], tuple[jax.Array, Any]]
+    # (params, cache, tokens_Bx1, slot) -> (logits_BxV, cache, l0_L or None): one KV-cached decode step.
+    step: Callable[[Any, Any, jax.Array, jax.Array], tuple[jax.Array, Any, jax.Array | None]]
+    telemetry: bool  # whether body and step return the per-layer active counts (plain JAX has none)
+
+
+def model_runner(model: Transformer, cfg: ModelConfig) -> Runner:
+    """A twell_jax model: `body` above, and `Transformer.decode` for the prefill (in chunks) and steps."""
+    graphdef, state = nnx.split(model)
+
+    def prefill(st: nnx.State, tokens_BxS: jax.Array, length: int) -> tuple[jax.Array, Any]:
+        # In chunks: the masked attention of one call materialises [B, N, chunk, length] scores.
+        model_, cache = nnx.merge(graphdef, st), init_cache(cfg, tokens_BxS.shape[0], length)
+        start_B = jnp.zeros((tokens_BxS.shape[0],), jnp.int32)
+        for begin in range(0, tokens_BxS.shape[1], PREFILL_CHUNK):
+            logits_BxV, cache, _ = model_.decode(tokens_BxS[:, begin:begin + PREFILL_CHUNK], cache,
+                                                 jnp.int32(begin), start_B)
+        return logits_BxV, cache
+
+    def step(st: nnx.State, cache: Any, tokens_Bx1: jax.Array, slot: jax.Array) -> tuple[jax.Array, Any, jax.Array]:
+        start_B = jnp.zeros((tokens_Bx1.shape[0],), jnp.int32)
+        logits_BxV, cache, aux = nnx.merge(graphdef, st).decode(tokens_Bx1, cache, slot, start_B)
+        return logits_BxV, cache, aux["l0"]
+
+    return Runner(state, lambda st, t: body(nnx.merge(graphdef, st), t), prefill, step, telemetry=True)
+
+
+def plain_runner(cfg: ModelConfig, params: dict[str, Any], dtype: str, context: int) -> Runner:
+    """The plain-JAX Llama (experiments/plain_llama.py) over the model's `params` cast to `dtype`.
+    Prefill attention is the implementation the model picks at `context` tokens (cuDNN on an
+    NVIDIA GPU where it takes the shape); decode attention is masked XLA, as the model's decode."""
+    attention = choose_attention(cfg.attention_impl, dtype=jnp.dtype(dtype), head_dim=cfg.head_dim, seq_len=context)
+    return Runner(
+        reference_params_from_model(cfg, params, dtype),
+        body=lambda p, t: (reference_body(cfg, p, t, attention), None),
+        prefill=lambda p, t, length: reference_prefill_cache(cfg, p, t, length, "xla", PREFILL_CHUNK),
+        step=lambda p, cache, t, slot: (*reference_decode_step(cfg, p, cache, t, slot, "xla"), None),
+        telemetry=False)
+
+
 def timed(fn: Callable[[], Any], min_seconds: float, min_iters: int) -> tuple[float, int, float, float]:
     """(seconds per call, calls, window start, window end): calls run back to back until both minima."""
     jax.block_until_ready(fn())  # compile + warm-up
@@ -133,55 +194,51 @@ def variant_models(base: ModelConfig, params: dict[str, Any], backends: list[str
     return {name: model_with_params(cfg, params, dtype) for name, cfg in variants.items()}
 
 
-def bench_prefill(model: Transformer, tokens_BxS: jax.Array, sampler: PowerSampler | None,
-                  min_seconds: float) -> dict[str, Any]:
-    graphdef, state = nnx.split(model)
-    fn = jax.jit(lambda st, t: body(nnx.merge(graphdef, st), t))
-    _, l0 = fn(state, tokens_BxS)
+def _l0_list(l0: jax.Array | None) -> list[float] | None:
+    return None if l0 is None else np.asarray(l0, np.float64).round(2).tolist()
+
+
+def bench_prefill(runner: Runner, tokens_BxS: jax.Array, sampler: PowerSampler | None,
+                  min_seconds: float) -> tuple[dict[str, Any], jax.Array]:
+    """(figures, the hidden states [B, S, D] of one call) of the decoder body on `tokens_BxS`."""
+    fn = jax.jit(runner.body)
+    hidden_BxSxD, l0 = fn(runner.params, tokens_BxS)
     if sampler is not None:
         with sampler:
-            per_call, calls, start, end = timed(lambda: fn(state, tokens_BxS), min_seconds, 3)
+            per_call, calls, start, end = timed(lambda: fn(runner.params, tokens_BxS), min_seconds, 3)
         energy = sampler.energy_j(start, end) / (calls * tokens_BxS.size)
     else:
-        per_call, calls, _, _ = timed(lambda: fn(state, tokens_BxS), min_seconds, 3)
+        per_call, calls, _, _ = timed(lambda: fn(runner.params, tokens_BxS), min_seconds, 3)
         energy = None
-    return {"tokens_per_s": tokens_BxS.size / per_call, "ms_per_call": 1e3 * per_call, "calls": calls,
-            "energy_j_per_token": energy, "l0_per_layer": np.asarray(l0, np.float64).round(2).tolist()}
+    return ({"tokens_per_s": tokens_BxS.size / per_call, "ms_per_call": 1e3 * per_call, "calls": calls,
+             "energy_j_per_token": energy, "l0_per_layer": _l0_list(l0)}, hidden_BxSxD)
 
 
-def bench_decode(model: Transformer, cfg: ModelConfig, tokens: jax.Array, context: int, steps: int,
+def bench_decode(runner: Runner, n_layers: int, tokens: jax.Array, context: int, steps: int,
                  min_seconds: float) -> dict[str, Any]:
     """KV-cached decode of `steps` tokens per row after prefilling `tokens` [batch, context - steps]."""
-    graphdef, state = nnx.split(model)
     batch, prefill_len = tokens.shape
     assert prefill_len == context - steps, (tokens.shape, context, steps)
-    start_B = jnp.zeros((batch,), jnp.int32)
 
-    def prefill(st: nnx.State, t: jax.Array) -> tuple[jax.Array, Any]:
-        # In chunks: the masked attention of one call materialises [B, N, chunk, context] scores.
-        model_, cache = nnx.merge(graphdef, st), init_cache(cfg, batch, context)
-        for begin in range(0, prefill_len, PREFILL_CHUNK):
-            logits, cache, _ = model_.decode(t[:, begin:begin + PREFILL_CHUNK], cache, jnp.int32(begin), start_B)
-        return jnp.argmax(logits, -1).astype(jnp.int32), cache
-
-    def run_steps(st: nnx.State, token_B: jax.Array, cache: Any) -> tuple[jax.Array, jax.Array]:
+    def run_steps(params: Any, token_B: jax.Array, cache: Any) -> tuple[jax.Array, jax.Array]:
         # `steps` greedy decode steps in one program (a fori_loop): host dispatch is not what we time.
-        model_ = nnx.merge(graphdef, st)
-
         def one(i: jax.Array, carry: tuple) -> tuple:
             token, cache_, l0 = carry
-            logits, cache_, aux = model_.decode(token[:, None], cache_, prefill_len + i, start_B)
-            return jnp.argmax(logits, -1).astype(jnp.int32), cache_, l0 + aux["l0"] / steps
+            logits, cache_, l0_step = runner.step(params, cache_, token[:, None], prefill_len + i)
+            if l0_step is not None:
+                l0 = l0 + l0_step / steps
+            return jnp.argmax(logits, -1).astype(jnp.int32), cache_, l0
 
-        token_B, _, l0 = jax.lax.fori_loop(0, steps, one, (token_B, cache, jnp.zeros((cfg.n_layers,))))
+        token_B, _, l0 = jax.lax.fori_loop(0, steps, one, (token_B, cache, jnp.zeros((n_layers,))))
         return token_B, l0
 
-    token_B, cache = jax.jit(prefill)(state, tokens)
+    logits_BxV, cache = jax.jit(runner.prefill, static_argnums=2)(runner.params, tokens, context)
+    token_B = jnp.argmax(logits_BxV, -1).astype(jnp.int32)
     step_fn = jax.jit(run_steps)
-    _, l0 = step_fn(state, token_B, cache)
-    per_call, calls, _, _ = timed(lambda: step_fn(state, token_B, cache), min_seconds, 2)
+    _, l0 = step_fn(runner.params, token_B, cache)
+    per_call, calls, _, _ = timed(lambda: step_fn(runner.params, token_B, cache), min_seconds, 2)
     return {"tokens_per_s": batch * steps / per_call, "ms_per_step": 1e3 * per_call / steps, "calls": calls,
-            "l0_per_layer": np.asarray(l0, np.float64).round(2).tolist()}
+            "l0_per_layer": _l0_list(l0) if runner.telemetry else None}
 
 
 def load_params(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, Any], str]:
@@ -228,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          f"--decode-steps {args.decode_steps}")
     device = jax.devices()[0]
     print(f"[bench] {source_text} on {device.device_kind} ({jax.default_backend()}), {args.dtype}; "
-          f"d_model {cfg.d_model}, d_ff {cfg.d_ff}, {cfg.n_layers} layers; variants dense + "
+          f"d_model {cfg.d_model}, d_ff {cfg.d_ff}, {cfg.n_layers} layers; variants plain, dense, "
           + ", ".join(f"twell-{b}" for b in backends))
     hints = None
     rows_needed = max([args.prefill_batch, *batches])
@@ -241,33 +298,48 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         text = jax.random.randint(jax.random.key(args.seed), (rows_needed, args.context), 0, cfg.vocab_size)
     models = variant_models(cfg, params, backends, args.dtype, interpret=args.dry_run, hints=hints)
+    # plain first: the baseline every other row is compared with.
+    runners = {"plain": plain_runner(cfg, params, args.dtype, args.context),
+               **{name: model_runner(model, cfg) for name, model in models.items()}}
     sampler = make_power_sampler(not args.no_energy and not args.dry_run and jax.default_backend() == "gpu")
     tokens = text[:args.prefill_batch]
     rows: list[dict[str, Any]] = []
-    for name, model in models.items():
-        r = bench_prefill(model, tokens, sampler, args.min_seconds)
+    plain_hidden = None
+    for name, runner in runners.items():
+        r, hidden_BxSxD = bench_prefill(runner, tokens, sampler, args.min_seconds)
+        if plain_hidden is None:
+            plain_hidden = hidden_BxSxD.astype(jnp.float32)
+        else:  # the same weights on the same tokens: plain's states up to rounding
+            r["hidden_rel_diff_vs_plain"] = float(jnp.max(jnp.abs(hidden_BxSxD.astype(jnp.float32) - plain_hidden))
+                                                  / jnp.max(jnp.abs(plain_hidden)))
+        del hidden_BxSxD
         rows.append({"variant": name, "phase": "prefill", "batch": args.prefill_batch, **r})
         energy = "" if r["energy_j_per_token"] is None else f", {1e3 * r['energy_j_per_token']:.3f} mJ/token"
-        print(f"[bench] prefill {name}: {r['tokens_per_s']:.0f} tokens/s{energy}; active/layer {r['l0_per_layer']}")
+        diff = f"; hidden states {r['hidden_rel_diff_vs_plain']:.1e} from plain" if name != "plain" else ""
+        print(f"[bench] prefill {name}: {r['tokens_per_s']:.0f} tokens/s{energy}; "
+              f"active/layer {r['l0_per_layer'] or '-'}{diff}")
         for batch in batches:
-            r = bench_decode(model, cfg, text[:batch, :args.context - args.decode_steps], args.context,
+            r = bench_decode(runner, cfg.n_layers, text[:batch, :args.context - args.decode_steps], args.context,
                              args.decode_steps, args.min_seconds)
             rows.append({"variant": name, "phase": "decode", "batch": batch, **r})
             print(f"[bench] decode  {name} batch {batch}: {r['tokens_per_s']:.1f} tokens/s "
-                  f"({r['ms_per_step']:.3f} ms/step); active/layer {r['l0_per_layer']}")
-    dense = {(r["phase"], r["batch"]): r for r in rows if r["variant"] == "dense"}
-    for r in rows:
-        ref = dense[(r["phase"], r["batch"])]
-        r["speed_vs_dense"] = r["tokens_per_s"] / ref["tokens_per_s"]
-        if r.get("energy_j_per_token") is not None and ref.get("energy_j_per_token"):
-            r["energy_vs_dense"] = r["energy_j_per_token"] / ref["energy_j_per_token"]
-    print("\n| phase | batch | variant | tokens/s | vs dense | mJ/token | vs dense | mean active/token |")
-    print("|---|---|---|---|---|---|---|---|")
+                  f"({r['ms_per_step']:.3f} ms/step); active/layer {r['l0_per_layer'] or '-'}")
+    for base in ("dense", "plain"):
+        same = {(r["phase"], r["batch"]): r for r in rows if r["variant"] == base}
+        for r in rows:
+            ref = same[(r["phase"], r["batch"])]
+            r[f"speed_vs_{base}"] = r["tokens_per_s"] / ref["tokens_per_s"]
+            if r.get("energy_j_per_token") is not None and ref.get("energy_j_per_token"):
+                r[f"energy_vs_{base}"] = r["energy_j_per_token"] / ref["energy_j_per_token"]
+    print("\n| phase | batch | variant | tokens/s | vs dense | vs plain | mJ/token | vs dense | vs plain "
+          "| mean active/token |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mj = "-" if r.get("energy_j_per_token") is None else f"{1e3 * r['energy_j_per_token']:.3f}"
-        ev = f"{r['energy_vs_dense']:.3f}x" if "energy_vs_dense" in r else "-"
+        ev = " | ".join(f"{r[k]:.3f}x" if k in r else "-" for k in ("energy_vs_dense", "energy_vs_plain"))
+        active = "-" if r["l0_per_layer"] is None else f"{np.mean(r['l0_per_layer']):.1f} of {cfg.d_ff}"
         print(f"| {r['phase']} | {r['batch']} | {r['variant']} | {r['tokens_per_s']:.1f} | "
-              f"{r['speed_vs_dense']:.3f}x | {mj} | {ev} | {np.mean(r['l0_per_layer']):.1f} of {cfg.d_ff} |")
+              f"{r['speed_vs_dense']:.3f}x | {r['speed_vs_plain']:.3f}x | {mj} | {ev} | {active} |")
     result = {"source": source_text, "device": device.device_kind, "backend": jax.default_backend(),
               "dtype": args.dtype, "context": args.context, "decode_steps": args.decode_steps,
               "model": dataclasses.asdict(cfg), "rows": rows, "date": time.strftime("%Y-%m-%d")}

@@ -7,9 +7,9 @@
     python experiments/bench_step.py --dry-run          # tiny shapes on CPU (what the test runs)
 
 A variant is `kind[@backend]:remat` with kind an FFN kind of the model (model.ffn_kind) or `ref` (the
-plain-JAX reference model written below), backend an op backend for the kinds that run the sparse op
-(default: the config's), remat a policy of model.remat. One step = jax.grad of CE (+ the L1
-penalty for kinds trained with it), plus the AdamW update of the trainer with --optimizer. Without
+plain-JAX Llama of experiments/plain_llama.py, bf16 parameters), backend an op backend for the kinds
+that run the sparse op (default: the config's), remat a policy of model.remat. One step = jax.grad
+of CE (+ the L1 penalty for kinds trained with it), plus the AdamW update of the trainer with --optimizer. Without
 --optimizer the step returns the weights unchanged beside their gradients, so every timed step sees
 the same weights (a sparse step's time depends on their values) and the gradient buffer counts in
 the compiled memory, as it does in training. All steps run on one device, on one micro-batch of random tokens; with `--checkpoint RUN` (a trained run, e.g. from
@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # plain_llama, also when imported from elsewhere
 from configs import get_config  # noqa: E402
 from twell_jax import config as config_lib  # noqa: E402
 from twell_jax.config import FFN_KIND_TABLE, REMAT_POLICIES, ExperimentConfig, ModelConfig  # noqa: E402
@@ -55,67 +56,13 @@ from twell_jax.training.checkpoint import checkpoint_dir, restore_params  # noqa
 from twell_jax.training.hints import run_hints  # noqa: E402
 from twell_jax.training.train import abstract_graphdef, measure_active_per_layer  # noqa: E402
 from twell_jax.training.optimizer import build_optimizer  # noqa: E402
+from plain_llama import REFERENCE_REMATS, reference_init, reference_loss  # noqa: E402
 
 H100_BF16_PEAK_FLOPS = 989e12
 # --dry-run: a tiny model of the preset's family, fp32 on CPU, to check the script end to end.
 DRY_RUN_SETS = ["model.vocab_size=512", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
                 "model.d_ff=64", "model.max_seq_len=16", "data.vocab_size=300", "data.seq_len=16",
                 "model.compute_dtype=float32"]
-
-
-# ----------------------------------------------------------------------------- reference model
-
-
-def reference_init(cfg: ModelConfig, key: jax.Array) -> dict[str, Any]:
-    """A plain Llama (tied embedding, RMSNorm, RoPE, MHA, relu-gated FFN of the same widths) with
-    bf16 parameters: nothing of twell_jax, so the baseline needs no trust in the library."""
-    d, h, dt = cfg.d_model, cfg.d_ff, jnp.bfloat16
-    keys = iter(jax.random.split(key, 1 + 7 * cfg.n_layers))
-    normal = lambda shape: (cfg.init_std * jax.random.normal(next(keys), shape)).astype(dt)  # noqa: E731
-    layers = [{"wq": normal((d, d)), "wk": normal((d, d)), "wv": normal((d, d)), "wo": normal((d, d)),
-               "wg": normal((d, h)), "wu": normal((d, h)), "wd": normal((h, d)),
-               "n1": jnp.ones((d,), dt), "n2": jnp.ones((d,), dt)} for _ in range(cfg.n_layers)]
-    return {"embed": normal((cfg.vocab_size, d)), "layers": layers, "norm": jnp.ones((d,), dt)}
-
-
-def reference_loss(cfg: ModelConfig, remat: str, attention: str | None,
-                   params: dict[str, Any], tokens_BxT: jax.Array) -> jax.Array:
-    """Mean next-token CE of the reference model (bf16 dots, f32 norms/softmax/loss)."""
-    n, k = cfg.n_heads, cfg.head_dim
-
-    def norm(x, scale):
-        x32 = x.astype(jnp.float32)
-        return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + cfg.norm_eps)
-                * scale.astype(jnp.float32)).astype(x.dtype)
-
-    def rope(x):  # [B, S, N, K], non-interleaved halves
-        s = x.shape[1]
-        freq = 1.0 / cfg.rope_theta ** (jnp.arange(k // 2, dtype=jnp.float32) / (k // 2))
-        ang = jnp.arange(s, dtype=jnp.float32)[:, None] * freq
-        cos, sin = jnp.cos(ang)[None, :, None], jnp.sin(ang)[None, :, None]
-        x1, x2 = x[..., : k // 2].astype(jnp.float32), x[..., k // 2:].astype(jnp.float32)
-        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
-
-    def block(x, p):
-        b, s, d = x.shape
-        a = norm(x, p["n1"])
-        q, kk, v = (rope((a @ p[w]).reshape(b, s, n, k)) if w != "wv" else (a @ p[w]).reshape(b, s, n, k)
-                    for w in ("wq", "wk", "wv"))
-        o = jax.nn.dot_product_attention(q, kk, v, is_causal=True, implementation=attention)
-        x = x + o.reshape(b, s, d) @ p["wo"]
-        f = norm(x, p["n2"])
-        hidden = (jax.nn.relu((f @ p["wg"]).astype(jnp.float32)) * (f @ p["wu"]).astype(jnp.float32))
-        return x + hidden.astype(x.dtype) @ p["wd"]
-
-    if remat == "full":
-        block = jax.checkpoint(block)
-    elif remat == "dots":
-        block = jax.checkpoint(block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    x = params["embed"][tokens_BxT[:, :-1]]
-    for p in params["layers"]:
-        x = block(x, p)
-    logits = (norm(x, params["norm"]) @ params["embed"].T).astype(jnp.float32)
-    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tokens_BxT[:, 1:]))
 
 
 # ----------------------------------------------------------------------------- variants
@@ -137,7 +84,7 @@ def parse_variants(text: str) -> list[tuple[str, str | None, str]]:
         if backend and backend not in BACKENDS:
             raise ValueError(f"--variants: unknown backend {backend!r} in {item!r}; expected one of "
                              f"{', '.join(BACKENDS)}")
-        if kind == "ref" and remat not in ("none", "full", "dots"):
+        if kind == "ref" and remat not in REFERENCE_REMATS:
             raise ValueError(f"--variants: the reference model takes remat none, full or dots, got {item!r}")
         if remat not in REMAT_POLICIES:
             raise ValueError(f"--variants: unknown remat policy {remat!r} in {item!r}; expected one of "

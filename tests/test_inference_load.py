@@ -137,7 +137,7 @@ def test_twell_generate_streams_and_reports_errors(micro_run, capsys, monkeypatc
     assert rc == 2 and "no run directory" in capsys.readouterr().err
 
 
-def test_bench_inference_dry_run_measures_both_variants_on_the_same_weights(tmp_path):
+def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_inference.py"), "--dry-run",
@@ -147,9 +147,15 @@ def test_bench_inference_dry_run_measures_both_variants_on_the_same_weights(tmp_
 
     rows = json.loads(out.read_text())["rows"]
     assert {(r["phase"], r["batch"]) for r in rows} == {("prefill", 2), ("decode", 1), ("decode", 2)}
-    assert {r["variant"] for r in rows} == {"dense", "twell-reference"}
+    assert [r["variant"] for r in rows if r["phase"] == "prefill"] == ["plain", "dense", "twell-reference"]
     for r in rows:
-        assert r["tokens_per_s"] > 0 and len(r["l0_per_layer"]) == 2
-    # The same weights: dense and sparse rows see the same activity.
-    prefill = {r["variant"]: r["l0_per_layer"] for r in rows if r["phase"] == "prefill"}
-    np.testing.assert_allclose(prefill["dense"], prefill["twell-reference"], rtol=1e-4)
+        assert r["tokens_per_s"] > 0 and r["speed_vs_plain"] > 0 and r["speed_vs_dense"] > 0
+        # plain JAX has no FFN telemetry; the library's rows count per layer.
+        assert r["l0_per_layer"] is None if r["variant"] == "plain" else len(r["l0_per_layer"]) == 2
+    # The same weights: dense and sparse rows see the same activity, and plain's hidden states (f32).
+    prefill = {r["variant"]: r for r in rows if r["phase"] == "prefill"}
+    np.testing.assert_allclose(prefill["dense"]["l0_per_layer"], prefill["twell-reference"]["l0_per_layer"],
+                               rtol=1e-4)
+    assert prefill["dense"]["hidden_rel_diff_vs_plain"] < 1e-5
+    assert prefill["twell-reference"]["hidden_rel_diff_vs_plain"] < 1e-5
+    assert "| prefill | 2 | plain |" in proc.stdout and "| vs plain |" in proc.stdout

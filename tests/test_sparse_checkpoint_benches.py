@@ -81,7 +81,11 @@ def test_bench_inference_feeds_the_runs_text(sparse_run, tmp_path):
     result = bench_inference.main(["--dry-run", "--checkpoint", str(out), "--out", str(tmp_path / "inf.json")])
     phases = {(r["phase"], r["batch"], r["variant"]) for r in result["rows"]}
     assert ("prefill", 2, "dense") in phases and ("decode", 2, "twell-reference") in phases
+    assert {("prefill", 2, "plain"), ("decode", 1, "plain"), ("decode", 2, "plain")} <= phases
     assert result["source"].startswith("checkpoint")
+    # The plain-JAX rows run the run's weights: on its text the dense twin's states are plain's (f32).
+    dense = next(r for r in result["rows"] if r["variant"] == "dense" and r["phase"] == "prefill")
+    assert dense["hidden_rel_diff_vs_plain"] < 1e-5 and dense["speed_vs_plain"] > 0
 
 
 @pytest.mark.parametrize("text,match", [("ref@pallas:none", "only kinds that run the sparse op"),
