@@ -123,8 +123,10 @@ def rel_errors(grads: Sequence[jax.Array], base: Sequence[jax.Array], names: Seq
             for name, g, r in zip(names, grads, base)}
 
 
+@functools.lru_cache(maxsize=None)
 def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
-    """The Pallas path's pieces as separately jitted functions (pallas_backward.backward's steps).
+    """The Pallas path's pieces as separately jitted functions (pallas_backward.backward's steps);
+    made once per (config, interpret, H), so the layers of a checkpoint share their compilations.
 
     token_tail / neuron_tail repeat the bodies of backward's token_tail_chunk / hot_chunk (closures
     there) over pallas_backward._chunked, so they take the tails as the backward does on this
