@@ -301,7 +301,7 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
     # The pattern, as the backward builds it (pack, tail mask, token-major kernel, transpose).
     counts = p["pack"](x0[0], wg)[2]
     prepared = p["token_inputs"](x0[0], wg)
-    dx, cols, entries = p["token"](*x0, prepared)
+    _, cols, entries = p["token"](*x0, prepared)
     lists = p["transpose"](cols, prepared[2], entries)
     stats = pattern_stats(np.asarray(counts), np.asarray(lists[1]), config, seq_len)
     hint = stats["active_mean"]
@@ -534,7 +534,7 @@ def run_checkpoint(args, out: "Output") -> None:
 
 def layer_table(rows: Sequence[dict]) -> list[str]:
     """The short per-layer table printed last."""
-    lines = [f"{'layer':>5} | {'k mean/max':>10} | {'tail rows':>9} | {'hot':>5} | {'xla ms':>7} | "
+    lines = [f"{'layer':>5} | {'k mean/max':>10} | {'tail rows':>9} | {'hot':>8} | {'xla ms':>7} | "
              f"{'pallas ms (ratio)':>17} | {'auto ms (ratio, plan)':>28} | {'top 3 pieces ms':<50} | model pallas ms"]
     for r in rows:
         if "error" in r:
@@ -547,8 +547,11 @@ def layer_table(rows: Sequence[dict]) -> list[str]:
         pallas = f"{ms['pallas']:.3f} ({ms['xla_bf16'] / ms['pallas']:.2f}x)"
         auto = f"{ms['auto']:.3f} ({ms['xla_bf16'] / ms['auto']:.2f}x, {plan[0]}/{plan[1]})"
         pieces = ", ".join(f"{n} {t:.2f}" for n, t in top)
+        # ">cap": more than the tail's capacity, so the whole call runs the dense backward.
+        tail = f"{st['token_tail_rows']}" + (">cap" if st["token_fallback"] else "")
+        hot = f"{st['hot_neurons']}" + (">cap" if st["neuron_fallback"] else "")
         lines.append(f"{r['layer']:>5} | {st['active_mean']:>5.1f}/{st['active_max']:<4} | "
-                     f"{st['token_tail_rows']:>9} | {st['hot_neurons']:>5} | {ms['xla_bf16']:>7.3f} | "
+                     f"{tail:>9} | {hot:>8} | {ms['xla_bf16']:>7.3f} | "
                      f"{pallas:>17} | {auto:>28} | {pieces:<50} | {r['model']['pallas_ms']:.3f}")
     return lines
 
