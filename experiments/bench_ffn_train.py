@@ -1,21 +1,40 @@
 """Benchmark of the FFN block's forward + backward (gradients of x and the 3 weights) per backend.
 
     PYTHONUNBUFFERED=1 python experiments/bench_ffn_train.py [--quick] [--out DIR]
+    PYTHONUNBUFFERED=1 python experiments/bench_ffn_train.py --checkpoint RUN [--step N] [--layers 0,3,7]
     python experiments/bench_ffn_train.py --dry-run --out /tmp/b   # CPU, interpret, tiny shapes
+    python experiments/bench_ffn_train.py --dry-run --checkpoint RUN --out /tmp/b   # the same, a tiny run
 
-Backends, all in the same process on the same inputs (bf16, D 2048, H 5632, synthetic sparsity of
-experiments/bench_ffn.py at k = 29, 56, 112 active per token, M = 2048 / 16384 / 65536):
+Two sources of (x, weights), measured by the same functions (`measure`):
+- synthetic (default): bf16, D 2048, H 5632, the sparsity of experiments/bench_ffn.py at k = 29, 56,
+  112 active per token, M = 2048 / 16384 / 65536 (3 input sets rotated while timing);
+- `--checkpoint RUN`: a trained run (`inference.load_run`, compute dtype --dtype), fed the first
+  --micro-batch sequences of its validation split; the model's own forward records what each
+  chosen layer's FeedForward receives (the normed activations x [M, D], `capture_ffn_inputs`), and
+  each layer is measured on its real x and its three weights. The cotangent gy is a fixed random
+  [M, D] (as in the synthetic mode): the sparse backward's work (which rows go to the token tail,
+  which neurons are hot, how many entries each kernel visits) is set by the forward's pattern,
+  i.e. by x and W_gate, not by gy's values.
+
+Backends, all in the same process on the same inputs:
     xla_bf16          plain jnp, bf16 dots, no preferred_element_type (the dense baseline)
     dense             ops.gated_ffn(backend="dense")
-    reference         backend="reference" (M <= 16384 only: it materialises [M, H] in f32)
+    reference         backend="reference" (synthetic mode, M <= 16384 only: it materialises [M, H] f32)
     pallas            backend="pallas": Pallas forward + Pallas backward, pack kept
     pallas_recompute  the same with BackwardConfig(keep_gate_pattern=False)
-    auto              backend="auto" with expected_active_per_token = the calibrated count
+    auto              backend="auto" with expected_active_per_token = the measured mean active count
 Each is first checked against xla_bf16 (max abs error per gradient, and relative error), then
 timed (interleaved medians, bench_ffn.bench_interleaved); the compiled temporary memory of each
-(`jax.jit(f).lower(...).compile().memory_analysis()`), and the time of each piece of the Pallas
-path (pack, fused FFN, token tail mask, token-major kernel, transpose, neuron-major kernel, a
-64-row dense token tail). Prints a short table last; writes bench_ffn_train.json to --out.
+(`memory_analysis()` of the program that is timed), and the time of each piece of the Pallas
+path: pack, fused FFN, token tail mask, token-major kernel, transpose, neuron-major kernel, one
+64-row block of the dense token tail, and the dense tails as the backward takes them on this
+pattern (token tail: ceil(rows / chunk) blocks; neuron tail: the hot neurons' blocks), each
+tail checked against xla_bf16's gradients on its rows. Beside the times: the pattern statistics
+(`pattern_stats`: active per token, tail rows, per-neuron entry counts, hot neurons, the tails'
+sizes and whether a capacity is exceeded, i.e. the whole call falls back to the dense backward)
+and the cost model's prediction at the measured mean k (`model_prediction`:
+pallas_backward.sparse_times_ms / dense_times_ms and auto's plan, ops.auto_decision). Prints a
+short table last; writes bench_ffn_train.json (and table.txt) to --out.
 """
 from __future__ import annotations
 
@@ -25,11 +44,14 @@ import functools
 import json
 import os
 import sys
+import time
 from pathlib import Path
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,10 +61,15 @@ from pallas_kernels.twell_bwd_token import token_backward  # noqa: E402
 from pallas_kernels.twell_ffn import sparse_ffn  # noqa: E402
 from pallas_kernels.twell_pack import pack_gate  # noqa: E402
 from twell_jax import ops  # noqa: E402
-from twell_jax.ops import pallas_forward, pallas_backward  # noqa: E402
+from twell_jax.model import FeedForward, Transformer  # noqa: E402
+from twell_jax.ops import pallas_backward  # noqa: E402
 
 L1_COEF = 3e-4 / 8  # the 0.5b recipe's lambda over its 8 layers (twell.md 4.9)
 BACKENDS = ("xla_bf16", "dense", "reference", "pallas", "pallas_recompute", "auto")
+CHECKPOINT_BACKENDS = ("xla_bf16", "dense", "pallas", "pallas_recompute", "auto")
+GRAD_NAMES = ("dx", "dw_gate", "dw_up", "dw_down")
+_HIGHEST = jax.lax.Precision.HIGHEST
+Weights3 = tuple[jax.Array, jax.Array, jax.Array]
 
 
 def xla_bf16_loss_parts(x, w_gate, w_up, w_down):
@@ -71,13 +98,39 @@ def make_train_step(backend: str, config: ops.SparseFFNConfig, interpret: bool):
     return jax.jit(step)
 
 
-def temp_mb(fn, args) -> float:
-    analysis = fn.lower(*args).compile().memory_analysis()
+_COMPILED: dict = {}
+
+
+def compiled_step(backend: str, config: ops.SparseFFNConfig, interpret: bool, args: tuple):
+    """make_train_step's program compiled for args' shapes, once per (backend, config, shapes):
+    the layers of a checkpoint share their shapes, so only "auto" (one hint each) compiles again."""
+    key = (backend, config, interpret, tuple((a.shape, a.dtype) for a in args))
+    if key not in _COMPILED:
+        _COMPILED[key] = make_train_step(backend, config, interpret).lower(*args).compile()
+    return _COMPILED[key]
+
+
+def temp_mb(compiled) -> float:
+    """Compiled temporary memory (MiB) of a compiled program (nan when XLA does not report it)."""
+    analysis = compiled.memory_analysis()
     return float("nan") if analysis is None else analysis.temp_size_in_bytes / 2**20
 
 
-def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int):
-    """The Pallas path's pieces as separately jitted functions of (x, wg, wu, wd, gy)."""
+def rel_errors(grads: Sequence[jax.Array], base: Sequence[jax.Array], names: Sequence[str]) -> dict:
+    """{name: {max_abs, rel}} of each gradient against the baseline's."""
+    return {name: dict(max_abs=float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
+                       if g.size else 0.0, rel=bench_ffn.rel_err(g, r))
+            for name, g, r in zip(names, grads, base)}
+
+
+@functools.lru_cache(maxsize=None)
+def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
+    """The Pallas path's pieces as separately jitted functions (pallas_backward.backward's steps);
+    made once per (config, interpret, H), so the layers of a checkpoint share their compilations.
+
+    token_tail / neuron_tail repeat the bodies of backward's token_tail_chunk / hot_chunk (closures
+    there) over pallas_backward._chunked, so they take the tails as the backward does on this
+    pattern; `measure` checks both against xla_bf16's gradients on their rows."""
     s = dict(tile=config.tile, slots=config.slots)
     bc = config.backward or pallas_backward.BackwardConfig()
     pack = jax.jit(lambda x, wg: pack_gate(x, wg, **s, interpret=interpret))
@@ -89,15 +142,17 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int):
 
     def token(x, wg, wu, wd, gy, prepared):
         values, indices, counts, _ = prepared
-        return token_backward(x, gy, values, indices, counts, wg, wu, wd, jnp.float32(1e-5),
-                              width=config.ell_width, block_sizes=bc.token_block_sizes,
-                              interpret=interpret)
+        return token_backward(x, gy, values, indices, counts, wg, wu, wd,
+                              jnp.float32(L1_COEF / x.shape[0]), width=config.ell_width,
+                              block_sizes=bc.token_block_sizes, interpret=interpret)
+
+    def valid_slots(cols, counts):  # the ELL slots the backward reads (tail rows have counts 0)
+        nnz = jnp.sum(jnp.minimum(counts, config.slots), axis=1)
+        return jnp.arange(cols.shape[1])[None, :] < nnz[:, None]
 
     @jax.jit
     def transpose(cols, counts, entries):
-        nnz = jnp.sum(jnp.minimum(counts, config.slots), axis=1)
-        valid = jnp.arange(cols.shape[1])[None, :] < nnz[:, None]
-        return pallas_backward.neuron_major_lists(cols, valid, entries, h)
+        return pallas_backward.neuron_major_lists(cols, valid_slots(cols, counts), entries, h)
 
     def neuron(x, gy, lists):
         start, count, tokens, values = lists
@@ -108,21 +163,278 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int):
     @jax.jit
     def token_tail64(x, wg, wu, wd, gy):
         return pallas_backward.dense_rows_backward(True, x[:64], gy[:64], (wg, wu, wd),
-                                                   jnp.float32(1e-5))
+                                                   jnp.float32(L1_COEF / x.shape[0]))
 
-    return pack, jax.jit(token_inputs), jax.jit(token), transpose, jax.jit(neuron), token_tail64
+    @jax.jit
+    def token_tail(x, wg, wu, wd, gy, tail_M):
+        """(dx [M, D] f32: the tail rows' rows, zeros elsewhere; f32 weight-gradient parts)."""
+        m, d = x.shape
+
+        def body(rows_C, carry):
+            dx, inits = carry
+            used_C = (rows_C < m)[:, None]
+            safe_C = jnp.minimum(rows_C, m - 1)
+            dx_CxD, contribs = pallas_backward.dense_rows_backward(
+                True, jnp.where(used_C, x[safe_C], 0), jnp.where(used_C, gy[safe_C], 0), (wg, wu, wd),
+                jnp.float32(L1_COEF / m))
+            return dx.at[rows_C].set(dx_CxD, mode="drop"), tuple(a + b for a, b in zip(inits, contribs))
+
+        zeros = tuple(jnp.zeros((h, d), jnp.float32) for _ in range(3))
+        return pallas_backward._chunked(tail_M, config.tail_capacity(m), bc.token_tail_chunk, body,
+                                        (jnp.zeros((m, d), jnp.float32), zeros))
+
+    @jax.jit
+    def neuron_tail(x, gy, cols, counts, entries, count_H):
+        """f32 weight gradients (gate, up, down) of the hot neurons' ELL entries, zeros elsewhere."""
+        m, d = x.shape
+        valid = valid_slots(cols, counts)
+        x32, gy32 = x.astype(jnp.float32), gy.astype(jnp.float32)
+        rows = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32)[:, None], cols.shape)
+
+        def body(hot_C, inits):
+            chunk = hot_C.shape[0]
+            slot_of_H = jnp.full((h + 1,), chunk, jnp.int32).at[hot_C].set(
+                jnp.arange(chunk, dtype=jnp.int32), mode="drop")
+            slot = jnp.where(valid, slot_of_H[cols], chunk)
+
+            def dense(v):
+                return jnp.zeros((m, chunk), jnp.float32).at[rows, slot].set(v, mode="drop")
+
+            t, d_up, d_gate = (dense(v) for v in entries)
+            return tuple(init.at[hot_C].add(jnp.einsum("mc,md->cd", v, src, precision=_HIGHEST), mode="drop")
+                         for init, (v, src) in zip(inits, ((d_gate, x32), (d_up, x32), (t, gy32))))
+
+        zeros = tuple(jnp.zeros((h, d), jnp.float32) for _ in range(3))
+        return pallas_backward._chunked(count_H > config.transpose_ell_width,
+                                        config.transpose_tail_capacity(h), bc.neuron_tail_chunk, body, zeros)
+
+    return dict(pack=pack, token_inputs=jax.jit(token_inputs), token=jax.jit(token), transpose=transpose,
+                neuron=jax.jit(neuron), token_tail64=token_tail64, token_tail=token_tail,
+                neuron_tail=neuron_tail)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="M = 16384 at k = 29 and 56 only")
-    parser.add_argument("--dry-run", "--interpret", dest="dry_run", action="store_true",
-                        help="tiny shapes through the Pallas interpreter (CPU check of the script)")
-    parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    args = parser.parse_args()
+def pattern_stats(counts_MxNT: np.ndarray, neuron_count_H: np.ndarray, config: ops.SparseFFNConfig,
+                  seq_len: int | None = None) -> dict:
+    """Statistics of a layer's pattern as the Pallas backward sees it.
+
+    counts_MxNT: the pack's active count per (token, tile) (exact, also where a tile overflows its
+    slots); neuron_count_H: entries per neuron in the backward's neuron-major lists (tokens of the
+    token tail excluded, as in pallas_backward.backward). The tails follow backward's decisions:
+    token tail = pallas_backward.token_tail_mask, hot = more than transpose_ell_width entries; each
+    runs ceil(n / chunk) dense blocks of chunk rows (neurons), and n above the config's capacity
+    sends the whole call to the dense backward (`*_fallback`). `seq_len` adds the mean active
+    count of the first token of each sequence (rows 0, seq_len, ...)."""
+    counts_MxNT = np.asarray(counts_MxNT)
+    neuron_count_H = np.asarray(neuron_count_H)
+    if counts_MxNT.ndim != 2 or neuron_count_H.ndim != 1:
+        raise ValueError(f"counts_MxNT must be [M, NT] and neuron_count_H [H], got {counts_MxNT.shape} "
+                         f"and {neuron_count_H.shape}")
+    m, h = counts_MxNT.shape[0], neuron_count_H.shape[0]
+    bc = config.backward or pallas_backward.BackwardConfig()
+    active_M = counts_MxNT.sum(axis=1)
+    overflow_M = (counts_MxNT > config.slots).any(axis=1)
+    wide_M = active_M > config.ell_width
+    tail = int(np.sum(overflow_M | wide_M))
+    hot_H = neuron_count_H > config.transpose_ell_width
+    n_hot = int(hot_H.sum())
+    entries = int(neuron_count_H.sum())
+    token_cap, hot_cap = config.tail_capacity(m), config.transpose_tail_capacity(h)
+
+    def blocks(n: int, cap: int, chunk: int) -> int:
+        return -(-min(n, cap) // chunk)
+
+    def pct(v: np.ndarray, q: float) -> float:
+        return float(np.percentile(v, q)) if v.size else 0.0
+
+    stats = dict(
+        tokens=m, neurons=h,
+        active_mean=float(active_M.mean()) if m else 0.0, active_p50=pct(active_M, 50),
+        active_p99=pct(active_M, 99), active_max=int(active_M.max()) if m else 0,
+        token_tail_rows=tail, overflow_rows=int(overflow_M.sum()), wide_rows=int(wide_M.sum()),
+        token_tail_capacity=token_cap,
+        token_tail_blocks=blocks(tail, token_cap, bc.token_tail_chunk),
+        token_tail_dense_rows=blocks(tail, token_cap, bc.token_tail_chunk) * bc.token_tail_chunk,
+        token_fallback=tail > token_cap,
+        neuron_entries=entries, neuron_count_max=int(neuron_count_H.max()) if h else 0,
+        neuron_count_p99=pct(neuron_count_H, 99), dead_neurons=int(np.sum(neuron_count_H == 0)),
+        hot_threshold=config.transpose_ell_width, hot_neurons=n_hot,
+        hot_entry_share=float(neuron_count_H[hot_H].sum() / entries) if entries else 0.0,
+        neuron_tail_capacity=hot_cap,
+        neuron_tail_blocks=blocks(n_hot, hot_cap, bc.neuron_tail_chunk),
+        neuron_tail_dense_neurons=blocks(n_hot, hot_cap, bc.neuron_tail_chunk) * bc.neuron_tail_chunk,
+        neuron_fallback=n_hot > hot_cap,
+    )
+    if seq_len:
+        stats["first_token_active_mean"] = float(active_M[::seq_len].mean()) if m else 0.0
+    return stats
+
+
+def model_prediction(m: int, d: int, h: int, k: float, config: ops.SparseFFNConfig, itemsize: int,
+                     interpret: bool) -> dict:
+    """The cost table's figures (ms) at mean k for this shape, and the plan "auto" compiles."""
+    keep = (config.backward or pallas_backward.BackwardConfig()).keep_gate_pattern
+    fwd, bwd = pallas_backward.sparse_times_ms(m, d, h, k, True, itemsize=itemsize, ell_width=config.ell_width,
+                                               keep_pattern=keep)
+    _, bwd_recompute = pallas_backward.sparse_times_ms(m, d, h, k, True, itemsize=itemsize,
+                                                       ell_width=config.ell_width, keep_pattern=False)
+    dense_fwd, dense_bwd = pallas_backward.dense_times_ms(m, d, h, True)
+    auto_cfg = dataclasses.replace(config, expected_active_per_token=float(k))
+    return dict(pallas_fwd_ms=fwd, pallas_bwd_ms=bwd, pallas_ms=fwd + bwd,
+                pallas_recompute_ms=fwd + bwd_recompute, dense_ms=dense_fwd + dense_bwd,
+                choose_training_path=list(pallas_backward.choose_training_path(
+                    m, d, h, k, True, itemsize=itemsize, ell_width=config.ell_width, keep_pattern=keep)),
+                auto_plan=list(ops.auto_decision(True, auto_cfg, (m, d, h, itemsize), interpret)))
+
+
+def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: ops.SparseFFNConfig,
+            interpret: bool, backends: Sequence[str], *, seq_len: int | None = None,
+            repeats: int = 15, log=print) -> dict:
+    """Everything the benchmark reports for one (x, weights): pattern statistics, the cost model's
+    prediction, each backend's errors vs xla_bf16, compiled temporary memory and time, and the
+    Pallas pieces' times. xs: input sets rotated while timing (one for a checkpoint's layer)."""
+    wg, wu, wd = weights
+    m, d = xs[0].shape
+    h = wg.shape[0]
+    sets = [(x, wg, wu, wd, gy) for x in xs]
+    x0 = sets[0]
+    p = piece_fns(config, interpret, h)
+    # The pattern, as the backward builds it (pack, tail mask, token-major kernel, transpose).
+    counts = p["pack"](x0[0], wg)[2]
+    prepared = p["token_inputs"](x0[0], wg)
+    _, cols, entries = p["token"](*x0, prepared)
+    lists = p["transpose"](cols, prepared[2], entries)
+    stats = pattern_stats(np.asarray(counts), np.asarray(lists[1]), config, seq_len)
+    hint = stats["active_mean"]
+    row: dict[str, Any] = dict(m=m, d=d, h=h, hint=hint, pattern=stats, errors={}, temp_mb={})
+    row["model"] = model_prediction(m, d, h, hint, config, x0[0].dtype.itemsize, interpret)
+    log(f"  pattern: k mean {hint:.1f} p99 {stats['active_p99']:.0f} max {stats['active_max']}, "
+        f"token tail {stats['token_tail_rows']} rows, hot neurons {stats['hot_neurons']} "
+        f"({stats['hot_entry_share']:.1%} of entries); auto plan {row['model']['auto_plan']}")
+    configs = dict(
+        pallas_recompute=dataclasses.replace(
+            config, backward=dataclasses.replace(config.backward or pallas_backward.BackwardConfig(),
+                                                 keep_gate_pattern=False)),
+        auto=dataclasses.replace(config, expected_active_per_token=hint))
+    # Compile each backend once: its memory analysis, and the program that is checked and timed.
+    steps = {b: compiled_step(b, configs.get(b, config), interpret, x0) for b in backends}
+    row["temp_mb"] = {b: temp_mb(step) for b, step in steps.items()}
+    log(f"  compiled {len(steps)} backends")
+    # Correctness first: each backend's gradients against xla_bf16's.
+    base = steps["xla_bf16"](*x0)
+    for b in backends:
+        row["errors"][b] = rel_errors(steps[b](*x0), base, GRAD_NAMES)
+    # The tails as the backward takes them, checked on their rows: the tail rows' dx, and the hot
+    # neurons' weight gradients (their ELL entries' part plus the token tail's part).
+    tail_dx, tail_parts = p["token_tail"](*x0, prepared[3])
+    hot_parts = p["neuron_tail"](x0[0], gy, cols, prepared[2], entries, lists[1])
+    tail_rows = np.flatnonzero(np.asarray(prepared[3]))
+    hot = np.flatnonzero(np.asarray(lists[1]) > config.transpose_ell_width)
+    row["piece_errors"] = {}
+    if tail_rows.size and not stats["token_fallback"]:
+        row["piece_errors"].update(rel_errors([tail_dx[tail_rows]], [base[0][tail_rows]], ["token_tail_dx"]))
+    if hot.size and not (stats["neuron_fallback"] or stats["token_fallback"]):
+        row["piece_errors"].update(rel_errors([(a + b)[hot] for a, b in zip(hot_parts, tail_parts)],
+                                              [g[hot] for g in base[1:]],
+                                              ["hot_dw_gate", "hot_dw_up", "hot_dw_down"]))
+    del base
+    row["ms"] = bench_ffn.bench_interleaved(steps, sets, repeats=repeats)
+    log("  " + ", ".join(f"{b} {t:.3f} ms" for b, t in row["ms"].items()))
+    bench = functools.partial(bench_ffn.bench, repeats=repeats)
+    piece_ms = dict(
+        pack=bench(p["pack"], [(x, wg) for x in xs]),
+        fused_ffn=bench(functools.partial(sparse_ffn, interpret=interpret),
+                        [(x, *p["pack"](x, wg), wu, wd) for x in xs[:1]]),
+        tail_mask=bench(p["token_inputs"], [(x, wg) for x in xs[:1]]),
+        token_major=bench(p["token"], [(*x0, prepared)]),
+        transpose=bench(p["transpose"], [(cols, prepared[2], entries)]),
+        neuron_major=bench(p["neuron"], [(x0[0], gy, lists)]),
+        token_tail_64_rows=bench(p["token_tail64"], [x0]),
+        token_tail=bench(p["token_tail"], [(*x0, prepared[3])]),
+    )
+    if hot.size:
+        piece_ms["neuron_tail"] = bench(p["neuron_tail"], [(x0[0], gy, cols, prepared[2], entries, lists[1])])
+    row["piece_ms"] = piece_ms
+    row["token_tail_rows"], row["hot_neurons"] = stats["token_tail_rows"], stats["hot_neurons"]
+    return row
+
+
+def capture_ffn_inputs(model: Transformer, tokens_BxS: jax.Array, layers: Sequence[int]) -> list[jax.Array]:
+    """The input x [B*S, D] that each of `layers`' FeedForward receives (the normed activations, in
+    the compute dtype) in the model's own forward on tokens_BxS, in the order of `layers`.
+
+    One jitted forward of the model, with FeedForward.__call__ wrapped for its duration to record
+    its argument (restored afterwards, also on error). Remat is turned off for the capture (it
+    changes no forward value, and a value recorded inside a remat trace could not leave it) and
+    restored."""
+    n_layers = len(model.blocks)
+    if not layers or any(not 0 <= i < n_layers for i in layers):
+        raise ValueError(f"layers must be a non-empty list of indices in [0, {n_layers}), got {list(layers)}")
+    saved = (model.remat, [blk.remat_ffn for blk in model.blocks])
+    original = FeedForward.__call__
+    recorded: list[jax.Array] = []
+
+    def recording(self, x_BxSxD, neuron_counts=False):
+        recorded.append(x_BxSxD)
+        return original(self, x_BxSxD, neuron_counts)
+
+    try:
+        model.remat = "none"
+        for blk in model.blocks:
+            blk.remat_ffn = False
+        graphdef, state = nnx.split(model)
+
+        @jax.jit
+        def forward(state, tokens):
+            recorded.clear()
+            nnx.merge(graphdef, state)(tokens)
+            if len(recorded) != n_layers:
+                raise RuntimeError(f"recorded {len(recorded)} FeedForward calls, expected one per layer ({n_layers})")
+            return [recorded[i].reshape(-1, recorded[i].shape[-1]) for i in layers]
+
+        FeedForward.__call__ = recording
+        return forward(state, tokens_BxS)
+    finally:
+        FeedForward.__call__ = original
+        recorded.clear()
+        model.remat = saved[0]
+        for blk, value in zip(model.blocks, saved[1]):
+            blk.remat_ffn = value
+
+
+def ffn_weights(model: Transformer, layer: int) -> Weights3:
+    """(w_gate, w_up, w_down) of a layer, [H, D] each, in the dtype the model holds them in."""
+    ffn = model.blocks[layer].ffn
+    if not ffn.gated or ffn.kind == "swiglu":
+        raise ValueError(f"layer {layer}'s FFN is {ffn.kind!r}: this benchmark needs a ReLU-gated kind "
+                         "(twell or relu_gated)")
+    return ffn.w_gate[...], ffn.w_up[...], ffn.w_down[...]
+
+
+def parse_layers(text: str | None, n_layers: int) -> list[int]:
+    """'0,3,7' -> [0, 3, 7]; None -> every layer. Out of range or malformed: ValueError."""
+    if text is None:
+        return list(range(n_layers))
+    try:
+        layers = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--layers must be comma-separated integers, got {text!r}") from None
+    if not layers or any(not 0 <= i < n_layers for i in layers) or len(set(layers)) != len(layers):
+        raise ValueError(f"--layers must list distinct layers in [0, {n_layers}), got {text!r}")
+    return layers
+
+
+def dry_run_config() -> ops.SparseFFNConfig:
+    """Tiny blocks for the interpreter (H must be a multiple of the tile: 16 fits the test presets),
+    with tails small enough that tiny patterns exercise both and capacities that never fall back."""
+    return ops.SparseFFNConfig(tile=16, slots=16, ell_width=32, transpose_ell_width=16, tail_rows=1.0,
+                               transpose_tail_rows=1.0,
+                               backward=pallas_backward.BackwardConfig(token_tail_chunk=8, neuron_tail_chunk=8))
+
+
+def run_synthetic(args, out: "Output") -> None:
     interpret = args.dry_run
     if interpret:  # bench_ffn's globals drive make_inputs and bench
-        bench_ffn.D, bench_ffn.H, bench_ffn.INTERPRET = 32, 48, True
+        bench_ffn.D, bench_ffn.H = 32, 48
         cases = [(48, 3.0)]
         config = ops.SparseFFNConfig(tile=16, slots=8, ell_width=16, transpose_ell_width=32)
     else:
@@ -132,65 +444,17 @@ def main() -> None:
             cases = [(16384, 29.0), (16384, 56.0)]
         config = ops.SparseFFNConfig()
     d, h = bench_ffn.D, bench_ffn.H
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results: dict = {"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": []}
     table = [f"{'M':>6} {'k':>5} " + " ".join(f"{b:>16}" for b in BACKENDS)]
     mem_table, piece_table = [], []
-    pieces = piece_fns(config, interpret, h)
-
-    def log(row):
-        results["rows"].append(row)
-        print(json.dumps(row), flush=True)
-        (out_dir / "bench_ffn_train.json").write_text(json.dumps(results, indent=1))
-
     key = jax.random.PRNGKey(0)
     for m, k in cases:
         try:
             xs, wg, wu, wd = bench_ffn.make_inputs(jax.random.fold_in(key, m), m, k)
-            gy = (jax.random.normal(jax.random.fold_in(key, 7), (m, d), jnp.float32)
-                  / np.sqrt(m)).astype(bench_ffn.DTYPE)
-            sets = [(x, wg, wu, wd, gy) for x in xs]
-            measured = pallas_forward.calibrate_active_per_token(xs[0], wg)
-            configs = dict(pallas_recompute=dataclasses.replace(config, backward=pallas_backward.BackwardConfig(
-                keep_gate_pattern=False)), auto=dataclasses.replace(config, expected_active_per_token=measured))
+            gy = fixed_cotangent(jax.random.fold_in(key, 7), m, d, bench_ffn.DTYPE)
             backends = [b for b in BACKENDS if not (b == "reference" and m > 16384)]
-            steps = {b: make_train_step(b, configs.get(b, config), interpret) for b in backends}
-            row = dict(kind="train", m=m, k=k, calibrated=measured, errors={}, temp_mb={})
-            if not interpret:
-                row["auto_plan"] = pallas_backward.choose_training_path(m, d, h, measured, True)
-            # Correctness first: each backend's gradients against xla_bf16's.
-            base = steps["xla_bf16"](*sets[0])
-            for b in backends:
-                grads = steps[b](*sets[0])
-                row["errors"][b] = {
-                    name: dict(max_abs=float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32)))),
-                               rel=bench_ffn.rel_err(g, r))
-                    for name, g, r in zip(("dx", "dw_gate", "dw_up", "dw_down"), grads, base)}
-                row["temp_mb"][b] = temp_mb(steps[b], sets[0])
-            del base, grads
-            times = bench_ffn.bench_interleaved(steps, sets)
-            row["ms"] = times
-            # The pieces of the Pallas path.
-            pack, token_inputs, token, transpose, neuron, tail64 = pieces
-            x0 = sets[0]
-            prepared = token_inputs(x0[0], wg)
-            dx, cols, entries = token(*x0, prepared)
-            lists = transpose(cols, prepared[2], entries)
-            row["piece_ms"] = dict(
-                pack=bench_ffn.bench(pack, [(x, wg) for x in xs]),
-                fused_ffn=bench_ffn.bench(functools.partial(sparse_ffn, interpret=interpret),
-                                          [(x, *pack(x, wg), wu, wd) for x in xs[:1]]),
-                tail_mask=bench_ffn.bench(token_inputs, [(x, wg) for x in xs[:1]]),
-                token_major=bench_ffn.bench(token, [(*x0, prepared)]),
-                transpose=bench_ffn.bench(transpose, [(cols, prepared[2], entries)]),
-                neuron_major=bench_ffn.bench(neuron, [(x0[0], gy, lists)]),
-                token_tail_64_rows=bench_ffn.bench(tail64, [x0]),
-            )
-            row["token_tail_rows"] = int(jnp.sum(prepared[3]))
-            row["hot_neurons"] = int(jnp.sum(lists[1] > config.transpose_ell_width))
-            del prepared, dx, cols, entries, lists
-            log(row)
+            row = dict(kind="train", k=k, **measure(xs, (wg, wu, wd), gy, config, interpret, backends,
+                                                    repeats=args.repeats, log=out.say))
+            out.log(row)
             ms = row["ms"]
             table.append(f"{m:>6} {k:>5.0f} " + " ".join(
                 f"{ms[b]:>8.3f} ({ms['xla_bf16'] / ms[b]:>4.2f}x)" if b in ms else f"{'-':>16}"
@@ -200,15 +464,151 @@ def main() -> None:
             piece_table.append(f"{m:>6} {k:>5.0f} " + " ".join(
                 f"{name}={t:.3f}" for name, t in row["piece_ms"].items())
                 + f"  tail_rows={row['token_tail_rows']} hot={row['hot_neurons']}"
-                + f"  max|err| pallas dx={row['errors']['pallas']['dx']['max_abs']:.2e}")
+                + f"  max|err| pallas dx={row['errors']['pallas']['dx']['max_abs']:.2e}"
+                + f"  model pallas={row['model']['pallas_ms']:.3f}")
         except Exception as e:  # a failing case is reported, the others still run
-            log(dict(kind="train", m=m, k=k, error=repr(e)[:500]))
+            out.log(dict(kind="train", m=m, k=k, error=repr(e)[:500]))
             table.append(f"{m:>6} {k:>5.0f} error: {repr(e)[:200]}")
-    lines = (["", f"=== fwd+bwd ms (ratio = xla_bf16 / x), D={d} H={h}, {results['device']} ==="]
-             + table + ["", "compiled temporary memory (MiB)"] + mem_table
-             + ["", "Pallas pieces (ms)"] + piece_table)
-    print("\n".join(lines))
-    (out_dir / "table.txt").write_text("\n".join(lines) + "\n")
+    out.finish(["", f"=== fwd+bwd ms (ratio = xla_bf16 / x), D={d} H={h}, {out.results['device']} ==="]
+               + table + ["", "compiled temporary memory (MiB)"] + mem_table
+               + ["", "Pallas pieces (ms)"] + piece_table)
+
+
+def fixed_cotangent(key: jax.Array, m: int, d: int, dtype: Any) -> jax.Array:
+    """The fixed random gy [M, D] (N(0, 1/M)): the backward's work depends on the pattern, not on gy."""
+    return (jax.random.normal(key, (m, d), jnp.float32) / np.sqrt(m)).astype(dtype)
+
+
+def checkpoint_config(run_op_config: dict, dry_run: bool) -> ops.SparseFFNConfig:
+    """The op config the layers are measured with: the run's ffn_op_config (what its training step
+    used) without a hint (auto gets the measured one) and with the NaN check at its default (as in
+    training; load_run turns it off for inference); tiny blocks in a dry run."""
+    if dry_run:
+        return dry_run_config()
+    fields = {k: v for k, v in run_op_config.items() if k not in ("expected_active_per_token", "check_finite")}
+    return ops.SparseFFNConfig(**fields)
+
+
+def run_checkpoint(args, out: "Output") -> None:
+    from twell_jax.inference.load import load_run, validation_tokens
+
+    interpret = args.dry_run
+    if not interpret:
+        bench_ffn.sanity()
+    t0 = time.perf_counter()
+    loaded = load_run(args.checkpoint, args.step, dtype=args.dtype)
+    cfg = loaded.config
+    layers = parse_layers(args.layers, cfg.model.n_layers)
+    micro_batch = args.micro_batch or (2 if args.dry_run else 8)
+    tokens = jnp.asarray(validation_tokens(args.checkpoint, micro_batch))[:, :-1]
+    seq_len = tokens.shape[1]
+    config = checkpoint_config(cfg.model.ffn_op_config, args.dry_run)
+    out.results.update(source=f"checkpoint {args.checkpoint} step {loaded.step}", layers=layers,
+                       micro_batch=micro_batch, seq_len=seq_len, dtype=args.dtype,
+                       run_hints=list(cfg.model.ffn_expected_active or []), op_config=repr(config))
+    out.say(f"[bench_ffn_train] {out.results['source']}: {cfg.model.n_layers} layers, D {cfg.model.d_model}, "
+            f"H {cfg.model.d_ff}, {micro_batch} x {seq_len} validation tokens, {args.dtype}; layers {layers}; "
+            f"loaded in {time.perf_counter() - t0:.1f} s")
+    xs = capture_ffn_inputs(loaded.model, tokens, layers)
+    out.say(f"[bench_ffn_train] captured the FFN inputs ({time.perf_counter() - t0:.1f} s)")
+    m, d = xs[0].shape
+    gy = fixed_cotangent(jax.random.PRNGKey(7), m, d, xs[0].dtype)
+    summary = []
+    for layer, x in zip(layers, xs):
+        t_layer = time.perf_counter()
+        out.say(f"[bench_ffn_train] layer {layer}")
+        try:
+            row = dict(kind="layer", layer=layer, **measure([x], ffn_weights(loaded.model, layer), gy, config,
+                                                           interpret, CHECKPOINT_BACKENDS, seq_len=seq_len,
+                                                           repeats=args.repeats, log=out.say))
+        except Exception as e:  # a failing layer is reported, the others still run
+            row = dict(kind="layer", layer=layer, error=repr(e)[:500])
+        row["seconds"] = time.perf_counter() - t_layer
+        out.log(row)
+        summary.append(row)
+        out.say(f"[bench_ffn_train] layer {layer} done in {row['seconds']:.1f} s "
+                f"(total {time.perf_counter() - t0:.1f} s)")
+    out.finish(["", f"=== per layer, fwd+bwd on the layer's real x (ratio = xla_bf16 / x), M={m} D={d} "
+                    f"H={cfg.model.d_ff}, {out.results['device']} ==="] + layer_table(summary))
+
+
+def layer_table(rows: Sequence[dict]) -> list[str]:
+    """The short per-layer table printed last."""
+    lines = [f"{'layer':>5} | {'k mean/max':>10} | {'tail rows':>9} | {'hot':>8} | {'xla ms':>7} | "
+             f"{'pallas ms (ratio)':>17} | {'auto ms (ratio, plan)':>28} | {'top 3 pieces ms':<50} | model pallas ms"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['layer']:>5} | error: {r['error'][:150]}")
+            continue
+        ms, st, plan = r["ms"], r["pattern"], r["model"]["auto_plan"]
+        # Pieces the backward runs on this pattern (the 64-row block is a unit cost, not one of them).
+        top = sorted(((n, t) for n, t in r["piece_ms"].items() if n != "token_tail_64_rows"),
+                     key=lambda kv: -kv[1])[:3]
+        pallas = f"{ms['pallas']:.3f} ({ms['xla_bf16'] / ms['pallas']:.2f}x)"
+        auto = f"{ms['auto']:.3f} ({ms['xla_bf16'] / ms['auto']:.2f}x, {plan[0]}/{plan[1]})"
+        pieces = ", ".join(f"{n} {t:.2f}" for n, t in top)
+        # ">cap": more than the tail's capacity, so the whole call runs the dense backward.
+        tail = f"{st['token_tail_rows']}" + (">cap" if st["token_fallback"] else "")
+        hot = f"{st['hot_neurons']}" + (">cap" if st["neuron_fallback"] else "")
+        lines.append(f"{r['layer']:>5} | {st['active_mean']:>5.1f}/{st['active_max']:<4} | "
+                     f"{tail:>9} | {hot:>8} | {ms['xla_bf16']:>7.3f} | "
+                     f"{pallas:>17} | {auto:>28} | {pieces:<50} | {r['model']['pallas_ms']:.3f}")
+    return lines
+
+
+class Output:
+    """The JSON results (rewritten after each row) and the final table, under --out."""
+
+    def __init__(self, out_dir: Path):
+        self.dir = out_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.results: dict = {"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": []}
+
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+
+    def log(self, row: dict) -> None:
+        self.results["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        (self.dir / "bench_ffn_train.json").write_text(json.dumps(self.results, indent=1))
+
+    def finish(self, lines: list[str]) -> None:
+        print("\n".join(lines), flush=True)
+        (self.dir / "bench_ffn_train.json").write_text(json.dumps(self.results, indent=1))
+        (self.dir / "table.txt").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="synthetic: M = 16384 at k = 29 and 56 only")
+    parser.add_argument("--dry-run", "--interpret", dest="dry_run", action="store_true",
+                        help="tiny shapes through the Pallas interpreter (CPU check of the script)")
+    parser.add_argument("--checkpoint", default=None,
+                        help="a trained run: measure its layers on their real FFN inputs (module doc)")
+    parser.add_argument("--step", type=int, default=None, help="with --checkpoint: the step (default: newest)")
+    parser.add_argument("--layers", default=None, help="with --checkpoint: e.g. 0,3,7 (default: every layer)")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="with --checkpoint: validation sequences fed (default 8; 2 in a dry run)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="with --checkpoint: the compute dtype of x and the weights")
+    parser.add_argument("--repeats", type=int, default=15, help="timed batches per median (5 calls each)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if args.micro_batch is not None and args.micro_batch < 1:
+        parser.error("--micro-batch must be >= 1")
+    if not args.checkpoint and (args.step is not None or args.layers or args.micro_batch):
+        parser.error("--step, --layers and --micro-batch need --checkpoint")
+    if args.checkpoint and args.quick:
+        parser.error("--quick is for the synthetic mode")
+    if args.dry_run:
+        bench_ffn.INTERPRET = True  # one timed call per measurement
+    out = Output(Path(args.out))
+    if args.checkpoint:
+        run_checkpoint(args, out)
+    else:
+        run_synthetic(args, out)
 
 
 if __name__ == "__main__":
