@@ -68,7 +68,6 @@ L1_COEF = 3e-4 / 8  # the 0.5b recipe's lambda over its 8 layers (twell.md 4.9)
 BACKENDS = ("xla_bf16", "dense", "reference", "pallas", "pallas_recompute", "auto")
 CHECKPOINT_BACKENDS = ("xla_bf16", "dense", "pallas", "pallas_recompute", "auto")
 GRAD_NAMES = ("dx", "dw_gate", "dw_up", "dw_down")
-_HIGHEST = jax.lax.Precision.HIGHEST
 Weights3 = tuple[jax.Array, jax.Array, jax.Array]
 
 
@@ -128,9 +127,9 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
     """The Pallas path's pieces as separately jitted functions (pallas_backward.backward's steps);
     made once per (config, interpret, H), so the layers of a checkpoint share their compilations.
 
-    token_tail / neuron_tail repeat the bodies of backward's token_tail_chunk / hot_chunk (closures
-    there) over pallas_backward._chunked, so they take the tails as the backward does on this
-    pattern; `measure` checks both against xla_bf16's gradients on their rows."""
+    token_tail / neuron_tail are the backward's own pallas_backward.token_tail_backward /
+    hot_neuron_backward, so they take the tails as the backward does on this pattern; `measure`
+    checks both against xla_bf16's gradients on their rows."""
     s = dict(tile=config.tile, slots=config.slots)
     bc = config.backward or pallas_backward.BackwardConfig()
     pack = jax.jit(lambda x, wg: pack_gate(x, wg, **s, interpret=interpret))
@@ -169,44 +168,18 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
     def token_tail(x, wg, wu, wd, gy, tail_M):
         """(dx [M, D] f32: the tail rows' rows, zeros elsewhere; f32 weight-gradient parts)."""
         m, d = x.shape
-
-        def body(rows_C, carry):
-            dx, inits = carry
-            used_C = (rows_C < m)[:, None]
-            safe_C = jnp.minimum(rows_C, m - 1)
-            dx_CxD, contribs = pallas_backward.dense_rows_backward(
-                True, jnp.where(used_C, x[safe_C], 0), jnp.where(used_C, gy[safe_C], 0), (wg, wu, wd),
-                jnp.float32(L1_COEF / m))
-            return dx.at[rows_C].set(dx_CxD, mode="drop"), tuple(a + b for a, b in zip(inits, contribs))
-
         zeros = tuple(jnp.zeros((h, d), jnp.float32) for _ in range(3))
-        return pallas_backward._chunked(tail_M, config.tail_capacity(m), bc.token_tail_chunk, body,
-                                        (jnp.zeros((m, d), jnp.float32), zeros))
+        return pallas_backward.token_tail_backward(
+            True, x, gy, (wg, wu, wd), jnp.float32(L1_COEF / m), tail_M, config.tail_capacity(m),
+            bc.token_tail_chunk, (jnp.zeros((m, d), jnp.float32), zeros))
 
     @jax.jit
     def neuron_tail(x, gy, cols, counts, entries, count_H):
         """f32 weight gradients (gate, up, down) of the hot neurons' ELL entries, zeros elsewhere."""
-        m, d = x.shape
-        valid = valid_slots(cols, counts)
-        x32, gy32 = x.astype(jnp.float32), gy.astype(jnp.float32)
-        rows = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32)[:, None], cols.shape)
-
-        def body(hot_C, inits):
-            chunk = hot_C.shape[0]
-            slot_of_H = jnp.full((h + 1,), chunk, jnp.int32).at[hot_C].set(
-                jnp.arange(chunk, dtype=jnp.int32), mode="drop")
-            slot = jnp.where(valid, slot_of_H[cols], chunk)
-
-            def dense(v):
-                return jnp.zeros((m, chunk), jnp.float32).at[rows, slot].set(v, mode="drop")
-
-            t, d_up, d_gate = (dense(v) for v in entries)
-            return tuple(init.at[hot_C].add(jnp.einsum("mc,md->cd", v, src, precision=_HIGHEST), mode="drop")
-                         for init, (v, src) in zip(inits, ((d_gate, x32), (d_up, x32), (t, gy32))))
-
-        zeros = tuple(jnp.zeros((h, d), jnp.float32) for _ in range(3))
-        return pallas_backward._chunked(count_H > config.transpose_ell_width,
-                                        config.transpose_tail_capacity(h), bc.neuron_tail_chunk, body, zeros)
+        zeros = tuple(jnp.zeros((h, x.shape[1]), jnp.float32) for _ in range(3))
+        return pallas_backward.hot_neuron_backward(
+            True, x, gy, cols, valid_slots(cols, counts), entries, count_H > config.transpose_ell_width,
+            config.transpose_tail_capacity(h), bc.neuron_tail_chunk, zeros)
 
     return dict(pack=pack, token_inputs=jax.jit(token_inputs), token=jax.jit(token), transpose=transpose,
                 neuron=jax.jit(neuron), token_tail64=token_tail64, token_tail=token_tail,
@@ -503,6 +476,11 @@ def run_checkpoint(args, out: "Output") -> None:
     tokens = jnp.asarray(validation_tokens(args.checkpoint, micro_batch))[:, :-1]
     seq_len = tokens.shape[1]
     config = checkpoint_config(cfg.model.ffn_op_config, args.dry_run)
+    if args.token_tail_chunk or args.neuron_tail_chunk:  # the dense tails' block sizes
+        bc = config.backward or pallas_backward.BackwardConfig()
+        config = dataclasses.replace(config, backward=dataclasses.replace(
+            bc, token_tail_chunk=args.token_tail_chunk or bc.token_tail_chunk,
+            neuron_tail_chunk=args.neuron_tail_chunk or bc.neuron_tail_chunk))
     out.results.update(source=f"checkpoint {args.checkpoint} step {loaded.step}", layers=layers,
                        micro_batch=micro_batch, seq_len=seq_len, dtype=args.dtype,
                        run_hints=list(cfg.model.ffn_expected_active or []), op_config=repr(config))
@@ -592,6 +570,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="with --checkpoint: the compute dtype of x and the weights")
     parser.add_argument("--repeats", type=int, default=15, help="timed batches per median (5 calls each)")
+    parser.add_argument("--token-tail-chunk", type=int, default=None,
+                        help="with --checkpoint: BackwardConfig.token_tail_chunk (default: the config's)")
+    parser.add_argument("--neuron-tail-chunk", type=int, default=None,
+                        help="with --checkpoint: BackwardConfig.neuron_tail_chunk (default: the config's)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = parser.parse_args(argv)
     if args.repeats < 1:

@@ -53,7 +53,11 @@ Weights = tuple[jax.Array, ...]
 Pack = tuple[jax.Array, jax.Array, jax.Array]  # (values [M,NT,S], indices [M,NT,S], counts [M,NT])
 Aux = dict[str, jax.Array]
 
-_HIGHEST = lax.Precision.HIGHEST
+# The dense tails' GEMMs: tensor cores. Their fp32 operands are either bf16 values widened (exact
+# in TF32) or the backward's fp32 per-entry values, which TF32 rounds to 11 bits, finer than the
+# bf16 that XLA's dense backward rounds the same values to. HIGHEST (exact fp32) made the two tails
+# 2.3 ms of a 5 ms layer on a trained 0.5b (BENCHMARKS.md). On the CPU DEFAULT is exact fp32.
+_TAIL_PRECISION = lax.Precision.DEFAULT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,13 +248,13 @@ def dense_rows_backward(gated: bool, x_RxD: jax.Array, gy_RxD: jax.Array, weight
     x32, gy32 = x_RxD.astype(jnp.float32), gy_RxD.astype(jnp.float32)
 
     def mm_t(a, w):  # a @ w.T
-        return jnp.einsum("rd,hd->rh", a, w.astype(jnp.float32), precision=_HIGHEST)
+        return jnp.einsum("rd,hd->rh", a, w.astype(jnp.float32), precision=_TAIL_PRECISION)
 
     def mm(a, w):  # a @ w
-        return jnp.einsum("rh,hd->rd", a, w.astype(jnp.float32), precision=_HIGHEST)
+        return jnp.einsum("rh,hd->rd", a, w.astype(jnp.float32), precision=_TAIL_PRECISION)
 
     def outer(a, b):  # a.T @ b
-        return jnp.einsum("rh,rd->hd", a, b, precision=_HIGHEST)
+        return jnp.einsum("rh,rd->hd", a, b, precision=_TAIL_PRECISION)
 
     g = mm_t(x32, w_act)
     p = jax.nn.relu(g)
@@ -268,6 +272,62 @@ def dense_rows_backward(gated: bool, x_RxD: jax.Array, gy_RxD: jax.Array, weight
         return dx, (outer(d_gate, x32), outer(d_up, x32), outer(h, gy32))
     d_act = jnp.where(on, dt, 0.0)
     return mm(d_act, w_act), (outer(d_act, x32), outer(h, gy32))
+
+
+def token_tail_backward(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, weights: Weights,
+                        l1_scale: jax.Array, tail_M: jax.Array, capacity: int, chunk: int,
+                        carry: tuple[jax.Array, tuple[jax.Array, ...]]
+                        ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """The dense token tail: the exact backward of the rows in tail_M (at most `capacity`, `chunk`
+    rows per dense block). carry = (dx [M, D], f32 weight-gradient accumulators [H, D] in weight
+    order): the tail rows' dx rows are set, their weight-gradient contributions added."""
+    m = x_MxD.shape[0]
+
+    def chunk_step(rows_C: jax.Array, carry):
+        dx, inits = carry
+        used_C = (rows_C < m)[:, None]
+        safe_C = jnp.minimum(rows_C, m - 1)
+        x_CxD = jnp.where(used_C, x_MxD[safe_C], 0)  # zero rows contribute nothing
+        gy_CxD = jnp.where(used_C, gy_MxD[safe_C], 0)
+        dx_CxD, contribs = dense_rows_backward(gated, x_CxD, gy_CxD, weights, l1_scale)
+        return (dx.at[rows_C].set(dx_CxD.astype(dx.dtype), mode="drop"),
+                tuple(a + b for a, b in zip(inits, contribs)))
+
+    return _chunked(tail_M, capacity, chunk, chunk_step, carry)
+
+
+def hot_neuron_backward(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, cols_MxW: jax.Array,
+                        valid_MxW: jax.Array, entries: tuple[jax.Array, ...], hot_H: jax.Array,
+                        capacity: int, chunk: int, inits: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """The dense neuron tail: the weight gradients of the hot neurons (hot_H, at most `capacity`,
+    `chunk` per block) from their token-major ELL entries (`token_backward`'s cols and values),
+    each block's values made a dense [M, chunk] matrix and multiplied with x or gy; added to the
+    f32 accumulators `inits` [H, D] (weight order)."""
+    m = x_MxD.shape[0]
+    h = hot_H.shape[0]
+    x32, gy32 = x_MxD.astype(jnp.float32), gy_MxD.astype(jnp.float32)
+    rows_MxW = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32)[:, None], cols_MxW.shape)
+
+    def chunk_step(hot_C: jax.Array, inits):
+        size = hot_C.shape[0]
+        slot_of_H = jnp.full((h + 1,), size, jnp.int32).at[hot_C].set(
+            jnp.arange(size, dtype=jnp.int32), mode="drop")
+        slot_MxW = jnp.where(valid_MxW, slot_of_H[cols_MxW], size)
+
+        def dense(v_MxW):  # [M, C]: a token holds a neuron at most once, so positions are unique
+            return jnp.zeros((m, size), jnp.float32).at[rows_MxW, slot_MxW].set(v_MxW, mode="drop")
+
+        if gated:
+            t, d_up, d_gate = (dense(v) for v in entries)
+            pieces = ((d_gate, x32), (d_up, x32), (t, gy32))
+        else:
+            t, d_act = (dense(v) for v in entries)
+            pieces = ((d_act, x32), (t, gy32))
+        return tuple(init.at[hot_C].add(jnp.einsum("mc,md->cd", v, src, precision=_TAIL_PRECISION),
+                                        mode="drop")
+                     for init, (v, src) in zip(inits, pieces))
+
+    return _chunked(hot_H, capacity, chunk, chunk_step, inits)
 
 
 def neuron_major_lists(cols_MxW: jax.Array, valid_MxW: jax.Array, entries: tuple[jax.Array, ...],
@@ -324,38 +384,6 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
         n_hot = jnp.sum(hot_H, dtype=jnp.int32)
         kernel_count_H = jnp.where(hot_H, 0, count_H)
 
-        def token_tail_chunk(rows_C: jax.Array, carry):
-            dx, inits = carry
-            used_C = (rows_C < m)[:, None]
-            safe_C = jnp.minimum(rows_C, m - 1)
-            x_CxD = jnp.where(used_C, x_MxD[safe_C], 0)  # zero rows contribute nothing
-            gy_CxD = jnp.where(used_C, gy_MxD[safe_C], 0)
-            dx_CxD, contribs = dense_rows_backward(gated, x_CxD, gy_CxD, weights, l1_scale)
-            return (dx.at[rows_C].set(dx_CxD.astype(dx.dtype), mode="drop"),
-                    tuple(a + b for a, b in zip(inits, contribs)))
-
-        x32, gy32 = x_MxD.astype(jnp.float32), gy_MxD.astype(jnp.float32)
-        rows_MxW = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32)[:, None], cols_MxW.shape)
-
-        def hot_chunk(hot_C: jax.Array, inits):
-            chunk = hot_C.shape[0]
-            slot_of_H = jnp.full((h + 1,), chunk, jnp.int32).at[hot_C].set(
-                jnp.arange(chunk, dtype=jnp.int32), mode="drop")
-            slot_MxW = jnp.where(valid_MxW, slot_of_H[cols_MxW], chunk)
-
-            def dense(v_MxW):  # [M, C]: a token holds a neuron at most once, so positions are unique
-                return jnp.zeros((m, chunk), jnp.float32).at[rows_MxW, slot_MxW].set(v_MxW, mode="drop")
-
-            if gated:
-                t, d_up, d_gate = (dense(v) for v in entries)
-                pieces = ((d_gate, x32), (d_up, x32), (t, gy32))
-            else:
-                t, d_act = (dense(v) for v in entries)
-                pieces = ((d_act, x32), (t, gy32))
-            return tuple(init.at[hot_C].add(jnp.einsum("mc,md->cd", v, src, precision=_HIGHEST),
-                                            mode="drop")
-                         for init, (v, src) in zip(inits, pieces))
-
         def no_tails() -> tuple[jax.Array, Weights]:
             grads = neuron_backward(x_MxD, gy_MxD, start_H, kernel_count_H, tokens_E, values_E,
                                     block_sizes=bc.neuron_block_sizes, interpret=interpret)
@@ -363,9 +391,10 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
 
         def with_tails() -> tuple[jax.Array, Weights]:
             zeros = tuple(jnp.zeros((h, d), jnp.float32) for _ in weights)
-            dx_tail, inits = _chunked(tail_M, token_cap, bc.token_tail_chunk, token_tail_chunk,
-                                      (dx_MxD, zeros))
-            inits = _chunked(hot_H, hot_cap, bc.neuron_tail_chunk, hot_chunk, inits)
+            dx_tail, inits = token_tail_backward(gated, x_MxD, gy_MxD, weights, l1_scale, tail_M, token_cap,
+                                                 bc.token_tail_chunk, (dx_MxD, zeros))
+            inits = hot_neuron_backward(gated, x_MxD, gy_MxD, cols_MxW, valid_MxW, entries, hot_H, hot_cap,
+                                        bc.neuron_tail_chunk, inits)
             grads = neuron_backward(x_MxD, gy_MxD, start_H, kernel_count_H, tokens_E, values_E,
                                     inits, block_sizes=bc.neuron_block_sizes, interpret=interpret)
             return dx_tail, grads
