@@ -476,6 +476,8 @@ def run_checkpoint(args, out: "Output") -> None:
     tokens = jnp.asarray(validation_tokens(args.checkpoint, micro_batch))[:, :-1]
     seq_len = tokens.shape[1]
     config = checkpoint_config(cfg.model.ffn_op_config, args.dry_run)
+    if args.transpose_ell_width:  # the hot-neuron threshold of the neuron-major pass
+        config = dataclasses.replace(config, transpose_ell_width=args.transpose_ell_width)
     if args.token_tail_chunk or args.neuron_tail_chunk:  # the dense tails' block sizes
         bc = config.backward or pallas_backward.BackwardConfig()
         config = dataclasses.replace(config, backward=dataclasses.replace(
@@ -574,6 +576,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --checkpoint: BackwardConfig.token_tail_chunk (default: the config's)")
     parser.add_argument("--neuron-tail-chunk", type=int, default=None,
                         help="with --checkpoint: BackwardConfig.neuron_tail_chunk (default: the config's)")
+    parser.add_argument("--transpose-ell-width", type=int, default=None,
+                        help="with --checkpoint: SparseFFNConfig.transpose_ell_width, the entries above "
+                             "which a neuron is hot (default: the config's)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = parser.parse_args(argv)
     if args.repeats < 1:
