@@ -174,12 +174,13 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
             bc.token_tail_chunk, (jnp.zeros((m, d), jnp.float32), zeros))
 
     @jax.jit
-    def neuron_tail(x, gy, cols, counts, entries, count_H):
-        """f32 weight gradients (gate, up, down) of the hot neurons' ELL entries, zeros elsewhere."""
+    def neuron_tail(x, wg, wu, wd, gy, tail_M, count_H):
+        """f32 weight gradients (gate, up, down) of the hot neurons over the rows outside the token
+        tail, zeros elsewhere."""
         zeros = tuple(jnp.zeros((h, x.shape[1]), jnp.float32) for _ in range(3))
         return pallas_backward.hot_neuron_backward(
-            True, x, gy, cols, valid_slots(cols, counts), entries, count_H > config.transpose_ell_width,
-            config.transpose_tail_capacity(h), bc.neuron_tail_chunk, zeros)
+            True, x, gy, (wg, wu, wd), jnp.float32(L1_COEF / x.shape[0]), tail_M,
+            count_H > config.transpose_ell_width, config.transpose_tail_capacity(h), bc.neuron_tail_chunk, zeros)
 
     return dict(pack=pack, token_inputs=jax.jit(token_inputs), token=jax.jit(token), transpose=transpose,
                 neuron=jax.jit(neuron), token_tail64=token_tail64, token_tail=token_tail,
@@ -299,7 +300,7 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
     # The tails as the backward takes them, checked on their rows: the tail rows' dx, and the hot
     # neurons' weight gradients (their ELL entries' part plus the token tail's part).
     tail_dx, tail_parts = p["token_tail"](*x0, prepared[3])
-    hot_parts = p["neuron_tail"](x0[0], gy, cols, prepared[2], entries, lists[1])
+    hot_parts = p["neuron_tail"](*x0, prepared[3], lists[1])
     tail_rows = np.flatnonzero(np.asarray(prepared[3]))
     hot = np.flatnonzero(np.asarray(lists[1]) > config.transpose_ell_width)
     row["piece_errors"] = {}
@@ -325,7 +326,7 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
         token_tail=bench(p["token_tail"], [(*x0, prepared[3])]),
     )
     if hot.size:
-        piece_ms["neuron_tail"] = bench(p["neuron_tail"], [(x0[0], gy, cols, prepared[2], entries, lists[1])])
+        piece_ms["neuron_tail"] = bench(p["neuron_tail"], [(*x0, prepared[3], lists[1])])
     row["piece_ms"] = piece_ms
     row["token_tail_rows"], row["hot_neurons"] = stats["token_tail_rows"], stats["hot_neurons"]
     return row

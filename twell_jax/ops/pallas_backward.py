@@ -12,7 +12,8 @@ dense-tail format (docs/format.md):
     transpose    XLA stable sort of the ELL entries by neuron id (first version, see below) ->
                  CSR lists (start, count per neuron; tokens ascending inside a neuron)
     neuron tail  "hot" neurons (more than config.transpose_ell_width entries): their weight
-                 gradients by dense GEMMs over a static [M, C] block
+                 gradients by dense GEMMs, their columns recomputed [M, C] at a time (rows
+                 outside the token tail)
     neuron-major pallas_kernels.twell_bwd_neuron: dW_down, dW_up, dW_gate of the other neurons,
                  starting from the tails' f32 contributions so every gradient is rounded once
 
@@ -72,8 +73,10 @@ class BackwardConfig:
     # Token-tail rows (an overflowing tile or > ell_width actives) per dense block: the tail runs
     # ceil(rows / chunk) blocks of [chunk, H] (the first tokens of 8 sequences: one block).
     token_tail_chunk: int = 64
-    # Hot neurons per dense block of the neuron tail ([M, chunk] values, GEMMs with x and gy).
-    neuron_tail_chunk: int = 64
+    # Hot neurons per dense block of the neuron tail ([M, chunk] columns by GEMMs with x and gy).
+    # 256: each block reads x and gy whole, so larger blocks read them fewer times (a trained 0.5b
+    # on the H100: 0.47-0.55 ms for 118-243 hot neurons against 0.55-1.02 ms with 64; BENCHMARKS.md).
+    neuron_tail_chunk: int = 256
     # Block sizes of the token-major kernel (pallas_kernels.twell_bwd_token).
     token_block_sizes: TokenBwdBlockSizes = TokenBwdBlockSizes()
     # Block sizes of the neuron-major kernel (pallas_kernels.twell_bwd_neuron).
@@ -296,34 +299,47 @@ def token_tail_backward(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, weight
     return _chunked(tail_M, capacity, chunk, chunk_step, carry)
 
 
-def hot_neuron_backward(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, cols_MxW: jax.Array,
-                        valid_MxW: jax.Array, entries: tuple[jax.Array, ...], hot_H: jax.Array,
-                        capacity: int, chunk: int, inits: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+def hot_neuron_backward(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, weights: Weights,
+                        l1_scale: jax.Array, tail_M: jax.Array, hot_H: jax.Array, capacity: int,
+                        chunk: int, inits: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     """The dense neuron tail: the weight gradients of the hot neurons (hot_H, at most `capacity`,
-    `chunk` per block) from their token-major ELL entries (`token_backward`'s cols and values),
-    each block's values made a dense [M, chunk] matrix and multiplied with x or gy; added to the
-    f32 accumulators `inits` [H, D] (weight order)."""
-    m = x_MxD.shape[0]
+    `chunk` per block) over the rows NOT in the token tail (tail_M: those rows' contributions come
+    from `token_tail_backward`), added to the f32 accumulators `inits` [H, D] (weight order).
+
+    Each block recomputes its neurons' columns with dense GEMMs, [M, chunk] at a time (g, u and
+    dt = gy . W_j + l1 term, then dW_j = t^T gY, dU_j = dR^T X, dG_j = dG^T X): the dense formula
+    restricted to those columns. Hot neurons fire on hundreds to thousands of tokens, so their
+    columns are dense enough for GEMMs; building them from the ELL entries instead took a scatter
+    per value array and block (0.33-0.65 ms a block on a trained 0.5b, BENCHMARKS.md).
+    Operands in x's dtype with fp32 accumulation, like XLA's dense backward: the GEMMs are skinny
+    ([M, D] x [D, chunk]) and read x and gy whole, so fp32 copies of them would double the bytes.
+    The per-column values (dR, dG, t) are rounded to x's dtype for the weight-gradient GEMMs, as
+    the dense backward rounds them."""
     h = hot_H.shape[0]
-    x32, gy32 = x_MxD.astype(jnp.float32), gy_MxD.astype(jnp.float32)
-    rows_MxW = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32)[:, None], cols_MxW.shape)
+    w_act, w_up, w_down = _split(gated, weights)
+    dtype, f32 = x_MxD.dtype, jnp.float32
+    keep_M1 = ~tail_M[:, None]
+
+    def columns(w_HxD: jax.Array, ids_C: jax.Array, src_MxD: jax.Array) -> jax.Array:
+        return jnp.einsum("md,cd->mc", src_MxD, w_HxD[ids_C].astype(dtype), preferred_element_type=f32)
 
     def chunk_step(hot_C: jax.Array, inits):
-        size = hot_C.shape[0]
-        slot_of_H = jnp.full((h + 1,), size, jnp.int32).at[hot_C].set(
-            jnp.arange(size, dtype=jnp.int32), mode="drop")
-        slot_MxW = jnp.where(valid_MxW, slot_of_H[cols_MxW], size)
-
-        def dense(v_MxW):  # [M, C]: a token holds a neuron at most once, so positions are unique
-            return jnp.zeros((m, size), jnp.float32).at[rows_MxW, slot_MxW].set(v_MxW, mode="drop")
-
+        used_C = hot_C < h  # padding ids (= H) read row H - 1 and contribute nothing
+        safe_C = jnp.minimum(hot_C, h - 1)
+        g_MxC = columns(w_act, safe_C, x_MxD)
+        on_MxC = (g_MxC > 0) & keep_M1 & used_C[None, :]
+        p_MxC = jnp.where(on_MxC, g_MxC, 0.0)
         if gated:
-            t, d_up, d_gate = (dense(v) for v in entries)
-            pieces = ((d_gate, x32), (d_up, x32), (t, gy32))
+            u_MxC = columns(w_up, safe_C, x_MxD)
+            h_MxC = (p_MxC * u_MxC).astype(dtype).astype(f32)
         else:
-            t, d_act = (dense(v) for v in entries)
-            pieces = ((d_act, x32), (t, gy32))
-        return tuple(init.at[hot_C].add(jnp.einsum("mc,md->cd", v, src, precision=_TAIL_PRECISION),
+            h_MxC = p_MxC.astype(dtype).astype(f32)
+        dt_MxC = jnp.where(on_MxC, columns(w_down, safe_C, gy_MxD) + l1_scale * jnp.sign(h_MxC), 0.0)
+        if gated:
+            pieces = ((dt_MxC * u_MxC, x_MxD), (dt_MxC * p_MxC, x_MxD), (h_MxC, gy_MxD))  # dG, dU, dW
+        else:
+            pieces = ((dt_MxC, x_MxD), (h_MxC, gy_MxD))
+        return tuple(init.at[hot_C].add(jnp.einsum("mc,md->cd", v.astype(dtype), src, preferred_element_type=f32),
                                         mode="drop")
                      for init, (v, src) in zip(inits, pieces))
 
@@ -393,7 +409,7 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
             zeros = tuple(jnp.zeros((h, d), jnp.float32) for _ in weights)
             dx_tail, inits = token_tail_backward(gated, x_MxD, gy_MxD, weights, l1_scale, tail_M, token_cap,
                                                  bc.token_tail_chunk, (dx_MxD, zeros))
-            inits = hot_neuron_backward(gated, x_MxD, gy_MxD, cols_MxW, valid_MxW, entries, hot_H, hot_cap,
+            inits = hot_neuron_backward(gated, x_MxD, gy_MxD, weights, l1_scale, tail_M, hot_H, hot_cap,
                                         bc.neuron_tail_chunk, inits)
             grads = neuron_backward(x_MxD, gy_MxD, start_H, kernel_count_H, tokens_E, values_E,
                                     inits, block_sizes=bc.neuron_block_sizes, interpret=interpret)
