@@ -463,6 +463,21 @@ def checkpoint_config(run_op_config: dict, dry_run: bool) -> ops.SparseFFNConfig
     return ops.SparseFFNConfig(**fields)
 
 
+def with_sweep_overrides(config: ops.SparseFFNConfig, args) -> ops.SparseFFNConfig:
+    """`config` with the sweep flags given (--transpose-ell-width: the hot-neuron threshold;
+    --token-tail-chunk / --neuron-tail-chunk: the dense tails' block sizes); the configs'
+    own validation rejects bad values."""
+    if args.transpose_ell_width is not None:
+        config = dataclasses.replace(config, transpose_ell_width=args.transpose_ell_width)
+    chunks = {name: value for name, value in (("token_tail_chunk", args.token_tail_chunk),
+                                              ("neuron_tail_chunk", args.neuron_tail_chunk))
+              if value is not None}
+    if chunks:
+        bc = config.backward or pallas_backward.BackwardConfig()
+        config = dataclasses.replace(config, backward=dataclasses.replace(bc, **chunks))
+    return config
+
+
 def run_checkpoint(args, out: "Output") -> None:
     from twell_jax.inference.load import load_run, validation_tokens
 
@@ -476,14 +491,7 @@ def run_checkpoint(args, out: "Output") -> None:
     micro_batch = args.micro_batch or (2 if args.dry_run else 8)
     tokens = jnp.asarray(validation_tokens(args.checkpoint, micro_batch))[:, :-1]
     seq_len = tokens.shape[1]
-    config = checkpoint_config(cfg.model.ffn_op_config, args.dry_run)
-    if args.transpose_ell_width:  # the hot-neuron threshold of the neuron-major pass
-        config = dataclasses.replace(config, transpose_ell_width=args.transpose_ell_width)
-    if args.token_tail_chunk or args.neuron_tail_chunk:  # the dense tails' block sizes
-        bc = config.backward or pallas_backward.BackwardConfig()
-        config = dataclasses.replace(config, backward=dataclasses.replace(
-            bc, token_tail_chunk=args.token_tail_chunk or bc.token_tail_chunk,
-            neuron_tail_chunk=args.neuron_tail_chunk or bc.neuron_tail_chunk))
+    config = with_sweep_overrides(checkpoint_config(cfg.model.ffn_op_config, args.dry_run), args)
     out.results.update(source=f"checkpoint {args.checkpoint} step {loaded.step}", layers=layers,
                        micro_batch=micro_batch, seq_len=seq_len, dtype=args.dtype,
                        run_hints=list(cfg.model.ffn_expected_active or []), op_config=repr(config))
@@ -586,8 +594,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--repeats must be >= 1")
     if args.micro_batch is not None and args.micro_batch < 1:
         parser.error("--micro-batch must be >= 1")
-    if not args.checkpoint and (args.step is not None or args.layers or args.micro_batch):
-        parser.error("--step, --layers and --micro-batch need --checkpoint")
+    sweep = (args.token_tail_chunk, args.neuron_tail_chunk, args.transpose_ell_width)
+    if not args.checkpoint and (args.step is not None or args.layers or args.micro_batch
+                                or any(v is not None for v in sweep)):
+        parser.error("--step, --layers, --micro-batch, --token-tail-chunk, --neuron-tail-chunk and "
+                     "--transpose-ell-width need --checkpoint")
     if args.checkpoint and args.quick:
         parser.error("--quick is for the synthetic mode")
     if args.dry_run:

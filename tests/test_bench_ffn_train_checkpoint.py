@@ -3,6 +3,7 @@ statistics on a hand-built pattern, the argument checks, and a dry run of the mo
 run (CPU, Pallas interpreter). No timing is asserted."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -104,12 +105,26 @@ def test_pattern_stats_on_a_hand_built_pattern():
 
 
 @pytest.mark.parametrize("argv,match", [(["--layers", "0"], "need --checkpoint"),
+                                        (["--neuron-tail-chunk", "128"], "need --checkpoint"),
                                         (["--checkpoint", "x", "--quick"], "--quick is for the synthetic"),
                                         (["--repeats", "0"], "--repeats must be >= 1")])
 def test_bad_arguments_are_refused(argv, match, capsys):
     with pytest.raises(SystemExit):
         bench_ffn_train.main(argv)
     assert match in capsys.readouterr().err
+
+
+def test_sweep_overrides_reach_the_op_config():
+    base = bench_ffn_train.dry_run_config()
+    args = argparse.Namespace(token_tail_chunk=None, neuron_tail_chunk=None, transpose_ell_width=None)
+    assert bench_ffn_train.with_sweep_overrides(base, args) == base
+    args = argparse.Namespace(token_tail_chunk=None, neuron_tail_chunk=3, transpose_ell_width=40)
+    changed = bench_ffn_train.with_sweep_overrides(base, args)
+    assert changed.transpose_ell_width == 40 and changed.backward.neuron_tail_chunk == 3
+    assert changed.backward.token_tail_chunk == base.backward.token_tail_chunk
+    with pytest.raises(ValueError, match="token_tail_chunk"):
+        bench_ffn_train.with_sweep_overrides(base, argparse.Namespace(
+            token_tail_chunk=0, neuron_tail_chunk=None, transpose_ell_width=None))
 
 
 def test_checkpoint_dry_run(sparse_run, tmp_path):

@@ -54,10 +54,11 @@ Weights = tuple[jax.Array, ...]
 Pack = tuple[jax.Array, jax.Array, jax.Array]  # (values [M,NT,S], indices [M,NT,S], counts [M,NT])
 Aux = dict[str, jax.Array]
 
-# The dense tails' GEMMs: tensor cores. Their fp32 operands are either bf16 values widened (exact
-# in TF32) or the backward's fp32 per-entry values, which TF32 rounds to 11 bits, finer than the
-# bf16 that XLA's dense backward rounds the same values to. HIGHEST (exact fp32) made the two tails
-# 2.3 ms of a 5 ms layer on a trained 0.5b (BENCHMARKS.md). On the CPU DEFAULT is exact fp32.
+# The token tail's GEMMs (dense_rows_backward): tensor cores. Their fp32 operands are either bf16
+# values widened (exact in TF32) or fp32 intermediates (dt, dR, dG), which TF32 rounds to 11 bits,
+# finer than the bf16 that XLA's dense backward rounds them to. HIGHEST (exact fp32) made a 64-row
+# block 0.62 ms on a trained 0.5b, DEFAULT 0.30 ms (BENCHMARKS.md). On the CPU DEFAULT is exact fp32.
+# (The hot-neuron tail uses x's dtype directly: hot_neuron_backward.)
 _TAIL_PRECISION = lax.Precision.DEFAULT
 
 
@@ -314,7 +315,9 @@ def hot_neuron_backward(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, weight
     Operands in x's dtype with fp32 accumulation, like XLA's dense backward: the GEMMs are skinny
     ([M, D] x [D, chunk]) and read x and gy whole, so fp32 copies of them would double the bytes.
     The per-column values (dR, dG, t) are rounded to x's dtype for the weight-gradient GEMMs, as
-    the dense backward rounds them."""
+    the dense backward rounds them. The columns' pattern is g > 0 of this GEMM, not the pack's
+    (the kernels' fp32 sums in another order): the two can differ only where g rounds to about 0,
+    where the dense backward is as ambiguous."""
     h = hot_H.shape[0]
     w_act, w_up, w_down = _split(gated, weights)
     dtype, f32 = x_MxD.dtype, jnp.float32

@@ -25,8 +25,9 @@ class PlanTrial:
 
     steps: int  # timed steps per arm (>= 1)
     floor: float = 0.98  # keep "auto" when dense_time / auto_time >= floor
-    times: dict[str, list[float]] = dataclasses.field(default_factory=lambda: {arm: [] for arm in ARMS})
-    _seen: dict[str, int] = dataclasses.field(default_factory=lambda: {arm: 0 for arm in ARMS})
+    # Timed step seconds per arm, and steps seen per arm (the first is warm-up, not timed).
+    times: dict[str, list[float]] = dataclasses.field(init=False, default_factory=lambda: {a: [] for a in ARMS})
+    _seen: dict[str, int] = dataclasses.field(init=False, repr=False, default_factory=lambda: {a: 0 for a in ARMS})
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
