@@ -4,6 +4,7 @@
     PYTHONUNBUFFERED=1 python experiments/bench_ffn_train.py --checkpoint RUN [--step N] [--layers 0,3,7]
     python experiments/bench_ffn_train.py --dry-run --out /tmp/b   # CPU, interpret, tiny shapes
     python experiments/bench_ffn_train.py --dry-run --checkpoint RUN --out /tmp/b   # the same, a tiny run
+    PYTHONUNBUFFERED=1 python experiments/bench_ffn_train.py --quick --trace --sweep-blocks --repeats 5
 
 Two sources of (x, weights), measured by the same functions (`measure`):
 - synthetic (default): bf16, D 2048, H 5632, the sparsity of experiments/bench_ffn.py at k = 29, 56,
@@ -35,6 +36,15 @@ sizes and whether a capacity is exceeded, i.e. the whole call falls back to the 
 and the cost model's prediction at the measured mean k (`model_prediction`:
 pallas_backward.sparse_times_ms / dense_times_ms and auto's plan, ops.auto_decision). Prints a
 short table last; writes bench_ffn_train.json (and table.txt) to --out.
+
+--trace (both modes): the per-kernel GPU time of the xla_bf16, pallas and auto programs that were
+timed (one jax.profiler trace of --repeats back-to-back calls each, experiments/kernel_trace.py):
+each kernel's launches, ms and share per fwd+bwd call, the wall span and busy time; in the JSON
+rows ("trace") and the table (top 12). --sweep-blocks (synthetic): the token-major and the
+neuron-major kernel timed alone over their launch parameters (TOKEN_SWEEP: block_t x num_warps x
+num_stages; NEURON_SWEEP: block_n x num_warps) at M 16384, k 29, each variant's outputs compared
+bit for bit with the default launch's (`sweep_block_sizes`); a "sweep_blocks" JSON row and a table
+sorted by time with the default marked.
 """
 from __future__ import annotations
 
@@ -56,8 +66,9 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_ffn  # noqa: E402  (make_inputs, bench_interleaved, bench: one copy of each)
-from pallas_kernels.twell_bwd_neuron import neuron_backward  # noqa: E402
-from pallas_kernels.twell_bwd_token import token_backward  # noqa: E402
+from kernel_trace import KernelProfile, format_profile, kernel_times  # noqa: E402
+from pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes, neuron_backward  # noqa: E402
+from pallas_kernels.twell_bwd_token import TokenBwdBlockSizes, token_backward  # noqa: E402
 from pallas_kernels.twell_ffn import sparse_ffn  # noqa: E402
 from pallas_kernels.twell_pack import pack_gate  # noqa: E402
 from twell_jax import ops  # noqa: E402
@@ -68,6 +79,15 @@ L1_COEF = 3e-4 / 8  # the 0.5b recipe's lambda over its 8 layers (twell.md 4.9)
 BACKENDS = ("xla_bf16", "dense", "reference", "pallas", "pallas_recompute", "auto")
 CHECKPOINT_BACKENDS = ("xla_bf16", "dense", "pallas", "pallas_recompute", "auto")
 GRAD_NAMES = ("dx", "dw_gate", "dw_up", "dw_down")
+TRACED_BACKENDS = ("xla_bf16", "pallas", "auto")  # --trace: the per-kernel profile of these programs
+# --sweep-blocks: the launch parameters tried (the default first, wherever it lies in the list).
+TOKEN_SWEEP = tuple(TokenBwdBlockSizes(block_t=t, num_warps=w, num_stages=s)
+                    for t in (1, 2, 4) for w in (2, 4, 8) for s in (1, 2))
+NEURON_SWEEP = tuple(NeuronBwdBlockSizes(block_n=n, num_warps=w) for n in (1, 2, 4) for w in (2, 4, 8))
+# In the interpreter the warps and stages change nothing and each variant compiles anew: one per
+# block_t / block_n, the warps and stages varied alongside.
+TOKEN_SWEEP_DRY = (TokenBwdBlockSizes(1, 4, 1), TokenBwdBlockSizes(2, 2, 2), TokenBwdBlockSizes(4, 8, 1))
+NEURON_SWEEP_DRY = (NeuronBwdBlockSizes(1, 4), NeuronBwdBlockSizes(2, 2), NeuronBwdBlockSizes(4, 8))
 Weights3 = tuple[jax.Array, jax.Array, jax.Array]
 
 
@@ -262,10 +282,12 @@ def model_prediction(m: int, d: int, h: int, k: float, config: ops.SparseFFNConf
 
 def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: ops.SparseFFNConfig,
             interpret: bool, backends: Sequence[str], *, seq_len: int | None = None,
-            repeats: int = 15, log=print) -> dict:
+            repeats: int = 15, trace: bool = False, log=print) -> dict:
     """Everything the benchmark reports for one (x, weights): pattern statistics, the cost model's
     prediction, each backend's errors vs xla_bf16, compiled temporary memory and time, and the
-    Pallas pieces' times. xs: input sets rotated while timing (one for a checkpoint's layer)."""
+    Pallas pieces' times. xs: input sets rotated while timing (one for a checkpoint's layer).
+    trace: also the per-kernel GPU profile (kernel_trace.kernel_times) of TRACED_BACKENDS' timed
+    programs, in row["trace"]."""
     wg, wu, wd = weights
     m, d = xs[0].shape
     h = wg.shape[0]
@@ -313,6 +335,12 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
     del base
     row["ms"] = bench_ffn.bench_interleaved(steps, sets, repeats=repeats)
     log("  " + ", ".join(f"{b} {t:.3f} ms" for b, t in row["ms"].items()))
+    if trace:  # the very programs just timed: one compilation each
+        row["trace"] = {}
+        for b in (b for b in TRACED_BACKENDS if b in steps):
+            profile = kernel_times(steps[b], x0, repeats=1 if bench_ffn.INTERPRET else repeats)
+            row["trace"][b] = profile.to_json()
+            log("\n".join(f"  [{b}] {line}" for line in format_profile(profile)))
     bench = functools.partial(bench_ffn.bench, repeats=repeats)
     piece_ms = dict(
         pack=bench(p["pack"], [(x, wg) for x in xs]),
@@ -330,6 +358,95 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
     row["piece_ms"] = piece_ms
     row["token_tail_rows"], row["hot_neurons"] = stats["token_tail_rows"], stats["hot_neurons"]
     return row
+
+
+def bit_diff(a: jax.Array, b: jax.Array) -> dict:
+    """How a differs from b bit for bit: {equal, n_diff (entries whose bits differ), max_abs}."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise ValueError(f"bit_diff needs arrays of one shape and dtype, got {a.dtype}{a.shape} and {b.dtype}{b.shape}")
+    bits = np.dtype(f"u{a.dtype.itemsize}")
+    differ = a.view(bits) != b.view(bits)
+    n_diff = int(np.sum(differ))
+    # Over the differing entries only (a NaN on both sides is equal bits, not a NaN difference).
+    max_abs = float(np.max(np.abs(a[differ].astype(np.float64) - b[differ].astype(np.float64)))) if n_diff else 0.0
+    return dict(equal=n_diff == 0, n_diff=n_diff, max_abs=max_abs)
+
+
+def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: ops.SparseFFNConfig,
+                      interpret: bool, token_sizes: Sequence[TokenBwdBlockSizes],
+                      neuron_sizes: Sequence[NeuronBwdBlockSizes], *, repeats: int = 15,
+                      log=print) -> dict:
+    """Time the token-major and the neuron-major kernel alone at each launch in the lists, on the
+    backward's own inputs for (x, weights, gy) (piece_fns: pack, tail mask, the default token
+    kernel's entries, the transpose).
+
+    Each variant runs piece_fns' kernel call with only that launch changed in `config.backward`,
+    and its outputs are compared bit for bit with the default launch's (config.backward's, run
+    first and then again as the sweep's first variant: the run-to-run check). Whether a launch may
+    change bits: the neuron kernel accumulates each output entry elementwise in list order, so no
+    launch parameter should; the token kernel's dt = gy . W_j and u = x . U_j are reductions over D
+    whose tree Triton lays out by block shape and warps, so its per-entry values and dx may differ
+    in the last bits across launches. A differing variant is reported (n_diff, max_abs), not dropped.
+    Returns {"token": rows, "neuron": rows}, each row sorted by ms, the default marked."""
+    wg, wu, wd = weights
+    h = wg.shape[0]
+    bc = config.backward or pallas_backward.BackwardConfig()
+
+    def pieces(**launch) -> dict:
+        return piece_fns(dataclasses.replace(config, backward=dataclasses.replace(bc, **launch)), interpret, h)
+
+    args = (x, wg, wu, wd, gy)
+    prepared = pieces()["token_inputs"](x, wg)
+
+    def token_run(sizes: TokenBwdBlockSizes):
+        return pieces(token_block_sizes=sizes)["token"], (*args, prepared)
+
+    fn, fn_args = token_run(bc.token_block_sizes)
+    _, cols, entries = fn(*fn_args)
+    lists = pieces()["transpose"](cols, prepared[2], entries)
+
+    def neuron_run(sizes: NeuronBwdBlockSizes):
+        return pieces(neuron_block_sizes=sizes)["neuron"], (x, gy, lists)
+
+    return dict(token=_sweep_one("token", token_run, bc.token_block_sizes, token_sizes, repeats, log),
+                neuron=_sweep_one("neuron", neuron_run, bc.neuron_block_sizes, neuron_sizes, repeats, log))
+
+
+def _sweep_one(kernel: str, run, default, sizes: Sequence, repeats: int, log) -> list[dict]:
+    """sweep_block_sizes for one kernel: run(sizes) -> (fn, args)."""
+    fn, fn_args = run(default)
+    base = jax.tree.leaves(fn(*fn_args))
+    rows = []
+    for sizes_i in [default] + [v for v in sizes if v != default]:
+        row: dict[str, Any] = dict(block_sizes=dataclasses.asdict(sizes_i), default=sizes_i == default)
+        try:
+            fn, fn_args = run(sizes_i)
+            diffs = [bit_diff(a, b) for a, b in zip(jax.tree.leaves(fn(*fn_args)), base)]
+            row.update(equal=all(d["equal"] for d in diffs), n_diff=sum(d["n_diff"] for d in diffs),
+                       max_abs=max(d["max_abs"] for d in diffs),
+                       ms=bench_ffn.bench(fn, [fn_args], repeats=repeats))
+        except Exception as e:  # a launch that does not compile (e.g. out of registers) is reported
+            row.update(error=repr(e)[:300])
+        log(f"  sweep {kernel} {row['block_sizes']}: " + (f"{row['ms']:.3f} ms, equal={row['equal']}"
+                                                           if "ms" in row else row["error"]))
+        rows.append(row)
+    return sorted(rows, key=lambda r: r.get("ms", float("inf")))
+
+
+def sweep_table(kernel: str, rows: Sequence[dict]) -> list[str]:
+    """The printed table of one kernel's sweep (fastest first, the default marked with *)."""
+    default_ms = next((r["ms"] for r in rows if r["default"] and "ms" in r), float("nan"))
+    lines = [f"--sweep-blocks {kernel} kernel (* = default; bits vs the default's output)",
+             f"  {'block sizes':<46} {'ms':>8} {'speed-up':>10}  bits"]
+    for r in rows:
+        label = ("* " if r["default"] else "  ") + " ".join(f"{k}={v}" for k, v in r["block_sizes"].items())
+        if "error" in r:
+            lines.append(f"{label:<48} error: {r['error'][:120]}")
+            continue
+        bits = "equal" if r["equal"] else f"DIFFER: {r['n_diff']} entries, max |diff| {r['max_abs']:.3g}"
+        lines.append(f"{label:<48} {r['ms']:>8.3f} {default_ms / r['ms']:>9.2f}x  {bits}")
+    return lines
 
 
 def capture_ffn_inputs(model: Transformer, tokens_BxS: jax.Array, layers: Sequence[int]) -> list[jax.Array]:
@@ -419,15 +536,32 @@ def run_synthetic(args, out: "Output") -> None:
         config = ops.SparseFFNConfig()
     d, h = bench_ffn.D, bench_ffn.H
     table = [f"{'M':>6} {'k':>5} " + " ".join(f"{b:>16}" for b in BACKENDS)]
-    mem_table, piece_table = [], []
+    mem_table, piece_table, trace_table, sweep_lines = [], [], [], []
     key = jax.random.PRNGKey(0)
+    if args.sweep_blocks:  # at the first (quick) case's shape: M 16384, k 29 (dry run: the tiny one)
+        m, k = cases[0]
+        out.say(f"[bench_ffn_train] --sweep-blocks at M {m} k {k:.0f}")
+        try:
+            xs, wg, wu, wd = bench_ffn.make_inputs(jax.random.fold_in(key, m), m, k)
+            gy = fixed_cotangent(jax.random.fold_in(key, 7), m, d, bench_ffn.DTYPE)
+            sweep = sweep_block_sizes(xs[0], (wg, wu, wd), gy, config, interpret,
+                                      TOKEN_SWEEP_DRY if interpret else TOKEN_SWEEP,
+                                      NEURON_SWEEP_DRY if interpret else NEURON_SWEEP,
+                                      repeats=args.repeats, log=out.say)
+            out.log(dict(kind="sweep_blocks", m=m, k=k, d=d, h=h, **sweep))
+            sweep_lines = ["", f"=== launch sweeps, M={m} k={k:.0f} D={d} H={h} ==="]
+            for kernel_name, rows in sweep.items():
+                sweep_lines += sweep_table(kernel_name, rows)
+        except Exception as e:  # reported; the cases still run
+            out.log(dict(kind="sweep_blocks", m=m, k=k, error=repr(e)[:500]))
+            sweep_lines = ["", f"--sweep-blocks error: {repr(e)[:200]}"]
     for m, k in cases:
         try:
             xs, wg, wu, wd = bench_ffn.make_inputs(jax.random.fold_in(key, m), m, k)
             gy = fixed_cotangent(jax.random.fold_in(key, 7), m, d, bench_ffn.DTYPE)
             backends = [b for b in BACKENDS if not (b == "reference" and m > 16384)]
             row = dict(kind="train", k=k, **measure(xs, (wg, wu, wd), gy, config, interpret, backends,
-                                                    repeats=args.repeats, log=out.say))
+                                                    repeats=args.repeats, trace=args.trace, log=out.say))
             out.log(row)
             ms = row["ms"]
             table.append(f"{m:>6} {k:>5.0f} " + " ".join(
@@ -440,12 +574,22 @@ def run_synthetic(args, out: "Output") -> None:
                 + f"  tail_rows={row['token_tail_rows']} hot={row['hot_neurons']}"
                 + f"  max|err| pallas dx={row['errors']['pallas']['dx']['max_abs']:.2e}"
                 + f"  model pallas={row['model']['pallas_ms']:.3f}")
+            trace_table += trace_lines(f"M={m} k={k:.0f}", row)
         except Exception as e:  # a failing case is reported, the others still run
             out.log(dict(kind="train", m=m, k=k, error=repr(e)[:500]))
             table.append(f"{m:>6} {k:>5.0f} error: {repr(e)[:200]}")
     out.finish(["", f"=== fwd+bwd ms (ratio = xla_bf16 / x), D={d} H={h}, {out.results['device']} ==="]
                + table + ["", "compiled temporary memory (MiB)"] + mem_table
-               + ["", "Pallas pieces (ms)"] + piece_table)
+               + ["", "Pallas pieces (ms)"] + piece_table + trace_table + sweep_lines)
+
+
+def trace_lines(label: str, row: dict, top: int = 12) -> list[str]:
+    """The --trace tables of one measured row (none without --trace)."""
+    lines = []
+    for backend, profile in row.get("trace", {}).items():
+        lines += ["", f"kernels of {backend}, {label} (per fwd+bwd call)"]
+        lines += format_profile(KernelProfile.from_json(profile), top)
+    return lines
 
 
 def fixed_cotangent(key: jax.Array, m: int, d: int, dtype: Any) -> jax.Array:
@@ -509,7 +653,8 @@ def run_checkpoint(args, out: "Output") -> None:
         try:
             row = dict(kind="layer", layer=layer, **measure([x], ffn_weights(loaded.model, layer), gy, config,
                                                            interpret, CHECKPOINT_BACKENDS, seq_len=seq_len,
-                                                           repeats=args.repeats, log=out.say))
+                                                           repeats=args.repeats, trace=args.trace,
+                                                           log=out.say))
         except Exception as e:  # a failing layer is reported, the others still run
             row = dict(kind="layer", layer=layer, error=repr(e)[:500])
         row["seconds"] = time.perf_counter() - t_layer
@@ -518,7 +663,8 @@ def run_checkpoint(args, out: "Output") -> None:
         out.say(f"[bench_ffn_train] layer {layer} done in {row['seconds']:.1f} s "
                 f"(total {time.perf_counter() - t0:.1f} s)")
     out.finish(["", f"=== per layer, fwd+bwd on the layer's real x (ratio = xla_bf16 / x), M={m} D={d} "
-                    f"H={cfg.model.d_ff}, {out.results['device']} ==="] + layer_table(summary))
+                    f"H={cfg.model.d_ff}, {out.results['device']} ==="] + layer_table(summary)
+               + [line for r in summary if "error" not in r for line in trace_lines(f"layer {r['layer']}", r)])
 
 
 def layer_table(rows: Sequence[dict]) -> list[str]:
@@ -588,6 +734,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--transpose-ell-width", type=int, default=None,
                         help="with --checkpoint: SparseFFNConfig.transpose_ell_width, the entries above "
                              "which a neuron is hot (default: the config's)")
+    parser.add_argument("--trace", action="store_true",
+                        help="also the per-kernel GPU time of the xla_bf16, pallas and auto programs "
+                             "(jax.profiler trace of the timed programs; experiments/kernel_trace.py)")
+    parser.add_argument("--sweep-blocks", action="store_true",
+                        help="synthetic: also time the token-major and neuron-major kernels alone over "
+                             "their launch parameters (M 16384, k 29), outputs compared bit for bit")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -601,6 +753,8 @@ def main(argv: list[str] | None = None) -> None:
                      "--transpose-ell-width need --checkpoint")
     if args.checkpoint and args.quick:
         parser.error("--quick is for the synthetic mode")
+    if args.checkpoint and args.sweep_blocks:
+        parser.error("--sweep-blocks is for the synthetic mode")
     if args.dry_run:
         bench_ffn.INTERPRET = True  # one timed call per measurement
     out = Output(Path(args.out))

@@ -1,5 +1,7 @@
 """experiments/bench_ffn_train.py --dry-run: the benchmark script runs end to end on CPU (Pallas
-interpreter, tiny shapes) and its correctness check holds. It times nothing that is asserted."""
+interpreter, tiny shapes) and its correctness check holds, with --trace (on the CPU: each traced
+program's profile says there were no GPU events) and --sweep-blocks (every launch variant's outputs
+equal to the default's bit for bit). It times nothing that is asserted."""
 from __future__ import annotations
 
 import json
@@ -15,12 +17,25 @@ def test_bench_ffn_train_dry_run(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)  # one CPU device is enough
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_ffn_train.py"),
-                           "--dry-run", "--out", str(tmp_path)], capture_output=True, text=True,
-                          env=env, timeout=900)
+                           "--dry-run", "--trace", "--sweep-blocks", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads((tmp_path / "bench_ffn_train.json").read_text())["rows"]
     assert rows and all("error" not in r for r in rows), rows
-    row = rows[0]
+    assert [r["kind"] for r in rows] == ["sweep_blocks", "train"]
+    sweep, row = rows
+    # --sweep-blocks: every launch ran, the default once and marked, all outputs equal bit for bit.
+    for kernel, block in (("token", "block_t"), ("neuron", "block_n")):
+        variants = sweep[kernel]
+        assert sorted(v["block_sizes"][block] for v in variants) == [1, 2, 4], variants
+        assert sum(v["default"] for v in variants) == 1
+        assert all(v["equal"] and v["n_diff"] == 0 and v["ms"] > 0 for v in variants), variants
+    # --trace: the three programs profiled; the CPU has no GPU events, and the profile says so.
+    assert set(row["trace"]) == {"xla_bf16", "pallas", "auto"}
+    for profile in row["trace"].values():
+        assert profile["kernels"] == [] and "no GPU events" in profile["reason"], profile
+    table = (tmp_path / "table.txt").read_text()
+    assert "--sweep-blocks token kernel" in table and "kernels of pallas" in table
     assert set(row["ms"]) == {"xla_bf16", "dense", "reference", "pallas", "pallas_recompute", "auto"}
     for backend, errs in row["errors"].items():  # bf16 gradients within bf16 rounding of xla_bf16
         for name, e in errs.items():

@@ -1,0 +1,195 @@
+"""Per-kernel GPU time of one compiled program, from a `jax.profiler` trace.
+
+    profile = kernel_times(compiled_fn, args, repeats=5)
+    print("\\n".join(format_profile(profile)))
+
+`kernel_times` warms the program up, runs it `repeats` times back to back inside
+`jax.profiler.trace` (one block_until_ready at the end, as the benchmarks' timed batches do),
+reads the `*.trace.json.gz` that the profiler exports under <dir>/plugins/profile/<run>/ and
+aggregates its GPU kernel events by kernel name (`parse_trace`): launches, ms and share of the
+summed kernel time per call of the program, plus the wall span per call (first kernel start to
+last kernel end, over `repeats`) and the busy time (union of the kernel intervals).
+
+Which events are GPU kernels: complete events (`"ph": "X"`) of a process whose `process_name`
+metadata contains "/device:GPU" (the profiler names GPU planes /device:GPU:0, /device:GPU:1, ...),
+on a thread whose `thread_name` starts with "Stream" (the CUPTI activity lines, e.g.
+"Stream #13(Compute)"). The device's other lines ("XLA Modules", "XLA Ops", ...) are derived from
+the same kernels and would count them twice, so they are left out. A trace without such events
+(a CPU run, or a profiler that named them otherwise) gives an empty profile whose `reason` says
+what the trace did hold; host events are never counted in their place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import re
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+
+GPU_PROCESS_MARK = "/device:GPU"  # in the process_name of a GPU device plane
+STREAM_THREAD_PREFIX = "Stream"  # thread_name of the kernel activity lines of a GPU plane
+_GEMM = re.compile(r"gemm|gemv|cublas|cutlass|xmma|matmul", re.IGNORECASE)
+_TWELL = re.compile(r"twell_\w+")
+_GENERIC_KERNELS = ("Kernel", "Kernel2", "device_kernel", "kernel")  # wrappers named by their template
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelStat:
+    """One kernel name's share of a program's GPU time, per call of the program."""
+
+    name: str  # short name (short_kernel_name)
+    calls: float  # launches per program call
+    ms: float  # summed kernel time per program call
+    share: float  # of the summed time of all kernels, in [0, 1]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelProfile:
+    """The GPU kernels of `repeats` calls of one program (module doc); empty with a `reason` when
+    the trace held no GPU kernel events."""
+
+    repeats: int  # program calls in the trace
+    kernels: tuple[KernelStat, ...] = ()  # by ms, largest first
+    span_ms: float = 0.0  # (last kernel end - first kernel start) / repeats
+    kernel_ms: float = 0.0  # summed kernel durations / repeats (overlapping streams count twice)
+    busy_ms: float = 0.0  # union of the kernel intervals / repeats (GPU busy on any stream)
+    gpu_processes: tuple[str, ...] = ()  # the GPU process names the kernels came from
+    reason: str = ""  # why `kernels` is empty ("" when it is not)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"KernelProfile.repeats must be an int >= 1, got {self.repeats!r}")
+        if not self.kernels and not self.reason:
+            raise ValueError("KernelProfile without kernels needs a reason")
+
+    def to_json(self) -> dict:
+        """A plain dict for the benchmarks' JSON rows (from_json reads it back)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "KernelProfile":
+        """The profile that to_json wrote."""
+        return cls(**{**data, "kernels": tuple(KernelStat(**k) for k in data["kernels"]),
+                      "gpu_processes": tuple(data["gpu_processes"])})
+
+
+def short_name(name: str) -> str:
+    """A kernel's short name: Pallas kernels by their twell_* name, GEMM library kernels as
+    "gemm:<name>", others (XLA fusions: loop_fusion_3, ...) unchanged; C++ names lose `void`, the
+    namespaces, template and parameter lists."""
+    twell = _TWELL.search(name)
+    if twell:
+        return twell.group(0)
+    short = name.strip()
+    if short.startswith("void "):
+        short = short[5:]
+    stem = short.split("(")[0]
+    head, _, targs = stem.partition("<")
+    short = head.split("::")[-1].strip()
+    if short in _GENERIC_KERNELS and targs:  # cutlass::Kernel2<cutlass_80_..._gemm_...>: the name is inside
+        short = targs.split(",")[0].split("<")[0].split("::")[-1].strip(" >")
+    short = (short or name.strip() or "?")[:60]
+    return f"gemm:{short}" if _GEMM.search(name) else short
+
+
+def _names(events: Sequence[dict], kind: str) -> dict:
+    """{pid: name} (kind "process_name") or {(pid, tid): name} (kind "thread_name") from metadata."""
+    out = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == kind:
+            key = e.get("pid") if kind == "process_name" else (e.get("pid"), e.get("tid"))
+            out[key] = str(e.get("args", {}).get("name", ""))
+    return out
+
+
+def parse_trace(trace_json: dict, repeats: int) -> KernelProfile:
+    """The KernelProfile of a Chrome-trace dict ({"traceEvents": [...]}) holding `repeats` calls."""
+    if not isinstance(trace_json, dict) or not isinstance(trace_json.get("traceEvents"), list):
+        raise ValueError("trace_json must be a dict with a 'traceEvents' list (the profiler's trace.json)")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    events = trace_json["traceEvents"]
+    processes = _names(events, "process_name")
+    threads = _names(events, "thread_name")
+    gpu_pids = {pid for pid, name in processes.items() if GPU_PROCESS_MARK in name}
+    if not gpu_pids:
+        return KernelProfile(repeats, reason="no GPU events: the trace has no GPU device process "
+                                             f"(processes: {sorted(set(processes.values()))})")
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids
+               and threads.get((e.get("pid"), e.get("tid")), "").startswith(STREAM_THREAD_PREFIX)
+               and "dur" in e]
+    gpu_names = tuple(sorted(processes[p] for p in gpu_pids))
+    if not kernels:
+        seen = sorted({name for (pid, _), name in threads.items() if pid in gpu_pids})
+        return KernelProfile(repeats, gpu_processes=gpu_names,
+                             reason=f"no GPU events: no complete event on a {STREAM_THREAD_PREFIX!r} "
+                                    f"thread of {list(gpu_names)} (threads: {seen})")
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    intervals = []
+    for e in kernels:
+        start, dur = float(e["ts"]), float(e["dur"])  # microseconds
+        stat = per_name[short_name(str(e.get("name", "?")))]
+        stat[0] += 1
+        stat[1] += dur
+        intervals.append((start, start + dur))
+    intervals.sort()
+    busy, cur_start, cur_end = 0.0, *intervals[0]
+    for start, end in intervals[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    total = sum(dur for _, dur in per_name.values())
+    per_call_ms = 1e-3 / repeats
+    stats = tuple(sorted((KernelStat(name, n / repeats, dur * per_call_ms, dur / total if total else 0.0)
+                          for name, (n, dur) in per_name.items()), key=lambda s: (-s.ms, s.name)))
+    span = max(end for _, end in intervals) - intervals[0][0]
+    return KernelProfile(repeats, stats, span_ms=span * per_call_ms, kernel_ms=total * per_call_ms,
+                         busy_ms=busy * per_call_ms, gpu_processes=gpu_names)
+
+
+def kernel_times(fn: Callable[..., Any], args: Sequence[Any], *, repeats: int = 5) -> KernelProfile:
+    """Profile `repeats` back-to-back calls fn(*args) (after one warm-up call outside the trace)."""
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory(prefix="kernel_trace_") as tmp:
+        with jax.profiler.trace(tmp):
+            out = None
+            for _ in range(repeats):
+                out = fn(*args)
+            jax.block_until_ready(out)  # one stream: the last call's end is the last kernel's
+        # The profiler writes <tmp>/plugins/profile/<run>/<host>.trace.json.gz (one run here).
+        found = sorted((Path(tmp) / "plugins" / "profile").glob("*/*.trace.json.gz"),
+                       key=lambda p: p.stat().st_mtime)
+        if not found:
+            files = sorted(str(p.relative_to(tmp)) for p in Path(tmp).rglob("*") if p.is_file())
+            return KernelProfile(repeats, reason=f"no GPU events: the profiler wrote no *.trace.json.gz "
+                                                 f"(files: {files})")
+        with gzip.open(found[-1], "rt") as fp:
+            trace_json = json.load(fp)
+    return parse_trace(trace_json, repeats)
+
+
+def format_profile(profile: KernelProfile, top: int = 12) -> list[str]:
+    """A short table: the `top` kernels by time (name, launches, ms, share per program call)."""
+    if not profile.kernels:
+        return [f"kernel trace: {profile.reason}"]
+    lines = [f"kernel trace over {profile.repeats} calls: span {profile.span_ms:.3f} ms/call, "
+             f"kernels {profile.kernel_ms:.3f} ms, busy {profile.busy_ms:.3f} ms, "
+             f"{len(profile.kernels)} kernel names",
+             f"{'kernel':<44} {'calls':>6} {'ms':>8} {'share':>6}"]
+    for s in profile.kernels[:top]:
+        lines.append(f"{s.name[:44]:<44} {s.calls:>6.1f} {s.ms:>8.3f} {s.share:>6.1%}")
+    rest = profile.kernels[top:]
+    if rest:
+        lines.append(f"{f'({len(rest)} more)':<44} {sum(s.calls for s in rest):>6.1f} "
+                     f"{sum(s.ms for s in rest):>8.3f} {sum(s.share for s in rest):>6.1%}")
+    return lines

@@ -1,0 +1,146 @@
+"""experiments/kernel_trace.py: parsing a hand-built trace shaped like the profiler's GPU trace
+(GPU device process, stream threads, a derived "XLA Ops" line and host events that must not
+count), the short names, the table, a real profile on the CPU (no GPU events, said so), and
+bench_ffn_train's bit comparison and argument checks of its --sweep-blocks flag."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+import bench_ffn_train  # noqa: E402
+import kernel_trace  # noqa: E402
+from kernel_trace import KernelProfile, format_profile, parse_trace, short_name  # noqa: E402
+
+CUTLASS = "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8>(Params)"
+HOST, GPU, OTHER_GPU = 7, 1001, 1002
+COMPUTE, COPY, DERIVED = 13, 14, 3
+
+
+def _meta(pid: int, name: str, tid: int | None = None) -> dict:
+    if tid is None:
+        return {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}
+    return {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}
+
+
+def _x(pid: int, tid: int, ts: float, dur: float, name: str) -> dict:
+    return {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name,
+            "args": {"hlo_module": "jit_step", "correlation_id": "1"}}
+
+
+def gpu_trace() -> dict:
+    """Two calls of a program: per call a GEMM, the twell kernel, a fusion and a second GEMM on the
+    compute stream, and (first call only) a fusion overlapping the twell kernel on another stream."""
+    events = [_meta(HOST, "/host:CPU"), _meta(HOST, "python", 1), _meta(GPU, "/device:GPU:0"),
+              _meta(GPU, "Stream #13(Compute)", COMPUTE), _meta(GPU, "Stream #14(MemcpyD2D,Compute)", COPY),
+              _meta(GPU, "XLA Ops", DERIVED),
+              _x(HOST, 1, 0.0, 5000.0, "PjitFunction(step)"),  # host: never counted
+              _x(GPU, DERIVED, 100.0, 300.0, "fusion.1"),  # derived from the kernels: never counted
+              {"ph": "i", "pid": GPU, "tid": COMPUTE, "ts": 120.0, "name": "marker"}]  # not complete
+    for t0 in (100.0, 1000.0):
+        events += [_x(GPU, COMPUTE, t0, 50.0, CUTLASS),
+                   _x(GPU, COMPUTE, t0 + 50, 200.0, "twell_bwd_token_gated"),
+                   _x(GPU, COMPUTE, t0 + 260, 10.0, "loop_multiply_fusion"),
+                   _x(GPU, COMPUTE, t0 + 270, 30.0, CUTLASS)]
+    events.append(_x(GPU, COPY, 160.0, 40.0, "loop_convert_fusion"))
+    return {"displayTimeUnit": "ns", "metadata": {}, "traceEvents": events}
+
+
+def test_parse_trace_aggregates_gpu_stream_kernels_only():
+    p = parse_trace(gpu_trace(), repeats=2)
+    assert p.reason == "" and p.gpu_processes == ("/device:GPU:0",)
+    by_name = {s.name: s for s in p.kernels}
+    gemm = short_name(CUTLASS)
+    assert set(by_name) == {"twell_bwd_token_gated", gemm, "loop_multiply_fusion", "loop_convert_fusion"}
+    # Per call: launches and ms (the trace is in microseconds).
+    assert by_name["twell_bwd_token_gated"].calls == 1.0
+    assert by_name["twell_bwd_token_gated"].ms == pytest.approx(0.2)
+    assert by_name[gemm].calls == 2.0 and by_name[gemm].ms == pytest.approx(0.08)
+    assert by_name["loop_multiply_fusion"].ms == pytest.approx(0.01)
+    assert by_name["loop_convert_fusion"].calls == 0.5 and by_name["loop_convert_fusion"].ms == pytest.approx(0.02)
+    # Sorted by time; shares of the 620 us summed kernel time.
+    assert [s.name for s in p.kernels][:2] == ["twell_bwd_token_gated", gemm]
+    assert by_name["twell_bwd_token_gated"].share == pytest.approx(400 / 620)
+    assert sum(s.share for s in p.kernels) == pytest.approx(1.0)
+    assert p.kernel_ms == pytest.approx(0.31)
+    # Span: 100 us to 1300 us over 2 calls; busy: the overlapping kernel is counted once.
+    assert p.span_ms == pytest.approx(0.6)
+    assert p.busy_ms == pytest.approx(0.29)
+    assert KernelProfile.from_json(p.to_json()) == p
+
+
+def test_parse_trace_without_gpu_kernels_says_why():
+    host_only = {"traceEvents": [_meta(HOST, "/host:CPU"), _meta(HOST, "python", 1),
+                                 _x(HOST, 1, 0.0, 10.0, "PjitFunction(step)")]}
+    p = parse_trace(host_only, repeats=3)
+    assert p.kernels == () and "no GPU device process" in p.reason and "/host:CPU" in p.reason
+    # A GPU process whose only line is derived: its events are not kernels, and that is said.
+    derived_only = {"traceEvents": [_meta(OTHER_GPU, "/device:GPU:1"), _meta(OTHER_GPU, "XLA Ops", DERIVED),
+                                    _x(OTHER_GPU, DERIVED, 0.0, 10.0, "fusion.1")]}
+    p = parse_trace(derived_only, repeats=1)
+    assert p.kernels == () and p.gpu_processes == ("/device:GPU:1",)
+    assert "no GPU events" in p.reason and "XLA Ops" in p.reason
+    assert format_profile(p) == [f"kernel trace: {p.reason}"]
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="traceEvents"):
+        parse_trace({"events": []}, 1)
+    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+        parse_trace(gpu_trace(), 0)
+    with pytest.raises(ValueError, match="needs a reason"):
+        KernelProfile(1)
+    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+        kernel_trace.kernel_times(lambda: None, (), repeats=0)
+
+
+def test_short_names():
+    assert short_name("twell_bwd_neuron_gated") == "twell_bwd_neuron_gated"
+    assert short_name("loop_add_fusion_3") == "loop_add_fusion_3"
+    assert short_name(CUTLASS).startswith("gemm:cutlass_80_tensorop_bf16_s16816gemm")
+    assert short_name("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_cublas").startswith("gemm:sm90_xmma")
+    assert short_name("void cub::DeviceRadixSortOnesweepKernel<cub::Policy<int>>(int*)") == \
+        "DeviceRadixSortOnesweepKernel"
+    assert short_name("") == "?"
+
+
+def test_format_profile_lists_the_top_kernels_and_the_rest():
+    p = parse_trace(gpu_trace(), repeats=2)
+    lines = format_profile(p, top=2)
+    assert "span 0.600 ms/call" in lines[0] and "busy 0.290 ms" in lines[0]
+    assert lines[2].startswith("twell_bwd_token_gated") and "0.200" in lines[2]
+    assert lines[4].startswith("(2 more)") and "0.030" in lines[4]
+    assert len(format_profile(p)) == 2 + len(p.kernels)
+
+
+def test_kernel_times_on_the_cpu_reports_no_gpu_events():
+    step = jax.jit(lambda a: jnp.tanh(a @ a).sum())
+    p = kernel_trace.kernel_times(step, (jnp.ones((32, 32)),), repeats=2)
+    assert p.kernels == () and p.repeats == 2
+    assert "no GPU events" in p.reason and "/host:CPU" in p.reason
+
+
+def test_bit_diff_counts_differing_bits():
+    a = np.array([1.0, 2.0, -0.0, np.nan], np.float32)
+    assert bench_ffn_train.bit_diff(a, a.copy()) == dict(equal=True, n_diff=0, max_abs=0.0)
+    b = a.copy()
+    b[1] = np.nextafter(np.float32(2.0), np.float32(3.0))  # one ulp
+    b[2] = 0.0  # -0.0 and 0.0 compare equal as floats, not as bits
+    d = bench_ffn_train.bit_diff(b, a)
+    assert not d["equal"] and d["n_diff"] == 2 and d["max_abs"] == pytest.approx(2.0 ** -22)
+    bf = jnp.asarray(a[:3], jnp.bfloat16)
+    assert bench_ffn_train.bit_diff(bf, bf)["equal"]
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        bench_ffn_train.bit_diff(a, a.astype(np.float64))
+
+
+def test_sweep_blocks_is_refused_with_a_checkpoint(capsys):
+    with pytest.raises(SystemExit):
+        bench_ffn_train.main(["--checkpoint", "x", "--sweep-blocks"])
+    assert "--sweep-blocks is for the synthetic mode" in capsys.readouterr().err
