@@ -5,7 +5,8 @@
 
 `kernel_times` warms the program up, runs it `repeats` times back to back inside
 `jax.profiler.trace` (one block_until_ready at the end, as the benchmarks' timed batches do),
-reads the `*.trace.json.gz` that the profiler exports under <dir>/plugins/profile/<run>/ and
+reads the `*.trace.json.gz` that the profiler exports under <dir>/plugins/profile/<run>/ (or,
+should a JAX version write none, the run's `*.xplane.pb` in the same shape) and
 aggregates its GPU kernel events by kernel name (`parse_trace`): launches, ms and share of the
 summed kernel time per call of the program, plus the wall span per call (first kernel start to
 last kernel end, over `repeats`) and the busy time (union of the kernel intervals).
@@ -166,16 +167,40 @@ def kernel_times(fn: Callable[..., Any], args: Sequence[Any], *, repeats: int = 
             for _ in range(repeats):
                 out = fn(*args)
             jax.block_until_ready(out)  # one stream: the last call's end is the last kernel's
-        # The profiler writes <tmp>/plugins/profile/<run>/<host>.trace.json.gz (one run here).
-        found = sorted((Path(tmp) / "plugins" / "profile").glob("*/*.trace.json.gz"),
-                       key=lambda p: p.stat().st_mtime)
-        if not found:
-            files = sorted(str(p.relative_to(tmp)) for p in Path(tmp).rglob("*") if p.is_file())
-            return KernelProfile(repeats, reason=f"no GPU events: the profiler wrote no *.trace.json.gz "
-                                                 f"(files: {files})")
-        with gzip.open(found[-1], "rt") as fp:
-            trace_json = json.load(fp)
+        trace_json = read_profile_dir(Path(tmp))
+    if trace_json is None:
+        return KernelProfile(repeats, reason="no GPU events: the profiler wrote neither a *.trace.json.gz "
+                                             "nor a *.xplane.pb")
     return parse_trace(trace_json, repeats)
+
+
+def read_profile_dir(log_dir: Path) -> dict | None:
+    """The trace dict of the newest run under log_dir/plugins/profile/: its <host>.trace.json.gz
+    (what jax.profiler exports), else its <host>.xplane.pb turned into the same shape
+    (xplane_to_trace); None when neither exists."""
+    runs = sorted((log_dir / "plugins" / "profile").glob("*/"), key=lambda p: p.stat().st_mtime)
+    for run in reversed(runs):
+        for path in sorted(run.glob("*.trace.json.gz")):
+            with gzip.open(path, "rt") as fp:
+                return json.load(fp)
+        for path in sorted(run.glob("*.xplane.pb")):
+            return xplane_to_trace(path)
+    return None
+
+
+def xplane_to_trace(path: Path) -> dict:
+    """A profiler .xplane.pb (jax.profiler.ProfileData) as a trace dict that parse_trace reads: one
+    process per plane (process_name = the plane's name), one thread per line, its events complete
+    events in microseconds."""
+    data = jax.profiler.ProfileData.from_file(str(path))
+    events: list[dict] = []
+    for pid, plane in enumerate(data.planes):
+        events.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": plane.name}})
+        for tid, line in enumerate(plane.lines):
+            events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": line.name}})
+            events += [{"ph": "X", "pid": pid, "tid": tid, "ts": e.start_ns / 1e3, "dur": e.duration_ns / 1e3,
+                        "name": e.name} for e in line.events]
+    return {"traceEvents": events}
 
 
 def format_profile(profile: KernelProfile, top: int = 12) -> list[str]:

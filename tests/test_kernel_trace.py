@@ -144,3 +144,24 @@ def test_sweep_blocks_is_refused_with_a_checkpoint(capsys):
     with pytest.raises(SystemExit):
         bench_ffn_train.main(["--checkpoint", "x", "--sweep-blocks"])
     assert "--sweep-blocks is for the synthetic mode" in capsys.readouterr().err
+
+
+def test_an_xplane_reads_as_the_same_trace_shape(tmp_path):
+    """The fallback when a JAX version exports no trace.json.gz: the run's xplane.pb, same parser."""
+    step = jax.jit(lambda a: jnp.tanh(a @ a).sum())
+    jax.block_until_ready(step(jnp.ones((16, 16))))
+    with jax.profiler.trace(str(tmp_path)):
+        jax.block_until_ready(step(jnp.ones((16, 16))))
+    xplane, = (tmp_path / "plugins" / "profile").glob("*/*.xplane.pb")
+    trace = kernel_trace.xplane_to_trace(xplane)
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    assert "/host:CPU" in names
+    assert any(e["ph"] == "X" and e["dur"] >= 0 for e in trace["traceEvents"])
+    p = parse_trace(trace, repeats=1)
+    assert p.kernels == () and "/host:CPU" in p.reason
+    # The exported json is preferred; without it the xplane is read.
+    assert "displayTimeUnit" in kernel_trace.read_profile_dir(tmp_path)  # the json export's key
+    for path in (tmp_path / "plugins" / "profile").glob("*/*.trace.json.gz"):
+        path.unlink()
+    assert kernel_trace.read_profile_dir(tmp_path) == trace
+    assert kernel_trace.read_profile_dir(tmp_path / "nothing") is None
