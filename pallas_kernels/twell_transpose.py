@@ -104,9 +104,10 @@ def validate_transpose_args(indices: jax.Array, counts: jax.Array, n_neurons: in
 
 
 def _block_slots(indices_ref, counts_ref, r0: jax.Array, lane_1xT: jax.Array, *, slots: int,
-                 block_rows: int) -> jax.Array:
-    """int32 [block_rows, tile] of rows [r0, r0 + block_rows) of the program's chunk: k + 1 where
-    the row's live slot k holds the lane's neuron, 0 elsewhere (at most one slot per neuron)."""
+                 block_rows: int) -> tuple[jax.Array, jax.Array]:
+    """For rows [r0, r0 + block_rows) of the program's chunk: (int32 [block_rows, tile], k + 1 where
+    the row's live slot k holds the lane's neuron, 0 elsewhere (a row holds a neuron at most once);
+    the rows' live slot counts [block_rows])."""
     rows = pl.ds(r0, block_rows)
     live_BR = jnp.minimum(plgpu.load(counts_ref.at[rows]), slots)
 
@@ -115,8 +116,9 @@ def _block_slots(indices_ref, counts_ref, r0: jax.Array, lane_1xT: jax.Array, *,
         hit = (j_BR[:, None] == lane_1xT) & (k < live_BR)[:, None]
         return jnp.where(hit, k + 1, hit_BRxT)
 
-    return lax.fori_loop(0, jnp.max(live_BR), slot_step,
-                         jnp.zeros((block_rows, lane_1xT.shape[1]), jnp.int32))
+    slot_BRxT = lax.fori_loop(0, jnp.max(live_BR), slot_step,
+                              jnp.zeros((block_rows, lane_1xT.shape[1]), jnp.int32))
+    return slot_BRxT, live_BR
 
 
 def _hist_kernel(indices_ref, counts_ref, hist_ref, *, tile: int, slots: int, block_rows: int) -> None:
@@ -125,8 +127,8 @@ def _hist_kernel(indices_ref, counts_ref, hist_ref, *, tile: int, slots: int, bl
     n_blocks = counts_ref.shape[0] // block_rows
 
     def block_step(b, hist_T):
-        slot_BRxT = _block_slots(indices_ref, counts_ref, b * block_rows, lane_1xT, slots=slots,
-                                 block_rows=block_rows)
+        slot_BRxT, _ = _block_slots(indices_ref, counts_ref, b * block_rows, lane_1xT, slots=slots,
+                                    block_rows=block_rows)
         return hist_T + jnp.sum((slot_BRxT > 0).astype(jnp.int32), axis=0)
 
     hist_ref[...] = lax.fori_loop(0, n_blocks, block_step, jnp.zeros((tile,), jnp.int32))
@@ -150,8 +152,8 @@ def _rank_kernel(indices_ref, counts_ref, first_ref, base_ref, dest_ref, tokens_
     def block_step(b, running_T):
         r0 = b * block_rows
         rows = pl.ds(r0, block_rows)
-        slot_BRxT = _block_slots(indices_ref, counts_ref, r0, lane_1xT, slots=slots,
-                                 block_rows=block_rows)
+        slot_BRxT, live_BR = _block_slots(indices_ref, counts_ref, r0, lane_1xT, slots=slots,
+                                          block_rows=block_rows)
         hit_BRxT = slot_BRxT > 0
         one_BRxT = hit_BRxT.astype(jnp.int32)
         # Entries of a neuron in earlier rows of the block: an exclusive cumsum over rows.
@@ -167,7 +169,7 @@ def _rank_kernel(indices_ref, counts_ref, first_ref, base_ref, dest_ref, tokens_
         plgpu.store(tokens_ref.at[jnp.where(tokens_ok, pos_BRxT, tokens_pad + spare_BRxT)],
                     jnp.broadcast_to(token_BR[:, None], (block_rows, tile)), mask=tokens_ok)
         # The last tile's program knows each row's live count: its slots past it get -1.
-        end_BR = first_BR + jnp.minimum(plgpu.load(counts_ref.at[rows]), slots)
+        end_BR = first_BR + live_BR
         dead_BRxW = (rank_1xW >= end_BR[:, None]) & (t == n_tiles - 1)
         plgpu.store(dest_ref.at[token_BR[:, None] * width + rank_1xW],
                     jnp.full((block_rows, width), -1, jnp.int32), mask=dead_BRxW)
