@@ -9,8 +9,9 @@ call, experiments/bench_ffn.py's bench_interleaved):
 
     reference    pallas_kernels.twell_transpose.neuron_lists_reference: compaction to the ELL,
                  stable sort of M * W ids, binary search, inverse permutation (dest)
-    xla_sort     twell_jax.ops.pallas_backward.neuron_major_lists, today's backward transpose (its
-                 input, the ELL's neuron ids, precomputed; no dest): what the kernel replaces
+    xla_sort     twell_transpose.sort_lists: the stable sort + binary search of the backward's
+                 first transpose (pallas_backward.neuron_major_lists without its value gathers),
+                 its input (the token-major ELL's neuron ids) precomputed: what the kernel replaces
     kernel       neuron_lists with the default TransposeBlockSizes
     kernel/...   (--sweep) other block sizes
 
@@ -33,8 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_ffn  # noqa: E402  (bench_interleaved)
 from pallas_kernels.common import next_pow2  # noqa: E402
 from pallas_kernels.twell_transpose import (TransposeBlockSizes, neuron_lists,  # noqa: E402
-                                            neuron_lists_reference)
-from twell_jax.ops.pallas_backward import neuron_major_lists  # noqa: E402
+                                            neuron_lists_reference, sort_lists)
 
 SWEEP = (TransposeBlockSizes(block_rows=16, chunk_rows=256),
          TransposeBlockSizes(block_rows=32, chunk_rows=512),
@@ -86,34 +86,37 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float]]:
     elif args.sweep:
         variants.update({f"kernel/{b.block_rows}x{b.chunk_rows}w{b.num_warps}": b for b in SWEEP})
     h, w = args.tiles * args.tile, next_pow2(args.width)
-    arg_sets = [synthetic_pattern(jax.random.PRNGKey(seed), args.m, args.tiles, args.tile, args.slots,
+    patterns = [synthetic_pattern(jax.random.PRNGKey(seed), args.m, args.tiles, args.tile, args.slots,
                                   args.k, args.width) for seed in range(3)]
     ref_fn = jax.jit(lambda i, c: neuron_lists_reference(i, c, h, width=args.width))
+    sort_fn = jax.jit(lambda cols: sort_lists(cols, h))
+    # Each argument set: (indices, counts, the token-major ELL's neuron ids with H in empty slots:
+    # the sort's input, rebuilt from the reference's lists: the entry at CSR position p belongs to
+    # the neuron whose range holds p).
+    arg_sets = []
+    for indices, counts in patterns:
+        ref = ref_fn(indices, counts)
+        neuron_E = jnp.repeat(jnp.arange(h, dtype=jnp.int32), ref[1], total_repeat_length=ref[2].shape[0])
+        cols = jnp.where(ref[3] >= 0, neuron_E[jnp.maximum(ref[3], 0)], h)
+        start, count, _ = sort_fn(cols)
+        if not (bool(jnp.array_equal(start, ref[0])) and bool(jnp.array_equal(count, ref[1]))):
+            sys.exit("xla_sort: start/count differ from the reference")
+        arg_sets.append((indices, counts, cols))
 
-    fns = {"reference": ref_fn}
+    fns = {"xla_sort": lambda i, c, cols: sort_fn(cols), "reference": lambda i, c, cols: ref_fn(i, c)}
     for name, bs in variants.items():
-        fns[name] = jax.jit(lambda i, c, bs=bs: neuron_lists(i, c, h, width=args.width, block_sizes=bs,
-                                                           interpret=args.interpret))
-        for indices, counts in arg_sets:
-            check_equal(fns[name](indices, counts), ref_fn(indices, counts), name)
-    # Today's backward sorts the token-major ELL's neuron ids (valid where dest >= 0): rebuild them
-    # from the reference's lists (the entry at CSR position p belongs to the neuron whose range holds p).
-    sort_sets = []
-    for indices, counts in arg_sets:
-        start, count, tokens, dest = ref_fn(indices, counts)
-        neuron_E = jnp.repeat(jnp.arange(h, dtype=jnp.int32), count, total_repeat_length=tokens.shape[0])
-        valid = dest >= 0
-        cols = jnp.where(valid, neuron_E[jnp.maximum(dest, 0)], 0)
-        sort_sets.append((cols, valid))
-    sort_fn = jax.jit(lambda cols, valid: neuron_major_lists(cols, valid, (), h)[:3])
+        kernel_fn = jax.jit(lambda i, c, bs=bs: neuron_lists(i, c, h, width=args.width, block_sizes=bs,
+                                                             interpret=args.interpret))
+        for indices, counts, _ in arg_sets:
+            check_equal(kernel_fn(indices, counts), ref_fn(indices, counts), name)
+        fns[name] = lambda i, c, cols, f=kernel_fn: f(i, c)
     times = bench_ffn.bench_interleaved(fns, arg_sets)
-    times["xla_sort"] = bench_ffn.bench_interleaved({"xla_sort": sort_fn}, sort_sets)["xla_sort"]
     live = float(jnp.mean(jnp.sum(jnp.minimum(arg_sets[0][1], args.slots), axis=1)))
     print(f"\nM {args.m}  NT {args.tiles}  tile {args.tile}  H {h}  S {args.slots}  W {w}  "
           f"live/row {live:.1f}  device {jax.devices()[0].device_kind}"
           f"{'  (interpret: times mean nothing)' if args.interpret else ''}")
     print(f"{'variant':<24}{'ms':>9}{'vs xla_sort':>13}")
-    rows = sorted(times.items(), key=lambda kv: kv[0] not in ("xla_sort", "reference"))
+    rows = list(times.items())
     for name, ms in rows:
         print(f"{name:<24}{ms:>9.3f}{times['xla_sort'] / ms:>12.2f}x")
     return rows

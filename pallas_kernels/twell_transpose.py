@@ -256,12 +256,24 @@ def neuron_lists(indices: jax.Array, counts: jax.Array, n_neurons: int, *, width
     return start_H, count_H, tokens_E, dest_MxW[:m]
 
 
+def sort_lists(cols_MxW: jax.Array, n_neurons: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """CSR lists of a token-major ELL by XLA's stable sort (the backward's first transpose):
+    (start_H, count_H, perm_E) with perm_E[p] = the flat ELL slot (i * W + r) of the entry at CSR
+    position p. Empty slots hold neuron id n_neurons (they sort last); the offsets by a binary
+    search in the sorted ids."""
+    key_E = cols_MxW.reshape(-1)
+    sorted_key_E, perm_E = lax.sort((key_E, jnp.arange(key_E.shape[0], dtype=jnp.int32)),
+                                    num_keys=1, is_stable=True)
+    bounds_H1 = jnp.searchsorted(sorted_key_E, jnp.arange(n_neurons + 1, dtype=jnp.int32),
+                                 side="left").astype(jnp.int32)
+    return bounds_H1[:-1], bounds_H1[1:] - bounds_H1[:-1], perm_E
+
+
 @functools.partial(jax.jit, static_argnames=("n_neurons", "width"))
 def neuron_lists_reference(indices: jax.Array, counts: jax.Array, n_neurons: int, *,
                            width: int) -> Lists:
     """Plain-jnp `neuron_lists`: compact each row's live slots to its token-major ELL row (as the
-    token-major kernel does), stable-sort the M * W neuron ids (empty slots get id H and sort
-    last), the per-neuron offsets by a binary search, dest = the inverse permutation."""
+    token-major kernel does), `sort_lists`, dest = the inverse permutation."""
     validate_transpose_args(indices, counts, n_neurons, width)
     m, n_tiles, slots = indices.shape
     w = _next_pow2(width)
@@ -270,12 +282,9 @@ def neuron_lists_reference(indices: jax.Array, counts: jax.Array, n_neurons: int
     rows_MxK = jnp.broadcast_to(jnp.arange(m)[:, None], rank_MxK.shape)
     cols_MxW = jnp.full((m, w), n_neurons, jnp.int32).at[rows_MxK, rank_MxK].set(
         indices.reshape(m, -1), mode="drop")
-    key_E = cols_MxW.reshape(-1)
-    n_entries = key_E.shape[0]
-    sorted_key_E, perm_E = lax.sort((key_E, jnp.arange(n_entries, dtype=jnp.int32)), num_keys=1,
-                                    is_stable=True)
-    bounds_H1 = jnp.searchsorted(sorted_key_E, jnp.arange(n_neurons + 1, dtype=jnp.int32),
-                                 side="left").astype(jnp.int32)
-    position_E = jnp.where(sorted_key_E < n_neurons, jnp.arange(n_entries, dtype=jnp.int32), -1)
+    start_H, count_H, perm_E = sort_lists(cols_MxW, n_neurons)
+    n_entries = m * w
+    position_E = jnp.where(jnp.arange(n_entries, dtype=jnp.int32) < jnp.sum(count_H),
+                           jnp.arange(n_entries, dtype=jnp.int32), -1)
     dest_MxW = jnp.zeros((n_entries,), jnp.int32).at[perm_E].set(position_E).reshape(m, w)
-    return bounds_H1[:-1], bounds_H1[1:] - bounds_H1[:-1], perm_E // w, dest_MxW
+    return start_H, count_H, perm_E // w, dest_MxW
