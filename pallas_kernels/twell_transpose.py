@@ -65,8 +65,10 @@ class TransposeBlockSizes:
     num_stages: int = 1  # pipelining depth (dynamic trip counts: 1 = none)
 
     def __post_init__(self) -> None:
-        if isinstance(self.block_rows, bool) or not isinstance(self.block_rows, int) or not _is_pow2(self.block_rows):
-            raise ValueError(f"TransposeBlockSizes.block_rows must be a power of two, got {self.block_rows!r}")
+        if (isinstance(self.block_rows, bool) or not isinstance(self.block_rows, int)
+                or not _is_pow2(self.block_rows)):
+            raise ValueError(f"TransposeBlockSizes.block_rows must be a power of two, got "
+                             f"{self.block_rows!r}")
         if (isinstance(self.chunk_rows, bool) or not isinstance(self.chunk_rows, int)
                 or self.chunk_rows < self.block_rows or self.chunk_rows % self.block_rows):
             raise ValueError(f"TransposeBlockSizes.chunk_rows must be a multiple of block_rows="
