@@ -36,7 +36,11 @@ from pallas_kernels.common import next_pow2  # noqa: E402
 from pallas_kernels.twell_transpose import (TransposeBlockSizes, neuron_lists,  # noqa: E402
                                             neuron_lists_reference, sort_lists)
 
-SWEEP = (TransposeBlockSizes(block_rows=16, chunk_rows=256),
+# Smaller blocks: fewer registers per thread, more programs resident to hide the load latency of
+# the slot loops; longer chunks: fewer programs, fewer partial histograms.
+SWEEP = (TransposeBlockSizes(block_rows=8, chunk_rows=128),
+         TransposeBlockSizes(block_rows=16, chunk_rows=128),
+         TransposeBlockSizes(block_rows=16, chunk_rows=256),
          TransposeBlockSizes(block_rows=32, chunk_rows=512),
          TransposeBlockSizes(block_rows=32, chunk_rows=256, num_warps=8),
          TransposeBlockSizes(block_rows=64, chunk_rows=512, num_warps=8))
