@@ -1,6 +1,6 @@
-"""Token-major backward kernel (Pallas, Triton backend): packed gate (TwELL) -> dx and per-entry values.
+"""Token-major backward kernel (Pallas, Triton backend): a token's active neurons -> dx and per-entry values.
 
-For every token i and every stored active neuron j of its TwELL pack (slot < min(count, S)):
+For every token i and every active neuron j of its list (pattern entries that are not "hot"):
 
     gated:      u = x_i . U_j          h = round(a * u)       (a = packed relu(gate) value)
                 dt = gy_i . W_j + l1_scale * sign(h)
@@ -13,18 +13,19 @@ For every token i and every stored active neuron j of its TwELL pack (slot < min
 `round` is the activation dtype (the dense formula rounds h to x's dtype before the down
 projection and the L1 norm). G is the packed ("act") weight: the gate weight gated, the op's up
 weight non-gated (its relu gives the pattern); U the up weight beside the gate (gated only), W the
-down weight, all neuron-major [H, D]. The per-entry values are written in a token-major ELL of
-width `width` (slot = rank of the entry in the token's row: tiles ascending, slots ascending), with
-the neuron ids in `cols`, for the weight-gradient pass (twell_bwd_neuron.py, after a transpose).
+down weight, all neuron-major [H, D].
+
+Input: per token a compact list (`token_lists`, XLA, from the TwELL pack): n_i entries, their
+neuron ids, packed values, and neuron-major (CSR) positions, the latter from the counting-sort
+transpose's `dest` (twell_transpose.py), which runs first on the pattern alone. Entries of "hot"
+neurons are left out of the lists: a dense tail (twell_jax/ops/pallas_backward.py) owns their dx
+terms and weight gradients, so the kernel moves none of their bytes, and it walks no empty tiles.
 
 One program handles `block_t` tokens: x_i and gy_i stay in registers, dx_i accumulates in fp32
-registers, each active neuron costs one gather of the rows it needs (W_j, U_j, G_j gated; W_j,
-G_j non-gated), each read once. The ELL rows are assembled in [block_t, width] register tiles and
-written with one block store (the pack kernel's trick): no scatter, no atomics.
-
-The caller guarantees that every row has at most `width` stored entries and no overflowing tile
-(rows that do not are handled by the dense token tail: pass their counts as 0). All arithmetic is
-fp32 ("tensor-core exact"), dx is rounded once to x's dtype.
+registers (from `dx_init`, the dense tails' terms, when given), each entry costs one gather of the
+rows it needs (W_j, U_j, G_j gated; W_j, G_j non-gated), each read once, and writes its values
+straight to its CSR position (scatter stores: each position is written by one lane, no atomics).
+All arithmetic is fp32 ("tensor-core exact"), dx is rounded once to x's dtype.
 """
 from __future__ import annotations
 
@@ -41,16 +42,15 @@ from pallas_kernels.common import (check_launch_sizes, compiler_params, is_pow2 
                                    next_pow2 as _next_pow2, pad_rows, round_up, validate_packed_operands)
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class TokenBwdBlockSizes:
     """Static launch parameters of the token-major backward kernel."""
 
-    # Like the forward's fused kernel (BENCHMARKS.md): one token per program, 4 warps. Not yet
-    # tuned on a GPU (experiments/bench_ffn_train.py --sweep-blocks).
+    # One token per program, 2 warps (H100, k 29, experiments/bench_ffn_train.py --sweep-blocks):
+    # 2 and 4 warps tie (1.74 and 1.72 ms), 8 warps 1.90 ms, 2 or 4 tokens per program 2.3-3.1 ms
+    # (rows with fewer entries idle while the block's longest list runs).
     block_t: int = 1  # token rows per program (power of two)
-    num_warps: int = 4  # warps per program
+    num_warps: int = 2  # warps per program
     num_stages: int = 1  # pipelining depth of the slot loop (dynamic trip counts: 1 = none)
 
     def __post_init__(self) -> None:
@@ -59,23 +59,150 @@ class TokenBwdBlockSizes:
         check_launch_sizes(self)
 
 
-def _token_bwd_kernel(*refs, gated: bool, slots: int, n_tiles: int, d: int, d_block: int,
-                      width: int, h_dtype) -> None:
-    """Refs: x, gy [BT, D], counts [BT, NT], values/indices [BT, NT, S], w_act, (w_up), w_down
-    [H, D], l1_scale [1]; outputs dx [BT, D], cols [BT, W] int32, then 3 (gated: t, d_up, d_gate)
-    or 2 (t, d_act) f32 [BT, W] value tiles."""
-    if gated:
-        (x_ref, gy_ref, counts_ref, values_ref, indices_ref, w_act_ref, w_up_ref, w_down_ref,
-         scale_ref, dx_ref, cols_ref, *entry_refs) = refs
-    else:
-        (x_ref, gy_ref, counts_ref, values_ref, indices_ref, w_act_ref, w_down_ref,
-         scale_ref, dx_ref, cols_ref, *entry_refs) = refs
-        w_up_ref = None
+@dataclasses.dataclass(frozen=True)
+class ListsBlockSizes:
+    """Static launch parameters of the list-building kernel (`token_lists`)."""
+
+    block_rows: int = 32  # token rows per program (power of two): 0.112 ms at 32, 0.134 at 16 (H100, k 29)
+    num_warps: int = 4  # warps per program
+    num_stages: int = 1  # pipelining depth of the tile loop
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_rows, bool) or not isinstance(self.block_rows, int) \
+                or not _is_pow2(self.block_rows) or self.block_rows > 256:
+            raise ValueError(f"ListsBlockSizes.block_rows must be a power of two <= 256, got "
+                             f"{self.block_rows!r}")
+        check_launch_sizes(self)
+
+
+def _lists_kernel(*refs, has_hot: bool, slots: int, n_tiles: int, width: int) -> None:
+    """Refs: values, indices [BR, NT, S], counts [BR, NT], dest [BR, W], (hot [H] int32); outputs
+    n [BR], cols, a, pos [BR, W + S] (columns >= W take the dead lanes' stores)."""
+    refs = list(refs)
+    values_ref, indices_ref, counts_ref, dest_ref = refs[:4]
+    del refs[:4]
+    hot_ref = refs.pop(0) if has_hot else None
+    n_ref, cols_ref, a_ref, pos_ref = refs
+    block_rows = counts_ref.shape[0]
+    row_BRxS = lax.broadcasted_iota(jnp.int32, (block_rows, slots), 0)
+    k_BRxS = lax.broadcasted_iota(jnp.int32, (block_rows, slots), 1)
+
+    def tile_step(t, carry):
+        first_BR, out_BR = carry  # the row's stored entries so far; its listed entries so far
+        live_BR = jnp.minimum(plgpu.load(counts_ref.at[:, t]), slots)
+        live_BRxS = k_BRxS < live_BR[:, None]
+        j_BRxS = plgpu.load(indices_ref.at[:, t, :], mask=live_BRxS, other=0)
+        keep_BRxS = live_BRxS
+        if has_hot:
+            keep_BRxS = keep_BRxS & (plgpu.load(hot_ref.at[j_BRxS], mask=live_BRxS, other=1) == 0)
+        keep_i32 = keep_BRxS.astype(jnp.int32)
+        slot_BRxS = out_BR[:, None] + jnp.cumsum(keep_i32, axis=1) - keep_i32
+        # Dead lanes store to their own column past W (distinct from every live address).
+        col_BRxS = jnp.where(keep_BRxS, slot_BRxS, width + k_BRxS)
+        a_BRxS = plgpu.load(values_ref.at[:, t, :], mask=keep_BRxS, other=0)
+        pos_BRxS = plgpu.load(dest_ref.at[row_BRxS, jnp.minimum(first_BR[:, None] + k_BRxS, width - 1)],
+                              mask=keep_BRxS, other=0)
+        for ref, v in ((cols_ref, j_BRxS), (a_ref, a_BRxS), (pos_ref, pos_BRxS)):
+            plgpu.store(ref.at[row_BRxS, col_BRxS], v, mask=keep_BRxS)
+        return first_BR + live_BR, out_BR + jnp.sum(keep_i32, axis=1)
+
+    zeros = jnp.zeros((block_rows,), jnp.int32)
+    _, n_BR = lax.fori_loop(0, n_tiles, tile_step, (zeros, zeros))
+    n_ref[...] = n_BR
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "debug"))
+def token_lists(values: jax.Array, indices: jax.Array, counts: jax.Array, dest_MxW: jax.Array,
+                hot_H: jax.Array | None = None, *, block_sizes: ListsBlockSizes = ListsBlockSizes(),
+                interpret: bool = False, debug: bool = False
+                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The token-major kernel's input: per row, its stored entries (slot < min(count, S), tiles
+    ascending) that are not hot, compacted: (n_M int32 [M], cols_MxW int32, a_MxW (values' dtype),
+    pos_MxW int32), W = dest_MxW.shape[1]; pos = dest[i, r] for the entry's rank r among the row's
+    stored entries. Slots >= n are unspecified. Rows must hold at most W stored entries (the
+    caller zeroes the counts of the others: the token tail). One Pallas kernel: per row block, a
+    walk over the tiles with an in-register prefix sum and scatter stores (no XLA scatter)."""
+    validate_packed_operands(jnp.zeros((values.shape[0], 1), values.dtype), values, indices, counts)
+    m, n_tiles, slots = values.shape
+    width = dest_MxW.shape[1]
+    if dest_MxW.ndim != 2 or dest_MxW.shape[0] != m or dest_MxW.dtype != jnp.int32 or not _is_pow2(width):
+        raise ValueError(f"dest_MxW must be int32 [M={m}, W] with W a power of two, got "
+                         f"{dest_MxW.dtype}{dest_MxW.shape}")
+    if hot_H is not None and (hot_H.ndim != 1 or hot_H.dtype not in (jnp.bool_, jnp.int32)):
+        raise ValueError(f"hot_H must be None or bool/int32 [H], got {hot_H.dtype}{hot_H.shape}")
+    br = block_sizes.block_rows
+    m_pad = round_up(m, br)
+    # Padded rows have count 0: they list nothing.
+    values, indices, counts, dest_MxW = pad_rows(m_pad, values, indices, counts, dest_MxW)
+    hot = [hot_H.astype(jnp.int32)] if hot_H is not None else []  # Triton refs hold no i1
+    out_w = width + slots
+    list_spec = pl.BlockSpec((br, out_w), lambda i: (i, 0))
+    n_M, cols, a, pos = pl.pallas_call(
+        functools.partial(_lists_kernel, has_hot=bool(hot), slots=slots, n_tiles=n_tiles, width=width),
+        grid=(m_pad // br,),
+        in_specs=[pl.BlockSpec((br, n_tiles, slots), lambda i: (i, 0, 0)),
+                  pl.BlockSpec((br, n_tiles, slots), lambda i: (i, 0, 0)),
+                  pl.BlockSpec((br, n_tiles), lambda i: (i, 0)),
+                  pl.BlockSpec((br, width), lambda i: (i, 0)),
+                  *[pl.BlockSpec(v.shape, lambda i: (0,)) for v in hot]],
+        out_specs=[pl.BlockSpec((br,), lambda i: (i,)), list_spec, list_spec, list_spec],
+        out_shape=[jax.ShapeDtypeStruct((m_pad,), jnp.int32),
+                   jax.ShapeDtypeStruct((m_pad, out_w), jnp.int32),
+                   jax.ShapeDtypeStruct((m_pad, out_w), values.dtype),
+                   jax.ShapeDtypeStruct((m_pad, out_w), jnp.int32)],
+        compiler_params=compiler_params(block_sizes),
+        interpret=interpret,
+        debug=debug,
+        name="twell_bwd_token_lists",
+    )(values, indices, counts, dest_MxW, *hot)
+    return n_M[:m], cols[:m, :width], a[:m, :width], pos[:m, :width]
+
+
+@jax.jit
+def token_lists_reference(values: jax.Array, indices: jax.Array, counts: jax.Array, dest_MxW: jax.Array,
+                hot_H: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Plain-jnp version of `token_lists` (XLA scatters; slots >= n hold 0)."""
+    m, n_tiles, slots = values.shape
+    width = dest_MxW.shape[1]
+    live_MxTxS = jnp.arange(slots)[None, None, :] < jnp.minimum(counts, slots)[:, :, None]
+    j_MxTxS = indices
+    keep_MxTxS = live_MxTxS if hot_H is None else live_MxTxS & ~hot_H.astype(bool)[j_MxTxS]
+    # Ranks by a two-level prefix sum (tiles, then slots): short scans only.
+    live_T = jnp.minimum(counts, slots)
+    rank_MxTxS = (jnp.cumsum(live_T, axis=1) - live_T)[:, :, None] + jnp.arange(slots)[None, None, :]
+    keep_i32 = keep_MxTxS.astype(jnp.int32)
+    keep_T = jnp.sum(keep_i32, axis=2)
+    slot_MxTxS = ((jnp.cumsum(keep_T, axis=1) - keep_T)[:, :, None]
+                  + jnp.cumsum(keep_i32, axis=2) - keep_i32)
+    slot_MxTxS = jnp.where(keep_MxTxS, slot_MxTxS, width).reshape(m, -1)  # dropped
+    rows_MxK = jnp.broadcast_to(jnp.arange(m)[:, None], slot_MxTxS.shape)
+    pos_MxK = jnp.take_along_axis(dest_MxW, jnp.clip(rank_MxTxS.reshape(m, -1), 0, width - 1), axis=1)
+
+    def compact(v_MxK, dtype):
+        return jnp.zeros((m, width), dtype).at[rows_MxK, slot_MxTxS].set(v_MxK.astype(dtype), mode="drop")
+
+    return (jnp.sum(keep_T, axis=1).astype(jnp.int32), compact(j_MxTxS.reshape(m, -1), jnp.int32),
+            compact(values.reshape(m, -1), values.dtype), compact(pos_MxK, jnp.int32))
+
+
+def _token_bwd_kernel(*refs, gated: bool, has_init: bool, d: int, d_block: int, e_cap: int,
+                      h_dtype) -> None:
+    """Refs: x, gy [BT, D], n [BT], cols, a, pos [BT, W], w_act, (w_up), w_down [H, D], l1_scale [1],
+    (dx_init [BT, D] f32); outputs dx [BT, D], then 3 (gated: t, d_up, d_gate) or 2 (t, d_act) f32
+    [E_cap + BT] neuron-major value arrays (written at pos; the tail past E_cap takes dead lanes)."""
+    refs = list(refs)
+    x_ref, gy_ref, n_ref, cols_ref, a_ref, pos_ref, w_act_ref = refs[:7]
+    del refs[:7]
+    w_up_ref = refs.pop(0) if gated else None
+    w_down_ref, scale_ref = refs.pop(0), refs.pop(0)
+    init_ref = refs.pop(0) if has_init else None
+    dx_ref, *entry_refs = refs
     block_t = x_ref.shape[0]
     col_D = lax.broadcasted_iota(jnp.int32, (d_block,), 0)
     col_ok_1xD = (col_D < d)[None, :]
     col_1xD = col_D[None, :]
     full_d = d == d_block
+    lane_BT = lax.broadcasted_iota(jnp.int32, (block_t,), 0)
 
     def load_own(ref):
         return plgpu.load(ref.at[:, pl.ds(0, d_block)], mask=None if full_d else col_ok_1xD,
@@ -84,172 +211,173 @@ def _token_bwd_kernel(*refs, gated: bool, slots: int, n_tiles: int, d: int, d_bl
     x_BTxD = load_own(x_ref)
     gy_BTxD = load_own(gy_ref)
     l1_scale = jnp.sum(scale_ref[...])  # a [1] block: sum -> scalar (value slicing is not lowered)
-    slot_BTxW = lax.broadcasted_iota(jnp.int32, (block_t, width), 1)
+    n_BT = n_ref[...]
 
     def gather(ref, j_BT, live_BT):
         # Masked-off rows move no bytes; `other=0` keeps the products below finite.
         return plgpu.load(ref.at[j_BT[:, None], col_1xD], mask=live_BT[:, None] & col_ok_1xD,
                           other=0).astype(jnp.float32)
 
-    def tile_step(t, carry):
-        dx_BTxD, pos_BT, cols_BTxW, entries = carry
-        count_BT = jnp.minimum(plgpu.load(counts_ref.at[:, t]), slots)
+    def entry_step(e, dx_BTxD):
+        live_BT = e < n_BT
+        j_BT = plgpu.load(cols_ref.at[:, e])
+        a_BT = plgpu.load(a_ref.at[:, e]).astype(jnp.float32)
+        pos_BT = plgpu.load(pos_ref.at[:, e])
+        w_rows = gather(w_down_ref, j_BT, live_BT)
+        act_rows = gather(w_act_ref, j_BT, live_BT)
+        dt_BT = jnp.sum(gy_BTxD * w_rows, axis=1)
+        if gated:
+            up_rows = gather(w_up_ref, j_BT, live_BT)
+            u_BT = jnp.sum(x_BTxD * up_rows, axis=1)
+            h_BT = (a_BT * u_BT).astype(h_dtype).astype(jnp.float32)
+        else:
+            h_BT = a_BT
+        dt_BT = dt_BT + l1_scale * jnp.sign(h_BT)
+        if gated:
+            d_up_BT, d_gate_BT = dt_BT * a_BT, dt_BT * u_BT
+            dx_BTxD = dx_BTxD + jnp.where(live_BT[:, None],
+                                          d_up_BT[:, None] * up_rows + d_gate_BT[:, None] * act_rows, 0.0)
+            new_values = (h_BT, d_up_BT, d_gate_BT)
+        else:
+            dx_BTxD = dx_BTxD + jnp.where(live_BT[:, None], dt_BT[:, None] * act_rows, 0.0)
+            new_values = (h_BT, dt_BT)
+        # Dead lanes write to distinct addresses past E_cap (a masked store whose masked-off lanes
+        # alias live ones can clobber them in interpret mode).
+        at_BT = jnp.where(live_BT, pos_BT, e_cap + lane_BT)
+        for ref, v_BT in zip(entry_refs, new_values):
+            plgpu.store(ref.at[at_BT], v_BT, mask=live_BT)
+        return dx_BTxD
 
-        def slot_step(k, carry):
-            dx_BTxD, pos_BT, cols_BTxW, entries = carry
-            live_BT = k < count_BT
-            j_BT = plgpu.load(indices_ref.at[:, t, k])
-            a_BT = plgpu.load(values_ref.at[:, t, k]).astype(jnp.float32)
-            w_rows = gather(w_down_ref, j_BT, live_BT)
-            act_rows = gather(w_act_ref, j_BT, live_BT)
-            dt_BT = jnp.sum(gy_BTxD * w_rows, axis=1)
-            if gated:
-                up_rows = gather(w_up_ref, j_BT, live_BT)
-                u_BT = jnp.sum(x_BTxD * up_rows, axis=1)
-                h_BT = (a_BT * u_BT).astype(h_dtype).astype(jnp.float32)
-            else:
-                h_BT = a_BT
-            dt_BT = jnp.where(live_BT, dt_BT + l1_scale * jnp.sign(h_BT), 0.0)
-            if gated:
-                d_up_BT, d_gate_BT = dt_BT * a_BT, dt_BT * u_BT
-                dx_BTxD = (dx_BTxD + d_up_BT[:, None] * up_rows + d_gate_BT[:, None] * act_rows)
-                new_values = (h_BT, d_up_BT, d_gate_BT)
-            else:
-                dx_BTxD = dx_BTxD + dt_BT[:, None] * act_rows
-                new_values = (h_BT, dt_BT)
-            hit_BTxW = (slot_BTxW == pos_BT[:, None]) & live_BT[:, None]
-            cols_BTxW = jnp.where(hit_BTxW, j_BT[:, None], cols_BTxW)
-            entries = tuple(jnp.where(hit_BTxW, v_BT[:, None], e_BTxW)
-                            for v_BT, e_BTxW in zip(new_values, entries))
-            return dx_BTxD, pos_BT + live_BT.astype(jnp.int32), cols_BTxW, entries
-
-        return lax.fori_loop(0, jnp.max(count_BT), slot_step, (dx_BTxD, pos_BT, cols_BTxW, entries))
-
-    n_values = 3 if gated else 2
-    init = (jnp.zeros((block_t, d_block), jnp.float32), jnp.zeros((block_t,), jnp.int32),
-            jnp.zeros((block_t, width), jnp.int32),
-            tuple(jnp.zeros((block_t, width), jnp.float32) for _ in range(n_values)))
-    dx_BTxD, _, cols_BTxW, entries = lax.fori_loop(0, n_tiles, tile_step, init)
+    dx0 = load_own(init_ref) if has_init else jnp.zeros((block_t, d_block), jnp.float32)
+    dx_BTxD = lax.fori_loop(0, jnp.max(n_BT), entry_step, dx0)
     plgpu.store(dx_ref.at[:, pl.ds(0, d_block)], dx_BTxD.astype(dx_ref.dtype),
                 mask=None if full_d else jnp.broadcast_to(col_ok_1xD, dx_BTxD.shape))
-    cols_ref[...] = cols_BTxW
-    for ref, value_BTxW in zip(entry_refs, entries):
-        ref[...] = value_BTxW
 
 
-def validate_token_bwd_args(x_MxD, gy_MxD, values, indices, counts, w_act_HxD, w_up_HxD,
-                            w_down_HxD, width: int) -> None:
+def validate_token_bwd_args(x_MxD, gy_MxD, n_M, cols_MxW, a_MxW, pos_MxW, w_act_HxD, w_up_HxD,
+                            w_down_HxD, dx_init) -> None:
     """Raise ValueError naming the offending argument."""
-    validate_packed_operands(x_MxD, values, indices, counts)
-    d = x_MxD.shape[1]
+    if x_MxD.ndim != 2:
+        raise ValueError(f"x_MxD must be 2-D [M, D], got shape {x_MxD.shape}")
+    m, d = x_MxD.shape
     if gy_MxD.shape != x_MxD.shape or gy_MxD.dtype != x_MxD.dtype:
         raise ValueError(f"gy_MxD must be {x_MxD.dtype}{x_MxD.shape} like x_MxD, got "
                          f"{gy_MxD.dtype}{gy_MxD.shape}")
+    if n_M.shape != (m,) or n_M.dtype != jnp.int32:
+        raise ValueError(f"n_M must be int32 [M={m}], got {n_M.dtype}{n_M.shape}")
+    if cols_MxW.ndim != 2 or cols_MxW.shape[0] != m or cols_MxW.dtype != jnp.int32 \
+            or not _is_pow2(cols_MxW.shape[1]):
+        raise ValueError(f"cols_MxW must be int32 [M={m}, W] with W a power of two, got "
+                         f"{cols_MxW.dtype}{cols_MxW.shape}")
+    if a_MxW.shape != cols_MxW.shape:
+        raise ValueError(f"a_MxW must be {cols_MxW.shape} like cols_MxW, got {a_MxW.shape}")
+    if pos_MxW.shape != cols_MxW.shape or pos_MxW.dtype != jnp.int32:
+        raise ValueError(f"pos_MxW must be int32 {cols_MxW.shape} like cols_MxW, got "
+                         f"{pos_MxW.dtype}{pos_MxW.shape}")
     h = w_act_HxD.shape[0] if w_act_HxD.ndim == 2 else None
     for name, w in (("w_act_HxD", w_act_HxD), ("w_up_HxD", w_up_HxD), ("w_down_HxD", w_down_HxD)):
         if w is not None and (w.ndim != 2 or w.shape != (h, d) or w.dtype != x_MxD.dtype):
             raise ValueError(f"{name} must be {x_MxD.dtype}[H, D={d}] like w_act_HxD, got "
                              f"{w.dtype}{w.shape}")
-    if not isinstance(width, int) or width < 1:
-        raise ValueError(f"width must be an int >= 1, got {width!r}")
+    if dx_init is not None and (dx_init.shape != (m, d) or dx_init.dtype != jnp.float32):
+        raise ValueError(f"dx_init must be None or float32 {(m, d)}, got {dx_init.dtype}{dx_init.shape}")
 
 
-def _token_bwd_triton(x_MxD, gy_MxD, values, indices, counts, w_act_HxD, w_up_HxD, w_down_HxD,
-                      scale_1, *, width: int, block_sizes: TokenBwdBlockSizes, interpret: bool,
-                      debug: bool):
+def _token_bwd_triton(x_MxD, gy_MxD, n_M, cols_MxW, a_MxW, pos_MxW, w_act_HxD, w_up_HxD,
+                      w_down_HxD, scale_1, dx_init, *, block_sizes: TokenBwdBlockSizes,
+                      interpret: bool, debug: bool):
     m, d = x_MxD.shape
-    n_tiles, slots = values.shape[1], values.shape[2]
+    width = cols_MxW.shape[1]
     bt = block_sizes.block_t
     gated = w_up_HxD is not None
-    kernel = functools.partial(_token_bwd_kernel, gated=gated, slots=slots, n_tiles=n_tiles, d=d,
-                               d_block=_next_pow2(d), width=width, h_dtype=x_MxD.dtype)
+    e_cap = m * width
+    kernel = functools.partial(_token_bwd_kernel, gated=gated, has_init=dx_init is not None, d=d,
+                               d_block=_next_pow2(d), e_cap=e_cap, h_dtype=x_MxD.dtype)
     weights = (w_act_HxD, w_up_HxD, w_down_HxD) if gated else (w_act_HxD, w_down_HxD)
     n_values = 3 if gated else 2
+    full = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)  # noqa: E731
     row_spec = pl.BlockSpec((bt, d), lambda i: (i, 0))
-    ell_spec = pl.BlockSpec((bt, width), lambda i: (i, 0))
+    list_spec = pl.BlockSpec((bt, width), lambda i: (i, 0))
+    e_shape = jax.ShapeDtypeStruct((e_cap + bt,), jnp.float32)
+    init = [dx_init] if dx_init is not None else []
     return pl.pallas_call(
         kernel,
         grid=(m // bt,),
-        in_specs=[row_spec, row_spec,
-                  pl.BlockSpec((bt, n_tiles), lambda i: (i, 0)),
-                  pl.BlockSpec((bt, n_tiles, slots), lambda i: (i, 0, 0)),
-                  pl.BlockSpec((bt, n_tiles, slots), lambda i: (i, 0, 0)),
-                  *[pl.BlockSpec(w.shape, lambda i: (0, 0)) for w in weights],
-                  pl.BlockSpec((1,), lambda i: (0,))],
-        out_specs=[row_spec, ell_spec, *[ell_spec] * n_values],
-        out_shape=[jax.ShapeDtypeStruct((m, d), x_MxD.dtype),
-                   jax.ShapeDtypeStruct((m, width), jnp.int32),
-                   *[jax.ShapeDtypeStruct((m, width), jnp.float32)] * n_values],
+        in_specs=[row_spec, row_spec, pl.BlockSpec((bt,), lambda i: (i,)), list_spec, list_spec,
+                  list_spec, *[full(w) for w in weights], pl.BlockSpec((1,), lambda i: (0,)),
+                  *[row_spec] * len(init)],
+        out_specs=[row_spec, *[full(e_shape)] * n_values],
+        out_shape=[jax.ShapeDtypeStruct((m, d), x_MxD.dtype), *[e_shape] * n_values],
         compiler_params=compiler_params(block_sizes),
         interpret=interpret,
         debug=debug,
         name="twell_bwd_token_gated" if gated else "twell_bwd_token",
-    )(x_MxD, gy_MxD, counts, values, indices, *weights, scale_1)
+    )(x_MxD, gy_MxD, n_M, cols_MxW, a_MxW, pos_MxW, *weights, scale_1, *init)
 
 
-@functools.partial(jax.jit, static_argnames=("width", "block_sizes", "interpret", "debug"))
-def token_backward(x_MxD: jax.Array, gy_MxD: jax.Array, values: jax.Array, indices: jax.Array,
-                   counts: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
-                   w_down_HxD: jax.Array, l1_scale: jax.Array, *, width: int,
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "debug"))
+def token_backward(x_MxD: jax.Array, gy_MxD: jax.Array, n_M: jax.Array, cols_MxW: jax.Array,
+                   a_MxW: jax.Array, pos_MxW: jax.Array, w_act_HxD: jax.Array,
+                   w_up_HxD: jax.Array | None, w_down_HxD: jax.Array, l1_scale: jax.Array, *,
+                   dx_init: jax.Array | None = None,
                    block_sizes: TokenBwdBlockSizes = TokenBwdBlockSizes(), interpret: bool = False,
-                   debug: bool = False) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
-    """Token-major backward over a TwELL pack (module doc).
+                   debug: bool = False) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Token-major backward over per-token lists (module doc; `token_lists` builds them).
 
-    Returns (dx [M, D] in x's dtype, cols [M, W] int32 neuron ids, entry values): (t, d_up, d_gate)
-    gated or (t, d_act) when w_up_HxD is None, each f32 [M, W]; W = next_pow2(width) (Triton block
-    shapes are powers of two); slots >= the row's stored count hold 0. Any M (padded to block_t).
-    """
-    validate_token_bwd_args(x_MxD, gy_MxD, values, indices, counts, w_act_HxD, w_up_HxD,
-                            w_down_HxD, width)
+    dx_init (f32 [M, D], optional): added to dx before its one rounding (the dense tails' terms).
+    Returns (dx [M, D] in x's dtype, the entry values at their neuron-major positions: (t, d_up,
+    d_gate) gated or (t, d_act) when w_up_HxD is None, each f32 [M * W]; positions no listed entry
+    maps to are unspecified). Any M (padded to block_t)."""
+    validate_token_bwd_args(x_MxD, gy_MxD, n_M, cols_MxW, a_MxW, pos_MxW, w_act_HxD, w_up_HxD,
+                            w_down_HxD, dx_init)
     m = x_MxD.shape[0]
-    # Padded rows have count 0: they read nothing and write zeros.
-    x_MxD, gy_MxD, values, indices, counts = pad_rows(round_up(m, block_sizes.block_t), x_MxD, gy_MxD,
-                                                      values, indices, counts)
+    m_pad = round_up(m, block_sizes.block_t)
+    # Padded rows have n = 0: they read nothing and write no entry.
+    x_MxD, gy_MxD, n_M, cols_MxW, a_MxW, pos_MxW = pad_rows(m_pad, x_MxD, gy_MxD, n_M, cols_MxW, a_MxW,
+                                                            pos_MxW)
+    if dx_init is not None:
+        (dx_init,) = pad_rows(m_pad, dx_init)
     scale_1 = jnp.reshape(l1_scale.astype(jnp.float32), (1,))
-    dx_MxD, cols_MxW, *entries = _token_bwd_triton(
-        x_MxD, gy_MxD, values, indices, counts, w_act_HxD, w_up_HxD, w_down_HxD, scale_1,
-        width=_next_pow2(width), block_sizes=block_sizes, interpret=interpret, debug=debug)
-    return dx_MxD[:m], cols_MxW[:m], tuple(e[:m] for e in entries)
+    dx_MxD, *entries = _token_bwd_triton(
+        x_MxD, gy_MxD, n_M, cols_MxW, a_MxW, pos_MxW, w_act_HxD, w_up_HxD, w_down_HxD, scale_1,
+        dx_init, block_sizes=block_sizes, interpret=interpret, debug=debug)
+    e = m * cols_MxW.shape[1]
+    return dx_MxD[:m], tuple(v[:e] for v in entries)
 
 
-@functools.partial(jax.jit, static_argnames=("width",))
-def token_backward_reference(x_MxD: jax.Array, gy_MxD: jax.Array, values: jax.Array,
-                             indices: jax.Array, counts: jax.Array, w_act_HxD: jax.Array,
-                             w_up_HxD: jax.Array | None, w_down_HxD: jax.Array,
-                             l1_scale: jax.Array, *, width: int
-                             ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
-    """Plain-jnp version of `token_backward` (same slots read, fp32 arithmetic, same outputs)."""
-    m, n_tiles, slots = values.shape
-    width = _next_pow2(width)
+@jax.jit
+def token_backward_reference(x_MxD: jax.Array, gy_MxD: jax.Array, n_M: jax.Array,
+                             cols_MxW: jax.Array, a_MxW: jax.Array, pos_MxW: jax.Array,
+                             w_act_HxD: jax.Array, w_up_HxD: jax.Array | None, w_down_HxD: jax.Array,
+                             l1_scale: jax.Array, dx_init: jax.Array | None = None
+                             ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Plain-jnp version of `token_backward` (same entries, fp32 arithmetic, same outputs at every
+    listed position; others 0)."""
+    m, width = cols_MxW.shape
     hi = lax.Precision.HIGHEST
-    live_MxK = (jnp.arange(slots)[None, None, :] < jnp.minimum(counts, slots)[:, :, None]).reshape(m, -1)
-    j_MxK = indices.reshape(m, -1)
-    a_MxK = jnp.where(live_MxK, values.reshape(m, -1).astype(jnp.float32), 0.0)
+    live_MxW = jnp.arange(width)[None, :] < n_M[:, None]
+    j_MxW = jnp.where(live_MxW, cols_MxW, 0)
+    a_MxW = jnp.where(live_MxW, a_MxW.astype(jnp.float32), 0.0)
     x32, gy32 = x_MxD.astype(jnp.float32), gy_MxD.astype(jnp.float32)
-    act_rows = w_act_HxD.astype(jnp.float32)[j_MxK]  # [M, K, D]
-    dt_MxK = jnp.einsum("md,mkd->mk", gy32, w_down_HxD.astype(jnp.float32)[j_MxK], precision=hi)
+    act_rows = w_act_HxD.astype(jnp.float32)[j_MxW]  # [M, W, D]
+    dt_MxW = jnp.einsum("md,mkd->mk", gy32, w_down_HxD.astype(jnp.float32)[j_MxW], precision=hi)
     if w_up_HxD is not None:
-        up_rows = w_up_HxD.astype(jnp.float32)[j_MxK]
-        u_MxK = jnp.einsum("md,mkd->mk", x32, up_rows, precision=hi)
-        h_MxK = (a_MxK * u_MxK).astype(x_MxD.dtype).astype(jnp.float32)
+        up_rows = w_up_HxD.astype(jnp.float32)[j_MxW]
+        u_MxW = jnp.einsum("md,mkd->mk", x32, up_rows, precision=hi)
+        h_MxW = (a_MxW * u_MxW).astype(x_MxD.dtype).astype(jnp.float32)
     else:
-        h_MxK = a_MxK
-    dt_MxK = jnp.where(live_MxK, dt_MxK + l1_scale.astype(jnp.float32) * jnp.sign(h_MxK), 0.0)
+        h_MxW = a_MxW
+    dt_MxW = jnp.where(live_MxW, dt_MxW + l1_scale.astype(jnp.float32) * jnp.sign(h_MxW), 0.0)
     if w_up_HxD is not None:
-        d_up_MxK, d_gate_MxK = dt_MxK * a_MxK, dt_MxK * u_MxK
-        dx = (jnp.einsum("mk,mkd->md", d_up_MxK, up_rows, precision=hi)
-              + jnp.einsum("mk,mkd->md", d_gate_MxK, act_rows, precision=hi))
-        values_MxK = (h_MxK, d_up_MxK, d_gate_MxK)
+        d_up_MxW, d_gate_MxW = dt_MxW * a_MxW, dt_MxW * u_MxW
+        dx = (jnp.einsum("mk,mkd->md", d_up_MxW, up_rows, precision=hi)
+              + jnp.einsum("mk,mkd->md", d_gate_MxW, act_rows, precision=hi))
+        values_MxW = (h_MxW, d_up_MxW, d_gate_MxW)
     else:
-        dx = jnp.einsum("mk,mkd->md", dt_MxK, act_rows, precision=hi)
-        values_MxK = (h_MxK, dt_MxK)
-    # Compact the live slots to the ELL row (rank = running count of live slots).
-    slot_MxK = jnp.where(live_MxK, jnp.cumsum(live_MxK, axis=1, dtype=jnp.int32) - 1, width)
-    rows_MxK = jnp.broadcast_to(jnp.arange(m)[:, None], slot_MxK.shape)
-
-    def compact(v_MxK, dtype):
-        return jnp.zeros((m, width), dtype).at[rows_MxK, slot_MxK].set(v_MxK.astype(dtype), mode="drop")
-
-    cols = compact(jnp.where(live_MxK, j_MxK, 0), jnp.int32)
-    return dx.astype(x_MxD.dtype), cols, tuple(compact(jnp.where(live_MxK, v, 0.0), jnp.float32)
-                                               for v in values_MxK)
+        dx = jnp.einsum("mk,mkd->md", dt_MxW, act_rows, precision=hi)
+        values_MxW = (h_MxW, dt_MxW)
+    if dx_init is not None:
+        dx = dx + dx_init
+    at_MxW = jnp.where(live_MxW, pos_MxW, m * width)  # dropped
+    return dx.astype(x_MxD.dtype), tuple(
+        jnp.zeros((m * width,), jnp.float32).at[at_MxW].set(v, mode="drop") for v in values_MxW)

@@ -57,10 +57,12 @@ Lists = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # (start_H, count_H, 
 class TransposeBlockSizes:
     """Static launch parameters of the two transpose kernels (histogram, rank + scatter)."""
 
-    # Not yet tuned on a GPU (experiments/bench_transpose.py --sweep). [block_rows, tile] int32
-    # register tiles: 32 x 256 over 4 warps is 64 registers per thread each.
-    block_rows: int = 32  # token rows per inner step (power of two)
-    chunk_rows: int = 256  # token rows per program (multiple of block_rows; the grid's chunk axis)
+    # Swept on the H100 (experiments/bench_transpose.py --sweep, M 16384, k 29, 2026-11-22): 8 rows
+    # x 128-row chunks took 0.433 ms against 0.996 for 32 x 256 and 0.844 for XLA's sort: smaller
+    # [block_rows, tile] int32 register tiles (8 x 256 over 4 warps: 16 registers per thread each)
+    # and 4x the programs.
+    block_rows: int = 8  # token rows per inner step (power of two)
+    chunk_rows: int = 128  # token rows per program (multiple of block_rows; the grid's chunk axis)
     num_warps: int = 4  # warps per program
     num_stages: int = 1  # pipelining depth (dynamic trip counts: 1 = none)
 
@@ -180,6 +182,25 @@ def _rank_kernel(indices_ref, counts_ref, first_ref, base_ref, dest_ref, tokens_
     lax.fori_loop(0, chunk_rows // block_rows, block_step, base_ref[...])
 
 
+def _histogram(indices: jax.Array, counts: jax.Array, *, tile: int, block_rows: int, chunk_rows: int,
+               block_sizes: TransposeBlockSizes, interpret: bool, debug: bool) -> jax.Array:
+    """Pass 1: the per-chunk histograms, int32 [C, NT * tile] (M % chunk_rows == 0)."""
+    m_pad, n_tiles, slots = indices.shape
+    squeezed = pl.Squeezed()
+    return pl.pallas_call(
+        functools.partial(_hist_kernel, tile=tile, slots=slots, block_rows=block_rows),
+        grid=(n_tiles, m_pad // chunk_rows),
+        in_specs=[pl.BlockSpec((chunk_rows, squeezed, slots), lambda t, c: (c, t, 0)),
+                  pl.BlockSpec((chunk_rows, squeezed), lambda t, c: (c, t))],
+        out_specs=pl.BlockSpec((squeezed, tile), lambda t, c: (c, t)),
+        out_shape=jax.ShapeDtypeStruct((m_pad // chunk_rows, n_tiles * tile), jnp.int32),
+        compiler_params=compiler_params(block_sizes),
+        interpret=interpret,
+        debug=debug,
+        name="twell_transpose_hist",
+    )(indices, counts)
+
+
 def _transpose_triton(indices: jax.Array, counts: jax.Array, *, n_neurons: int, tile: int,
                       width: int, n_entries: int, block_rows: int, chunk_rows: int,
                       block_sizes: TransposeBlockSizes, interpret: bool, debug: bool) -> Lists:
@@ -192,17 +213,8 @@ def _transpose_triton(indices: jax.Array, counts: jax.Array, *, n_neurons: int, 
     pattern_specs = [pl.BlockSpec((chunk_rows, squeezed, slots), lambda t, c: (c, t, 0)),
                      pl.BlockSpec((chunk_rows, squeezed), lambda t, c: (c, t))]
     hist_spec = pl.BlockSpec((squeezed, tile), lambda t, c: (c, t))
-    hist_CxHp = pl.pallas_call(
-        functools.partial(_hist_kernel, tile=tile, slots=slots, block_rows=block_rows),
-        grid=grid,
-        in_specs=pattern_specs,
-        out_specs=hist_spec,
-        out_shape=jax.ShapeDtypeStruct((n_chunks, n_tiles * tile), jnp.int32),
-        compiler_params=compiler_params(block_sizes),
-        interpret=interpret,
-        debug=debug,
-        name="twell_transpose_hist",
-    )(indices, counts)
+    hist_CxHp = _histogram(indices, counts, tile=tile, block_rows=block_rows, chunk_rows=chunk_rows,
+                           block_sizes=block_sizes, interpret=interpret, debug=debug)
 
     count_Hp = jnp.sum(hist_CxHp, axis=0)
     start_Hp = jnp.cumsum(count_Hp) - count_Hp
@@ -290,3 +302,23 @@ def neuron_lists_reference(indices: jax.Array, counts: jax.Array, n_neurons: int
                            jnp.arange(n_entries, dtype=jnp.int32), -1)
     dest_MxW = jnp.zeros((n_entries,), jnp.int32).at[perm_E].set(position_E).reshape(m, w)
     return start_H, count_H, perm_E // w, dest_MxW
+
+
+@functools.partial(jax.jit, static_argnames=("n_neurons", "block_sizes", "interpret", "debug"))
+def neuron_histogram(indices: jax.Array, counts: jax.Array, n_neurons: int, *,
+                     block_sizes: TransposeBlockSizes = TransposeBlockSizes(), interpret: bool = False,
+                     debug: bool = False) -> jax.Array:
+    """int32 [H]: the live entries (slot < min(count, S)) of each neuron in a TwELL pattern: the
+    transpose's first pass alone (count_H of `neuron_lists`, without the rank pass; no row-width
+    limit). Deterministic, no atomics: an XLA scatter-add of the M * NT * S slots into [H] took
+    several ms per layer on the H100 (hot neurons serialize the atomics)."""
+    tile = validate_transpose_args(indices, counts, n_neurons, 1)
+    m = indices.shape[0]
+    if m == 0:
+        return jnp.zeros((n_neurons,), jnp.int32)
+    block_rows = block_sizes.block_rows
+    chunk_rows = min(block_sizes.chunk_rows, round_up(m, block_rows))
+    indices, counts = pad_rows(round_up(m, chunk_rows), indices, counts)
+    hist_CxHp = _histogram(indices, counts, tile=tile, block_rows=block_rows, chunk_rows=chunk_rows,
+                           block_sizes=block_sizes, interpret=interpret, debug=debug)
+    return jnp.sum(hist_CxHp, axis=0)[:n_neurons]

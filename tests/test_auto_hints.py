@@ -51,7 +51,7 @@ def test_auto_decision_is_the_ops_plan(monkeypatch):
     for hint in (0.0, 29.0, 112.0, 2816.0):
         config = ops.SparseFFNConfig(expected_active_per_token=hint)
         fwd, bwd = pallas_backward.choose_training_path(
-            *shape[:3], hint, True, itemsize=2, ell_width=config.ell_width,
+            *shape[:3], hint, True, itemsize=2,
             keep_pattern=(config.backward or pallas_backward.BackwardConfig()).keep_gate_pattern)
         expected = ("pallas" if fwd else "dense", "pallas" if bwd else "dense")
         if pallas_decode.prefer_decode_path(*shape[:3], hint, True, itemsize=2,

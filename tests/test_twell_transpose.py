@@ -15,7 +15,7 @@ import pytest
 
 from pallas_kernels.common import next_pow2
 from pallas_kernels.twell_pack import pack_gate_reference
-from pallas_kernels.twell_transpose import (TransposeBlockSizes, neuron_lists,
+from pallas_kernels.twell_transpose import (TransposeBlockSizes, neuron_histogram, neuron_lists,
                                             neuron_lists_reference)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,6 +114,27 @@ def test_kernel_matches_reference(kind, m, h):
         assert (n_live == WIDTH).sum() >= 8
     if kind == "overflow":
         assert (counts[1::4, 1] > SLOTS).all() and (n_live[1::4] == SLOTS).all()
+
+
+@pytest.mark.parametrize("kind,m,h", [("random", 37, 45), ("hot", 21, 40), ("overflow", 40, 48),
+                                      ("zero", 9, 33)])
+def test_neuron_histogram_counts_every_live_slot(kind, m, h):
+    """The histogram pass alone (the forward's per-neuron counts): live slots per neuron, counted
+    independently with numpy's bincount; no row-width limit (wide rows are counted too)."""
+    indices, counts = make_pattern(11, m, h, kind=kind, p=0.3)
+    # A second pattern with rows over WIDTH and tiles over SLOTS kept: slot k of tile t holds
+    # neuron t * TILE + k (inside the tile, as a pack's are), live up to a random count.
+    n_tiles = indices.shape[1]
+    tile_k = np.arange(n_tiles)[:, None] * TILE + np.arange(SLOTS)[None, :]
+    wide_indices = np.broadcast_to(np.minimum(tile_k, h - 1), indices.shape).astype(np.int32)
+    room = np.minimum(h - np.arange(n_tiles) * TILE, SLOTS + 2)  # the last tile may be partial
+    wide = (np.random.default_rng(12).random(counts.shape) * (room + 1)).astype(np.int32)
+    for ind, c in ((indices, counts), (wide_indices, wide)):
+        got = neuron_histogram(jnp.asarray(ind), jnp.asarray(c), h, block_sizes=SMALL, interpret=True)
+        live = np.arange(SLOTS)[None, None, :] < np.minimum(c, SLOTS)[:, :, None]
+        np.testing.assert_array_equal(got, np.bincount(ind[live], minlength=h)[:h])
+    assert neuron_histogram(jnp.zeros((0, 3, SLOTS), jnp.int32), jnp.zeros((0, 3), jnp.int32), h,
+                            interpret=True).shape == (h,)
 
 
 def test_pack_pattern_default_blocks():

@@ -341,7 +341,6 @@ def _plan(gated: bool, backend: str, interpret: bool, config: SparseFFNConfig,
         return _Plan(gated, "decode", "dense", interpret)
     fwd_sparse, bwd_sparse = pallas_backward.choose_training_path(
         m, d_model, n_neurons, config.expected_active_per_token, gated, itemsize=itemsize,
-        ell_width=config.ell_width,
         keep_pattern=(config.backward or pallas_backward.BackwardConfig()).keep_gate_pattern)
     if not (fwd_sparse or bwd_sparse):
         # The dense plan IS the "dense" backend (plain autodiff keeps its activations; a dense

@@ -1,34 +1,33 @@
 """Training glue of the Pallas kernels: the op-level sparse backward and the training "auto" choice.
 
 The backward of gated_ffn / ffn (the formulas: docs/kernels.md, "Backward") over the hybrid ELL +
-dense-tail format (docs/format.md):
+dense-tail format (docs/format.md), in this order:
 
     pattern      the forward's TwELL pack of relu(x W_act^T) (kept as a residual, or recomputed by
                  pack_gate when BackwardConfig.keep_gate_pattern is False)
     token tail   rows with an overflowing tile or more than config.ell_width actives (dense first
-                 tokens): exact dense backward on those rows, gathered into a static block
-    token-major  pallas_kernels.twell_bwd_token: dx of the other rows, and per entry (t, dr, dg)
-                 in a token-major ELL [M, W] with the neuron ids
-    transpose    XLA stable sort of the ELL entries by neuron id (first version, see below) ->
-                 CSR lists (start, count per neuron; tokens ascending inside a neuron)
-    neuron tail  "hot" neurons (more than config.transpose_ell_width entries): their weight
-                 gradients by dense GEMMs, their columns recomputed [M, C] at a time (rows
-                 outside the token tail)
-    neuron-major pallas_kernels.twell_bwd_neuron: dW_down, dW_up, dW_gate of the other neurons,
-                 starting from the tails' f32 contributions so every gradient is rounded once
+                 tokens): their counts are zeroed for the kernels
+    transpose    pallas_kernels.twell_transpose.neuron_lists: a counting sort of the pattern into
+                 neuron-major CSR lists (start, count per neuron; tokens ascending inside a
+                 neuron) and each token entry's CSR position. Known now: the "hot" neurons (more
+                 than config.transpose_ell_width entries)
+    one branch   the dense backward (a tail over its capacity), the kernels alone, or the kernels
+                 after the dense tails:
+    dense tails  token tail (exact dense backward of its rows) and hot-neuron tail (their columns
+                 recomputed [M, C] at a time by GEMMs: weight gradients and dx terms), into f32
+                 accumulators, so every gradient is rounded once
+    lists        pallas_kernels.twell_bwd_token.token_lists: each token's non-hot entries with
+                 their CSR positions
+    token-major  pallas_kernels.twell_bwd_token.token_backward: dx, and per entry (t, dr, dg)
+                 written at its CSR position
+    neuron-major pallas_kernels.twell_bwd_neuron: dW_down, dW_up, dW_gate of the non-hot neurons,
+                 starting from the tails' f32 contributions
 
 Tails are sized on the device with no host sync: the tail rows (neurons) are listed by a
-static-size `nonzero` and processed in fixed-size chunks (BackwardConfig.*_tail_chunk) by a loop
-whose trip count is the device-side count, so no tail costs nothing, the first token of each
-sequence costs one chunk, and the temporary memory is one chunk's whatever the count. Beyond the
+static-size `nonzero` and processed in blocks whose size and number come from the device-side
+count (`_chunked`), so no tail costs nothing and a short one costs one small block. Beyond the
 config's capacities (tail_capacity(M), transpose_tail_capacity(H)) the exact dense backward runs
-for the call (`lax.cond`). Deterministic: fixed reduction orders, a stable sort, scatters to
-unique positions, no atomics.
-
-Transpose: a counting sort (histogram, prefix sum, rank scatter) is the natural algorithm, but the
-rank of an entry among the entries of its neuron needs either a sort or atomics; this first
-version uses XLA's stable sort of M * W int32 keys, and the per-neuron offsets by a binary
-search in the sorted keys (no histogram atomics). Not measured against a Pallas counting sort.
+for the call. Deterministic: fixed reduction orders, scatters to unique positions, no atomics.
 
 Training "auto" (`choose_training_path`): per layer, from the layer's expected active count and
 the cost table below, which of the four whole plans (forward and backward each dense or sparse)
@@ -37,6 +36,7 @@ runs. No host sync: a static choice at trace time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -45,7 +45,8 @@ from jax import lax
 
 from pallas_kernels.common import next_pow2
 from pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes, neuron_backward
-from pallas_kernels.twell_bwd_token import TokenBwdBlockSizes, token_backward
+from pallas_kernels.twell_bwd_token import ListsBlockSizes, TokenBwdBlockSizes, token_backward, token_lists
+from pallas_kernels.twell_transpose import TransposeBlockSizes, neuron_lists
 from pallas_kernels.twell_pack import pack_gate
 from twell_jax import ops
 from twell_jax.ops import pallas_forward
@@ -54,12 +55,6 @@ Weights = tuple[jax.Array, ...]
 Pack = tuple[jax.Array, jax.Array, jax.Array]  # (values [M,NT,S], indices [M,NT,S], counts [M,NT])
 Aux = dict[str, jax.Array]
 
-# The token tail's GEMMs (dense_rows_backward): tensor cores. Their fp32 operands are either bf16
-# values widened (exact in TF32) or fp32 intermediates (dt, dR, dG), which TF32 rounds to 11 bits,
-# finer than the bf16 that XLA's dense backward rounds them to. HIGHEST (exact fp32) made a 64-row
-# block 0.62 ms on a trained 0.5b, DEFAULT 0.30 ms (BENCHMARKS.md). On the CPU DEFAULT is exact fp32.
-# (The hot-neuron tail uses x's dtype directly: hot_neuron_backward.)
-_TAIL_PRECISION = lax.Precision.DEFAULT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,21 +67,33 @@ class BackwardConfig:
     # 4.32 ms recomputed: BENCHMARKS.md), so False saves the memory at no measured cost.
     keep_gate_pattern: bool = True
     # Token-tail rows (an overflowing tile or > ell_width actives) per dense block: the tail runs
-    # ceil(rows / chunk) blocks of [chunk, H] (the first tokens of 8 sequences: one block).
-    token_tail_chunk: int = 64
+    # ceil(rows / chunk) blocks of [chunk, H] (a tail of at most small_tail_chunk rows: one small
+    # block). 256: a 2,048-row tail took 4.3 ms in 256-row blocks against 10.0 in 64-row ones on
+    # the H100, and a 24-row tail 3.80 against 3.81 ms (layer fwd+bwd; BENCHMARKS.md).
+    token_tail_chunk: int = 256
     # Hot neurons per dense block of the neuron tail ([M, chunk] columns by GEMMs with x and gy).
     # 256: each block reads x and gy whole, so larger blocks read them fewer times (a trained 0.5b
     # on the H100: 0.47-0.55 ms for 118-243 hot neurons against 0.55-1.02 ms with 64; BENCHMARKS.md).
     neuron_tail_chunk: int = 256
+    # The smallest dense block of a tail. A tail of n rows (neurons) runs as ONE block of the
+    # smallest of small_tail_chunk, x4, x16, ... (below the tail's chunk) that holds n, or in blocks
+    # of token_tail_chunk / neuron_tail_chunk (tail_block_sizes): the first tokens of 8 sequences
+    # or one hot neuron cost a [16, .] block, not a [256, .] one (a 256-neuron block took 0.9 ms
+    # for one hot neuron on the H100). The size is picked on the device from the count.
+    small_tail_chunk: int = 16
     # Block sizes of the token-major kernel (pallas_kernels.twell_bwd_token).
     token_block_sizes: TokenBwdBlockSizes = TokenBwdBlockSizes()
     # Block sizes of the neuron-major kernel (pallas_kernels.twell_bwd_neuron).
     neuron_block_sizes: NeuronBwdBlockSizes = NeuronBwdBlockSizes()
+    # Block sizes of the counting-sort transpose (pallas_kernels.twell_transpose).
+    transpose_block_sizes: TransposeBlockSizes = TransposeBlockSizes()
+    # Block sizes of the kernel that lists each token's entries (pallas_kernels.twell_bwd_token).
+    lists_block_sizes: ListsBlockSizes = ListsBlockSizes()
 
     def __post_init__(self) -> None:
         if not isinstance(self.keep_gate_pattern, bool):
             raise ValueError(f"BackwardConfig.keep_gate_pattern must be a bool, got {self.keep_gate_pattern!r}")
-        for name in ("token_tail_chunk", "neuron_tail_chunk"):
+        for name in ("token_tail_chunk", "neuron_tail_chunk", "small_tail_chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"BackwardConfig.{name} must be an int >= 1, got {value!r}")
@@ -96,6 +103,12 @@ class BackwardConfig:
         if not isinstance(self.neuron_block_sizes, NeuronBwdBlockSizes):
             raise ValueError("BackwardConfig.neuron_block_sizes must be a NeuronBwdBlockSizes, got "
                              f"{type(self.neuron_block_sizes).__name__}")
+        if not isinstance(self.lists_block_sizes, ListsBlockSizes):
+            raise ValueError("BackwardConfig.lists_block_sizes must be a ListsBlockSizes, got "
+                             f"{type(self.lists_block_sizes).__name__}")
+        if not isinstance(self.transpose_block_sizes, TransposeBlockSizes):
+            raise ValueError("BackwardConfig.transpose_block_sizes must be a TransposeBlockSizes, got "
+                             f"{type(self.transpose_block_sizes).__name__}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,24 +116,22 @@ class BackwardConfig:
 # the forward's constants are pallas_forward's (fitted on an H200, checked on the H100).
 # Times in ms; k = active per token.
 #   dense backward  = DENSE_LAUNCH_MS + n_bwd_gemms * 2 M D H / DENSE_FLOPS_PER_MS     (6 gated, 4)
-#   sparse backward = BWD_FIXED_MS
-#                     + M * (TOKEN_MS_PER_TOKEN + k * n_tok_rows * D * b / TOKEN_BYTES_PER_MS)  token-major
-#                     + M * W * SORT_MS_PER_SLOT                                               transpose
-#                     + H * NEURON_MS_PER_NEURON + M * k * 2 * D * b / NEURON_BYTES_PER_MS     neuron-major
+#   sparse backward = BWD_FIXED_MS                                          launches and glue
+#                     + M * k * (n_tok_rows + 2) * D * b / BWD_BYTES_PER_MS  row gathers of both kernels
 #                     + (pack time, when the pattern is recomputed)
-# n_tok_rows = rows gathered per entry by the token-major kernel: 3 (W, U, G) gated, 2 (W, U).
+# n_tok_rows = rows gathered per entry by the token-major kernel: 3 (W, U, G) gated, 2 (W, G); the
+# neuron-major kernel gathers 2 (x, gy). The dense tails of trained patterns have no term: the
+# trainer times the plan it picks (training/plan_trial.py).
 # Fitted on an H100 on 2026-11-22 (BENCHMARKS.md, `bench_ffn_train.py --quick`, M 16384, D 2048,
-# H 5632, bf16): the Pallas backward took 2.82 ms at k = 29 and 5.1 ms at k = 56 (fwd+bwd minus
-# the forward), i.e. ~0.37 ms fixed + 0.084 ms per active neuron per token: both gather passes
-# at an effective ~4 TB/s; XLA's dense backward (6 GEMMs) took 2.46 ms.
+# H 5632, bf16, after the counting-sort transpose and the per-token lists, with the layer's output
+# in the timed program): fwd+bwd 4.55 ms at k = 29 and 7.51 ms at k = 56, minus the pack and the
+# fused FFN timed alone, leaves a backward of 3.07 and 5.50 ms, i.e. ~0.47 ms (transpose, lists,
+# launches) + 0.090 ms per active neuron per token (~3.7 TB/s of row gathers); XLA's dense
+# backward (6 GEMMs) takes ~2.5 ms. Not measured at M 2048 since these kernels changed.
 # ----------------------------------------------------------------------------------------------
 COST_TABLE = dict(
-    BWD_FIXED_MS=0.15,
-    TOKEN_MS_PER_TOKEN=5.0e-6,
-    TOKEN_BYTES_PER_MS=4.0e9,
-    SORT_MS_PER_SLOT=5.0e-8,
-    NEURON_MS_PER_NEURON=7.0e-6,
-    NEURON_BYTES_PER_MS=4.0e9,
+    BWD_FIXED_MS=0.47,
+    BWD_BYTES_PER_MS=3.74e9,
     DENSE_BWD_FLOPS_PER_MS=9.2e11,
 )
 # A plan with a sparse piece is chosen only when its modelled time is at most SAFETY x the dense
@@ -138,7 +149,7 @@ def dense_times_ms(m: int, d: int, h: int, gated: bool) -> tuple[float, float]:
 
 
 def sparse_times_ms(m: int, d: int, h: int, k: float, gated: bool, *, itemsize: int = 2,
-                    ell_width: int = 128, keep_pattern: bool = True) -> tuple[float, float]:
+                    keep_pattern: bool = True) -> tuple[float, float]:
     """Modelled (forward, backward) ms of the sparse FFN (pack + fused FFN; Pallas backward)."""
     c = COST_TABLE
     pb = pallas_forward
@@ -146,18 +157,14 @@ def sparse_times_ms(m: int, d: int, h: int, k: float, gated: bool, *, itemsize: 
     n_rows = 2 if gated else 1
     fwd = (pb.SPARSE_FIXED_MS + pack_ms + m * pb.FFN_TOKEN_MS * n_rows / 2
            + m * k * n_rows * d * itemsize / pb.FFN_BYTES_PER_MS)
-    width = next_pow2(ell_width)  # the token-major ELL's width (pallas_kernels.twell_bwd_token)
     bwd = (c["BWD_FIXED_MS"]
-           + m * (c["TOKEN_MS_PER_TOKEN"] + k * (n_rows + 1) * d * itemsize / c["TOKEN_BYTES_PER_MS"])
-           + m * width * c["SORT_MS_PER_SLOT"]
-           + h * c["NEURON_MS_PER_NEURON"] + m * k * 2 * d * itemsize / c["NEURON_BYTES_PER_MS"]
+           + m * k * (n_rows + 1 + 2) * d * itemsize / c["BWD_BYTES_PER_MS"]
            + (0.0 if keep_pattern else pack_ms))
     return fwd, bwd
 
 
 def choose_training_path(m: int, d: int, h: int, expected_active: float, gated: bool, *,
-                         itemsize: int = 2, ell_width: int = 128,
-                         keep_pattern: bool = True) -> tuple[bool, bool]:
+                         itemsize: int = 2, keep_pattern: bool = True) -> tuple[bool, bool]:
     """(forward sparse?, backward sparse?) for one layer from its expected active count per token.
 
     The four plans are compared whole, because the pieces are not independent: a dense backward
@@ -170,9 +177,9 @@ def choose_training_path(m: int, d: int, h: int, expected_active: float, gated: 
     dense_fwd, dense_bwd = dense_times_ms(m, d, h, gated)
     recompute = (2.0 if gated else 1.0) / (3.0 if gated else 2.0) * dense_fwd
     sparse_fwd, sparse_bwd_kept = sparse_times_ms(m, d, h, expected_active, gated, itemsize=itemsize,
-                                                  ell_width=ell_width, keep_pattern=keep_pattern)
+                                                  keep_pattern=keep_pattern)
     _, sparse_bwd_repacked = sparse_times_ms(m, d, h, expected_active, gated, itemsize=itemsize,
-                                             ell_width=ell_width, keep_pattern=False)
+                                             keep_pattern=False)
     plans = {
         (True, True): sparse_fwd + sparse_bwd_kept,
         (True, False): sparse_fwd + dense_bwd + recompute,
@@ -228,59 +235,88 @@ def forward(gated: bool, forward_kind: str, x_MxD: jax.Array, weights: Weights, 
 # Backward
 # ----------------------------------------------------------------------------------------------
 
-def _chunked(mask_N: jax.Array, capacity: int, chunk: int, body: Callable[[jax.Array, Any], Any],
-             carry: Any) -> Any:
-    """Run body(ids_C, carry) over the True positions of mask_N (ascending, at most `capacity`),
-    `chunk` at a time; ids past the last are len(mask_N) (callers drop them). The trip count is
-    the device-side count: no host sync, nothing runs when the mask is empty."""
+def tail_block_sizes(chunk: int, small_chunk: int) -> tuple[int, ...]:
+    """The block sizes a tail may take: small_chunk, x4, x16, ... below `chunk`, then `chunk`
+    (16 and 256: (16, 64, 256))."""
+    sizes = []
+    size = small_chunk
+    while size < chunk:
+        sizes.append(size)
+        size *= 4
+    return (*sizes, chunk)
+
+
+def _chunked(mask_N: jax.Array, capacity: int, chunk: int, small_chunk: int,
+             body: Callable[[jax.Array, Any], Any], carry: Any) -> Any:
+    """Run body(ids_C, carry) over the True positions of mask_N (ascending, at most `capacity`):
+    in ONE block of the smallest of `tail_block_sizes(chunk, small_chunk)` that holds them all,
+    or in blocks of `chunk`; ids past the last are len(mask_N) (callers drop them). The block
+    size and the trip count come from the device-side count: no host sync, nothing runs when the
+    mask is empty."""
     n = mask_N.shape[0]
-    padded = max(chunk, -(-capacity // chunk) * chunk)
-    ids_P = jnp.nonzero(mask_N, size=padded, fill_value=n)[0].astype(jnp.int32)
-    n_chunks = (jnp.minimum(jnp.sum(mask_N, dtype=jnp.int32), capacity) + chunk - 1) // chunk
+    count = jnp.minimum(jnp.sum(mask_N, dtype=jnp.int32), capacity)
 
-    def step(c, carry):
-        return body(lax.dynamic_slice(ids_P, (c * chunk,), (chunk,)), carry)
+    def blocks(size: int, carry: Any) -> Any:
+        padded = max(size, -(-capacity // size) * size)
+        ids_P = jnp.nonzero(mask_N, size=padded, fill_value=n)[0].astype(jnp.int32)
+        ids_P = jnp.where(jnp.arange(padded) < count, ids_P, n)  # none past the capacity
 
-    return lax.fori_loop(0, n_chunks, step, carry)
+        def step(c, carry):
+            return body(lax.dynamic_slice(ids_P, (c * size,), (size,)), carry)
+
+        return lax.fori_loop(0, (count + size - 1) // size, step, carry)
+
+    sizes = tail_block_sizes(chunk, small_chunk)
+    if len(sizes) == 1:
+        return blocks(chunk, carry)
+    which = jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < count, dtype=jnp.int32)
+    return lax.switch(which, [functools.partial(blocks, size) for size in sizes], carry)
 
 
 def dense_rows_backward(gated: bool, x_RxD: jax.Array, gy_RxD: jax.Array, weights: Weights,
                         l1_scale: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Exact dense backward restricted to some rows (zero rows contribute nothing):
-    (dx [R, D] f32, f32 weight-gradient contributions in weight order)."""
+    (dx [R, D] f32, f32 weight-gradient contributions in weight order).
+
+    Operands in x's dtype with fp32 accumulation, as XLA's dense backward computes them (the
+    per-row values dt, dR, dG are rounded to x's dtype for the GEMMs that consume them, as it
+    rounds them). The GEMMs are skinny ([R, D] x [D, H]) and read the weights whole: fp32 copies
+    of the weights per block, as this function made until 2026-11-22, cost more than the GEMMs
+    (a 256-row block: 0.5-0.7 ms on the H100)."""
     w_act, w_up, w_down = _split(gated, weights)
-    x32, gy32 = x_RxD.astype(jnp.float32), gy_RxD.astype(jnp.float32)
+    dtype, f32 = x_RxD.dtype, jnp.float32
+    gy_RxD = gy_RxD.astype(dtype)
 
     def mm_t(a, w):  # a @ w.T
-        return jnp.einsum("rd,hd->rh", a, w.astype(jnp.float32), precision=_TAIL_PRECISION)
+        return jnp.einsum("rd,hd->rh", a.astype(dtype), w.astype(dtype), preferred_element_type=f32)
 
     def mm(a, w):  # a @ w
-        return jnp.einsum("rh,hd->rd", a, w.astype(jnp.float32), precision=_TAIL_PRECISION)
+        return jnp.einsum("rh,hd->rd", a.astype(dtype), w.astype(dtype), preferred_element_type=f32)
 
     def outer(a, b):  # a.T @ b
-        return jnp.einsum("rh,rd->hd", a, b, precision=_TAIL_PRECISION)
+        return jnp.einsum("rh,rd->hd", a.astype(dtype), b, preferred_element_type=f32)
 
-    g = mm_t(x32, w_act)
+    g = mm_t(x_RxD, w_act)
     p = jax.nn.relu(g)
     on = g > 0
     if gated:
-        u = mm_t(x32, w_up)
-        h = (p * u).astype(x_RxD.dtype).astype(jnp.float32)
+        u = mm_t(x_RxD, w_up)
+        h = (p * u).astype(dtype).astype(f32)
     else:
-        h = p.astype(x_RxD.dtype).astype(jnp.float32)
-    dt = mm_t(gy32, w_down) + l1_scale * jnp.sign(h)
+        h = p.astype(dtype).astype(f32)
+    dt = mm_t(gy_RxD, w_down) + l1_scale * jnp.sign(h)
     if gated:
         d_up = jnp.where(on, dt * p, 0.0)
         d_gate = jnp.where(on, dt * u, 0.0)
         dx = mm(d_up, w_up) + mm(d_gate, w_act)
-        return dx, (outer(d_gate, x32), outer(d_up, x32), outer(h, gy32))
+        return dx, (outer(d_gate, x_RxD), outer(d_up, x_RxD), outer(h, gy_RxD))
     d_act = jnp.where(on, dt, 0.0)
-    return mm(d_act, w_act), (outer(d_act, x32), outer(h, gy32))
+    return mm(d_act, w_act), (outer(d_act, x_RxD), outer(h, gy_RxD))
 
 
 def token_tail_backward(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, weights: Weights,
                         l1_scale: jax.Array, tail_M: jax.Array, capacity: int, chunk: int,
-                        carry: tuple[jax.Array, tuple[jax.Array, ...]]
+                        small_chunk: int, carry: tuple[jax.Array, tuple[jax.Array, ...]]
                         ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """The dense token tail: the exact backward of the rows in tail_M (at most `capacity`, `chunk`
     rows per dense block). carry = (dx [M, D], f32 weight-gradient accumulators [H, D] in weight
@@ -297,72 +333,69 @@ def token_tail_backward(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, weight
         return (dx.at[rows_C].set(dx_CxD.astype(dx.dtype), mode="drop"),
                 tuple(a + b for a, b in zip(inits, contribs)))
 
-    return _chunked(tail_M, capacity, chunk, chunk_step, carry)
+    return _chunked(tail_M, capacity, chunk, small_chunk, chunk_step, carry)
 
 
 def hot_neuron_backward(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, weights: Weights,
                         l1_scale: jax.Array, tail_M: jax.Array, hot_H: jax.Array, capacity: int,
-                        chunk: int, inits: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    """The dense neuron tail: the weight gradients of the hot neurons (hot_H, at most `capacity`,
-    `chunk` per block) over the rows NOT in the token tail (tail_M: those rows' contributions come
-    from `token_tail_backward`), added to the f32 accumulators `inits` [H, D] (weight order).
+                        chunk: int, small_chunk: int, carry: tuple[jax.Array, tuple[jax.Array, ...]]
+                        ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """The dense neuron tail: everything the hot neurons (hot_H, at most `capacity`, `chunk` per
+    block) contribute over the rows NOT in the token tail (tail_M: those rows' contributions come
+    from `token_tail_backward`). carry = (dx [M, D] f32, f32 weight-gradient accumulators [H, D] in
+    weight order): their dx terms and their weight gradients are added.
 
     Each block recomputes its neurons' columns with dense GEMMs, [M, chunk] at a time (g, u and
-    dt = gy . W_j + l1 term, then dW_j = t^T gY, dU_j = dR^T X, dG_j = dG^T X): the dense formula
-    restricted to those columns. Hot neurons fire on hundreds to thousands of tokens, so their
-    columns are dense enough for GEMMs; building them from the ELL entries instead took a scatter
-    per value array and block (0.33-0.65 ms a block on a trained 0.5b, BENCHMARKS.md).
+    dt = gy . W_j + l1 term), then dW_j = t^T gY, dU_j = dR^T X, dG_j = dG^T X and dx += dR U_C +
+    dG G_C: the dense formula restricted to those columns. Hot neurons fire on hundreds to
+    thousands of tokens (83-87% of a trained layer's entries), so their columns are dense enough
+    for GEMMs, and the token-major kernel skips their entries (no row gathers).
     Operands in x's dtype with fp32 accumulation, like XLA's dense backward: the GEMMs are skinny
     ([M, D] x [D, chunk]) and read x and gy whole, so fp32 copies of them would double the bytes.
-    The per-column values (dR, dG, t) are rounded to x's dtype for the weight-gradient GEMMs, as
-    the dense backward rounds them. The columns' pattern is g > 0 of this GEMM, not the pack's
-    (the kernels' fp32 sums in another order): the two can differ only where g rounds to about 0,
-    where the dense backward is as ambiguous."""
+    The per-column values (dR, dG, t) are rounded to x's dtype for the GEMMs, as the dense backward
+    rounds them. The columns' pattern is g > 0 of this GEMM, not the pack's (the kernels' fp32
+    sums in another order): the two can differ only where g rounds to about 0, where the dense
+    backward is as ambiguous."""
     h = hot_H.shape[0]
     w_act, w_up, w_down = _split(gated, weights)
     dtype, f32 = x_MxD.dtype, jnp.float32
     keep_M1 = ~tail_M[:, None]
 
-    def columns(w_HxD: jax.Array, ids_C: jax.Array, src_MxD: jax.Array) -> jax.Array:
-        return jnp.einsum("md,cd->mc", src_MxD, w_HxD[ids_C].astype(dtype), preferred_element_type=f32)
-
-    def chunk_step(hot_C: jax.Array, inits):
+    def chunk_step(hot_C: jax.Array, carry):
+        dx_MxD, inits = carry
+        c = hot_C.shape[0]
         used_C = hot_C < h  # padding ids (= H) read row H - 1 and contribute nothing
         safe_C = jnp.minimum(hot_C, h - 1)
-        g_MxC = columns(w_act, safe_C, x_MxD)
+        # Weights that meet the same operand are stacked, so x and gy are each read once per
+        # GEMM kind: x [G_C; U_C]^T, gy W_C^T, then [dG | dU]^T x, t^T gy and [dU | dG] [U_C; G_C].
+        x_ws = jnp.concatenate([w_act[safe_C], w_up[safe_C]], axis=0) if gated else w_act[safe_C]
+        g_u = jnp.einsum("md,cd->mc", x_MxD, x_ws.astype(dtype), preferred_element_type=f32)
+        g_MxC = g_u[:, :c]
         on_MxC = (g_MxC > 0) & keep_M1 & used_C[None, :]
         p_MxC = jnp.where(on_MxC, g_MxC, 0.0)
         if gated:
-            u_MxC = columns(w_up, safe_C, x_MxD)
+            u_MxC = g_u[:, c:]
             h_MxC = (p_MxC * u_MxC).astype(dtype).astype(f32)
         else:
             h_MxC = p_MxC.astype(dtype).astype(f32)
-        dt_MxC = jnp.where(on_MxC, columns(w_down, safe_C, gy_MxD) + l1_scale * jnp.sign(h_MxC), 0.0)
+        gy_w = jnp.einsum("md,cd->mc", gy_MxD, w_down[safe_C].astype(dtype), preferred_element_type=f32)
+        dt_MxC = jnp.where(on_MxC, gy_w + l1_scale * jnp.sign(h_MxC), 0.0)
         if gated:
-            pieces = ((dt_MxC * u_MxC, x_MxD), (dt_MxC * p_MxC, x_MxD), (h_MxC, gy_MxD))  # dG, dU, dW
+            d_gate, d_up = (dt_MxC * u_MxC).astype(dtype), (dt_MxC * p_MxC).astype(dtype)
+            x_cols = jnp.concatenate([d_gate, d_up], axis=1)  # -> dG_C, dU_C
+            # dx += dR U_C + dG G_C as ONE GEMM over the stacked columns: one f32 [M, D] pass.
+            dx_cols = jnp.concatenate([d_up, d_gate], axis=1)
+            dx_ws = jnp.concatenate([w_up[safe_C], w_act[safe_C]], axis=0)
         else:
-            pieces = ((dt_MxC, x_MxD), (h_MxC, gy_MxD))
-        return tuple(init.at[hot_C].add(jnp.einsum("mc,md->cd", v.astype(dtype), src, preferred_element_type=f32),
-                                        mode="drop")
-                     for init, (v, src) in zip(inits, pieces))
+            x_cols = dt_MxC.astype(dtype)  # -> dG_C (the act weight)
+            dx_cols, dx_ws = x_cols, w_act[safe_C]
+        dx_MxD = dx_MxD + jnp.einsum("mc,cd->md", dx_cols, dx_ws.astype(dtype), preferred_element_type=f32)
+        from_x = jnp.einsum("mc,md->cd", x_cols, x_MxD, preferred_element_type=f32)
+        d_down = jnp.einsum("mc,md->cd", h_MxC.astype(dtype), gy_MxD, preferred_element_type=f32)
+        parts = (from_x[:c], from_x[c:], d_down) if gated else (from_x, d_down)  # weight order
+        return dx_MxD, tuple(init.at[hot_C].add(part, mode="drop") for init, part in zip(inits, parts))
 
-    return _chunked(hot_H, capacity, chunk, chunk_step, inits)
-
-
-def neuron_major_lists(cols_MxW: jax.Array, valid_MxW: jax.Array, entries: tuple[jax.Array, ...],
-                       n_neurons: int) -> tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, ...]]:
-    """Transpose of a token-major ELL to neuron-major CSR lists: (start [H], count [H], tokens [E],
-    values [E] per entry array), E = M * W, entries of neuron j at [start_j, start_j + count_j) in
-    ascending token order. A stable sort by neuron id (invalid slots get id H and sort last);
-    the offsets by a binary search in the sorted ids. Deterministic, no atomics."""
-    width = cols_MxW.shape[1]
-    key_E = jnp.where(valid_MxW, cols_MxW, n_neurons).reshape(-1)
-    sorted_key_E, perm_E = lax.sort((key_E, jnp.arange(key_E.shape[0], dtype=jnp.int32)),
-                                    num_keys=1, is_stable=True)
-    bounds_H1 = jnp.searchsorted(sorted_key_E, jnp.arange(n_neurons + 1, dtype=jnp.int32),
-                                 side="left").astype(jnp.int32)
-    return (bounds_H1[:-1], bounds_H1[1:] - bounds_H1[:-1], perm_E // width,
-            tuple(v.reshape(-1)[perm_E] for v in entries))
+    return _chunked(hot_H, capacity, chunk, small_chunk, chunk_step, carry)
 
 
 def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array, gl1: jax.Array,
@@ -391,37 +424,43 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
     token_cap = config.tail_capacity(m)
     hot_cap = config.transpose_tail_capacity(h)
 
-    def sparse() -> tuple[jax.Array, Weights]:
-        kernel_counts = jnp.where(tail_M[:, None], 0, counts)
-        dx_MxD, cols_MxW, entries = token_backward(
-            x_MxD, gy_MxD, values, indices, kernel_counts, w_act, w_up, w_down, l1_scale,
-            width=config.ell_width, block_sizes=bc.token_block_sizes, interpret=interpret)
-        nnz_M = jnp.where(tail_M, 0, jnp.sum(jnp.minimum(counts, slots), axis=1))
-        valid_MxW = jnp.arange(cols_MxW.shape[1], dtype=jnp.int32)[None, :] < nnz_M[:, None]
-        start_H, count_H, tokens_E, values_E = neuron_major_lists(cols_MxW, valid_MxW, entries, h)
-        hot_H = count_H > config.transpose_ell_width
-        n_hot = jnp.sum(hot_H, dtype=jnp.int32)
-        kernel_count_H = jnp.where(hot_H, 0, count_H)
+    # The neuron-major lists come from the pattern alone, so the hot neurons are known before the
+    # token-major kernel runs, and it writes its values straight to their positions. They are built
+    # before the one branch below (also when it picks the dense backward), so the program reads one
+    # device-side predicate instead of three (each conditional copies its predicate to the host).
+    kernel_counts = jnp.where(tail_M[:, None], 0, counts)
+    start_H, count_H, tokens_E, dest_MxW = neuron_lists(
+        indices, kernel_counts, h, width=config.ell_width, block_sizes=bc.transpose_block_sizes,
+        interpret=interpret)
+    hot_H = count_H > config.transpose_ell_width
+    n_hot = jnp.sum(hot_H, dtype=jnp.int32)
+    kernel_count_H = jnp.where(hot_H, 0, count_H)
 
-        def no_tails() -> tuple[jax.Array, Weights]:
-            grads = neuron_backward(x_MxD, gy_MxD, start_H, kernel_count_H, tokens_E, values_E,
-                                    block_sizes=bc.neuron_block_sizes, interpret=interpret)
-            return dx_MxD, grads
+    def kernels(hot: jax.Array | None, dx_init: jax.Array | None,
+                inits: tuple[jax.Array, ...] | None) -> tuple[jax.Array, Weights]:
+        lists = token_lists(values, indices, kernel_counts, dest_MxW, hot,
+                            block_sizes=bc.lists_block_sizes, interpret=interpret)
+        dx_MxD, values_E = token_backward(
+            x_MxD, gy_MxD, *lists, w_act, w_up, w_down, l1_scale, dx_init=dx_init,
+            block_sizes=bc.token_block_sizes, interpret=interpret)
+        grads = neuron_backward(x_MxD, gy_MxD, start_H, kernel_count_H, tokens_E, values_E, inits,
+                                block_sizes=bc.neuron_block_sizes, interpret=interpret)
+        return dx_MxD, grads
 
-        def with_tails() -> tuple[jax.Array, Weights]:
-            zeros = tuple(jnp.zeros((h, d), jnp.float32) for _ in weights)
-            dx_tail, inits = token_tail_backward(gated, x_MxD, gy_MxD, weights, l1_scale, tail_M, token_cap,
-                                                 bc.token_tail_chunk, (dx_MxD, zeros))
-            inits = hot_neuron_backward(gated, x_MxD, gy_MxD, weights, l1_scale, tail_M, hot_H, hot_cap,
-                                        bc.neuron_tail_chunk, inits)
-            grads = neuron_backward(x_MxD, gy_MxD, start_H, kernel_count_H, tokens_E, values_E,
-                                    inits, block_sizes=bc.neuron_block_sizes, interpret=interpret)
-            return dx_tail, grads
+    def no_tails() -> tuple[jax.Array, Weights]:
+        return kernels(None, None, None)
 
-        def finish() -> tuple[jax.Array, Weights]:
-            return lax.cond((n_tail > 0) | (n_hot > 0), with_tails, no_tails)
+    def with_tails() -> tuple[jax.Array, Weights]:
+        # The tails' dx terms (f32, added before the token kernel's one rounding) and weight
+        # gradients (f32 inits of the neuron-major kernel's accumulators).
+        carry = (jnp.zeros((m, d), jnp.float32), tuple(jnp.zeros((h, d), jnp.float32) for _ in weights))
+        carry = token_tail_backward(gated, x_MxD, gy_MxD, weights, l1_scale, tail_M, token_cap,
+                                    bc.token_tail_chunk, bc.small_tail_chunk, carry)
+        dx_init, inits = hot_neuron_backward(gated, x_MxD, gy_MxD, weights, l1_scale, tail_M, hot_H,
+                                             hot_cap, bc.neuron_tail_chunk, bc.small_tail_chunk, carry)
+        return kernels(hot_H, dx_init, inits)
 
-        return lax.cond(n_hot > hot_cap, dense_backward, finish)
-
-    dx, grads = lax.cond(n_tail > token_cap, dense_backward, sparse)
+    over_capacity = (n_tail > token_cap) | (n_hot > hot_cap)
+    branch = jnp.where(over_capacity, 0, jnp.where((n_tail > 0) | (n_hot > 0), 2, 1))
+    dx, grads = lax.switch(branch, (dense_backward, no_tails, with_tails))
     return dx.astype(x_MxD.dtype), tuple(g.astype(w.dtype) for g, w in zip(grads, weights))

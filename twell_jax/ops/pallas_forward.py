@@ -40,6 +40,7 @@ from jax import lax
 
 from pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn
 from pallas_kernels.twell_pack import PackBlockSizes, pack_gate
+from pallas_kernels.twell_transpose import neuron_histogram
 from twell_jax import ops
 
 # Cost model of the forward, fitted on an H200 (bf16, D = 2048, H = 5632, M = 2048 .. 65536;
@@ -163,11 +164,11 @@ def _sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array 
     capacity = s["overflow_rows"]
     want_counts = s["neuron_counts"]
     if want_counts:
-        # Neurons fired in rows without overflow: their stored slots are exactly the actives.
-        slot_S = jnp.arange(values.shape[-1], dtype=jnp.int32)
-        stored_MxNTxS = (slot_S < counts[..., None]) & ~row_overflow_M[:, None, None]
-        neuron_H = jnp.zeros((h,), jnp.int32).at[indices.reshape(-1)].add(
-            stored_MxNTxS.reshape(-1).astype(jnp.int32), mode="drop")
+        # Neurons fired in rows without overflow: their stored slots are exactly the actives. The
+        # transpose's histogram pass (no atomics); an XLA scatter-add here took several ms per
+        # layer on trained patterns (thousands of updates to each hot neuron).
+        neuron_H = neuron_histogram(indices, jnp.where(row_overflow_M[:, None], 0, counts), h,
+                                    interpret=interpret)
     else:
         neuron_H = jnp.zeros((h,), jnp.int32)
 
