@@ -68,7 +68,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_ffn  # noqa: E402  (make_inputs, bench_interleaved, bench: one copy of each)
 from kernel_trace import KernelProfile, format_profile, kernel_times  # noqa: E402
 from pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes, neuron_backward  # noqa: E402
-from pallas_kernels.twell_bwd_token import TokenBwdBlockSizes, token_backward  # noqa: E402
+from pallas_kernels.twell_bwd_token import TokenBwdBlockSizes, token_backward, token_lists  # noqa: E402
+from pallas_kernels.twell_transpose import neuron_lists  # noqa: E402
 from pallas_kernels.twell_ffn import sparse_ffn  # noqa: E402
 from pallas_kernels.twell_pack import pack_gate  # noqa: E402
 from twell_jax import ops  # noqa: E402
@@ -86,7 +87,7 @@ TOKEN_SWEEP = tuple(TokenBwdBlockSizes(block_t=t, num_warps=w, num_stages=s)
 NEURON_SWEEP = tuple(NeuronBwdBlockSizes(block_n=n, num_warps=w) for n in (1, 2, 4) for w in (2, 4, 8))
 # In the interpreter the warps and stages change nothing and each variant compiles anew: one per
 # block_t / block_n, the warps and stages varied alongside.
-TOKEN_SWEEP_DRY = (TokenBwdBlockSizes(1, 4, 1), TokenBwdBlockSizes(2, 2, 2), TokenBwdBlockSizes(4, 8, 1))
+TOKEN_SWEEP_DRY = (TokenBwdBlockSizes(), TokenBwdBlockSizes(2, 2, 2), TokenBwdBlockSizes(4, 8, 1))
 NEURON_SWEEP_DRY = (NeuronBwdBlockSizes(1, 4), NeuronBwdBlockSizes(2, 2), NeuronBwdBlockSizes(4, 8))
 Weights3 = tuple[jax.Array, jax.Array, jax.Array]
 
@@ -101,7 +102,10 @@ def xla_bf16_loss_parts(x, w_gate, w_up, w_down):
 
 
 def make_train_step(backend: str, config: ops.SparseFFNConfig, interpret: bool):
-    """f(x, wg, wu, wd, gy) -> (dx, dwg, dwu, dwd): the vjp of (y, l1) at cotangent (gy, L1_COEF)."""
+    """f(x, wg, wu, wd, gy) -> (dx, dwg, dwu, dwd, y): the vjp of (y, l1) at cotangent (gy, L1_COEF),
+    and y itself. y is returned because a training step needs it (the next layer's input): without
+    it XLA drops the forward's last product from the program (the down projection, or the fused
+    sparse FFN kernel), and the timed fwd+bwd would miss it (as it did until 2026-11-22)."""
     def parts(x, wg, wu, wd):
         if backend == "xla_bf16":
             return xla_bf16_loss_parts(x, wg, wu, wd)
@@ -111,8 +115,8 @@ def make_train_step(backend: str, config: ops.SparseFFNConfig, interpret: bool):
         return y, aux["l1"]
 
     def step(x, wg, wu, wd, gy):
-        _, vjp = jax.vjp(parts, x, wg, wu, wd)
-        return vjp((gy, jnp.float32(L1_COEF)))
+        (y, _), vjp = jax.vjp(parts, x, wg, wu, wd)
+        return (*vjp((gy, jnp.float32(L1_COEF))), y)
 
     return jax.jit(step)
 
@@ -154,29 +158,35 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
     bc = config.backward or pallas_backward.BackwardConfig()
     pack = jax.jit(lambda x, wg: pack_gate(x, wg, **s, interpret=interpret))
 
-    def token_inputs(x, wg):
-        values, indices, counts = pack(x, wg)
+    def token_inputs(pack_out):
+        """(values, indices, the kernels' counts (tail rows 0), the token-tail mask)."""
+        values, indices, counts = pack_out
         tail = pallas_backward.token_tail_mask(counts, config.slots, config.ell_width)
         return values, indices, jnp.where(tail[:, None], 0, counts), tail
 
-    def token(x, wg, wu, wd, gy, prepared):
+    def transpose(prepared):
+        """The neuron-major lists (start, count, tokens, dest) from the pattern alone."""
+        return neuron_lists(prepared[1], prepared[2], h, width=config.ell_width,
+                            block_sizes=bc.transpose_block_sizes, interpret=interpret)
+
+    def hot_of(lists):
+        return lists[1] > config.transpose_ell_width
+
+    @functools.partial(jax.jit, static_argnames="tails")
+    def token(x, wg, wu, wd, gy, prepared, lists, *, tails: bool):
+        """As the backward calls it (the per-token lists, then the kernel): with the hot neurons
+        left out and an f32 dx init when a tail exists."""
         values, indices, counts, _ = prepared
-        return token_backward(x, gy, values, indices, counts, wg, wu, wd,
-                              jnp.float32(L1_COEF / x.shape[0]), width=config.ell_width,
+        rows = token_lists(values, indices, counts, lists[3], hot_of(lists) if tails else None,
+                           block_sizes=bc.lists_block_sizes, interpret=interpret)
+        return token_backward(x, gy, *rows, wg, wu, wd, jnp.float32(L1_COEF / x.shape[0]),
+                              dx_init=jnp.zeros(x.shape, jnp.float32) if tails else None,
                               block_sizes=bc.token_block_sizes, interpret=interpret)
 
-    def valid_slots(cols, counts):  # the ELL slots the backward reads (tail rows have counts 0)
-        nnz = jnp.sum(jnp.minimum(counts, config.slots), axis=1)
-        return jnp.arange(cols.shape[1])[None, :] < nnz[:, None]
-
-    @jax.jit
-    def transpose(cols, counts, entries):
-        return pallas_backward.neuron_major_lists(cols, valid_slots(cols, counts), entries, h)
-
-    def neuron(x, gy, lists):
-        start, count, tokens, values = lists
-        count = jnp.where(count > config.transpose_ell_width, 0, count)
-        return neuron_backward(x, gy, start, count, tokens, values,
+    def neuron(x, gy, lists, values_E):
+        start, count, tokens, _ = lists
+        count = jnp.where(hot_of(lists), 0, count)
+        return neuron_backward(x, gy, start, count, tokens, values_E,
                                block_sizes=bc.neuron_block_sizes, interpret=interpret)
 
     @jax.jit
@@ -191,20 +201,22 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
         zeros = tuple(jnp.zeros((h, d), jnp.float32) for _ in range(3))
         return pallas_backward.token_tail_backward(
             True, x, gy, (wg, wu, wd), jnp.float32(L1_COEF / m), tail_M, config.tail_capacity(m),
-            bc.token_tail_chunk, (jnp.zeros((m, d), jnp.float32), zeros))
+            bc.token_tail_chunk, bc.small_tail_chunk, (jnp.zeros((m, d), jnp.float32), zeros))
 
     @jax.jit
     def neuron_tail(x, wg, wu, wd, gy, tail_M, count_H):
-        """f32 weight gradients (gate, up, down) of the hot neurons over the rows outside the token
-        tail, zeros elsewhere."""
-        zeros = tuple(jnp.zeros((h, x.shape[1]), jnp.float32) for _ in range(3))
+        """(dx [M, D] f32: the hot neurons' terms, f32 weight gradients (gate, up, down) of the hot
+        neurons) over the rows outside the token tail, zeros elsewhere."""
+        m, d = x.shape
+        zeros = tuple(jnp.zeros((h, d), jnp.float32) for _ in range(3))
         return pallas_backward.hot_neuron_backward(
-            True, x, gy, (wg, wu, wd), jnp.float32(L1_COEF / x.shape[0]), tail_M,
-            count_H > config.transpose_ell_width, config.transpose_tail_capacity(h), bc.neuron_tail_chunk, zeros)
+            True, x, gy, (wg, wu, wd), jnp.float32(L1_COEF / m), tail_M,
+            count_H > config.transpose_ell_width, config.transpose_tail_capacity(h), bc.neuron_tail_chunk,
+            bc.small_tail_chunk, (jnp.zeros((m, d), jnp.float32), zeros))
 
-    return dict(pack=pack, token_inputs=jax.jit(token_inputs), token=jax.jit(token), transpose=transpose,
-                neuron=jax.jit(neuron), token_tail64=token_tail64, token_tail=token_tail,
-                neuron_tail=neuron_tail)
+    return dict(pack=pack, token_inputs=jax.jit(token_inputs), transpose=jax.jit(transpose),
+                token=token, neuron=jax.jit(neuron),
+                token_tail64=token_tail64, token_tail=token_tail, neuron_tail=neuron_tail)
 
 
 def pattern_stats(counts_MxNT: np.ndarray, neuron_count_H: np.ndarray, config: ops.SparseFFNConfig,
@@ -234,8 +246,12 @@ def pattern_stats(counts_MxNT: np.ndarray, neuron_count_H: np.ndarray, config: o
     entries = int(neuron_count_H.sum())
     token_cap, hot_cap = config.tail_capacity(m), config.transpose_tail_capacity(h)
 
+    def block_size(n: int, chunk: int) -> int:  # the backward's rule (pallas_backward._chunked)
+        return next((size for size in pallas_backward.tail_block_sizes(chunk, bc.small_tail_chunk)
+                     if n <= size), chunk)
+
     def blocks(n: int, cap: int, chunk: int) -> int:
-        return -(-min(n, cap) // chunk)
+        return -(-min(n, cap) // block_size(min(n, cap), chunk))
 
     def pct(v: np.ndarray, q: float) -> float:
         return float(np.percentile(v, q)) if v.size else 0.0
@@ -247,7 +263,8 @@ def pattern_stats(counts_MxNT: np.ndarray, neuron_count_H: np.ndarray, config: o
         token_tail_rows=tail, overflow_rows=int(overflow_M.sum()), wide_rows=int(wide_M.sum()),
         token_tail_capacity=token_cap,
         token_tail_blocks=blocks(tail, token_cap, bc.token_tail_chunk),
-        token_tail_dense_rows=blocks(tail, token_cap, bc.token_tail_chunk) * bc.token_tail_chunk,
+        token_tail_dense_rows=(blocks(tail, token_cap, bc.token_tail_chunk)
+                               * block_size(min(tail, token_cap), bc.token_tail_chunk)),
         token_fallback=tail > token_cap,
         neuron_entries=entries, neuron_count_max=int(neuron_count_H.max()) if h else 0,
         neuron_count_p99=pct(neuron_count_H, 99), dead_neurons=int(np.sum(neuron_count_H == 0)),
@@ -255,7 +272,8 @@ def pattern_stats(counts_MxNT: np.ndarray, neuron_count_H: np.ndarray, config: o
         hot_entry_share=float(neuron_count_H[hot_H].sum() / entries) if entries else 0.0,
         neuron_tail_capacity=hot_cap,
         neuron_tail_blocks=blocks(n_hot, hot_cap, bc.neuron_tail_chunk),
-        neuron_tail_dense_neurons=blocks(n_hot, hot_cap, bc.neuron_tail_chunk) * bc.neuron_tail_chunk,
+        neuron_tail_dense_neurons=(blocks(n_hot, hot_cap, bc.neuron_tail_chunk)
+                                   * block_size(min(n_hot, hot_cap), bc.neuron_tail_chunk)),
         neuron_fallback=n_hot > hot_cap,
     )
     if seq_len:
@@ -267,16 +285,15 @@ def model_prediction(m: int, d: int, h: int, k: float, config: ops.SparseFFNConf
                      interpret: bool) -> dict:
     """The cost table's figures (ms) at mean k for this shape, and the plan "auto" compiles."""
     keep = (config.backward or pallas_backward.BackwardConfig()).keep_gate_pattern
-    fwd, bwd = pallas_backward.sparse_times_ms(m, d, h, k, True, itemsize=itemsize, ell_width=config.ell_width,
-                                               keep_pattern=keep)
+    fwd, bwd = pallas_backward.sparse_times_ms(m, d, h, k, True, itemsize=itemsize, keep_pattern=keep)
     _, bwd_recompute = pallas_backward.sparse_times_ms(m, d, h, k, True, itemsize=itemsize,
-                                                       ell_width=config.ell_width, keep_pattern=False)
+                                                       keep_pattern=False)
     dense_fwd, dense_bwd = pallas_backward.dense_times_ms(m, d, h, True)
     auto_cfg = dataclasses.replace(config, expected_active_per_token=float(k))
     return dict(pallas_fwd_ms=fwd, pallas_bwd_ms=bwd, pallas_ms=fwd + bwd,
                 pallas_recompute_ms=fwd + bwd_recompute, dense_ms=dense_fwd + dense_bwd,
                 choose_training_path=list(pallas_backward.choose_training_path(
-                    m, d, h, k, True, itemsize=itemsize, ell_width=config.ell_width, keep_pattern=keep)),
+                    m, d, h, k, True, itemsize=itemsize, keep_pattern=keep)),
                 auto_plan=list(ops.auto_decision(True, auto_cfg, (m, d, h, itemsize), interpret)))
 
 
@@ -294,11 +311,13 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
     sets = [(x, wg, wu, wd, gy) for x in xs]
     x0 = sets[0]
     p = piece_fns(config, interpret, h)
-    # The pattern, as the backward builds it (pack, tail mask, token-major kernel, transpose).
-    counts = p["pack"](x0[0], wg)[2]
-    prepared = p["token_inputs"](x0[0], wg)
-    _, cols, entries = p["token"](*x0, prepared)
-    lists = p["transpose"](cols, prepared[2], entries)
+    # The pattern, as the backward builds it (pack, tail mask, transpose, token-major kernel).
+    packed = p["pack"](x0[0], wg)
+    counts = packed[2]
+    prepared = p["token_inputs"](packed)
+    lists = p["transpose"](prepared)
+    tails = bool(jnp.any(prepared[3])) or bool(jnp.any(lists[1] > config.transpose_ell_width))
+    _, values_E = p["token"](*x0, prepared, lists, tails=tails)
     stats = pattern_stats(np.asarray(counts), np.asarray(lists[1]), config, seq_len)
     hint = stats["active_mean"]
     row: dict[str, Any] = dict(m=m, d=d, h=h, hint=hint, pattern=stats, errors={}, temp_mb={})
@@ -318,11 +337,11 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
     # Correctness first: each backend's gradients against xla_bf16's.
     base = steps["xla_bf16"](*x0)
     for b in backends:
-        row["errors"][b] = rel_errors(steps[b](*x0), base, GRAD_NAMES)
+        row["errors"][b] = rel_errors(steps[b](*x0), base, GRAD_NAMES + ("y",))
     # The tails as the backward takes them, checked on their rows: the tail rows' dx, and the hot
     # neurons' weight gradients (their ELL entries' part plus the token tail's part).
     tail_dx, tail_parts = p["token_tail"](*x0, prepared[3])
-    hot_parts = p["neuron_tail"](*x0, prepared[3], lists[1])
+    _, hot_parts = p["neuron_tail"](*x0, prepared[3], lists[1])
     tail_rows = np.flatnonzero(np.asarray(prepared[3]))
     hot = np.flatnonzero(np.asarray(lists[1]) > config.transpose_ell_width)
     row["piece_errors"] = {}
@@ -330,7 +349,7 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
         row["piece_errors"].update(rel_errors([tail_dx[tail_rows]], [base[0][tail_rows]], ["token_tail_dx"]))
     if hot.size and not (stats["neuron_fallback"] or stats["token_fallback"]):
         row["piece_errors"].update(rel_errors([(a + b)[hot] for a, b in zip(hot_parts, tail_parts)],
-                                              [g[hot] for g in base[1:]],
+                                              [g[hot] for g in base[1:4]],
                                               ["hot_dw_gate", "hot_dw_up", "hot_dw_down"]))
     del base
     row["ms"] = bench_ffn.bench_interleaved(steps, sets, repeats=repeats)
@@ -346,10 +365,10 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
         pack=bench(p["pack"], [(x, wg) for x in xs]),
         fused_ffn=bench(functools.partial(sparse_ffn, interpret=interpret),
                         [(x, *p["pack"](x, wg), wu, wd) for x in xs[:1]]),
-        tail_mask=bench(p["token_inputs"], [(x, wg) for x in xs[:1]]),
-        token_major=bench(p["token"], [(*x0, prepared)]),
-        transpose=bench(p["transpose"], [(cols, prepared[2], entries)]),
-        neuron_major=bench(p["neuron"], [(x0[0], gy, lists)]),
+        tail_mask=bench(p["token_inputs"], [(packed,)]),
+        transpose=bench(p["transpose"], [(prepared,)]),
+        token_major=bench(functools.partial(p["token"], tails=tails), [(*x0, prepared, lists)]),
+        neuron_major=bench(p["neuron"], [(x0[0], gy, lists, values_E)]),
         token_tail_64_rows=bench(p["token_tail64"], [x0]),
         token_tail=bench(p["token_tail"], [(*x0, prepared[3])]),
     )
@@ -378,8 +397,8 @@ def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: op
                       neuron_sizes: Sequence[NeuronBwdBlockSizes], *, repeats: int = 15,
                       log=print) -> dict:
     """Time the token-major and the neuron-major kernel alone at each launch in the lists, on the
-    backward's own inputs for (x, weights, gy) (piece_fns: pack, tail mask, the default token
-    kernel's entries, the transpose).
+    backward's own inputs for (x, weights, gy) (piece_fns: pack, tail mask, transpose, the default
+    token kernel's entry values).
 
     Each variant runs piece_fns' kernel call with only that launch changed in `config.backward`,
     and its outputs are compared bit for bit with the default launch's (config.backward's, run
@@ -397,17 +416,20 @@ def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: op
         return piece_fns(dataclasses.replace(config, backward=dataclasses.replace(bc, **launch)), interpret, h)
 
     args = (x, wg, wu, wd, gy)
-    prepared = pieces()["token_inputs"](x, wg)
+    p = pieces()
+    prepared = p["token_inputs"](p["pack"](x, wg))
+    lists = p["transpose"](prepared)
+    tails = bool(jnp.any(prepared[3])) or bool(jnp.any(lists[1] > config.transpose_ell_width))
 
     def token_run(sizes: TokenBwdBlockSizes):
-        return pieces(token_block_sizes=sizes)["token"], (*args, prepared)
+        return (functools.partial(pieces(token_block_sizes=sizes)["token"], tails=tails),
+                (*args, prepared, lists))
 
     fn, fn_args = token_run(bc.token_block_sizes)
-    _, cols, entries = fn(*fn_args)
-    lists = pieces()["transpose"](cols, prepared[2], entries)
+    _, values_E = fn(*fn_args)
 
     def neuron_run(sizes: NeuronBwdBlockSizes):
-        return pieces(neuron_block_sizes=sizes)["neuron"], (x, gy, lists)
+        return pieces(neuron_block_sizes=sizes)["neuron"], (x, gy, lists, values_E)
 
     return dict(token=_sweep_one("token", token_run, bc.token_block_sizes, token_sizes, repeats, log),
                 neuron=_sweep_one("neuron", neuron_run, bc.neuron_block_sizes, neuron_sizes, repeats, log))

@@ -91,9 +91,10 @@ def test_pattern_stats_on_a_hand_built_pattern():
     assert stats["active_p50"] == pytest.approx(np.median([1, 6, 5, 7, 0, 4]))
     assert stats["first_token_active_mean"] == pytest.approx((1 + 7) / 2)  # rows 0 and 3
     assert (stats["token_tail_rows"], stats["overflow_rows"], stats["wide_rows"]) == (2, 1, 1)
-    # Capacity 1 row: 2 tail rows send the whole call to the dense backward; 1 block of 64 rows.
+    # Capacity 1 row: 2 tail rows send the whole call to the dense backward; the 1 row the tail
+    # can hold would take one small block (16 rows), not a block of token_tail_chunk = 64.
     assert stats["token_tail_capacity"] == 1 and stats["token_fallback"]
-    assert (stats["token_tail_blocks"], stats["token_tail_dense_rows"]) == (1, 64)
+    assert (stats["token_tail_blocks"], stats["token_tail_dense_rows"]) == (1, 16)
     assert stats["neuron_entries"] == 30 and stats["neuron_count_max"] == 12 and stats["dead_neurons"] == 2
     assert stats["hot_neurons"] == 2 and stats["hot_entry_share"] == pytest.approx(22 / 30)
     assert (stats["neuron_tail_blocks"], stats["neuron_tail_dense_neurons"], stats["neuron_fallback"]) == (2, 2, False)
