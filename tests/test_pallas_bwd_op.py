@@ -1,0 +1,187 @@
+"""The Pallas backward at the op level (twell_jax/ops/pallas_backward.py) in interpret mode on CPU:
+the gradients (x, every weight, the L1 term) against jax.grad of the dense formula on adversarial
+patterns, the tail and fallback paths, shard_map over 8 simulated devices and bitwise determinism.
+(The kernels against their references and the training "auto" choice: test_pallas_bwd.py.)"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+from pallas_kernels.twell_pack import pack_gate_reference
+from test_ops import TOL, loss_of, make_inputs, oracle, rel_err
+from twell_jax import ops
+from twell_jax.ops import dispatch, pallas_backward
+
+TILE, SLOTS = 16, 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Op-level backward vs jax.grad of the dense formula
+# ---------------------------------------------------------------------------------------------
+
+# Tiny tiles so tile overflow, token tails and hot neurons occur at small shapes; chunks of 2 so
+# the tail loops run several chunks, the last one partly filled. CONFIG_LADDER: a tail of 1 row or
+# neuron takes a block of 1, longer ones blocks of 2 (the device-side size switch; one case runs it,
+# since every block size is one more compiled body in the interpreter).
+CONFIG = ops.SparseFFNConfig(tile=TILE, slots=SLOTS, ell_width=8, tail_rows=0.5,
+                             transpose_ell_width=6, transpose_tail_rows=0.5,
+                             backward=pallas_backward.BackwardConfig(token_tail_chunk=2,
+                                                                     neuron_tail_chunk=2,
+                                                                     small_tail_chunk=2))
+CONFIG_LADDER = dataclasses.replace(CONFIG, backward=dataclasses.replace(CONFIG.backward,
+                                                                         small_tail_chunk=1))
+
+
+def _nan_backward(x, weights):
+    """A stand-in for the dense backward: NaN gradients show that the fallback ran."""
+    return lambda: (jnp.full_like(x, jnp.nan), tuple(jnp.full_like(w, jnp.nan) for w in weights))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def pallas_grads(gated, config, x, weights, cot):
+    """The Pallas backward called directly, with the NaN stand-in for its dense fallback."""
+    w_act = weights[0]
+    gy = cot.astype(x.dtype)
+    pack = pack_gate_reference(x, w_act, tile=config.tile, slots=config.slots)
+    return pallas_backward.backward(gated, x, weights, gy, jnp.float32(0.37), config, True, pack,
+                                    _nan_backward(x, weights))
+
+
+def _counts(x, weights, config):
+    """(token-tail rows, hot neurons) of the pattern, the quantities the tails are sized by."""
+    g = np.asarray(jnp.einsum("md,hd->mh", x.astype(jnp.float32), weights[0].astype(jnp.float32),
+                              precision=jax.lax.Precision.HIGHEST))
+    _, _, counts = pack_gate_reference(x, weights[0], tile=config.tile, slots=config.slots)
+    tail = np.asarray(pallas_backward.token_tail_mask(counts, config.slots, config.ell_width))
+    hot = ((g > 0) & ~tail[:, None]).sum(0) > config.transpose_ell_width
+    return int(tail.sum()), int(hot.sum())
+
+
+# gated, M, D, H, dtype, zero fraction, adversarial, (token-tail rows, hot neurons) expected > 0
+CASES = [
+    (True, 23, 17, 53, jnp.float32, 0.97, "none", (False, False)),
+    (True, 23, 17, 53, jnp.float32, 1.0, "none", (False, False)),  # all zero
+    (True, 29, 13, 41, jnp.float32, 0.93, "dense_first_tokens", (True, False)),
+    (True, 31, 19, 37, jnp.float32, 0.95, "hot_neuron", (False, True)),
+    (True, 37, 16, 45, jnp.bfloat16, 0.9, "zero_and_dense_rows", (True, True)),
+    (False, 29, 11, 43, jnp.float32, 0.9, "zero_and_dense_rows", (True, False)),
+    (True, 26, 12, 35, jnp.float32, 0.95, "hot_neurons", (True, True)),  # 4 hot: two chunks
+    (False, 19, 23, 31, jnp.bfloat16, 0.95, "hot_neuron", (False, True)),
+]
+
+
+@pytest.mark.parametrize("gated,m,d,h,dtype,zero_fraction,adversarial,tails", CASES)
+def test_backward_matches_dense_grad(gated, m, d, h, dtype, zero_fraction, adversarial, tails):
+    x, weights = make_inputs(gated, m, d, h, dtype, zero_fraction, seed=7,
+                             adversarial="hot_neuron" if adversarial == "hot_neurons" else adversarial)
+    if adversarial == "hot_neurons":  # four neurons active on every token, in three tiles
+        weights = (weights[0].at[jnp.array([12, 20, 33]), 0].set(50.0),) + weights[1:]
+    n_tail, n_hot = _counts(x, weights, CONFIG)
+    assert (n_tail > 0, n_hot > 0) == tails  # the case exercises the paths it claims to
+    assert n_tail <= CONFIG.tail_capacity(m) and n_hot <= CONFIG.transpose_tail_capacity(h)
+    cot = jnp.asarray(np.random.default_rng(8).standard_normal((m, d)), jnp.float32)
+    config = CONFIG_LADDER if (gated, adversarial) == (True, "hot_neuron") else CONFIG  # 1 hot: small block
+    dx, dws = pallas_grads(gated, config, x, weights, cot)
+    _, _, _, _, (dx_ref, dws_ref) = oracle(gated, x, weights, cot)
+    for name, grad, ref in zip(("x", "w_act", "w_up", "w_down"), (dx, *dws), (dx_ref, *dws_ref)):
+        assert grad.dtype == dtype and grad.shape == ref.shape, name
+        assert not bool(jnp.any(jnp.isnan(grad))), f"{name}: the dense fallback ran"
+        assert rel_err(grad, ref) < TOL[dtype], (name, rel_err(grad, ref))
+
+
+def test_l1_gradient_alone():
+    """gy = 0: the gradients are the L1 term's alone (sign(h) gl1 / M through the pattern)."""
+    x, weights = make_inputs(True, 17, 13, 29, jnp.float32, 0.9, seed=9, adversarial="hot_neuron")
+    cot = jnp.zeros((17, 13), jnp.float32)
+    dx, dws = pallas_grads(True, CONFIG, x, weights, cot)
+    _, _, _, _, (dx_ref, dws_ref) = oracle(True, x, weights, cot)
+    assert float(jnp.max(jnp.abs(dx_ref))) > 0
+    for grad, ref in zip((dx, *dws), (dx_ref, *dws_ref)):
+        assert rel_err(grad, ref) < 1e-5
+    assert not bool(jnp.any(dws[2]))  # dW_down = h^T gy = 0
+
+
+@pytest.mark.parametrize("which", ["token", "neuron"])
+def test_tail_capacity_exceeded_runs_the_dense_backward(which):
+    x, weights = make_inputs(True, 23, 17, 53, jnp.float32, 0.9, seed=7,
+                             adversarial="zero_and_dense_rows" if which == "token" else "hot_neuron")
+    config = (ops.SparseFFNConfig(tile=TILE, slots=SLOTS, ell_width=8, tail_rows=0,
+                                  transpose_ell_width=6, transpose_tail_rows=1.0) if which == "token"
+              else ops.SparseFFNConfig(tile=TILE, slots=SLOTS, ell_width=8, tail_rows=1.0,
+                                       transpose_ell_width=6, transpose_tail_rows=0))
+    cot = jnp.ones((23, 17), jnp.float32)
+    dx, dws = pallas_grads(True, config, x, weights, cot)
+    assert all(bool(jnp.all(jnp.isnan(g))) for g in (dx, *dws))
+
+
+def test_forward_aux_reports_a_backward_fallback():
+    """The token tail is known from the forward's pack: aux["dense_fallback"] says in advance that
+    the backward will take the dense path (here the Pallas forward itself stays sparse)."""
+    x, weights = make_inputs(True, 23, 17, 53, jnp.float32, 0.9, seed=7,
+                             adversarial="zero_and_dense_rows")
+    for tail_rows, expected in ((0, 1), (1.0, 0)):
+        config = ops.SparseFFNConfig(tile=TILE, slots=SLOTS, ell_width=8, tail_rows=tail_rows)
+        _, aux = ops.gated_ffn(x, *weights, backend="pallas", config=config, interpret=True)
+        assert int(aux["row_overflow"]) > 0 and int(aux["dense_fallback"]) == expected
+
+
+def _forbid_dense_backward(monkeypatch) -> None:
+    """Make the op's dense backward return NaN, so a test sees if the fallback ran."""
+    monkeypatch.setattr(dispatch, "dense_backward",
+                        lambda gated, x, weights, gy, gl1: _nan_backward(x, weights)())
+
+
+def test_op_gradients_keep_vs_recompute_pattern_and_determinism(monkeypatch):
+    """Through ops.gated_ffn (custom_vjp wiring): gradients match the dense oracle; recomputing
+    the pattern in the backward gives the same bits as keeping it; two runs give the same bits."""
+    _forbid_dense_backward(monkeypatch)
+    x, weights = make_inputs(True, 21, 16, 47, jnp.float32, 0.92, seed=11,
+                             adversarial="dense_first_tokens")
+    cot = jnp.asarray(np.random.default_rng(12).standard_normal((21, 16)), jnp.float32)
+
+    def grads(config):
+        def loss(x_, w_):
+            y, aux = ops.gated_ffn(x_, *w_, backend="pallas", config=config, interpret=True)
+            return loss_of(y, aux["l1"], cot)
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(x, weights)
+
+    keep = grads(CONFIG)
+    recompute = grads(dataclasses.replace(CONFIG, backward=dataclasses.replace(
+        CONFIG.backward, keep_gate_pattern=False)))
+    again = grads(CONFIG)
+    _, _, _, _, ref = oracle(True, x, weights, cot)
+    for a, b, c, r in zip(jax.tree.leaves(keep), jax.tree.leaves(recompute), jax.tree.leaves(again),
+                          jax.tree.leaves(ref)):
+        assert rel_err(a, r) < 1e-5
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+
+
+def test_under_shard_map_on_8_devices(monkeypatch):
+    """ops.gated_ffn(..., backend="pallas", interpret=True) under an 8-device data mesh: the same
+    gradients as the dense oracle (each shard runs the Pallas backward on its tokens)."""
+    _forbid_dense_backward(monkeypatch)
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (simulated) devices")
+    m, d, h = 40, 16, 37
+    x, weights = make_inputs(True, m, d, h, jnp.float32, 0.9, seed=13, adversarial="hot_neuron")
+    cot = jnp.asarray(np.random.default_rng(14).standard_normal((m, d)), jnp.float32)
+    config = ops.SparseFFNConfig(tile=TILE, slots=SLOTS, ell_width=8, tail_rows=1.0,
+                                 transpose_ell_width=2, transpose_tail_rows=1.0)
+
+    def loss(x_, w_):
+        y, aux = ops.gated_ffn(x_, *w_, backend="pallas", config=config, interpret=True)
+        return loss_of(y, aux["l1"], cot)
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:8])
+    with jax.set_mesh(mesh):
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, weights)
+    _, _, _, _, ref = oracle(True, x, weights, cot)
+    for a, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
+        assert rel_err(a, r) < 1e-5
