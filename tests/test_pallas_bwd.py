@@ -143,31 +143,34 @@ def test_kernel_arguments_are_validated():
                       config=ops.SparseFFNConfig(backward="keep"))
 
 
-@pytest.mark.parametrize("n_true,capacity", [(0, 5), (1, 5), (3, 5), (7, 5), (9, 20), (20, 20)])
-def test_chunked_visits_each_listed_id_once(n_true, capacity):
+@pytest.mark.parametrize("capacity", [5, 20])
+def test_chunked_visits_each_listed_id_once(capacity):
     """The tails' loop: the first min(n, capacity) True ids, ascending, each once; one block of the
-    smallest size in (2, 8) that holds them, else blocks of `chunk` = 16 (padding ids = N)."""
+    smallest size in (2, 8) that holds them, else blocks of `chunk` = 16 (padding ids = N). One
+    compiled loop per capacity, run on masks with 0, 1, 3, 7, 9 and 10 ids."""
     n = 20
-    mask = jnp.zeros((n,), bool).at[jnp.arange(0, 2 * n_true, 2) % n].set(True)
-    ids_true = np.flatnonzero(np.asarray(mask))[:capacity]
+    assert pallas_backward.tail_block_sizes(16, 2) == (2, 8, 16)
+    assert pallas_backward.tail_block_sizes(256, 16) == (16, 64, 256)
 
     def run(ids_C, carry):  # counts the visits of each id and the blocks of each size
         visits, sizes = carry
         return visits.at[ids_C].add(1, mode="drop"), sizes.at[ids_C.shape[0]].add(1)
 
-    assert pallas_backward.tail_block_sizes(16, 2) == (2, 8, 16)
-    assert pallas_backward.tail_block_sizes(256, 16) == (16, 64, 256)
-    visits, sizes = jax.jit(lambda m: pallas_backward._chunked(
-        m, capacity, 16, 2, run, (jnp.zeros((n,), jnp.int32), jnp.zeros((17,), jnp.int32))))(mask)
-    expect = np.zeros(n, int)
-    expect[ids_true] = 1
-    np.testing.assert_array_equal(visits, expect)
-    k = len(ids_true)
-    want_sizes = np.zeros(17, int)
-    if k:
-        size = next((s for s in (2, 8) if k <= s), 16)
-        want_sizes[size] = -(-k // size)
-    np.testing.assert_array_equal(sizes, want_sizes)
+    loop = jax.jit(lambda m: pallas_backward._chunked(
+        m, capacity, 16, 2, run, (jnp.zeros((n,), jnp.int32), jnp.zeros((17,), jnp.int32))))
+    for n_true in (0, 1, 3, 7, 9, 10):
+        mask = jnp.zeros((n,), bool).at[jnp.arange(0, 2 * n_true, 2) % n].set(True)
+        ids_true = np.flatnonzero(np.asarray(mask))[:capacity]
+        visits, sizes = loop(mask)
+        expect = np.zeros(n, int)
+        expect[ids_true] = 1
+        np.testing.assert_array_equal(visits, expect)
+        k = len(ids_true)
+        want_sizes = np.zeros(17, int)
+        if k:
+            size = next((s for s in (2, 8) if k <= s), 16)
+            want_sizes[size] = -(-k // size)
+        np.testing.assert_array_equal(sizes, want_sizes, err_msg=f"{n_true} ids")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -70,7 +70,6 @@ CASES = [
     (True, 29, 13, 41, jnp.float32, 0.93, "dense_first_tokens", (True, False)),
     (True, 31, 19, 37, jnp.float32, 0.95, "hot_neuron", (False, True)),
     (True, 37, 16, 45, jnp.bfloat16, 0.9, "zero_and_dense_rows", (True, True)),
-    (False, 29, 11, 43, jnp.float32, 0.9, "zero_and_dense_rows", (True, False)),
     (True, 26, 12, 35, jnp.float32, 0.95, "hot_neurons", (True, True)),  # 4 hot: two chunks
     (False, 19, 23, 31, jnp.bfloat16, 0.95, "hot_neuron", (False, True)),
 ]
