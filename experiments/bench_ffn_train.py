@@ -81,6 +81,10 @@ BACKENDS = ("xla_bf16", "dense", "reference", "pallas", "pallas_recompute", "aut
 CHECKPOINT_BACKENDS = ("xla_bf16", "dense", "pallas", "pallas_recompute", "auto")
 GRAD_NAMES = ("dx", "dw_gate", "dw_up", "dw_down")
 TRACED_BACKENDS = ("xla_bf16", "pallas", "auto")  # --trace: the per-kernel profile of these programs
+# --dry-run: the interpreter compiles every backend's whole fwd+bwd, so the smoke run skips the two
+# that only repeat others' code paths (the reference backend, and pallas with the pattern recomputed:
+# tests/test_ops.py and tests/test_pallas_bwd_op.py cover both).
+DRY_RUN_SKIPPED = ("reference", "pallas_recompute")
 # --sweep-blocks: the launch parameters tried (the default first, wherever it lies in the list).
 TOKEN_SWEEP = tuple(TokenBwdBlockSizes(block_t=t, num_warps=w, num_stages=s)
                     for t in (1, 2, 4) for w in (2, 4, 8) for s in (1, 2))
@@ -581,7 +585,8 @@ def run_synthetic(args, out: "Output") -> None:
         try:
             xs, wg, wu, wd = bench_ffn.make_inputs(jax.random.fold_in(key, m), m, k)
             gy = fixed_cotangent(jax.random.fold_in(key, 7), m, d, bench_ffn.DTYPE)
-            backends = [b for b in BACKENDS if not (b == "reference" and m > 16384)]
+            backends = [b for b in BACKENDS if not (b == "reference" and m > 16384)
+                        and not (interpret and b in DRY_RUN_SKIPPED)]
             row = dict(kind="train", k=k, **measure(xs, (wg, wu, wd), gy, config, interpret, backends,
                                                     repeats=args.repeats, trace=args.trace, log=out.say))
             out.log(row)
@@ -674,7 +679,9 @@ def run_checkpoint(args, out: "Output") -> None:
         out.say(f"[bench_ffn_train] layer {layer}")
         try:
             row = dict(kind="layer", layer=layer, **measure([x], ffn_weights(loaded.model, layer), gy, config,
-                                                           interpret, CHECKPOINT_BACKENDS, seq_len=seq_len,
+                                                           interpret, [b for b in CHECKPOINT_BACKENDS if not (
+                                                               interpret and b in DRY_RUN_SKIPPED)],
+                                                           seq_len=seq_len,
                                                            repeats=args.repeats, trace=args.trace,
                                                            log=out.say))
         except Exception as e:  # a failing layer is reported, the others still run

@@ -36,7 +36,7 @@ def test_bench_ffn_train_dry_run(tmp_path):
         assert profile["kernels"] == [] and "no GPU events" in profile["reason"], profile
     table = (tmp_path / "table.txt").read_text()
     assert "--sweep-blocks token kernel" in table and "kernels of pallas" in table
-    assert set(row["ms"]) == {"xla_bf16", "dense", "reference", "pallas", "pallas_recompute", "auto"}
+    assert set(row["ms"]) == {"xla_bf16", "dense", "pallas", "auto"}  # the dry run's (DRY_RUN_SKIPPED)
     for backend, errs in row["errors"].items():  # bf16 gradients within bf16 rounding of xla_bf16
         for name, e in errs.items():
             assert e["rel"] < 3e-2, (backend, name, e)
