@@ -10,7 +10,7 @@ call, experiments/bench_ffn.py's bench_interleaved):
     reference    pallas_kernels.twell_transpose.neuron_lists_reference: compaction to the ELL,
                  stable sort of M * W ids, binary search, inverse permutation (dest)
     xla_sort     twell_transpose.sort_lists: the stable sort + binary search of the backward's
-                 first transpose (pallas_backward.neuron_major_lists without its value gathers),
+                 transpose before the counting sort (without its value gathers),
                  its input (the token-major ELL's neuron ids) precomputed: what the kernel replaces
     kernel       neuron_lists with the default TransposeBlockSizes
     kernel/...   (--sweep) other block sizes
@@ -27,7 +27,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))

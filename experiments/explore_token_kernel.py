@@ -1,8 +1,8 @@
 """Exploration (issue 12): what bounds the token-major backward kernel at k 29 on the H100?
 
 Times pallas_kernels.twell_bwd_token.token_backward on bench_ffn's synthetic k-29 pattern (M 16384,
-D 2048, H 5632) with: 2, 4 and 8 warps and 2 tokens per program; the same pattern with its neuron
-ids folded into the first H/4 neurons (same entry count, a weight working set that fits in L2: if
+D 2048, H 5632) with: the default launch (other launches: bench_ffn_train.py --sweep-blocks); the
+same pattern with its neuron ids folded into the first H/4 neurons (same entry count, a weight working set that fits in L2: if
 the kernel were bound by L2 misses it would speed up ~2x); the non-gated variant (2 gathered rows
 and one reduction per entry instead of 3 and 2); and the per-token list builders (the kernel at
 8, 16 and 32 rows per program against the XLA reference). Prints a table; JSON under --out."""
@@ -72,9 +72,7 @@ def main() -> None:
         rows.append(dict(name=name, ms=ms, gb_s=gbps))
         print(f"{name:<32} {ms:8.3f} ms  {gbps:8.0f} GB/s of row gathers", flush=True)
 
-    for w in (2, 4, 8):
-        run(f"gated, 1 token/program, {w} warps", indices, TokenBwdBlockSizes(num_warps=w))
-    run("gated, 2 tokens/program, 4 warps", indices, TokenBwdBlockSizes(block_t=2, num_warps=4))
+    run("gated, default launch", indices, TokenBwdBlockSizes())
     run("gated, ids folded into H/4, 2 warps", indices % (h // 4), TokenBwdBlockSizes(), fold=4)
     run("non-gated, 2 warps", indices, TokenBwdBlockSizes(), gated=False)
     Path(args.out).mkdir(parents=True, exist_ok=True)
