@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_ffn  # noqa: E402  (make_inputs, bench_interleaved, bench: one copy of each)
 from kernel_trace import KernelProfile, format_profile, kernel_times  # noqa: E402
 from pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes, neuron_backward  # noqa: E402
-from pallas_kernels.twell_bwd_token import TokenBwdBlockSizes, token_backward, token_lists  # noqa: E402
+from pallas_kernels.twell_bwd_token import TokenBwdBlockSizes, rank_values, token_backward, token_lists  # noqa: E402
 from pallas_kernels.twell_transpose import neuron_lists  # noqa: E402
 from pallas_kernels.twell_ffn import sparse_ffn  # noqa: E402
 from pallas_kernels.twell_pack import pack_gate  # noqa: E402
@@ -174,14 +174,16 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
                             block_sizes=bc.transpose_block_sizes, interpret=interpret)
 
     def hot_of(lists):
-        return lists[1] > config.transpose_ell_width
+        return lists[1] > config.hot_threshold(lists[3].shape[0])
 
     @functools.partial(jax.jit, static_argnames="tails")
     def token(x, wg, wu, wd, gy, prepared, lists, *, tails: bool):
         """As the backward calls it (the per-token lists, then the kernel): with the hot neurons
         left out and an f32 dx init when a tail exists."""
         values, indices, counts, _ = prepared
-        rows = token_lists(values, indices, counts, lists[3], hot_of(lists) if tails else None,
+        ranked = rank_values(values, counts, config.ell_width, block_sizes=bc.lists_block_sizes,
+                             interpret=interpret)
+        rows = token_lists(ranked, indices, counts, lists[3], hot_of(lists) if tails else None,
                            block_sizes=bc.lists_block_sizes, interpret=interpret)
         return token_backward(x, gy, *rows, wg, wu, wd, jnp.float32(L1_COEF / x.shape[0]),
                               dx_init=jnp.zeros(x.shape, jnp.float32) if tails else None,
@@ -215,7 +217,7 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
         zeros = tuple(jnp.zeros((h, d), jnp.float32) for _ in range(3))
         return pallas_backward.hot_neuron_backward(
             True, x, gy, (wg, wu, wd), jnp.float32(L1_COEF / m), tail_M,
-            count_H > config.transpose_ell_width, config.transpose_tail_capacity(h), bc.neuron_tail_chunk,
+            count_H > config.hot_threshold(m), config.transpose_tail_capacity(h), bc.neuron_tail_chunk,
             bc.small_tail_chunk, (jnp.zeros((m, d), jnp.float32), zeros))
 
     return dict(pack=pack, token_inputs=jax.jit(token_inputs), transpose=jax.jit(transpose),
@@ -230,7 +232,7 @@ def pattern_stats(counts_MxNT: np.ndarray, neuron_count_H: np.ndarray, config: o
     counts_MxNT: the pack's active count per (token, tile) (exact, also where a tile overflows its
     slots); neuron_count_H: entries per neuron in the backward's neuron-major lists (tokens of the
     token tail excluded, as in pallas_backward.backward). The tails follow backward's decisions:
-    token tail = pallas_backward.token_tail_mask, hot = more than transpose_ell_width entries; each
+    token tail = pallas_backward.token_tail_mask, hot = more than config.hot_threshold(M) entries; each
     runs ceil(n / chunk) dense blocks of chunk rows (neurons), and n above the config's capacity
     sends the whole call to the dense backward (`*_fallback`). `seq_len` adds the mean active
     count of the first token of each sequence (rows 0, seq_len, ...)."""
@@ -245,7 +247,7 @@ def pattern_stats(counts_MxNT: np.ndarray, neuron_count_H: np.ndarray, config: o
     overflow_M = (counts_MxNT > config.slots).any(axis=1)
     wide_M = active_M > config.ell_width
     tail = int(np.sum(overflow_M | wide_M))
-    hot_H = neuron_count_H > config.transpose_ell_width
+    hot_H = neuron_count_H > config.hot_threshold(m)
     n_hot = int(hot_H.sum())
     entries = int(neuron_count_H.sum())
     token_cap, hot_cap = config.tail_capacity(m), config.transpose_tail_capacity(h)
@@ -272,7 +274,7 @@ def pattern_stats(counts_MxNT: np.ndarray, neuron_count_H: np.ndarray, config: o
         token_fallback=tail > token_cap,
         neuron_entries=entries, neuron_count_max=int(neuron_count_H.max()) if h else 0,
         neuron_count_p99=pct(neuron_count_H, 99), dead_neurons=int(np.sum(neuron_count_H == 0)),
-        hot_threshold=config.transpose_ell_width, hot_neurons=n_hot,
+        hot_threshold=config.hot_threshold(m), hot_neurons=n_hot,
         hot_entry_share=float(neuron_count_H[hot_H].sum() / entries) if entries else 0.0,
         neuron_tail_capacity=hot_cap,
         neuron_tail_blocks=blocks(n_hot, hot_cap, bc.neuron_tail_chunk),
@@ -320,7 +322,7 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
     counts = packed[2]
     prepared = p["token_inputs"](packed)
     lists = p["transpose"](prepared)
-    tails = bool(jnp.any(prepared[3])) or bool(jnp.any(lists[1] > config.transpose_ell_width))
+    tails = bool(jnp.any(prepared[3])) or bool(jnp.any(lists[1] > config.hot_threshold(m)))
     _, values_E = p["token"](*x0, prepared, lists, tails=tails)
     stats = pattern_stats(np.asarray(counts), np.asarray(lists[1]), config, seq_len)
     hint = stats["active_mean"]
@@ -347,7 +349,7 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
     tail_dx, tail_parts = p["token_tail"](*x0, prepared[3])
     _, hot_parts = p["neuron_tail"](*x0, prepared[3], lists[1])
     tail_rows = np.flatnonzero(np.asarray(prepared[3]))
-    hot = np.flatnonzero(np.asarray(lists[1]) > config.transpose_ell_width)
+    hot = np.flatnonzero(np.asarray(lists[1]) > config.hot_threshold(m))
     row["piece_errors"] = {}
     if tail_rows.size and not stats["token_fallback"]:
         row["piece_errors"].update(rel_errors([tail_dx[tail_rows]], [base[0][tail_rows]], ["token_tail_dx"]))
@@ -423,7 +425,7 @@ def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: op
     p = pieces()
     prepared = p["token_inputs"](p["pack"](x, wg))
     lists = p["transpose"](prepared)
-    tails = bool(jnp.any(prepared[3])) or bool(jnp.any(lists[1] > config.transpose_ell_width))
+    tails = bool(jnp.any(prepared[3])) or bool(jnp.any(lists[1] > config.hot_threshold(x.shape[0])))
 
     def token_run(sizes: TokenBwdBlockSizes):
         return (functools.partial(pieces(token_block_sizes=sizes)["token"], tails=tails),
@@ -548,6 +550,34 @@ def dry_run_config() -> ops.SparseFFNConfig:
                                backward=pallas_backward.BackwardConfig(token_tail_chunk=8, neuron_tail_chunk=8))
 
 
+def parse_hot_width(text: str) -> int | float:
+    """--transpose-ell-width: an int (entries) or a fraction in (0, 1] of the tokens."""
+    try:
+        value = float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--transpose-ell-width wants an int or a fraction, got {text!r}") from None
+    try:
+        ops.SparseFFNConfig(transpose_ell_width=value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--transpose-ell-width: {e}") from None
+    return value
+
+
+def parse_cases(text: str) -> list[tuple[int, float]]:
+    """--cases: "M:K,M:K" -> [(M, K), ...] with M an int >= 1 and K a number > 0."""
+    cases = []
+    for item in text.split(","):
+        try:
+            m_text, k_text = item.split(":")
+            m, k = int(m_text), float(k_text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--cases wants M:K pairs like 2048:29, got {item!r}") from None
+        if m < 1 or not k > 0:
+            raise argparse.ArgumentTypeError(f"--cases wants M >= 1 and K > 0, got {item!r}")
+        cases.append((m, k))
+    return cases
+
+
 def run_synthetic(args, out: "Output") -> None:
     interpret = args.dry_run
     if interpret:  # bench_ffn's globals drive make_inputs and bench
@@ -559,6 +589,8 @@ def run_synthetic(args, out: "Output") -> None:
         cases = [(m, k) for m in (16384, 2048, 65536) for k in (29.0, 56.0, 112.0)]
         if args.quick:
             cases = [(16384, 29.0), (16384, 56.0)]
+        if args.cases:
+            cases = args.cases
         config = ops.SparseFFNConfig()
     d, h = bench_ffn.D, bench_ffn.H
     table = [f"{'M':>6} {'k':>5} " + " ".join(f"{b:>16}" for b in BACKENDS)]
@@ -745,6 +777,9 @@ class Output:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="synthetic: M = 16384 at k = 29 and 56 only")
+    parser.add_argument("--cases", type=parse_cases, default=None, metavar="M:K,...",
+                        help="synthetic: these (tokens M, active per token k) instead of the 3 x 3 "
+                             "grid, e.g. 2048:29,65536:112 (to split the grid over several runs)")
     parser.add_argument("--dry-run", "--interpret", dest="dry_run", action="store_true",
                         help="tiny shapes through the Pallas interpreter (CPU check of the script)")
     parser.add_argument("--checkpoint", default=None,
@@ -760,9 +795,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --checkpoint: BackwardConfig.token_tail_chunk (default: the config's)")
     parser.add_argument("--neuron-tail-chunk", type=int, default=None,
                         help="with --checkpoint: BackwardConfig.neuron_tail_chunk (default: the config's)")
-    parser.add_argument("--transpose-ell-width", type=int, default=None,
+    parser.add_argument("--transpose-ell-width", type=parse_hot_width, default=None,
                         help="with --checkpoint: SparseFFNConfig.transpose_ell_width, the entries above "
-                             "which a neuron is hot (default: the config's)")
+                             "which a neuron is hot: an int, or a fraction of the tokens such as 0.03 "
+                             "(default: the config's)")
     parser.add_argument("--trace", action="store_true",
                         help="also the per-kernel GPU time of the xla_bf16, pallas and auto programs "
                              "(jax.profiler trace of the timed programs; experiments/kernel_trace.py)")
@@ -782,6 +818,12 @@ def main(argv: list[str] | None = None) -> None:
                      "--transpose-ell-width need --checkpoint")
     if args.checkpoint and args.quick:
         parser.error("--quick is for the synthetic mode")
+    if args.checkpoint and args.cases:
+        parser.error("--cases is for the synthetic mode")
+    if args.quick and args.cases:
+        parser.error("--quick and --cases both choose the cases: give one")
+    if args.dry_run and args.cases:
+        parser.error("--cases is for the GPU run (the dry run has its own tiny case)")
     if args.checkpoint and args.sweep_blocks:
         parser.error("--sweep-blocks is for the synthetic mode")
     if args.dry_run:

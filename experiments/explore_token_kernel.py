@@ -21,7 +21,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_ffn  # noqa: E402
-from pallas_kernels.twell_bwd_token import (ListsBlockSizes, TokenBwdBlockSizes, token_backward,  # noqa: E402
+from pallas_kernels.twell_bwd_token import (ListsBlockSizes, TokenBwdBlockSizes, rank_values, token_backward,  # noqa: E402
                                             token_lists, token_lists_reference)
 from pallas_kernels.twell_pack import pack_gate  # noqa: E402
 from pallas_kernels.twell_transpose import neuron_lists  # noqa: E402
@@ -50,7 +50,7 @@ def main() -> None:
                      *[(f"kernel/{br}rows",
                         functools.partial(token_lists, block_sizes=ListsBlockSizes(block_rows=br)))
                        for br in (8, 16)]):
-        lists_ms[name] = bench_ffn.bench(jax.jit(fn), [(values, indices, counts, dest1, hot_H)], repeats=10)
+        lists_ms[name] = bench_ffn.bench(jax.jit(fn), [(rank_values(values, counts, 128), indices, counts, dest1, hot_H)], repeats=10)
         print(f"token_lists {name}: {lists_ms[name]:.3f} ms", flush=True)
     rows = []
 
@@ -63,7 +63,7 @@ def main() -> None:
                 slot_MxW = jnp.arange(128, dtype=jnp.int32)[None, :]
                 dest[fold] = jnp.where(slot_MxW < nnz_M[:, None],
                                        jnp.arange(m, dtype=jnp.int32)[:, None] * 128 + slot_MxW, -1)
-        lists = token_lists(values, idx, counts, dest[fold])
+        lists = token_lists(rank_values(values, counts, 128), idx, counts, dest[fold])
         fn = jax.jit(lambda x, g, *lists: token_backward(
             x, g, *lists, wg, wu if gated else None, wd, scale, block_sizes=bs))
         ms = bench_ffn.bench(fn, [(x, gy, *lists) for x in xs[:1]], repeats=10)

@@ -201,11 +201,13 @@ def _histogram(indices: jax.Array, counts: jax.Array, *, tile: int, block_rows: 
     )(indices, counts)
 
 
-def _transpose_triton(indices: jax.Array, counts: jax.Array, *, n_neurons: int, tile: int,
-                      width: int, n_entries: int, block_rows: int, chunk_rows: int,
-                      block_sizes: TransposeBlockSizes, interpret: bool, debug: bool) -> Lists:
+def _transpose_triton(indices: jax.Array, counts: jax.Array, hist_CxHp: jax.Array | None, *,
+                      n_neurons: int, tile: int, width: int, n_entries: int, block_rows: int,
+                      chunk_rows: int, block_sizes: TransposeBlockSizes, interpret: bool,
+                      debug: bool) -> Lists:
     """The two launches and the XLA between them, on M % chunk_rows == 0 (padded rows: count 0).
-    n_entries = the caller's M * W (tokens_E's length)."""
+    n_entries = the caller's M * W (tokens_E's length); hist_CxHp = pass 1's output when the
+    caller has it (`chunk_histograms`), else pass 1 runs here."""
     m_pad, n_tiles, slots = indices.shape
     n_chunks = m_pad // chunk_rows
     squeezed = pl.Squeezed()
@@ -213,8 +215,10 @@ def _transpose_triton(indices: jax.Array, counts: jax.Array, *, n_neurons: int, 
     pattern_specs = [pl.BlockSpec((chunk_rows, squeezed, slots), lambda t, c: (c, t, 0)),
                      pl.BlockSpec((chunk_rows, squeezed), lambda t, c: (c, t))]
     hist_spec = pl.BlockSpec((squeezed, tile), lambda t, c: (c, t))
-    hist_CxHp = _histogram(indices, counts, tile=tile, block_rows=block_rows, chunk_rows=chunk_rows,
-                           block_sizes=block_sizes, interpret=interpret, debug=debug)
+    if hist_CxHp is None:
+        hist_CxHp = _histogram(indices, counts, tile=tile, block_rows=block_rows,
+                               chunk_rows=chunk_rows, block_sizes=block_sizes, interpret=interpret,
+                               debug=debug)
 
     count_Hp = jnp.sum(hist_CxHp, axis=0)
     start_Hp = jnp.cumsum(count_Hp) - count_Hp
@@ -243,28 +247,67 @@ def _transpose_triton(indices: jax.Array, counts: jax.Array, *, n_neurons: int, 
             dest_flat[:m_pad * width].reshape(m_pad, width))
 
 
+def _chunking(m: int, block_sizes: TransposeBlockSizes) -> tuple[int, int]:
+    """(block_rows, chunk_rows) of a pattern of m rows: a chunk is at most m rounded up to
+    block_rows rows, so a small m costs one small chunk."""
+    if not isinstance(block_sizes, TransposeBlockSizes):
+        raise ValueError(f"block_sizes must be a TransposeBlockSizes, got {type(block_sizes).__name__}")
+    block_rows = block_sizes.block_rows
+    return block_rows, min(block_sizes.chunk_rows, round_up(m, block_rows))
+
+
+def chunk_histograms_shape(m: int, n_tiles: int, tile: int,
+                           block_sizes: TransposeBlockSizes = TransposeBlockSizes()) -> tuple[int, int]:
+    """The shape of `chunk_histograms` for a pattern of m rows and n_tiles tiles of `tile` lanes."""
+    _, chunk_rows = _chunking(max(m, 1), block_sizes)
+    return -(-m // chunk_rows), n_tiles * tile
+
+
+@functools.partial(jax.jit, static_argnames=("n_neurons", "block_sizes", "interpret", "debug"))
+def chunk_histograms(indices: jax.Array, counts: jax.Array, n_neurons: int, *,
+                     block_sizes: TransposeBlockSizes = TransposeBlockSizes(),
+                     interpret: bool = False, debug: bool = False) -> jax.Array:
+    """The transpose's first pass: int32 [C, NT * tile], the live entries of each neuron in each
+    chunk of rows (`chunk_histograms_shape`). Summed over chunks: `neuron_histogram`. Given to
+    `neuron_lists(..., hist=)` with the same pattern and block sizes, it saves that pass (the
+    training forward computes it, for the backward's tail sizes in aux, and keeps it)."""
+    tile = validate_transpose_args(indices, counts, n_neurons, 1)
+    m = indices.shape[0]
+    block_rows, chunk_rows = _chunking(max(m, 1), block_sizes)
+    if m == 0:
+        return jnp.zeros(chunk_histograms_shape(0, indices.shape[1], tile, block_sizes), jnp.int32)
+    indices, counts = pad_rows(round_up(m, chunk_rows), indices, counts)
+    return _histogram(indices, counts, tile=tile, block_rows=block_rows, chunk_rows=chunk_rows,
+                      block_sizes=block_sizes, interpret=interpret, debug=debug)
+
+
 @functools.partial(jax.jit, static_argnames=("n_neurons", "width", "block_sizes", "interpret", "debug"))
 def neuron_lists(indices: jax.Array, counts: jax.Array, n_neurons: int, *, width: int,
+                 hist: jax.Array | None = None,
                  block_sizes: TransposeBlockSizes = TransposeBlockSizes(), interpret: bool = False,
                  debug: bool = False) -> Lists:
     """Neuron-major CSR lists of a TwELL pattern by a counting sort (module doc).
 
     Returns (start_H, count_H int32 [H], tokens_E int32 [M * W], dest_MxW int32 [M, W]) with
     W = next_pow2(width); equal to `neuron_lists_reference`. Any M (padded to chunk_rows; a chunk
-    is at most M rounded up to block_rows rows, so small M costs one small chunk)."""
-    if not isinstance(block_sizes, TransposeBlockSizes):
-        raise ValueError(f"block_sizes must be a TransposeBlockSizes, got {type(block_sizes).__name__}")
+    is at most M rounded up to block_rows rows, so small M costs one small chunk). `hist`: the
+    `chunk_histograms` of the same (indices, counts) and block sizes, when the caller has them
+    (then the first pass does not run; other values give wrong lists)."""
+    block_rows, chunk_rows = _chunking(max(indices.shape[0], 1), block_sizes)
     tile = validate_transpose_args(indices, counts, n_neurons, width)
     m = indices.shape[0]
     w = _next_pow2(width)
+    if hist is not None:
+        expected = chunk_histograms_shape(m, indices.shape[1], tile, block_sizes)
+        if hist.shape != expected or hist.dtype != jnp.int32:
+            raise ValueError(f"hist must be int32 {expected} (chunk_histograms of this pattern), got "
+                             f"{hist.dtype} {hist.shape}")
     if m == 0:
         zeros_H = jnp.zeros((n_neurons,), jnp.int32)
         return zeros_H, zeros_H, jnp.zeros((0,), jnp.int32), jnp.zeros((0, w), jnp.int32)
-    block_rows = block_sizes.block_rows
-    chunk_rows = min(block_sizes.chunk_rows, round_up(m, block_rows))
     indices, counts = pad_rows(round_up(m, chunk_rows), indices, counts)
     start_H, count_H, tokens_E, dest_MxW = _transpose_triton(
-        indices, counts, n_neurons=n_neurons, tile=tile, width=w, n_entries=m * w,
+        indices, counts, hist, n_neurons=n_neurons, tile=tile, width=w, n_entries=m * w,
         block_rows=block_rows, chunk_rows=chunk_rows, block_sizes=block_sizes,
         interpret=interpret, debug=debug)
     return start_H, count_H, tokens_E, dest_MxW[:m]
@@ -312,13 +355,6 @@ def neuron_histogram(indices: jax.Array, counts: jax.Array, n_neurons: int, *,
     transpose's first pass alone (count_H of `neuron_lists`, without the rank pass; no row-width
     limit). Deterministic, no atomics: an XLA scatter-add of the M * NT * S slots into [H] took
     several ms per layer on the H100 (hot neurons serialize the atomics)."""
-    tile = validate_transpose_args(indices, counts, n_neurons, 1)
-    m = indices.shape[0]
-    if m == 0:
-        return jnp.zeros((n_neurons,), jnp.int32)
-    block_rows = block_sizes.block_rows
-    chunk_rows = min(block_sizes.chunk_rows, round_up(m, block_rows))
-    indices, counts = pad_rows(round_up(m, chunk_rows), indices, counts)
-    hist_CxHp = _histogram(indices, counts, tile=tile, block_rows=block_rows, chunk_rows=chunk_rows,
-                           block_sizes=block_sizes, interpret=interpret, debug=debug)
+    hist_CxHp = chunk_histograms(indices, counts, n_neurons, block_sizes=block_sizes,
+                                 interpret=interpret, debug=debug)
     return jnp.sum(hist_CxHp, axis=0)[:n_neurons]

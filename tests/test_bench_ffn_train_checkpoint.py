@@ -75,6 +75,13 @@ def test_parse_layers():
             bench_ffn_train.parse_layers(text, 3)
 
 
+def test_parse_cases():
+    assert bench_ffn_train.parse_cases("2048:29,65536:112.5") == [(2048, 29.0), (65536, 112.5)]
+    for text in ("2048", "0:29", "2048:0", "a:b", "2048:29,"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--cases"):
+            bench_ffn_train.parse_cases(text)
+
+
 def test_pattern_stats_on_a_hand_built_pattern():
     config = ops.SparseFFNConfig(tile=8, slots=4, ell_width=6, transpose_ell_width=5, tail_rows=1,
                                  transpose_tail_rows=4,

@@ -115,7 +115,7 @@ def expected_counts(g: np.ndarray, config: ops.SparseFFNConfig) -> dict[str, int
     cap = config.tail_capacity(m)
     fwd_fallback = np.sum((row_nnz > config.ell_width) | tile_rows) > cap
     bwd_fallback = (np.sum(row_nnz > config.ell_width) > cap
-                    or np.sum(col_nnz > config.transpose_ell_width) > config.transpose_tail_capacity(h))
+                    or np.sum(col_nnz > config.hot_threshold(m)) > config.transpose_tail_capacity(h))
     return {"tile_overflow": int(np.sum(tile_counts > config.slots)),
             "row_overflow": int(np.sum(row_nnz > config.ell_width)),
             "dense_fallback": int(fwd_fallback or bwd_fallback)}
@@ -300,10 +300,24 @@ def test_ffn_validates_too():
         ops.ffn(jnp.ones((4, 8)), jnp.ones((16, 8)), jnp.ones((16, 7)), backend="dense")
 
 
+def test_hot_threshold_is_tokens_or_a_fraction_of_them():
+    """The neuron-major ELL width: an int as given; a fraction of the call's tokens, rounded up,
+    at least HOT_THRESHOLD_FLOOR (the default 1/64: 256 at M 16384, 1024 at 65536)."""
+    from twell_jax.ops.config import HOT_THRESHOLD_FLOOR
+
+    assert ops.SparseFFNConfig(transpose_ell_width=40).hot_threshold(16384) == 40
+    default = ops.SparseFFNConfig()
+    assert [default.hot_threshold(m) for m in (16384, 65536, 16385)] == [256, 1024, 257]
+    assert default.hot_threshold(6) == default.hot_threshold(2048) == HOT_THRESHOLD_FLOOR == 32
+    assert ops.SparseFFNConfig(transpose_ell_width=0.5).hot_threshold(101) == 51
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(tile=0), "tile"), (dict(slots=300), "slots"), (dict(ell_width=0), "ell_width"),
     (dict(tail_rows=1.5), "tail_rows"), (dict(tail_rows=-1), "tail_rows"),
     (dict(transpose_tail_rows="all"), "transpose_tail_rows"), (dict(transpose_ell_width=True), "transpose_ell_width"),
+    (dict(transpose_ell_width=0), "transpose_ell_width"), (dict(transpose_ell_width=0.0), "transpose_ell_width"),
+    (dict(transpose_ell_width=1.5), "transpose_ell_width"),
     (dict(data_axis=3), "data_axis"), (dict(overflow_rows=0), "overflow_rows"),
     (dict(auto_max_active=-1.0), "auto_max_active"), (dict(auto_max_active=True), "auto_max_active"),
     (dict(expected_active_per_token=-0.5), "expected_active_per_token"),

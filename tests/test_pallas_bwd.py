@@ -10,7 +10,8 @@ import pytest
 
 from pallas_kernels.twell_bwd_neuron import (NeuronBwdBlockSizes, neuron_backward,
                                              neuron_backward_reference)
-from pallas_kernels.twell_bwd_token import (ListsBlockSizes, TokenBwdBlockSizes, token_backward,
+from pallas_kernels.twell_bwd_token import (ListsBlockSizes, TokenBwdBlockSizes, rank_values,
+                                            rank_values_reference, token_backward,
                                             token_backward_reference, token_lists,
                                             token_lists_reference)
 from pallas_kernels.twell_pack import pack_gate_reference
@@ -43,10 +44,21 @@ def test_token_backward_matches_reference(dtype, gated, block_t, hot, with_init)
     start, count, tokens, dest = neuron_lists_reference(indices, counts, h, width=width)
     # Hot: the two busiest neurons (left out of the lists); an init: the tails' dx terms.
     hot_H = (count >= jnp.sort(count)[-2]) & (count > 0) if hot else None
-    lists = token_lists(values, indices, counts, dest, hot_H,
+    # The values in rank order (what the training forward keeps): every row's stored values.
+    ranked = rank_values(values, counts, width, block_sizes=ListsBlockSizes(block_rows=4 * block_t),
+                         interpret=True)
+    ranked_ref = rank_values_reference(values, counts, width)
+    n_stored = np.asarray(jnp.sum(jnp.minimum(counts, SLOTS), axis=1))
+    stored_MxW = np.arange(width)[None, :] < n_stored[:, None]
+    assert ranked.shape == (m, width) and ranked.dtype == dtype and stored_MxW.sum() > m
+    np.testing.assert_array_equal(np.asarray(ranked)[stored_MxW], np.asarray(ranked_ref)[stored_MxW])
+    for i in range(m):  # rank order = the stored slots, tiles then slots ascending
+        live = np.asarray(jnp.arange(SLOTS)[None, :] < jnp.minimum(counts[i], SLOTS)[:, None])
+        np.testing.assert_array_equal(np.asarray(ranked_ref[i, :n_stored[i]]), np.asarray(values[i])[live])
+    lists = token_lists(ranked, indices, counts, dest, hot_H,
                         block_sizes=ListsBlockSizes(block_rows=4 * block_t), interpret=True)
     n_M, cols, a, pos = lists
-    ref_lists = token_lists_reference(values, indices, counts, dest, hot_H)
+    ref_lists = token_lists_reference(ranked_ref, indices, counts, dest, hot_H)
     np.testing.assert_array_equal(n_M, ref_lists[0])
     listed_MxW = np.arange(8)[None, :] < np.asarray(n_M)[:, None]
     for got, want in zip(lists[1:], ref_lists[1:]):  # slots past n are unspecified
@@ -121,6 +133,10 @@ def test_kernel_arguments_are_validated():
     values, indices, counts = pack_gate_reference(x, weights[0], tile=TILE, slots=SLOTS)
     n_M, cols = jnp.zeros((4,), jnp.int32), jnp.zeros((4, 8), jnp.int32)
     lists = (n_M, cols, cols.astype(jnp.float32), cols)
+    with pytest.raises(ValueError, match="ranked_MxW"):
+        token_lists(cols[:, :4].astype(jnp.float32), indices, counts, cols, interpret=True)
+    with pytest.raises(ValueError, match="counts"):
+        rank_values(values, counts[:2], 8, interpret=True)
     with pytest.raises(ValueError, match="gy_MxD"):
         token_backward(x, x[:2], *lists, *weights, jnp.float32(0), interpret=True)
     with pytest.raises(ValueError, match="w_down_HxD"):

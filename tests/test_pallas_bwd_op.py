@@ -59,18 +59,20 @@ def _counts(x, weights, config):
                               precision=jax.lax.Precision.HIGHEST))
     _, _, counts = pack_gate_reference(x, weights[0], tile=config.tile, slots=config.slots)
     tail = np.asarray(pallas_backward.token_tail_mask(counts, config.slots, config.ell_width))
-    hot = ((g > 0) & ~tail[:, None]).sum(0) > config.transpose_ell_width
+    hot = ((g > 0) & ~tail[:, None]).sum(0) > config.hot_threshold(x.shape[0])
     return int(tail.sum()), int(hot.sum())
 
 
 # gated, M, D, H, dtype, zero fraction, adversarial, (token-tail rows, hot neurons) expected > 0
+# The gated f32 cases of CONFIG share one shape (one compiled backward in the interpreter); no
+# dimension is a multiple of a tile or a block.
 CASES = [
-    (True, 23, 17, 53, jnp.float32, 0.97, "none", (False, False)),
-    (True, 23, 17, 53, jnp.float32, 1.0, "none", (False, False)),  # all zero
+    (True, 29, 13, 41, jnp.float32, 0.97, "none", (False, False)),
+    (True, 29, 13, 41, jnp.float32, 1.0, "none", (False, False)),  # all zero
     (True, 29, 13, 41, jnp.float32, 0.93, "dense_first_tokens", (True, False)),
     (True, 31, 19, 37, jnp.float32, 0.95, "hot_neuron", (False, True)),
     (True, 37, 16, 45, jnp.bfloat16, 0.9, "zero_and_dense_rows", (True, True)),
-    (True, 26, 12, 35, jnp.float32, 0.95, "hot_neurons", (True, True)),  # 4 hot: two chunks
+    (True, 29, 13, 41, jnp.float32, 0.95, "hot_neurons", (True, True)),  # 4 hot: two chunks
     (False, 19, 23, 31, jnp.bfloat16, 0.95, "hot_neuron", (False, True)),
 ]
 
@@ -119,21 +121,93 @@ def test_tail_capacity_exceeded_runs_the_dense_backward(which):
     assert all(bool(jnp.all(jnp.isnan(g))) for g in (dx, *dws))
 
 
-def test_forward_aux_reports_a_backward_fallback():
-    """The token tail is known from the forward's pack: aux["dense_fallback"] says in advance that
-    the backward will take the dense path (here the Pallas forward itself stays sparse)."""
-    x, weights = make_inputs(True, 23, 17, 53, jnp.float32, 0.9, seed=7,
+def test_forward_aux_reports_the_backward_tails_and_a_fallback():
+    """The tails are known from the forward's pattern: aux reports their sizes (the token-tail
+    rows, the hot neurons) and "dense_fallback" says in advance that the backward will take the
+    dense path (here the Pallas forward itself stays sparse)."""
+    x, weights = make_inputs(True, 37, 16, 45, jnp.bfloat16, 0.9, seed=7,
                              adversarial="zero_and_dense_rows")
     for tail_rows, expected in ((0, 1), (1.0, 0)):
-        config = ops.SparseFFNConfig(tile=TILE, slots=SLOTS, ell_width=8, tail_rows=tail_rows)
+        config = ops.SparseFFNConfig(tile=TILE, slots=SLOTS, ell_width=8, tail_rows=tail_rows,
+                                     transpose_ell_width=6, transpose_tail_rows=1.0)
+        n_tail, n_hot = _counts(x, weights, config)
+        assert n_tail > 0 and n_hot > 0  # both tails exist on this pattern
         _, aux = ops.gated_ffn(x, *weights, backend="pallas", config=config, interpret=True)
         assert int(aux["row_overflow"]) > 0 and int(aux["dense_fallback"]) == expected
+        assert (int(aux["backward_tail_rows"]), int(aux["backward_hot_neurons"])) == (n_tail, n_hot)
+        _, aux_ref = ops.gated_ffn(x, *weights, backend="reference", config=config)
+        assert int(aux_ref["backward_tail_rows"]) > 0 and int(aux_ref["backward_hot_neurons"]) > 0
+
+
+def test_kept_pattern_is_stored_small_and_restored_exactly():
+    """The residual of the training forward (`Kept`): uint8 offsets and int16 counts (the values
+    are kept in rank order: test_pallas_bwd.py); the pattern it gives back has the same counts and
+    the same indices in every live slot."""
+    x, weights = make_inputs(True, 29, 13, 41, jnp.float32, 0.9, seed=3, adversarial="dense_first_tokens")
+    pack = pack_gate_reference(x, weights[0], tile=TILE, slots=SLOTS)
+    kept = pallas_backward.Kept.store(jnp.zeros((29, 8), x.dtype), pack, jnp.zeros((1, 48), jnp.int32), 41)
+    assert kept.offsets.dtype == jnp.uint8 and kept.counts.dtype == jnp.int16
+    indices, counts = kept.pattern(41)
+    np.testing.assert_array_equal(counts, pack[2])
+    live = np.arange(SLOTS)[None, None, :] < np.minimum(np.asarray(pack[2]), SLOTS)[:, :, None]
+    assert live.sum() > 0 and np.asarray(pack[2]).max() > SLOTS  # overflowing tiles included
+    np.testing.assert_array_equal(np.where(live, indices, 0), np.where(live, pack[1], 0))
+
+
+def test_backward_tails_capacities():
+    """`backward_tails` (pure jnp, shared by the forward's aux and the backward's branch): the
+    token tail and the hot neurons against their capacities, each alone."""
+    counts = jnp.array([[1, 0], [5, 0], [2, 2], [0, 0]], jnp.int32)  # row 1 overflows S 4
+    hist = jnp.array([[3, 0, 7, 1], [0, 0, 1, 0]], jnp.int32)  # two chunks; H 3 of 4 lanes
+    base = dict(tile=4, slots=4, ell_width=3, transpose_ell_width=2)
+    for tail_rows, hot_rows, over in ((2, 2, False), (1, 2, True), (2, 1, True)):
+        config = ops.SparseFFNConfig(**base, tail_rows=tail_rows, transpose_tail_rows=hot_rows)
+        tail, count, hot, got = pallas_backward.backward_tails(counts, hist, 3, config)
+        np.testing.assert_array_equal(tail, [False, True, True, False])  # overflow; 4 > 3 actives
+        np.testing.assert_array_equal(count, [3, 0, 8])
+        np.testing.assert_array_equal(hot, [True, False, True])
+        assert bool(got) == over, (tail_rows, hot_rows)
+
+
+@pytest.mark.parametrize("gated,m,block,dtype", [
+    (True, 23, 8, jnp.float32),   # two full blocks and a partial one
+    (True, 16, 8, jnp.bfloat16),  # full blocks only
+    (False, 5, 8, jnp.float32),   # one partial block
+])
+def test_blocked_dense_backward_matches_dense(gated, m, block, dtype):
+    """The dense branch of the Pallas backward, in row blocks: the gradients of the dense formula."""
+    x, weights = make_inputs(gated, m, 12, 37, dtype, 0.5, seed=21, adversarial="dense_first_tokens")
+    cot = jnp.asarray(np.random.default_rng(22).standard_normal((m, 12)), jnp.float32)
+    dx, dws = jax.jit(pallas_backward.blocked_dense_backward, static_argnums=(0, 5))(
+        gated, x, weights, cot.astype(dtype), jnp.float32(0.37), block)
+    _, _, _, _, (dx_ref, dws_ref) = oracle(gated, x, weights, cot)
+    for grad, ref in zip((dx, *dws), (dx_ref, *dws_ref)):
+        assert grad.dtype == dtype and grad.shape == ref.shape
+        assert rel_err(grad, ref) < TOL[dtype], rel_err(grad, ref)
+
+
+def test_blocked_dense_backward_memory():
+    """Its temporaries are [block, H], not [M, H]: the compiled program (CPU) needs far less
+    temporary memory than the one-shot dense backward at M 4096, H 1024."""
+    m, d, h = 4096, 64, 1024
+    x = jax.ShapeDtypeStruct((m, d), jnp.bfloat16)
+    weights = tuple(jax.ShapeDtypeStruct((h, d), jnp.bfloat16) for _ in range(3))
+    gl1 = jax.ShapeDtypeStruct((), jnp.float32)
+
+    def temp(fn):
+        return jax.jit(fn).lower(x, weights, x, gl1).compile().memory_analysis().temp_size_in_bytes
+
+    one_shot = temp(lambda *a: ops.dense_backward(True, *a))
+    blocked = temp(lambda *a: pallas_backward.blocked_dense_backward(True, *a, 256))
+    assert blocked < one_shot / 4, (blocked, one_shot)
 
 
 def _forbid_dense_backward(monkeypatch) -> None:
     """Make the op's dense backward return NaN, so a test sees if the fallback ran."""
     monkeypatch.setattr(dispatch, "dense_backward",
                         lambda gated, x, weights, gy, gl1: _nan_backward(x, weights)())
+    monkeypatch.setattr(pallas_backward, "blocked_dense_backward",
+                        lambda gated, x, weights, gy, gl1, rows: _nan_backward(x, weights)())
 
 
 def test_op_gradients_keep_vs_recompute_pattern_and_determinism(monkeypatch):

@@ -15,7 +15,8 @@ import pytest
 
 from pallas_kernels.common import next_pow2
 from pallas_kernels.twell_pack import pack_gate_reference
-from pallas_kernels.twell_transpose import (TransposeBlockSizes, neuron_histogram, neuron_lists,
+from pallas_kernels.twell_transpose import (TransposeBlockSizes, chunk_histograms, chunk_histograms_shape,
+                                            neuron_histogram, neuron_lists,
                                             neuron_lists_reference)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,6 +115,22 @@ def test_kernel_matches_reference(kind, m, h):
         assert (n_live == WIDTH).sum() >= 8
     if kind == "overflow":
         assert (counts[1::4, 1] > SLOTS).all() and (n_live[1::4] == SLOTS).all()
+
+
+def test_precomputed_histograms_give_the_same_lists():
+    """neuron_lists(hist=chunk_histograms(...)) skips the first pass and gives the same lists; a
+    histogram of another shape is refused."""
+    indices, counts = make_pattern(3, 37, 40, kind="hot")
+    args = (jnp.asarray(indices), jnp.asarray(counts), 40)
+    hist = chunk_histograms(*args, block_sizes=SMALL, interpret=True)
+    assert hist.shape == chunk_histograms_shape(37, indices.shape[1], TILE, SMALL) == (5, 48)
+    np.testing.assert_array_equal(jnp.sum(hist, axis=0)[:40],
+                                  neuron_histogram(*args, block_sizes=SMALL, interpret=True))
+    with_hist = neuron_lists(*args, width=WIDTH, hist=hist, block_sizes=SMALL, interpret=True)
+    for a, b in zip(with_hist, assert_matches_reference(indices, counts, 40)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="hist must be int32"):
+        neuron_lists(*args, width=WIDTH, hist=hist[:4], block_sizes=SMALL, interpret=True)
 
 
 @pytest.mark.parametrize("kind,m,h", [("random", 37, 45), ("hot", 21, 40), ("overflow", 40, 48),

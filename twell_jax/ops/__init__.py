@@ -16,6 +16,13 @@ CONTRACT (other modules rely on it; keep it stable):
         "row_overflow": int32, rows whose non-zeros exceed the ELL width (sent to the dense tail)
         "dense_fallback": int32, 1 if the call fell back to the exact dense path (tail capacity
                           exceeded, or a non-finite input or weight: the NaN policy below)
+        "backward_tail_rows": int32, the token rows the sparse backward handles densely (more
+                          actives than config.ell_width, or an overflowing tile)
+        "backward_hot_neurons": int32, the neurons the sparse backward handles densely (more
+                          entries than config.hot_threshold(M) over the other rows)
+                          Both 0 where the backward is dense (no tails), -1 where the forward
+                          built no pattern to count them on (the "pallas" backward after a
+                          dense forward, a plan of training "auto"); summed over data shards.
       and, only when config.neuron_counts is True (COUNT_KEYS; for telemetry, no extra GEMM):
         "neuron_active_count": int32 [H], tokens of this call on which each neuron fired
         "token_active_count": int32 [...] (x.shape[:-1]), active neurons of each token

@@ -15,8 +15,13 @@ if TYPE_CHECKING:  # annotations only: the kernels are imported lazily (Triton-b
     from pallas_kernels.twell_pack import PackBlockSizes
     from twell_jax.ops.pallas_backward import BackwardConfig
 
-AUX_KEYS = ("l1", "l0", "tile_overflow", "row_overflow", "dense_fallback")
+AUX_KEYS = ("l1", "l0", "tile_overflow", "row_overflow", "dense_fallback", "backward_tail_rows",
+            "backward_hot_neurons")
 COUNT_KEYS = ("neuron_active_count", "token_active_count")  # added when config.neuron_counts
+
+# The smallest entry count that makes a neuron hot when SparseFFNConfig.transpose_ell_width is a
+# fraction of the tokens.
+HOT_THRESHOLD_FLOOR = 32
 
 Aux = dict[str, jax.Array]
 Weights = tuple[jax.Array, ...]
@@ -48,8 +53,14 @@ class SparseFFNConfig:
     ell_width: int = 128
     # Dense tail capacity of the token-major hybrid: int = rows, float = fraction of the tokens.
     tail_rows: int | float = 0.125
-    # ELL width of the neuron-major (transposed) hybrids of the backward: tokens per neuron.
-    transpose_ell_width: int = 256
+    # ELL width of the neuron-major (transposed) hybrids of the backward: tokens per neuron; a
+    # neuron with more goes to the dense neuron tail ("hot"). int = tokens, float = a fraction of
+    # the call's tokens M, at least HOT_THRESHOLD_FLOOR (`hot_threshold`). 1/64: 256 at M 16384,
+    # where a hot neuron's dense columns cost about what its ~256 entries cost in the kernels'
+    # row gathers (H100); both scale with M, so the threshold does (an absolute 256 sent nearly
+    # every neuron of a uniform k 29 pattern to the dense tail at M 65536, BENCHMARKS.md). The
+    # floor keeps small calls (M <= 2048) free of hot neurons that a handful of tokens would make.
+    transpose_ell_width: int | float = 1 / 64
     # Tail capacity of the transposed hybrids: int = rows, float = fraction of the neurons H.
     transpose_tail_rows: int | float = 0.25
     # Mesh axis that splits the tokens; the sparse backends shard_map over it. None = never.
@@ -92,10 +103,16 @@ class SparseFFNConfig:
     backward: BackwardConfig | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tile", "slots", "ell_width", "transpose_ell_width"):
+        for name in ("tile", "slots", "ell_width"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SparseFFNConfig.{name} must be an int >= 1, got {value!r}")
+        width = self.transpose_ell_width
+        if (isinstance(width, bool) or not isinstance(width, (int, float))
+                or (isinstance(width, int) and width < 1)
+                or (isinstance(width, float) and not 0.0 < width <= 1.0)):
+            raise ValueError("SparseFFNConfig.transpose_ell_width must be an int >= 1 (tokens) or a float "
+                             f"in (0, 1] (a fraction of the tokens), got {width!r}")
         if self.slots > self.tile:
             raise ValueError(f"SparseFFNConfig.slots ({self.slots}) must be <= tile ({self.tile})")
         _check_capacity_spec("SparseFFNConfig.tail_rows", self.tail_rows)
@@ -137,6 +154,13 @@ class SparseFFNConfig:
     def tail_capacity(self, n_tokens: int) -> int:
         """Tail rows of the token-major hybrid for a call with n_tokens tokens."""
         return _resolve_capacity(self.tail_rows, n_tokens)
+
+    def hot_threshold(self, n_tokens: int) -> int:
+        """Entries above which a neuron is hot (the neuron-major ELL width) in a call with
+        n_tokens tokens: transpose_ell_width, or that fraction of n_tokens rounded up and at least
+        HOT_THRESHOLD_FLOOR."""
+        width = self.transpose_ell_width
+        return width if isinstance(width, int) else max(HOT_THRESHOLD_FLOOR, math.ceil(width * n_tokens))
 
     def transpose_tail_capacity(self, n_neurons: int) -> int:
         """Tail rows of the neuron-major hybrids for a layer with n_neurons neurons."""

@@ -44,7 +44,8 @@ def dense_aux(h: jax.Array, active: jax.Array, neuron_counts: bool = False) -> A
     tokens = max(1, h.size // max(1, h.shape[-1]))
     zero = jnp.zeros((), jnp.int32)
     aux = {"l1": jnp.sum(jnp.abs(h), dtype=jnp.float32) / tokens,
-           "tile_overflow": zero, "row_overflow": zero, "dense_fallback": zero}
+           "tile_overflow": zero, "row_overflow": zero, "dense_fallback": zero,
+           "backward_tail_rows": zero, "backward_hot_neurons": zero}
     if neuron_counts:
         per_token = jnp.sum(active, axis=-1, dtype=jnp.int32)
         aux["token_active_count"] = per_token

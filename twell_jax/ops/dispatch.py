@@ -139,9 +139,18 @@ def _sparse_op_bwd(plan: _Plan, config: SparseFFNConfig, residuals: tuple[Any, .
     x_MxD, weights, non_finite = residuals[:3]
     gy_MxD, g_aux = cotangents
     gl1 = jnp.asarray(g_aux["l1"], jnp.float32)  # l0 and the counters are not differentiable
-    dense_bwd = functools.partial(dense_backward, plan.gated, x_MxD, weights, gy_MxD, gl1)
     if plan.backward == "dense":
-        return dense_bwd()
+        return dense_backward(plan.gated, x_MxD, weights, gy_MxD, gl1)
+    if plan.backward == "pallas":
+        # The dense branch of a sparse backward (never run when the kernels can): in row blocks,
+        # so its temporaries do not set the program's memory (pallas_backward.blocked_dense_backward).
+        from twell_jax.ops import pallas_backward
+
+        rows = (config.backward or pallas_backward.BackwardConfig()).dense_block_rows
+        dense_bwd = functools.partial(pallas_backward.blocked_dense_backward, plan.gated, x_MxD,
+                                      weights, gy_MxD, gl1, rows)
+    else:
+        dense_bwd = functools.partial(dense_backward, plan.gated, x_MxD, weights, gy_MxD, gl1)
 
     def sparse_backward() -> tuple[jax.Array, Weights]:
         if plan.backward == "pallas":
@@ -222,6 +231,9 @@ def _sharded_call(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array, weight
             # psum + clip rather than pmax: pmax has no JVP rule, even for integers.
             "dense_fallback": jnp.minimum(jax.lax.psum(aux["dense_fallback"], axis), 1),
         }
+        for key in ("backward_tail_rows", "backward_hot_neurons"):  # -1 (not counted) stays -1
+            unknown = jax.lax.psum((aux[key] < 0).astype(jnp.int32), axis) > 0
+            global_aux[key] = jnp.where(unknown, -1, jax.lax.psum(jnp.maximum(aux[key], 0), axis))
         if config.neuron_counts:
             # A zero (padding) token activates nothing, so the neuron counts need no correction.
             global_aux["neuron_active_count"] = jax.lax.psum(aux["neuron_active_count"], axis)

@@ -3,14 +3,15 @@
 The backward of gated_ffn / ffn (the formulas: docs/kernels.md, "Backward") over the hybrid ELL +
 dense-tail format (docs/format.md), in this order:
 
-    pattern      the forward's TwELL pack of relu(x W_act^T) (kept as a residual, or recomputed by
-                 pack_gate when BackwardConfig.keep_gate_pattern is False)
+    pattern      the forward's TwELL pattern of relu(x W_act^T) (kept as a small residual, `Kept`:
+                 the values in rank order [M, W], not [M, NT, S]; or recomputed by pack_gate when
+                 BackwardConfig.keep_gate_pattern is False)
     token tail   rows with an overflowing tile or more than config.ell_width actives (dense first
                  tokens): their counts are zeroed for the kernels
     transpose    pallas_kernels.twell_transpose.neuron_lists: a counting sort of the pattern into
                  neuron-major CSR lists (start, count per neuron; tokens ascending inside a
                  neuron) and each token entry's CSR position. Known now: the "hot" neurons (more
-                 than config.transpose_ell_width entries)
+                 than config.hot_threshold(M) entries)
     one branch   the dense backward (a tail over its capacity), the kernels alone, or the kernels
                  after the dense tails:
     dense tails  token tail (exact dense backward of its rows) and hot-neuron tail (their columns
@@ -37,22 +38,49 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.common import next_pow2
 from pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes, neuron_backward
-from pallas_kernels.twell_bwd_token import ListsBlockSizes, TokenBwdBlockSizes, token_backward, token_lists
-from pallas_kernels.twell_transpose import TransposeBlockSizes, neuron_lists
+from pallas_kernels.twell_bwd_token import (ListsBlockSizes, TokenBwdBlockSizes, rank_values, token_backward,
+                                            token_lists)
+from pallas_kernels.twell_transpose import TransposeBlockSizes, chunk_histograms, neuron_lists, pack_tile
 from pallas_kernels.twell_pack import pack_gate
 from twell_jax import ops
 from twell_jax.ops import pallas_forward
 
 Weights = tuple[jax.Array, ...]
 Pack = tuple[jax.Array, jax.Array, jax.Array]  # (values [M,NT,S], indices [M,NT,S], counts [M,NT])
+
+
+class Kept(NamedTuple):
+    """What the training forward keeps for the backward (keep_gate_pattern): the pattern, stored
+    small, the kernels' values in rank order ([M, W], not the pack's [M, NT, S]) and the
+    transpose's first pass. 19 MB at M 16384, H 5632, S 32, W 128, bf16 (the pack as the forward
+    made it, bf16 values and int32 indices and counts: 71 MB)."""
+
+    ranked: jax.Array   # [M, W] the kernels' entries' values in rank order (`rank_values`)
+    offsets: jax.Array  # [M, NT, S] neuron id - t * tile: uint8 for tiles up to 256 lanes
+    counts: jax.Array   # [M, NT] int16 (a count is at most the tile's lanes)
+    hist: jax.Array     # chunk_histograms of the kernels' entries, int32 [C, NT * tile]
+
+    @staticmethod
+    def store(ranked: jax.Array, pack: Pack, hist: jax.Array, n_neurons: int) -> "Kept":
+        _, indices, counts = pack
+        tile = pack_tile(n_neurons, indices.shape[1])
+        base = (jnp.arange(indices.shape[1], dtype=jnp.int32) * tile)[None, :, None]
+        small = jnp.uint8 if tile <= 256 else jnp.int32
+        # Dead slots (past a tile's count) are never read; their offsets may wrap.
+        return Kept(ranked, (indices - base).astype(small), counts.astype(jnp.int16), hist)
+
+    def pattern(self, n_neurons: int) -> tuple[jax.Array, jax.Array]:
+        """(indices int32 [M, NT, S], counts int32 [M, NT]) as packed (in every live slot)."""
+        tile = pack_tile(n_neurons, self.offsets.shape[1])
+        base = (jnp.arange(self.offsets.shape[1], dtype=jnp.int32) * tile)[None, :, None]
+        return self.offsets.astype(jnp.int32) + base, self.counts.astype(jnp.int32)
 Aux = dict[str, jax.Array]
 
 
@@ -61,16 +89,19 @@ Aux = dict[str, jax.Array]
 class BackwardConfig:
     """Static knobs of the Pallas backward (SparseFFNConfig.backward)."""
 
-    # Keep the forward's TwELL pack for the backward (M * NT * S * (itemsize + 4) bytes: 69 MB at
-    # M 16384, H 5632, S 32, bf16) instead of re-running the gate GEMM + pack in the backward
-    # (0.72 ms on the H100 at that shape). Measured equal on the H100 at k 29 (fwd+bwd 4.36 ms kept,
-    # 4.32 ms recomputed: BENCHMARKS.md), so False saves the memory at no measured cost.
+    # Keep the forward's TwELL pattern for the backward (`Kept`: M * NT * S * (itemsize + 1) bytes
+    # and the counts, 38 MB at M 16384, H 5632, S 32, bf16) instead of re-running the gate GEMM +
+    # pack in the backward. On the H100 at that shape (k 29, BENCHMARKS.md) recomputing costs
+    # 0.64 ms per fwd+bwd (5.23 against 4.58 ms) and saves 70 MiB of the block's temporaries.
     keep_gate_pattern: bool = True
     # Token-tail rows (an overflowing tile or > ell_width actives) per dense block: the tail runs
     # ceil(rows / chunk) blocks of [chunk, H] (a tail of at most small_tail_chunk rows: one small
-    # block). 256: a 2,048-row tail took 4.3 ms in 256-row blocks against 10.0 in 64-row ones on
-    # the H100, and a 24-row tail 3.80 against 3.81 ms (layer fwd+bwd; BENCHMARKS.md).
-    token_tail_chunk: int = 256
+    # block; tail_block_sizes: 16, 64, 256, 1024). Each block reads the three weights and updates
+    # the f32 weight-gradient accumulators whole, so large tails want large blocks: on a trained
+    # 0.5b (H100, BENCHMARKS.md) tails of 741, 1214 and 1897 rows took 0.90, 1.40 and 1.46 ms in
+    # 1024-row blocks against 1.30, 1.98 and 3.04 in 256-row ones (1.20, 1.63, 1.91 in 512-row
+    # ones); tails of 100-240 rows (one 256-row block either way) were unchanged.
+    token_tail_chunk: int = 1024
     # Hot neurons per dense block of the neuron tail ([M, chunk] columns by GEMMs with x and gy).
     # 256: each block reads x and gy whole, so larger blocks read them fewer times (a trained 0.5b
     # on the H100: 0.47-0.55 ms for 118-243 hot neurons against 0.55-1.02 ms with 64; BENCHMARKS.md).
@@ -81,6 +112,12 @@ class BackwardConfig:
     # or one hot neuron cost a [16, .] block, not a [256, .] one (a 256-neuron block took 0.9 ms
     # for one hot neuron on the H100). The size is picked on the device from the count.
     small_tail_chunk: int = 16
+    # Rows per block of the dense backward that the op runs instead of the kernels (a tail over its
+    # capacity, or a non-finite input): `blocked_dense_backward`, [rows, H] temporaries at a time.
+    # The one-shot dense backward's [M, H] temporaries (about 1 GB at M 16384, H 5632) were the
+    # largest buffers of the sparse program although that branch seldom runs: XLA reserves memory
+    # for every branch of a conditional.
+    dense_block_rows: int = 2048
     # Block sizes of the token-major kernel (pallas_kernels.twell_bwd_token).
     token_block_sizes: TokenBwdBlockSizes = TokenBwdBlockSizes()
     # Block sizes of the neuron-major kernel (pallas_kernels.twell_bwd_neuron).
@@ -93,7 +130,7 @@ class BackwardConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.keep_gate_pattern, bool):
             raise ValueError(f"BackwardConfig.keep_gate_pattern must be a bool, got {self.keep_gate_pattern!r}")
-        for name in ("token_tail_chunk", "neuron_tail_chunk", "small_tail_chunk"):
+        for name in ("token_tail_chunk", "neuron_tail_chunk", "small_tail_chunk", "dense_block_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"BackwardConfig.{name} must be an int >= 1, got {value!r}")
@@ -205,30 +242,64 @@ def token_tail_mask(counts_MxNT: jax.Array, slots: int, ell_width: int) -> jax.A
             | (jnp.sum(counts_MxNT, axis=1) > ell_width))
 
 
+def backward_tails(counts_MxNT: jax.Array, hist_CxHp: jax.Array, h: int, config: ops.SparseFFNConfig
+                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The backward's dense tails from the pattern: (tail_M, count_H, hot_H, over_capacity).
+    tail_M: token-tail rows; count_H: the non-tail rows' entries per neuron (from the transpose's
+    first pass, `chunk_histograms` of the kernels' counts); hot_H: neurons with more than
+    config.hot_threshold(M) of them; over_capacity: a tail exceeds its capacity (the backward
+    then runs the dense formula)."""
+    tail_M = token_tail_mask(counts_MxNT, config.slots, config.ell_width)
+    count_H = jnp.sum(hist_CxHp, axis=0)[:h]
+    hot_H = count_H > config.hot_threshold(counts_MxNT.shape[0])
+    over = ((jnp.sum(tail_M, dtype=jnp.int32) > config.tail_capacity(counts_MxNT.shape[0]))
+            | (jnp.sum(hot_H, dtype=jnp.int32) > config.transpose_tail_capacity(h)))
+    return tail_M, count_H, hot_H, over
+
+
+def _kernel_counts(counts_MxNT: jax.Array, config: ops.SparseFFNConfig) -> jax.Array:
+    """The counts the kernels see: zero on the token tail's rows."""
+    return jnp.where(token_tail_mask(counts_MxNT, config.slots, config.ell_width)[:, None], 0, counts_MxNT)
+
+
 def forward(gated: bool, forward_kind: str, x_MxD: jax.Array, weights: Weights, config: ops.SparseFFNConfig,
-            interpret: bool) -> tuple[jax.Array, Aux, Pack | None]:
-    """The training forward: (y, aux, the pack kept for the backward or None).
+            interpret: bool) -> tuple[jax.Array, Aux, Kept | None]:
+    """The training forward: (y, aux, what the backward keeps (the pack and the transpose's first
+    pass) or None: recomputed there).
 
     forward_kind "pallas": pack + fused FFN (pallas_forward); "dense": the dense formula (the
-    training "auto" when only the backward is sparse). aux["dense_fallback"] also reports a
-    backward that will fall back because its token tail exceeds the capacity."""
+    training "auto" when only the backward is sparse). From the pattern, aux reports the backward's
+    dense tails ("backward_tail_rows", "backward_hot_neurons"; -1 after a dense forward, which
+    builds no pattern) and "dense_fallback" also a backward that will run the dense formula
+    because a tail exceeds its capacity. Finding the hot neurons is the transpose's first pass,
+    which the backward then skips (when the pattern is kept)."""
     pallas_forward._require_runnable(interpret)
     w_act, w_up, w_down = _split(gated, weights)
-    m = x_MxD.shape[0]
+    m, h = x_MxD.shape[0], w_act.shape[0]
     s = pallas_forward._settings(config, m)
     if forward_kind == "dense" or m == 0:
         y, aux = ops.dense_fallback_ffn(gated, x_MxD, weights, neuron_counts=s["neuron_counts"])
-        return y, aux, None
+        unknown = jnp.full((), 0 if m == 0 else -1, jnp.int32)
+        return y, {**aux, "backward_tail_rows": unknown, "backward_hot_neurons": unknown}, None
     if forward_kind != "pallas":
         raise ValueError(f"forward_kind must be 'pallas' or 'dense', got {forward_kind!r}")
+    bc = config.backward or BackwardConfig()
     pack = pack_gate(x_MxD, w_act, tile=s["tile"], slots=s["slots"],
                      block_sizes=s["pack_block_sizes"], interpret=interpret)
     y, aux = pallas_forward._sparse_forward(x_MxD, w_act, w_up, w_down, s, interpret, pack=pack)
-    n_tail = jnp.sum(token_tail_mask(pack[2], s["slots"], config.ell_width), dtype=jnp.int32)
+    kernel_counts = _kernel_counts(pack[2], config)
+    hist = chunk_histograms(pack[1], kernel_counts, h, block_sizes=bc.transpose_block_sizes,
+                            interpret=interpret)
+    tail_M, _, hot_H, over = backward_tails(pack[2], hist, h, config)
     aux = dict(aux)
-    aux["dense_fallback"] = jnp.maximum(aux["dense_fallback"],
-                                        (n_tail > config.tail_capacity(m)).astype(jnp.int32))
-    return y, aux, pack if (config.backward or BackwardConfig()).keep_gate_pattern else None
+    aux["dense_fallback"] = jnp.maximum(aux["dense_fallback"], over.astype(jnp.int32))
+    aux["backward_tail_rows"] = jnp.sum(tail_M, dtype=jnp.int32)
+    aux["backward_hot_neurons"] = jnp.sum(hot_H, dtype=jnp.int32)
+    if not bc.keep_gate_pattern:
+        return y, aux, None
+    ranked = rank_values(pack[0], kernel_counts, config.ell_width, block_sizes=bc.lists_block_sizes,
+                         interpret=interpret)
+    return y, aux, Kept.store(ranked, pack, hist, h)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -304,14 +375,48 @@ def dense_rows_backward(gated: bool, x_RxD: jax.Array, gy_RxD: jax.Array, weight
         h = (p * u).astype(dtype).astype(f32)
     else:
         h = p.astype(dtype).astype(f32)
-    dt = mm_t(gy_RxD, w_down) + l1_scale * jnp.sign(h)
+    # d|h|/dh as autodiff of jnp.abs takes it (+1 at 0, -1 for NaN): the same where it matters
+    # (h != 0) and the dense formula's NaN propagation where inputs are not finite.
+    dt = mm_t(gy_RxD, w_down) + l1_scale * jnp.where(h >= 0, 1.0, -1.0)
     if gated:
-        d_up = jnp.where(on, dt * p, 0.0)
+        # As autodiff of the dense formula: d_up = dt * relu(g) with no mask (an infinite dt times
+        # a silent neuron's 0 is NaN there too: the NaN policy), d_gate through relu's select.
+        d_up = dt * p
         d_gate = jnp.where(on, dt * u, 0.0)
         dx = mm(d_up, w_up) + mm(d_gate, w_act)
         return dx, (outer(d_gate, x_RxD), outer(d_up, x_RxD), outer(h, gy_RxD))
     d_act = jnp.where(on, dt, 0.0)
     return mm(d_act, w_act), (outer(d_act, x_RxD), outer(h, gy_RxD))
+
+
+def blocked_dense_backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
+                           gl1: jax.Array, block_rows: int) -> tuple[jax.Array, Weights]:
+    """The exact dense backward (gradients of <gy, y> + gl1 * l1, as ops.dense_backward) in blocks
+    of `block_rows` rows: each block's dx rows are final, its weight-gradient contributions go to
+    f32 accumulators rounded once at the end. Memory: [block_rows, H] temporaries instead of
+    [M, H] ones. What the Pallas backward runs when it cannot run its kernels (a tail over its
+    capacity, a non-finite input): non-finite values propagate as in the dense formula."""
+    m, d = x_MxD.shape
+    dtype = x_MxD.dtype
+    gy_MxD = gy_MxD.astype(dtype)
+    l1_scale = gl1.astype(jnp.float32) / max(m, 1)
+    n_full, rest = divmod(m, block_rows)
+
+    def block(start, size: int, carry):
+        dx, accs = carry
+        x_RxD = lax.dynamic_slice_in_dim(x_MxD, start, size)
+        gy_RxD = lax.dynamic_slice_in_dim(gy_MxD, start, size)
+        dx_RxD, parts = dense_rows_backward(gated, x_RxD, gy_RxD, weights, l1_scale)
+        return (lax.dynamic_update_slice_in_dim(dx, dx_RxD.astype(dtype), start, 0),
+                tuple(acc + part for acc, part in zip(accs, parts)))
+
+    carry = (jnp.zeros((m, d), dtype), tuple(jnp.zeros(w.shape, jnp.float32) for w in weights))
+    if n_full:
+        carry = lax.fori_loop(0, n_full, lambda i, c: block(i * block_rows, block_rows, c), carry)
+    if rest:
+        carry = block(n_full * block_rows, rest, carry)
+    dx, accs = carry
+    return dx, tuple(acc.astype(w.dtype) for acc, w in zip(accs, weights))
 
 
 def token_tail_backward(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, weights: Weights,
@@ -399,11 +504,12 @@ def hot_neuron_backward(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, weight
 
 
 def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array, gl1: jax.Array,
-             config: ops.SparseFFNConfig, interpret: bool, pack: Pack | None,
+             config: ops.SparseFFNConfig, interpret: bool, kept: Kept | Pack | None,
              dense_backward: Callable[[], tuple[jax.Array, Weights]]) -> tuple[jax.Array, Weights]:
-    """Gradients of <gy, y> + gl1 * l1 (module doc). `pack` = the forward's pack or None
-    (recomputed); `dense_backward()` = the op's exact dense backward, run when a tail capacity is
-    exceeded. Returns (dx in x's dtype, weight gradients in weight order and dtype)."""
+    """Gradients of <gy, y> + gl1 * l1 (module doc). `kept` = what `forward` kept (`Kept`), a
+    pack, or None (recomputed); `dense_backward()` = the op's exact dense backward, run when a
+    tail capacity is exceeded. Returns (dx in x's dtype, weight gradients in weight order and
+    dtype)."""
     pallas_forward._require_runnable(interpret)
     bc = config.backward or BackwardConfig()
     w_act, w_up, w_down = _split(gated, weights)
@@ -412,33 +518,40 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
     if m == 0:
         return dense_backward()
     slots = config.slots
-    if pack is None:
-        pack = pack_gate(x_MxD, w_act, tile=config.tile, slots=slots,
-                         block_sizes=config.pack_block_sizes or pallas_forward.PackBlockSizes(),
-                         interpret=interpret)
-    values, indices, counts = pack
+    hist = ranked = values = None
+    if isinstance(kept, Kept):
+        (indices, counts), hist, ranked = kept.pattern(h), kept.hist, kept.ranked
+    else:
+        if kept is None:
+            kept = pack_gate(x_MxD, w_act, tile=config.tile, slots=slots,
+                             block_sizes=config.pack_block_sizes or pallas_forward.PackBlockSizes(),
+                             interpret=interpret)
+        values, indices, counts = kept
     gy_MxD = gy_MxD.astype(x_MxD.dtype)
     l1_scale = gl1.astype(jnp.float32) / m
-    tail_M = token_tail_mask(counts, slots, config.ell_width)
+    kernel_counts = _kernel_counts(counts, config)
+    if ranked is None:
+        ranked = rank_values(values, kernel_counts, config.ell_width, block_sizes=bc.lists_block_sizes,
+                             interpret=interpret)
+    if hist is None:
+        hist = chunk_histograms(indices, kernel_counts, h, block_sizes=bc.transpose_block_sizes,
+                                interpret=interpret)
+    tail_M, _, hot_H, over_capacity = backward_tails(counts, hist, h, config)
     n_tail = jnp.sum(tail_M, dtype=jnp.int32)
-    token_cap = config.tail_capacity(m)
-    hot_cap = config.transpose_tail_capacity(h)
+    n_hot = jnp.sum(hot_H, dtype=jnp.int32)
 
     # The neuron-major lists come from the pattern alone, so the hot neurons are known before the
     # token-major kernel runs, and it writes its values straight to their positions. They are built
     # before the one branch below (also when it picks the dense backward), so the program reads one
     # device-side predicate instead of three (each conditional copies its predicate to the host).
-    kernel_counts = jnp.where(tail_M[:, None], 0, counts)
     start_H, count_H, tokens_E, dest_MxW = neuron_lists(
-        indices, kernel_counts, h, width=config.ell_width, block_sizes=bc.transpose_block_sizes,
-        interpret=interpret)
-    hot_H = count_H > config.transpose_ell_width
-    n_hot = jnp.sum(hot_H, dtype=jnp.int32)
+        indices, kernel_counts, h, width=config.ell_width, hist=hist,
+        block_sizes=bc.transpose_block_sizes, interpret=interpret)
     kernel_count_H = jnp.where(hot_H, 0, count_H)
 
     def kernels(hot: jax.Array | None, dx_init: jax.Array | None,
                 inits: tuple[jax.Array, ...] | None) -> tuple[jax.Array, Weights]:
-        lists = token_lists(values, indices, kernel_counts, dest_MxW, hot,
+        lists = token_lists(ranked, indices, kernel_counts, dest_MxW, hot,
                             block_sizes=bc.lists_block_sizes, interpret=interpret)
         dx_MxD, values_E = token_backward(
             x_MxD, gy_MxD, *lists, w_act, w_up, w_down, l1_scale, dx_init=dx_init,
@@ -454,13 +567,14 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
         # The tails' dx terms (f32, added before the token kernel's one rounding) and weight
         # gradients (f32 inits of the neuron-major kernel's accumulators).
         carry = (jnp.zeros((m, d), jnp.float32), tuple(jnp.zeros((h, d), jnp.float32) for _ in weights))
-        carry = token_tail_backward(gated, x_MxD, gy_MxD, weights, l1_scale, tail_M, token_cap,
-                                    bc.token_tail_chunk, bc.small_tail_chunk, carry)
+        carry = token_tail_backward(gated, x_MxD, gy_MxD, weights, l1_scale, tail_M,
+                                    config.tail_capacity(m), bc.token_tail_chunk,
+                                    bc.small_tail_chunk, carry)
         dx_init, inits = hot_neuron_backward(gated, x_MxD, gy_MxD, weights, l1_scale, tail_M, hot_H,
-                                             hot_cap, bc.neuron_tail_chunk, bc.small_tail_chunk, carry)
+                                             config.transpose_tail_capacity(h),
+                                             bc.neuron_tail_chunk, bc.small_tail_chunk, carry)
         return kernels(hot_H, dx_init, inits)
 
-    over_capacity = (n_tail > token_cap) | (n_hot > hot_cap)
     branch = jnp.where(over_capacity, 0, jnp.where((n_tail > 0) | (n_hot > 0), 2, 1))
     dx, grads = lax.switch(branch, (dense_backward, no_tails, with_tails))
     return dx.astype(x_MxD.dtype), tuple(g.astype(w.dtype) for g, w in zip(grads, weights))

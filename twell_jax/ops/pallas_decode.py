@@ -171,7 +171,8 @@ def _decode_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array 
         overflow = n_active[0] > capacity
         y_MxD, l1 = lax.cond(overflow, dense, sparse)
     aux = {"l1": l1, "l0": l0, "tile_overflow": zero, "row_overflow": zero,
-           "dense_fallback": overflow.astype(jnp.int32)}
+           "dense_fallback": overflow.astype(jnp.int32), "backward_tail_rows": zero,
+           "backward_hot_neurons": zero}
     if config.neuron_counts:  # from the gate computed anyway: no second gate GEMM
         aux["neuron_active_count"] = count_H
         aux["token_active_count"] = jnp.sum(active_MxH, axis=1, dtype=jnp.int32)

@@ -199,6 +199,10 @@ def _sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array 
         "tile_overflow": jnp.sum(tile_overflow_MxNT, dtype=jnp.int32),
         "row_overflow": n_row_overflow,
         "dense_fallback": (branch == 2).astype(jnp.int32),
+        # This forward's op runs the dense backward (the training forward, pallas_backward.forward,
+        # replaces these with the sparse backward's tails).
+        "backward_tail_rows": jnp.zeros((), jnp.int32),
+        "backward_hot_neurons": jnp.zeros((), jnp.int32),
     }
     if want_counts:
         aux["neuron_active_count"] = neuron_H

@@ -20,13 +20,18 @@ def _activation(gated: bool, x_MxD: jax.Array, weights: Weights) -> jax.Array:
                                   precision=_HIGHEST))
 
 
-def _needs_dense_backward(act_MxH: jax.Array, config: SparseFFNConfig) -> jax.Array:
-    """bool scalar: the backward's hybrids would exceed a tail capacity (decided from counts only,
-    the same rule `hybrid.from_dense` / `hybrid.transpose_many` apply)."""
-    n_tokens, n_neurons = act_MxH.shape
+def _backward_tails(act_MxH: jax.Array, config: SparseFFNConfig) -> tuple[jax.Array, jax.Array]:
+    """(token-tail rows, neuron-tail neurons) of the backward's hybrids, int32 (from counts only,
+    the rule `hybrid.from_dense` / `hybrid.transpose_many` apply)."""
     active = act_MxH != 0
-    token_tail = jnp.sum(jnp.sum(active, axis=1) > config.ell_width)
-    neuron_tail = jnp.sum(jnp.sum(active, axis=0) > config.transpose_ell_width)
+    return (jnp.sum(jnp.sum(active, axis=1) > config.ell_width, dtype=jnp.int32),
+            jnp.sum(jnp.sum(active, axis=0) > config.hot_threshold(act_MxH.shape[0]), dtype=jnp.int32))
+
+
+def _needs_dense_backward(act_MxH: jax.Array, config: SparseFFNConfig) -> jax.Array:
+    """bool scalar: the backward's hybrids would exceed a tail capacity."""
+    n_tokens, n_neurons = act_MxH.shape
+    token_tail, neuron_tail = _backward_tails(act_MxH, config)
     return ((token_tail > config.tail_capacity(n_tokens))
             | (neuron_tail > config.transpose_tail_capacity(n_neurons)))
 
@@ -67,6 +72,7 @@ def reference_forward(gated: bool, x_MxD: jax.Array, weights: Weights,
         "row_overflow": jnp.sum(pattern.row_nnz > config.ell_width, dtype=jnp.int32),
         "dense_fallback": fallback.astype(jnp.int32),
     }
+    aux["backward_tail_rows"], aux["backward_hot_neurons"] = _backward_tails(act_MxH, config)
     if config.neuron_counts:
         aux["neuron_active_count"] = jnp.sum(act_MxH > 0, axis=0, dtype=jnp.int32)
         aux["token_active_count"] = pattern.row_nnz.astype(jnp.int32)
@@ -95,7 +101,7 @@ def reference_backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: 
             h = hybrid.map_values(lambda a: a.astype(x_MxD.dtype), p)
         scale = gl1.astype(jnp.float32) / n_tokens
         dt = hybrid.map_values(lambda d, t: d + scale * jnp.sign(t.astype(jnp.float32)), dt_raw, h)
-        transposed = dict(ell_width=config.transpose_ell_width,
+        transposed = dict(ell_width=config.hot_threshold(n_tokens),
                           tail_capacity=config.transpose_tail_capacity(n_neurons))
         if gated:
             # relu' = 1 exactly on the pattern, so dg (pre-activation) = dt * u there.

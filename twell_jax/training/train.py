@@ -182,7 +182,9 @@ def accumulate_gradients(cfg: ExperimentConfig, graphdef: nnx.GraphDef, params: 
             since = update_counters(since, aux["neuron_active_count"], micro_tokens)
         out = {"loss": loss, "ce": ce, "l1_per_layer": aux["l1"], "l0_per_layer": aux["l0"],
                "tile_overflow_per_layer": aux["tile_overflow"], "row_overflow_per_layer": aux["row_overflow"],
-               "dense_fallback_per_layer": aux["dense_fallback"]}
+               "dense_fallback_per_layer": aux["dense_fallback"],
+               "backward_tail_rows_per_layer": aux["backward_tail_rows"],
+               "backward_hot_neurons_per_layer": aux["backward_hot_neurons"]}
         if track:
             out["position_active"] = aux["position_active"]
         return (grad_sum, since), out
@@ -231,6 +233,9 @@ def make_train_step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, optimizer: op
             "tile_overflow_per_layer": total(per_micro["tile_overflow_per_layer"]),
             "row_overflow_per_layer": total(per_micro["row_overflow_per_layer"]),
             "dense_fallback_per_layer": total(per_micro["dense_fallback_per_layer"]),
+            # The sparse backward's dense tails (mean per micro-batch; -1: not counted, ops doc).
+            "backward_tail_rows_per_layer": mean(per_micro["backward_tail_rows_per_layer"].astype(jnp.float32)),
+            "backward_hot_neurons_per_layer": mean(per_micro["backward_hot_neurons_per_layer"].astype(jnp.float32)),
         }
         if track:
             metrics["dead_share_per_layer"] = dead_share(since, window)
