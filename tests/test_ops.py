@@ -2,7 +2,9 @@
 L1 term), the exact paths (tails, dense fallback), transformations, meshes, and input checks."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import functools
 import statistics
 
@@ -10,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 from hypothesis import given, settings, strategies as st
 from jax.sharding import AxisType
 
@@ -480,6 +483,47 @@ def test_check_finite_off_builds_no_nan_cond():
         return str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, weights)).count("cond[")
 
     assert n_conds(True) - n_conds(False) == 2
+
+
+def test_auto_dense_recompute_keeps_no_activations(monkeypatch):
+    """"auto" planning a layer dense with auto_dense_recompute: the dense formula inside the op's
+    custom_vjp (same y and gradients as the oracle, aux of a dense call), whose residual is x
+    alone (`saved_residuals`: no [M, H] tensor), where plain autodiff keeps the activations."""
+    pytest.importorskip("pallas_kernels.twell_bwd_token")
+    from twell_jax.ops import pallas_backward, pallas_forward
+
+    monkeypatch.setattr(pallas_forward, "available", lambda: True)
+    monkeypatch.setattr(pallas_backward, "choose_training_path", lambda *a, **k: (False, False))
+    base = ops.SparseFFNConfig(expected_active_per_token=4.0)
+    recompute = dataclasses.replace(base, auto_dense_recompute=True)
+    for config in (base, recompute):
+        assert ops.auto_decision(True, config, (13, 16, 40, 4)) == ("dense", "dense")
+    x, weights = make_inputs(True, 13, 16, 40, jnp.float32, 0.7, seed=1)
+    cot = jnp.asarray(np.random.default_rng(2).standard_normal((13, 16)), jnp.float32)
+
+    def loss(x_, w_):
+        y, aux = ops.gated_ffn(x_, *w_, backend="auto", config=recompute)
+        return loss_of(y, aux["l1"], cot), (y, aux)
+
+    (_, (y, aux)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, weights)
+    y_ref, _, _, _, grads_ref = oracle(True, x, weights, cot)
+    assert rel_err(y, y_ref) < 1e-5 and int(aux["dense_fallback"]) == 1
+    assert int(aux["backward_tail_rows"]) == 0 and int(aux["backward_hot_neurons"]) == 0
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+        assert rel_err(a, b) < 1e-5
+
+    def saved(config) -> str:  # jax's listing of the residuals autodiff keeps, one per line
+        def layer(x_, w_):
+            y, aux = ops.gated_ffn(x_, *w_, backend="auto", config=config)
+            return loss_of(y, aux["l1"], cot)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            print_saved_residuals(layer, x, weights)
+        return out.getvalue()
+
+    assert "[13,40]" in saved(base)  # plain autodiff keeps [M, H] activations
+    kept = saved(recompute)
+    assert "[13,16]" in kept and "[13,40]" not in kept
 
 
 @pytest.mark.parametrize("poison", [False, True])

@@ -42,6 +42,9 @@ def _run_sparse_forward(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
         fn = pallas_decode.decode_gated_ffn_forward if plan.gated else pallas_decode.decode_ffn_forward
         y, aux = fn(x_MxD, *weights, config=config, interpret=plan.interpret)
         return y, {key: aux[key] for key in _aux_keys(config)}
+    if plan.forward == "dense" and plan.backward == "dense":  # "auto", auto_dense_recompute
+        y, aux = dense_fallback_ffn(plan.gated, x_MxD, weights, neuron_counts=config.neuron_counts)
+        return y, {key: aux[key] for key in _aux_keys(config)}
     if plan.backward == "pallas" or plan.forward == "dense":
         y, aux, _ = _pallas_training_forward(plan, config, x_MxD, weights)
         return y, aux
@@ -137,6 +140,10 @@ def _sparse_op_fwd(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array, weigh
 def _sparse_op_bwd(plan: _Plan, config: SparseFFNConfig, residuals: tuple[Any, ...],
                    cotangents: tuple[jax.Array, Aux]) -> tuple[jax.Array, Weights]:
     x_MxD, weights, non_finite = residuals[:3]
+    # The backward recomputes what it needs from (x, weights); without the barrier XLA's CSE merges
+    # a recomputed GEMM with the forward's identical one and keeps its [M, H] output alive after
+    # all (what jax.checkpoint prevents the same way).
+    x_MxD, weights = jax.lax.optimization_barrier((x_MxD, weights))
     gy_MxD, g_aux = cotangents
     gl1 = jnp.asarray(g_aux["l1"], jnp.float32)  # l0 and the counters are not differentiable
     if plan.backward == "dense":
@@ -355,9 +362,9 @@ def _plan(gated: bool, backend: str, interpret: bool, config: SparseFFNConfig,
         m, d_model, n_neurons, config.expected_active_per_token, gated, itemsize=itemsize,
         keep_pattern=(config.backward or pallas_backward.BackwardConfig()).keep_gate_pattern)
     if not (fwd_sparse or bwd_sparse):
-        # The dense plan IS the "dense" backend (plain autodiff keeps its activations; a dense
-        # backward inside the custom_vjp would recompute them).
-        return _AUTO_DENSE
+        # The dense plan IS the "dense" backend (plain autodiff keeps its activations), unless the
+        # config asks for the dense formula inside the custom_vjp, which recomputes them.
+        return _Plan(gated, "dense", "dense", interpret) if config.auto_dense_recompute else _AUTO_DENSE
     return _Plan(gated, "pallas" if fwd_sparse else "dense", "pallas" if bwd_sparse else "dense",
                  interpret)
 
