@@ -89,10 +89,11 @@ Aux = dict[str, jax.Array]
 class BackwardConfig:
     """Static knobs of the Pallas backward (SparseFFNConfig.backward)."""
 
-    # Keep the forward's TwELL pattern for the backward (`Kept`: M * NT * S * (itemsize + 1) bytes
-    # and the counts, 38 MB at M 16384, H 5632, S 32, bf16) instead of re-running the gate GEMM +
-    # pack in the backward. On the H100 at that shape (k 29, BENCHMARKS.md) recomputing costs
-    # 0.64 ms per fwd+bwd (5.23 against 4.58 ms) and saves 70 MiB of the block's temporaries.
+    # Keep the forward's TwELL pattern for the backward (`Kept`: uint8 offsets, int16 counts, the
+    # values in rank order [M, W], the transpose's first pass; 19 MB at M 16384, H 5632, S 32,
+    # W 128, bf16) instead of re-running the gate GEMM + pack in the backward. On the H100 at that
+    # shape (k 29, BENCHMARKS.md) recomputing costs 0.62 ms per fwd+bwd (5.24 against 4.62 ms)
+    # and saves 7.5 MiB of the block's temporaries (528 against 535.5 MiB).
     keep_gate_pattern: bool = True
     # Token-tail rows (an overflowing tile or > ell_width actives) per dense block: the tail runs
     # ceil(rows / chunk) blocks of [chunk, H] (a tail of at most small_tail_chunk rows: one small
