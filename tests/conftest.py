@@ -2,6 +2,29 @@
 8-device meshes in the same process. The flag must be set before jax is first imported."""
 import os
 
+# One XLA compilation cache for the session, its subprocesses (the experiments' dry runs) and both
+# xdist workers: many tests compile the same tiny programs (the interpreted kernels, the micro model).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(__import__("tempfile").gettempdir(), "twell-jax-tests-xla-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
 _FLAG = "--xla_force_host_platform_device_count=8"
 if "jax" not in __import__("sys").modules and _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+
+# The files that take longest on the 2-core CI machine (pytest --durations, 2026-11-22), run
+# first: `-n 2 --dist loadfile` hands files to the two workers in collection order, so with the
+# long ones first the workers finish together instead of one running a long file alone at the end.
+_LONGEST_FIRST = (
+    "test_pallas_bwd_op.py", "test_auto_hints.py", "test_parallel.py", "test_train.py",
+    "test_run_trust.py", "test_bench_ffn_train_checkpoint.py", "test_run_sparse_vs_dense.py",
+    "test_sparse_checkpoint_benches.py", "test_ops.py", "test_bench_step.py",
+    "test_inference_generate.py", "test_nan_policy.py", "test_inference_load.py",
+    "test_pallas_bwd.py", "test_model.py", "test_pallas_decode.py", "test_pallas_bwd_bench.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order inside a file kept
