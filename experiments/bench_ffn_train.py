@@ -165,8 +165,8 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
     def token_inputs(pack_out):
         """(values, indices, the kernels' counts (tail rows 0), the token-tail mask)."""
         values, indices, counts = pack_out
-        tail = pallas_backward.token_tail_mask(counts, config.slots, config.ell_width)
-        return values, indices, jnp.where(tail[:, None], 0, counts), tail
+        tail, kernel_counts = pallas_backward.kernel_pattern(counts, config)
+        return values, indices, kernel_counts, tail
 
     def transpose(prepared):
         """The neuron-major lists (start, count, tokens, dest) from the pattern alone."""

@@ -130,14 +130,20 @@ def rank_values(values: jax.Array, counts: jax.Array, width: int, *,
     return out[:m, :w]
 
 
+def _ranks(counts: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:
+    """(rank [M, NT, S] of each slot among its row's stored entries, live [M, NT, S]) of a TwELL
+    pattern, by a two-level prefix sum (tiles, then slots): short scans only. The references'."""
+    live_T = jnp.minimum(counts, slots)
+    slot_S = jnp.arange(slots)[None, None, :]
+    return (jnp.cumsum(live_T, axis=1) - live_T)[:, :, None] + slot_S, slot_S < live_T[:, :, None]
+
+
 @functools.partial(jax.jit, static_argnames=("width",))
 def rank_values_reference(values: jax.Array, counts: jax.Array, width: int) -> jax.Array:
     """Plain-jnp `rank_values` (slots past a row's count hold 0)."""
     m, n_tiles, slots = values.shape
     w = _next_pow2(width)
-    live_T = jnp.minimum(counts, slots)
-    rank_MxTxS = (jnp.cumsum(live_T, axis=1) - live_T)[:, :, None] + jnp.arange(slots)[None, None, :]
-    live_MxTxS = jnp.arange(slots)[None, None, :] < live_T[:, :, None]
+    rank_MxTxS, live_MxTxS = _ranks(counts, slots)
     rank_MxK = jnp.where(live_MxTxS, rank_MxTxS, w).reshape(m, -1)
     rows_MxK = jnp.broadcast_to(jnp.arange(m)[:, None], rank_MxK.shape)
     return jnp.zeros((m, w), values.dtype).at[rows_MxK, rank_MxK].set(values.reshape(m, -1), mode="drop")
@@ -240,20 +246,18 @@ def token_lists_reference(ranked_MxW: jax.Array, indices: jax.Array, counts: jax
     """Plain-jnp version of `token_lists` (XLA scatters; slots >= n hold 0)."""
     m, n_tiles, slots = indices.shape
     width = dest_MxW.shape[1]
-    live_MxTxS = jnp.arange(slots)[None, None, :] < jnp.minimum(counts, slots)[:, :, None]
+    rank_MxTxS, live_MxTxS = _ranks(counts, slots)
     j_MxTxS = indices
     keep_MxTxS = live_MxTxS if hot_H is None else live_MxTxS & ~hot_H.astype(bool)[j_MxTxS]
-    # Ranks by a two-level prefix sum (tiles, then slots): short scans only.
-    live_T = jnp.minimum(counts, slots)
-    rank_MxTxS = (jnp.cumsum(live_T, axis=1) - live_T)[:, :, None] + jnp.arange(slots)[None, None, :]
     keep_i32 = keep_MxTxS.astype(jnp.int32)
     keep_T = jnp.sum(keep_i32, axis=2)
     slot_MxTxS = ((jnp.cumsum(keep_T, axis=1) - keep_T)[:, :, None]
                   + jnp.cumsum(keep_i32, axis=2) - keep_i32)
     slot_MxTxS = jnp.where(keep_MxTxS, slot_MxTxS, width).reshape(m, -1)  # dropped
     rows_MxK = jnp.broadcast_to(jnp.arange(m)[:, None], slot_MxTxS.shape)
-    pos_MxK = jnp.take_along_axis(dest_MxW, jnp.clip(rank_MxTxS.reshape(m, -1), 0, width - 1), axis=1)
-    a_MxK = jnp.take_along_axis(ranked_MxW, jnp.clip(rank_MxTxS.reshape(m, -1), 0, width - 1), axis=1)
+    rank_MxK = jnp.clip(rank_MxTxS.reshape(m, -1), 0, width - 1)
+    pos_MxK = jnp.take_along_axis(dest_MxW, rank_MxK, axis=1)
+    a_MxK = jnp.take_along_axis(ranked_MxW, rank_MxK, axis=1)
 
     def compact(v_MxK, dtype):
         return jnp.zeros((m, width), dtype).at[rows_MxK, slot_MxTxS].set(v_MxK.astype(dtype), mode="drop")

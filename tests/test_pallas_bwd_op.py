@@ -162,10 +162,11 @@ def test_backward_tails_capacities():
     base = dict(tile=4, slots=4, ell_width=3, transpose_ell_width=2)
     for tail_rows, hot_rows, over in ((2, 2, False), (1, 2, True), (2, 1, True)):
         config = ops.SparseFFNConfig(**base, tail_rows=tail_rows, transpose_tail_rows=hot_rows)
-        tail, count, hot, got = pallas_backward.backward_tails(counts, hist, 3, config)
+        tail, kernel_counts = pallas_backward.kernel_pattern(counts, config)
         np.testing.assert_array_equal(tail, [False, True, True, False])  # overflow; 4 > 3 actives
-        np.testing.assert_array_equal(count, [3, 0, 8])
-        np.testing.assert_array_equal(hot, [True, False, True])
+        np.testing.assert_array_equal(kernel_counts, [[1, 0], [0, 0], [0, 0], [0, 0]])
+        hot, got = pallas_backward.backward_tails(tail, hist, 3, config)
+        np.testing.assert_array_equal(hot, [True, False, True])  # counts 3, 0, 8 > 2
         assert bool(got) == over, (tail_rows, hot_rows)
 
 

@@ -118,8 +118,9 @@ def test_kernel_matches_reference(kind, m, h):
 
 
 def test_precomputed_histograms_give_the_same_lists():
-    """neuron_lists(hist=chunk_histograms(...)) skips the first pass and gives the same lists; a
-    histogram of another shape is refused."""
+    """neuron_lists(hist=chunk_histograms(...)) skips the first pass and gives the same lists (and
+    takes its counts from the given histograms: zeros give empty lists); a histogram of another
+    shape is refused."""
     indices, counts = make_pattern(3, 37, 40, kind="hot")
     args = (jnp.asarray(indices), jnp.asarray(counts), 40)
     hist = chunk_histograms(*args, block_sizes=SMALL, interpret=True)
@@ -129,6 +130,10 @@ def test_precomputed_histograms_give_the_same_lists():
     with_hist = neuron_lists(*args, width=WIDTH, hist=hist, block_sizes=SMALL, interpret=True)
     for a, b in zip(with_hist, assert_matches_reference(indices, counts, 40)):
         np.testing.assert_array_equal(a, b)
+    assert int(with_hist[1].sum()) > 0
+    start, count, _, dest = neuron_lists(*args, width=WIDTH, hist=jnp.zeros_like(hist), block_sizes=SMALL,
+                                         interpret=True)
+    assert not bool(jnp.any(count)) and not bool(jnp.any(start))  # the first pass did not run
     with pytest.raises(ValueError, match="hist must be int32"):
         neuron_lists(*args, width=WIDTH, hist=hist[:4], block_sizes=SMALL, interpret=True)
 

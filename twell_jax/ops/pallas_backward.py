@@ -70,17 +70,21 @@ class Kept(NamedTuple):
     @staticmethod
     def store(ranked: jax.Array, pack: Pack, hist: jax.Array, n_neurons: int) -> "Kept":
         _, indices, counts = pack
-        tile = pack_tile(n_neurons, indices.shape[1])
-        base = (jnp.arange(indices.shape[1], dtype=jnp.int32) * tile)[None, :, None]
+        tile, base = _tile_base(n_neurons, indices.shape[1])
         small = jnp.uint8 if tile <= 256 else jnp.int32
         # Dead slots (past a tile's count) are never read; their offsets may wrap.
         return Kept(ranked, (indices - base).astype(small), counts.astype(jnp.int16), hist)
 
     def pattern(self, n_neurons: int) -> tuple[jax.Array, jax.Array]:
         """(indices int32 [M, NT, S], counts int32 [M, NT]) as packed (in every live slot)."""
-        tile = pack_tile(n_neurons, self.offsets.shape[1])
-        base = (jnp.arange(self.offsets.shape[1], dtype=jnp.int32) * tile)[None, :, None]
+        _, base = _tile_base(n_neurons, self.offsets.shape[1])
         return self.offsets.astype(jnp.int32) + base, self.counts.astype(jnp.int32)
+
+
+def _tile_base(n_neurons: int, n_tiles: int) -> tuple[int, jax.Array]:
+    """(the pack's tile, the first neuron of each tile as int32 [1, NT, 1])."""
+    tile = pack_tile(n_neurons, n_tiles)
+    return tile, (jnp.arange(n_tiles, dtype=jnp.int32) * tile)[None, :, None]
 Aux = dict[str, jax.Array]
 
 
@@ -243,24 +247,23 @@ def token_tail_mask(counts_MxNT: jax.Array, slots: int, ell_width: int) -> jax.A
             | (jnp.sum(counts_MxNT, axis=1) > ell_width))
 
 
-def backward_tails(counts_MxNT: jax.Array, hist_CxHp: jax.Array, h: int, config: ops.SparseFFNConfig
-                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The backward's dense tails from the pattern: (tail_M, count_H, hot_H, over_capacity).
-    tail_M: token-tail rows; count_H: the non-tail rows' entries per neuron (from the transpose's
-    first pass, `chunk_histograms` of the kernels' counts); hot_H: neurons with more than
-    config.hot_threshold(M) of them; over_capacity: a tail exceeds its capacity (the backward
-    then runs the dense formula)."""
+def kernel_pattern(counts_MxNT: jax.Array, config: ops.SparseFFNConfig) -> tuple[jax.Array, jax.Array]:
+    """(tail_M, the counts the kernels see: zero on the token tail's rows)."""
     tail_M = token_tail_mask(counts_MxNT, config.slots, config.ell_width)
-    count_H = jnp.sum(hist_CxHp, axis=0)[:h]
-    hot_H = count_H > config.hot_threshold(counts_MxNT.shape[0])
-    over = ((jnp.sum(tail_M, dtype=jnp.int32) > config.tail_capacity(counts_MxNT.shape[0]))
+    return tail_M, jnp.where(tail_M[:, None], 0, counts_MxNT)
+
+
+def backward_tails(tail_M: jax.Array, hist_CxHp: jax.Array, h: int, config: ops.SparseFFNConfig
+                   ) -> tuple[jax.Array, jax.Array]:
+    """(hot_H, over_capacity) of the backward from the token tail (tail_M) and the transpose's
+    first pass over the kernels' counts (`chunk_histograms`): hot_H = neurons with more than
+    config.hot_threshold(M) entries outside the tail; over_capacity = a tail exceeds its capacity
+    (the backward then runs the dense formula)."""
+    m = tail_M.shape[0]
+    hot_H = jnp.sum(hist_CxHp, axis=0)[:h] > config.hot_threshold(m)
+    over = ((jnp.sum(tail_M, dtype=jnp.int32) > config.tail_capacity(m))
             | (jnp.sum(hot_H, dtype=jnp.int32) > config.transpose_tail_capacity(h)))
-    return tail_M, count_H, hot_H, over
-
-
-def _kernel_counts(counts_MxNT: jax.Array, config: ops.SparseFFNConfig) -> jax.Array:
-    """The counts the kernels see: zero on the token tail's rows."""
-    return jnp.where(token_tail_mask(counts_MxNT, config.slots, config.ell_width)[:, None], 0, counts_MxNT)
+    return hot_H, over
 
 
 def forward(gated: bool, forward_kind: str, x_MxD: jax.Array, weights: Weights, config: ops.SparseFFNConfig,
@@ -288,10 +291,10 @@ def forward(gated: bool, forward_kind: str, x_MxD: jax.Array, weights: Weights, 
     pack = pack_gate(x_MxD, w_act, tile=s["tile"], slots=s["slots"],
                      block_sizes=s["pack_block_sizes"], interpret=interpret)
     y, aux = pallas_forward._sparse_forward(x_MxD, w_act, w_up, w_down, s, interpret, pack=pack)
-    kernel_counts = _kernel_counts(pack[2], config)
+    tail_M, kernel_counts = kernel_pattern(pack[2], config)
     hist = chunk_histograms(pack[1], kernel_counts, h, block_sizes=bc.transpose_block_sizes,
                             interpret=interpret)
-    tail_M, _, hot_H, over = backward_tails(pack[2], hist, h, config)
+    hot_H, over = backward_tails(tail_M, hist, h, config)
     aux = dict(aux)
     aux["dense_fallback"] = jnp.maximum(aux["dense_fallback"], over.astype(jnp.int32))
     aux["backward_tail_rows"] = jnp.sum(tail_M, dtype=jnp.int32)
@@ -530,14 +533,14 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
         values, indices, counts = kept
     gy_MxD = gy_MxD.astype(x_MxD.dtype)
     l1_scale = gl1.astype(jnp.float32) / m
-    kernel_counts = _kernel_counts(counts, config)
+    tail_M, kernel_counts = kernel_pattern(counts, config)
     if ranked is None:
         ranked = rank_values(values, kernel_counts, config.ell_width, block_sizes=bc.lists_block_sizes,
                              interpret=interpret)
     if hist is None:
         hist = chunk_histograms(indices, kernel_counts, h, block_sizes=bc.transpose_block_sizes,
                                 interpret=interpret)
-    tail_M, _, hot_H, over_capacity = backward_tails(counts, hist, h, config)
+    hot_H, over_capacity = backward_tails(tail_M, hist, h, config)
     n_tail = jnp.sum(tail_M, dtype=jnp.int32)
     n_hot = jnp.sum(hot_H, dtype=jnp.int32)
 

@@ -28,10 +28,12 @@ def _backward_tails(act_MxH: jax.Array, config: SparseFFNConfig) -> tuple[jax.Ar
             jnp.sum(jnp.sum(active, axis=0) > config.hot_threshold(act_MxH.shape[0]), dtype=jnp.int32))
 
 
-def _needs_dense_backward(act_MxH: jax.Array, config: SparseFFNConfig) -> jax.Array:
-    """bool scalar: the backward's hybrids would exceed a tail capacity."""
+def _needs_dense_backward(act_MxH: jax.Array, config: SparseFFNConfig,
+                          tails: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """bool scalar: the backward's hybrids would exceed a tail capacity (`tails`: the
+    `_backward_tails` of act_MxH when the caller has them)."""
     n_tokens, n_neurons = act_MxH.shape
-    token_tail, neuron_tail = _backward_tails(act_MxH, config)
+    token_tail, neuron_tail = _backward_tails(act_MxH, config) if tails is None else tails
     return ((token_tail > config.tail_capacity(n_tokens))
             | (neuron_tail > config.transpose_tail_capacity(n_neurons)))
 
@@ -64,7 +66,8 @@ def reference_forward(gated: bool, x_MxD: jax.Array, weights: Weights,
 
     forward_fallback = pattern.tail_overflow > 0
     y, l1 = jax.lax.cond(forward_fallback, dense_branch, sparse_branch)
-    fallback = forward_fallback | _needs_dense_backward(act_MxH, config)
+    tails = _backward_tails(act_MxH, config)
+    fallback = forward_fallback | _needs_dense_backward(act_MxH, config, tails)
     aux = {
         "l1": l1,
         "l0": jnp.sum(pattern.row_nnz, dtype=jnp.float32) / n_tokens,
@@ -72,7 +75,7 @@ def reference_forward(gated: bool, x_MxD: jax.Array, weights: Weights,
         "row_overflow": jnp.sum(pattern.row_nnz > config.ell_width, dtype=jnp.int32),
         "dense_fallback": fallback.astype(jnp.int32),
     }
-    aux["backward_tail_rows"], aux["backward_hot_neurons"] = _backward_tails(act_MxH, config)
+    aux["backward_tail_rows"], aux["backward_hot_neurons"] = tails
     if config.neuron_counts:
         aux["neuron_active_count"] = jnp.sum(act_MxH > 0, axis=0, dtype=jnp.int32)
         aux["token_active_count"] = pattern.row_nnz.astype(jnp.int32)
