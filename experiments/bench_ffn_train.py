@@ -179,7 +179,8 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
     @functools.partial(jax.jit, static_argnames="tails")
     def token(x, wg, wu, wd, gy, prepared, lists, *, tails: bool):
         """As the backward calls it (the per-token lists, then the kernel): with the hot neurons
-        left out and an f32 dx init when a tail exists."""
+        left out and an f32 dx init when a tail exists. Includes `rank_values`, which the training
+        forward runs (it is not timed alone)."""
         values, indices, counts, _ = prepared
         ranked = rank_values(values, counts, config.ell_width, block_sizes=bc.lists_block_sizes,
                              interpret=interpret)
