@@ -1,5 +1,6 @@
 """Test session set-up: simulate 8 CPU devices so the data-parallel tests can build 1-, 2- and
-8-device meshes in the same process. The flag must be set before jax is first imported."""
+8-device meshes in the same process, and compile fast (XLA flags below). The flags must be set
+before jax is first imported."""
 import os
 
 # One XLA compilation cache for the session, its subprocesses (the experiments' dry runs) and both
@@ -8,9 +9,16 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(__import__("tempfile").gettempdir(), "twell-jax-tests-xla-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if "jax" not in __import__("sys").modules and _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+# 8 simulated CPU devices; and CPU code generation without LLVM's expensive optimisations and with
+# XLA's classic CPU emitters: the tests run tiny shapes, so compiling is most of their time (the
+# interpreted Pallas kernels lower to large while-loop programs), and these flags cut it ~2x
+# (an interpreted backward: 8.0 -> 3.4 s) without changing what is computed.
+_FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
+          "--xla_llvm_disable_expensive_passes=true", "--xla_cpu_use_fusion_emitters=false")
+if "jax" not in __import__("sys").modules:
+    _present = os.environ.get("XLA_FLAGS", "")
+    _missing = [f for f in _FLAGS if f.split("=")[0] not in _present]
+    os.environ["XLA_FLAGS"] = " ".join([_present, *_missing]).strip()
 
 
 # The files that take longest on the 2-core CI machine (pytest --durations, 2026-11-22), run
