@@ -24,6 +24,7 @@ Backends, all in the same process on the same inputs:
     pallas            backend="pallas": Pallas forward + Pallas backward, pack kept
     pallas_recompute  the same with BackwardConfig(keep_gate_pattern=False)
     auto              backend="auto" with expected_active_per_token = the measured mean active count
+                      and the tail hints = the measured token-tail, hot-neuron and hot-entry shares
 Each is first checked against xla_bf16 (max abs error per gradient, and relative error), then
 timed (interleaved medians, bench_ffn.bench_interleaved); the compiled temporary memory of each
 (`memory_analysis()` of the program that is timed), and the time of each piece of the Pallas
@@ -33,7 +34,7 @@ pattern (token tail: ceil(rows / chunk) blocks; neuron tail: the hot neurons' bl
 tail checked against xla_bf16's gradients on its rows. Beside the times: the pattern statistics
 (`pattern_stats`: active per token, tail rows, per-neuron entry counts, hot neurons, the tails'
 sizes and whether a capacity is exceeded, i.e. the whole call falls back to the dense backward)
-and the cost model's prediction at the measured mean k (`model_prediction`:
+and the cost model's prediction at the measured mean k and tails (`model_prediction`:
 pallas_backward.sparse_times_ms / dense_times_ms and auto's plan, ops.auto_decision). Prints a
 short table last; writes bench_ffn_train.json (and table.txt) to --out.
 
@@ -288,19 +289,32 @@ def pattern_stats(counts_MxNT: np.ndarray, neuron_count_H: np.ndarray, config: o
     return stats
 
 
-def model_prediction(m: int, d: int, h: int, k: float, config: ops.SparseFFNConfig, itemsize: int,
+def auto_config(config: ops.SparseFFNConfig, stats: dict) -> ops.SparseFFNConfig:
+    """`config` with the hints "auto" gets from a pattern's statistics (`pattern_stats`): the mean
+    active count and the backward's tail shares (token-tail rows / M, hot neurons / H, the hot
+    neurons' share of the entries), as the trainer's telemetry gives them."""
+    m, h = stats["tokens"], stats["neurons"]
+    return dataclasses.replace(
+        config, expected_active_per_token=float(stats["active_mean"]),
+        expected_token_tail=stats["token_tail_rows"] / m if m else 0.0,
+        expected_hot_neurons=stats["hot_neurons"] / h, expected_hot_entries=float(stats["hot_entry_share"]))
+
+
+def model_prediction(m: int, d: int, h: int, auto_cfg: ops.SparseFFNConfig, itemsize: int,
                      interpret: bool) -> dict:
-    """The cost table's figures (ms) at mean k for this shape, and the plan "auto" compiles."""
-    keep = (config.backward or pallas_backward.BackwardConfig()).keep_gate_pattern
-    fwd, bwd = pallas_backward.sparse_times_ms(m, d, h, k, True, itemsize=itemsize, keep_pattern=keep)
+    """The cost table's figures (ms) for this shape at auto_cfg's hints (mean k and tails), and the
+    plan "auto" compiles."""
+    k = auto_cfg.expected_active_per_token
+    keep = (auto_cfg.backward or pallas_backward.BackwardConfig()).keep_gate_pattern
+    fwd, bwd = pallas_backward.sparse_times_ms(m, d, h, k, True, itemsize=itemsize, keep_pattern=keep,
+                                               config=auto_cfg)
     _, bwd_recompute = pallas_backward.sparse_times_ms(m, d, h, k, True, itemsize=itemsize,
-                                                       keep_pattern=False)
+                                                       keep_pattern=False, config=auto_cfg)
     dense_fwd, dense_bwd = pallas_backward.dense_times_ms(m, d, h, True)
-    auto_cfg = dataclasses.replace(config, expected_active_per_token=float(k))
     return dict(pallas_fwd_ms=fwd, pallas_bwd_ms=bwd, pallas_ms=fwd + bwd,
                 pallas_recompute_ms=fwd + bwd_recompute, dense_ms=dense_fwd + dense_bwd,
                 choose_training_path=list(pallas_backward.choose_training_path(
-                    m, d, h, k, True, itemsize=itemsize, keep_pattern=keep)),
+                    m, d, h, k, True, itemsize=itemsize, keep_pattern=keep, config=auto_cfg)),
                 auto_plan=list(ops.auto_decision(True, auto_cfg, (m, d, h, itemsize), interpret)))
 
 
@@ -328,7 +342,8 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
     stats = pattern_stats(np.asarray(counts), np.asarray(lists[1]), config, seq_len)
     hint = stats["active_mean"]
     row: dict[str, Any] = dict(m=m, d=d, h=h, hint=hint, pattern=stats, errors={}, temp_mb={})
-    row["model"] = model_prediction(m, d, h, hint, config, x0[0].dtype.itemsize, interpret)
+    hinted = auto_config(config, stats)
+    row["model"] = model_prediction(m, d, h, hinted, x0[0].dtype.itemsize, interpret)
     log(f"  pattern: k mean {hint:.1f} p99 {stats['active_p99']:.0f} max {stats['active_max']}, "
         f"token tail {stats['token_tail_rows']} rows, hot neurons {stats['hot_neurons']} "
         f"({stats['hot_entry_share']:.1%} of entries); auto plan {row['model']['auto_plan']}")
@@ -336,7 +351,7 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
         pallas_recompute=dataclasses.replace(
             config, backward=dataclasses.replace(config.backward or pallas_backward.BackwardConfig(),
                                                  keep_gate_pattern=False)),
-        auto=dataclasses.replace(config, expected_active_per_token=hint))
+        auto=hinted)
     # Compile each backend once: its memory analysis, and the program that is checked and timed.
     steps = {b: compiled_step(b, configs.get(b, config), interpret, x0) for b in backends}
     row["temp_mb"] = {b: temp_mb(step) for b, step in steps.items()}

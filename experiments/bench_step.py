@@ -53,8 +53,8 @@ from twell_jax.inference.load import validation_tokens  # noqa: E402
 from twell_jax.model import apply_model, choose_attention, describe_execution, init_model, split_model  # noqa: E402
 from twell_jax.ops import BACKENDS  # noqa: E402
 from twell_jax.training.checkpoint import checkpoint_dir, restore_params  # noqa: E402
-from twell_jax.training.hints import run_hints  # noqa: E402
-from twell_jax.training.train import abstract_graphdef, measure_active_per_layer  # noqa: E402
+from twell_jax.training.hints import Tails, describe_tails, run_hints, run_tail_hints, with_hints  # noqa: E402
+from twell_jax.training.train import abstract_graphdef, measure_activity  # noqa: E402
 from twell_jax.training.optimizer import build_optimizer  # noqa: E402
 from plain_llama import REFERENCE_REMATS, reference_init, reference_loss  # noqa: E402
 
@@ -105,9 +105,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def variant_config(base: ExperimentConfig, kind: str, backend: str | None, remat: str,
-                   hints: tuple[float, ...] | None = None) -> ExperimentConfig:
+                   hints: tuple[float, ...] | None = None, tails: Tails | None = None) -> ExperimentConfig:
     """The preset with this FFN kind, op backend and remat policy (L1 off for kinds trained without
-    it); `hints`: per-layer expected active neurons per token for the sparse op's "auto" (a trained run's)."""
+    it); `hints`: per-layer expected active neurons per token for the sparse op's "auto" (a trained
+    run's), and `tails` its per-layer tail hints (None: none)."""
     sets = [f"model.remat={remat}"]
     if kind != "ref":
         sets.append(f"model.ffn_kind={kind}")
@@ -117,7 +118,7 @@ def variant_config(base: ExperimentConfig, kind: str, backend: str | None, remat
             sets.append("sparsity.l1_coef=0")
     cfg = config_lib.apply_overrides(base, sets)
     if hints and kind != "ref" and FFN_KIND_TABLE[kind].sparse_op and not cfg.model.ffn_expected_active:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, ffn_expected_active=tuple(hints)))
+        cfg = with_hints(cfg, hints, tails)
     return cfg
 
 
@@ -148,7 +149,7 @@ def build_step(cfg: ExperimentConfig, kind: str, optimizer: bool,
             return total_loss(ce, aux["l1"], l1_coef)
 
         if cfg.model.is_relu_family:
-            active = lambda t, p=params: measure_active_per_layer(graphdef, p, t)  # noqa: E731
+            active = lambda t, p=params: measure_activity(graphdef, p, t, tails=True)  # noqa: E731
         note = describe_execution(cfg.model, cfg.seq_len)
     if optimizer:
         opt = build_optimizer(cfg.optim, cfg.train.steps) if kind != "ref" else optax.adamw(1e-4)
@@ -186,18 +187,22 @@ def compiled_memory_bytes(compiled: Any) -> int | None:
 
 def run_variant(base: ExperimentConfig, kind: str, backend: str | None, remat: str, micro_batch: int,
                 tokens: jax.Array, *, steps: int, warmup: int, repeats: int, optimizer: bool, peak_flops: float,
-                params: dict[str, Any] | None = None, hints: tuple[float, ...] | None = None) -> dict[str, Any]:
+                params: dict[str, Any] | None = None, hints: tuple[float, ...] | None = None,
+                tails: Tails | None = None) -> dict[str, Any]:
     """Compile, warm up and time one variant on `tokens` [micro_batch, seq + 1]; any failure is
     returned as {"error": ...}. `params`: trained parameters for the library's model (the `ref`
     row always runs its own random init: a dense step's time does not depend on the values)."""
-    cfg = variant_config(base, kind, backend, remat, hints)
+    cfg = variant_config(base, kind, backend, remat, hints, tails)
     seq_len = cfg.seq_len
     row: dict[str, Any] = {"variant": variant_label(kind, backend, remat), "kind": kind, "backend": backend,
                            "remat": remat, "micro_batch": micro_batch, "seq_len": seq_len}
     try:
         step, state, row["how"], active = build_step(cfg, kind, optimizer, params)
         if active is not None:
-            row["active_per_layer"] = [round(float(v), 2) for v in active(tokens)]
+            l0, tails = active(tokens)
+            row["active_per_layer"] = [round(float(v), 2) for v in l0]
+            # The sparse backward's tails on these tokens: (token-tail, hot-neuron, hot-entry share).
+            row["tail_shares_per_layer"] = [[round(v, 4) for v in t] for t in tails]
         jitted = jax.jit(step, donate_argnums=0)
         t0 = time.perf_counter()
         compiled = jitted.lower(state, tokens).compile()
@@ -280,11 +285,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.dry_run:
         sets = sets if args.checkpoint else DRY_RUN_SETS + sets  # a run's shapes are its own
         args.steps, args.warmup, args.repeats = 1, 1, 1
-    params, hints, source = None, None, args.config
+    params, hints, tails, source = None, None, None, args.config
     if args.checkpoint:
         params, run_cfg, step = restore_params(args.checkpoint, args.step)
         base = config_lib.apply_overrides(run_cfg, sets)
         hints = run_hints(checkpoint_dir(args.checkpoint).parent, step, n_layers=base.model.n_layers)
+        tails = run_tail_hints(checkpoint_dir(args.checkpoint).parent, step, n_layers=base.model.n_layers)
         source = f"checkpoint {args.checkpoint} step {step}"
     else:
         base = config_lib.apply_overrides(get_config(args.config), sets)
@@ -304,19 +310,22 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
           f"{'grad + AdamW' if args.optimizer else 'grad only'}, on {device.device_kind}; "
           f"MFU against {args.peak_flops:.3g} FLOP/s; tokens: "
           f"{'its validation split' if args.checkpoint else 'random ids'}"
-          + (f"; 'auto' hints from the run: {', '.join(f'{v:.1f}' for v in hints)}" if hints else ""), flush=True)
+          + (f"; 'auto' hints from the run: {', '.join(f'{v:.1f}' for v in hints)}" if hints else "")
+          + (f"; tail hints (token-tail / hot-neuron share): {describe_tails(tails)}" if tails else ""), flush=True)
     rows = []
     for kind, backend, remat in variants:
         row = run_variant(base, kind, backend, remat, micro_batch, tokens, steps=args.steps, warmup=args.warmup,
                           repeats=args.repeats, optimizer=args.optimizer, peak_flops=args.peak_flops,
-                          params=params, hints=hints)
+                          params=params, hints=hints, tails=tails)
         detail = row.get("error") or f"{row['ms_per_step']:.2f} ms/step, {row['tokens_per_s']:,.0f} tokens/s"
         if row.get("active_per_layer"):
-            detail += f"; active/token per layer {row['active_per_layer']}"
+            detail += (f"; active/token per layer {row['active_per_layer']}; token-tail / hot-neuron "
+                       f"share per layer {describe_tails(row['tail_shares_per_layer'])}")
         print(f"[bench_step] {row['variant']}: {detail} ({row.get('how', '')})", flush=True)
         rows.append(row)
     if args.out:
-        Path(args.out).write_text(json.dumps({"config": args.config, "source": source, "hints": hints, "sets": sets, "micro_batch": micro_batch,
+        Path(args.out).write_text(json.dumps({"config": args.config, "source": source, "hints": hints,
+                                              "tail_hints": tails, "sets": sets, "micro_batch": micro_batch,
                                               "device": device.device_kind, "optimizer": args.optimizer,
                                               "peak_flops": args.peak_flops, "rows": rows}, indent=2))
         print(f"[bench_step] wrote {args.out}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,9 +19,9 @@ from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax import ops
 from twell_jax.model import init_model, split_model
 from twell_jax.training import train as train_lib
-from twell_jax.training.hints import manages_auto_hints, run_hints
+from twell_jax.training.hints import manages_auto_hints, run_hints, run_tail_hints
 from twell_jax.training.plan_trial import PlanTrial
-from twell_jax.training.train import Hooks, Trainer, auto_decisions, measure_active_per_layer
+from twell_jax.training.train import Hooks, Trainer, auto_decisions, measure_activity
 
 
 def _records(run_dir):
@@ -75,16 +76,22 @@ def test_fresh_run_takes_its_hints_from_the_first_batch(tmp_path):
     # Independently: the initial params on the first micro-batch of the first training batch.
     graphdef, params = split_model(init_model(cfg.model, cfg.train.seed))
     first = next(FakeData(cfg).train_iter)["tokens"][:cfg.train.micro_batch]
-    expected = measure_active_per_layer(graphdef, params, jnp.asarray(first))
+    expected, expected_tails = measure_activity(graphdef, params, jnp.asarray(first), tails=True)
     assert 0 < min(expected) and max(expected) < cfg.model.d_ff  # a real measurement, not a default
     hints = result.last_metrics["auto_hints_per_layer"]
     np.testing.assert_allclose(hints, expected, rtol=1e-6)
+    # The tail hints: measured on the same micro-batch. A fresh model fires ~half its neurons on
+    # every token, so every neuron is hot; no token exceeds the ELL width (128 > d_ff 64).
+    tails = result.last_metrics["auto_tail_hints_per_layer"]
+    np.testing.assert_allclose(tails, expected_tails, rtol=1e-6)
+    assert len(tails) == cfg.model.n_layers and all(t[0] == 0.0 and t[1] > 0.5 for t in tails)
     assert trainer.step_builds == 1
     assert _records(tmp_path)[0]["auto_hints_per_layer"] == hints
     # The checkpoint's config carries the hints in use; config.json stays the user's (no hints),
     # which is how a resume knows the trainer manages them.
     _, meta, _ = ckpt_lib.restore_params_with_meta(tmp_path, 1)
     assert meta["config"]["model"]["ffn_expected_active"] == hints and meta["auto_hints"] == hints
+    assert meta["config"]["model"]["ffn_expected_tails"] == tails
     assert ckpt_lib.load_run_config(tmp_path).model.ffn_expected_active == ()
     # A run with a user hint is left alone: its step compiles with the user's config as it is.
     fixed = Trainer(micro_cfg("train.steps=1", "model.ffn_expected_active=[1.0, 2.0]"), tmp_path / "fixed",
@@ -129,6 +136,9 @@ def test_refresh_recompiles_only_when_a_decision_changes(tmp_path, monkeypatch):
     assert a_records[1]["auto_hints_per_layer"] == a_records[0]["auto_hints_per_layer"]
     assert a_records[2]["auto_hints_per_layer"] == pytest.approx(a_records[1]["l0_per_layer"])
     assert a_records[3]["auto_hints_per_layer"] == a_records[2]["auto_hints_per_layer"]
+    # ... and step 2's tail shares as the new tail hints.
+    shares = [a_records[1][f"{key}_per_layer"] for key in train_lib.TAIL_SHARE_KEYS]
+    np.testing.assert_allclose(a_records[2]["auto_tail_hints_per_layer"], np.transpose(shares), rtol=1e-6)
     # Same params, same batches: the rebuild leaves the loss trajectory exactly as it was.
     assert [r["loss"] for r in a.history] == [r["loss"] for r in b.history]
     assert [r["grad_norm"] for r in a.history] == [r["grad_norm"] for r in b.history]
@@ -147,11 +157,15 @@ def test_resume_restores_the_hints(tmp_path, monkeypatch):
                       data_builder=FakeData)
     result = resumed.run()
     assert result.last_metrics["step"] == 3 and result.last_metrics["auto_hints_per_layer"] == saved
+    saved_tails = first.last_metrics["auto_tail_hints_per_layer"]
+    assert result.last_metrics["auto_tail_hints_per_layer"] == saved_tails
+    assert run_tail_hints(tmp_path, 2, n_layers=2) == tuple(tuple(t) for t in saved_tails)
     # Evaluation and inference read the same hints: the checkpoint's own, not the later telemetry.
     assert run_hints(tmp_path, 2) == tuple(saved) and run_hints(tmp_path) == tuple(saved)
     # A checkpoint without hints (older runs): the last l0 logged in metrics.jsonl (validation or training).
     again = Trainer(micro_cfg("train.steps=3"), tmp_path, resume=True, data_builder=FakeData)
-    hints, _ = again._initial_hints({"step": 3}, {})
+    hints, tails, _ = again._initial_hints({"step": 3}, {})
+    assert tails is None  # no saved tail hints: none assumed until the first re-plan
     last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])  # the final validation
     assert list(hints) == last["val_l0_per_layer"]
     # ... and only telemetry logged up to the checkpoint's step.
@@ -165,11 +179,11 @@ def test_refresh_decides_from_the_mean_l0_since_the_last_refresh(tmp_path, monke
     single noisy step does not decide), with one auto_decisions call per refresh."""
     trainer = Trainer(micro_cfg("train.steps=4", "train.auto_refresh_every=2"), tmp_path,
                       data_builder=FakeData, hooks=Hooks(save_final=False))
-    trainer._use_hints([10.0, 10.0], (("dense", "dense"),) * 2)
+    trainer._use_hints([10.0, 10.0], None, (("dense", "dense"),) * 2)
     asked = []
 
-    def fake_decisions(cfg, hints, num_devices):
-        asked.append(list(hints))
+    def fake_decisions(cfg, hints, num_devices, tails=None):
+        asked.append((list(hints), tails))
         return tuple(("pallas" if h < 5 else "dense", "dense") for h in hints)
 
     monkeypatch.setattr(train_lib, "auto_decisions", fake_decisions)
@@ -178,13 +192,24 @@ def test_refresh_decides_from_the_mean_l0_since_the_last_refresh(tmp_path, monke
         def message(self, text):
             pass
 
-    for l0 in ([2.0, 20.0], [12.0, 20.0]):  # one sparse-looking step; the mean (7, 20) stays dense
-        trainer._observe_l0(l0)
-    assert not trainer._refresh_hints(2, Sink()) and asked == [[7.0, 20.0]]
+    def step(l0, token_tail):
+        return {"l0_per_layer": l0, "token_tail_share_per_layer": token_tail,
+                "hot_neuron_share_per_layer": [0.5, 0.5], "hot_entry_share_per_layer": [0.25, 0.75]}
+
+    for l0, tail in (([2.0, 20.0], [0.0, 0.2]), ([12.0, 20.0], [0.1, 0.4])):  # one sparse-looking step; the
+        trainer._observe(step(l0, tail))                                        # mean (7, 20) stays dense
+    assert not trainer._refresh_hints(2, Sink())
+    assert asked == [([7.0, 20.0], ((0.05, 0.5, 0.25), (pytest.approx(0.3), 0.5, 0.75)))]
     for l0 in ([3.0, 20.0], [1.0, 18.0]):  # only the steps since the last refresh count
-        trainer._observe_l0(l0)
-    assert trainer._refresh_hints(4, Sink()) and asked[1:] == [[2.0, 19.0]]
+        trainer._observe(step(l0, [0.0, 0.0]))
+    assert trainer._refresh_hints(4, Sink()) and asked[1][0] == [2.0, 19.0]
     assert trainer.auto_hints == (2.0, 19.0) and trainer.decisions == (("pallas", "dense"), ("dense", "dense"))
+    assert trainer.auto_tails == ((0.0, 0.5, 0.25), (0.0, 0.5, 0.75))
+    assert trainer.step_cfg.model.ffn_expected_tails == trainer.auto_tails
+    # A step without tail shares (a run that does not track neurons): l0 alone, no tail hints.
+    trainer._observe({"l0_per_layer": [1.0, 1.0]})
+    trainer._refresh_hints(5, Sink())
+    assert asked[-1] == ([1.0, 1.0], None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,3 +292,74 @@ def test_trial_keeps_a_plan_within_the_floor_and_rechecks_a_dense_verdict(tmp_pa
         ["auto"] * 2 + ["dense"] * 2 + ["dense"] + ["auto"] * 2 + ["dense"] * 3)
     assert [t["step"] for t in again.summary["auto_plan_trials"]] == [4, 9]
     assert trainer.step_builds == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# the tail hints: telemetry of the sparse backward's dense tails, for any plan
+# ---------------------------------------------------------------------------------------------
+
+def test_backward_tail_shares_against_numpy():
+    rng = np.random.default_rng(0)
+    tokens_BxS = rng.integers(0, 12, size=(3, 40))
+    neurons_H = rng.integers(0, 90, size=(50,))
+    config = ops.SparseFFNConfig(tile=16, slots=8, ell_width=6, transpose_ell_width=1 / 4)
+    out = jax.device_get(ops.backward_tail_shares(jnp.asarray(tokens_BxS), jnp.asarray(neurons_H), config))
+    hot = neurons_H > config.hot_threshold(120)  # 32: the floor (120 / 4 = 30)
+    assert 0 < hot.sum() < hot.size and 0 < (tokens_BxS > 6).sum() < tokens_BxS.size
+    np.testing.assert_allclose(out["token_tail_share"], np.mean(tokens_BxS > 6), rtol=1e-6)
+    np.testing.assert_allclose(out["hot_neuron_share"], np.mean(hot), rtol=1e-6)
+    np.testing.assert_allclose(out["hot_entry_share"], neurons_H[hot].sum() / neurons_H.sum(), rtol=1e-6)
+    # No entries at all: shares of 0, not NaN.
+    empty = jax.device_get(ops.backward_tail_shares(jnp.zeros((2, 3), jnp.int32), jnp.zeros((5,), jnp.int32), config))
+    assert all(float(v) == 0.0 for v in empty.values())
+    # Over a data-parallel mesh each shard's call has M / shards tokens and ~count / shards entries.
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,),
+                         devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        sharded = jax.device_get(ops.backward_tail_shares(jnp.asarray(tokens_BxS), jnp.asarray(neurons_H), config))
+    hot_2 = neurons_H / 2 > config.hot_threshold(60)
+    assert hot_2.sum() != hot.sum()
+    np.testing.assert_allclose(sharded["hot_neuron_share"], np.mean(hot_2), rtol=1e-6)
+
+
+def test_the_models_tail_shares_are_the_ops_counts(tmp_path):
+    """The model's per-layer shares (track_neurons) are backward_tail_shares of each layer's counts,
+    the same for the dense and the reference backend (a backend never changes a count)."""
+    from twell_jax.model import apply_model
+
+    cfg = micro_cfg()
+    graphdef, params = split_model(init_model(cfg.model, cfg.train.seed))
+    tokens = jnp.asarray(next(FakeData(cfg).train_iter)["tokens"][:2, :-1])
+    _, aux = apply_model(graphdef, params, tokens, track_neurons=True)
+    for key in train_lib.TAIL_SHARE_KEYS:
+        assert aux[key].shape == (cfg.model.n_layers,)
+    # Layer by layer from the counts the model reports.
+    config = ops.SparseFFNConfig()
+    for layer in range(cfg.model.n_layers):
+        counts_H = np.asarray(aux["neuron_active_count"][layer])
+        hot = counts_H > config.hot_threshold(tokens.size)
+        np.testing.assert_allclose(aux["hot_neuron_share"][layer], hot.mean(), rtol=1e-6)
+    ref = dataclasses.replace(cfg.model, ffn_backend="reference")
+    graphdef_ref = split_model(init_model(ref, cfg.train.seed))[0]
+    _, aux_ref = apply_model(graphdef_ref, params, tokens, track_neurons=True)
+    for key in train_lib.TAIL_SHARE_KEYS:
+        np.testing.assert_allclose(aux_ref[key], aux[key], rtol=1e-6)
+
+
+def test_tail_hints_reach_each_layers_op_config_and_are_validated():
+    from twell_jax.model import build_op_config
+
+    tails = ((0.1, 0.02, 0.5), (0.0, 0.0, 0.0))
+    cfg = micro_cfg()
+    model = dataclasses.replace(cfg.model, ffn_expected_active=(3.0, 4.0), ffn_expected_tails=tails)
+    op = build_op_config(model, 0)
+    assert (op.expected_token_tail, op.expected_hot_neurons, op.expected_hot_entries) == tails[0]
+    assert build_op_config(model, 1).expected_active_per_token == 4.0
+    # One setting in ffn_op_config wins for every layer, as for the active-count hint.
+    fixed = dataclasses.replace(model, ffn_op_config={"expected_token_tail": 0.3})
+    assert build_op_config(fixed, 0).expected_token_tail == 0.3 and build_op_config(fixed, 0).expected_hot_neurons is None
+    # A JSON config's lists become tuples; wrong lengths and shares are named.
+    assert dataclasses.replace(cfg.model, ffn_expected_tails=[[0.1, 0.2, 0.3]] * 2).ffn_expected_tails == ((0.1, 0.2, 0.3),) * 2
+    for bad in (((0.1, 0.2, 0.3),), ((0.1, 0.2), (0.1, 0.2)), ((0.1, 0.2, 1.5),) * 2):
+        with pytest.raises(ValueError, match="model.ffn_expected_tails"):
+            dataclasses.replace(cfg.model, ffn_expected_tails=bad)

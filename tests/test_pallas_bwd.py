@@ -3,6 +3,8 @@ jnp references, the tails' block loop, and the training "auto" choice (twell_jax
 pallas_backward.py). The op-level gradients: test_pallas_bwd_op.py."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -198,19 +200,18 @@ def test_chunked_visits_each_listed_id_once(capacity):
 # best plan; one with a sparse piece must be <= SAFETY 0.9 x the dense plan). At M 2048 the dense
 # plan is 0.573 ms (limit 0.516), at M 16384 4.305 ms (limit 3.874), at M 65536 17.099 ms (15.389).
 TRAINING_PLANS = [
-    (2048, 1, True, (False, False)),    # sparse fwd+bwd 0.704: the fixed costs weigh at 2048 tokens
+    (2048, 1, True, (False, False)),    # sparse fwd+bwd 0.894: the fixed costs weigh at 2048 tokens
     (2048, 10, True, (False, False)),   # sparse fwd + dense bwd 0.732
-    (16384, 1, True, (True, True)),     # 1.572
-    (16384, 10, True, (True, True)),    # 2.524
-    (16384, 10, False, (True, True)),   # 3.230 with the re-pack
-    (16384, 20, True, (True, True)),    # 3.581
-    (16384, 20, False, (False, False)),  # 4.287 with the re-pack > 3.874
-    (16384, 22, True, (True, True)),    # 3.792
-    (16384, 24, True, (False, False)),  # 4.003 > 3.874
-    (16384, 29, True, (False, False)),  # 4.532 (the H100 fit: 1.00x dense measured at 29 active)
+    (16384, 1, True, (True, True)),     # 1.762
+    (16384, 10, True, (True, True)),    # 2.714
+    (16384, 10, False, (True, True)),   # 3.420 with the re-pack
+    (16384, 20, True, (True, True)),    # 3.771
+    (16384, 20, False, (False, False)),  # 4.477 with the re-pack > 3.874
+    (16384, 22, True, (False, False)),  # 3.982 > 3.874
+    (16384, 29, True, (False, False)),  # 4.722 (the H100 fit: 1.03x dense measured at 29 active)
     (16384, 56, True, (False, False)),  # sparse fwd + dense bwd 5.590, the best sparse plan
-    (65536, 24, True, (True, True)),    # 14.274
-    (65536, 29, True, (False, False)),  # 16.387 > 15.389
+    (65536, 24, True, (True, True)),    # 14.464
+    (65536, 29, True, (False, False)),  # 16.577 > 15.389
     (65536, 2000, True, (False, False)),
 ]
 
@@ -227,6 +228,67 @@ def test_choose_training_path_is_monotone_and_rejects_bad_hints():
         assert f1 <= f0 and b1 <= b0  # sparser never turns a piece dense
     with pytest.raises(ValueError, match="expected_active"):
         pallas_backward.choose_training_path(m, d, h, -1.0, True)
+
+
+# Trained layers of a 0.5b measured on the H100 (BENCHMARKS.md: M 16384, 1024-row token-tail blocks):
+# (k, token-tail rows, hot neurons, hot entries' share, pallas ms, xla_bf16 ms). The cost model
+# with the tails must plan sparse only where the kernels won, and dense where they lost.
+TRAINED_LAYERS = [
+    (12.0, 100, 161, 0.83, 3.575, 4.530),   # 1.27x: sparse
+    (13.6, 240, 143, 0.82, 3.749, 4.495),   # 1.20x: sparse
+    (36.5, 1214, 196, 0.83, 5.259, 4.602),  # 0.87x: dense
+    (60.5, 1897, 274, 0.86, 7.939, 4.648),  # 0.59x: dense
+]
+
+
+@pytest.mark.parametrize("k, rows, hot, share, pallas_ms, xla_ms", TRAINED_LAYERS)
+def test_choose_training_path_prices_the_measured_tails(k, rows, hot, share, pallas_ms, xla_ms):
+    m, d, h = 16384, 2048, 5632
+    config = ops.SparseFFNConfig(expected_token_tail=rows / m, expected_hot_neurons=hot / h,
+                                 expected_hot_entries=share)
+    fwd, bwd = pallas_backward.sparse_times_ms(m, d, h, k, True, config=config)
+    assert fwd + bwd == pytest.approx(pallas_ms, abs=0.55)  # the fit's residuals
+    plan = pallas_backward.choose_training_path(m, d, h, k, True, config=config)
+    assert plan == ((True, True) if pallas_ms < 0.9 * xla_ms else (False, False))
+
+
+def test_tail_terms_move_the_plan_and_a_tail_over_capacity_plans_a_dense_backward():
+    m, d, h = 16384, 2048, 5632
+    k = 16.0  # sparse on a uniform pattern
+    assert pallas_backward.choose_training_path(m, d, h, k, True) == (True, True)
+    _, bare = pallas_backward.sparse_times_ms(m, d, h, k, True)
+    # Hot neurons holding most entries make the kernels cheaper, their dense tail costs its GEMMs.
+    hot = ops.SparseFFNConfig(expected_hot_neurons=0.03, expected_hot_entries=0.8)
+    token_ms, hot_ms = pallas_backward.tail_times_ms(m, d, h, 0.0, 0.03 * h, True)
+    assert token_ms == 0.0 and hot_ms > 0.5
+    _, with_hot = pallas_backward.sparse_times_ms(m, d, h, k, True, config=hot)
+    gathers = bare - pallas_backward.COST_TABLE["BWD_FIXED_MS"]
+    assert with_hot == pytest.approx(bare - 0.8 * gathers + hot_ms)
+    # A long token tail (dense first tokens) makes the same mean k a dense plan.
+    long_tail = ops.SparseFFNConfig(expected_token_tail=0.1)
+    assert pallas_backward.choose_training_path(m, d, h, k, True, config=long_tail) == (False, False)
+    # Over a capacity the backward would run the dense formula: never a sparse backward.
+    over = ops.SparseFFNConfig(expected_token_tail=0.2)  # > tail_rows 0.125
+    assert pallas_backward.sparse_times_ms(m, d, h, k, True, config=over)[1] == float("inf")
+    assert pallas_backward.choose_training_path(m, d, h, 1.0, True, config=over)[1] is False
+    hot_over = ops.SparseFFNConfig(expected_hot_neurons=0.3)  # > transpose_tail_rows 0.25
+    assert pallas_backward.choose_training_path(m, d, h, 1.0, True, config=hot_over)[1] is False
+
+
+
+def test_the_ops_plan_takes_the_configs_tail_hints(monkeypatch):
+    monkeypatch.setattr(pallas_forward, "available", lambda: True)
+    shape = (16384, 2048, 5632, 2)
+    plain = ops.SparseFFNConfig(expected_active_per_token=16.0)
+    assert ops.auto_decision(True, plain, shape) == ("pallas", "pallas")
+    assert ops.auto_decision(True, dataclasses.replace(plain, expected_token_tail=0.1), shape) == ("dense", "dense")
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, True, "0.1"])
+def test_tail_hints_must_be_shares(bad):
+    for name in ops.TAIL_HINT_FIELDS:
+        with pytest.raises(ValueError, match=name):
+            ops.SparseFFNConfig(**{name: bad})
 
 
 @pytest.mark.parametrize("choice", [(True, True), (False, True), (True, False), (False, False)])

@@ -144,6 +144,11 @@ class ModelConfig:
     # sampling on the device (speed only, never results). Empty = sample. `twell eval` fills it
     # from the run's own telemetry; a value in ffn_op_config applies to every layer and wins.
     ffn_expected_active: tuple[float, ...] = ()
+    # Per-layer expected dense tails of the sparse backward, (token tail, hot neurons, hot entries)
+    # shares in [0, 1], given to the op as its tail hints (SparseFFNConfig.expected_token_tail,
+    # expected_hot_neurons, expected_hot_entries) so that training "auto" prices them. Empty = no
+    # tails assumed. The trainer fills it from its telemetry (`ops.backward_tail_shares`).
+    ffn_expected_tails: tuple[tuple[float, float, float], ...] = ()
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"  # activations/matmuls (master params f32)
     # Rematerialisation in the backward: "none" (keep every activation: fastest, most memory),
     # "full" (recompute each block from its input), "dots" (keep the matmul outputs, recompute the
@@ -178,6 +183,16 @@ class ModelConfig:
                 isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 for v in hints):
             raise ValueError(f"model.ffn_expected_active must be empty or {self.n_layers} numbers >= 0 (one per "
                              f"layer), got {hints!r}")
+        tails = self.ffn_expected_tails
+        if isinstance(tails, (tuple, list)) and all(isinstance(t, (tuple, list)) for t in tails):
+            tails = tuple(tuple(t) for t in tails)  # a JSON config's lists
+            object.__setattr__(self, "ffn_expected_tails", tails)
+        if not isinstance(tails, tuple) or (tails and len(tails) != self.n_layers) or any(
+                not isinstance(t, tuple) or len(t) != 3 or any(
+                    isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1 for v in t)
+                for t in tails):
+            raise ValueError(f"model.ffn_expected_tails must be empty or {self.n_layers} triples (token tail, hot "
+                             f"neurons, hot entries) of shares in [0, 1], one per layer, got {tails!r}")
 
     @property
     def head_dim(self) -> int:
@@ -467,7 +482,7 @@ RESUMABLE_FIELDS = frozenset({
     "train.progress_bar", "train.num_devices", "train.micro_batch", "train.fsdp", "train.auto_refresh_every",
     "train.auto_trial_steps", "optim.schedule_steps",
     "model.ffn_backend", "model.ffn_op_config", "model.ffn_interpret", "model.ffn_expected_active",
-    "model.remat", "model.attention_impl",
+    "model.ffn_expected_tails", "model.remat", "model.attention_impl",
     "data.source", "data.cache_dir", "data.progress", "data.num_threads", "data.prefetch",
 })
 

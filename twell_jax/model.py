@@ -16,8 +16,10 @@ GEMM and are returned in fp32 for the cross-entropy; `Transformer.decode` uses t
 `Transformer.__call__` returns `(logits_BxSxV, aux)`; `aux` stacks the per-layer FFN telemetry on a
 leading layer axis: the op's scalars ("l1", "l0", overflow counters) as [L], and, when
 `track_neurons=True`, "neuron_active_count" [L, H] (tokens on which each neuron fired) and
-"position_active" [L, S] (mean active neurons per token position over the batch), both taken from
-the op's own counts (`SparseFFNConfig.neuron_counts`), so tracking costs no extra GEMM.
+"position_active" [L, S] (mean active neurons per token position over the batch) and the sparse
+backward's expected dense tails [L] ("token_tail_share", "hot_neuron_share", "hot_entry_share":
+`ops.backward_tail_shares`), all taken from the op's own counts (`SparseFFNConfig.neuron_counts`),
+so tracking costs no extra GEMM.
 
 `Transformer.decode` runs S new tokens per row against a preallocated `KVCache` (prefill and
 decode steps of generation, `twell_jax.inference`), with per-row RoPE positions and masks.
@@ -48,11 +50,14 @@ def _dtype(name: str) -> jnp.dtype:
 
 
 def build_op_config(cfg: ModelConfig, layer: int = 0) -> ops.SparseFFNConfig | None:
-    """Layer `layer`'s op config: `cfg.ffn_op_config` plus that layer's `ffn_expected_active` hint
-    (unless ffn_op_config sets one for all layers), or None for the op defaults."""
+    """Layer `layer`'s op config: `cfg.ffn_op_config` plus that layer's `ffn_expected_active` and
+    `ffn_expected_tails` hints (unless ffn_op_config sets them for all layers), or None for the op
+    defaults."""
     fields = dict(cfg.ffn_op_config)
     if cfg.ffn_expected_active and "expected_active_per_token" not in fields:
         fields["expected_active_per_token"] = float(cfg.ffn_expected_active[layer])
+    if cfg.ffn_expected_tails and not any(name in fields for name in ops.TAIL_HINT_FIELDS):
+        fields.update(zip(ops.TAIL_HINT_FIELDS, (float(v) for v in cfg.ffn_expected_tails[layer])))
     return ops.SparseFFNConfig(**fields) if fields else None
 
 
@@ -297,6 +302,8 @@ class Block(nnx.Module):
         aux = dict(aux)
         if counts:
             # Telemetry only (no gradient), from the op's own counts of the pattern it computed.
+            aux.update(ops.backward_tail_shares(aux["token_active_count"], aux["neuron_active_count"],
+                                                self.ffn.op_config))
             aux["position_active"] = jnp.mean(aux.pop("token_active_count").astype(jnp.float32), axis=0)
         return x_BxSxD + y_BxSxD, aux
 

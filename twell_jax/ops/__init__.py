@@ -50,7 +50,9 @@ Backends:
                  forward keeps its TwELL pack for it). Needs a GPU unless interpret=True.
     "auto"       on a GPU with config.expected_active_per_token set: per layer, forward and
                  backward each sparse (Pallas) or dense from a cost model
-                 (`pallas_backward.choose_training_path`), decided at trace time (at decode sizes, a few tokens per call, the
+                 (`pallas_backward.choose_training_path`, which also prices the backward's dense
+                 tails when the config has the tail hints: `backward_tail_shares` estimates them
+                 from telemetry), decided at trace time (at decode sizes, a few tokens per call, the
                  forward spread over the active neurons: `twell_jax.ops.pallas_decode`); on a GPU
                  without the hint: dense or sparse decided first, outside the custom_vjp, by a
                  lax.cond on a sampled active count (`pallas_forward.auto_use_sparse`): dense =
@@ -92,12 +94,12 @@ lazily: the kernels need Triton-capable jax builds).
 """
 from __future__ import annotations
 
-from twell_jax.ops.config import AUX_KEYS, COUNT_KEYS, Aux, SparseFFNConfig, Weights
+from twell_jax.ops.config import AUX_KEYS, COUNT_KEYS, TAIL_HINT_FIELDS, Aux, SparseFFNConfig, Weights
 from twell_jax.ops.dense import (DENSE_ACTIVATIONS, dense_aux, dense_backward, dense_fallback_ffn, dense_ffn,
                                  dense_hidden)
-from twell_jax.ops.dispatch import BACKENDS, auto_decision, ffn, gated_ffn
+from twell_jax.ops.dispatch import BACKENDS, auto_decision, backward_tail_shares, ffn, gated_ffn
 from twell_jax.ops.reference import reference_backward, reference_forward
 
-__all__ = ["AUX_KEYS", "BACKENDS", "COUNT_KEYS", "DENSE_ACTIVATIONS", "Aux", "SparseFFNConfig", "Weights",
-           "auto_decision", "dense_aux", "dense_backward", "dense_fallback_ffn", "dense_ffn", "dense_hidden", "ffn", "gated_ffn",
-           "reference_backward", "reference_forward"]
+__all__ = ["AUX_KEYS", "BACKENDS", "COUNT_KEYS", "DENSE_ACTIVATIONS", "TAIL_HINT_FIELDS", "Aux", "SparseFFNConfig",
+           "Weights", "auto_decision", "backward_tail_shares", "dense_aux", "dense_backward", "dense_fallback_ffn",
+           "dense_ffn", "dense_hidden", "ffn", "gated_ffn", "reference_backward", "reference_forward"]

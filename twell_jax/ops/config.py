@@ -18,6 +18,8 @@ if TYPE_CHECKING:  # annotations only: the kernels are imported lazily (Triton-b
 AUX_KEYS = ("l1", "l0", "tile_overflow", "row_overflow", "dense_fallback", "backward_tail_rows",
             "backward_hot_neurons")
 COUNT_KEYS = ("neuron_active_count", "token_active_count")  # added when config.neuron_counts
+# SparseFFNConfig's hints of the sparse backward's dense tails (shares), in this order.
+TAIL_HINT_FIELDS = ("expected_token_tail", "expected_hot_neurons", "expected_hot_entries")
 
 # The smallest entry count that makes a neuron hot when SparseFFNConfig.transpose_ell_width is a
 # fraction of the tokens.
@@ -79,6 +81,15 @@ class SparseFFNConfig:
     # Pallas "auto": expected mean actives per token (e.g. the L0 telemetry of training). When set,
     # "auto" decides dense vs sparse at trace time for free, instead of sampling on the device.
     expected_active_per_token: float | None = None
+    # Pallas "auto" with a hint: the layer's expected dense tails of the sparse backward, as shares
+    # (None = none: a uniform pattern). expected_token_tail: of the call's tokens, those with more
+    # than ell_width actives (dense first tokens); expected_hot_neurons: of the neurons, those over
+    # hot_threshold(M); expected_hot_entries: of the active entries, those the hot neurons hold
+    # (the kernels skip them). The trainer fills them from its telemetry (`backward_tail_shares`)
+    # so that choose_training_path prices the tails (pallas_backward's cost table).
+    expected_token_tail: float | None = None
+    expected_hot_neurons: float | None = None
+    expected_hot_entries: float | None = None
     # Pallas: block sizes of the pack kernel (None = the kernel's defaults).
     pack_block_sizes: PackBlockSizes | None = None
     # Pallas: block sizes of the fused FFN kernel (None = the kernel's defaults).
@@ -153,6 +164,11 @@ class SparseFFNConfig:
                 isinstance(self.auto_max_active, bool) or not isinstance(self.auto_max_active, (int, float))
                 or not self.auto_max_active >= 0):
             raise ValueError(f"SparseFFNConfig.auto_max_active must be None or >= 0, got {self.auto_max_active!r}")
+        for name in TAIL_HINT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0.0 <= value <= 1.0):
+                raise ValueError(f"SparseFFNConfig.{name} must be None or a share in [0, 1], got {value!r}")
         expected = self.expected_active_per_token
         if expected is not None and (isinstance(expected, bool) or not isinstance(expected, (int, float))
                                      or not expected >= 0):

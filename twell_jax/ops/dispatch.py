@@ -216,6 +216,31 @@ def _data_axis_size(config: SparseFFNConfig) -> int:
     return int(mesh.shape[config.data_axis])
 
 
+def backward_tail_shares(token_active_count: jax.Array, neuron_active_count: jax.Array,
+                         config: SparseFFNConfig | None) -> dict[str, jax.Array]:
+    """Estimates of the sparse backward's dense tails, as the tail hints of SparseFFNConfig want
+    them, from the counts any backend adds to aux with `neuron_counts` (so also after a dense
+    forward, which builds no pattern): f32 scalars
+      "token_tail_share"  tokens with more than ell_width actives / tokens (a token whose TwELL
+                          tile overflows with fewer actives is not counted: rare, slots >= 32)
+      "hot_neuron_share"  neurons over hot_threshold(M) / H, M = the tokens per data shard of the
+                          call and a neuron's per-shard count estimated as its count / shards
+      "hot_entry_share"   the hot neurons' entries / all entries (0 with none)."""
+    config = config or SparseFFNConfig()
+    n_tokens = math.prod(token_active_count.shape)
+    n_shards = _data_axis_size(config)
+    threshold = config.hot_threshold(-(-n_tokens // n_shards))
+    counts_H = neuron_active_count.astype(jnp.float32)
+    hot_H = counts_H / n_shards > threshold
+    entries = jnp.sum(counts_H)
+    return {
+        "token_tail_share": jnp.mean((token_active_count > config.ell_width).astype(jnp.float32)),
+        "hot_neuron_share": jnp.mean(hot_H.astype(jnp.float32)),
+        "hot_entry_share": jnp.where(entries > 0, jnp.sum(jnp.where(hot_H, counts_H, 0.0))
+                                     / jnp.maximum(entries, 1.0), 0.0),
+    }
+
+
 def _sharded_call(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array, weights: Weights,
                   n_shards: int) -> tuple[jax.Array, Aux]:
     """The op inside shard_map over config.data_axis: tokens split, weights replicated."""
@@ -360,7 +385,7 @@ def _plan(gated: bool, backend: str, interpret: bool, config: SparseFFNConfig,
         return _Plan(gated, "decode", "dense", interpret)
     fwd_sparse, bwd_sparse = pallas_backward.choose_training_path(
         m, d_model, n_neurons, config.expected_active_per_token, gated, itemsize=itemsize,
-        keep_pattern=(config.backward or pallas_backward.BackwardConfig()).keep_gate_pattern)
+        keep_pattern=(config.backward or pallas_backward.BackwardConfig()).keep_gate_pattern, config=config)
     if not (fwd_sparse or bwd_sparse):
         # The dense plan IS the "dense" backend (plain autodiff keeps its activations), unless the
         # config asks for the dense formula inside the custom_vjp, which recomputes them.

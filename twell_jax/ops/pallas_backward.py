@@ -30,14 +30,15 @@ count (`_chunked`), so no tail costs nothing and a short one costs one small blo
 config's capacities (tail_capacity(M), transpose_tail_capacity(H)) the exact dense backward runs
 for the call. Deterministic: fixed reduction orders, scatters to unique positions, no atomics.
 
-Training "auto" (`choose_training_path`): per layer, from the layer's expected active count and
-the cost table below, which of the four whole plans (forward and backward each dense or sparse)
-runs. No host sync: a static choice at trace time.
+Training "auto" (`choose_training_path`): per layer, from the layer's expected active count, its
+expected dense tails (the config's tail hints) and the cost table below, which of the four whole
+plans (forward and backward each dense or sparse) runs. No host sync: a static choice at trace time.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -156,26 +157,40 @@ class BackwardConfig:
 # ----------------------------------------------------------------------------------------------
 # Cost model of the training step's FFN pieces, for "auto". ONE TABLE, fitted on the H100 (below);
 # the forward's constants are pallas_forward's (fitted on an H200, checked on the H100).
-# Times in ms; k = active per token.
-#   dense backward  = DENSE_LAUNCH_MS + n_bwd_gemms * 2 M D H / DENSE_FLOPS_PER_MS     (6 gated, 4)
-#   sparse backward = BWD_FIXED_MS                                          launches and glue
-#                     + M * k * (n_tok_rows + 2) * D * b / BWD_BYTES_PER_MS  row gathers of both kernels
+# Times in ms; k = active per token; G = backward GEMMs of the dense formula (6 gated, 4 not).
+#   dense backward  = DENSE_LAUNCH_MS + G * 2 M D H / DENSE_BWD_FLOPS_PER_MS
+#   sparse backward = BWD_FIXED_MS                                 transpose, lists, launches, glue
+#                     + M * k * (1 - hot_entries) * (n_tok_rows + 2) * D * b / BWD_BYTES_PER_MS
+#                                                  row gathers of both kernels (hot entries skipped)
+#                     + token tail: min(1, T) * TOKEN_TAIL_FIXED_MS * D H / (2048 * 5632)
+#                                   + T * G * 2 D H / TOKEN_TAIL_FLOPS_PER_MS
+#                     + hot tail:   min(1, N) * HOT_TAIL_FIXED_MS * M D / (16384 * 2048)
+#                                   + N * G * 2 M D / HOT_TAIL_FLOPS_PER_MS
 #                     + (pack time, when the pattern is recomputed)
+#   T = expected_token_tail * M rows, N = expected_hot_neurons * H neurons (the config's tail hints,
+#   0 without them); a tail over its capacity makes the backward run the dense formula (inf here).
 # n_tok_rows = rows gathered per entry by the token-major kernel: 3 (W, U, G) gated, 2 (W, G); the
-# neuron-major kernel gathers 2 (x, gy). The dense tails of trained patterns have no term: the
-# trainer times the plan it picks (training/plan_trial.py).
-# Fitted on an H100 on 2026-11-22 (BENCHMARKS.md, `bench_ffn_train.py --quick`, M 16384, D 2048,
-# H 5632, bf16, after the counting-sort transpose and the per-token lists, with the layer's output
-# in the timed program): fwd+bwd 4.55 ms at k = 29 and 7.51 ms at k = 56, minus the pack and the
-# fused FFN timed alone, leaves a backward of 3.07 and 5.50 ms, i.e. ~0.47 ms (transpose, lists,
-# launches) + 0.090 ms per active neuron per token (~3.7 TB/s of row gathers); XLA's dense
-# backward (6 GEMMs) takes ~2.5 ms. Not measured at M 2048 since these kernels changed.
+# neuron-major kernel gathers 2 (x, gy).
+# Fitted on an H100 (BENCHMARKS.md, `bench_ffn_train.py`, M 16384, D 2048, H 5632, bf16, the
+# layer's output in the timed program, 1024-row token-tail blocks), by least squares over the
+# uniform patterns of `--quick` (k 29 and 56: 4.62 and 7.56 ms fwd+bwd, no tails) and seven trained
+# layers (k 10-61, 11-1897 tail rows, 115-274 hot neurons holding 76-86% of the entries; 3.28-7.94
+# ms), the forward's model subtracted: 0.66 ms fixed, 0.089 ms per kernel entry per token (~3.7
+# TB/s of row gathers), 0.40 + 1.39 ms per 1024 token-tail rows, 0.50 + 0.0022 ms per hot neuron
+# (the tail pieces of `--trace`: 0.7-1.2 ms for 85-274 hot neurons). Residuals: within 0.5 ms.
+# XLA's dense backward (6 GEMMs) takes ~2.5 ms.
 # ----------------------------------------------------------------------------------------------
 COST_TABLE = dict(
-    BWD_FIXED_MS=0.47,
+    BWD_FIXED_MS=0.66,
     BWD_BYTES_PER_MS=3.74e9,
     DENSE_BWD_FLOPS_PER_MS=9.2e11,
+    TOKEN_TAIL_FIXED_MS=0.40,
+    TOKEN_TAIL_FLOPS_PER_MS=1.02e11,
+    HOT_TAIL_FIXED_MS=0.50,
+    HOT_TAIL_FLOPS_PER_MS=1.83e11,
 )
+# The shapes the tails' fixed costs were measured at (they scale with D H and with M D).
+_TAIL_FIT_M, _TAIL_FIT_D, _TAIL_FIT_H = 16384, 2048, 5632
 # A plan with a sparse piece is chosen only when its modelled time is at most SAFETY x the dense
 # plan's: with model errors up to 1/SAFETY - 1 - 2% (8.9%) the step stays >= 0.98x dense, and
 # otherwise the chosen plan IS the dense program (1.00x by construction).
@@ -190,24 +205,56 @@ def dense_times_ms(m: int, d: int, h: int, gated: bool) -> tuple[float, float]:
     return fwd, bwd
 
 
+def expected_tails(m: int, h: int, config: ops.SparseFFNConfig | None) -> tuple[float, float, float, bool]:
+    """(token-tail rows T, hot neurons N, share of the entries on hot neurons, over capacity?) that
+    the config's tail hints (expected_token_tail, expected_hot_neurons, expected_hot_entries) give
+    for a call of M tokens and H neurons; zeros without hints."""
+    if config is None:
+        return 0.0, 0.0, 0.0, False
+    rows = (config.expected_token_tail or 0.0) * m
+    neurons = (config.expected_hot_neurons or 0.0) * h
+    over = rows > config.tail_capacity(m) or neurons > config.transpose_tail_capacity(h)
+    return rows, neurons, float(config.expected_hot_entries or 0.0), over
+
+
+def tail_times_ms(m: int, d: int, h: int, rows: float, neurons: float, gated: bool) -> tuple[float, float]:
+    """Modelled ms of the backward's dense token tail (`rows` rows) and hot-neuron tail (`neurons`)."""
+    c = COST_TABLE
+    gemms = 6 if gated else 4
+    token = (min(1.0, rows) * c["TOKEN_TAIL_FIXED_MS"] * (d * h) / (_TAIL_FIT_D * _TAIL_FIT_H)
+             + rows * gemms * 2.0 * d * h / c["TOKEN_TAIL_FLOPS_PER_MS"])
+    hot = (min(1.0, neurons) * c["HOT_TAIL_FIXED_MS"] * (m * d) / (_TAIL_FIT_M * _TAIL_FIT_D)
+           + neurons * gemms * 2.0 * m * d / c["HOT_TAIL_FLOPS_PER_MS"])
+    return token, hot
+
+
 def sparse_times_ms(m: int, d: int, h: int, k: float, gated: bool, *, itemsize: int = 2,
-                    keep_pattern: bool = True) -> tuple[float, float]:
-    """Modelled (forward, backward) ms of the sparse FFN (pack + fused FFN; Pallas backward)."""
+                    keep_pattern: bool = True,
+                    config: ops.SparseFFNConfig | None = None) -> tuple[float, float]:
+    """Modelled (forward, backward) ms of the sparse FFN (pack + fused FFN; Pallas backward), with
+    the dense tails of `config`'s tail hints (`expected_tails`; none without a config). A tail over
+    its capacity makes the backward the dense formula: inf here (never planned)."""
     c = COST_TABLE
     pb = pallas_forward
     pack_ms = 2.0 * m * d * h / pb.PACK_FLOPS_PER_MS
     n_rows = 2 if gated else 1
     fwd = (pb.SPARSE_FIXED_MS + pack_ms + m * pb.FFN_TOKEN_MS * n_rows / 2
            + m * k * n_rows * d * itemsize / pb.FFN_BYTES_PER_MS)
+    rows, neurons, hot_entries, over = expected_tails(m, h, config)
+    if over:
+        return fwd, math.inf
+    token_tail, hot_tail = tail_times_ms(m, d, h, rows, neurons, gated)
     bwd = (c["BWD_FIXED_MS"]
-           + m * k * (n_rows + 1 + 2) * d * itemsize / c["BWD_BYTES_PER_MS"]
-           + (0.0 if keep_pattern else pack_ms))
+           + m * k * (1.0 - hot_entries) * (n_rows + 1 + 2) * d * itemsize / c["BWD_BYTES_PER_MS"]
+           + token_tail + hot_tail + (0.0 if keep_pattern else pack_ms))
     return fwd, bwd
 
 
 def choose_training_path(m: int, d: int, h: int, expected_active: float, gated: bool, *,
-                         itemsize: int = 2, keep_pattern: bool = True) -> tuple[bool, bool]:
-    """(forward sparse?, backward sparse?) for one layer from its expected active count per token.
+                         itemsize: int = 2, keep_pattern: bool = True,
+                         config: ops.SparseFFNConfig | None = None) -> tuple[bool, bool]:
+    """(forward sparse?, backward sparse?) for one layer from its expected active count per token
+    and the tail hints of `config` (the backward's dense tails; none without a config).
 
     The four plans are compared whole, because the pieces are not independent: a dense backward
     after a sparse forward runs inside the op's custom_vjp and recomputes the pre-activations (2
@@ -219,9 +266,9 @@ def choose_training_path(m: int, d: int, h: int, expected_active: float, gated: 
     dense_fwd, dense_bwd = dense_times_ms(m, d, h, gated)
     recompute = (2.0 if gated else 1.0) / (3.0 if gated else 2.0) * dense_fwd
     sparse_fwd, sparse_bwd_kept = sparse_times_ms(m, d, h, expected_active, gated, itemsize=itemsize,
-                                                  keep_pattern=keep_pattern)
+                                                  keep_pattern=keep_pattern, config=config)
     _, sparse_bwd_repacked = sparse_times_ms(m, d, h, expected_active, gated, itemsize=itemsize,
-                                             keep_pattern=False)
+                                             keep_pattern=False, config=config)
     plans = {
         (True, True): sparse_fwd + sparse_bwd_kept,
         (True, False): sparse_fwd + dense_bwd + recompute,

@@ -5,7 +5,10 @@ A model whose sparse op runs backend "auto" with no user hint (`manages_auto_hin
 "auto" decides dense vs sparse per layer at trace time. The trainer saves the hints it compiled
 with in each checkpoint's meta ("auto_hints"); `run_hints` is the one reader of a run's hints for
 evaluation, inference and resumption: the checkpoint's saved hints, else the last per-layer l0 the
-run logged in metrics.jsonl up to that step.
+run logged in metrics.jsonl up to that step. A run that tracks neurons also hints each layer's
+expected dense tails of the sparse backward (`model.ffn_expected_tails`, from the telemetry of
+`ops.backward_tail_shares`; saved in the checkpoint's config, read back by `saved_tail_hints`): only
+training prices them, so evaluation and inference do without.
 """
 from __future__ import annotations
 
@@ -28,10 +31,38 @@ def manages_auto_hints(model: ModelConfig) -> bool:
             and "expected_active_per_token" not in model.ffn_op_config)
 
 
-def with_hints(cfg: ExperimentConfig, hints: Sequence[float]) -> ExperimentConfig:
-    """`cfg` with `model.ffn_expected_active` = `hints` (one per layer)."""
-    model = dataclasses.replace(cfg.model, ffn_expected_active=tuple(float(v) for v in hints))
-    return dataclasses.replace(cfg, model=model)
+Tails = tuple[tuple[float, float, float], ...]  # per layer (token tail, hot neurons, hot entries)
+
+
+def with_hints(cfg: ExperimentConfig, hints: Sequence[float],
+               tails: Sequence[Sequence[float]] | None = None) -> ExperimentConfig:
+    """`cfg` with `model.ffn_expected_active` = `hints` (one per layer) and, when given,
+    `model.ffn_expected_tails` = `tails` (one (token tail, hot neurons, hot entries) triple of
+    shares per layer: the sparse backward's expected dense tails)."""
+    fields: dict[str, Any] = {"ffn_expected_active": tuple(float(v) for v in hints)}
+    if tails is not None:
+        fields["ffn_expected_tails"] = normalise_tails(tails)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **fields))
+
+
+def describe_tails(tails: Tails) -> str:
+    """"0.6%/3.1%, ..." (token-tail share / hot-neuron share per layer), for log lines."""
+    return ", ".join(f"{t[0]:.1%}/{t[1]:.1%}" for t in tails)
+
+
+def normalise_tails(tails: Sequence[Sequence[float]]) -> Tails:
+    """Tail hints as a tuple of float triples (from lists, numpy rows, ...)."""
+    return tuple(tuple(float(v) for v in layer) for layer in tails)
+
+
+def saved_tail_hints(meta: dict[str, Any] | None, n_layers: int) -> Tails | None:
+    """The tail hints a checkpoint was trained with (its meta's step config), or None (none saved:
+    a run without neuron tracking, or one saved before the hints existed)."""
+    model = ((meta or {}).get("config") or {}).get("model") or {}
+    tails = model.get("ffn_expected_tails")
+    if isinstance(tails, list) and len(tails) == n_layers and n_layers:
+        return normalise_tails(tails)
+    return None
 
 
 def expected_active_from_run(run_dir: str | Path, n_layers: int,
@@ -65,6 +96,39 @@ def _checkpoint_meta(run_dir: Path, step: int | None) -> dict[str, Any] | None:
         return store.restore_meta(step)
     finally:
         store.close()
+
+
+def tails_from_run(run_dir: str | Path, n_layers: int, up_to_step: int | None = None) -> Tails | None:
+    """The latest per-layer tail shares a run logged in metrics.jsonl (its training records'
+    token_tail_share_per_layer, hot_neuron_share_per_layer and hot_entry_share_per_layer, at or
+    before `up_to_step` when given) as tail hints, or None when it logged none."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return None
+    keys = ("token_tail_share_per_layer", "hot_neuron_share_per_layer", "hot_entry_share_per_layer")
+    latest = None
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if up_to_step is not None and record.get("step", 0) > up_to_step:
+            continue
+        values = [record.get(key) for key in keys]
+        if all(isinstance(v, list) and len(v) == n_layers for v in values):
+            latest = normalise_tails(zip(*values))
+    return latest
+
+
+def run_tail_hints(run_dir: str | Path, step: int | None = None, *, n_layers: int,
+                   meta: dict[str, Any] | None = None) -> Tails | None:
+    """The tail hints of the run in `run_dir` at checkpoint `step` (default: the latest): those that
+    checkpoint was trained with (`saved_tail_hints`), else the last tail shares logged at or before
+    that step (`tails_from_run`), else None."""
+    run_dir = Path(run_dir)
+    if meta is None:
+        meta = _checkpoint_meta(run_dir, step)
+    saved = saved_tail_hints(meta, n_layers)
+    if saved is not None:
+        return saved
+    return tails_from_run(run_dir, n_layers, up_to_step=(meta or {}).get("step", step))
 
 
 def run_hints_and_source(run_dir: str | Path, step: int | None = None, *, n_layers: int | None = None,

@@ -30,7 +30,13 @@ per-layer decisions (`auto_decisions`, which is `ops.auto_decision`, i.e. the op
 when one changes are the hints replaced by that mean, the
 graphdef rebuilt (params keep their structure) and the step recompiled, once, with a log line
 naming every layer's decision. The hints in use go into every metrics record
-(`auto_hints_per_layer`) and into the checkpoints' config.
+(`auto_hints_per_layer`) and into the checkpoints' config. A run that tracks neurons (a ReLU model,
+`sparsity.track_neurons`) hints each layer's expected dense tails of the sparse backward too
+(`model.ffn_expected_tails`, `auto_tail_hints_per_layer`): the token-tail, hot-neuron and
+hot-entry shares the step measures from the op's counts for any plan (`ops.backward_tail_shares`,
+logged as `token_tail_share_per_layer`, ...), measured and averaged like l0, so that the cost model
+prices the tails of the layer's real pattern (dense first tokens, hot neurons) and not only its
+mean active count.
 
 The plan is then checked on the run (`plan_trial.py`, `train.auto_trial_steps`): a plan with a
 sparse piece runs that many timed steps, the dense program (compiled once per run) as many, and the
@@ -61,7 +67,8 @@ from twell_jax import config as config_lib
 from twell_jax.training import parallel
 from twell_jax.config import ExperimentConfig, ModelConfig
 from twell_jax.data import DataSource, build_experiment_data
-from twell_jax.training.hints import manages_auto_hints, run_hints_and_source, with_hints
+from twell_jax.training.hints import (Tails, describe_tails, manages_auto_hints, normalise_tails,
+                                      run_hints_and_source, saved_tail_hints, with_hints)
 from twell_jax.training.plan_trial import PlanTrial
 from twell_jax.training.loss import cross_entropy, l1_coefficient, total_loss
 from twell_jax.training.metrics import MetricsSink, check_finite, device_peak_memory_bytes, to_python
@@ -101,12 +108,14 @@ def check_op_config(cfg: ExperimentConfig) -> None:
 Decision = tuple[str, str]  # (forward, backward) of one layer's op call, as ops.auto_decision names them
 
 
-def auto_decisions(cfg: ExperimentConfig, hints: Sequence[float], num_devices: int) -> tuple[Decision, ...]:
+def auto_decisions(cfg: ExperimentConfig, hints: Sequence[float], num_devices: int,
+                   tails: Tails | None = None) -> tuple[Decision, ...]:
     """Per layer, the (forward, backward) path that backend "auto" compiles for the training step's
-    FFN calls (one micro-batch of `train.micro_batch` sequences per device) with these hints."""
+    FFN calls (one micro-batch of `train.micro_batch` sequences per device) with these hints (and
+    these tail hints, when given)."""
     from twell_jax import ops
 
-    model = with_hints(cfg, hints).model
+    model = with_hints(cfg, hints, tails).model
     itemsize = jnp.dtype(model.compute_dtype).itemsize
     decisions = []
     for layer in range(model.n_layers):
@@ -123,11 +132,27 @@ def describe_decisions(decisions: Sequence[Decision]) -> str:
     return ", ".join(f"layer {i} {fwd}/{bwd}" for i, (fwd, bwd) in enumerate(decisions))
 
 
-def measure_active_per_layer(graphdef: nnx.GraphDef, params: Any, tokens_BxT: jax.Array) -> tuple[float, ...]:
+# The model's per-layer telemetry of the sparse backward's dense tails (ops.backward_tail_shares), in
+# the order of a tail hint (ops.TAIL_HINT_FIELDS): token tail, hot neurons, hot entries.
+TAIL_SHARE_KEYS = ("token_tail_share", "hot_neuron_share", "hot_entry_share")
+
+
+def tails_from_shares(shares: dict[str, Any]) -> Tails:
+    """Per-layer tail hints from the per-layer TAIL_SHARE_KEYS values of `shares` ([L] each)."""
+    return normalise_tails(zip(*(np.asarray(shares[key], np.float64).tolist() for key in TAIL_SHARE_KEYS)))
+
+
+def measure_activity(graphdef: nnx.GraphDef, params: Any, tokens_BxT: jax.Array, *,
+                     tails: bool) -> tuple[tuple[float, ...], Tails | None]:
     """Each layer's mean active FFN neurons per token (the model's aux l0) on one forward of
-    `tokens_BxT` (inputs tokens[:, :-1], as in training)."""
-    forward = jax.jit(lambda p, t: apply_model(graphdef, p, t[:, :-1])[1]["l0"])
-    return tuple(float(v) for v in np.asarray(jax.device_get(forward(params, tokens_BxT))))
+    `tokens_BxT` (inputs tokens[:, :-1], as in training), and with `tails` (a ReLU model) each
+    layer's expected dense tails of the sparse backward (`tails_from_shares`), else None."""
+    keys = ("l0", *(TAIL_SHARE_KEYS if tails else ()))
+    forward = jax.jit(lambda p, t: {k: v for k, v in apply_model(graphdef, p, t[:, :-1], track_neurons=tails)[1].items()
+                                    if k in keys})
+    aux = jax.device_get(forward(params, tokens_BxT))
+    l0 = tuple(float(v) for v in np.asarray(aux["l0"]))
+    return l0, (tails_from_shares(aux) if tails else None)
 
 
 def abstract_graphdef(model: ModelConfig, seed: int) -> nnx.GraphDef:
@@ -187,6 +212,7 @@ def accumulate_gradients(cfg: ExperimentConfig, graphdef: nnx.GraphDef, params: 
                "backward_hot_neurons_per_layer": aux["backward_hot_neurons"]}
         if track:
             out["position_active"] = aux["position_active"]
+            out.update({f"{key}_per_layer": aux[key] for key in TAIL_SHARE_KEYS})
         return (grad_sum, since), out
 
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -241,6 +267,8 @@ def make_train_step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, optimizer: op
             metrics["dead_share_per_layer"] = dead_share(since, window)
             metrics["position_profile"] = position_profile(mean(per_micro["position_active"]),
                                                            cfg.sparsity.position_buckets)
+            # The sparse backward's expected dense tails, for any plan (the "auto" tail hints).
+            metrics.update({f"{key}_per_layer": mean(per_micro[f"{key}_per_layer"]) for key in TAIL_SHARE_KEYS})
         if cfg.sparsity.reinit_dead:
             metrics["reinit_count"] = reinit_count
         new_state = {"params": params, "opt_state": opt_state, "step": step, "since_active": since}
@@ -343,9 +371,12 @@ class Trainer:
         self.hooks = hooks or Hooks()
         self.store = None
         self.auto_hints: tuple[float, ...] | None = None  # the "auto" hints compiled in (managed runs)
+        self.auto_tails: Tails | None = None  # and their tail hints (runs that track neurons)
         self.decisions: tuple[Decision, ...] | None = None  # their per-layer (forward, backward)
-        # Sum and count of the per-layer l0 of the steps since the last re-plan (managed runs).
+        # Sums of the per-layer l0 (and tail shares [L, 3]) of the steps since the last re-plan, and
+        # the number of steps (managed runs).
         self._l0_sum: np.ndarray | None = None
+        self._tails_sum: np.ndarray | None = None
         self._l0_steps = 0
         self.step_builds = 0  # how many times the train step was compiled in this process
         # The A/B of a sparse "auto" plan against the dense program (plan_trial.py): the trial under
@@ -467,10 +498,12 @@ class Trainer:
             else:
                 state = self.init_state()
             if self.manage_hints:
-                hints, source = self._initial_hints(state, meta)
-                self._use_hints(hints)
+                hints, tails, source = self._initial_hints(state, meta)
+                self._use_hints(hints, tails)
                 self.echo(f"[twell] 'auto' backend hints (mean active FFN neurons/token per layer, {source}): "
-                          f"{', '.join(f'{v:.1f}' for v in hints)}; plan: {describe_decisions(self.decisions)}"
+                          f"{', '.join(f'{v:.1f}' for v in hints)}"
+                          + (f"; backward tails (token-tail / hot-neuron share) {describe_tails(tails)}" if tails else "")
+                          + f"; plan: {describe_decisions(self.decisions)}"
                           + (f"; re-planned every {tc.auto_refresh_every} steps" if tc.auto_refresh_every else ""))
             start_step = int(state["step"])
             compiled, compile_s = self._compile(state)
@@ -518,7 +551,7 @@ class Trainer:
                     if hooks.on_step is not None:
                         hooks.on_step(last_record)
                     if self.manage_hints:
-                        self._observe_l0(host["l0_per_layer"])
+                        self._observe(host)
                     if (self.manage_hints and tc.auto_refresh_every and step_no % tc.auto_refresh_every == 0
                             and step_no < end_step):
                         if self._refresh_hints(step_no, sink):
@@ -571,21 +604,25 @@ class Trainer:
     @property
     def step_cfg(self) -> ExperimentConfig:
         """The config the step is compiled with: `cfg` plus the "auto" hints in use (if any)."""
-        return self.cfg if self.auto_hints is None else with_hints(self.cfg, self.auto_hints)
+        return self.cfg if self.auto_hints is None else with_hints(self.cfg, self.auto_hints, self.auto_tails)
 
-    def _initial_hints(self, state: TrainState, meta: dict[str, Any]) -> tuple[tuple[float, ...], str]:
-        """(hints, where they come from) for the first compile of a managed run: a resumed run's
-        `run_hints` (its checkpoint's, else its logged l0), else a measurement."""
+    def _initial_hints(self, state: TrainState, meta: dict[str, Any]
+                       ) -> tuple[tuple[float, ...], Tails | None, str]:
+        """(hints, tail hints or None, where they come from) for the first compile of a managed run:
+        a resumed run's `run_hints` (its checkpoint's, else its logged l0) with the checkpoint's tail
+        hints, else a measurement."""
         if self.resume:
             found = run_hints_and_source(self.run_dir, int(state["step"]), n_layers=self.cfg.model.n_layers,
                                          meta=meta)
             if found is not None:
-                return found
-        return self._measure_first_batch(state), "measured on the first micro-batch of the next batch"
+                tails = saved_tail_hints(meta, self.cfg.model.n_layers) if tracks_neurons(self.cfg) else None
+                return found[0], tails, found[1]
+        return (*self._measure_first_batch(state), "measured on the first micro-batch of the next batch")
 
-    def _measure_first_batch(self, state: TrainState) -> tuple[float, ...]:
+    def _measure_first_batch(self, state: TrainState) -> tuple[tuple[float, ...], Tails | None]:
         """Mean active neurons per token per layer of the current params on the first micro-batch
-        of the batch the loop will train on next (the data iterator is rewound afterwards)."""
+        of the batch the loop will train on next (the data iterator is rewound afterwards), and the
+        layers' tail hints (runs that track neurons)."""
         iterator = self.data.train_iter
         position = iterator.get_state()
         tokens = np.asarray(next(iterator)["tokens"], np.int32)
@@ -596,14 +633,16 @@ class Trainer:
         # The dense backend: the same l0 exactly (a backend never changes results), without
         # compiling "auto"'s two hint-less paths just to count.
         dense = dataclasses.replace(self.cfg.model, ffn_backend="dense")
-        return measure_active_per_layer(abstract_graphdef(dense, self.cfg.train.seed), state["params"],
-                                        placed["tokens"])
+        return measure_activity(abstract_graphdef(dense, self.cfg.train.seed), state["params"],
+                                placed["tokens"], tails=tracks_neurons(self.cfg))
 
-    def _use_hints(self, hints: Sequence[float], decisions: tuple[Decision, ...] | None = None) -> None:
-        """Compile with these hints from now on: their decisions (`decisions` when the caller has
-        them already) and the graphdef built with them."""
+    def _use_hints(self, hints: Sequence[float], tails: Tails | None,
+                   decisions: tuple[Decision, ...] | None = None) -> None:
+        """Compile with these hints (and tail hints) from now on: their decisions (`decisions` when
+        the caller has them already) and the graphdef built with them."""
         self.auto_hints = tuple(float(v) for v in hints)
-        self.decisions = decisions or auto_decisions(self.cfg, self.auto_hints, self.num_devices)
+        self.auto_tails = None if tails is None else normalise_tails(tails)
+        self.decisions = decisions or auto_decisions(self.cfg, self.auto_hints, self.num_devices, self.auto_tails)
         self.graphdef = abstract_graphdef(self.step_cfg.model, self.cfg.train.seed)
 
     def _maybe_start_trial(self, step_no: int, sink: MetricsSink) -> None:
@@ -636,25 +675,34 @@ class Trainer:
                         f"running the dense program (the plan is under {trial.floor:g}x dense)"))
         return verdict
 
-    def _observe_l0(self, l0_per_layer: Sequence[float]) -> None:
-        """Add one step's per-layer l0 to the mean the next re-plan decides from."""
-        l0 = np.asarray(l0_per_layer, np.float64)
+    def _observe(self, host: dict[str, Any]) -> None:
+        """Add one step's per-layer l0 (and tail shares, when the step reports them) to the means
+        the next re-plan decides from."""
+        l0 = np.asarray(host["l0_per_layer"], np.float64)
         self._l0_sum = l0 if self._l0_sum is None else self._l0_sum + l0
+        if all(f"{key}_per_layer" in host for key in TAIL_SHARE_KEYS):
+            tails = np.asarray(tails_from_shares({k: host[f"{k}_per_layer"] for k in TAIL_SHARE_KEYS}))
+            self._tails_sum = tails if self._tails_sum is None else self._tails_sum + tails
         self._l0_steps += 1
 
     def _refresh_hints(self, step_no: int, sink: MetricsSink) -> bool:
-        """Re-plan from the mean l0 of the steps since the last re-plan, so that one noisy step
-        near a dense/sparse threshold does not flip the plan; True when some layer's decision
-        changed (the caller then recompiles). Unchanged decisions keep the hints: no recompile."""
+        """Re-plan from the mean l0 (and tail shares) of the steps since the last re-plan, so that
+        one noisy step near a dense/sparse threshold does not flip the plan; True when some layer's
+        decision changed (the caller then recompiles). Unchanged decisions keep the hints: no
+        recompile."""
         mean_l0 = (self._l0_sum / self._l0_steps).tolist()
-        self._l0_sum, self._l0_steps = None, 0  # the next re-plan averages the steps after this one
-        decisions = auto_decisions(self.cfg, mean_l0, self.num_devices)
+        mean_tails = None if self._tails_sum is None else normalise_tails(self._tails_sum / self._l0_steps)
+        # The next re-plan averages the steps after this one.
+        self._l0_sum, self._tails_sum, self._l0_steps = None, None, 0
+        decisions = auto_decisions(self.cfg, mean_l0, self.num_devices, mean_tails)
         if decisions == self.decisions:
             return False
         changed = [i for i, (old, new) in enumerate(zip(self.decisions, decisions)) if old != new]
-        self._use_hints(mean_l0, decisions)
+        self._use_hints(mean_l0, mean_tails, decisions)
         sink.message(f"[twell] step {step_no}: 'auto' plan changed in layer(s) {changed}; recompiling the step "
-                     f"with hints {', '.join(f'{v:.1f}' for v in self.auto_hints)}: {describe_decisions(decisions)}")
+                     f"with hints {', '.join(f'{v:.1f}' for v in self.auto_hints)}"
+                     + (f", backward tails {describe_tails(mean_tails)}" if mean_tails else "")
+                     + f": {describe_decisions(decisions)}")
         return True
 
     def _describe(self, tokens_per_step: int) -> None:
@@ -694,6 +742,8 @@ class Trainer:
             record["peak_memory_bytes"] = peak
         if self.auto_hints is not None:
             record["auto_hints_per_layer"] = list(self.auto_hints)
+        if self.auto_tails is not None:
+            record["auto_tail_hints_per_layer"] = [list(t) for t in self.auto_tails]
         return record
 
     def _eval_and_log(self, sink: MetricsSink, eval_fn: Callable, state: TrainState, step_no: int) -> dict[str, Any]:
