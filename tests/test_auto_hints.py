@@ -165,7 +165,8 @@ def test_resume_restores_the_hints(tmp_path, monkeypatch):
     # A checkpoint without hints (older runs): the last l0 logged in metrics.jsonl (validation or training).
     again = Trainer(micro_cfg("train.steps=3"), tmp_path, resume=True, data_builder=FakeData)
     hints, tails, _ = again._initial_hints({"step": 3}, {})
-    assert tails is None  # no saved tail hints: none assumed until the first re-plan
+    step_3 = [r for r in _records(tmp_path) if r["step"] == 3][0]  # ... and the last tail shares logged
+    np.testing.assert_allclose(tails, np.transpose([step_3[f"{k}_per_layer"] for k in train_lib.TAIL_SHARE_KEYS]))
     last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])  # the final validation
     assert list(hints) == last["val_l0_per_layer"]
     # ... and only telemetry logged up to the checkpoint's step.

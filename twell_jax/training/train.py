@@ -68,7 +68,7 @@ from twell_jax.training import parallel
 from twell_jax.config import ExperimentConfig, ModelConfig
 from twell_jax.data import DataSource, build_experiment_data
 from twell_jax.training.hints import (Tails, describe_tails, manages_auto_hints, normalise_tails,
-                                      run_hints_and_source, saved_tail_hints, with_hints)
+                                      run_hints_and_source, run_tail_hints, with_hints)
 from twell_jax.training.plan_trial import PlanTrial
 from twell_jax.training.loss import cross_entropy, l1_coefficient, total_loss
 from twell_jax.training.metrics import MetricsSink, check_finite, device_peak_memory_bytes, to_python
@@ -609,13 +609,14 @@ class Trainer:
     def _initial_hints(self, state: TrainState, meta: dict[str, Any]
                        ) -> tuple[tuple[float, ...], Tails | None, str]:
         """(hints, tail hints or None, where they come from) for the first compile of a managed run:
-        a resumed run's `run_hints` (its checkpoint's, else its logged l0) with the checkpoint's tail
-        hints, else a measurement."""
+        a resumed run's `run_hints` (its checkpoint's, else its logged l0) with its `run_tail_hints`
+        (likewise), else a measurement."""
         if self.resume:
             found = run_hints_and_source(self.run_dir, int(state["step"]), n_layers=self.cfg.model.n_layers,
                                          meta=meta)
             if found is not None:
-                tails = saved_tail_hints(meta, self.cfg.model.n_layers) if tracks_neurons(self.cfg) else None
+                tails = (run_tail_hints(self.run_dir, int(state["step"]), n_layers=self.cfg.model.n_layers, meta=meta)
+                         if tracks_neurons(self.cfg) else None)
                 return found[0], tails, found[1]
         return (*self._measure_first_batch(state), "measured on the first micro-batch of the next batch")
 
