@@ -29,7 +29,6 @@ first `ref` row. Shapes come from a preset (`--config`, configs.get_config), ove
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import statistics

@@ -137,7 +137,7 @@ def test_refresh_recompiles_only_when_a_decision_changes(tmp_path, monkeypatch):
     assert a_records[2]["auto_hints_per_layer"] == pytest.approx(a_records[1]["l0_per_layer"])
     assert a_records[3]["auto_hints_per_layer"] == a_records[2]["auto_hints_per_layer"]
     # ... and step 2's tail shares as the new tail hints.
-    shares = [a_records[1][f"{key}_per_layer"] for key in train_lib.TAIL_SHARE_KEYS]
+    shares = [a_records[1][f"{key}_per_layer"] for key in ops.TAIL_SHARE_KEYS]
     np.testing.assert_allclose(a_records[2]["auto_tail_hints_per_layer"], np.transpose(shares), rtol=1e-6)
     # Same params, same batches: the rebuild leaves the loss trajectory exactly as it was.
     assert [r["loss"] for r in a.history] == [r["loss"] for r in b.history]
@@ -166,7 +166,7 @@ def test_resume_restores_the_hints(tmp_path, monkeypatch):
     again = Trainer(micro_cfg("train.steps=3"), tmp_path, resume=True, data_builder=FakeData)
     hints, tails, _ = again._initial_hints({"step": 3}, {})
     step_3 = [r for r in _records(tmp_path) if r["step"] == 3][0]  # ... and the last tail shares logged
-    np.testing.assert_allclose(tails, np.transpose([step_3[f"{k}_per_layer"] for k in train_lib.TAIL_SHARE_KEYS]))
+    np.testing.assert_allclose(tails, np.transpose([step_3[f"{k}_per_layer"] for k in ops.TAIL_SHARE_KEYS]))
     last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])  # the final validation
     assert list(hints) == last["val_l0_per_layer"]
     # ... and only telemetry logged up to the checkpoint's step.
@@ -332,7 +332,7 @@ def test_the_models_tail_shares_are_the_ops_counts(tmp_path):
     graphdef, params = split_model(init_model(cfg.model, cfg.train.seed))
     tokens = jnp.asarray(next(FakeData(cfg).train_iter)["tokens"][:2, :-1])
     _, aux = apply_model(graphdef, params, tokens, track_neurons=True)
-    for key in train_lib.TAIL_SHARE_KEYS:
+    for key in ops.TAIL_SHARE_KEYS:
         assert aux[key].shape == (cfg.model.n_layers,)
     # Layer by layer from the counts the model reports.
     config = ops.SparseFFNConfig()
@@ -343,7 +343,7 @@ def test_the_models_tail_shares_are_the_ops_counts(tmp_path):
     ref = dataclasses.replace(cfg.model, ffn_backend="reference")
     graphdef_ref = split_model(init_model(ref, cfg.train.seed))[0]
     _, aux_ref = apply_model(graphdef_ref, params, tokens, track_neurons=True)
-    for key in train_lib.TAIL_SHARE_KEYS:
+    for key in ops.TAIL_SHARE_KEYS:
         np.testing.assert_allclose(aux_ref[key], aux[key], rtol=1e-6)
 
 

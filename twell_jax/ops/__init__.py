@@ -94,12 +94,14 @@ lazily: the kernels need Triton-capable jax builds).
 """
 from __future__ import annotations
 
-from twell_jax.ops.config import AUX_KEYS, COUNT_KEYS, TAIL_HINT_FIELDS, Aux, SparseFFNConfig, Weights
+from twell_jax.ops.config import (AUX_KEYS, COUNT_KEYS, TAIL_HINT_FIELDS, TAIL_SHARE_KEYS, Aux, SparseFFNConfig,
+                                  Weights)
 from twell_jax.ops.dense import (DENSE_ACTIVATIONS, dense_aux, dense_backward, dense_fallback_ffn, dense_ffn,
                                  dense_hidden)
 from twell_jax.ops.dispatch import BACKENDS, auto_decision, backward_tail_shares, ffn, gated_ffn
 from twell_jax.ops.reference import reference_backward, reference_forward
 
-__all__ = ["AUX_KEYS", "BACKENDS", "COUNT_KEYS", "DENSE_ACTIVATIONS", "TAIL_HINT_FIELDS", "Aux", "SparseFFNConfig",
+__all__ = ["AUX_KEYS", "BACKENDS", "COUNT_KEYS", "DENSE_ACTIVATIONS", "TAIL_HINT_FIELDS", "TAIL_SHARE_KEYS", "Aux",
+           "SparseFFNConfig",
            "Weights", "auto_decision", "backward_tail_shares", "dense_aux", "dense_backward", "dense_fallback_ffn",
            "dense_ffn", "dense_hidden", "ffn", "gated_ffn", "reference_backward", "reference_forward"]

@@ -18,8 +18,10 @@ if TYPE_CHECKING:  # annotations only: the kernels are imported lazily (Triton-b
 AUX_KEYS = ("l1", "l0", "tile_overflow", "row_overflow", "dense_fallback", "backward_tail_rows",
             "backward_hot_neurons")
 COUNT_KEYS = ("neuron_active_count", "token_active_count")  # added when config.neuron_counts
-# SparseFFNConfig's hints of the sparse backward's dense tails (shares), in this order.
+# SparseFFNConfig's hints of the sparse backward's dense tails (shares), in this order, and the keys
+# of their telemetry (`backward_tail_shares`) in the same order.
 TAIL_HINT_FIELDS = ("expected_token_tail", "expected_hot_neurons", "expected_hot_entries")
+TAIL_SHARE_KEYS = ("token_tail_share", "hot_neuron_share", "hot_entry_share")
 
 # The smallest entry count that makes a neuron hot when SparseFFNConfig.transpose_ell_width is a
 # fraction of the tokens.

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec
 
-from twell_jax.ops.config import AUX_KEYS, COUNT_KEYS, Aux, SparseFFNConfig, Weights
+from twell_jax.ops.config import AUX_KEYS, COUNT_KEYS, TAIL_SHARE_KEYS, Aux, SparseFFNConfig, Weights
 from twell_jax.ops.dense import dense_backward, dense_fallback_ffn, dense_ffn
 from twell_jax.ops.reference import reference_backward, reference_forward
 
@@ -220,7 +220,7 @@ def backward_tail_shares(token_active_count: jax.Array, neuron_active_count: jax
                          config: SparseFFNConfig | None) -> dict[str, jax.Array]:
     """Estimates of the sparse backward's dense tails, as the tail hints of SparseFFNConfig want
     them, from the counts any backend adds to aux with `neuron_counts` (so also after a dense
-    forward, which builds no pattern): f32 scalars
+    forward, which builds no pattern): f32 scalars under TAIL_SHARE_KEYS
       "token_tail_share"  tokens with more than ell_width actives / tokens (a token whose TwELL
                           tile overflows with fewer actives is not counted: rare, slots >= 32)
       "hot_neuron_share"  neurons over hot_threshold(M) / H, M = the tokens per data shard of the
@@ -233,12 +233,10 @@ def backward_tail_shares(token_active_count: jax.Array, neuron_active_count: jax
     counts_H = neuron_active_count.astype(jnp.float32)
     hot_H = counts_H / n_shards > threshold
     entries = jnp.sum(counts_H)
-    return {
-        "token_tail_share": jnp.mean((token_active_count > config.ell_width).astype(jnp.float32)),
-        "hot_neuron_share": jnp.mean(hot_H.astype(jnp.float32)),
-        "hot_entry_share": jnp.where(entries > 0, jnp.sum(jnp.where(hot_H, counts_H, 0.0))
-                                     / jnp.maximum(entries, 1.0), 0.0),
-    }
+    shares = (jnp.mean((token_active_count > config.ell_width).astype(jnp.float32)),
+              jnp.mean(hot_H.astype(jnp.float32)),
+              jnp.where(entries > 0, jnp.sum(jnp.where(hot_H, counts_H, 0.0)) / jnp.maximum(entries, 1.0), 0.0))
+    return dict(zip(TAIL_SHARE_KEYS, shares))
 
 
 def _sharded_call(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array, weights: Weights,

@@ -17,6 +17,9 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
+from twell_jax import ops
 from twell_jax.config import ExperimentConfig, ModelConfig
 from twell_jax.training import checkpoint as ckpt_lib
 
@@ -98,6 +101,13 @@ def _checkpoint_meta(run_dir: Path, step: int | None) -> dict[str, Any] | None:
         store.close()
 
 
+def tails_from_shares(shares: dict[str, Any], suffix: str = "") -> Tails:
+    """Per-layer tail hints from per-layer telemetry: shares[key + suffix] ([L] each) for the keys of
+    `ops.TAIL_SHARE_KEYS` (the model's aux; suffix "_per_layer": the trainer's metrics)."""
+    return normalise_tails(zip(*(np.asarray(shares[key + suffix], np.float64).tolist()
+                                 for key in ops.TAIL_SHARE_KEYS)))
+
+
 def tails_from_run(run_dir: str | Path, n_layers: int, up_to_step: int | None = None) -> Tails | None:
     """The latest per-layer tail shares a run logged in metrics.jsonl (its training records'
     token_tail_share_per_layer, hot_neuron_share_per_layer and hot_entry_share_per_layer, at or
@@ -105,15 +115,14 @@ def tails_from_run(run_dir: str | Path, n_layers: int, up_to_step: int | None = 
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return None
-    keys = ("token_tail_share_per_layer", "hot_neuron_share_per_layer", "hot_entry_share_per_layer")
     latest = None
     for line in path.read_text().splitlines():
         record = json.loads(line)
         if up_to_step is not None and record.get("step", 0) > up_to_step:
             continue
-        values = [record.get(key) for key in keys]
+        values = [record.get(f"{key}_per_layer") for key in ops.TAIL_SHARE_KEYS]
         if all(isinstance(v, list) and len(v) == n_layers for v in values):
-            latest = normalise_tails(zip(*values))
+            latest = tails_from_shares(record, "_per_layer")
     return latest
 
 

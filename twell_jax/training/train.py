@@ -64,11 +64,12 @@ from flax import nnx
 
 from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax import config as config_lib
+from twell_jax import ops
 from twell_jax.training import parallel
 from twell_jax.config import ExperimentConfig, ModelConfig
 from twell_jax.data import DataSource, build_experiment_data
 from twell_jax.training.hints import (Tails, describe_tails, manages_auto_hints, normalise_tails,
-                                      run_hints_and_source, run_tail_hints, with_hints)
+                                      run_hints_and_source, run_tail_hints, tails_from_shares, with_hints)
 from twell_jax.training.plan_trial import PlanTrial
 from twell_jax.training.loss import cross_entropy, l1_coefficient, total_loss
 from twell_jax.training.metrics import MetricsSink, check_finite, device_peak_memory_bytes, to_python
@@ -94,8 +95,6 @@ def default_run_dir(cfg: ExperimentConfig, root: str | Path = "runs") -> Path:
 
 def check_op_config(cfg: ExperimentConfig) -> None:
     """`model.ffn_op_config` holds valid SparseFFNConfig fields (checked by constructing one)."""
-    from twell_jax import ops
-
     try:
         ops.SparseFFNConfig(**cfg.model.ffn_op_config)
     except TypeError as err:
@@ -113,8 +112,6 @@ def auto_decisions(cfg: ExperimentConfig, hints: Sequence[float], num_devices: i
     """Per layer, the (forward, backward) path that backend "auto" compiles for the training step's
     FFN calls (one micro-batch of `train.micro_batch` sequences per device) with these hints (and
     these tail hints, when given)."""
-    from twell_jax import ops
-
     model = with_hints(cfg, hints, tails).model
     itemsize = jnp.dtype(model.compute_dtype).itemsize
     decisions = []
@@ -132,22 +129,12 @@ def describe_decisions(decisions: Sequence[Decision]) -> str:
     return ", ".join(f"layer {i} {fwd}/{bwd}" for i, (fwd, bwd) in enumerate(decisions))
 
 
-# The model's per-layer telemetry of the sparse backward's dense tails (ops.backward_tail_shares), in
-# the order of a tail hint (ops.TAIL_HINT_FIELDS): token tail, hot neurons, hot entries.
-TAIL_SHARE_KEYS = ("token_tail_share", "hot_neuron_share", "hot_entry_share")
-
-
-def tails_from_shares(shares: dict[str, Any]) -> Tails:
-    """Per-layer tail hints from the per-layer TAIL_SHARE_KEYS values of `shares` ([L] each)."""
-    return normalise_tails(zip(*(np.asarray(shares[key], np.float64).tolist() for key in TAIL_SHARE_KEYS)))
-
-
 def measure_activity(graphdef: nnx.GraphDef, params: Any, tokens_BxT: jax.Array, *,
                      tails: bool) -> tuple[tuple[float, ...], Tails | None]:
     """Each layer's mean active FFN neurons per token (the model's aux l0) on one forward of
     `tokens_BxT` (inputs tokens[:, :-1], as in training), and with `tails` (a ReLU model) each
     layer's expected dense tails of the sparse backward (`tails_from_shares`), else None."""
-    keys = ("l0", *(TAIL_SHARE_KEYS if tails else ()))
+    keys = ("l0", *(ops.TAIL_SHARE_KEYS if tails else ()))
     forward = jax.jit(lambda p, t: {k: v for k, v in apply_model(graphdef, p, t[:, :-1], track_neurons=tails)[1].items()
                                     if k in keys})
     aux = jax.device_get(forward(params, tokens_BxT))
@@ -212,7 +199,7 @@ def accumulate_gradients(cfg: ExperimentConfig, graphdef: nnx.GraphDef, params: 
                "backward_hot_neurons_per_layer": aux["backward_hot_neurons"]}
         if track:
             out["position_active"] = aux["position_active"]
-            out.update({f"{key}_per_layer": aux[key] for key in TAIL_SHARE_KEYS})
+            out.update({f"{key}_per_layer": aux[key] for key in ops.TAIL_SHARE_KEYS})
         return (grad_sum, since), out
 
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -268,7 +255,7 @@ def make_train_step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, optimizer: op
             metrics["position_profile"] = position_profile(mean(per_micro["position_active"]),
                                                            cfg.sparsity.position_buckets)
             # The sparse backward's expected dense tails, for any plan (the "auto" tail hints).
-            metrics.update({f"{key}_per_layer": mean(per_micro[f"{key}_per_layer"]) for key in TAIL_SHARE_KEYS})
+            metrics.update({f"{key}_per_layer": mean(per_micro[f"{key}_per_layer"]) for key in ops.TAIL_SHARE_KEYS})
         if cfg.sparsity.reinit_dead:
             metrics["reinit_count"] = reinit_count
         new_state = {"params": params, "opt_state": opt_state, "step": step, "since_active": since}
@@ -681,8 +668,8 @@ class Trainer:
         the next re-plan decides from."""
         l0 = np.asarray(host["l0_per_layer"], np.float64)
         self._l0_sum = l0 if self._l0_sum is None else self._l0_sum + l0
-        if all(f"{key}_per_layer" in host for key in TAIL_SHARE_KEYS):
-            tails = np.asarray(tails_from_shares({k: host[f"{k}_per_layer"] for k in TAIL_SHARE_KEYS}))
+        if all(f"{key}_per_layer" in host for key in ops.TAIL_SHARE_KEYS):
+            tails = np.asarray(tails_from_shares(host, "_per_layer"))
             self._tails_sum = tails if self._tails_sum is None else self._tails_sum + tails
         self._l0_steps += 1
 
