@@ -161,12 +161,13 @@ def test_kernel_arguments_are_validated():
                       config=ops.SparseFFNConfig(backward="keep"))
 
 
-@pytest.mark.parametrize("capacity", [5, 20])
+@pytest.mark.parametrize("capacity", [5, 40])
 def test_chunked_visits_each_listed_id_once(capacity):
-    """The tails' loop: the first min(n, capacity) True ids, ascending, each once; one block of the
-    smallest size in (2, 8) that holds them, else blocks of `chunk` = 16 (padding ids = N). One
-    compiled loop per capacity, run on masks with 0, 1, 3, 7, 9 and 10 ids."""
-    n = 20
+    """The tails' loop: the first min(n, capacity) True ids, ascending, each once; nothing for no
+    ids; one block of the smallest size in (2, 8, 16) that holds them, else blocks of `chunk` = 16
+    (padding ids = N). One compiled program per capacity, run on masks with 0, 1, 3, 7, 9, 10, 17,
+    19 and 33 ids (up to 3 blocks of 16)."""
+    n = 70
     assert pallas_backward.tail_block_sizes(16, 2) == (2, 8, 16)
     assert pallas_backward.tail_block_sizes(256, 16) == (16, 64, 256)
 
@@ -176,7 +177,7 @@ def test_chunked_visits_each_listed_id_once(capacity):
 
     loop = jax.jit(lambda m: pallas_backward._chunked(
         m, capacity, 16, 2, run, (jnp.zeros((n,), jnp.int32), jnp.zeros((17,), jnp.int32))))
-    for n_true in (0, 1, 3, 7, 9, 10):
+    for n_true in (0, 1, 3, 7, 9, 10, 17, 19, 33):
         mask = jnp.zeros((n,), bool).at[jnp.arange(0, 2 * n_true, 2) % n].set(True)
         ids_true = np.flatnonzero(np.asarray(mask))[:capacity]
         visits, sizes = loop(mask)
@@ -189,6 +190,13 @@ def test_chunked_visits_each_listed_id_once(capacity):
             size = next((s for s in (2, 8) if k <= s), 16)
             want_sizes[size] = -(-k // size)
         np.testing.assert_array_equal(sizes, want_sizes, err_msg=f"{n_true} ids")
+    # One conditional decides it all (each device-side predicate is a host round trip on the GPU):
+    # nothing, one block of 2, 8 or 16, or the loop, the only branch with a device-sized trip count.
+    jaxpr = jax.make_jaxpr(lambda m: pallas_backward._chunked(
+        m, capacity, 16, 2, run, (jnp.zeros((n,), jnp.int32), jnp.zeros((17,), jnp.int32))))(mask)
+    conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    assert len(conds) == 1 and not any(e.primitive.name == "while" for e in jaxpr.eqns)
+    assert ["while" in str(branch) for branch in conds[0].params["branches"]] == [False] * 4 + [True]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ dense-tail format (docs/format.md), in this order:
 
 Tails are sized on the device with no host sync: the tail rows (neurons) are listed by a
 static-size `nonzero` and processed in blocks whose size and number come from the device-side
-count (`_chunked`), so no tail costs nothing and a short one costs one small block. Beyond the
+count (`_chunked`), so no tail costs nothing and a short one costs one small block (one branch
+predicate; only a tail over one block of its chunk runs a loop). Beyond the
 config's capacities (tail_capacity(M), transpose_tail_capacity(H)) the exact dense backward runs
 for the call. Deterministic: fixed reduction orders, scatters to unique positions, no atomics.
 
@@ -372,27 +373,34 @@ def _chunked(mask_N: jax.Array, capacity: int, chunk: int, small_chunk: int,
              body: Callable[[jax.Array, Any], Any], carry: Any) -> Any:
     """Run body(ids_C, carry) over the True positions of mask_N (ascending, at most `capacity`):
     in ONE block of the smallest of `tail_block_sizes(chunk, small_chunk)` that holds them all,
-    or in blocks of `chunk`; ids past the last are len(mask_N) (callers drop them). The block
-    size and the trip count come from the device-side count: no host sync, nothing runs when the
-    mask is empty."""
+    or in blocks of `chunk`; ids past the last are len(mask_N) (callers drop them). ONE switch on
+    the device-side count picks nothing (an empty mask), one block of a static size, or the loop
+    over blocks of `chunk` (whose trip count is the only other device value the host reads): no
+    host sync beyond those predicates, and a tail that fits one block costs one predicate (each
+    device-side predicate of a conditional or a loop is a round trip to the host on the GPU, which
+    leaves the GPU idle while the host catches up: ~0.1 ms each in a lone FFN block)."""
     n = mask_N.shape[0]
     count = jnp.minimum(jnp.sum(mask_N, dtype=jnp.int32), capacity)
 
-    def blocks(size: int, carry: Any) -> Any:
-        padded = max(size, -(-capacity // size) * size)
-        ids_P = jnp.nonzero(mask_N, size=padded, fill_value=n)[0].astype(jnp.int32)
-        ids_P = jnp.where(jnp.arange(padded) < count, ids_P, n)  # none past the capacity
+    def ids(size: int) -> jax.Array:  # the first `size` listed ids, padded with n
+        ids_P = jnp.nonzero(mask_N, size=size, fill_value=n)[0].astype(jnp.int32)
+        return jnp.where(jnp.arange(size) < count, ids_P, n)  # none past the capacity
+
+    def one_block(size: int, carry: Any) -> Any:
+        return body(ids(size), carry)
+
+    def blocks(carry: Any) -> Any:
+        ids_P = ids(max(chunk, -(-capacity // chunk) * chunk))
 
         def step(c, carry):
-            return body(lax.dynamic_slice(ids_P, (c * size,), (size,)), carry)
+            return body(lax.dynamic_slice(ids_P, (c * chunk,), (chunk,)), carry)
 
-        return lax.fori_loop(0, (count + size - 1) // size, step, carry)
+        return lax.fori_loop(0, (count + chunk - 1) // chunk, step, carry)
 
     sizes = tail_block_sizes(chunk, small_chunk)
-    if len(sizes) == 1:
-        return blocks(chunk, carry)
-    which = jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < count, dtype=jnp.int32)
-    return lax.switch(which, [functools.partial(blocks, size) for size in sizes], carry)
+    branches = [lambda carry: carry, *(functools.partial(one_block, size) for size in sizes), blocks]
+    which = jnp.where(count == 0, 0, 1 + jnp.sum(jnp.asarray(sizes, jnp.int32) < count, dtype=jnp.int32))
+    return lax.switch(which, branches, carry)
 
 
 def dense_rows_backward(gated: bool, x_RxD: jax.Array, gy_RxD: jax.Array, weights: Weights,
