@@ -173,21 +173,22 @@ class BackwardConfig:
 # n_tok_rows = rows gathered per entry by the token-major kernel: 3 (W, U, G) gated, 2 (W, G); the
 # neuron-major kernel gathers 2 (x, gy).
 # Fitted on an H100 (BENCHMARKS.md, `bench_ffn_train.py`, M 16384, D 2048, H 5632, bf16, the
-# layer's output in the timed program, 1024-row token-tail blocks), by least squares over the
-# uniform patterns of `--quick` (k 29 and 56: 4.62 and 7.56 ms fwd+bwd, no tails) and seven trained
-# layers (k 10-61, 11-1897 tail rows, 115-274 hot neurons holding 76-86% of the entries; 3.28-7.94
-# ms), the forward's model subtracted: 0.66 ms fixed, 0.089 ms per kernel entry per token (~3.7
-# TB/s of row gathers), 0.40 + 1.39 ms per 1024 token-tail rows, 0.50 + 0.0022 ms per hot neuron
-# (the tail pieces of `--trace`: 0.7-1.2 ms for 85-274 hot neurons). Residuals: within 0.5 ms.
+# layer's output in the timed program, 1024-row token-tail blocks, each tail one branch predicate)
+# by least squares over the uniform patterns of `--quick` (k 29 and 56: 4.62 and 7.56 ms fwd+bwd,
+# no tails) and seven trained layers of one checkpoint (k 5-51, 0-1684 tail rows, 59-224 hot
+# neurons holding 74-86% of the entries; 2.79-5.52 ms), the forward's model subtracted: 1.04 ms
+# fixed, 0.081 ms per kernel entry per token (~4.1 TB/s of row gathers), 0.30 + 0.54 ms per 1024
+# token-tail rows, 0.30 + 0.0022 ms per hot neuron (the tails' fixed parts set from the tail pieces
+# of `--trace`: 0.46-0.67 ms for 59-224 hot neurons). Residuals: within 0.22 ms.
 # XLA's dense backward (6 GEMMs) takes ~2.5 ms.
 # ----------------------------------------------------------------------------------------------
 COST_TABLE = dict(
-    BWD_FIXED_MS=0.66,
-    BWD_BYTES_PER_MS=3.74e9,
+    BWD_FIXED_MS=1.04,
+    BWD_BYTES_PER_MS=4.14e9,
     DENSE_BWD_FLOPS_PER_MS=9.2e11,
-    TOKEN_TAIL_FIXED_MS=0.40,
-    TOKEN_TAIL_FLOPS_PER_MS=1.02e11,
-    HOT_TAIL_FIXED_MS=0.50,
+    TOKEN_TAIL_FIXED_MS=0.30,
+    TOKEN_TAIL_FLOPS_PER_MS=2.61e11,
+    HOT_TAIL_FIXED_MS=0.30,
     HOT_TAIL_FLOPS_PER_MS=1.83e11,
 )
 # The shapes the tails' fixed costs were measured at (they scale with D H and with M D).
