@@ -7,8 +7,9 @@ with in each checkpoint's meta ("auto_hints"); `run_hints` is the one reader of 
 evaluation, inference and resumption: the checkpoint's saved hints, else the last per-layer l0 the
 run logged in metrics.jsonl up to that step. A run that tracks neurons also hints each layer's
 expected dense tails of the sparse backward (`model.ffn_expected_tails`, from the telemetry of
-`ops.backward_tail_shares`; saved in the checkpoint's config, read back by `saved_tail_hints`): only
-training prices them, so evaluation and inference do without.
+`ops.backward_tail_shares`; saved in the checkpoint's config; `run_tail_hints` reads them back: the
+checkpoint's, else the last shares logged in metrics.jsonl up to that step). Only training prices
+them, so evaluation and inference do without.
 """
 from __future__ import annotations
 
