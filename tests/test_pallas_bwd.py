@@ -169,7 +169,8 @@ def test_chunked_visits_each_listed_id_once(capacity):
     19 and 33 ids (up to 3 blocks of 16)."""
     n = 70
     assert pallas_backward.tail_block_sizes(16, 2) == (2, 8, 16)
-    assert pallas_backward.tail_block_sizes(256, 16) == (16, 64, 256)
+    assert pallas_backward.tail_block_sizes(256, 16) == (16, 64, 128, 256)
+    assert pallas_backward.tail_block_sizes(1024, 16) == (16, 64, 256, 512, 1024)
 
     def run(ids_C, carry):  # counts the visits of each id and the blocks of each size
         visits, sizes = carry

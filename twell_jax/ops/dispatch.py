@@ -159,12 +159,16 @@ def _sparse_op_bwd(plan: _Plan, config: SparseFFNConfig, residuals: tuple[Any, .
     else:
         dense_bwd = functools.partial(dense_backward, plan.gated, x_MxD, weights, gy_MxD, gl1)
 
-    def sparse_backward() -> tuple[jax.Array, Weights]:
-        if plan.backward == "pallas":
-            from twell_jax.ops import pallas_backward
+    if plan.backward == "pallas":
+        # The NaN/Inf flag joins the Pallas backward's own branch (one predicate, not two); on such
+        # inputs the forward kept a zero pack, which the pre-branch pieces read harmlessly.
+        from twell_jax.ops import pallas_backward
 
-            return pallas_backward.backward(plan.gated, x_MxD, weights, gy_MxD, gl1, config,
-                                            plan.interpret, residuals[3], dense_bwd)
+        return pallas_backward.backward(plan.gated, x_MxD, weights, gy_MxD, gl1, config,
+                                        plan.interpret, residuals[3], dense_bwd,
+                                        non_finite=non_finite if config.check_finite else None)
+
+    def sparse_backward() -> tuple[jax.Array, Weights]:
         return reference_backward(plan.gated, x_MxD, weights, gy_MxD, gl1, config)
 
     if not config.check_finite:  # non_finite is a constant False: no cond in the program

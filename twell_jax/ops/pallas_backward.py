@@ -103,7 +103,7 @@ class BackwardConfig:
     keep_gate_pattern: bool = True
     # Token-tail rows (an overflowing tile or > ell_width actives) per dense block: the tail runs
     # ceil(rows / chunk) blocks of [chunk, H] (a tail of at most small_tail_chunk rows: one small
-    # block; tail_block_sizes: 16, 64, 256, 1024). Each block reads the three weights and updates
+    # block; tail_block_sizes: 16, 64, 256, 512, 1024). Each block reads the three weights and updates
     # the f32 weight-gradient accumulators whole, so large tails want large blocks: on a trained
     # 0.5b (H100, BENCHMARKS.md) tails of 741, 1214 and 1897 rows took 0.90, 1.40 and 1.46 ms in
     # 1024-row blocks against 1.30, 1.98 and 3.04 in 256-row ones (1.20, 1.63, 1.91 in 512-row
@@ -114,10 +114,11 @@ class BackwardConfig:
     # on the H100: 0.47-0.55 ms for 118-243 hot neurons against 0.55-1.02 ms with 64; BENCHMARKS.md).
     neuron_tail_chunk: int = 256
     # The smallest dense block of a tail. A tail of n rows (neurons) runs as ONE block of the
-    # smallest of small_tail_chunk, x4, x16, ... (below the tail's chunk) that holds n, or in blocks
-    # of token_tail_chunk / neuron_tail_chunk (tail_block_sizes): the first tokens of 8 sequences
-    # or one hot neuron cost a [16, .] block, not a [256, .] one (a 256-neuron block took 0.9 ms
-    # for one hot neuron on the H100). The size is picked on the device from the count.
+    # smallest of small_tail_chunk, x4, x16, ..., chunk / 2 (below the tail's chunk) that holds
+    # n, or in blocks of token_tail_chunk / neuron_tail_chunk (tail_block_sizes): the first
+    # tokens of 8 sequences or one hot neuron cost a [16, .] block, not a [256, .] one (a
+    # 256-neuron block took 0.9 ms for one hot neuron on the H100). The size is picked on the
+    # device from the count.
     small_tail_chunk: int = 16
     # Rows per block of the dense backward that the op runs instead of the kernels (a tail over its
     # capacity, or a non-finite input): `blocked_dense_backward`, [rows, H] temporaries at a time.
@@ -360,13 +361,16 @@ def forward(gated: bool, forward_kind: str, x_MxD: jax.Array, weights: Weights, 
 # ----------------------------------------------------------------------------------------------
 
 def tail_block_sizes(chunk: int, small_chunk: int) -> tuple[int, ...]:
-    """The block sizes a tail may take: small_chunk, x4, x16, ... below `chunk`, then `chunk`
-    (16 and 256: (16, 64, 256))."""
+    """The block sizes a tail may take: small_chunk, x4, x16, ... below `chunk`, then chunk / 2 and
+    `chunk` (16 and 256: (16, 64, 128, 256); a tail of 65-128 hot neurons, common in trained
+    layers, then runs half the columns of a 256 block)."""
     sizes = []
     size = small_chunk
     while size < chunk:
         sizes.append(size)
         size *= 4
+    if chunk // 2 > (sizes[-1] if sizes else 0):
+        sizes.append(chunk // 2)
     return (*sizes, chunk)
 
 
@@ -565,11 +569,13 @@ def hot_neuron_backward(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, weight
 
 def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array, gl1: jax.Array,
              config: ops.SparseFFNConfig, interpret: bool, kept: Kept | Pack | None,
-             dense_backward: Callable[[], tuple[jax.Array, Weights]]) -> tuple[jax.Array, Weights]:
+             dense_backward: Callable[[], tuple[jax.Array, Weights]],
+             non_finite: jax.Array | None = None) -> tuple[jax.Array, Weights]:
     """Gradients of <gy, y> + gl1 * l1 (module doc). `kept` = what `forward` kept (`Kept`), a
     pack, or None (recomputed); `dense_backward()` = the op's exact dense backward, run when a
-    tail capacity is exceeded. Returns (dx in x's dtype, weight gradients in weight order and
-    dtype)."""
+    tail capacity is exceeded or when `non_finite` (the op's NaN/Inf flag: it joins the one
+    branch's predicate, so the NaN policy costs no host round trip of its own). Returns (dx in x's
+    dtype, weight gradients in weight order and dtype)."""
     pallas_forward._require_runnable(interpret)
     bc = config.backward or BackwardConfig()
     w_act, w_up, w_down = _split(gated, weights)
@@ -635,6 +641,7 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
                                              bc.neuron_tail_chunk, bc.small_tail_chunk, carry)
         return kernels(hot_H, dx_init, inits)
 
-    branch = jnp.where(over_capacity, 0, jnp.where((n_tail > 0) | (n_hot > 0), 2, 1))
+    dense = over_capacity if non_finite is None else over_capacity | non_finite
+    branch = jnp.where(dense, 0, jnp.where((n_tail > 0) | (n_hot > 0), 2, 1))
     dx, grads = lax.switch(branch, (dense_backward, no_tails, with_tails))
     return dx.astype(x_MxD.dtype), tuple(g.astype(w.dtype) for g, w in zip(grads, weights))
