@@ -14,8 +14,10 @@ of CE (+ the L1 penalty for kinds trained with it), plus the AdamW update of the
 the same weights (a sparse step's time depends on their values) and the gradient buffer counts in
 the compiled memory, as it does in training. All steps run on one device, on one micro-batch of random tokens; with `--checkpoint RUN` (a trained run, e.g. from
 experiments/train_to_sparse.py) on the run's shapes and parameters and the first micro-batch of its
-validation split, with "auto" given the run's per-layer activity hints, and each relu-family row shows
-its measured active FFN neurons per token (per layer in the JSON and the progress lines). Every variant runs in this process: compiled once
+validation split, with "auto" given the run's per-layer activity hints and tail hints
+(`hints.run_hints`, `hints.run_tail_hints`), and each relu-family row shows its measured active
+FFN neurons per token (per layer in the JSON and the progress lines, with the layers' token-tail,
+hot-neuron and hot-entry shares on those tokens). Every variant runs in this process: compiled once
 (its compiled memory analysis recorded), warmed up, then timed as the median over --repeats runs of
 --steps back-to-back steps (one jax.block_until_ready per run). A variant that fails (e.g. out of
 memory) is reported and the next one runs.

@@ -325,21 +325,25 @@ def test_backward_tail_shares_against_numpy():
 
 def test_the_models_tail_shares_are_the_ops_counts(tmp_path):
     """The model's per-layer shares (track_neurons) are backward_tail_shares of each layer's counts,
-    the same for the dense and the reference backend (a backend never changes a count)."""
+    the same for the dense and the reference backend (a backend never changes a count). The op
+    config puts the ELL width and the hot threshold inside the fresh model's range (~32 of 64
+    neurons per token, each neuron on ~half the tokens), so no share is trivially 0 or 1."""
     from twell_jax.model import apply_model
 
-    cfg = micro_cfg()
+    cfg = micro_cfg('model.ffn_op_config={"ell_width": 32, "transpose_ell_width": 16}')
     graphdef, params = split_model(init_model(cfg.model, cfg.train.seed))
     tokens = jnp.asarray(next(FakeData(cfg).train_iter)["tokens"][:2, :-1])
     _, aux = apply_model(graphdef, params, tokens, track_neurons=True)
     for key in ops.TAIL_SHARE_KEYS:
         assert aux[key].shape == (cfg.model.n_layers,)
     # Layer by layer from the counts the model reports.
-    config = ops.SparseFFNConfig()
     for layer in range(cfg.model.n_layers):
         counts_H = np.asarray(aux["neuron_active_count"][layer])
-        hot = counts_H > config.hot_threshold(tokens.size)
+        hot = counts_H > 16
         np.testing.assert_allclose(aux["hot_neuron_share"][layer], hot.mean(), rtol=1e-6)
+        np.testing.assert_allclose(aux["hot_entry_share"][layer], counts_H[hot].sum() / counts_H.sum(), rtol=1e-6)
+        assert 0 < float(aux["hot_neuron_share"][layer]) < 1
+        assert 0 < float(aux["token_tail_share"][layer]) < 1
     ref = dataclasses.replace(cfg.model, ffn_backend="reference")
     graphdef_ref = split_model(init_model(ref, cfg.train.seed))[0]
     _, aux_ref = apply_model(graphdef_ref, params, tokens, track_neurons=True)

@@ -78,6 +78,32 @@ def test_non_finite_values_propagate_like_dense(gated, where, value, backend):
     assert int(aux["dense_fallback"]) == 1  # the sparse backends report taking the dense path
 
 
+@pytest.mark.parametrize("where,value", [("x", np.nan), ("w_up", np.inf)])
+def test_a_dense_forward_then_the_pallas_backward_propagates_like_dense(where, value, monkeypatch):
+    """The training "auto" plan dense forward + Pallas backward: the backward rebuilds the pattern
+    from the (non-finite) input before its one branch, into which the NaN/Inf flag is folded; the
+    branch must still run the dense formula."""
+    from twell_jax.ops import pallas_backward, pallas_forward
+
+    monkeypatch.setattr(pallas_forward, "available", lambda: True)
+    monkeypatch.setattr(pallas_backward, "choose_training_path", lambda *a, **k: (False, True))
+    config = ops.SparseFFNConfig(**{**CONFIG.__dict__, "expected_active_per_token": 4.0})
+    assert ops.auto_decision(True, config, (M, D, H, 4), interpret=True) == ("dense", "pallas")
+    x, weights = _inputs(True, where, value)
+
+    def loss(x_, w):
+        y, aux = ops.gated_ffn(x_, w["w_gate"], w["w_up"], w["w_down"], backend="auto", config=config,
+                               interpret=True)
+        return jnp.sum(y) + 0.1 * aux["l1"], y
+
+    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, weights)
+    y_ref, _, grads_ref = _run(True, "dense", x, weights)
+    assert not all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads_ref))  # dense propagates
+    np.testing.assert_array_equal(np.isfinite(y), np.isfinite(y_ref))
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("gated", [True, False])
 def test_finite_inputs_with_a_silent_neuron_match_dense(gated, backend):

@@ -160,8 +160,10 @@ def _sparse_op_bwd(plan: _Plan, config: SparseFFNConfig, residuals: tuple[Any, .
         dense_bwd = functools.partial(dense_backward, plan.gated, x_MxD, weights, gy_MxD, gl1)
 
     if plan.backward == "pallas":
-        # The NaN/Inf flag joins the Pallas backward's own branch (one predicate, not two); on such
-        # inputs the forward kept a zero pack, which the pre-branch pieces read harmlessly.
+        # The NaN/Inf flag joins the Pallas backward's own branch (one predicate, not two). On such
+        # inputs the pieces before that branch read a zero pack (what the forward's dense fallback
+        # kept) or one rebuilt from the non-finite x (a dense forward keeps none): index work only,
+        # harmless, and the branch then runs the dense formula.
         from twell_jax.ops import pallas_backward
 
         return pallas_backward.backward(plan.gated, x_MxD, weights, gy_MxD, gl1, config,

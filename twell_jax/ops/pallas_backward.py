@@ -179,8 +179,9 @@ class BackwardConfig:
 # no tails) and seven trained layers of one checkpoint (k 5-51, 0-1684 tail rows, 59-224 hot
 # neurons holding 74-86% of the entries; 2.79-5.52 ms), the forward's model subtracted: 1.04 ms
 # fixed, 0.081 ms per kernel entry per token (~4.1 TB/s of row gathers), 0.30 + 0.54 ms per 1024
-# token-tail rows, 0.30 + 0.0022 ms per hot neuron (the tails' fixed parts set from the tail pieces
-# of `--trace`: 0.46-0.67 ms for 59-224 hot neurons). Residuals: within 0.22 ms.
+# token-tail rows, 0.30 + 0.0022 ms per hot neuron (the tails' fixed parts chosen among a few
+# values, for the smallest residuals and near the tail pieces timed alone: 0.46-0.67 ms for 59-224
+# hot neurons). Residuals: within 0.22 ms.
 # XLA's dense backward (6 GEMMs) takes ~2.5 ms.
 # ----------------------------------------------------------------------------------------------
 COST_TABLE = dict(

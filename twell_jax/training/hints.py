@@ -74,6 +74,20 @@ def expected_active_from_run(run_dir: str | Path, n_layers: int,
     """The latest per-layer mean active neurons per token a run logged (validation or training
     record of its metrics.jsonl, at or before `up_to_step` when given), or None when it has none
     for `n_layers` layers."""
+    def read(record: dict[str, Any]) -> tuple[float, ...] | None:
+        for key in ("val_l0_per_layer", "l0_per_layer"):
+            values = record.get(key)
+            if isinstance(values, list) and len(values) == n_layers:
+                return tuple(float(v) for v in values)
+        return None
+
+    return _latest_logged(run_dir, up_to_step, read)
+
+
+def _latest_logged(run_dir: str | Path, up_to_step: int | None,
+                   read: Callable[[dict[str, Any]], Any]) -> Any:
+    """The last non-None read(record) over the records of the run's metrics.jsonl (those at or
+    before `up_to_step` when given), or None (no such record, or no file)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return None
@@ -82,11 +96,9 @@ def expected_active_from_run(run_dir: str | Path, n_layers: int,
         record = json.loads(line)
         if up_to_step is not None and record.get("step", 0) > up_to_step:
             continue
-        for key in ("val_l0_per_layer", "l0_per_layer"):
-            values = record.get(key)
-            if isinstance(values, list) and len(values) == n_layers:
-                latest = tuple(float(v) for v in values)
-                break
+        value = read(record)
+        if value is not None:
+            latest = value
     return latest
 
 
@@ -113,18 +125,13 @@ def tails_from_run(run_dir: str | Path, n_layers: int, up_to_step: int | None = 
     """The latest per-layer tail shares a run logged in metrics.jsonl (its training records'
     token_tail_share_per_layer, hot_neuron_share_per_layer and hot_entry_share_per_layer, at or
     before `up_to_step` when given) as tail hints, or None when it logged none."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return None
-    latest = None
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        if up_to_step is not None and record.get("step", 0) > up_to_step:
-            continue
+    def read(record: dict[str, Any]) -> Tails | None:
         values = [record.get(f"{key}_per_layer") for key in ops.TAIL_SHARE_KEYS]
         if all(isinstance(v, list) and len(v) == n_layers for v in values):
-            latest = tails_from_shares(record, "_per_layer")
-    return latest
+            return tails_from_shares(record, "_per_layer")
+        return None
+
+    return _latest_logged(run_dir, up_to_step, read)
 
 
 def run_tail_hints(run_dir: str | Path, step: int | None = None, *, n_layers: int,
