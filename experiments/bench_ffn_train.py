@@ -41,10 +41,11 @@ short table last; writes bench_ffn_train.json (and table.txt) to --out.
 --trace (both modes): the per-kernel GPU time of the xla_bf16, pallas and auto programs that were
 timed (one jax.profiler trace of --repeats back-to-back calls each, experiments/kernel_trace.py):
 each kernel's launches, ms and share per fwd+bwd call, the wall span and busy time; in the JSON
-rows ("trace") and the table (top 12). --sweep-blocks (synthetic): the token-major and the
-neuron-major kernel timed alone over their launch parameters (TOKEN_SWEEP: block_t x num_warps x
-num_stages; NEURON_SWEEP: block_n x num_warps) at M 16384, k 29, each variant's outputs compared
-bit for bit with the default launch's (`sweep_block_sizes`); a "sweep_blocks" JSON row and a table
+rows ("trace") and the table (top 12). --sweep-blocks (synthetic): the token-major, the
+neuron-major and the pack kernel timed alone over their launch parameters (TOKEN_SWEEP: block_t x
+num_warps x num_stages; NEURON_SWEEP: block_n x num_warps; PACK_SWEEP: launch order group_m x
+num_stages, beside XLA's relu(x W_gate^T)) at M 16384, k 29, each variant's outputs compared bit
+for bit with the default launch's (`sweep_block_sizes`); a "sweep_blocks" JSON row and a table
 sorted by time with the default marked.
 """
 from __future__ import annotations
@@ -72,7 +73,7 @@ from pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes, neuron_backward
 from pallas_kernels.twell_bwd_token import TokenBwdBlockSizes, rank_values, token_backward, token_lists  # noqa: E402
 from pallas_kernels.twell_transpose import neuron_lists  # noqa: E402
 from pallas_kernels.twell_ffn import sparse_ffn  # noqa: E402
-from pallas_kernels.twell_pack import pack_gate  # noqa: E402
+from pallas_kernels.twell_pack import PackBlockSizes, pack_gate  # noqa: E402
 from twell_jax import ops  # noqa: E402
 from twell_jax.model import FeedForward, Transformer  # noqa: E402
 from twell_jax.ops import pallas_backward  # noqa: E402
@@ -90,10 +91,13 @@ DRY_RUN_SKIPPED = ("reference", "pallas_recompute")
 TOKEN_SWEEP = tuple(TokenBwdBlockSizes(block_t=t, num_warps=w, num_stages=s)
                     for t in (1, 2, 4) for w in (2, 4, 8) for s in (1, 2))
 NEURON_SWEEP = tuple(NeuronBwdBlockSizes(block_n=n, num_warps=w) for n in (1, 2, 4) for w in (2, 4, 8))
+# The pack kernel: its launch order (group_m: row blocks per L2 group, 0 = all) and pipeline depth.
+PACK_SWEEP = tuple(PackBlockSizes(group_m=g, num_stages=st) for g in (0, 1, 4, 8, 16, 32) for st in (3, 4))
 # In the interpreter the warps and stages change nothing and each variant compiles anew: the
 # default and one more block_t / block_n, the warps and stages varied alongside.
 TOKEN_SWEEP_DRY = (TokenBwdBlockSizes(), TokenBwdBlockSizes(2, 2, 2))
 NEURON_SWEEP_DRY = (NeuronBwdBlockSizes(1, 4), NeuronBwdBlockSizes(2, 2))
+PACK_SWEEP_DRY = (PackBlockSizes(), PackBlockSizes(group_m=0, num_stages=4))  # the row-major order
 Weights3 = tuple[jax.Array, jax.Array, jax.Array]
 
 
@@ -161,7 +165,8 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
     checks both against xla_bf16's gradients on their rows."""
     s = dict(tile=config.tile, slots=config.slots)
     bc = config.backward or pallas_backward.BackwardConfig()
-    pack = jax.jit(lambda x, wg: pack_gate(x, wg, **s, interpret=interpret))
+    pack = jax.jit(lambda x, wg: pack_gate(x, wg, **s, interpret=interpret,
+                                           block_sizes=config.pack_block_sizes or PackBlockSizes()))
 
     def token_inputs(pack_out):
         """(values, indices, the kernels' counts (tail rows 0), the token-tail mask)."""
@@ -416,11 +421,14 @@ def bit_diff(a: jax.Array, b: jax.Array) -> dict:
 
 def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: ops.SparseFFNConfig,
                       interpret: bool, token_sizes: Sequence[TokenBwdBlockSizes],
-                      neuron_sizes: Sequence[NeuronBwdBlockSizes], *, repeats: int = 15,
+                      neuron_sizes: Sequence[NeuronBwdBlockSizes],
+                      pack_sizes: Sequence[PackBlockSizes] = (), *, repeats: int = 15,
                       log=print) -> dict:
     """Time the token-major and the neuron-major kernel alone at each launch in the lists, on the
     backward's own inputs for (x, weights, gy) (piece_fns: pack, tail mask, transpose, the default
-    token kernel's entry values).
+    token kernel's entry values), and the pack kernel at each launch in `pack_sizes` (on x and
+    W_gate; its outputs must not change with the launch: each slot is an exact min-reduction and
+    the GEMM's K loop runs in the same order whatever the program order).
 
     Each variant runs piece_fns' kernel call with only that launch changed in `config.backward`,
     and its outputs are compared bit for bit with the default launch's (config.backward's, run
@@ -429,7 +437,8 @@ def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: op
     launch parameter should; the token kernel's dt = gy . W_j and u = x . U_j are reductions over D
     whose tree Triton lays out by block shape and warps, so its per-entry values and dx may differ
     in the last bits across launches. A differing variant is reported (n_diff, max_abs), not dropped.
-    Returns {"token": rows, "neuron": rows}, each row sorted by ms, the default marked."""
+    Returns {"token": rows, "neuron": rows[, "pack": rows]}, each row sorted by ms, the default
+    marked."""
     wg, wu, wd = weights
     h = wg.shape[0]
     bc = config.backward or pallas_backward.BackwardConfig()
@@ -453,8 +462,19 @@ def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: op
     def neuron_run(sizes: NeuronBwdBlockSizes):
         return pieces(neuron_block_sizes=sizes)["neuron"], (x, gy, lists, values_E)
 
-    return dict(token=_sweep_one("token", token_run, bc.token_block_sizes, token_sizes, repeats, log),
-                neuron=_sweep_one("neuron", neuron_run, bc.neuron_block_sizes, neuron_sizes, repeats, log))
+    def pack_run(sizes: PackBlockSizes):
+        return piece_fns(dataclasses.replace(config, pack_block_sizes=sizes), interpret, h)["pack"], (x, wg)
+
+    out = dict(token=_sweep_one("token", token_run, bc.token_block_sizes, token_sizes, repeats, log),
+               neuron=_sweep_one("neuron", neuron_run, bc.neuron_block_sizes, neuron_sizes, repeats, log))
+    if pack_sizes:
+        out["pack"] = _sweep_one("pack", pack_run, config.pack_block_sizes or PackBlockSizes(),
+                                 pack_sizes, repeats, log)
+        # What the pack's GEMM should cost: XLA's relu(x W_gate^T) with a bf16 output, same inputs.
+        gate = jax.jit(lambda x_, w_: jax.nn.relu(jnp.einsum("md,hd->mh", x_, w_)))
+        out["xla_gate_ms"] = bench_ffn.bench(gate, [(x, wg)], repeats=repeats)
+        log(f"  XLA relu(x W_gate^T): {out['xla_gate_ms']:.3f} ms")
+    return out
 
 
 def _sweep_one(kernel: str, run, default, sizes: Sequence, repeats: int, log) -> list[dict]:
@@ -621,11 +641,13 @@ def run_synthetic(args, out: "Output") -> None:
             sweep = sweep_block_sizes(xs[0], (wg, wu, wd), gy, config, interpret,
                                       TOKEN_SWEEP_DRY if interpret else TOKEN_SWEEP,
                                       NEURON_SWEEP_DRY if interpret else NEURON_SWEEP,
+                                      PACK_SWEEP_DRY if interpret else PACK_SWEEP,
                                       repeats=args.repeats, log=out.say)
             out.log(dict(kind="sweep_blocks", m=m, k=k, d=d, h=h, **sweep))
             sweep_lines = ["", f"=== launch sweeps, M={m} k={k:.0f} D={d} H={h} ==="]
-            for kernel_name, rows in sweep.items():
-                sweep_lines += sweep_table(kernel_name, rows)
+            for kernel_name in ("token", "neuron", "pack"):
+                sweep_lines += sweep_table(kernel_name, sweep[kernel_name])
+            sweep_lines.append(f"  XLA relu(x W_gate^T), bf16 out, same inputs: {sweep['xla_gate_ms']:.3f} ms")
         except Exception as e:  # reported; the cases still run
             out.log(dict(kind="sweep_blocks", m=m, k=k, error=repr(e)[:500]))
             sweep_lines = ["", f"--sweep-blocks error: {repr(e)[:200]}"]

@@ -42,18 +42,39 @@ from pallas_kernels.common import check_launch_sizes, compiler_params, is_pow2 a
 class PackBlockSizes:
     """Static launch parameters of the pack kernel."""
 
-    # Defaults measured on an H200 (BENCHMARKS.md): 128x64, 8 warps, 4 stages was fastest.
+    # Defaults measured (BENCHMARKS.md): 128x64 and 8 warps on an H200; the launch order and the
+    # pipeline depth on the H100 (`bench_ffn_train.py --sweep-blocks`, M 16384, k 29: 0.66-0.70
+    # ms against 0.78 for the row-major order; 3 and 4 stages within noise once grouped).
     block_m: int = 128  # token rows per program (power of two, >= 16 for the tensor-core dot)
     block_k: int = 64  # K step of the GEMM loop (power of two, >= 16)
     num_warps: int = 8  # warps per program
-    num_stages: int = 4  # software-pipelining depth of the K loop
+    num_stages: int = 3  # software-pipelining depth of the K loop
+    # Launch order: programs run in groups of `group_m` row blocks, the row block varying fastest
+    # inside a group, then the hidden tile. A group's x rows and all of W stay in L2 while it runs;
+    # 0 = one group of every row block (each tile sweeps all of x, which at M 16384 is 64 MB, more
+    # than the H100's L2, so x is read from HBM once per tile).
+    group_m: int = 16
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_k"):
             value = getattr(self, name)
             if not _is_pow2(value) or value < 16:
                 raise ValueError(f"PackBlockSizes.{name} must be a power of two >= 16, got {value}")
+        if not isinstance(self.group_m, int) or self.group_m < 0:
+            raise ValueError(f"PackBlockSizes.group_m must be an int >= 0, got {self.group_m!r}")
         check_launch_sizes(self)
+
+
+def program_block(p: jax.Array, n_m: int, n_tiles: int, group_m: int) -> tuple[jax.Array, jax.Array]:
+    """(row block, hidden tile) of program p of the 1-D launch (PackBlockSizes.group_m): groups of
+    `group_m` row blocks (the last may be smaller), row block fastest inside a group."""
+    group_m = n_m if group_m == 0 else min(group_m, n_m)
+    per_group = group_m * n_tiles
+    # lax.div / lax.rem (truncating; every operand is >= 0): one integer op each in the kernel.
+    first = lax.div(p, per_group) * group_m
+    size = jnp.minimum(n_m - first, group_m)
+    r = lax.rem(p, per_group)
+    return first + lax.rem(r, size), lax.div(r, size)
 
 
 def _dot_precision(dtype: jnp.dtype) -> lax.Precision:
@@ -63,11 +84,12 @@ def _dot_precision(dtype: jnp.dtype) -> lax.Precision:
 
 
 def _pack_kernel(x_ref, w_ref, values_ref, indices_ref, counts_ref, *, block_k: int, n_k: int,
-                 tile: int, slots: int, precision: lax.Precision) -> None:
-    """One program: rows [i*BM, (i+1)*BM) x hidden tile j. Refs: x [BM, D], w [T, D],
-    values/indices [BM, S], counts [BM]."""
+                 tile: int, slots: int, precision: lax.Precision, n_m: int, n_tiles: int,
+                 group_m: int) -> None:
+    """One program: rows [i*BM, (i+1)*BM) x hidden tile j (program_block). Refs: x [BM, D],
+    w [T, D], values/indices [BM, S], counts [BM]."""
     block_m = x_ref.shape[0]
-    tile_index = pl.program_id(1)
+    _, tile_index = program_block(pl.program_id(0), n_m, n_tiles, group_m)
 
     def gemm_step(k, acc_BMxT):
         x_BMxBK = x_ref[:, pl.ds(k * block_k, block_k)]
@@ -136,18 +158,24 @@ def _pack_triton(x_MxD: jax.Array, w_HxD: jax.Array, *, tile: int, slots: int,
     m, d = x_MxD.shape
     h = w_HxD.shape[0]
     bm, bk = block_sizes.block_m, block_sizes.block_k
-    n_tiles = h // tile
+    n_tiles, n_m = h // tile, m // bm
+    group_m = block_sizes.group_m
     kernel = functools.partial(_pack_kernel, block_k=bk, n_k=d // bk, tile=tile, slots=slots,
-                               precision=_dot_precision(x_MxD.dtype))
+                               precision=_dot_precision(x_MxD.dtype), n_m=n_m, n_tiles=n_tiles,
+                               group_m=group_m)
     squeezed = pl.Squeezed()
+
+    def at(p):
+        return program_block(p, n_m, n_tiles, group_m)
+
     return pl.pallas_call(
         kernel,
-        grid=(m // bm, n_tiles),
-        in_specs=[pl.BlockSpec((bm, d), lambda i, j: (i, 0)),
-                  pl.BlockSpec((tile, d), lambda i, j: (j, 0))],
-        out_specs=[pl.BlockSpec((bm, squeezed, slots), lambda i, j: (i, j, 0)),
-                   pl.BlockSpec((bm, squeezed, slots), lambda i, j: (i, j, 0)),
-                   pl.BlockSpec((bm, squeezed), lambda i, j: (i, j))],
+        grid=(n_m * n_tiles,),
+        in_specs=[pl.BlockSpec((bm, d), lambda p: (at(p)[0], 0)),
+                  pl.BlockSpec((tile, d), lambda p: (at(p)[1], 0))],
+        out_specs=[pl.BlockSpec((bm, squeezed, slots), lambda p: (*at(p), 0)),
+                   pl.BlockSpec((bm, squeezed, slots), lambda p: (*at(p), 0)),
+                   pl.BlockSpec((bm, squeezed), lambda p: at(p))],
         out_shape=[jax.ShapeDtypeStruct((m, n_tiles, slots), x_MxD.dtype),
                    jax.ShapeDtypeStruct((m, n_tiles, slots), jnp.int32),
                    jax.ShapeDtypeStruct((m, n_tiles), jnp.int32)],

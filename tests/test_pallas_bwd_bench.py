@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pallas_kernels.twell_pack import PackBlockSizes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,12 +32,17 @@ def test_bench_ffn_train_dry_run(tmp_path):
         assert sorted(v["block_sizes"][block] for v in variants) == [1, 2], variants
         assert sum(v["default"] for v in variants) == 1
         assert all(v["equal"] and v["n_diff"] == 0 and v["ms"] > 0 for v in variants), variants
+    packs = sweep["pack"]  # the launch order changes no bit of the pack
+    assert sorted(v["block_sizes"]["group_m"] for v in packs) == sorted([0, PackBlockSizes().group_m]), packs
+    assert sum(v["default"] for v in packs) == 1 and sweep["xla_gate_ms"] > 0
+    assert all(v["equal"] and v["n_diff"] == 0 and v["ms"] > 0 for v in packs), packs
     # --trace: the three programs profiled; the CPU has no GPU events, and the profile says so.
     assert set(row["trace"]) == {"xla_bf16", "pallas", "auto"}
     for profile in row["trace"].values():
         assert profile["kernels"] == [] and "no GPU events" in profile["reason"], profile
     table = (tmp_path / "table.txt").read_text()
     assert "--sweep-blocks token kernel" in table and "kernels of pallas" in table
+    assert "--sweep-blocks pack kernel" in table and "XLA relu(x W_gate^T)" in table
     assert set(row["ms"]) == {"xla_bf16", "dense", "pallas", "auto"}  # the dry run's (DRY_RUN_SKIPPED)
     for backend, errs in row["errors"].items():  # bf16 gradients within bf16 rounding of xla_bf16
         for name, e in errs.items():

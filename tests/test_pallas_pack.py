@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.twell_pack import PackBlockSizes, pack_gate, pack_gate_reference
+from pallas_kernels.twell_pack import PackBlockSizes, pack_gate, pack_gate_reference, program_block
 
 TILE, SLOTS = 32, 8
 SMALL_BLOCKS = PackBlockSizes(block_m=16, block_k=16, num_warps=4, num_stages=2)
@@ -40,13 +40,15 @@ def identity_inputs(pre_MxH: np.ndarray, d: int, dtype):
     return jnp.asarray(x, dtype), jnp.asarray(w, dtype)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_pack_matches_reference_on_adversarial_sparsity(dtype):
+@pytest.mark.parametrize("dtype,group_m", [(jnp.float32, 0), (jnp.bfloat16, 0), (jnp.bfloat16, 2)])
+def test_pack_matches_reference_on_adversarial_sparsity(dtype, group_m):
     rng = np.random.default_rng(0)
     m, d, h = 37, 45, 150  # none a multiple of the blocks; H leaves a partial last tile
     pre = adversarial_preacts(rng, m, h)
     x, w = identity_inputs(pre, d, dtype)
-    values, indices, counts = pack_gate(x, w, tile=TILE, slots=SLOTS, block_sizes=SMALL_BLOCKS,
+    # group_m 2 over 3 row blocks: a full launch group and a short last one.
+    blocks = PackBlockSizes(**{**SMALL_BLOCKS.__dict__, "group_m": group_m})
+    values, indices, counts = pack_gate(x, w, tile=TILE, slots=SLOTS, block_sizes=blocks,
                                         interpret=True)
     ref_values, ref_indices, ref_counts = pack_gate_reference(x, w, tile=TILE, slots=SLOTS)
     n_tiles = -(-h // TILE)
@@ -84,7 +86,23 @@ def test_pack_all_zero_and_random_normal():
     np.testing.assert_allclose(np.asarray(out[0]), np.asarray(ref[0]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n_m,n_tiles,group_m", [(1, 1, 0), (7, 3, 0), (7, 3, 1), (7, 3, 2), (7, 3, 7),
+                                                 (7, 3, 16), (128, 22, 8)])
+def test_launch_order_visits_every_block_once_group_by_group(n_m, n_tiles, group_m):
+    p = jnp.arange(n_m * n_tiles)
+    rows, tiles = (np.asarray(a) for a in program_block(p, n_m, n_tiles, group_m))
+    assert sorted(zip(rows.tolist(), tiles.tolist())) == [(i, j) for i in range(n_m) for j in range(n_tiles)]
+    g = n_m if group_m == 0 else min(group_m, n_m)
+    # Group by group: the programs of group q cover row blocks [q g, (q + 1) g) x every tile, with
+    # the row block varying fastest.
+    np.testing.assert_array_equal(rows // g, p // (g * n_tiles))
+    first = rows[:min(g, n_m) * n_tiles].reshape(n_tiles, -1)
+    np.testing.assert_array_equal(first, np.broadcast_to(np.arange(first.shape[1]), first.shape))
+
+
 def test_pack_block_sizes_and_arguments_are_validated():
+    with pytest.raises(ValueError, match="group_m"):
+        PackBlockSizes(group_m=-1)
     with pytest.raises(ValueError, match="block_m"):
         PackBlockSizes(block_m=48)
     with pytest.raises(ValueError, match="num_warps"):
