@@ -74,8 +74,14 @@ class Kept(NamedTuple):
         _, indices, counts = pack
         tile, base = _tile_base(n_neurons, indices.shape[1])
         small = jnp.uint8 if tile <= 256 else jnp.int32
-        # Dead slots (past a tile's count) are never read; their offsets may wrap.
-        return Kept(ranked, (indices - base).astype(small), counts.astype(jnp.int16), hist)
+        # Dead slots (past a tile's count) are never read; their offsets may wrap. The barrier
+        # makes XLA materialise the small arrays here: without one it may fuse the narrowing into
+        # the backward's readers and keep the pack's int32 indices (46 MB at M 16384) alive as the
+        # residual instead. Seen on the H100 when this forward ran outside the op's NaN cond (block
+        # temporaries 579 MiB without the barrier, 533 with it); inside that cond, as now, both give
+        # 533 (BENCHMARKS.md, sixth day).
+        return Kept(*jax.lax.optimization_barrier(
+            (ranked, (indices - base).astype(small), counts.astype(jnp.int16), hist)))
 
     def pattern(self, n_neurons: int) -> tuple[jax.Array, jax.Array]:
         """(indices int32 [M, NT, S], counts int32 [M, NT]) as packed (in every live slot)."""
