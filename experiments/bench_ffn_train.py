@@ -422,7 +422,7 @@ def bit_diff(a: jax.Array, b: jax.Array) -> dict:
 def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: ops.SparseFFNConfig,
                       interpret: bool, token_sizes: Sequence[TokenBwdBlockSizes],
                       neuron_sizes: Sequence[NeuronBwdBlockSizes],
-                      pack_sizes: Sequence[PackBlockSizes] = (), *, repeats: int = 15,
+                      pack_sizes: Sequence[PackBlockSizes], *, repeats: int = 15,
                       log=print) -> dict:
     """Time the token-major and the neuron-major kernel alone at each launch in the lists, on the
     backward's own inputs for (x, weights, gy) (piece_fns: pack, tail mask, transpose, the default
@@ -437,8 +437,8 @@ def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: op
     launch parameter should; the token kernel's dt = gy . W_j and u = x . U_j are reductions over D
     whose tree Triton lays out by block shape and warps, so its per-entry values and dx may differ
     in the last bits across launches. A differing variant is reported (n_diff, max_abs), not dropped.
-    Returns {"token": rows, "neuron": rows[, "pack": rows]}, each row sorted by ms, the default
-    marked."""
+    Returns {"token": rows, "neuron": rows, "pack": rows, "xla_gate_ms": ms}, each kernel's rows
+    sorted by ms, the default marked."""
     wg, wu, wd = weights
     h = wg.shape[0]
     bc = config.backward or pallas_backward.BackwardConfig()
@@ -466,14 +466,13 @@ def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: op
         return piece_fns(dataclasses.replace(config, pack_block_sizes=sizes), interpret, h)["pack"], (x, wg)
 
     out = dict(token=_sweep_one("token", token_run, bc.token_block_sizes, token_sizes, repeats, log),
-               neuron=_sweep_one("neuron", neuron_run, bc.neuron_block_sizes, neuron_sizes, repeats, log))
-    if pack_sizes:
-        out["pack"] = _sweep_one("pack", pack_run, config.pack_block_sizes or PackBlockSizes(),
-                                 pack_sizes, repeats, log)
-        # What the pack's GEMM should cost: XLA's relu(x W_gate^T) with a bf16 output, same inputs.
-        gate = jax.jit(lambda x_, w_: jax.nn.relu(jnp.einsum("md,hd->mh", x_, w_)))
-        out["xla_gate_ms"] = bench_ffn.bench(gate, [(x, wg)], repeats=repeats)
-        log(f"  XLA relu(x W_gate^T): {out['xla_gate_ms']:.3f} ms")
+               neuron=_sweep_one("neuron", neuron_run, bc.neuron_block_sizes, neuron_sizes, repeats, log),
+               pack=_sweep_one("pack", pack_run, config.pack_block_sizes or PackBlockSizes(), pack_sizes,
+                               repeats, log))
+    # What the pack's GEMM should cost: XLA's relu(x W_gate^T) with a bf16 output, same inputs.
+    gate = jax.jit(lambda x_, w_: jax.nn.relu(jnp.einsum("md,hd->mh", x_, w_)))
+    out["xla_gate_ms"] = bench_ffn.bench(gate, [(x, wg)], repeats=repeats)
+    log(f"  XLA relu(x W_gate^T): {out['xla_gate_ms']:.3f} ms")
     return out
 
 
