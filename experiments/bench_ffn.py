@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn, sparse_ffn_reference  # noqa: E402
 from pallas_kernels.twell_pack import PackBlockSizes, pack_gate, pack_gate_reference  # noqa: E402
 from twell_jax import ops  # noqa: E402
-from twell_jax.ops import pallas_forward  # noqa: E402
+from twell_jax.ops import pallas_forward, planner  # noqa: E402
 
 D, H, TILE, SLOTS = 2048, 5632, 256, 32
 M_MAIN = 16384
@@ -186,7 +186,7 @@ def main() -> None:
     t_gate = bench(xla_gate, [(x, wg) for x in xs])
     row = dict(kind="baseline", m=m, k=29, dense_ms=t_dense, xla_gate_ms=t_gate)
     for n in (16, 32, 64):
-        sample = jax.jit(functools.partial(pallas_forward.sampled_active_per_token, n_sample=n))
+        sample = jax.jit(functools.partial(planner.sampled_active_per_token, n_sample=n))
         row[f"sample{n}_ms"] = bench(sample, [(x, wg) for x in xs])
     log(row)
 
@@ -292,7 +292,7 @@ def main() -> None:
         y_sp, aux = gated(*sets[0])
         y_hint, aux_hint = auto_hint(*sets[0])
         y_smp, aux_smp = auto_sample(*sets[0])
-        k_star = pallas_forward.crossover_active_per_token(m_case, D, H)
+        k_star = planner.crossover_active_per_token(m_case, D, H)
         row = dict(kind="e2e", m=m_case, k=k, calibrated=measured, k_star=k_star,
                    err_total=rel_err(y_sp, y_dense), err_hint=rel_err(y_hint, y_dense),
                    err_smp=rel_err(y_smp, y_dense), aux={n: float(v) for n, v in aux.items()},

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_ffn  # noqa: E402  (the synthetic-sparsity generator; reads bench_ffn.D / .H)
 from pallas_kernels.twell_decode import DecodeBlockSizes  # noqa: E402
-from twell_jax.ops import pallas_decode  # noqa: E402
+from twell_jax.ops import pallas_decode, planner  # noqa: E402
 from twell_jax import ops  # noqa: E402
 
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM
@@ -156,9 +156,9 @@ def main(argv: list[str] | None = None) -> dict:
         row = dict(m=m, union=union, l0=l0,
                    floor_dense_us=(3 * h * d * 2 + 2 * m * d * 2) / HBM_BYTES_PER_S * 1e6,
                    floor_sparse_us=((h + 2 * union) * d * 2 + 2 * m * d * 2) / HBM_BYTES_PER_S * 1e6,
-                   model_dense_us=pallas_decode.dense_time_us(m, d, h),
-                   model_decode_us=pallas_decode.decode_time_us(m, d, h, l0),
-                   prefer_decode=pallas_decode.prefer_decode_path(m, d, h, k_active, True))
+                   model_dense_us=planner.dense_time_us(m, d, h),
+                   model_decode_us=planner.decode_time_us(m, d, h, l0),
+                   prefer_decode=planner.prefer_decode_path(m, d, h, k_active, True))
         # Correctness first: one call of each variant against dense.
         y_dense = jax.jit(fns["dense"])(x, wg, wu, wd)
         _, aux = jax.jit(lambda *a: pallas_decode.decode_gated_ffn_forward(

@@ -35,7 +35,7 @@ tail checked against xla_bf16's gradients on its rows. Beside the times: the pat
 (`pattern_stats`: active per token, tail rows, per-neuron entry counts, hot neurons, the tails'
 sizes and whether a capacity is exceeded, i.e. the whole call falls back to the dense backward)
 and the cost model's prediction at the measured mean k and tails (`model_prediction`:
-pallas_backward.sparse_times_ms / dense_times_ms and auto's plan, ops.auto_decision). Prints a
+planner.sparse_times_ms / dense_times_ms and auto's plan, ops.auto_decision). Prints a
 short table last; writes bench_ffn_train.json (and table.txt) to --out.
 
 --trace (both modes): the per-kernel GPU time of the xla_bf16, pallas and auto programs that were
@@ -76,7 +76,7 @@ from pallas_kernels.twell_ffn import sparse_ffn  # noqa: E402
 from pallas_kernels.twell_pack import PackBlockSizes, pack_gate  # noqa: E402
 from twell_jax import ops  # noqa: E402
 from twell_jax.model import FeedForward, Transformer  # noqa: E402
-from twell_jax.ops import pallas_backward  # noqa: E402
+from twell_jax.ops import pallas_backward, planner  # noqa: E402
 
 L1_COEF = 3e-4 / 8  # the 0.5b recipe's lambda over its 8 layers (twell.md 4.9)
 BACKENDS = ("xla_bf16", "dense", "reference", "pallas", "pallas_recompute", "auto")
@@ -239,7 +239,7 @@ def pattern_stats(counts_MxNT: np.ndarray, neuron_count_H: np.ndarray, config: o
     counts_MxNT: the pack's active count per (token, tile) (exact, also where a tile overflows its
     slots); neuron_count_H: entries per neuron in the backward's neuron-major lists (tokens of the
     token tail excluded, as in pallas_backward.backward). The tails follow backward's decisions:
-    token tail = pallas_backward.token_tail_mask, hot = more than config.hot_threshold(M) entries; each
+    token tail = ops.TailPolicy.pack_token_tail, hot = more than config.hot_threshold(M) entries; each
     runs ceil(n / chunk) dense blocks of chunk rows (neurons), and n above the config's capacity
     sends the whole call to the dense backward (`*_fallback`). `seq_len` adds the mean active
     count of the first token of each sequence (rows 0, seq_len, ...)."""
@@ -311,14 +311,14 @@ def model_prediction(m: int, d: int, h: int, auto_cfg: ops.SparseFFNConfig, item
     plan "auto" compiles."""
     k = auto_cfg.expected_active_per_token
     keep = (auto_cfg.backward or pallas_backward.BackwardConfig()).keep_gate_pattern
-    fwd, bwd = pallas_backward.sparse_times_ms(m, d, h, k, True, itemsize=itemsize, keep_pattern=keep,
+    fwd, bwd = planner.sparse_times_ms(m, d, h, k, True, itemsize=itemsize, keep_pattern=keep,
                                                config=auto_cfg)
-    _, bwd_recompute = pallas_backward.sparse_times_ms(m, d, h, k, True, itemsize=itemsize,
+    _, bwd_recompute = planner.sparse_times_ms(m, d, h, k, True, itemsize=itemsize,
                                                        keep_pattern=False, config=auto_cfg)
-    dense_fwd, dense_bwd = pallas_backward.dense_times_ms(m, d, h, True)
+    dense_fwd, dense_bwd = planner.dense_times_ms(m, d, h, True)
     return dict(pallas_fwd_ms=fwd, pallas_bwd_ms=bwd, pallas_ms=fwd + bwd,
                 pallas_recompute_ms=fwd + bwd_recompute, dense_ms=dense_fwd + dense_bwd,
-                choose_training_path=list(pallas_backward.choose_training_path(
+                choose_training_path=list(planner.choose_training_path(
                     m, d, h, k, True, itemsize=itemsize, keep_pattern=keep, config=auto_cfg)),
                 auto_plan=list(ops.auto_decision(True, auto_cfg, (m, d, h, itemsize), interpret)))
 

@@ -25,7 +25,7 @@ from pallas_kernels.twell_bwd_token import (ListsBlockSizes, TokenBwdBlockSizes,
                                             token_lists, token_lists_reference)
 from pallas_kernels.twell_pack import pack_gate  # noqa: E402
 from pallas_kernels.twell_transpose import neuron_lists  # noqa: E402
-from twell_jax.ops import pallas_backward  # noqa: E402
+from twell_jax import ops  # noqa: E402
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
     xs, wg, wu, wd = bench_ffn.make_inputs(jax.random.PRNGKey(0), m, args.k)
     gy = (jax.random.normal(jax.random.PRNGKey(7), (m, d), jnp.float32)).astype(xs[0].dtype)
     values, indices, counts = jax.jit(lambda x, w: pack_gate(x, w, tile=256, slots=32))(xs[0], wg)
-    tail = pallas_backward.token_tail_mask(counts, 32, 128)
+    tail = ops.TailPolicy(ops.SparseFFNConfig(slots=32, ell_width=128)).pack_token_tail(counts)
     counts = jnp.where(tail[:, None], 0, counts)
     nnz = int(jnp.sum(jnp.minimum(counts, 32)))
     dest = {}  # per folding: the neuron-major positions the kernel writes to

@@ -44,25 +44,25 @@ def test_which_configs_the_trainer_manages():
 def test_auto_decision_is_the_ops_plan(monkeypatch):
     """ops.auto_decision reports what _plan compiles: dense on the CPU; on a (pretended) GPU, the
     training cost model's choice, or the decode path at decode sizes."""
-    from twell_jax.ops import pallas_backward, pallas_decode, pallas_forward
+    from twell_jax.ops import pallas_backward, pallas_forward, planner
 
     shape = (16384, 2048, 5632, 2)
     assert ops.auto_decision(True, ops.SparseFFNConfig(expected_active_per_token=29.0), shape) == ("dense", "dense")
     monkeypatch.setattr(pallas_forward, "available", lambda: True)
     for hint in (0.0, 29.0, 112.0, 2816.0):
         config = ops.SparseFFNConfig(expected_active_per_token=hint)
-        fwd, bwd = pallas_backward.choose_training_path(
+        fwd, bwd = planner.choose_training_path(
             *shape[:3], hint, True, itemsize=2,
             keep_pattern=(config.backward or pallas_backward.BackwardConfig()).keep_gate_pattern)
         expected = ("pallas" if fwd else "dense", "pallas" if bwd else "dense")
-        if pallas_decode.prefer_decode_path(*shape[:3], hint, True, itemsize=2,
+        if planner.prefer_decode_path(*shape[:3], hint, True, itemsize=2,
                                             check_finite=config.check_finite):
             expected = ("decode", "dense")  # so few actives that the decode path wins even here
         assert ops.auto_decision(True, config, shape) == expected, hint
     assert ops.auto_decision(True, ops.SparseFFNConfig(expected_active_per_token=2816.0), shape) == ("dense", "dense")
     decode_shape = (1, 2048, 5632, 2)
     unchecked = ops.SparseFFNConfig(expected_active_per_token=29.0, check_finite=False)
-    assert pallas_decode.prefer_decode_path(1, 2048, 5632, 29.0, True, itemsize=2)
+    assert planner.prefer_decode_path(1, 2048, 5632, 29.0, True, itemsize=2)
     assert ops.auto_decision(True, unchecked, decode_shape) == ("decode", "dense")
     # With the NaN/Inf pass (the default), which reads every weight: the dense formula.
     assert ops.auto_decision(True, ops.SparseFFNConfig(expected_active_per_token=29.0), decode_shape) == (

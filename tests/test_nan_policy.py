@@ -83,10 +83,10 @@ def test_a_dense_forward_then_the_pallas_backward_propagates_like_dense(where, v
     """The training "auto" plan dense forward + Pallas backward: the backward rebuilds the pattern
     from the (non-finite) input before its one branch, into which the NaN/Inf flag is folded; the
     branch must still run the dense formula."""
-    from twell_jax.ops import pallas_backward, pallas_forward
+    from twell_jax.ops import pallas_forward, planner
 
     monkeypatch.setattr(pallas_forward, "available", lambda: True)
-    monkeypatch.setattr(pallas_backward, "choose_training_path", lambda *a, **k: (False, True))
+    monkeypatch.setattr(planner, "choose_training_path", lambda *a, **k: (False, True))
     config = ops.SparseFFNConfig(**{**CONFIG.__dict__, "expected_active_per_token": 4.0})
     assert ops.auto_decision(True, config, (M, D, H, 4), interpret=True) == ("dense", "pallas")
     x, weights = _inputs(True, where, value)

@@ -434,13 +434,13 @@ def test_auto_on_a_gpu_decides_outside_the_custom_vjp(hint, sparse_chosen, monke
     (plain autodiff, no Pallas call), a sparse one is the Pallas forward + dense backward, and
     without a hint both are compiled behind a cond on the sampled active count."""
     pytest.importorskip("pallas_kernels.twell_ffn")
-    from twell_jax.ops import pallas_backward, pallas_forward
+    from twell_jax.ops import pallas_forward, planner
 
     monkeypatch.setattr(pallas_forward, "available", lambda: True)
     if hint is not None:
         # The training cost model at these toy shapes always says dense (launch costs dominate):
         # stand in a decision that follows the hint, as the H100-fitted model does at M 16384.
-        monkeypatch.setattr(pallas_backward, "choose_training_path",
+        monkeypatch.setattr(planner, "choose_training_path",
                             lambda m, d, h, k, gated, **_: (k < 8.0, False))
     config = ops.SparseFFNConfig(tile=16, slots=4, auto_max_active=8.0, expected_active_per_token=hint,
                                  neuron_counts=True)
@@ -490,10 +490,10 @@ def test_auto_dense_recompute_keeps_no_activations(monkeypatch):
     custom_vjp (same y and gradients as the oracle, aux of a dense call), whose residual is x
     alone (`saved_residuals`: no [M, H] tensor), where plain autodiff keeps the activations."""
     pytest.importorskip("pallas_kernels.twell_bwd_token")
-    from twell_jax.ops import pallas_backward, pallas_forward
+    from twell_jax.ops import pallas_forward, planner
 
     monkeypatch.setattr(pallas_forward, "available", lambda: True)
-    monkeypatch.setattr(pallas_backward, "choose_training_path", lambda *a, **k: (False, False))
+    monkeypatch.setattr(planner, "choose_training_path", lambda *a, **k: (False, False))
     base = ops.SparseFFNConfig(expected_active_per_token=4.0)
     recompute = dataclasses.replace(base, auto_dense_recompute=True)
     for config in (base, recompute):
@@ -533,10 +533,10 @@ def test_training_plan_with_a_dense_forward(poison, monkeypatch):
     y and the gradients match the oracle, and a NaN input propagates as in dense (the flag still
     sends the backward to the dense formula)."""
     pytest.importorskip("pallas_kernels.twell_bwd_token")
-    from twell_jax.ops import pallas_backward, pallas_forward
+    from twell_jax.ops import pallas_forward, planner
 
     monkeypatch.setattr(pallas_forward, "available", lambda: True)
-    monkeypatch.setattr(pallas_backward, "choose_training_path", lambda *a, **k: (False, True))
+    monkeypatch.setattr(planner, "choose_training_path", lambda *a, **k: (False, True))
     config = ops.SparseFFNConfig(tile=16, slots=4, ell_width=8, tail_rows=1.0, transpose_ell_width=4,
                                  transpose_tail_rows=1.0, expected_active_per_token=4.0)
     assert ops.auto_decision(True, config, (13, 16, 40, 4), interpret=True) == ("dense", "pallas")

@@ -6,7 +6,7 @@ import pytest
 
 from pallas_kernels.twell_pack import PackBlockSizes
 from twell_jax import ops
-from twell_jax.ops import pallas_forward
+from twell_jax.ops import pallas_forward, planner
 from oracles import dense_forward as dense, rel_err
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -71,7 +71,7 @@ def test_auto_gated_forward_matches_dense():
     assert rel_err(y, y_ref) < 1e-5 and int(aux["dense_fallback"]) == 0
     assert float(aux["l0"]) == pytest.approx(float(l0_ref))
     # Default threshold = the cost model's crossover: negative for this tiny shape, so dense.
-    assert pallas_forward.crossover_active_per_token(37, 45, 150) < 0
+    assert planner.crossover_active_per_token(37, 45, 150) < 0
     y, aux = pallas_forward.auto_gated_ffn_forward(x, wg, wu, wd, config(), interpret=True)
     assert rel_err(y, y_ref) < 1e-5 and int(aux["dense_fallback"]) == 1
 
@@ -128,8 +128,8 @@ def test_calibrate_and_crossover():
     with pytest.raises(ValueError, match="w_gate_HxD"):
         pallas_forward.calibrate_active_per_token(x, wg[:, :3])
     # The paper's shape: sparse pays off below ~50 actives at large M, less at small M.
-    k_large = pallas_forward.crossover_active_per_token(16384, 2048, 5632)
-    k_small = pallas_forward.crossover_active_per_token(2048, 2048, 5632)
+    k_large = planner.crossover_active_per_token(16384, 2048, 5632)
+    k_small = planner.crossover_active_per_token(2048, 2048, 5632)
     assert 40 < k_large < 60 and k_small < 29 < k_large
 
 

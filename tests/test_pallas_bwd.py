@@ -20,7 +20,7 @@ from pallas_kernels.twell_pack import pack_gate_reference
 from pallas_kernels.twell_transpose import neuron_lists_reference
 from test_ops import TOL, loss_of, make_inputs, oracle, rel_err
 from twell_jax import ops
-from twell_jax.ops import dispatch, pallas_backward, pallas_forward
+from twell_jax.ops import dispatch, pallas_backward, pallas_forward, planner
 
 TILE, SLOTS = 16, 4
 
@@ -40,7 +40,7 @@ def test_token_backward_matches_reference(dtype, gated, block_t, hot, with_init)
     values, indices, counts = pack_gate_reference(x, w_act, tile=TILE, slots=SLOTS)
     # The caller's contract: rows with an overflowing tile or > width entries get count 0.
     width = 8
-    tail = pallas_backward.token_tail_mask(counts, SLOTS, width)
+    tail = ops.TailPolicy(ops.SparseFFNConfig(tile=TILE, slots=SLOTS, ell_width=width)).pack_token_tail(counts)
     assert bool(tail[3]) and not bool(jnp.all(tail))  # the dense row is a tail row
     counts = jnp.where(tail[:, None], 0, counts)
     start, count, tokens, dest = neuron_lists_reference(indices, counts, h, width=width)
@@ -205,7 +205,7 @@ def test_chunked_visits_each_listed_id_once(capacity):
 # ---------------------------------------------------------------------------------------------
 
 # (M, k, keep_gate_pattern) -> (forward sparse?, backward sparse?) at D 2048, H 5632, gated, bf16,
-# worked out by hand from the fitted COST_TABLE and pallas_forward's constants (modelled ms of the
+# worked out by hand from the H100 cost models (planner.COST_MODELS) (modelled ms of the
 # best plan; one with a sparse piece must be <= SAFETY 0.9 x the dense plan). At M 2048 the dense
 # plan is 0.573 ms (limit 0.516), at M 16384 4.305 ms (limit 3.874), at M 65536 17.099 ms (15.389).
 TRAINING_PLANS = [
@@ -227,16 +227,16 @@ TRAINING_PLANS = [
 
 @pytest.mark.parametrize("m, k, keep_pattern, plan", TRAINING_PLANS)
 def test_choose_training_path_table(m, k, keep_pattern, plan):
-    assert pallas_backward.choose_training_path(m, 2048, 5632, k, True, keep_pattern=keep_pattern) == plan
+    assert planner.choose_training_path(m, 2048, 5632, k, True, keep_pattern=keep_pattern) == plan
 
 
 def test_choose_training_path_is_monotone_and_rejects_bad_hints():
     m, d, h = 16384, 2048, 5632
-    choices = [pallas_backward.choose_training_path(m, d, h, k, True) for k in (1, 10, 29, 56, 112, 2000)]
+    choices = [planner.choose_training_path(m, d, h, k, True) for k in (1, 10, 29, 56, 112, 2000)]
     for (f0, b0), (f1, b1) in zip(choices, choices[1:]):
         assert f1 <= f0 and b1 <= b0  # sparser never turns a piece dense
     with pytest.raises(ValueError, match="expected_active"):
-        pallas_backward.choose_training_path(m, d, h, -1.0, True)
+        planner.choose_training_path(m, d, h, -1.0, True)
 
 
 # Trained layers of a 0.5b measured on the H100 (BENCHMARKS.md, 2026-11-23: M 16384, 1024-row
@@ -258,33 +258,33 @@ def test_choose_training_path_prices_the_measured_tails(k, rows, hot, share, pal
     m, d, h = 16384, 2048, 5632
     config = ops.SparseFFNConfig(expected_token_tail=rows / m, expected_hot_neurons=hot / h,
                                  expected_hot_entries=share)
-    fwd, bwd = pallas_backward.sparse_times_ms(m, d, h, k, True, config=config)
+    fwd, bwd = planner.sparse_times_ms(m, d, h, k, True, config=config)
     assert fwd + bwd == pytest.approx(pallas_ms, abs=0.25)  # the fit's residuals
-    plan = pallas_backward.choose_training_path(m, d, h, k, True, config=config)
+    plan = planner.choose_training_path(m, d, h, k, True, config=config)
     assert plan == ((True, True) if pallas_ms < 0.9 * xla_ms else (False, False))
 
 
 def test_tail_terms_move_the_plan_and_a_tail_over_capacity_plans_a_dense_backward():
     m, d, h = 16384, 2048, 5632
     k = 16.0  # sparse on a uniform pattern
-    assert pallas_backward.choose_training_path(m, d, h, k, True) == (True, True)
-    _, bare = pallas_backward.sparse_times_ms(m, d, h, k, True)
+    assert planner.choose_training_path(m, d, h, k, True) == (True, True)
+    _, bare = planner.sparse_times_ms(m, d, h, k, True)
     # Hot neurons holding most entries make the kernels cheaper, their dense tail costs its GEMMs.
     hot = ops.SparseFFNConfig(expected_hot_neurons=0.03, expected_hot_entries=0.8)
-    token_ms, hot_ms = pallas_backward.tail_times_ms(m, d, h, 0.0, 0.03 * h, True)
+    token_ms, hot_ms = planner.tail_times_ms(m, d, h, 0.0, 0.03 * h, True)
     assert token_ms == 0.0 and hot_ms > 0.5
-    _, with_hot = pallas_backward.sparse_times_ms(m, d, h, k, True, config=hot)
-    gathers = bare - pallas_backward.COST_TABLE["BWD_FIXED_MS"]
+    _, with_hot = planner.sparse_times_ms(m, d, h, k, True, config=hot)
+    gathers = bare - planner.costs("H100").backward.bwd_fixed_ms
     assert with_hot == pytest.approx(bare - 0.8 * gathers + hot_ms)
     # A long token tail (dense first tokens) makes the same mean k a dense plan.
     long_tail = ops.SparseFFNConfig(expected_token_tail=0.1)
-    assert pallas_backward.choose_training_path(m, d, h, k, True, config=long_tail) == (False, False)
+    assert planner.choose_training_path(m, d, h, k, True, config=long_tail) == (False, False)
     # Over a capacity the backward would run the dense formula: never a sparse backward.
     over = ops.SparseFFNConfig(expected_token_tail=0.2)  # > tail_rows 0.125
-    assert pallas_backward.sparse_times_ms(m, d, h, k, True, config=over)[1] == float("inf")
-    assert pallas_backward.choose_training_path(m, d, h, 1.0, True, config=over)[1] is False
+    assert planner.sparse_times_ms(m, d, h, k, True, config=over)[1] == float("inf")
+    assert planner.choose_training_path(m, d, h, 1.0, True, config=over)[1] is False
     hot_over = ops.SparseFFNConfig(expected_hot_neurons=0.3)  # > transpose_tail_rows 0.25
-    assert pallas_backward.choose_training_path(m, d, h, 1.0, True, config=hot_over)[1] is False
+    assert planner.choose_training_path(m, d, h, 1.0, True, config=hot_over)[1] is False
 
 
 
@@ -309,7 +309,7 @@ def test_auto_with_hint_routes_forward_and_backward(choice, monkeypatch):
     plan that choose_training_path picks (each of the four), with exact gradients."""
     monkeypatch.setattr(pallas_forward, "available", lambda: True)
     asked = []
-    monkeypatch.setattr(pallas_backward, "choose_training_path",
+    monkeypatch.setattr(planner, "choose_training_path",
                         lambda *a, **k: asked.append(a) or choice)
     plans = []
     original = dispatch._sparse_call

@@ -58,7 +58,7 @@ def _counts(x, weights, config):
     g = np.asarray(jnp.einsum("md,hd->mh", x.astype(jnp.float32), weights[0].astype(jnp.float32),
                               precision=jax.lax.Precision.HIGHEST))
     _, _, counts = pack_gate_reference(x, weights[0], tile=config.tile, slots=config.slots)
-    tail = np.asarray(pallas_backward.token_tail_mask(counts, config.slots, config.ell_width))
+    tail = np.asarray(ops.TailPolicy(config).pack_token_tail(counts))
     hot = ((g > 0) & ~tail[:, None]).sum(0) > config.hot_threshold(x.shape[0])
     return int(tail.sum()), int(hot.sum())
 

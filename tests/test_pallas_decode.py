@@ -8,7 +8,7 @@ import pytest
 from pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compact_active_reference,
                                          sparse_decode_ffn, sparse_decode_ffn_reference)
 from twell_jax import ops
-from twell_jax.ops import pallas_decode
+from twell_jax.ops import pallas_decode, planner
 from oracles import dense_forward as dense, rel_err
 
 # rel. error (Frobenius) vs the fp32 HIGHEST dense formula / vs the kernel's own reference. bf16
@@ -264,24 +264,24 @@ def test_decode_forward_empty_and_bad_input():
 def test_dense_cost_model_matches_issue_13_measurements():
     # H100, D 2048, H 5632, bf16, XLA dense (issue 13): tokens per call -> us.
     for m, measured_us in ((1, 35.7), (8, 36.2), (64, 44.7), (256, 66.6)):
-        assert pallas_decode.dense_time_us(m, 2048, 5632) == pytest.approx(measured_us, rel=0.05)
+        assert planner.dense_time_us(m, 2048, 5632) == pytest.approx(measured_us, rel=0.05)
 
 
 def test_prefer_decode_path():
     d, h = 2048, 5632
     # Fitted on the H100 (BENCHMARKS.md): the decode path won at 1 and 8 tokens, lost at 64.
     for m in (1, 8):
-        assert pallas_decode.prefer_decode_path(m, d, h, 29.0, True)
+        assert planner.prefer_decode_path(m, d, h, 29.0, True)
     for m in (64, 256, 1024, 65536):  # the union of 64+ tokens: the gathers cost more than dense
-        assert not pallas_decode.prefer_decode_path(m, d, h, 29.0, True)
-    assert not pallas_decode.prefer_decode_path(1, d, h, 2816.0, True)  # half the neurons active
-    assert not pallas_decode.prefer_decode_path(1, d, h, None, True)  # no hint: caller decides
+        assert not planner.prefer_decode_path(m, d, h, 29.0, True)
+    assert not planner.prefer_decode_path(1, d, h, 2816.0, True)  # half the neurons active
+    assert not planner.prefer_decode_path(1, d, h, None, True)  # no hint: caller decides
     # The NaN/Inf pass reads every weight (dense's bytes) plus a cond: measured 0.4x dense.
-    assert not pallas_decode.prefer_decode_path(1, d, h, 29.0, True, check_finite=True)
-    assert pallas_decode.expected_union(1, 29.0, h) == pytest.approx(29.0)
-    assert pallas_decode.expected_union(10**6, 29.0, h) == pytest.approx(h)
+    assert not planner.prefer_decode_path(1, d, h, 29.0, True, check_finite=True)
+    assert planner.expected_union(1, 29.0, h) == pytest.approx(29.0)
+    assert planner.expected_union(10**6, 29.0, h) == pytest.approx(h)
     with pytest.raises(ValueError):
-        pallas_decode.expected_union(1, -1.0, h)
+        planner.expected_union(1, -1.0, h)
 
 
 # ---------------------------------------------------------------------------------------------

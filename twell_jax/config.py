@@ -17,7 +17,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-FFN_BACKENDS = ("dense", "reference", "pallas", "auto")
+from twell_jax.ops import BACKENDS as FFN_BACKENDS  # the op registry's backend names (one list)
+
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 # DataConfig.source value of the deterministic random-token source.

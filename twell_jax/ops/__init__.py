@@ -38,7 +38,9 @@ Why neuron-major weights: hidden neuron j owns row j of w_gate, w_up and w_down,
 access (gathering the up / down rows of the active neurons of a token, or the weight-gradient row
 of a neuron) is a contiguous D-vector read, never a strided column.
 
-Backends:
+Backends: the registry of implementations (`backends`; each one `Implementation` object with its
+forward, backward, where it runs and its cost; `backends.register` adds one, `backend_names()`
+lists the values of `backend=`):
     "dense"      `dense_ffn`, the one copy of the dense formula (also every fallback, the Pallas
                  glue's dense branch and the model's dense kinds): compute-dtype GEMMs with f32
                  accumulation, f32 gating product, aux from the x-dtype h; plain JAX autodiff.
@@ -48,16 +50,21 @@ Backends:
     "pallas"     forward by the Pallas kernels (`twell_jax.ops.pallas_forward`, imported lazily),
                  backward by the Pallas backward kernels (`twell_jax.ops.pallas_backward`: the
                  forward keeps its TwELL pack for it). Needs a GPU unless interpret=True.
-    "auto"       on a GPU with config.expected_active_per_token set: per layer, forward and
-                 backward each sparse (Pallas) or dense from a cost model
-                 (`pallas_backward.choose_training_path`, which also prices the backward's dense
-                 tails when the config has the tail hints: `backward_tail_shares` estimates them
-                 from telemetry), decided at trace time (at decode sizes, a few tokens per call, the
-                 forward spread over the active neurons: `twell_jax.ops.pallas_decode`); on a GPU
-                 without the hint: dense or sparse decided first, outside the custom_vjp, by a
-                 lax.cond on a sampled active count (`pallas_forward.auto_use_sparse`): dense =
-                 the "dense" backend exactly, sparse = the Pallas forward + the exact dense
-                 backward; elsewhere: "dense".
+    "auto"       the planner (`twell_jax.ops.planner`, its cost models keyed by device kind): on a
+                 GPU with config.expected_active_per_token set, per layer, forward and backward
+                 each sparse (Pallas) or dense from the training cost model (which also prices the
+                 backward's dense tails when the config has the tail hints: `backward_tail_shares`
+                 estimates them from telemetry), decided at trace time (at decode sizes, a few
+                 tokens per call, the forward spread over the active neurons: the "decode"
+                 implementation, `twell_jax.ops.pallas_decode`); on a GPU without the hint: dense
+                 or sparse decided first, outside the custom_vjp, by a lax.cond on a sampled active
+                 count (`planner.use_sparse_forward`): dense = the "dense" backend exactly, sparse =
+                 the Pallas forward + the exact dense backward; elsewhere: "dense".
+`auto_decision` names the implementations "auto" plans for a call; `plan_key` gives a hashable key
+of the traced computation (equal keys: layers that can share one program).
+
+The backward's dense tails follow ONE rule, `TailPolicy` (twell_jax/ops/tails.py), used by the
+reference and Pallas backwards, the telemetry estimate and the cost model.
 
 The reference and dense backwards keep only (x, weights) as residuals and recompute what they
 need; the Pallas backward also keeps the forward's TwELL pack unless
@@ -86,11 +93,13 @@ size (a zero token activates nothing).
 Limits: indices are int32, so H and the token count per call are only bounded by memory. The
 reference backend is a correctness oracle, not a fast path: it computes the gate densely.
 
-Files (one job each): `config.py` SparseFFNConfig and the aux keys; `dense.py` the dense formula
-and its aux (the only copy); `reference.py` the pure-JAX sparse forward and backward; `dispatch.py`
-validation, plans, the custom_vjp, shard_map, `gated_ffn` / `ffn`; `format.py` and `hybrid.py` the
-formats; `pallas_forward.py`, `pallas_backward.py`, `pallas_decode.py` the Pallas glue (imported
-lazily: the kernels need Triton-capable jax builds).
+Files (one job each): `config.py` SparseFFNConfig and the aux keys; `implementation.py` and
+`backends.py` the Implementation type and the registry; `planner.py` "auto" and the cost models;
+`tails.py` the tail rule; `dense.py` the dense formula and its aux (the only copy); `reference.py`
+the pure-JAX sparse forward and backward; `dispatch.py` validation, the custom_vjp, shard_map,
+`gated_ffn` / `ffn`; `format.py` and `hybrid.py` the formats; `pallas.py` the Pallas
+implementations, whose glue `pallas_forward.py`, `pallas_backward.py` (+ `pallas_config.py`, its
+knobs), `pallas_decode.py` is imported lazily (the kernels need Triton-capable jax builds).
 """
 from __future__ import annotations
 
@@ -98,10 +107,13 @@ from twell_jax.ops.config import (AUX_KEYS, COUNT_KEYS, TAIL_HINT_FIELDS, TAIL_S
                                   Weights)
 from twell_jax.ops.dense import (DENSE_ACTIVATIONS, dense_aux, dense_backward, dense_fallback_ffn, dense_ffn,
                                  dense_hidden)
-from twell_jax.ops.dispatch import BACKENDS, auto_decision, backward_tail_shares, ffn, gated_ffn
+from twell_jax.ops.backends import backend_names, register
+from twell_jax.ops.dispatch import BACKENDS, auto_decision, backward_tail_shares, ffn, gated_ffn, plan_key
+from twell_jax.ops.implementation import Implementation
 from twell_jax.ops.reference import reference_backward, reference_forward
+from twell_jax.ops.tails import TailPolicy
 
 __all__ = ["AUX_KEYS", "BACKENDS", "COUNT_KEYS", "DENSE_ACTIVATIONS", "TAIL_HINT_FIELDS", "TAIL_SHARE_KEYS", "Aux",
-           "SparseFFNConfig",
-           "Weights", "auto_decision", "backward_tail_shares", "dense_aux", "dense_backward", "dense_fallback_ffn",
-           "dense_ffn", "dense_hidden", "ffn", "gated_ffn", "reference_backward", "reference_forward"]
+           "Implementation", "SparseFFNConfig", "TailPolicy", "Weights", "auto_decision", "backend_names",
+           "backward_tail_shares", "dense_aux", "dense_backward", "dense_fallback_ffn", "dense_ffn", "dense_hidden",
+           "ffn", "gated_ffn", "plan_key", "reference_backward", "reference_forward", "register"]

@@ -3,7 +3,6 @@ the aux keys and the (x, weights) -> (y, aux) value types shared by every file o
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 from typing import TYPE_CHECKING
 
@@ -13,7 +12,7 @@ if TYPE_CHECKING:  # annotations only: the kernels are imported lazily (Triton-b
     from pallas_kernels.twell_decode import DecodeBlockSizes
     from pallas_kernels.twell_ffn import FFNBlockSizes
     from pallas_kernels.twell_pack import PackBlockSizes
-    from twell_jax.ops.pallas_backward import BackwardConfig
+    from twell_jax.ops.pallas_config import BackwardConfig
 
 AUX_KEYS = ("l1", "l0", "tile_overflow", "row_overflow", "dense_fallback", "backward_tail_rows",
             "backward_hot_neurons")
@@ -43,6 +42,25 @@ def _check_capacity_spec(name: str, value: int | float) -> None:
 def _resolve_capacity(spec: int | float, n: int) -> int:
     """Rows of capacity for a spec that is a row count (int) or a fraction of n (float)."""
     return min(n, spec) if isinstance(spec, int) else min(n, math.ceil(spec * n))
+
+
+# SparseFFNConfig's fields typed by the kernels' own dataclasses (checked by _check_kernel_configs).
+_KERNEL_CONFIG_FIELDS = ("pack_block_sizes", "ffn_block_sizes", "decode_block_sizes", "backward")
+
+
+def _check_kernel_configs(config: "SparseFFNConfig") -> None:
+    # Imported only here (leaf modules), when such a field is set: they load Triton-backed Pallas.
+    from pallas_kernels.twell_decode import DecodeBlockSizes
+    from pallas_kernels.twell_ffn import FFNBlockSizes
+    from pallas_kernels.twell_pack import PackBlockSizes
+    from twell_jax.ops.pallas_config import BackwardConfig
+
+    for name, expected in zip(_KERNEL_CONFIG_FIELDS, (PackBlockSizes, FFNBlockSizes, DecodeBlockSizes,
+                                                     BackwardConfig)):
+        value = getattr(config, name)
+        if value is not None and not isinstance(value, expected):
+            raise ValueError(f"SparseFFNConfig.{name} must be None or a {expected.__module__}."
+                             f"{expected.__name__}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +93,10 @@ class SparseFFNConfig:
     # (None = the backend's default, 32 tokens).
     auto_sample_rows: int | None = None
     # Pallas "auto": mean actives per token above which the forward runs dense (None = the per-shape
-    # crossover of the forward's cost model, pallas_forward.crossover_active_per_token). The op
+    # crossover of the forward's cost model, planner.crossover_active_per_token). The op
     # reads it only without a hint (expected_active_per_token None), against the sampled count;
-    # with a hint its plan comes from pallas_backward.choose_training_path and
-    # pallas_decode.prefer_decode_path. (pallas_forward's auto_* entries compare a hint with it.)
+    # with a hint its plan comes from planner.choose_training_path and
+    # planner.prefer_decode_path. (pallas_forward's auto_* entries compare a hint with it.)
     auto_max_active: float | None = None
     # Pallas "auto": expected mean actives per token (e.g. the L0 telemetry of training). When set,
     # "auto" decides dense vs sparse at trace time for free, instead of sampling on the device.
@@ -88,7 +106,7 @@ class SparseFFNConfig:
     # than ell_width actives (dense first tokens); expected_hot_neurons: of the neurons, those over
     # hot_threshold(M); expected_hot_entries: of the active entries, those the hot neurons hold
     # (the kernels skip them). The trainer fills them from its telemetry (`backward_tail_shares`)
-    # so that choose_training_path prices the tails (pallas_backward's cost table).
+    # so that planner.choose_training_path prices the tails (the backward's cost model).
     expected_token_tail: float | None = None
     expected_hot_neurons: float | None = None
     expected_hot_entries: float | None = None
@@ -118,7 +136,7 @@ class SparseFFNConfig:
     # (2 more GEMMs gated, ~1 ms at M 16384, D 2048, H 5632 on an H100; ~0.5 GB less per such
     # layer there), like the sparse plans, which keep no [M, H] tensor either.
     auto_dense_recompute: bool = False
-    # Pallas backward knobs (None = pallas_backward.BackwardConfig's defaults).
+    # Pallas backward knobs (None = pallas_config.BackwardConfig's defaults).
     backward: BackwardConfig | None = None
 
     def __post_init__(self) -> None:
@@ -136,20 +154,8 @@ class SparseFFNConfig:
             raise ValueError(f"SparseFFNConfig.slots ({self.slots}) must be <= tile ({self.tile})")
         _check_capacity_spec("SparseFFNConfig.tail_rows", self.tail_rows)
         _check_capacity_spec("SparseFFNConfig.transpose_tail_rows", self.transpose_tail_rows)
-        for name, module, cls in (("pack_block_sizes", "twell_pack", "PackBlockSizes"),
-                                  ("ffn_block_sizes", "twell_ffn", "FFNBlockSizes"),
-                                  ("decode_block_sizes", "twell_decode", "DecodeBlockSizes")):
-            value = getattr(self, name)
-            if value is not None:  # imported only here: the kernels load Triton-backed Pallas
-                expected = getattr(importlib.import_module(f"pallas_kernels.{module}"), cls)
-                if not isinstance(value, expected):
-                    raise ValueError(f"SparseFFNConfig.{name} must be None or a pallas_kernels.{module}.{cls}, "
-                                     f"got {value!r}")
-        if self.backward is not None:  # imported only here, like the kernels' block sizes
-            expected = importlib.import_module("twell_jax.ops.pallas_backward").BackwardConfig
-            if not isinstance(self.backward, expected):
-                raise ValueError("SparseFFNConfig.backward must be None or a twell_jax.ops.pallas_backward."
-                                 f"BackwardConfig, got {self.backward!r}")
+        if any(getattr(self, name) is not None for name in _KERNEL_CONFIG_FIELDS):
+            _check_kernel_configs(self)
         if not isinstance(self.check_finite, bool):
             raise ValueError(f"SparseFFNConfig.check_finite must be a bool, got {self.check_finite!r}")
         if not isinstance(self.auto_dense_recompute, bool):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from twell_jax.ops.config import Aux, Weights
+from twell_jax.ops import planner
+from twell_jax.ops.config import Aux, SparseFFNConfig, Weights
+from twell_jax.ops.implementation import Implementation, runs_anywhere
 
 
 def _matmul_t(x: jax.Array, w_HxD: jax.Array) -> jax.Array:
@@ -83,3 +85,18 @@ def dense_backward(gated: bool, x: jax.Array, weights: Weights, gy: jax.Array,
 
     _, vjp = jax.vjp(y_and_l1, x, weights)
     return vjp((gy.astype(x.dtype), gl1.astype(jnp.float32)))
+
+
+def _forward(gated: bool, x_MxD: jax.Array, weights: Weights, config: SparseFFNConfig, interpret: bool,
+             keep: bool) -> tuple[jax.Array, Aux, None]:
+    """The dense formula as a plan's forward (inside the op's custom_vjp: the backward recomputes)."""
+    y, aux = dense_fallback_ffn(gated, x_MxD, weights, neuron_counts=config.neuron_counts)
+    return y, aux, None
+
+
+def _cost(shape: tuple[int, int, int, int], config: SparseFFNConfig, gated: bool) -> tuple[float, float]:
+    m, d, h, _ = shape
+    return planner.dense_times_ms(m, d, h, gated)
+
+
+DENSE = Implementation("dense", _forward, None, runs_anywhere, cost=_cost, dense_formula=True)

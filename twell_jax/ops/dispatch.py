@@ -1,60 +1,50 @@
-"""How a call runs: validation, the backend plan, the custom_vjp (any forward with the sparse,
-Pallas or dense backward; the NaN policy's dense fallback), the shard_map wrapper, and the public
-`gated_ffn` / `ffn` (the contract is in twell_jax/ops/__init__.py)."""
+"""How a call runs: validation, the plan (`planner`), the custom_vjp (any registered forward with
+any registered backward, `backends`; the NaN policy's dense fallback), the shard_map wrapper, and
+the public `gated_ffn` / `ffn` (the contract is in twell_jax/ops/__init__.py). Nothing here
+switches on an implementation's name: a plan names registry entries and their objects run."""
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec
 
-from twell_jax.ops.config import AUX_KEYS, COUNT_KEYS, TAIL_SHARE_KEYS, Aux, SparseFFNConfig, Weights
+from twell_jax.ops import backends, planner
+from twell_jax.ops.config import AUX_KEYS, COUNT_KEYS, Aux, SparseFFNConfig, Weights
 from twell_jax.ops.dense import dense_backward, dense_fallback_ffn, dense_ffn
-from twell_jax.ops.reference import reference_backward, reference_forward
+from twell_jax.ops.implementation import Implementation
+from twell_jax.ops.planner import Plan
+from twell_jax.ops.tails import TailPolicy
 
-BACKENDS = ("dense", "reference", "pallas", "auto")
+# The backend names of the built-in implementations (`backends.backend_names()` also lists any
+# registered later).
+BACKENDS = backends.backend_names()
 
 
 # ----------------------------------------------------------------------------------------------
-# custom_vjp: any forward, with the sparse (reference) or the dense backward
+# custom_vjp: any registered forward, with any registered backward
 # ----------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """How one call runs (static)."""
-
-    gated: bool
-    forward: str  # "reference" | "pallas" | "pallas_auto" (decided in _op_body) | "dense" | "decode"
-    backward: str  # "sparse" (reference) | "pallas" (twell_jax.ops.pallas_backward) | "dense"
-    interpret: bool
+def _implementations(plan: Plan) -> tuple[Implementation, Implementation]:
+    return backends.get(plan.forward), backends.get(plan.backward)
 
 
-def _run_sparse_forward(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
-                        weights: Weights) -> tuple[jax.Array, Aux]:
-    """The plan's forward, assuming finite inputs (see `_run_forward`)."""
-    if plan.forward == "decode":
-        from twell_jax.ops import pallas_decode  # lazy, like pallas_forward
-
-        fn = pallas_decode.decode_gated_ffn_forward if plan.gated else pallas_decode.decode_ffn_forward
-        y, aux = fn(x_MxD, *weights, config=config, interpret=plan.interpret)
-        return y, {key: aux[key] for key in _aux_keys(config)}
-    if plan.forward == "dense" and plan.backward == "dense":  # "auto", auto_dense_recompute
-        y, aux = dense_fallback_ffn(plan.gated, x_MxD, weights, neuron_counts=config.neuron_counts)
-        return y, {key: aux[key] for key in _aux_keys(config)}
-    if plan.backward == "pallas" or plan.forward == "dense":
-        y, aux, _ = _pallas_training_forward(plan, config, x_MxD, weights)
-        return y, aux
-    if plan.forward == "reference":
-        return reference_forward(plan.gated, x_MxD, weights, config)
-    from twell_jax.ops import pallas_forward  # lazy: the kernels need Triton-capable jax builds
-
-    fn = pallas_forward.gated_ffn_forward if plan.gated else pallas_forward.ffn_forward
-    y, aux = fn(x_MxD, *weights, config, interpret=plan.interpret)
-    return y, {key: aux[key] for key in _aux_keys(config)}
+def _run_sparse_forward(plan: Plan, config: SparseFFNConfig, x_MxD: jax.Array,
+                        weights: Weights) -> tuple[jax.Array, Aux, Any]:
+    """The plan's forward, assuming finite inputs (see `_run_forward`): (y, aux, the residual its
+    backward keeps). A forward whose backward is another implementation with dense tails reports
+    them as -1 (it builds no pattern to count them on)."""
+    fwd, bwd = _implementations(plan)
+    keep = fwd is bwd
+    y, aux, residual = fwd.forward(plan.gated, x_MxD, weights, config, plan.interpret, keep)
+    if bwd.reports_tails and not keep:
+        unknown = jnp.full((), 0 if x_MxD.shape[0] == 0 else -1, jnp.int32)
+        aux = {**aux, "backward_tail_rows": unknown, "backward_hot_neurons": unknown}
+    return y, {key: aux[key] for key in _aux_keys(config)}, residual
 
 
 def _non_finite(config: SparseFFNConfig, x_MxD: jax.Array, weights: Weights) -> jax.Array:
@@ -74,14 +64,14 @@ def _same_variance(anchor: jax.Array, tree: Any) -> Any:
     return jax.tree.map(lambda a: jnp.where(anchor, a, a), tree)
 
 
-def _with_dense_fallback(non_finite: jax.Array, plan: _Plan, config: SparseFFNConfig,
+def _with_dense_fallback(non_finite: jax.Array, plan: Plan, config: SparseFFNConfig,
                          x_MxD: jax.Array, weights: Weights,
                          sparse: Callable[[], Any]) -> Any:
     """`sparse()` (whose first two outputs are (y, aux)), or the exact dense forward when
     `non_finite`; the dense branch fills any further outputs (the Pallas pack) with zeros. No cond
     when the check is off, or when the plan's forward is the dense formula already (both branches
     would be the same dense forward; `non_finite` still sends the backward to the dense formula)."""
-    if not config.check_finite or plan.forward == "dense":
+    if not config.check_finite or backends.get(plan.forward).dense_formula:
         return sparse()
     gated = plan.gated
     shapes = jax.eval_shape(sparse)
@@ -95,8 +85,8 @@ def _with_dense_fallback(non_finite: jax.Array, plan: _Plan, config: SparseFFNCo
     return jax.lax.cond(non_finite, dense, lambda: _same_variance(non_finite, sparse()))
 
 
-def _run_forward(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
-                 weights: Weights) -> tuple[jax.Array, Aux]:
+def _run_forward(plan: Plan, config: SparseFFNConfig, x_MxD: jax.Array,
+                 weights: Weights) -> tuple[jax.Array, Aux, Any]:
     """The plan's forward; the exact dense forward when an input or weight is not finite."""
     return _with_dense_fallback(_non_finite(config, x_MxD, weights), plan, config, x_MxD, weights,
                                 lambda: _run_sparse_forward(plan, config, x_MxD, weights))
@@ -107,92 +97,52 @@ def _aux_keys(config: SparseFFNConfig) -> tuple[str, ...]:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _sparse_op(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
+def _sparse_op(plan: Plan, config: SparseFFNConfig, x_MxD: jax.Array,
                weights: Weights) -> tuple[jax.Array, Aux]:
-    return _run_forward(plan, config, x_MxD, weights)
+    y, aux, _ = _run_forward(plan, config, x_MxD, weights)
+    return y, aux
 
 
-def _pallas_training_forward(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
-                             weights: Weights) -> tuple[jax.Array, Aux, Any]:
-    """Forward of a plan with the Pallas backward: (y, aux, the TwELL pack kept for it or None)."""
-    from twell_jax.ops import pallas_backward  # lazy, like pallas_forward
-
-    y, aux, pack = pallas_backward.forward(plan.gated, plan.forward, x_MxD, weights, config,
-                                           plan.interpret)
-    return y, {key: aux[key] for key in _aux_keys(config)}, pack
-
-
-def _sparse_op_fwd(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array, weights: Weights
+def _sparse_op_fwd(plan: Plan, config: SparseFFNConfig, x_MxD: jax.Array, weights: Weights
                    ) -> tuple[tuple[jax.Array, Aux], tuple[Any, ...]]:
-    # Residuals: (x, weights, non_finite[, the Pallas pack]); the flag, computed once here, also
-    # sends the backward to the dense formula.
+    # Residuals: (x, weights, non_finite, what the backward keeps); the flag, computed once here,
+    # also sends the backward to the dense formula.
     non_finite = _non_finite(config, x_MxD, weights)
-    if plan.backward == "pallas":
-        y, aux, pack = _with_dense_fallback(
-            non_finite, plan, config, x_MxD, weights,
-            lambda: _pallas_training_forward(plan, config, x_MxD, weights))
-        return (y, aux), (x_MxD, weights, non_finite, pack)
-    y, aux = _with_dense_fallback(non_finite, plan, config, x_MxD, weights,
-                                  lambda: _run_sparse_forward(plan, config, x_MxD, weights))
-    return (y, aux), (x_MxD, weights, non_finite)
+    y, aux, residual = _with_dense_fallback(non_finite, plan, config, x_MxD, weights,
+                                            lambda: _run_sparse_forward(plan, config, x_MxD, weights))
+    return (y, aux), (x_MxD, weights, non_finite, residual)
 
 
-def _sparse_op_bwd(plan: _Plan, config: SparseFFNConfig, residuals: tuple[Any, ...],
+def _sparse_op_bwd(plan: Plan, config: SparseFFNConfig, residuals: tuple[Any, ...],
                    cotangents: tuple[jax.Array, Aux]) -> tuple[jax.Array, Weights]:
-    x_MxD, weights, non_finite = residuals[:3]
+    x_MxD, weights, non_finite, residual = residuals
     # The backward recomputes what it needs from (x, weights); without the barrier XLA's CSE merges
     # a recomputed GEMM with the forward's identical one and keeps its [M, H] output alive after
     # all (what jax.checkpoint prevents the same way).
     x_MxD, weights = jax.lax.optimization_barrier((x_MxD, weights))
     gy_MxD, g_aux = cotangents
     gl1 = jnp.asarray(g_aux["l1"], jnp.float32)  # l0 and the counters are not differentiable
-    if plan.backward == "dense":
+    backward = backends.get(plan.backward).backward
+    if backward is None:  # the dense formula's backward: exact on any input
         return dense_backward(plan.gated, x_MxD, weights, gy_MxD, gl1)
-    if plan.backward == "pallas":
-        # The dense branch of a sparse backward (never run when the kernels can): in row blocks,
-        # so its temporaries do not set the program's memory (pallas_backward.blocked_dense_backward).
-        from twell_jax.ops import pallas_backward
-
-        rows = (config.backward or pallas_backward.BackwardConfig()).dense_block_rows
-        dense_bwd = functools.partial(pallas_backward.blocked_dense_backward, plan.gated, x_MxD,
-                                      weights, gy_MxD, gl1, rows)
-    else:
-        dense_bwd = functools.partial(dense_backward, plan.gated, x_MxD, weights, gy_MxD, gl1)
-
-    if plan.backward == "pallas":
-        # The NaN/Inf flag joins the Pallas backward's own branch (one predicate, not two). On such
-        # inputs the pieces before that branch read a zero pack (what the forward's dense fallback
-        # kept) or one rebuilt from the non-finite x (a dense forward keeps none): index work only,
-        # harmless, and the branch then runs the dense formula.
-        from twell_jax.ops import pallas_backward
-
-        return pallas_backward.backward(plan.gated, x_MxD, weights, gy_MxD, gl1, config,
-                                        plan.interpret, residuals[3], dense_bwd,
-                                        non_finite=non_finite if config.check_finite else None)
-
-    def sparse_backward() -> tuple[jax.Array, Weights]:
-        return reference_backward(plan.gated, x_MxD, weights, gy_MxD, gl1, config)
-
-    if not config.check_finite:  # non_finite is a constant False: no cond in the program
-        return sparse_backward()
-    return jax.lax.cond(non_finite, dense_bwd, sparse_backward)
+    return backward(plan.gated, x_MxD, weights, gy_MxD, gl1, config, plan.interpret, residual,
+                    non_finite if config.check_finite else None)
 
 
 _sparse_op.defvjp(_sparse_op_fwd, _sparse_op_bwd)
 
 
-def _op_body(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
+def _op_body(plan: Plan, config: SparseFFNConfig, x_MxD: jax.Array,
              weights: Weights) -> tuple[jax.Array, Aux]:
-    """One call on local tokens. "pallas_auto" decides dense vs sparse OUTSIDE the custom_vjp:
-    its dense branch is the plain dense formula under autodiff (exactly the "dense" backend, which
-    keeps its activations for the backward), its sparse branch the Pallas forward with the dense
-    backward recomputing from (x, weights). A model that is not sparse yet (initialisation) thus
-    trains at the dense speed instead of paying the backward's recompute."""
-    if plan.forward != "pallas_auto":
+    """One call on local tokens. A sampled plan ("auto" without a hint) decides dense vs sparse
+    OUTSIDE the custom_vjp: its dense branch is the plain dense formula under autodiff (exactly the
+    "dense" backend, which keeps its activations for the backward), its sparse branch the plan
+    (the Pallas forward with the dense backward recomputing from (x, weights)). A model that is
+    not sparse yet (initialisation) thus trains at the dense speed instead of paying the
+    backward's recompute."""
+    if not plan.sampled:
         return _sparse_op(plan, config, x_MxD, weights)
-    from twell_jax.ops import pallas_forward
-
-    sparse_plan = dataclasses.replace(plan, forward="pallas")
+    sparse_plan = dataclasses.replace(plan, sampled=False)
 
     def sparse() -> tuple[jax.Array, Aux]:
         return _sparse_op(sparse_plan, config, x_MxD, weights)
@@ -201,7 +151,7 @@ def _op_body(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array,
         # "auto" chose the dense path
         return dense_fallback_ffn(plan.gated, x_MxD, weights, neuron_counts=config.neuron_counts)
 
-    use_sparse = pallas_forward.auto_use_sparse(plan.gated, x_MxD, weights[0], config)
+    use_sparse = planner.use_sparse_forward(plan.gated, x_MxD, weights[0], config)
     if isinstance(use_sparse, bool):  # decided at trace time: only that path is compiled
         return sparse() if use_sparse else dense()
     return jax.lax.cond(use_sparse, sparse, dense)
@@ -226,26 +176,12 @@ def backward_tail_shares(token_active_count: jax.Array, neuron_active_count: jax
                          config: SparseFFNConfig | None) -> dict[str, jax.Array]:
     """Estimates of the sparse backward's dense tails, as the tail hints of SparseFFNConfig want
     them, from the counts any backend adds to aux with `neuron_counts` (so also after a dense
-    forward, which builds no pattern): f32 scalars under TAIL_SHARE_KEYS
-      "token_tail_share"  tokens with more than ell_width actives / tokens (a token whose TwELL
-                          tile overflows with fewer actives is not counted: rare, slots >= 32)
-      "hot_neuron_share"  neurons over hot_threshold(M) / H, M = the tokens per data shard of the
-                          call and a neuron's per-shard count estimated as its count / shards
-      "hot_entry_share"   the hot neurons' entries / all entries (0 with none)."""
+    forward, which builds no pattern): `TailPolicy.shares` with the call's data shards."""
     config = config or SparseFFNConfig()
-    n_tokens = math.prod(token_active_count.shape)
-    n_shards = _data_axis_size(config)
-    threshold = config.hot_threshold(-(-n_tokens // n_shards))
-    counts_H = neuron_active_count.astype(jnp.float32)
-    hot_H = counts_H / n_shards > threshold
-    entries = jnp.sum(counts_H)
-    shares = (jnp.mean((token_active_count > config.ell_width).astype(jnp.float32)),
-              jnp.mean(hot_H.astype(jnp.float32)),
-              jnp.where(entries > 0, jnp.sum(jnp.where(hot_H, counts_H, 0.0)) / jnp.maximum(entries, 1.0), 0.0))
-    return dict(zip(TAIL_SHARE_KEYS, shares))
+    return TailPolicy(config).shares(token_active_count, neuron_active_count, _data_axis_size(config))
 
 
-def _sharded_call(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array, weights: Weights,
+def _sharded_call(plan: Plan, config: SparseFFNConfig, x_MxD: jax.Array, weights: Weights,
                   n_shards: int) -> tuple[jax.Array, Aux]:
     """The op inside shard_map over config.data_axis: tokens split, weights replicated."""
     axis = config.data_axis
@@ -301,23 +237,33 @@ def _sharded_call(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array, weight
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 4))
-def _sparse_call(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array, weights: Weights,
+def _sparse_call(plan: Plan, config: SparseFFNConfig, x_MxD: jax.Array, weights: Weights,
                  n_shards: int) -> tuple[jax.Array, Aux]:
     if n_shards > 1:
         return _sharded_call(plan, config, x_MxD, weights, n_shards)
     return _op_body(plan, config, x_MxD, weights)
 
 
-def _validate(x: jax.Array, weights: dict[str, jax.Array], backend: str, config: Any,
-              interpret: Any) -> SparseFFNConfig:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+def _validate_config(config: Any) -> SparseFFNConfig:
     if config is None:
-        config = SparseFFNConfig()
-    elif not isinstance(config, SparseFFNConfig):
+        return SparseFFNConfig()
+    if not isinstance(config, SparseFFNConfig):
         raise ValueError(f"config must be a SparseFFNConfig or None, got {type(config).__name__}")
+    return config
+
+
+def _validate_choice(backend: Any, interpret: Any) -> None:
+    names = backends.backend_names()
+    if backend not in names:
+        raise ValueError(f"backend must be one of {names}, got {backend!r}")
     if not isinstance(interpret, bool):
         raise ValueError(f"interpret must be a bool, got {interpret!r}")
+
+
+def _validate(x: jax.Array, weights: dict[str, jax.Array], backend: str, config: Any,
+              interpret: Any) -> SparseFFNConfig:
+    _validate_choice(backend, interpret)
+    config = _validate_config(config)
     if x.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
     if x.ndim < 1:
@@ -340,72 +286,45 @@ def _validate(x: jax.Array, weights: dict[str, jax.Array], backend: str, config:
     return config
 
 
-def _pallas_module(required: bool):
-    """twell_jax.ops.pallas_forward, or None when it cannot be imported and is not required."""
-    try:
-        from twell_jax.ops import pallas_forward
-    except ImportError as err:
-        if required:
-            raise RuntimeError(f"backend='pallas' needs twell_jax.ops.pallas_forward, which failed to import: {err}") from err
-        return None
-    return pallas_forward
-
-
-# "auto" decided at trace time (from the hint) that the whole call runs the dense backend.
-_AUTO_DENSE = "auto_dense"
-
-
 def _plan(gated: bool, backend: str, interpret: bool, config: SparseFFNConfig,
-          shape: tuple[int, int, int, int]) -> _Plan | str | None:
-    """The plan of a sparse backend, or None when the call runs the plain dense backend
-    (_AUTO_DENSE: likewise, chosen by "auto" from its hint).
-    shape = (tokens per shard, D, H, itemsize), for the training "auto" choice."""
-    if backend == "dense":
-        return None
-    if backend == "reference":
-        return _Plan(gated, "reference", "sparse", interpret)
-    if backend == "pallas":
-        module = _pallas_module(required=True)
-        if not interpret and not module.available():
-            raise RuntimeError(
-                "backend='pallas' needs a GPU (pallas_forward.available() is False); pass "
-                "interpret=True to run the kernels in the Pallas interpreter, or use "
-                "backend='reference' or 'dense'")
-        return _Plan(gated, "pallas", "pallas", interpret)
-    module = _pallas_module(required=False)  # "auto"
-    if module is None or not module.available():
-        return None
-    if config.expected_active_per_token is None:
-        # No hint: the forward samples on the device and branches; the backward stays dense.
-        return _Plan(gated, "pallas_auto", "dense", interpret)
-    from twell_jax.ops import pallas_backward
-
-    m, d_model, n_neurons, itemsize = shape
-    from twell_jax.ops import pallas_decode
-
-    if pallas_decode.prefer_decode_path(m, d_model, n_neurons, config.expected_active_per_token, gated,
-                                         itemsize=itemsize, check_finite=config.check_finite):
-        # Decode sizes (a few tokens per call): the work spread over the active neurons.
-        return _Plan(gated, "decode", "dense", interpret)
-    fwd_sparse, bwd_sparse = pallas_backward.choose_training_path(
-        m, d_model, n_neurons, config.expected_active_per_token, gated, itemsize=itemsize,
-        keep_pattern=(config.backward or pallas_backward.BackwardConfig()).keep_gate_pattern, config=config)
-    if not (fwd_sparse or bwd_sparse):
-        # The dense plan IS the "dense" backend (plain autodiff keeps its activations), unless the
-        # config asks for the dense formula inside the custom_vjp, which recomputes them.
-        return _Plan(gated, "dense", "dense", interpret) if config.auto_dense_recompute else _AUTO_DENSE
-    return _Plan(gated, "pallas" if fwd_sparse else "dense", "pallas" if bwd_sparse else "dense",
-                 interpret)
+          shape: tuple[int, int, int, int]) -> Plan | str | None:
+    """The plan of a call, or None when it runs the plain dense backend (planner.AUTO_DENSE:
+    likewise, chosen by "auto" from its hint). shape = (tokens per shard, D, H, itemsize)."""
+    if backend == "auto":
+        return planner.auto_plan(gated, interpret, config, shape, backends.gpu_available())
+    implementation = backends.get(backend)
+    if implementation.backward is None and implementation.dense_formula:
+        return None  # the "dense" backend: plain autodiff of the dense formula
+    reason = implementation.unavailable(interpret)
+    if reason is not None:
+        raise RuntimeError(f"backend={backend!r} {reason}")
+    return Plan(gated, backend, backend if implementation.backward is not None else "dense", interpret)
 
 
 def auto_decision(gated: bool, config: SparseFFNConfig, shape: tuple[int, int, int, int],
                   interpret: bool = False) -> tuple[str, str]:
     """(forward, backward) that backend "auto" compiles for one call of `shape` = (tokens per shard,
-    D, H, itemsize) under `config` (its `expected_active_per_token` hint included): `_plan`'s static
-    outcome, ("dense", "dense") when the call runs the plain dense backend. The trainer compares
-    these per layer to decide whether refreshed hints need a recompile."""
+    D, H, itemsize) under `config` (its `expected_active_per_token` hint included): the plan's
+    implementation names, ("dense", "dense") when the call runs the plain dense backend. The
+    trainer compares these per layer to decide whether refreshed hints need a recompile."""
     plan = _plan(gated, "auto", interpret, config, shape)
-    return ("dense", "dense") if plan is None or plan is _AUTO_DENSE else (plan.forward, plan.backward)
+    return ("dense", "dense") if plan is None or plan is planner.AUTO_DENSE else (plan.forward, plan.backward)
+
+
+def plan_key(gated: bool, backend: str, config: SparseFFNConfig | None, shape: tuple[int, int, int, int],
+             interpret: bool = False) -> Hashable:
+    """A hashable key of the computation a call traces: equal keys, equal traced programs (for the
+    same gated/shape), so layers whose keys are equal can share one program (a scan over stacked
+    layers). shape = (tokens per data shard, D, H, itemsize), as `auto_decision` takes it.
+
+    The key is the plan (which implementations run, or the plain dense backend) with the shape and
+    the config less the fields only the planner reads (`planner.PLANNER_ONLY_FIELDS`: the hints,
+    auto_dense_recompute); every other field (block sizes, capacities, decode_capacity,
+    check_finite, neuron_counts, ...) is part of it. To run a group of layers with equal keys as
+    one program, call the op with the ORIGINAL config of any one of them: it plans the same."""
+    _validate_choice(backend, interpret)
+    config = _validate_config(config)
+    return planner.key_of(_plan(gated, backend, interpret, config, shape), config, shape)
 
 
 def _dispatch(gated: bool, x: Any, weights: dict[str, Any], backend: str, config: Any,
@@ -418,7 +337,7 @@ def _dispatch(gated: bool, x: Any, weights: dict[str, Any], backend: str, config
     n_shards = _data_axis_size(config)
     plan = _plan(gated, backend, interpret, config,
                  (-(-n_tokens // n_shards), x.shape[-1], w[0].shape[0], x.dtype.itemsize))
-    if plan is _AUTO_DENSE:  # "auto" chose the dense path (as its device-side switch reports it)
+    if plan is planner.AUTO_DENSE:  # "auto" chose the dense path (as its device-side switch reports it)
         return dense_fallback_ffn(gated, x, w, neuron_counts=config.neuron_counts)
     if plan is None or n_tokens == 0:
         return dense_ffn(gated, x, w, neuron_counts=config.neuron_counts)

@@ -1,4 +1,4 @@
-"""Training glue of the Pallas kernels: the op-level sparse backward and the training "auto" choice.
+"""Training glue of the Pallas kernels: the op-level sparse backward and the forward that keeps its residual.
 
 The backward of gated_ffn / ffn (the formulas: docs/kernels.md, "Backward") over the hybrid ELL +
 dense-tail format (docs/format.md), in this order:
@@ -31,28 +31,29 @@ predicate; only a tail over one block of its chunk runs a loop). Beyond the
 config's capacities (tail_capacity(M), transpose_tail_capacity(H)) the exact dense backward runs
 for the call. Deterministic: fixed reduction orders, scatters to unique positions, no atomics.
 
-Training "auto" (`choose_training_path`): per layer, from the layer's expected active count, its
-expected dense tails (the config's tail hints) and the cost table below, which of the four whole
-plans (forward and backward each dense or sparse) runs. No host sync: a static choice at trace time.
+The tail rule (which rows and neurons go to the dense tails, their capacities) is `TailPolicy`
+(twell_jax/ops/tails.py); the cost of this backward, for "auto", is in `planner`. Its knobs:
+`BackwardConfig` (pallas_config.py).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes, neuron_backward
-from pallas_kernels.twell_bwd_token import (ListsBlockSizes, TokenBwdBlockSizes, rank_values, token_backward,
+from pallas_kernels.twell_bwd_neuron import neuron_backward
+from pallas_kernels.twell_bwd_token import (rank_values, token_backward,
                                             token_lists)
-from pallas_kernels.twell_transpose import TransposeBlockSizes, chunk_histograms, neuron_lists, pack_tile
-from pallas_kernels.twell_pack import pack_gate
-from twell_jax import ops
+from pallas_kernels.twell_pack import PackBlockSizes, pack_gate
+from pallas_kernels.twell_transpose import chunk_histograms, neuron_lists, pack_tile
 from twell_jax.ops import pallas_forward
+from twell_jax.ops.config import SparseFFNConfig
+from twell_jax.ops.dense import dense_fallback_ffn
+from twell_jax.ops.pallas_config import BackwardConfig
+from twell_jax.ops.tails import TailPolicy
 
 Weights = tuple[jax.Array, ...]
 Pack = tuple[jax.Array, jax.Array, jax.Array]  # (values [M,NT,S], indices [M,NT,S], counts [M,NT])
@@ -97,197 +98,6 @@ Aux = dict[str, jax.Array]
 
 
 
-@dataclasses.dataclass(frozen=True)
-class BackwardConfig:
-    """Static knobs of the Pallas backward (SparseFFNConfig.backward)."""
-
-    # Keep the forward's TwELL pattern for the backward (`Kept`: uint8 offsets, int16 counts, the
-    # values in rank order [M, W], the transpose's first pass; 19 MB at M 16384, H 5632, S 32,
-    # W 128, bf16) instead of re-running the gate GEMM + pack in the backward. On the H100 at that
-    # shape (k 29, BENCHMARKS.md) recomputing costs 0.62 ms per fwd+bwd (5.24 against 4.62 ms)
-    # and saves 7.5 MiB of the block's temporaries (528 against 535.5 MiB).
-    keep_gate_pattern: bool = True
-    # Token-tail rows (an overflowing tile or > ell_width actives) per dense block: the tail runs
-    # ceil(rows / chunk) blocks of [chunk, H] (a tail of at most small_tail_chunk rows: one small
-    # block; tail_block_sizes: 16, 64, 256, 512, 1024). Each block reads the three weights and updates
-    # the f32 weight-gradient accumulators whole, so large tails want large blocks: on a trained
-    # 0.5b (H100, BENCHMARKS.md) tails of 741, 1214 and 1897 rows took 0.90, 1.40 and 1.46 ms in
-    # 1024-row blocks against 1.30, 1.98 and 3.04 in 256-row ones (1.20, 1.63, 1.91 in 512-row
-    # ones); tails of 100-240 rows (one 256-row block either way) were unchanged.
-    token_tail_chunk: int = 1024
-    # Hot neurons per dense block of the neuron tail ([M, chunk] columns by GEMMs with x and gy).
-    # 256: each block reads x and gy whole, so larger blocks read them fewer times (a trained 0.5b
-    # on the H100: 0.47-0.55 ms for 118-243 hot neurons against 0.55-1.02 ms with 64; BENCHMARKS.md).
-    neuron_tail_chunk: int = 256
-    # The smallest dense block of a tail. A tail of n rows (neurons) runs as ONE block of the
-    # smallest of small_tail_chunk, x4, x16, ..., chunk / 2 (below the tail's chunk) that holds
-    # n, or in blocks of token_tail_chunk / neuron_tail_chunk (tail_block_sizes): the first
-    # tokens of 8 sequences or one hot neuron cost a [16, .] block, not a [256, .] one (a
-    # 256-neuron block took 0.9 ms for one hot neuron on the H100). The size is picked on the
-    # device from the count.
-    small_tail_chunk: int = 16
-    # Rows per block of the dense backward that the op runs instead of the kernels (a tail over its
-    # capacity, or a non-finite input): `blocked_dense_backward`, [rows, H] temporaries at a time.
-    # The one-shot dense backward's [M, H] temporaries (about 1 GB at M 16384, H 5632) were the
-    # largest buffers of the sparse program although that branch seldom runs: XLA reserves memory
-    # for every branch of a conditional.
-    dense_block_rows: int = 2048
-    # Block sizes of the token-major kernel (pallas_kernels.twell_bwd_token).
-    token_block_sizes: TokenBwdBlockSizes = TokenBwdBlockSizes()
-    # Block sizes of the neuron-major kernel (pallas_kernels.twell_bwd_neuron).
-    neuron_block_sizes: NeuronBwdBlockSizes = NeuronBwdBlockSizes()
-    # Block sizes of the counting-sort transpose (pallas_kernels.twell_transpose).
-    transpose_block_sizes: TransposeBlockSizes = TransposeBlockSizes()
-    # Block sizes of the kernel that lists each token's entries (pallas_kernels.twell_bwd_token).
-    lists_block_sizes: ListsBlockSizes = ListsBlockSizes()
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.keep_gate_pattern, bool):
-            raise ValueError(f"BackwardConfig.keep_gate_pattern must be a bool, got {self.keep_gate_pattern!r}")
-        for name in ("token_tail_chunk", "neuron_tail_chunk", "small_tail_chunk", "dense_block_rows"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"BackwardConfig.{name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.token_block_sizes, TokenBwdBlockSizes):
-            raise ValueError("BackwardConfig.token_block_sizes must be a TokenBwdBlockSizes, got "
-                             f"{type(self.token_block_sizes).__name__}")
-        if not isinstance(self.neuron_block_sizes, NeuronBwdBlockSizes):
-            raise ValueError("BackwardConfig.neuron_block_sizes must be a NeuronBwdBlockSizes, got "
-                             f"{type(self.neuron_block_sizes).__name__}")
-        if not isinstance(self.lists_block_sizes, ListsBlockSizes):
-            raise ValueError("BackwardConfig.lists_block_sizes must be a ListsBlockSizes, got "
-                             f"{type(self.lists_block_sizes).__name__}")
-        if not isinstance(self.transpose_block_sizes, TransposeBlockSizes):
-            raise ValueError("BackwardConfig.transpose_block_sizes must be a TransposeBlockSizes, got "
-                             f"{type(self.transpose_block_sizes).__name__}")
-
-
-# ----------------------------------------------------------------------------------------------
-# Cost model of the training step's FFN pieces, for "auto". ONE TABLE, fitted on the H100 (below);
-# the forward's constants are pallas_forward's (fitted on an H200, checked on the H100).
-# Times in ms; k = active per token; G = backward GEMMs of the dense formula (6 gated, 4 not).
-#   dense backward  = DENSE_LAUNCH_MS + G * 2 M D H / DENSE_BWD_FLOPS_PER_MS
-#   sparse backward = BWD_FIXED_MS                                 transpose, lists, launches, glue
-#                     + M * k * (1 - hot_entries) * (n_tok_rows + 2) * D * b / BWD_BYTES_PER_MS
-#                                                  row gathers of both kernels (hot entries skipped)
-#                     + token tail: min(1, T) * TOKEN_TAIL_FIXED_MS * D H / (2048 * 5632)
-#                                   + T * G * 2 D H / TOKEN_TAIL_FLOPS_PER_MS
-#                     + hot tail:   min(1, N) * HOT_TAIL_FIXED_MS * M D / (16384 * 2048)
-#                                   + N * G * 2 M D / HOT_TAIL_FLOPS_PER_MS
-#                     + (pack time, when the pattern is recomputed)
-#   T = expected_token_tail * M rows, N = expected_hot_neurons * H neurons (the config's tail hints,
-#   0 without them); a tail over its capacity makes the backward run the dense formula (inf here).
-# n_tok_rows = rows gathered per entry by the token-major kernel: 3 (W, U, G) gated, 2 (W, G); the
-# neuron-major kernel gathers 2 (x, gy).
-# Fitted on an H100 (BENCHMARKS.md, `bench_ffn_train.py`, M 16384, D 2048, H 5632, bf16, the
-# layer's output in the timed program, 1024-row token-tail blocks, each tail one branch predicate)
-# by least squares over the uniform patterns of `--quick` (k 29 and 56: 4.62 and 7.56 ms fwd+bwd,
-# no tails) and seven trained layers of one checkpoint (k 5-51, 0-1684 tail rows, 59-224 hot
-# neurons holding 74-86% of the entries; 2.79-5.52 ms), the forward's model subtracted: 1.04 ms
-# fixed, 0.081 ms per kernel entry per token (~4.1 TB/s of row gathers), 0.30 + 0.54 ms per 1024
-# token-tail rows, 0.30 + 0.0022 ms per hot neuron (the tails' fixed parts chosen among a few
-# values, for the smallest residuals and near the tail pieces timed alone: 0.46-0.67 ms for 59-224
-# hot neurons). Residuals: within 0.22 ms.
-# XLA's dense backward (6 GEMMs) takes ~2.5 ms.
-# ----------------------------------------------------------------------------------------------
-COST_TABLE = dict(
-    BWD_FIXED_MS=1.04,
-    BWD_BYTES_PER_MS=4.14e9,
-    DENSE_BWD_FLOPS_PER_MS=9.2e11,
-    TOKEN_TAIL_FIXED_MS=0.30,
-    TOKEN_TAIL_FLOPS_PER_MS=2.61e11,
-    HOT_TAIL_FIXED_MS=0.30,
-    HOT_TAIL_FLOPS_PER_MS=1.83e11,
-)
-# The shapes the tails' fixed costs were measured at (they scale with D H and with M D).
-_TAIL_FIT_M, _TAIL_FIT_D, _TAIL_FIT_H = 16384, 2048, 5632
-# A plan with a sparse piece is chosen only when its modelled time is at most SAFETY x the dense
-# plan's: with model errors up to 1/SAFETY - 1 - 2% (8.9%) the step stays >= 0.98x dense, and
-# otherwise the chosen plan IS the dense program (1.00x by construction).
-SAFETY = 0.9
-
-
-def dense_times_ms(m: int, d: int, h: int, gated: bool) -> tuple[float, float]:
-    """Modelled (forward, backward) ms of the dense FFN with bf16 operands."""
-    flops = 2.0 * m * d * h
-    fwd = pallas_forward.DENSE_LAUNCH_MS + (3 if gated else 2) * flops / pallas_forward.DENSE_FLOPS_PER_MS
-    bwd = pallas_forward.DENSE_LAUNCH_MS + (6 if gated else 4) * flops / COST_TABLE["DENSE_BWD_FLOPS_PER_MS"]
-    return fwd, bwd
-
-
-def expected_tails(m: int, h: int, config: ops.SparseFFNConfig | None) -> tuple[float, float, float, bool]:
-    """(token-tail rows T, hot neurons N, share of the entries on hot neurons, over capacity?) that
-    the config's tail hints (expected_token_tail, expected_hot_neurons, expected_hot_entries) give
-    for a call of M tokens and H neurons; zeros without hints."""
-    if config is None:
-        return 0.0, 0.0, 0.0, False
-    rows = (config.expected_token_tail or 0.0) * m
-    neurons = (config.expected_hot_neurons or 0.0) * h
-    over = rows > config.tail_capacity(m) or neurons > config.transpose_tail_capacity(h)
-    return rows, neurons, float(config.expected_hot_entries or 0.0), over
-
-
-def tail_times_ms(m: int, d: int, h: int, rows: float, neurons: float, gated: bool) -> tuple[float, float]:
-    """Modelled ms of the backward's dense token tail (`rows` rows) and hot-neuron tail (`neurons`)."""
-    c = COST_TABLE
-    gemms = 6 if gated else 4
-    token = (min(1.0, rows) * c["TOKEN_TAIL_FIXED_MS"] * (d * h) / (_TAIL_FIT_D * _TAIL_FIT_H)
-             + rows * gemms * 2.0 * d * h / c["TOKEN_TAIL_FLOPS_PER_MS"])
-    hot = (min(1.0, neurons) * c["HOT_TAIL_FIXED_MS"] * (m * d) / (_TAIL_FIT_M * _TAIL_FIT_D)
-           + neurons * gemms * 2.0 * m * d / c["HOT_TAIL_FLOPS_PER_MS"])
-    return token, hot
-
-
-def sparse_times_ms(m: int, d: int, h: int, k: float, gated: bool, *, itemsize: int = 2,
-                    keep_pattern: bool = True,
-                    config: ops.SparseFFNConfig | None = None) -> tuple[float, float]:
-    """Modelled (forward, backward) ms of the sparse FFN (pack + fused FFN; Pallas backward), with
-    the dense tails of `config`'s tail hints (`expected_tails`; none without a config). A tail over
-    its capacity makes the backward the dense formula: inf here (never planned)."""
-    c = COST_TABLE
-    pb = pallas_forward
-    pack_ms = 2.0 * m * d * h / pb.PACK_FLOPS_PER_MS
-    n_rows = 2 if gated else 1
-    fwd = (pb.SPARSE_FIXED_MS + pack_ms + m * pb.FFN_TOKEN_MS * n_rows / 2
-           + m * k * n_rows * d * itemsize / pb.FFN_BYTES_PER_MS)
-    rows, neurons, hot_entries, over = expected_tails(m, h, config)
-    if over:
-        return fwd, math.inf
-    token_tail, hot_tail = tail_times_ms(m, d, h, rows, neurons, gated)
-    bwd = (c["BWD_FIXED_MS"]
-           + m * k * (1.0 - hot_entries) * (n_rows + 1 + 2) * d * itemsize / c["BWD_BYTES_PER_MS"]
-           + token_tail + hot_tail + (0.0 if keep_pattern else pack_ms))
-    return fwd, bwd
-
-
-def choose_training_path(m: int, d: int, h: int, expected_active: float, gated: bool, *,
-                         itemsize: int = 2, keep_pattern: bool = True,
-                         config: ops.SparseFFNConfig | None = None) -> tuple[bool, bool]:
-    """(forward sparse?, backward sparse?) for one layer from its expected active count per token
-    and the tail hints of `config` (the backward's dense tails; none without a config).
-
-    The four plans are compared whole, because the pieces are not independent: a dense backward
-    after a sparse forward runs inside the op's custom_vjp and recomputes the pre-activations (2
-    GEMMs gated, 1 not) that plain autodiff of the dense plan keeps; a sparse backward after a
-    dense forward recomputes the pattern (the pack). A plan with a sparse piece wins only if its
-    modelled time is <= SAFETY x the dense plan's; otherwise the dense plan runs."""
-    if isinstance(expected_active, bool) or not expected_active >= 0:
-        raise ValueError(f"expected_active must be a number >= 0, got {expected_active!r}")
-    dense_fwd, dense_bwd = dense_times_ms(m, d, h, gated)
-    recompute = (2.0 if gated else 1.0) / (3.0 if gated else 2.0) * dense_fwd
-    sparse_fwd, sparse_bwd_kept = sparse_times_ms(m, d, h, expected_active, gated, itemsize=itemsize,
-                                                  keep_pattern=keep_pattern, config=config)
-    _, sparse_bwd_repacked = sparse_times_ms(m, d, h, expected_active, gated, itemsize=itemsize,
-                                             keep_pattern=False, config=config)
-    plans = {
-        (True, True): sparse_fwd + sparse_bwd_kept,
-        (True, False): sparse_fwd + dense_bwd + recompute,
-        (False, True): dense_fwd + sparse_bwd_repacked,
-    }
-    best = min(plans, key=plans.get)
-    return best if plans[best] <= SAFETY * (dense_fwd + dense_bwd) else (False, False)
-
-
 # ----------------------------------------------------------------------------------------------
 # Forward with the residual the backward wants
 # ----------------------------------------------------------------------------------------------
@@ -297,57 +107,47 @@ def _split(gated: bool, weights: Weights) -> tuple[jax.Array, jax.Array | None, 
     return (weights[0], weights[1], weights[2]) if gated else (weights[0], None, weights[1])
 
 
-def token_tail_mask(counts_MxNT: jax.Array, slots: int, ell_width: int) -> jax.Array:
-    """bool [M]: rows the backward handles densely (an overflowing tile: the pack is incomplete;
-    or more than ell_width actives: the token-major ELL cannot hold them)."""
-    return (jnp.any(counts_MxNT > slots, axis=1)
-            | (jnp.sum(counts_MxNT, axis=1) > ell_width))
-
-
-def kernel_pattern(counts_MxNT: jax.Array, config: ops.SparseFFNConfig) -> tuple[jax.Array, jax.Array]:
-    """(tail_M, the counts the kernels see: zero on the token tail's rows)."""
-    tail_M = token_tail_mask(counts_MxNT, config.slots, config.ell_width)
+def kernel_pattern(counts_MxNT: jax.Array, config: SparseFFNConfig) -> tuple[jax.Array, jax.Array]:
+    """(tail_M, the counts the kernels see: zero on the token tail's rows): the token tail of the
+    pack by the tail rule (`TailPolicy.pack_token_tail`)."""
+    tail_M = TailPolicy(config).pack_token_tail(counts_MxNT)
     return tail_M, jnp.where(tail_M[:, None], 0, counts_MxNT)
 
 
-def backward_tails(tail_M: jax.Array, hist_CxHp: jax.Array, h: int, config: ops.SparseFFNConfig
+def backward_tails(tail_M: jax.Array, hist_CxHp: jax.Array, h: int, config: SparseFFNConfig
                    ) -> tuple[jax.Array, jax.Array]:
-    """(hot_H, over_capacity) of the backward from the token tail (tail_M) and the transpose's
-    first pass over the kernels' counts (`chunk_histograms`): hot_H = neurons with more than
-    config.hot_threshold(M) entries outside the tail; over_capacity = a tail exceeds its capacity
-    (the backward then runs the dense formula)."""
+    """(hot_H, over_capacity) of the backward by the tail rule (`TailPolicy`), from the token tail
+    (tail_M) and the transpose's first pass over the kernels' counts (`chunk_histograms`): a
+    neuron's entries exclude the token tail's rows; over_capacity = the backward runs the dense
+    formula."""
     m = tail_M.shape[0]
-    hot_H = jnp.sum(hist_CxHp, axis=0)[:h] > config.hot_threshold(m)
-    over = ((jnp.sum(tail_M, dtype=jnp.int32) > config.tail_capacity(m))
-            | (jnp.sum(hot_H, dtype=jnp.int32) > config.transpose_tail_capacity(h)))
+    policy = TailPolicy(config)
+    hot_H = policy.hot(jnp.sum(hist_CxHp, axis=0)[:h], m)
+    over = policy.over_capacity(jnp.sum(tail_M, dtype=jnp.int32), jnp.sum(hot_H, dtype=jnp.int32), m, h)
     return hot_H, over
 
 
-def forward(gated: bool, forward_kind: str, x_MxD: jax.Array, weights: Weights, config: ops.SparseFFNConfig,
+def forward(gated: bool, x_MxD: jax.Array, weights: Weights, config: SparseFFNConfig,
             interpret: bool) -> tuple[jax.Array, Aux, Kept | None]:
-    """The training forward: (y, aux, what the backward keeps (the pack and the transpose's first
-    pass) or None: recomputed there).
+    """The training forward: pack + fused FFN (pallas_forward) and (y, aux, what the backward keeps
+    (the pattern and the transpose's first pass) or None: recomputed there).
 
-    forward_kind "pallas": pack + fused FFN (pallas_forward); "dense": the dense formula (the
-    training "auto" when only the backward is sparse). From the pattern, aux reports the backward's
-    dense tails ("backward_tail_rows", "backward_hot_neurons"; -1 after a dense forward, which
-    builds no pattern) and "dense_fallback" also a backward that will run the dense formula
+    From the pattern, aux reports the backward's dense tails ("backward_tail_rows",
+    "backward_hot_neurons") and "dense_fallback" also a backward that will run the dense formula
     because a tail exceeds its capacity. Finding the hot neurons is the transpose's first pass,
     which the backward then skips (when the pattern is kept)."""
-    pallas_forward._require_runnable(interpret)
+    pallas_forward.require_runnable(interpret)
     w_act, w_up, w_down = _split(gated, weights)
     m, h = x_MxD.shape[0], w_act.shape[0]
-    s = pallas_forward._settings(config, m)
-    if forward_kind == "dense" or m == 0:
-        y, aux = ops.dense_fallback_ffn(gated, x_MxD, weights, neuron_counts=s["neuron_counts"])
-        unknown = jnp.full((), 0 if m == 0 else -1, jnp.int32)
-        return y, {**aux, "backward_tail_rows": unknown, "backward_hot_neurons": unknown}, None
-    if forward_kind != "pallas":
-        raise ValueError(f"forward_kind must be 'pallas' or 'dense', got {forward_kind!r}")
+    s = pallas_forward.settings(config, m)
+    if m == 0:
+        y, aux = dense_fallback_ffn(gated, x_MxD, weights, neuron_counts=s["neuron_counts"])
+        return y, {**aux, "backward_tail_rows": jnp.zeros((), jnp.int32),
+                   "backward_hot_neurons": jnp.zeros((), jnp.int32)}, None
     bc = config.backward or BackwardConfig()
     pack = pack_gate(x_MxD, w_act, tile=s["tile"], slots=s["slots"],
                      block_sizes=s["pack_block_sizes"], interpret=interpret)
-    y, aux = pallas_forward._sparse_forward(x_MxD, w_act, w_up, w_down, s, interpret, pack=pack)
+    y, aux = pallas_forward.sparse_forward(x_MxD, w_act, w_up, w_down, s, interpret, pack=pack)
     tail_M, kernel_counts = kernel_pattern(pack[2], config)
     hist = chunk_histograms(pack[1], kernel_counts, h, block_sizes=bc.transpose_block_sizes,
                             interpret=interpret)
@@ -462,7 +262,7 @@ def dense_rows_backward(gated: bool, x_RxD: jax.Array, gy_RxD: jax.Array, weight
 
 def blocked_dense_backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
                            gl1: jax.Array, block_rows: int) -> tuple[jax.Array, Weights]:
-    """The exact dense backward (gradients of <gy, y> + gl1 * l1, as ops.dense_backward) in blocks
+    """The exact dense backward (gradients of <gy, y> + gl1 * l1, as dense.dense_backward) in blocks
     of `block_rows` rows: each block's dx rows are final, its weight-gradient contributions go to
     f32 accumulators rounded once at the end. Memory: [block_rows, H] temporaries instead of
     [M, H] ones. What the Pallas backward runs when it cannot run its kernels (a tail over its
@@ -575,7 +375,7 @@ def hot_neuron_backward(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, weight
 
 
 def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array, gl1: jax.Array,
-             config: ops.SparseFFNConfig, interpret: bool, kept: Kept | Pack | None,
+             config: SparseFFNConfig, interpret: bool, kept: Kept | Pack | None,
              dense_backward: Callable[[], tuple[jax.Array, Weights]],
              non_finite: jax.Array | None = None) -> tuple[jax.Array, Weights]:
     """Gradients of <gy, y> + gl1 * l1 (module doc). `kept` = what `forward` kept (`Kept`), a
@@ -583,7 +383,7 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
     tail capacity is exceeded or when `non_finite` (the op's NaN/Inf flag: it joins the one
     branch's predicate, so the NaN policy costs no host round trip of its own). Returns (dx in x's
     dtype, weight gradients in weight order and dtype)."""
-    pallas_forward._require_runnable(interpret)
+    pallas_forward.require_runnable(interpret)
     bc = config.backward or BackwardConfig()
     w_act, w_up, w_down = _split(gated, weights)
     m, d = x_MxD.shape
@@ -597,7 +397,7 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
     else:
         if kept is None:
             kept = pack_gate(x_MxD, w_act, tile=config.tile, slots=slots,
-                             block_sizes=config.pack_block_sizes or pallas_forward.PackBlockSizes(),
+                             block_sizes=config.pack_block_sizes or PackBlockSizes(),
                              interpret=interpret)
         values, indices, counts = kept
     gy_MxD = gy_MxD.astype(x_MxD.dtype)

@@ -1,4 +1,4 @@
-"""Decode-size forward of the sparse FFN op (1 to a few hundred tokens per call) and its cost model.
+"""Decode-size forward of the sparse FFN op (1 to a few hundred tokens per call).
 
     g = x W_gate^T                      XLA (a memory-bound GEMV at decode sizes: reads W_gate once)
     union of the active neurons         any(g > 0) over the call's tokens, compacted on the device
@@ -27,8 +27,8 @@ Config: a `twell_jax.ops.SparseFFNConfig` (validated there) or None for its defa
 reads decode_capacity, decode_block_sizes (None: DecodeBlockSizes()) and expected_active_per_token
 (only to size the "xla" default capacity).
 
-"auto" hook: `prefer_decode_path(m, d, h, expected_active, gated)` compares `decode_time_us` with
-`dense_time_us` (docs/kernels.md, "Decode path").
+"auto" plans this path where `planner.prefer_decode_path` (its cost model, beside the others in
+twell_jax/ops/planner.py) predicts it beats the dense FFN (docs/kernels.md, "Decode path").
 """
 from __future__ import annotations
 
@@ -40,74 +40,13 @@ from pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compa
                                          sparse_decode_ffn, sparse_decode_ffn_reference)
 from twell_jax.ops.config import SparseFFNConfig
 from twell_jax.ops.dense import dense_ffn
-from twell_jax.ops.pallas_forward import _require_runnable, _validate, _weights
+from twell_jax.ops.pallas_forward import require_runnable, validate_operands, weight_tuple
 
-IMPLEMENTATIONS = ("triton", "xla")
-
-# Cost model (us, H100, bf16). The dense part is fitted to issue 13's table (XLA, D = 2048,
-# H = 5632, 1..1024 tokens; within 3% at 1..256 tokens, 6% high at 1024):
-#   one XLA GEMM = GEMM_LAUNCH_US + (D H itemsize) / HBM_BYTES_PER_US + 2 M D H / GEMM_FLOPS_PER_US
-#   dense        = n_gemms one-GEMMs (3 gated, 2 not)
-# The decode part was fitted on an H100 on 2026-11-22 (BENCHMARKS.md, experiments/bench_ffn_decode.py:
-# 33.7 / 31.2 / 82.9 us at 1 / 8 / 64 tokens, unions 28 / 205 / 1588):
-#   decode = one gate GEMM + DECODE_FIXED_US (compaction + 2 Pallas launches + small fusions)
-#            + union * n_rows * D * itemsize / DECODE_ROW_BYTES_PER_US   (each active row once)
-#            + n_rows * 2 * max(M, 16) * union * D / DECODE_FLOPS_PER_US  (gather-GEMMs, >= 16 rows)
-# with union = H (1 - (1 - k/H)^M), the expected union of M tokens with k independent actives
-# each (trained models share active neurons across tokens, so this over-estimates: conservative).
-GEMM_LAUNCH_US = 5.0
-HBM_BYTES_PER_US = 3.35e6
-GEMM_FLOPS_PER_US = 6.0e8
-DECODE_FIXED_US = 12.0
-DECODE_ROW_BYTES_PER_US = 2.6e5
-DECODE_FLOPS_PER_US = 2.0e8
-# The decode path is chosen when its predicted time is at most this fraction of dense (a margin
-# for the fit's error, so that "auto" stays >= 0.98x dense).
-DECODE_MARGIN = 0.95
+# The kernels the decode path runs: "triton" (pallas_kernels.twell_decode: what the op plans) or
+# "xla" (row gathers and small XLA dots: a comparison for experiments/bench_ffn_decode.py).
+DECODE_KERNELS = ("triton", "xla")
 
 Aux = dict[str, jax.Array]
-
-
-def expected_union(m: int, k: float, h: int) -> float:
-    """Expected number of distinct active neurons over m tokens with k of h active each."""
-    if h < 1 or m < 0 or not 0 <= k:
-        raise ValueError(f"need h >= 1, m >= 0, k >= 0; got h={h}, m={m}, k={k}")
-    return h * (1.0 - (1.0 - min(k, h) / h) ** m)
-
-
-def _gemm_us(m: int, d: int, h: int, itemsize: int) -> float:
-    return GEMM_LAUNCH_US + d * h * itemsize / HBM_BYTES_PER_US + 2.0 * m * d * h / GEMM_FLOPS_PER_US
-
-
-def dense_time_us(m: int, d: int, h: int, *, gated: bool = True, itemsize: int = 2) -> float:
-    """Predicted time of the dense XLA FFN (cost model above)."""
-    return (3 if gated else 2) * _gemm_us(m, d, h, itemsize)
-
-
-def decode_time_us(m: int, d: int, h: int, expected_active: float, *, gated: bool = True,
-                   itemsize: int = 2) -> float:
-    """Predicted time of the decode path ("triton") at expected_active neurons per token."""
-    union = expected_union(m, expected_active, h)
-    n_rows = 2 if gated else 1
-    return (_gemm_us(m, d, h, itemsize) + DECODE_FIXED_US
-            + union * n_rows * d * itemsize / DECODE_ROW_BYTES_PER_US
-            + n_rows * 2.0 * max(m, 16) * union * d / DECODE_FLOPS_PER_US)
-
-
-def prefer_decode_path(m: int, d: int, h: int, expected_active: float | None, gated: bool, *,
-                       itemsize: int = 2, check_finite: bool = False) -> bool:
-    """True when the decode path is predicted to beat the dense FFN by DECODE_MARGIN.
-
-    expected_active None (no telemetry hint): False; the caller keeps its own choice.
-    check_finite (the op's NaN/Inf pass before a sparse call): False. The pass reads x and every
-    weight, which is all the bytes dense reads at decode sizes, plus a lax.cond: on the H100 the
-    checked decode path took 56-90 us against 35 us dense at 1 and 8 tokens (BENCHMARKS.md), so
-    with the check the dense formula is the faster exact choice. (Generation turns the check off:
-    `inference.load_run` verifies the weights once.)"""
-    if expected_active is None or m < 1 or check_finite:
-        return False
-    return (decode_time_us(m, d, h, expected_active, gated=gated, itemsize=itemsize)
-            <= DECODE_MARGIN * dense_time_us(m, d, h, gated=gated, itemsize=itemsize))
 
 
 def _capacity(config: SparseFFNConfig, m: int, h: int, block_sizes: DecodeBlockSizes,
@@ -130,7 +69,7 @@ def _decode_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array 
     m = x_MxD.shape[0]
     h = w_act_HxD.shape[0]
     gated = w_up_HxD is not None
-    weights = _weights(w_act_HxD, w_up_HxD, w_down_HxD)
+    weights = weight_tuple(w_act_HxD, w_up_HxD, w_down_HxD)
     if m == 0:  # nothing to compact: the dense formula (aux all zero, dense_fallback 0)
         return dense_ffn(gated, x_MxD, weights, neuron_counts=config.neuron_counts)
     zero = jnp.zeros((), jnp.int32)
@@ -185,13 +124,13 @@ def _entry(x_MxD: jax.Array, weights: dict[str, jax.Array], config: SparseFFNCon
         config = SparseFFNConfig()
     elif not isinstance(config, SparseFFNConfig):
         raise ValueError(f"config must be a twell_jax.ops.SparseFFNConfig or None, got {type(config).__name__}")
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation not in DECODE_KERNELS:
+        raise ValueError(f"implementation must be one of {DECODE_KERNELS}, got {implementation!r}")
     if not isinstance(interpret, bool):
         raise ValueError(f"interpret must be a bool, got {interpret!r}")
     if implementation == "triton":
-        _require_runnable(interpret)
-    _validate(x_MxD, weights)
+        require_runnable(interpret)
+    validate_operands(x_MxD, weights)
     w = list(weights.values())
     if len(w) == 2:
         w.insert(1, None)  # non-gated: no up projection beside the activation

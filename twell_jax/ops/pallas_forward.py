@@ -17,8 +17,8 @@ recomputed densely (`dense_fallback` = 1). A `lax.switch` on the on-device row c
 dense path can no longer win; the choice must come first. Two ways:
   * static (preferred): the config carries `expected_active_per_token` (from training telemetry
     or `calibrate_active_per_token`); at trace time it is compared with the crossover k* of a
-    per-shape cost model (`crossover_active_per_token`, fitted on an H200) or with
-    `auto_max_active` when set. Only the chosen path is compiled; the dense one is the same XLA
+    per-shape cost model (`planner.crossover_active_per_token`) or with `auto_max_active` when
+    set (`planner.use_sparse_forward`). Only the chosen path is compiled; the dense one is the same XLA
     ops as the op's "dense" backend, so picking it costs exactly what backend="dense" costs.
   * fallback, no hint: the gate pre-activations of a strided sample of `auto_sample_rows` tokens
     are computed on the device and `lax.cond` picks the branch (costs the sample GEMM and a
@@ -26,9 +26,9 @@ dense path can no longer win; the choice must come first. Two ways:
 The choice only affects speed; both branches are exact.
 
 Config: a `twell_jax.ops.SparseFFNConfig` (validated there, once) or None for its defaults;
-the glue reads tile, slots, overflow_rows (None: min(M, max(16, M // 64))), auto_sample_rows
-(None: 32), auto_max_active (None: the cost model's k*), expected_active_per_token (None: sample
-on the device), the kernels' block sizes (None: their defaults) and neuron_counts.
+the glue reads tile, slots, overflow_rows (None: min(M, max(16, M // 64))), the kernels' block
+sizes (None: their defaults) and neuron_counts; the auto_* entries also what
+`planner.use_sparse_forward` reads (auto_sample_rows, auto_max_active, expected_active_per_token).
 """
 from __future__ import annotations
 
@@ -41,23 +41,9 @@ from jax import lax
 from pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn
 from pallas_kernels.twell_pack import PackBlockSizes, pack_gate
 from pallas_kernels.twell_transpose import neuron_histogram
-from twell_jax import ops
-
-# Cost model of the forward, fitted on an H200 (bf16, D = 2048, H = 5632, M = 2048 .. 65536;
-# round 2, BENCHMARKS.md). Times in ms, k = mean active neurons per token:
-#   dense  = DENSE_LAUNCH_MS + n_gemms * 2 M D H / DENSE_FLOPS_PER_MS
-#   sparse = SPARSE_FIXED_MS + 2 M D H / PACK_FLOPS_PER_MS                           (pack)
-#            + M * (FFN_TOKEN_MS * n_rows / 2 + k * n_rows * D * itemsize / FFN_BYTES_PER_MS)  (FFN)
-# n_gemms = 3 (gated) or 2; n_rows = rows gathered per active neuron: 2 (U and W) or 1 (W).
-# SPARSE_FIXED_MS covers the launches, the overflow bookkeeping and the tail of small grids (at
-# M = 2048 the sparse path loses even at 29 actives). "auto" runs sparse for k <= k*, the k where
-# the two are equal.
-DENSE_FLOPS_PER_MS = 6.3e11
-DENSE_LAUNCH_MS = 0.02
-PACK_FLOPS_PER_MS = 5.35e11
-SPARSE_FIXED_MS = 0.11
-FFN_TOKEN_MS = 1.1e-5
-FFN_BYTES_PER_MS = 8.4e9
+from twell_jax.ops import planner
+from twell_jax.ops.config import SparseFFNConfig
+from twell_jax.ops.dense import dense_fallback_ffn, dense_hidden
 
 Aux = dict[str, jax.Array]
 
@@ -67,7 +53,7 @@ def available() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def _require_runnable(interpret: bool) -> None:
+def require_runnable(interpret: bool) -> None:
     if not interpret and not available():
         raise RuntimeError(
             "the pallas backend needs a CUDA GPU (jax.default_backend() == 'gpu'), but the default "
@@ -75,19 +61,16 @@ def _require_runnable(interpret: bool) -> None:
             "Pallas interpreter (slow, for tests), or use backend='dense' / 'reference'.")
 
 
-def _settings(config: ops.SparseFFNConfig | None, m: int) -> dict[str, Any]:
+def settings(config: SparseFFNConfig | None, m: int) -> dict[str, Any]:
     """The kernel settings of a (validated) op config for a call with m tokens; None = defaults."""
     if config is None:
-        config = ops.SparseFFNConfig()
-    elif not isinstance(config, ops.SparseFFNConfig):
+        config = SparseFFNConfig()
+    elif not isinstance(config, SparseFFNConfig):
         raise ValueError(f"config must be a twell_jax.ops.SparseFFNConfig or None, got {type(config).__name__}")
     return dict(
         tile=config.tile,
         slots=config.slots,
         overflow_rows=config.overflow_rows or min(m, max(16, m // 64)),
-        auto_sample_rows=config.auto_sample_rows or 32,
-        auto_max_active=config.auto_max_active,  # None: the shape cost model decides
-        expected_active=config.expected_active_per_token,
         pack_block_sizes=config.pack_block_sizes or PackBlockSizes(),
         ffn_block_sizes=config.ffn_block_sizes or FFNBlockSizes(),
         neuron_counts=config.neuron_counts,
@@ -95,28 +78,7 @@ def _settings(config: ops.SparseFFNConfig | None, m: int) -> dict[str, Any]:
     )
 
 
-def crossover_active_per_token(m: int, d: int, h: int, *, gated: bool = True,
-                               itemsize: int = 2) -> float:
-    """Mean active neurons per token below which pack + fused FFN beats the dense XLA FFN, from
-    the cost model above (fitted on an H200, bf16). May be negative: dense always wins."""
-    flops = 2.0 * m * d * h
-    dense_ms = DENSE_LAUNCH_MS + (3 if gated else 2) * flops / DENSE_FLOPS_PER_MS
-    n_rows = 2 if gated else 1
-    fixed_sparse_ms = SPARSE_FIXED_MS + flops / PACK_FLOPS_PER_MS + m * FFN_TOKEN_MS * n_rows / 2
-    ms_per_active = m * n_rows * d * itemsize / FFN_BYTES_PER_MS
-    return (dense_ms - fixed_sparse_ms) / ms_per_active
-
-
-def _threshold(s: dict[str, Any], x_MxD: jax.Array, w_act_HxD: jax.Array, gated: bool) -> float:
-    """The active count per token up to which "auto" runs the sparse path."""
-    if s["auto_max_active"] is not None:
-        return float(s["auto_max_active"])
-    m, d = x_MxD.shape
-    return crossover_active_per_token(m, d, w_act_HxD.shape[0], gated=gated,
-                                      itemsize=jnp.dtype(x_MxD.dtype).itemsize)
-
-
-def _validate(x_MxD: jax.Array, weights: dict[str, jax.Array]) -> None:
+def validate_operands(x_MxD: jax.Array, weights: dict[str, jax.Array]) -> None:
     if x_MxD.ndim != 2:
         raise ValueError(f"x_MxD must be 2-D [M, D], got shape {x_MxD.shape}")
     if x_MxD.dtype not in (jnp.float32, jnp.bfloat16):
@@ -131,22 +93,22 @@ def _validate(x_MxD: jax.Array, weights: dict[str, jax.Array]) -> None:
         h = w.shape[0]
 
 
-def _weights(w_act_HxD: jax.Array, w_up_HxD: jax.Array | None, w_down_HxD: jax.Array) -> tuple[jax.Array, ...]:
+def weight_tuple(w_act_HxD: jax.Array, w_up_HxD: jax.Array | None, w_down_HxD: jax.Array) -> tuple[jax.Array, ...]:
     """The op's weight tuple: (w_gate, w_up, w_down) gated, (w_up, w_down) non-gated."""
     return (w_act_HxD, w_down_HxD) if w_up_HxD is None else (w_act_HxD, w_up_HxD, w_down_HxD)
 
 
 def _dense_rows(x_RxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
                 w_down_HxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The op's dense formula (ops.dense_hidden) on some rows: (y [R, D], l1 per row [R], active
+    """The op's dense formula (dense_hidden) on some rows: (y [R, D], l1 per row [R], active
     [R, H])."""
-    weights = _weights(w_act_HxD, w_up_HxD, w_down_HxD)
-    h_RxH, active_RxH = ops.dense_hidden(w_up_HxD is not None, x_RxD, weights)
+    weights = weight_tuple(w_act_HxD, w_up_HxD, w_down_HxD)
+    h_RxH, active_RxH = dense_hidden(w_up_HxD is not None, x_RxD, weights)
     y_RxD = jnp.einsum("rh,hd->rd", h_RxH, w_down_HxD)
     return y_RxD, jnp.sum(jnp.abs(h_RxH), axis=1, dtype=jnp.float32), active_RxH
 
 
-def _sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
+def sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
                     w_down_HxD: jax.Array, s: dict[str, Any], interpret: bool,
                     pack: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> tuple[jax.Array, Aux]:
     """Pack + fused FFN + exact fix-up of overflowing rows. w_up None = non-gated. `pack`: the
@@ -210,15 +172,6 @@ def _sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array 
     return y_MxD, aux
 
 
-def sampled_active_per_token(x_MxD: jax.Array, w_act_HxD: jax.Array, n_sample: int) -> jax.Array:
-    """f32 scalar: mean active gate neurons per token over a strided sample of n_sample tokens."""
-    m = x_MxD.shape[0]
-    stride = max(1, m // max(1, n_sample))
-    sample_RxD = x_MxD[::stride][:n_sample]
-    pre_RxH = jnp.einsum("rd,hd->rh", sample_RxD, w_act_HxD, preferred_element_type=jnp.float32)
-    return jnp.sum(pre_RxH > 0, dtype=jnp.float32) / sample_RxD.shape[0]
-
-
 def calibrate_active_per_token(x: jax.Array, w_gate_HxD: jax.Array, *,
                                max_tokens: int = 4096) -> float:
     """Mean active gate neurons per token of x (any [..., D]) under relu(x w_gate^T) > 0, measured
@@ -234,37 +187,20 @@ def calibrate_active_per_token(x: jax.Array, w_gate_HxD: jax.Array, *,
     if x_MxD.shape[0] == 0:
         raise ValueError("x has no tokens to calibrate on")
     n = min(max_tokens, x_MxD.shape[0])
-    return float(sampled_active_per_token(x_MxD, w_gate_HxD, n))
-
-
-def auto_use_sparse(gated: bool, x_MxD: jax.Array, w_act_HxD: jax.Array,
-                    config: ops.SparseFFNConfig | None) -> bool | jax.Array:
-    """"auto"'s choice for this call: True/False when it is known at trace time (a hint in the
-    config, or a shape on which dense always wins), else a traced bool from the gate
-    pre-activations of a strided sample of tokens (the caller branches with lax.cond)."""
-    s = _settings(config, x_MxD.shape[0])
-    if x_MxD.shape[0] == 0:  # nothing to pack (the op handles empty batches before it gets here)
-        return False
-    threshold = _threshold(s, x_MxD, w_act_HxD, gated=gated)
-    if s["expected_active"] is not None:
-        # Static choice from the measured active count: no sample, no branch, no host round trip.
-        return float(s["expected_active"]) <= threshold
-    if threshold < 0:  # the shape alone says dense wins at any sparsity
-        return False
-    return sampled_active_per_token(x_MxD, w_act_HxD, s["auto_sample_rows"]) <= threshold
+    return float(planner.sampled_active_per_token(x_MxD, w_gate_HxD, n))
 
 
 def _auto_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
                   w_down_HxD: jax.Array, s: dict[str, Any], interpret: bool) -> tuple[jax.Array, Aux]:
     """"auto": the sparse forward, or the op's own dense formula (so choosing it costs exactly what
-    backend="dense" costs; dense_fallback = 1), decided by `auto_use_sparse`."""
-    use_sparse = auto_use_sparse(w_up_HxD is not None, x_MxD, w_act_HxD, s["config"])
+    backend="dense" costs; dense_fallback = 1), decided by `planner.use_sparse_forward`."""
+    use_sparse = planner.use_sparse_forward(w_up_HxD is not None, x_MxD, w_act_HxD, s["config"])
 
     def sparse():
-        return _sparse_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret)
+        return sparse_forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret)
 
     def dense():
-        return ops.dense_fallback_ffn(w_up_HxD is not None, x_MxD, _weights(w_act_HxD, w_up_HxD, w_down_HxD),
+        return dense_fallback_ffn(w_up_HxD is not None, x_MxD, weight_tuple(w_act_HxD, w_up_HxD, w_down_HxD),
                                       neuron_counts=s["neuron_counts"])
 
     if isinstance(use_sparse, bool):
@@ -273,41 +209,41 @@ def _auto_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | 
 
 
 def _entry(forward: Callable[..., tuple[jax.Array, Aux]], x_MxD: jax.Array, w_act_HxD: jax.Array,
-           w_up_HxD: jax.Array | None, w_down_HxD: jax.Array, config: ops.SparseFFNConfig | None,
+           w_up_HxD: jax.Array | None, w_down_HxD: jax.Array, config: SparseFFNConfig | None,
            interpret: bool) -> tuple[jax.Array, Aux]:
     """Checks, then `forward` (w_up None = non-gated); an empty batch takes the dense formula (the
     kernels need a row)."""
-    _require_runnable(interpret)
-    _validate(x_MxD, dict(w_up_HxD=w_act_HxD, w_down_HxD=w_down_HxD) if w_up_HxD is None  # non-gated
+    require_runnable(interpret)
+    validate_operands(x_MxD, dict(w_up_HxD=w_act_HxD, w_down_HxD=w_down_HxD) if w_up_HxD is None  # non-gated
               else dict(w_gate_HxD=w_act_HxD, w_up_HxD=w_up_HxD, w_down_HxD=w_down_HxD))
-    s = _settings(config, x_MxD.shape[0])
+    s = settings(config, x_MxD.shape[0])
     if x_MxD.shape[0] == 0:
-        return ops.dense_fallback_ffn(w_up_HxD is not None, x_MxD, _weights(w_act_HxD, w_up_HxD, w_down_HxD),
+        return dense_fallback_ffn(w_up_HxD is not None, x_MxD, weight_tuple(w_act_HxD, w_up_HxD, w_down_HxD),
                                       neuron_counts=s["neuron_counts"])
     return forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret)
 
 
 def gated_ffn_forward(x_MxD: jax.Array, w_gate_HxD: jax.Array, w_up_HxD: jax.Array,
-                      w_down_HxD: jax.Array, config: ops.SparseFFNConfig | None = None, *,
+                      w_down_HxD: jax.Array, config: SparseFFNConfig | None = None, *,
                       interpret: bool = False) -> tuple[jax.Array, Aux]:
     """y = (relu(x W_gate^T) * (x W_up^T)) W_down through the Pallas kernels; returns (y, aux)."""
-    return _entry(_sparse_forward, x_MxD, w_gate_HxD, w_up_HxD, w_down_HxD, config, interpret)
+    return _entry(sparse_forward, x_MxD, w_gate_HxD, w_up_HxD, w_down_HxD, config, interpret)
 
 
 def ffn_forward(x_MxD: jax.Array, w_up_HxD: jax.Array, w_down_HxD: jax.Array,
-                config: ops.SparseFFNConfig | None = None, *, interpret: bool = False) -> tuple[jax.Array, Aux]:
+                config: SparseFFNConfig | None = None, *, interpret: bool = False) -> tuple[jax.Array, Aux]:
     """y = relu(x W_up^T) W_down through the Pallas kernels; returns (y, aux)."""
-    return _entry(_sparse_forward, x_MxD, w_up_HxD, None, w_down_HxD, config, interpret)
+    return _entry(sparse_forward, x_MxD, w_up_HxD, None, w_down_HxD, config, interpret)
 
 
 def auto_gated_ffn_forward(x_MxD: jax.Array, w_gate_HxD: jax.Array, w_up_HxD: jax.Array,
-                           w_down_HxD: jax.Array, config: ops.SparseFFNConfig | None = None, *,
+                           w_down_HxD: jax.Array, config: SparseFFNConfig | None = None, *,
                            interpret: bool = False) -> tuple[jax.Array, Aux]:
     """Like gated_ffn_forward, but runs the dense XLA FFN when "auto" predicts it is faster."""
     return _entry(_auto_forward, x_MxD, w_gate_HxD, w_up_HxD, w_down_HxD, config, interpret)
 
 
 def auto_ffn_forward(x_MxD: jax.Array, w_up_HxD: jax.Array, w_down_HxD: jax.Array,
-                     config: ops.SparseFFNConfig | None = None, *, interpret: bool = False) -> tuple[jax.Array, Aux]:
+                     config: SparseFFNConfig | None = None, *, interpret: bool = False) -> tuple[jax.Array, Aux]:
     """Like ffn_forward, but runs the dense XLA FFN when "auto" predicts it is faster."""
     return _entry(_auto_forward, x_MxD, w_up_HxD, None, w_down_HxD, config, interpret)

@@ -9,6 +9,8 @@ from twell_jax.ops import format as twell_format
 from twell_jax.ops import hybrid
 from twell_jax.ops.config import Aux, SparseFFNConfig, Weights
 from twell_jax.ops.dense import dense_backward, dense_ffn
+from twell_jax.ops.implementation import Implementation, runs_anywhere
+from twell_jax.ops.tails import TailPolicy
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -21,21 +23,21 @@ def _activation(gated: bool, x_MxD: jax.Array, weights: Weights) -> jax.Array:
 
 
 def _backward_tails(act_MxH: jax.Array, config: SparseFFNConfig) -> tuple[jax.Array, jax.Array]:
-    """(token-tail rows, neuron-tail neurons) of the backward's hybrids, int32 (from counts only,
-    the rule `hybrid.from_dense` / `hybrid.transpose_many` apply)."""
+    """(token-tail rows, hot neurons) of the backward's hybrids, int32, by the tail rule
+    (`TailPolicy`) on the activation's counts: a neuron's entries over every row, as the transposed
+    hybrid (`hybrid.transpose_many`, which holds the token tail too) counts them."""
     active = act_MxH != 0
-    return (jnp.sum(jnp.sum(active, axis=1) > config.ell_width, dtype=jnp.int32),
-            jnp.sum(jnp.sum(active, axis=0) > config.hot_threshold(act_MxH.shape[0]), dtype=jnp.int32))
+    policy = TailPolicy(config)
+    return (jnp.sum(policy.token_tail(jnp.sum(active, axis=1)), dtype=jnp.int32),
+            jnp.sum(policy.hot(jnp.sum(active, axis=0), act_MxH.shape[0]), dtype=jnp.int32))
 
 
 def _needs_dense_backward(act_MxH: jax.Array, config: SparseFFNConfig,
                           tails: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """bool scalar: the backward's hybrids would exceed a tail capacity (`tails`: the
     `_backward_tails` of act_MxH when the caller has them)."""
-    n_tokens, n_neurons = act_MxH.shape
     token_tail, neuron_tail = _backward_tails(act_MxH, config) if tails is None else tails
-    return ((token_tail > config.tail_capacity(n_tokens))
-            | (neuron_tail > config.transpose_tail_capacity(n_neurons)))
+    return TailPolicy(config).over_capacity(token_tail, neuron_tail, *act_MxH.shape)
 
 
 def reference_forward(gated: bool, x_MxD: jax.Array, weights: Weights,
@@ -47,8 +49,7 @@ def reference_forward(gated: bool, x_MxD: jax.Array, weights: Weights,
     # Rows with an overflowing tile are recomputed exactly into the tail; here the dense
     # activation already exists, so recomputing is a row gather (a kernel pipeline would redo
     # relu(x[rows] @ W^T) for those rows only).
-    pattern = hybrid.from_twell(packed, ell_width=config.ell_width,
-                                tail_capacity=config.tail_capacity(n_tokens),
+    pattern = hybrid.from_twell(packed, **TailPolicy(config).token_hybrid(n_tokens),
                                 recompute_rows=lambda rows: act_MxH[rows])
 
     def sparse_branch() -> tuple[jax.Array, jax.Array]:
@@ -90,8 +91,8 @@ def reference_backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: 
     act_MxH = _activation(gated, x_MxD, weights)
 
     def sparse_branch() -> tuple[jax.Array, Weights]:
-        p = hybrid.from_dense(act_MxH, ell_width=config.ell_width,
-                              tail_capacity=config.tail_capacity(n_tokens))
+        policy = TailPolicy(config)
+        p = hybrid.from_dense(act_MxH, **policy.token_hybrid(n_tokens))
         w_down = weights[-1]
         # dt = gY . W_j on the pattern, plus the L1 term: d(gl1 * sum|t| / M)/dt = gl1/M * sign(t).
         dt_raw = hybrid.sddmm(gy_MxD, w_down, p)
@@ -104,8 +105,7 @@ def reference_backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: 
             h = hybrid.map_values(lambda a: a.astype(x_MxD.dtype), p)
         scale = gl1.astype(jnp.float32) / n_tokens
         dt = hybrid.map_values(lambda d, t: d + scale * jnp.sign(t.astype(jnp.float32)), dt_raw, h)
-        transposed = dict(ell_width=config.hot_threshold(n_tokens),
-                          tail_capacity=config.transpose_tail_capacity(n_neurons))
+        transposed = policy.neuron_hybrid(n_tokens, n_neurons)
         if gated:
             # relu' = 1 exactly on the pattern, so dg (pre-activation) = dt * u there.
             d_up = hybrid.map_values(lambda d, a: d * a, dt, p)
@@ -123,3 +123,24 @@ def reference_backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: 
         return dense_backward(gated, x_MxD, weights, gy_MxD, gl1)
 
     return jax.lax.cond(_needs_dense_backward(act_MxH, config), dense_branch, sparse_branch)
+
+
+def _forward(gated: bool, x_MxD: jax.Array, weights: Weights, config: SparseFFNConfig, interpret: bool,
+             keep: bool) -> tuple[jax.Array, Aux, None]:
+    y, aux = reference_forward(gated, x_MxD, weights, config)
+    return y, aux, None
+
+
+def _backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array, gl1: jax.Array,
+              config: SparseFFNConfig, interpret: bool, residual: None,
+              non_finite: jax.Array | None) -> tuple[jax.Array, Weights]:
+    """`reference_backward`, or the dense backward on a non-finite input (the NaN policy)."""
+    def sparse() -> tuple[jax.Array, Weights]:
+        return reference_backward(gated, x_MxD, weights, gy_MxD, gl1, config)
+
+    if non_finite is None:  # config.check_finite off: no cond in the program
+        return sparse()
+    return jax.lax.cond(non_finite, lambda: dense_backward(gated, x_MxD, weights, gy_MxD, gl1), sparse)
+
+
+REFERENCE = Implementation("reference", _forward, _backward, runs_anywhere, reports_tails=True)

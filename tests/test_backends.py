@@ -1,0 +1,128 @@
+"""The op's registry (twell_jax/ops/backends.py), planner keys and tail rule: a backend added in one
+place runs through gated_ffn; plan_key separates what traces differently; unknown devices plan like
+the fallback kind."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from twell_jax import ops
+from twell_jax.ops import backends, planner
+from twell_jax.ops.dense import dense_backward, dense_ffn
+from twell_jax.ops.implementation import runs_anywhere
+
+
+def _inputs(m=7, d=12, h=19, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+    ws = tuple(jnp.asarray(rng.standard_normal((h, d)) * 0.3, jnp.float32) for _ in range(3))
+    return x, ws
+
+
+def test_a_registered_toy_backend_runs_through_gated_ffn():
+    """One Implementation and one register call: gated_ffn(backend="toy") runs its forward and its
+    backward inside the op's custom_vjp (the backward here doubles the dense gradients, so the test
+    sees that it, not autodiff, produced them)."""
+    traced = []
+
+    def forward(gated, x, weights, config, interpret, keep):
+        traced.append(("forward", keep))
+        y, aux = dense_ffn(gated, x, weights, neuron_counts=config.neuron_counts)
+        return y, aux, None
+
+    def backward(gated, x, weights, gy, gl1, config, interpret, residual, non_finite):
+        traced.append(("backward", non_finite is not None))
+        dx, dws = dense_backward(gated, x, weights, gy, gl1)
+        return 2 * dx, tuple(2 * g for g in dws)
+
+    toy = ops.Implementation("toy", forward, backward, runs_anywhere)
+    ops.register(toy)
+    try:
+        assert "toy" in ops.backend_names()
+        with pytest.raises(ValueError, match="already registered"):
+            ops.register(toy)
+        x, ws = _inputs()
+
+        def loss(backend, x_, ws_):
+            y, aux = ops.gated_ffn(x_, *ws_, backend=backend)
+            return jnp.sum(y * y) + aux["l1"], y
+
+        (_, y_toy), g_toy = jax.value_and_grad(lambda a, b: loss("toy", a, b), argnums=(0, 1), has_aux=True)(x, ws)
+        (_, y_dense), g_dense = jax.value_and_grad(lambda a, b: loss("dense", a, b), argnums=(0, 1),
+                                                   has_aux=True)(x, ws)
+        np.testing.assert_allclose(y_toy, y_dense, rtol=1e-6, atol=1e-6)
+        for a, b in zip(jax.tree.leaves(g_toy), jax.tree.leaves(g_dense)):
+            np.testing.assert_allclose(a, 2 * b, rtol=1e-5, atol=1e-5)
+        assert ("forward", True) in traced and ("backward", True) in traced
+    finally:
+        backends.unregister("toy")
+    assert "toy" not in ops.backend_names()
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ops.gated_ffn(*_inputs()[:1], *_inputs()[1], backend="toy")
+
+
+def test_backend_names_are_the_registry_and_the_model_config_uses_them():
+    from twell_jax.config import FFN_BACKENDS
+
+    assert ops.BACKENDS == ("dense", "reference", "pallas", "auto") == FFN_BACKENDS
+    assert "decode" not in ops.BACKENDS  # planned by "auto" only
+
+
+def test_plan_key_groups_what_traces_alike(monkeypatch):
+    """Equal plans under configs differing only in planner-only hints share a key; a different plan,
+    shape or traced knob (decode_capacity, check_finite) does not."""
+    from twell_jax.ops import pallas_forward
+
+    shape = (16384, 2048, 5632, 2)
+    cpu = ops.SparseFFNConfig(expected_active_per_token=10.0)
+    assert ops.plan_key(True, "auto", cpu, shape) == ops.plan_key(True, "dense", None, shape)  # CPU: dense
+    monkeypatch.setattr(pallas_forward, "available", lambda: True)
+    a = ops.SparseFFNConfig(expected_active_per_token=10.0, expected_hot_neurons=0.01)
+    b = ops.SparseFFNConfig(expected_active_per_token=12.0)
+    assert ops.auto_decision(True, a, shape) == ops.auto_decision(True, b, shape) == ("pallas", "pallas")
+    assert ops.plan_key(True, "auto", a, shape) == ops.plan_key(True, "auto", b, shape)
+    hash(ops.plan_key(True, "auto", a, shape))
+    dense = ops.SparseFFNConfig(expected_active_per_token=2816.0)
+    assert ops.auto_decision(True, dense, shape) == ("dense", "dense")
+    assert ops.plan_key(True, "auto", dense, shape) != ops.plan_key(True, "auto", a, shape)
+    assert ops.plan_key(True, "auto", a, (8192, *shape[1:])) != ops.plan_key(True, "auto", a, shape)
+    assert (ops.plan_key(True, "auto", dataclasses.replace(a, decode_capacity=64), shape)
+            != ops.plan_key(True, "auto", a, shape))
+    decode = (1, 2048, 5632, 2)
+    unchecked = ops.SparseFFNConfig(expected_active_per_token=29.0, check_finite=False)
+    assert ops.auto_decision(True, unchecked, decode) == ("decode", "dense")
+    assert (ops.plan_key(True, "auto", unchecked, decode)
+            != ops.plan_key(True, "auto", dataclasses.replace(unchecked, decode_capacity=128), decode))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ops.plan_key(True, "fast", a, shape)
+
+
+def test_cost_models_are_keyed_by_device_kind_with_a_fallback():
+    assert planner.device_kind("NVIDIA H100 80GB HBM3") == "H100"
+    assert planner.device_kind("NVIDIA H200") == planner.FALLBACK_KIND  # no fit of its own yet
+    assert planner.device_kind("cpu") == planner.FALLBACK_KIND
+    for costs in planner.COST_MODELS.values():
+        for part in (costs.forward, costs.backward, costs.decode):
+            assert part.fit.date and part.fit.gpu and part.fit.command
+    args = (16384, 2048, 5632, 29.0, True)
+    assert (planner.choose_training_path(*args, kind="NVIDIA H100 80GB HBM3")
+            == planner.choose_training_path(*args, kind="some future GPU"))
+
+
+def test_one_tail_rule_for_telemetry_reference_and_pallas():
+    """TailPolicy's token tail of a pack equals that of its per-token counts when no tile
+    overflows; its shares count what the reference's aux counts."""
+    config = ops.SparseFFNConfig(tile=8, slots=4, ell_width=5, transpose_ell_width=3, neuron_counts=True)
+    policy = ops.TailPolicy(config)
+    counts = jnp.asarray([[1, 2], [4, 2], [3, 3], [0, 0], [5, 0]], jnp.int32)  # row 4 overflows a tile
+    np.testing.assert_array_equal(policy.pack_token_tail(counts), [False, True, True, False, True])
+    np.testing.assert_array_equal(policy.token_tail(jnp.sum(counts, axis=1)), [False, True, True, False, False])
+    x, ws = _inputs(m=13, d=16, h=29, seed=3)
+    _, aux = ops.gated_ffn(x, *ws, backend="reference", config=config)
+    shares = policy.shares(aux["token_active_count"], aux["neuron_active_count"])
+    assert float(shares["token_tail_share"]) * 13 == pytest.approx(int(aux["backward_tail_rows"]))
+    assert float(shares["hot_neuron_share"]) * 29 == pytest.approx(int(aux["backward_hot_neurons"]))

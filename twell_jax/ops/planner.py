@@ -1,0 +1,423 @@
+"""The `auto` planner: the op's cost models (forward, backward, decode), keyed by device kind, and
+the plan they give a call (`plan`). No kernel is imported here.
+
+Only `use_sparse_forward` and `sampled_active_per_token` touch arrays (the forward's device-side
+choice without a hint).
+
+A plan (`Plan`) names the registry's implementations (`twell_jax.ops.backends`) that run the
+call's forward and backward. "auto" (on a GPU, `backends.gpu_available()`):
+  * with a hint (`SparseFFNConfig.expected_active_per_token`): decided at trace time. At decode
+    sizes (a few tokens per call) the decode path when `prefer_decode_path`; else the cheapest of
+    the four whole plans (forward and backward each dense or sparse) by `choose_training_path`,
+    the backward's dense tails priced from the config's tail hints (`tails.TailPolicy.expected`).
+    A plan dense both ways is the plain "dense" backend (None here), or, with
+    `auto_dense_recompute`, the dense formula inside the op's custom_vjp.
+  * without a hint: the Pallas forward behind a device-side `lax.cond` on a sampled active count
+    (`use_sparse_forward`), dense backward.
+Elsewhere "auto" is the "dense" backend.
+
+Cost models (`COST_MODELS`, keyed by `device_kind`, e.g. "H100"): each part records the date, GPU
+and command that fitted it (`Fit`). Unknown devices, H200 included (only the forward was fitted
+there), get `FALLBACK_KIND`'s models: the fits are relative costs of sparse against dense on a
+Hopper GPU, and a plan with a sparse piece must beat dense by a margin (SAFETY, DECODE_MARGIN), so
+a wrong device costs speed, never exactness. Refit a device: run the commands of the fits on it
+and add an entry.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Hashable
+
+import jax
+import jax.numpy as jnp
+
+from twell_jax.ops.config import SparseFFNConfig
+from twell_jax.ops.tails import TailPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """Where a cost model's constants come from."""
+
+    date: str
+    gpu: str
+    command: str
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardCosts:
+    """The training/prefill forward (ms; k = mean active neurons per token):
+        dense  = dense_launch_ms + n_gemms * 2 M D H / dense_flops_per_ms
+        sparse = sparse_fixed_ms + 2 M D H / pack_flops_per_ms                              (pack)
+                 + M (ffn_token_ms n_rows / 2 + k n_rows D itemsize / ffn_bytes_per_ms)     (FFN)
+    n_gemms = 3 (gated) or 2; n_rows = rows gathered per active neuron: 2 (U and W) or 1 (W).
+    sparse_fixed_ms covers the launches, the overflow bookkeeping and the tail of small grids."""
+
+    dense_flops_per_ms: float
+    dense_launch_ms: float
+    pack_flops_per_ms: float
+    sparse_fixed_ms: float
+    ffn_token_ms: float
+    ffn_bytes_per_ms: float
+    fit: Fit
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardCosts:
+    """The training backward (ms; G = backward GEMMs of the dense formula, 6 gated, 4 not):
+        dense  = dense_launch_ms (forward's) + G * 2 M D H / dense_bwd_flops_per_ms
+        sparse = bwd_fixed_ms                                      transpose, lists, launches, glue
+                 + M k (1 - hot_entries) (n_tok_rows + 2) D b / bwd_bytes_per_ms   row gathers
+                 + token tail: min(1, T) token_tail_fixed_ms D H / (tail_fit_d tail_fit_h)
+                               + T G 2 D H / token_tail_flops_per_ms
+                 + hot tail:   min(1, N) hot_tail_fixed_ms M D / (tail_fit_m tail_fit_d)
+                               + N G 2 M D / hot_tail_flops_per_ms
+                 + (pack time, when the pattern is recomputed)
+    T = token-tail rows, N = hot neurons (`TailPolicy.expected`; a tail over its capacity makes the
+    backward the dense formula: inf). n_tok_rows = rows gathered per entry by the token-major
+    kernel: 3 (W, U, G) gated, 2 (W, G); the neuron-major kernel gathers 2 (x, gy)."""
+
+    bwd_fixed_ms: float
+    bwd_bytes_per_ms: float
+    dense_bwd_flops_per_ms: float
+    token_tail_fixed_ms: float
+    token_tail_flops_per_ms: float
+    hot_tail_fixed_ms: float
+    hot_tail_flops_per_ms: float
+    # The shape the tails' fixed costs were measured at (they scale with D H and with M D).
+    tail_fit_m: int
+    tail_fit_d: int
+    tail_fit_h: int
+    fit: Fit
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCosts:
+    """Decode sizes (us):
+        one XLA GEMM = gemm_launch_us + D H itemsize / hbm_bytes_per_us + 2 M D H / gemm_flops_per_us
+        dense        = n_gemms one-GEMMs (3 gated, 2 not)
+        decode       = one gate GEMM + decode_fixed_us (compaction + 2 Pallas launches + fusions)
+                       + union n_rows D itemsize / decode_row_bytes_per_us  (each active row once)
+                       + n_rows 2 max(M, 16) union D / decode_flops_per_us  (gather-GEMMs)
+    union = H (1 - (1 - k/H)^M): the expected union of M tokens with k independent actives each
+    (trained models share active neurons across tokens, so this over-estimates: conservative)."""
+
+    gemm_launch_us: float
+    hbm_bytes_per_us: float
+    gemm_flops_per_us: float
+    decode_fixed_us: float
+    decode_row_bytes_per_us: float
+    decode_flops_per_us: float
+    dense_fit: Fit
+    fit: Fit
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceCosts:
+    """The three cost models of one device kind."""
+
+    forward: ForwardCosts
+    backward: BackwardCosts
+    decode: DecodeCosts
+
+
+# A plan with a sparse piece is chosen only when its modelled time is at most SAFETY x the dense
+# plan's: with model errors up to 1/SAFETY - 1 - 2% (8.9%) the step stays >= 0.98x dense, and
+# otherwise the chosen plan IS the dense program (1.00x by construction).
+SAFETY = 0.9
+# The decode path is chosen when its predicted time is at most this fraction of dense (a margin
+# for the fit's error, so that "auto" stays >= 0.98x dense).
+DECODE_MARGIN = 0.95
+
+H100 = DeviceCosts(
+    forward=ForwardCosts(
+        dense_flops_per_ms=6.3e11, dense_launch_ms=0.02, pack_flops_per_ms=5.35e11, sparse_fixed_ms=0.11,
+        ffn_token_ms=1.1e-5, ffn_bytes_per_ms=8.4e9,
+        fit=Fit("2026-11-22", "NVIDIA H200 (checked on the H100 the same day: the crossover picked the right "
+                "side in all ten rows of the H100 forward table)",
+                "python experiments/bench_ffn.py",
+                "bf16, D 2048, H 5632, M 2048 .. 65536 (the round-2 forward)")),
+    backward=BackwardCosts(
+        bwd_fixed_ms=1.04, bwd_bytes_per_ms=4.14e9, dense_bwd_flops_per_ms=9.2e11,
+        token_tail_fixed_ms=0.30, token_tail_flops_per_ms=2.61e11,
+        hot_tail_fixed_ms=0.30, hot_tail_flops_per_ms=1.83e11,
+        tail_fit_m=16384, tail_fit_d=2048, tail_fit_h=5632,
+        fit=Fit("2026-11-23 (commit 1968cc4)", "NVIDIA H100 80GB HBM3",
+                "python experiments/bench_ffn_train.py --quick; python experiments/bench_ffn_train.py "
+                "--checkpoint RUN (seven trained layers)",
+                "least squares over the uniform patterns of --quick (k 29 and 56: 4.62 and 7.56 ms fwd+bwd, "
+                "no tails) and seven trained layers of one checkpoint (k 5-51, 0-1684 tail rows, 59-224 hot "
+                "neurons holding 74-86% of the entries; 2.79-5.52 ms), the forward's model subtracted; "
+                "M 16384, D 2048, H 5632, bf16, 1024-row token-tail blocks; the tails' fixed parts chosen "
+                "among a few values near the tail pieces timed alone; residuals within 0.22 ms; XLA's "
+                "dense backward ~2.5 ms")),
+    decode=DecodeCosts(
+        gemm_launch_us=5.0, hbm_bytes_per_us=3.35e6, gemm_flops_per_us=6.0e8,
+        decode_fixed_us=12.0, decode_row_bytes_per_us=2.6e5, decode_flops_per_us=2.0e8,
+        dense_fit=Fit("2026-11-22", "NVIDIA H100 80GB HBM3", "issue 13's table (XLA dense FFN, 1..1024 tokens)",
+                      "D 2048, H 5632, bf16; within 3% at 1..256 tokens, 6% high at 1024"),
+        fit=Fit("2026-11-22", "NVIDIA H100 80GB HBM3", "python experiments/bench_ffn_decode.py",
+                "33.7 / 31.2 / 82.9 us at 1 / 8 / 64 tokens, unions 28 / 205 / 1588")),
+)
+
+COST_MODELS: dict[str, DeviceCosts] = {"H100": H100}
+# The models of a device kind with no entry (module doc).
+FALLBACK_KIND = "H100"
+
+
+def device_kind(kind: str | None = None) -> str:
+    """The COST_MODELS key of a device: its `device_kind` (jax.devices()[0].device_kind when None,
+    e.g. "NVIDIA H100 80GB HBM3") matched on the keys; FALLBACK_KIND when none matches."""
+    if kind is None:
+        kind = jax.devices()[0].device_kind
+    return next((key for key in COST_MODELS if key.lower() in kind.lower()), FALLBACK_KIND)
+
+
+def costs(kind: str | None = None) -> DeviceCosts:
+    """The cost models of a device kind (`device_kind`; the default device when None)."""
+    return COST_MODELS[device_kind(kind)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+def crossover_active_per_token(m: int, d: int, h: int, *, gated: bool = True, itemsize: int = 2,
+                               kind: str | None = None) -> float:
+    """Mean active neurons per token below which pack + fused FFN beats the dense XLA FFN (the
+    forward model). May be negative: dense always wins."""
+    c = costs(kind).forward
+    flops = 2.0 * m * d * h
+    dense_ms = c.dense_launch_ms + (3 if gated else 2) * flops / c.dense_flops_per_ms
+    n_rows = 2 if gated else 1
+    fixed_sparse_ms = c.sparse_fixed_ms + flops / c.pack_flops_per_ms + m * c.ffn_token_ms * n_rows / 2
+    ms_per_active = m * n_rows * d * itemsize / c.ffn_bytes_per_ms
+    return (dense_ms - fixed_sparse_ms) / ms_per_active
+
+
+def forward_threshold(config: SparseFFNConfig, m: int, d: int, h: int, gated: bool, itemsize: int,
+                      kind: str | None = None) -> float:
+    """The active count per token up to which the forward-only "auto" runs sparse: the config's
+    auto_max_active, else the forward model's crossover."""
+    if config.auto_max_active is not None:
+        return float(config.auto_max_active)
+    return crossover_active_per_token(m, d, h, gated=gated, itemsize=itemsize, kind=kind)
+
+
+def sampled_active_per_token(x_MxD: jax.Array, w_act_HxD: jax.Array, n_sample: int) -> jax.Array:
+    """f32 scalar: mean active gate neurons per token over a strided sample of n_sample tokens."""
+    m = x_MxD.shape[0]
+    stride = max(1, m // max(1, n_sample))
+    sample_RxD = x_MxD[::stride][:n_sample]
+    pre_RxH = jnp.einsum("rd,hd->rh", sample_RxD, w_act_HxD, preferred_element_type=jnp.float32)
+    return jnp.sum(pre_RxH > 0, dtype=jnp.float32) / sample_RxD.shape[0]
+
+
+def use_sparse_forward(gated: bool, x_MxD: jax.Array, w_act_HxD: jax.Array,
+                       config: SparseFFNConfig | None) -> bool | jax.Array:
+    """The forward-only "auto" choice for this call: True/False when it is known at trace time (a
+    hint in the config, or a shape on which dense always wins), else a traced bool from the gate
+    pre-activations of a strided sample of config.auto_sample_rows tokens (None: 32; the caller
+    branches with lax.cond)."""
+    config = config or SparseFFNConfig()
+    m, d = x_MxD.shape
+    if m == 0:  # nothing to pack (the op handles empty batches before it gets here)
+        return False
+    threshold = forward_threshold(config, m, d, w_act_HxD.shape[0], gated, jnp.dtype(x_MxD.dtype).itemsize)
+    if config.expected_active_per_token is not None:
+        # Static choice from the measured active count: no sample, no branch, no host round trip.
+        return float(config.expected_active_per_token) <= threshold
+    if threshold < 0:  # the shape alone says dense wins at any sparsity
+        return False
+    return sampled_active_per_token(x_MxD, w_act_HxD, config.auto_sample_rows or 32) <= threshold
+
+
+# ----------------------------------------------------------------------------------------------
+# Training (forward + backward)
+# ----------------------------------------------------------------------------------------------
+
+def dense_times_ms(m: int, d: int, h: int, gated: bool, kind: str | None = None) -> tuple[float, float]:
+    """Modelled (forward, backward) ms of the dense FFN with bf16 operands."""
+    c = costs(kind)
+    flops = 2.0 * m * d * h
+    fwd = c.forward.dense_launch_ms + (3 if gated else 2) * flops / c.forward.dense_flops_per_ms
+    bwd = c.forward.dense_launch_ms + (6 if gated else 4) * flops / c.backward.dense_bwd_flops_per_ms
+    return fwd, bwd
+
+
+def tail_times_ms(m: int, d: int, h: int, rows: float, neurons: float, gated: bool,
+                  kind: str | None = None) -> tuple[float, float]:
+    """Modelled ms of the backward's dense token tail (`rows` rows) and hot-neuron tail (`neurons`)."""
+    c = costs(kind).backward
+    gemms = 6 if gated else 4
+    token = (min(1.0, rows) * c.token_tail_fixed_ms * (d * h) / (c.tail_fit_d * c.tail_fit_h)
+             + rows * gemms * 2.0 * d * h / c.token_tail_flops_per_ms)
+    hot = (min(1.0, neurons) * c.hot_tail_fixed_ms * (m * d) / (c.tail_fit_m * c.tail_fit_d)
+           + neurons * gemms * 2.0 * m * d / c.hot_tail_flops_per_ms)
+    return token, hot
+
+
+def sparse_times_ms(m: int, d: int, h: int, k: float, gated: bool, *, itemsize: int = 2,
+                    keep_pattern: bool = True, config: SparseFFNConfig | None = None,
+                    kind: str | None = None) -> tuple[float, float]:
+    """Modelled (forward, backward) ms of the sparse FFN (pack + fused FFN; Pallas backward), with
+    the dense tails of `config`'s tail hints (none without a config). A tail over its capacity
+    makes the backward the dense formula: inf here (never planned)."""
+    c = costs(kind)
+    f, b = c.forward, c.backward
+    pack_ms = 2.0 * m * d * h / f.pack_flops_per_ms
+    n_rows = 2 if gated else 1
+    fwd = (f.sparse_fixed_ms + pack_ms + m * f.ffn_token_ms * n_rows / 2
+           + m * k * n_rows * d * itemsize / f.ffn_bytes_per_ms)
+    rows, neurons, hot_entries, over = (TailPolicy(config).expected(m, h) if config is not None
+                                        else (0.0, 0.0, 0.0, False))
+    if over:
+        return fwd, math.inf
+    token_tail, hot_tail = tail_times_ms(m, d, h, rows, neurons, gated, kind=kind)
+    bwd = (b.bwd_fixed_ms
+           + m * k * (1.0 - hot_entries) * (n_rows + 1 + 2) * d * itemsize / b.bwd_bytes_per_ms
+           + token_tail + hot_tail + (0.0 if keep_pattern else pack_ms))
+    return fwd, bwd
+
+
+def choose_training_path(m: int, d: int, h: int, expected_active: float, gated: bool, *,
+                         itemsize: int = 2, keep_pattern: bool = True,
+                         config: SparseFFNConfig | None = None, kind: str | None = None) -> tuple[bool, bool]:
+    """(forward sparse?, backward sparse?) for one layer from its expected active count per token
+    and the tail hints of `config` (the backward's dense tails; none without a config).
+
+    The four plans are compared whole, because the pieces are not independent: a dense backward
+    after a sparse forward runs inside the op's custom_vjp and recomputes the pre-activations (2
+    GEMMs gated, 1 not) that plain autodiff of the dense plan keeps; a sparse backward after a
+    dense forward recomputes the pattern (the pack). A plan with a sparse piece wins only if its
+    modelled time is <= SAFETY x the dense plan's; otherwise the dense plan runs."""
+    if isinstance(expected_active, bool) or not expected_active >= 0:
+        raise ValueError(f"expected_active must be a number >= 0, got {expected_active!r}")
+    dense_fwd, dense_bwd = dense_times_ms(m, d, h, gated, kind=kind)
+    recompute = (2.0 if gated else 1.0) / (3.0 if gated else 2.0) * dense_fwd
+    sparse_fwd, sparse_bwd_kept = sparse_times_ms(m, d, h, expected_active, gated, itemsize=itemsize,
+                                                  keep_pattern=keep_pattern, config=config, kind=kind)
+    _, sparse_bwd_repacked = sparse_times_ms(m, d, h, expected_active, gated, itemsize=itemsize,
+                                             keep_pattern=False, config=config, kind=kind)
+    plans = {
+        (True, True): sparse_fwd + sparse_bwd_kept,
+        (True, False): sparse_fwd + dense_bwd + recompute,
+        (False, True): dense_fwd + sparse_bwd_repacked,
+    }
+    best = min(plans, key=plans.get)
+    return best if plans[best] <= SAFETY * (dense_fwd + dense_bwd) else (False, False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode
+# ----------------------------------------------------------------------------------------------
+
+def expected_union(m: int, k: float, h: int) -> float:
+    """Expected number of distinct active neurons over m tokens with k of h active each."""
+    if h < 1 or m < 0 or not 0 <= k:
+        raise ValueError(f"need h >= 1, m >= 0, k >= 0; got h={h}, m={m}, k={k}")
+    return h * (1.0 - (1.0 - min(k, h) / h) ** m)
+
+
+def _gemm_us(c: DecodeCosts, m: int, d: int, h: int, itemsize: int) -> float:
+    return c.gemm_launch_us + d * h * itemsize / c.hbm_bytes_per_us + 2.0 * m * d * h / c.gemm_flops_per_us
+
+
+def dense_time_us(m: int, d: int, h: int, *, gated: bool = True, itemsize: int = 2,
+                  kind: str | None = None) -> float:
+    """Predicted time of the dense XLA FFN at decode sizes."""
+    return (3 if gated else 2) * _gemm_us(costs(kind).decode, m, d, h, itemsize)
+
+
+def decode_time_us(m: int, d: int, h: int, expected_active: float, *, gated: bool = True,
+                   itemsize: int = 2, kind: str | None = None) -> float:
+    """Predicted time of the decode path ("triton") at expected_active neurons per token."""
+    c = costs(kind).decode
+    union = expected_union(m, expected_active, h)
+    n_rows = 2 if gated else 1
+    return (_gemm_us(c, m, d, h, itemsize) + c.decode_fixed_us
+            + union * n_rows * d * itemsize / c.decode_row_bytes_per_us
+            + n_rows * 2.0 * max(m, 16) * union * d / c.decode_flops_per_us)
+
+
+def prefer_decode_path(m: int, d: int, h: int, expected_active: float | None, gated: bool, *,
+                       itemsize: int = 2, check_finite: bool = False, kind: str | None = None) -> bool:
+    """True when the decode path is predicted to beat the dense FFN by DECODE_MARGIN.
+
+    expected_active None (no telemetry hint): False; the caller keeps its own choice.
+    check_finite (the op's NaN/Inf pass before a sparse call): False. The pass reads x and every
+    weight, which is all the bytes dense reads at decode sizes, plus a lax.cond: on the H100 the
+    checked decode path took 56-90 us against 35 us dense at 1 and 8 tokens (BENCHMARKS.md), so
+    with the check the dense formula is the faster exact choice. (Generation turns the check off:
+    `inference.load_run` verifies the weights once.)"""
+    if expected_active is None or m < 1 or check_finite:
+        return False
+    return (decode_time_us(m, d, h, expected_active, gated=gated, itemsize=itemsize, kind=kind)
+            <= DECODE_MARGIN * dense_time_us(m, d, h, gated=gated, itemsize=itemsize, kind=kind))
+
+
+# ----------------------------------------------------------------------------------------------
+# Plans
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one call runs (static): the registry names of its forward and backward implementations
+    (`backends.REGISTRY`). sampled: "auto" without a hint, the forward chosen on the device
+    between this plan and the dense formula (`dispatch`)."""
+
+    gated: bool
+    forward: str
+    backward: str
+    interpret: bool
+    sampled: bool = False
+
+
+# "auto" decided at trace time (from the hint) that the whole call runs the dense backend, as the
+# device-side switch reports it (aux dense_fallback = 1).
+AUTO_DENSE = "auto_dense"
+
+
+def auto_plan(gated: bool, interpret: bool, config: SparseFFNConfig,
+              shape: tuple[int, int, int, int], gpu: bool) -> Plan | str | None:
+    """The plan of backend "auto" (module doc) for `shape` = (tokens per shard, D, H, itemsize);
+    None = the plain dense backend, AUTO_DENSE = likewise, chosen from the hint. `gpu`: the sparse
+    kernels can run (`backends.gpu_available()`)."""
+    if not gpu:
+        return None
+    if config.expected_active_per_token is None:
+        # No hint: the forward samples on the device and branches; the backward stays dense.
+        return Plan(gated, "pallas", "dense", interpret, sampled=True)
+    m, d_model, n_neurons, itemsize = shape
+    hint = config.expected_active_per_token
+    if prefer_decode_path(m, d_model, n_neurons, hint, gated, itemsize=itemsize,
+                          check_finite=config.check_finite):
+        # Decode sizes (a few tokens per call): the work spread over the active neurons.
+        return Plan(gated, "decode", "dense", interpret)
+    keep_pattern = config.backward.keep_gate_pattern if config.backward is not None else True
+    fwd_sparse, bwd_sparse = choose_training_path(m, d_model, n_neurons, hint, gated, itemsize=itemsize,
+                                                  keep_pattern=keep_pattern, config=config)
+    if not (fwd_sparse or bwd_sparse):
+        # The dense plan IS the "dense" backend (plain autodiff keeps its activations), unless the
+        # config asks for the dense formula inside the custom_vjp, which recomputes them.
+        return Plan(gated, "dense", "dense", interpret) if config.auto_dense_recompute else AUTO_DENSE
+    return Plan(gated, "pallas" if fwd_sparse else "dense", "pallas" if bwd_sparse else "dense", interpret)
+
+
+# Fields of SparseFFNConfig that only the planner reads: given the plan, they do not change the
+# traced computation (`plan_key` drops them).
+PLANNER_ONLY_FIELDS = ("expected_active_per_token", "expected_token_tail", "expected_hot_neurons",
+                       "expected_hot_entries", "auto_dense_recompute")
+
+
+def traced_config(config: SparseFFNConfig) -> SparseFFNConfig:
+    """`config` without its planner-only fields (PLANNER_ONLY_FIELDS, reset to their defaults)."""
+    return dataclasses.replace(config, **{name: SparseFFNConfig.__dataclass_fields__[name].default
+                                          for name in PLANNER_ONLY_FIELDS})
+
+
+def key_of(plan: Plan | str | None, config: SparseFFNConfig, shape: tuple[int, int, int, int]) -> Hashable:
+    """The hashable key of a planned call (`ops.plan_key`)."""
+    return (plan if plan is not None else "dense", shape, traced_config(config))
