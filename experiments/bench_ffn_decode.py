@@ -39,8 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_ffn  # noqa: E402  (the synthetic-sparsity generator; reads bench_ffn.D / .H)
+from twell_jax.bench import ffn as bench_ffn  # noqa: E402  (the synthetic-sparsity generator; reads .D / .H)
 from pallas_kernels.twell_decode import DecodeBlockSizes  # noqa: E402
 from twell_jax.ops import pallas_decode, planner  # noqa: E402
 from twell_jax import ops  # noqa: E402

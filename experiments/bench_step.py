@@ -57,7 +57,7 @@ from twell_jax.training.checkpoint import checkpoint_dir, restore_params  # noqa
 from twell_jax.training.hints import Tails, describe_tails, run_hints, run_tail_hints, with_hints  # noqa: E402
 from twell_jax.training.train import abstract_graphdef, measure_activity  # noqa: E402
 from twell_jax.training.optimizer import build_optimizer  # noqa: E402
-from plain_llama import REFERENCE_REMATS, reference_init, reference_loss  # noqa: E402
+from twell_jax.bench.plain_llama import REFERENCE_REMATS, reference_init, reference_loss  # noqa: E402
 
 H100_BF16_PEAK_FLOPS = 989e12
 # --dry-run: a tiny model of the preset's family, fp32 on CPU, to check the script end to end.

@@ -16,13 +16,11 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_ffn_train  # noqa: E402
-from test_sparse_checkpoint_benches import sparse_run  # noqa: E402,F401  (the tiny trained run fixture)
+from test_sparse_checkpoint_benches import sparse_run  # noqa: F401  (the tiny trained run fixture)
 
-from twell_jax import ops  # noqa: E402
-from twell_jax.config import ModelConfig  # noqa: E402
+from twell_jax import ops
+from twell_jax.bench import ffn_train as bench_ffn_train
+from twell_jax.config import ModelConfig
 from twell_jax.model import FeedForward, init_model  # noqa: E402
 from twell_jax.ops import pallas_backward  # noqa: E402
 

@@ -4,7 +4,6 @@ count), the short names, the table, a real profile on the CPU (no GPU events, sa
 bench_ffn_train's bit comparison and argument checks of its --sweep-blocks flag."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import jax
@@ -13,10 +12,9 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-import bench_ffn_train  # noqa: E402
-import kernel_trace  # noqa: E402
-from kernel_trace import KernelProfile, format_profile, parse_trace, short_name  # noqa: E402
+from twell_jax.bench import ffn_train as bench_ffn_train
+from twell_jax.bench import kernel_trace
+from twell_jax.bench.kernel_trace import KernelProfile, format_profile, parse_trace, short_name
 
 CUTLASS = "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8>(Params)"
 HOST, GPU, OTHER_GPU = 7, 1001, 1002

@@ -4,18 +4,14 @@ it cannot hold. f32 on CPU, tight tolerances."""
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import plain_llama  # noqa: E402
-
-from configs import get_config  # noqa: E402
+from configs import get_config
+from twell_jax.bench import plain_llama
 from twell_jax.inference.load import model_with_params  # noqa: E402
 from twell_jax.model import init_cache, init_model, split_model  # noqa: E402
 from twell_jax.training.loss import cross_entropy  # noqa: E402

@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import bench_inference  # noqa: E402
+from twell_jax.bench import inference as bench_inference
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))  # the scripts below
 import bench_step  # noqa: E402
 import train_to_sparse  # noqa: E402
 

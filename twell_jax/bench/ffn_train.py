@@ -1,0 +1,873 @@
+"""Benchmark of the FFN block's forward + backward (gradients of x and the 3 weights) per backend.
+
+    PYTHONUNBUFFERED=1 python experiments/bench_ffn_train.py [--quick] [--out DIR]
+    PYTHONUNBUFFERED=1 python experiments/bench_ffn_train.py --checkpoint RUN [--step N] [--layers 0,3,7]
+    python experiments/bench_ffn_train.py --dry-run --out /tmp/b   # CPU, interpret, tiny shapes
+    python experiments/bench_ffn_train.py --dry-run --checkpoint RUN --out /tmp/b   # the same, a tiny run
+    PYTHONUNBUFFERED=1 python experiments/bench_ffn_train.py --quick --trace --sweep-blocks --repeats 5
+
+Two sources of (x, weights), measured by the same functions (`measure`):
+- synthetic (default): bf16, D 2048, H 5632, the sparsity of experiments/bench_ffn.py at k = 29, 56,
+  112 active per token, M = 2048 / 16384 / 65536 (3 input sets rotated while timing);
+- `--checkpoint RUN`: a trained run (`inference.load_run`, compute dtype --dtype), fed the first
+  --micro-batch sequences of its validation split; the model's own forward records what each
+  chosen layer's FeedForward receives (the normed activations x [M, D], `capture_ffn_inputs`), and
+  each layer is measured on its real x and its three weights. The cotangent gy is a fixed random
+  [M, D] (as in the synthetic mode): the sparse backward's work (which rows go to the token tail,
+  which neurons are hot, how many entries each kernel visits) is set by the forward's pattern,
+  i.e. by x and W_gate, not by gy's values.
+
+Backends, all in the same process on the same inputs:
+    xla_bf16          plain jnp, bf16 dots, no preferred_element_type (the dense baseline)
+    dense             ops.gated_ffn(backend="dense")
+    reference         backend="reference" (synthetic mode, M <= 16384 only: it materialises [M, H] f32)
+    pallas            backend="pallas": Pallas forward + Pallas backward, pack kept
+    pallas_recompute  the same with BackwardConfig(keep_gate_pattern=False)
+    auto              backend="auto" with expected_active_per_token = the measured mean active count
+                      and the tail hints = the measured token-tail, hot-neuron and hot-entry shares
+Each is first checked against xla_bf16 (max abs error per gradient, and relative error), then
+timed (interleaved medians, bench_ffn.bench_interleaved); the compiled temporary memory of each
+(`memory_analysis()` of the program that is timed), and the time of each piece of the Pallas
+path: pack, fused FFN, token tail mask, token-major kernel, transpose, neuron-major kernel, one
+64-row block of the dense token tail, and the dense tails as the backward takes them on this
+pattern (token tail: ceil(rows / chunk) blocks; neuron tail: the hot neurons' blocks), each
+tail checked against xla_bf16's gradients on its rows. Beside the times: the pattern statistics
+(`pattern_stats`: active per token, tail rows, per-neuron entry counts, hot neurons, the tails'
+sizes and whether a capacity is exceeded, i.e. the whole call falls back to the dense backward)
+and the cost model's prediction at the measured mean k and tails (`model_prediction`:
+planner.sparse_times_ms / dense_times_ms and auto's plan, ops.auto_decision). Prints a
+short table last; writes bench_ffn_train.json (and table.txt) to --out.
+
+--trace (both modes): the per-kernel GPU time of the xla_bf16, pallas and auto programs that were
+timed (one jax.profiler trace of --repeats back-to-back calls each, experiments/kernel_trace.py):
+each kernel's launches, ms and share per fwd+bwd call, the wall span and busy time; in the JSON
+rows ("trace") and the table (top 12). --sweep-blocks (synthetic): the token-major, the
+neuron-major and the pack kernel timed alone over their launch parameters (TOKEN_SWEEP: block_t x
+num_warps x num_stages; NEURON_SWEEP: block_n x num_warps; PACK_SWEEP: launch order group_m x
+num_stages, beside XLA's relu(x W_gate^T)) at M 16384, k 29, each variant's outputs compared bit
+for bit with the default launch's (`sweep_block_sizes`); a "sweep_blocks" JSON row and a table
+sorted by time with the default marked.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from twell_jax.bench import ffn as bench_ffn  # make_inputs, bench_interleaved, bench: one copy of each
+from twell_jax.bench.kernel_trace import KernelProfile, format_profile, kernel_times
+from pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes, neuron_backward
+from pallas_kernels.twell_bwd_token import TokenBwdBlockSizes, rank_values, token_backward, token_lists
+from pallas_kernels.twell_transpose import neuron_lists
+from pallas_kernels.twell_ffn import sparse_ffn
+from pallas_kernels.twell_pack import PackBlockSizes, pack_gate
+from twell_jax import ops
+from twell_jax.model import FeedForward, Transformer
+from twell_jax.ops import pallas_backward, planner
+
+L1_COEF = 3e-4 / 8  # the 0.5b recipe's lambda over its 8 layers (docs/training.md, "L1 penalty")
+BACKENDS = ("xla_bf16", "dense", "reference", "pallas", "pallas_recompute", "auto")
+CHECKPOINT_BACKENDS = ("xla_bf16", "dense", "pallas", "pallas_recompute", "auto")
+GRAD_NAMES = ("dx", "dw_gate", "dw_up", "dw_down")
+TRACED_BACKENDS = ("xla_bf16", "pallas", "auto")  # --trace: the per-kernel profile of these programs
+# --dry-run: the interpreter compiles every backend's whole fwd+bwd, so the smoke run skips the two
+# that only repeat others' code paths (the reference backend, and pallas with the pattern recomputed:
+# tests/test_ops.py and tests/test_pallas_bwd_op.py cover both).
+DRY_RUN_SKIPPED = ("reference", "pallas_recompute")
+# --sweep-blocks: the launch parameters tried (the default first, wherever it lies in the list).
+TOKEN_SWEEP = tuple(TokenBwdBlockSizes(block_t=t, num_warps=w, num_stages=s)
+                    for t in (1, 2, 4) for w in (2, 4, 8) for s in (1, 2))
+NEURON_SWEEP = tuple(NeuronBwdBlockSizes(block_n=n, num_warps=w) for n in (1, 2, 4) for w in (2, 4, 8))
+# The pack kernel: its launch order (group_m: row blocks per L2 group, 0 = all) and pipeline depth.
+PACK_SWEEP = tuple(PackBlockSizes(group_m=g, num_stages=st) for g in (0, 1, 4, 8, 16, 32) for st in (3, 4))
+# In the interpreter the warps and stages change nothing and each variant compiles anew: the
+# default and one more block_t / block_n, the warps and stages varied alongside.
+TOKEN_SWEEP_DRY = (TokenBwdBlockSizes(), TokenBwdBlockSizes(2, 2, 2))
+NEURON_SWEEP_DRY = (NeuronBwdBlockSizes(1, 4), NeuronBwdBlockSizes(2, 2))
+PACK_SWEEP_DRY = (PackBlockSizes(), PackBlockSizes(group_m=0, num_stages=4))  # the row-major order
+Weights3 = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def xla_bf16_loss_parts(x, w_gate, w_up, w_down):
+    """The dense FFN with bf16 dots throughout (no f32 outputs): (y, l1)."""
+    g = jnp.einsum("md,hd->mh", x, w_gate)
+    u = jnp.einsum("md,hd->mh", x, w_up)
+    h = jax.nn.relu(g) * u
+    y = jnp.einsum("mh,hd->md", h, w_down)
+    return y, jnp.sum(jnp.abs(h), dtype=jnp.float32) / x.shape[0]
+
+
+def make_train_step(backend: str, config: ops.SparseFFNConfig, interpret: bool):
+    """f(x, wg, wu, wd, gy) -> (dx, dwg, dwu, dwd, y): the vjp of (y, l1) at cotangent (gy, L1_COEF),
+    and y itself. y is returned because a training step needs it (the next layer's input): without
+    it XLA drops the forward's last product from the program (the down projection, or the fused
+    sparse FFN kernel), and the timed fwd+bwd would miss it (as it did until 2026-11-22)."""
+    def parts(x, wg, wu, wd):
+        if backend == "xla_bf16":
+            return xla_bf16_loss_parts(x, wg, wu, wd)
+        op_backend = "pallas" if backend == "pallas_recompute" else backend
+        y, aux = ops.gated_ffn(x, wg, wu, wd, backend=op_backend, config=config,
+                               interpret=interpret and op_backend == "pallas")
+        return y, aux["l1"]
+
+    def step(x, wg, wu, wd, gy):
+        (y, _), vjp = jax.vjp(parts, x, wg, wu, wd)
+        return (*vjp((gy, jnp.float32(L1_COEF))), y)
+
+    return jax.jit(step)
+
+
+_COMPILED: dict = {}
+
+
+def compiled_step(backend: str, config: ops.SparseFFNConfig, interpret: bool, args: tuple):
+    """make_train_step's program compiled for args' shapes, once per (backend, config, shapes):
+    the layers of a checkpoint share their shapes, so only "auto" (one hint each) compiles again."""
+    key = (backend, config, interpret, tuple((a.shape, a.dtype) for a in args))
+    if key not in _COMPILED:
+        _COMPILED[key] = make_train_step(backend, config, interpret).lower(*args).compile()
+    return _COMPILED[key]
+
+
+def temp_mb(compiled) -> float:
+    """Compiled temporary memory (MiB) of a compiled program (nan when XLA does not report it)."""
+    analysis = compiled.memory_analysis()
+    return float("nan") if analysis is None else analysis.temp_size_in_bytes / 2**20
+
+
+def rel_errors(grads: Sequence[jax.Array], base: Sequence[jax.Array], names: Sequence[str]) -> dict:
+    """{name: {max_abs, rel}} of each gradient against the baseline's."""
+    return {name: dict(max_abs=float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
+                       if g.size else 0.0, rel=bench_ffn.rel_err(g, r))
+            for name, g, r in zip(names, grads, base)}
+
+
+@functools.lru_cache(maxsize=None)
+def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
+    """The Pallas path's pieces as separately jitted functions (pallas_backward.backward's steps);
+    made once per (config, interpret, H), so the layers of a checkpoint share their compilations.
+
+    token_tail / neuron_tail are the backward's own pallas_backward.token_tail_backward /
+    hot_neuron_backward, so they take the tails as the backward does on this pattern; `measure`
+    checks both against xla_bf16's gradients on their rows."""
+    s = dict(tile=config.tile, slots=config.slots)
+    bc = config.backward or pallas_backward.BackwardConfig()
+    pack = jax.jit(lambda x, wg: pack_gate(x, wg, **s, interpret=interpret,
+                                           block_sizes=config.pack_block_sizes or PackBlockSizes()))
+
+    def token_inputs(pack_out):
+        """(values, indices, the kernels' counts (tail rows 0), the token-tail mask)."""
+        values, indices, counts = pack_out
+        tail, kernel_counts = pallas_backward.kernel_pattern(counts, config)
+        return values, indices, kernel_counts, tail
+
+    def transpose(prepared):
+        """The neuron-major lists (start, count, tokens, dest) from the pattern alone."""
+        return neuron_lists(prepared[1], prepared[2], h, width=config.ell_width,
+                            block_sizes=bc.transpose_block_sizes, interpret=interpret)
+
+    def hot_of(lists):
+        return lists[1] > config.hot_threshold(lists[3].shape[0])
+
+    @functools.partial(jax.jit, static_argnames="tails")
+    def token(x, wg, wu, wd, gy, prepared, lists, *, tails: bool):
+        """As the backward calls it (the per-token lists, then the kernel): with the hot neurons
+        left out and an f32 dx init when a tail exists. Includes `rank_values`, which the training
+        forward runs (it is not timed alone)."""
+        values, indices, counts, _ = prepared
+        ranked = rank_values(values, counts, config.ell_width, block_sizes=bc.lists_block_sizes,
+                             interpret=interpret)
+        rows = token_lists(ranked, indices, counts, lists[3], hot_of(lists) if tails else None,
+                           block_sizes=bc.lists_block_sizes, interpret=interpret)
+        return token_backward(x, gy, *rows, wg, wu, wd, jnp.float32(L1_COEF / x.shape[0]),
+                              dx_init=jnp.zeros(x.shape, jnp.float32) if tails else None,
+                              block_sizes=bc.token_block_sizes, interpret=interpret)
+
+    def neuron(x, gy, lists, values_E):
+        start, count, tokens, _ = lists
+        count = jnp.where(hot_of(lists), 0, count)
+        return neuron_backward(x, gy, start, count, tokens, values_E,
+                               block_sizes=bc.neuron_block_sizes, interpret=interpret)
+
+    @jax.jit
+    def token_tail64(x, wg, wu, wd, gy):
+        return pallas_backward.dense_rows_backward(True, x[:64], gy[:64], (wg, wu, wd),
+                                                   jnp.float32(L1_COEF / x.shape[0]))
+
+    @jax.jit
+    def token_tail(x, wg, wu, wd, gy, tail_M):
+        """(dx [M, D] f32: the tail rows' rows, zeros elsewhere; f32 weight-gradient parts)."""
+        m, d = x.shape
+        zeros = tuple(jnp.zeros((h, d), jnp.float32) for _ in range(3))
+        return pallas_backward.token_tail_backward(
+            True, x, gy, (wg, wu, wd), jnp.float32(L1_COEF / m), tail_M, config.tail_capacity(m),
+            bc.token_tail_chunk, bc.small_tail_chunk, (jnp.zeros((m, d), jnp.float32), zeros))
+
+    @jax.jit
+    def neuron_tail(x, wg, wu, wd, gy, tail_M, count_H):
+        """(dx [M, D] f32: the hot neurons' terms, f32 weight gradients (gate, up, down) of the hot
+        neurons) over the rows outside the token tail, zeros elsewhere."""
+        m, d = x.shape
+        zeros = tuple(jnp.zeros((h, d), jnp.float32) for _ in range(3))
+        return pallas_backward.hot_neuron_backward(
+            True, x, gy, (wg, wu, wd), jnp.float32(L1_COEF / m), tail_M,
+            count_H > config.hot_threshold(m), config.transpose_tail_capacity(h), bc.neuron_tail_chunk,
+            bc.small_tail_chunk, (jnp.zeros((m, d), jnp.float32), zeros))
+
+    return dict(pack=pack, token_inputs=jax.jit(token_inputs), transpose=jax.jit(transpose),
+                token=token, neuron=jax.jit(neuron),
+                token_tail64=token_tail64, token_tail=token_tail, neuron_tail=neuron_tail)
+
+
+def pattern_stats(counts_MxNT: np.ndarray, neuron_count_H: np.ndarray, config: ops.SparseFFNConfig,
+                  seq_len: int | None = None) -> dict:
+    """Statistics of a layer's pattern as the Pallas backward sees it.
+
+    counts_MxNT: the pack's active count per (token, tile) (exact, also where a tile overflows its
+    slots); neuron_count_H: entries per neuron in the backward's neuron-major lists (tokens of the
+    token tail excluded, as in pallas_backward.backward). The tails follow backward's decisions:
+    token tail = ops.TailPolicy.pack_token_tail, hot = more than config.hot_threshold(M) entries; each
+    runs ceil(n / chunk) dense blocks of chunk rows (neurons), and n above the config's capacity
+    sends the whole call to the dense backward (`*_fallback`). `seq_len` adds the mean active
+    count of the first token of each sequence (rows 0, seq_len, ...)."""
+    counts_MxNT = np.asarray(counts_MxNT)
+    neuron_count_H = np.asarray(neuron_count_H)
+    if counts_MxNT.ndim != 2 or neuron_count_H.ndim != 1:
+        raise ValueError(f"counts_MxNT must be [M, NT] and neuron_count_H [H], got {counts_MxNT.shape} "
+                         f"and {neuron_count_H.shape}")
+    m, h = counts_MxNT.shape[0], neuron_count_H.shape[0]
+    bc = config.backward or pallas_backward.BackwardConfig()
+    active_M = counts_MxNT.sum(axis=1)
+    overflow_M = (counts_MxNT > config.slots).any(axis=1)
+    wide_M = active_M > config.ell_width
+    tail = int(np.sum(overflow_M | wide_M))
+    hot_H = neuron_count_H > config.hot_threshold(m)
+    n_hot = int(hot_H.sum())
+    entries = int(neuron_count_H.sum())
+    token_cap, hot_cap = config.tail_capacity(m), config.transpose_tail_capacity(h)
+
+    def block_size(n: int, chunk: int) -> int:  # the backward's rule (pallas_backward._chunked)
+        return next((size for size in pallas_backward.tail_block_sizes(chunk, bc.small_tail_chunk)
+                     if n <= size), chunk)
+
+    def blocks(n: int, cap: int, chunk: int) -> int:
+        return -(-min(n, cap) // block_size(min(n, cap), chunk))
+
+    def pct(v: np.ndarray, q: float) -> float:
+        return float(np.percentile(v, q)) if v.size else 0.0
+
+    stats = dict(
+        tokens=m, neurons=h,
+        active_mean=float(active_M.mean()) if m else 0.0, active_p50=pct(active_M, 50),
+        active_p99=pct(active_M, 99), active_max=int(active_M.max()) if m else 0,
+        token_tail_rows=tail, overflow_rows=int(overflow_M.sum()), wide_rows=int(wide_M.sum()),
+        token_tail_capacity=token_cap,
+        token_tail_blocks=blocks(tail, token_cap, bc.token_tail_chunk),
+        token_tail_dense_rows=(blocks(tail, token_cap, bc.token_tail_chunk)
+                               * block_size(min(tail, token_cap), bc.token_tail_chunk)),
+        token_fallback=tail > token_cap,
+        neuron_entries=entries, neuron_count_max=int(neuron_count_H.max()) if h else 0,
+        neuron_count_p99=pct(neuron_count_H, 99), dead_neurons=int(np.sum(neuron_count_H == 0)),
+        hot_threshold=config.hot_threshold(m), hot_neurons=n_hot,
+        hot_entry_share=float(neuron_count_H[hot_H].sum() / entries) if entries else 0.0,
+        neuron_tail_capacity=hot_cap,
+        neuron_tail_blocks=blocks(n_hot, hot_cap, bc.neuron_tail_chunk),
+        neuron_tail_dense_neurons=(blocks(n_hot, hot_cap, bc.neuron_tail_chunk)
+                                   * block_size(min(n_hot, hot_cap), bc.neuron_tail_chunk)),
+        neuron_fallback=n_hot > hot_cap,
+    )
+    if seq_len:
+        stats["first_token_active_mean"] = float(active_M[::seq_len].mean()) if m else 0.0
+    return stats
+
+
+def auto_config(config: ops.SparseFFNConfig, stats: dict) -> ops.SparseFFNConfig:
+    """`config` with the hints "auto" gets from a pattern's statistics (`pattern_stats`): the mean
+    active count and the backward's tail shares (token-tail rows / M, hot neurons / H, the hot
+    neurons' share of the entries), as the trainer's telemetry gives them."""
+    m, h = stats["tokens"], stats["neurons"]
+    return dataclasses.replace(
+        config, expected_active_per_token=float(stats["active_mean"]),
+        expected_token_tail=stats["token_tail_rows"] / m if m else 0.0,
+        expected_hot_neurons=stats["hot_neurons"] / h, expected_hot_entries=float(stats["hot_entry_share"]))
+
+
+def model_prediction(m: int, d: int, h: int, auto_cfg: ops.SparseFFNConfig, itemsize: int,
+                     interpret: bool) -> dict:
+    """The cost table's figures (ms) for this shape at auto_cfg's hints (mean k and tails), and the
+    plan "auto" compiles."""
+    k = auto_cfg.expected_active_per_token
+    keep = (auto_cfg.backward or pallas_backward.BackwardConfig()).keep_gate_pattern
+    fwd, bwd = planner.sparse_times_ms(m, d, h, k, True, itemsize=itemsize, keep_pattern=keep,
+                                               config=auto_cfg)
+    _, bwd_recompute = planner.sparse_times_ms(m, d, h, k, True, itemsize=itemsize,
+                                                       keep_pattern=False, config=auto_cfg)
+    dense_fwd, dense_bwd = planner.dense_times_ms(m, d, h, True)
+    return dict(pallas_fwd_ms=fwd, pallas_bwd_ms=bwd, pallas_ms=fwd + bwd,
+                pallas_recompute_ms=fwd + bwd_recompute, dense_ms=dense_fwd + dense_bwd,
+                choose_training_path=list(planner.choose_training_path(
+                    m, d, h, k, True, itemsize=itemsize, keep_pattern=keep, config=auto_cfg)),
+                auto_plan=list(ops.auto_decision(True, auto_cfg, (m, d, h, itemsize), interpret)))
+
+
+def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: ops.SparseFFNConfig,
+            interpret: bool, backends: Sequence[str], *, seq_len: int | None = None,
+            repeats: int = 15, trace: bool = False, log=print) -> dict:
+    """Everything the benchmark reports for one (x, weights): pattern statistics, the cost model's
+    prediction, each backend's errors vs xla_bf16, compiled temporary memory and time, and the
+    Pallas pieces' times. xs: input sets rotated while timing (one for a checkpoint's layer).
+    trace: also the per-kernel GPU profile (kernel_trace.kernel_times) of TRACED_BACKENDS' timed
+    programs, in row["trace"]."""
+    wg, wu, wd = weights
+    m, d = xs[0].shape
+    h = wg.shape[0]
+    sets = [(x, wg, wu, wd, gy) for x in xs]
+    x0 = sets[0]
+    p = piece_fns(config, interpret, h)
+    # The pattern, as the backward builds it (pack, tail mask, transpose, token-major kernel).
+    packed = p["pack"](x0[0], wg)
+    counts = packed[2]
+    prepared = p["token_inputs"](packed)
+    lists = p["transpose"](prepared)
+    tails = bool(jnp.any(prepared[3])) or bool(jnp.any(lists[1] > config.hot_threshold(m)))
+    _, values_E = p["token"](*x0, prepared, lists, tails=tails)
+    stats = pattern_stats(np.asarray(counts), np.asarray(lists[1]), config, seq_len)
+    hint = stats["active_mean"]
+    row: dict[str, Any] = dict(m=m, d=d, h=h, hint=hint, pattern=stats, errors={}, temp_mb={})
+    hinted = auto_config(config, stats)
+    row["model"] = model_prediction(m, d, h, hinted, x0[0].dtype.itemsize, interpret)
+    log(f"  pattern: k mean {hint:.1f} p99 {stats['active_p99']:.0f} max {stats['active_max']}, "
+        f"token tail {stats['token_tail_rows']} rows, hot neurons {stats['hot_neurons']} "
+        f"({stats['hot_entry_share']:.1%} of entries); auto plan {row['model']['auto_plan']}")
+    configs = dict(
+        pallas_recompute=dataclasses.replace(
+            config, backward=dataclasses.replace(config.backward or pallas_backward.BackwardConfig(),
+                                                 keep_gate_pattern=False)),
+        auto=hinted)
+    # Compile each backend once: its memory analysis, and the program that is checked and timed.
+    steps = {b: compiled_step(b, configs.get(b, config), interpret, x0) for b in backends}
+    row["temp_mb"] = {b: temp_mb(step) for b, step in steps.items()}
+    log(f"  compiled {len(steps)} backends")
+    # Correctness first: each backend's gradients against xla_bf16's.
+    base = steps["xla_bf16"](*x0)
+    for b in backends:
+        row["errors"][b] = rel_errors(steps[b](*x0), base, GRAD_NAMES + ("y",))
+    # The tails as the backward takes them, checked on their rows: the tail rows' dx, and the hot
+    # neurons' weight gradients (their ELL entries' part plus the token tail's part).
+    tail_dx, tail_parts = p["token_tail"](*x0, prepared[3])
+    _, hot_parts = p["neuron_tail"](*x0, prepared[3], lists[1])
+    tail_rows = np.flatnonzero(np.asarray(prepared[3]))
+    hot = np.flatnonzero(np.asarray(lists[1]) > config.hot_threshold(m))
+    row["piece_errors"] = {}
+    if tail_rows.size and not stats["token_fallback"]:
+        row["piece_errors"].update(rel_errors([tail_dx[tail_rows]], [base[0][tail_rows]], ["token_tail_dx"]))
+    if hot.size and not (stats["neuron_fallback"] or stats["token_fallback"]):
+        row["piece_errors"].update(rel_errors([(a + b)[hot] for a, b in zip(hot_parts, tail_parts)],
+                                              [g[hot] for g in base[1:4]],
+                                              ["hot_dw_gate", "hot_dw_up", "hot_dw_down"]))
+    del base
+    row["ms"] = bench_ffn.bench_interleaved(steps, sets, repeats=repeats)
+    log("  " + ", ".join(f"{b} {t:.3f} ms" for b, t in row["ms"].items()))
+    if trace:  # the very programs just timed: one compilation each
+        row["trace"] = {}
+        for b in (b for b in TRACED_BACKENDS if b in steps):
+            profile = kernel_times(steps[b], x0, repeats=1 if bench_ffn.INTERPRET else repeats)
+            row["trace"][b] = profile.to_json()
+            log("\n".join(f"  [{b}] {line}" for line in format_profile(profile)))
+    bench = functools.partial(bench_ffn.bench, repeats=repeats)
+    piece_ms = dict(
+        pack=bench(p["pack"], [(x, wg) for x in xs]),
+        fused_ffn=bench(functools.partial(sparse_ffn, interpret=interpret),
+                        [(x, *p["pack"](x, wg), wu, wd) for x in xs[:1]]),
+        tail_mask=bench(p["token_inputs"], [(packed,)]),
+        transpose=bench(p["transpose"], [(prepared,)]),
+        token_major=bench(functools.partial(p["token"], tails=tails), [(*x0, prepared, lists)]),
+        neuron_major=bench(p["neuron"], [(x0[0], gy, lists, values_E)]),
+        token_tail_64_rows=bench(p["token_tail64"], [x0]),
+        token_tail=bench(p["token_tail"], [(*x0, prepared[3])]),
+    )
+    if hot.size:
+        piece_ms["neuron_tail"] = bench(p["neuron_tail"], [(*x0, prepared[3], lists[1])])
+    row["piece_ms"] = piece_ms
+    row["token_tail_rows"], row["hot_neurons"] = stats["token_tail_rows"], stats["hot_neurons"]
+    return row
+
+
+def bit_diff(a: jax.Array, b: jax.Array) -> dict:
+    """How a differs from b bit for bit: {equal, n_diff (entries whose bits differ), max_abs}."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise ValueError(f"bit_diff needs arrays of one shape and dtype, got {a.dtype}{a.shape} and {b.dtype}{b.shape}")
+    bits = np.dtype(f"u{a.dtype.itemsize}")
+    differ = a.view(bits) != b.view(bits)
+    n_diff = int(np.sum(differ))
+    # Over the differing entries only (a NaN on both sides is equal bits, not a NaN difference).
+    max_abs = float(np.max(np.abs(a[differ].astype(np.float64) - b[differ].astype(np.float64)))) if n_diff else 0.0
+    return dict(equal=n_diff == 0, n_diff=n_diff, max_abs=max_abs)
+
+
+def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: ops.SparseFFNConfig,
+                      interpret: bool, token_sizes: Sequence[TokenBwdBlockSizes],
+                      neuron_sizes: Sequence[NeuronBwdBlockSizes],
+                      pack_sizes: Sequence[PackBlockSizes], *, repeats: int = 15,
+                      log=print) -> dict:
+    """Time the token-major and the neuron-major kernel alone at each launch in the lists, on the
+    backward's own inputs for (x, weights, gy) (piece_fns: pack, tail mask, transpose, the default
+    token kernel's entry values), and the pack kernel at each launch in `pack_sizes` (on x and
+    W_gate; its outputs must not change with the launch: each slot is an exact min-reduction and
+    the GEMM's K loop runs in the same order whatever the program order).
+
+    Each variant runs piece_fns' kernel call with only that launch changed in `config.backward`,
+    and its outputs are compared bit for bit with the default launch's (config.backward's, run
+    first and then again as the sweep's first variant: the run-to-run check). Whether a launch may
+    change bits: the neuron kernel accumulates each output entry elementwise in list order, so no
+    launch parameter should; the token kernel's dt = gy . W_j and u = x . U_j are reductions over D
+    whose tree Triton lays out by block shape and warps, so its per-entry values and dx may differ
+    in the last bits across launches. A differing variant is reported (n_diff, max_abs), not dropped.
+    Returns {"token": rows, "neuron": rows, "pack": rows, "xla_gate_ms": ms}, each kernel's rows
+    sorted by ms, the default marked."""
+    wg, wu, wd = weights
+    h = wg.shape[0]
+    bc = config.backward or pallas_backward.BackwardConfig()
+
+    def pieces(**launch) -> dict:
+        return piece_fns(dataclasses.replace(config, backward=dataclasses.replace(bc, **launch)), interpret, h)
+
+    args = (x, wg, wu, wd, gy)
+    p = pieces()
+    prepared = p["token_inputs"](p["pack"](x, wg))
+    lists = p["transpose"](prepared)
+    tails = bool(jnp.any(prepared[3])) or bool(jnp.any(lists[1] > config.hot_threshold(x.shape[0])))
+
+    def token_run(sizes: TokenBwdBlockSizes):
+        return (functools.partial(pieces(token_block_sizes=sizes)["token"], tails=tails),
+                (*args, prepared, lists))
+
+    fn, fn_args = token_run(bc.token_block_sizes)
+    _, values_E = fn(*fn_args)
+
+    def neuron_run(sizes: NeuronBwdBlockSizes):
+        return pieces(neuron_block_sizes=sizes)["neuron"], (x, gy, lists, values_E)
+
+    def pack_run(sizes: PackBlockSizes):
+        return piece_fns(dataclasses.replace(config, pack_block_sizes=sizes), interpret, h)["pack"], (x, wg)
+
+    out = dict(token=_sweep_one("token", token_run, bc.token_block_sizes, token_sizes, repeats, log),
+               neuron=_sweep_one("neuron", neuron_run, bc.neuron_block_sizes, neuron_sizes, repeats, log),
+               pack=_sweep_one("pack", pack_run, config.pack_block_sizes or PackBlockSizes(), pack_sizes,
+                               repeats, log))
+    # What the pack's GEMM should cost: XLA's relu(x W_gate^T) with a bf16 output, same inputs.
+    gate = jax.jit(lambda x_, w_: jax.nn.relu(jnp.einsum("md,hd->mh", x_, w_)))
+    out["xla_gate_ms"] = bench_ffn.bench(gate, [(x, wg)], repeats=repeats)
+    log(f"  XLA relu(x W_gate^T): {out['xla_gate_ms']:.3f} ms")
+    return out
+
+
+def _sweep_one(kernel: str, run, default, sizes: Sequence, repeats: int, log) -> list[dict]:
+    """sweep_block_sizes for one kernel: run(sizes) -> (fn, args)."""
+    fn, fn_args = run(default)
+    base = jax.tree.leaves(fn(*fn_args))
+    rows = []
+    for sizes_i in [default] + [v for v in sizes if v != default]:
+        row: dict[str, Any] = dict(block_sizes=dataclasses.asdict(sizes_i), default=sizes_i == default)
+        try:
+            fn, fn_args = run(sizes_i)
+            diffs = [bit_diff(a, b) for a, b in zip(jax.tree.leaves(fn(*fn_args)), base)]
+            row.update(equal=all(d["equal"] for d in diffs), n_diff=sum(d["n_diff"] for d in diffs),
+                       max_abs=max(d["max_abs"] for d in diffs),
+                       ms=bench_ffn.bench(fn, [fn_args], repeats=repeats))
+        except Exception as e:  # a launch that does not compile (e.g. out of registers) is reported
+            row.update(error=repr(e)[:300])
+        log(f"  sweep {kernel} {row['block_sizes']}: " + (f"{row['ms']:.3f} ms, equal={row['equal']}"
+                                                           if "ms" in row else row["error"]))
+        rows.append(row)
+    return sorted(rows, key=lambda r: r.get("ms", float("inf")))
+
+
+def sweep_table(kernel: str, rows: Sequence[dict]) -> list[str]:
+    """The printed table of one kernel's sweep (fastest first, the default marked with *)."""
+    default_ms = next((r["ms"] for r in rows if r["default"] and "ms" in r), float("nan"))
+    lines = [f"--sweep-blocks {kernel} kernel (* = default; bits vs the default's output)",
+             f"  {'block sizes':<46} {'ms':>8} {'speed-up':>10}  bits"]
+    for r in rows:
+        label = ("* " if r["default"] else "  ") + " ".join(f"{k}={v}" for k, v in r["block_sizes"].items())
+        if "error" in r:
+            lines.append(f"{label:<48} error: {r['error'][:120]}")
+            continue
+        bits = "equal" if r["equal"] else f"DIFFER: {r['n_diff']} entries, max |diff| {r['max_abs']:.3g}"
+        lines.append(f"{label:<48} {r['ms']:>8.3f} {default_ms / r['ms']:>9.2f}x  {bits}")
+    return lines
+
+
+def capture_ffn_inputs(model: Transformer, tokens_BxS: jax.Array, layers: Sequence[int]) -> list[jax.Array]:
+    """The input x [B*S, D] that each of `layers`' FeedForward receives (the normed activations, in
+    the compute dtype) in the model's own forward on tokens_BxS, in the order of `layers`.
+
+    One jitted forward of the model, with FeedForward.__call__ wrapped for its duration to record
+    its argument (restored afterwards, also on error). Remat is turned off for the capture (it
+    changes no forward value, and a value recorded inside a remat trace could not leave it) and
+    restored."""
+    n_layers = len(model.blocks)
+    if not layers or any(not 0 <= i < n_layers for i in layers):
+        raise ValueError(f"layers must be a non-empty list of indices in [0, {n_layers}), got {list(layers)}")
+    saved = (model.remat, [blk.remat_ffn for blk in model.blocks])
+    original = FeedForward.__call__
+    recorded: list[jax.Array] = []
+
+    def recording(self, x_BxSxD, neuron_counts=False):
+        recorded.append(x_BxSxD)
+        return original(self, x_BxSxD, neuron_counts)
+
+    try:
+        model.remat = "none"
+        for blk in model.blocks:
+            blk.remat_ffn = False
+        graphdef, state = nnx.split(model)
+
+        @jax.jit
+        def forward(state, tokens):
+            recorded.clear()
+            nnx.merge(graphdef, state)(tokens)
+            if len(recorded) != n_layers:
+                raise RuntimeError(f"recorded {len(recorded)} FeedForward calls, expected one per layer ({n_layers})")
+            return [recorded[i].reshape(-1, recorded[i].shape[-1]) for i in layers]
+
+        FeedForward.__call__ = recording
+        return forward(state, tokens_BxS)
+    finally:
+        FeedForward.__call__ = original
+        recorded.clear()
+        model.remat = saved[0]
+        for blk, value in zip(model.blocks, saved[1]):
+            blk.remat_ffn = value
+
+
+def ffn_weights(model: Transformer, layer: int) -> Weights3:
+    """(w_gate, w_up, w_down) of a layer, [H, D] each, in the dtype the model holds them in."""
+    ffn = model.blocks[layer].ffn
+    if not ffn.gated or ffn.kind == "swiglu":
+        raise ValueError(f"layer {layer}'s FFN is {ffn.kind!r}: this benchmark needs a ReLU-gated kind "
+                         "(twell or relu_gated)")
+    return ffn.w_gate[...], ffn.w_up[...], ffn.w_down[...]
+
+
+def parse_layers(text: str | None, n_layers: int) -> list[int]:
+    """'0,3,7' -> [0, 3, 7]; None -> every layer. Out of range or malformed: ValueError."""
+    if text is None:
+        return list(range(n_layers))
+    try:
+        layers = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--layers must be comma-separated integers, got {text!r}") from None
+    if not layers or any(not 0 <= i < n_layers for i in layers) or len(set(layers)) != len(layers):
+        raise ValueError(f"--layers must list distinct layers in [0, {n_layers}), got {text!r}")
+    return layers
+
+
+def dry_run_config() -> ops.SparseFFNConfig:
+    """Tiny blocks for the interpreter (H must be a multiple of the tile: 16 fits the test presets),
+    with tails small enough that tiny patterns exercise both and capacities that never fall back."""
+    return ops.SparseFFNConfig(tile=16, slots=16, ell_width=32, transpose_ell_width=16, tail_rows=1.0,
+                               transpose_tail_rows=1.0,
+                               backward=pallas_backward.BackwardConfig(token_tail_chunk=8, neuron_tail_chunk=8))
+
+
+def parse_hot_width(text: str) -> int | float:
+    """--transpose-ell-width: an int (entries) or a fraction in (0, 1] of the tokens."""
+    try:
+        value = float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--transpose-ell-width wants an int or a fraction, got {text!r}") from None
+    try:
+        ops.SparseFFNConfig(transpose_ell_width=value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--transpose-ell-width: {e}") from None
+    return value
+
+
+def parse_cases(text: str) -> list[tuple[int, float]]:
+    """--cases: "M:K,M:K" -> [(M, K), ...] with M an int >= 1 and K a number > 0."""
+    cases = []
+    for item in text.split(","):
+        try:
+            m_text, k_text = item.split(":")
+            m, k = int(m_text), float(k_text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--cases wants M:K pairs like 2048:29, got {item!r}") from None
+        if m < 1 or not k > 0:
+            raise argparse.ArgumentTypeError(f"--cases wants M >= 1 and K > 0, got {item!r}")
+        cases.append((m, k))
+    return cases
+
+
+def run_synthetic(args, out: "Output") -> None:
+    interpret = args.dry_run
+    if interpret:  # bench_ffn's globals drive make_inputs and bench
+        bench_ffn.D, bench_ffn.H = 32, 48
+        cases = [(48, 3.0)]
+        config = ops.SparseFFNConfig(tile=16, slots=8, ell_width=16, transpose_ell_width=32)
+    else:
+        bench_ffn.sanity()
+        cases = [(m, k) for m in (16384, 2048, 65536) for k in (29.0, 56.0, 112.0)]
+        if args.quick:
+            cases = [(16384, 29.0), (16384, 56.0)]
+        if args.cases:
+            cases = args.cases
+        config = ops.SparseFFNConfig()
+    d, h = bench_ffn.D, bench_ffn.H
+    table = [f"{'M':>6} {'k':>5} " + " ".join(f"{b:>16}" for b in BACKENDS)]
+    mem_table, piece_table, trace_table, sweep_lines = [], [], [], []
+    key = jax.random.PRNGKey(0)
+    if args.sweep_blocks:  # at the first (quick) case's shape: M 16384, k 29 (dry run: the tiny one)
+        m, k = cases[0]
+        out.say(f"[bench_ffn_train] --sweep-blocks at M {m} k {k:.0f}")
+        try:
+            xs, wg, wu, wd = bench_ffn.make_inputs(jax.random.fold_in(key, m), m, k)
+            gy = fixed_cotangent(jax.random.fold_in(key, 7), m, d, bench_ffn.DTYPE)
+            sweep = sweep_block_sizes(xs[0], (wg, wu, wd), gy, config, interpret,
+                                      TOKEN_SWEEP_DRY if interpret else TOKEN_SWEEP,
+                                      NEURON_SWEEP_DRY if interpret else NEURON_SWEEP,
+                                      PACK_SWEEP_DRY if interpret else PACK_SWEEP,
+                                      repeats=args.repeats, log=out.say)
+            out.log(dict(kind="sweep_blocks", m=m, k=k, d=d, h=h, **sweep))
+            sweep_lines = ["", f"=== launch sweeps, M={m} k={k:.0f} D={d} H={h} ==="]
+            for kernel_name in ("token", "neuron", "pack"):
+                sweep_lines += sweep_table(kernel_name, sweep[kernel_name])
+            sweep_lines.append(f"  XLA relu(x W_gate^T), bf16 out, same inputs: {sweep['xla_gate_ms']:.3f} ms")
+        except Exception as e:  # reported; the cases still run
+            out.log(dict(kind="sweep_blocks", m=m, k=k, error=repr(e)[:500]))
+            sweep_lines = ["", f"--sweep-blocks error: {repr(e)[:200]}"]
+    for m, k in cases:
+        try:
+            xs, wg, wu, wd = bench_ffn.make_inputs(jax.random.fold_in(key, m), m, k)
+            gy = fixed_cotangent(jax.random.fold_in(key, 7), m, d, bench_ffn.DTYPE)
+            backends = [b for b in BACKENDS if not (b == "reference" and m > 16384)
+                        and not (interpret and b in DRY_RUN_SKIPPED)]
+            row = dict(kind="train", k=k, **measure(xs, (wg, wu, wd), gy, config, interpret, backends,
+                                                    repeats=args.repeats, trace=args.trace, log=out.say))
+            out.log(row)
+            ms = row["ms"]
+            table.append(f"{m:>6} {k:>5.0f} " + " ".join(
+                f"{ms[b]:>8.3f} ({ms['xla_bf16'] / ms[b]:>4.2f}x)" if b in ms else f"{'-':>16}"
+                for b in BACKENDS))
+            mem_table.append(f"{m:>6} {k:>5.0f} " + " ".join(
+                f"{row['temp_mb'].get(b, float('nan')):>16.1f}" for b in BACKENDS))
+            piece_table.append(f"{m:>6} {k:>5.0f} " + " ".join(
+                f"{name}={t:.3f}" for name, t in row["piece_ms"].items())
+                + f"  tail_rows={row['token_tail_rows']} hot={row['hot_neurons']}"
+                + f"  max|err| pallas dx={row['errors']['pallas']['dx']['max_abs']:.2e}"
+                + f"  model pallas={row['model']['pallas_ms']:.3f}")
+            trace_table += trace_lines(f"M={m} k={k:.0f}", row)
+        except Exception as e:  # a failing case is reported, the others still run
+            out.log(dict(kind="train", m=m, k=k, error=repr(e)[:500]))
+            table.append(f"{m:>6} {k:>5.0f} error: {repr(e)[:200]}")
+    out.finish(["", f"=== fwd+bwd ms (ratio = xla_bf16 / x), D={d} H={h}, {out.results['device']} ==="]
+               + table + ["", "compiled temporary memory (MiB)"] + mem_table
+               + ["", "Pallas pieces (ms)"] + piece_table + trace_table + sweep_lines)
+
+
+def trace_lines(label: str, row: dict, top: int = 12) -> list[str]:
+    """The --trace tables of one measured row (none without --trace)."""
+    lines = []
+    for backend, profile in row.get("trace", {}).items():
+        lines += ["", f"kernels of {backend}, {label} (per fwd+bwd call)"]
+        lines += format_profile(KernelProfile.from_json(profile), top)
+    return lines
+
+
+def fixed_cotangent(key: jax.Array, m: int, d: int, dtype: Any) -> jax.Array:
+    """The fixed random gy [M, D] (N(0, 1/M)): the backward's work depends on the pattern, not on gy."""
+    return (jax.random.normal(key, (m, d), jnp.float32) / np.sqrt(m)).astype(dtype)
+
+
+def checkpoint_config(run_op_config: dict, dry_run: bool) -> ops.SparseFFNConfig:
+    """The op config the layers are measured with: the run's ffn_op_config (what its training step
+    used) without a hint (auto gets the measured one) and with the NaN check at its default (as in
+    training; load_run turns it off for inference); tiny blocks in a dry run."""
+    if dry_run:
+        return dry_run_config()
+    fields = {k: v for k, v in run_op_config.items() if k not in ("expected_active_per_token", "check_finite")}
+    return ops.SparseFFNConfig(**fields)
+
+
+def with_sweep_overrides(config: ops.SparseFFNConfig, args) -> ops.SparseFFNConfig:
+    """`config` with the sweep flags given (--transpose-ell-width: the hot-neuron threshold;
+    --token-tail-chunk / --neuron-tail-chunk: the dense tails' block sizes); the configs'
+    own validation rejects bad values."""
+    if args.transpose_ell_width is not None:
+        config = dataclasses.replace(config, transpose_ell_width=args.transpose_ell_width)
+    chunks = {name: value for name, value in (("token_tail_chunk", args.token_tail_chunk),
+                                              ("neuron_tail_chunk", args.neuron_tail_chunk))
+              if value is not None}
+    if chunks:
+        bc = config.backward or pallas_backward.BackwardConfig()
+        config = dataclasses.replace(config, backward=dataclasses.replace(bc, **chunks))
+    return config
+
+
+def run_checkpoint(args, out: "Output") -> None:
+    from twell_jax.inference.load import load_run, validation_tokens
+
+    interpret = args.dry_run
+    if not interpret:
+        bench_ffn.sanity()
+    t0 = time.perf_counter()
+    loaded = load_run(args.checkpoint, args.step, dtype=args.dtype)
+    cfg = loaded.config
+    layers = parse_layers(args.layers, cfg.model.n_layers)
+    micro_batch = args.micro_batch or (2 if args.dry_run else 8)
+    tokens = jnp.asarray(validation_tokens(args.checkpoint, micro_batch))[:, :-1]
+    seq_len = tokens.shape[1]
+    config = with_sweep_overrides(checkpoint_config(cfg.model.ffn_op_config, args.dry_run), args)
+    out.results.update(source=f"checkpoint {args.checkpoint} step {loaded.step}", layers=layers,
+                       micro_batch=micro_batch, seq_len=seq_len, dtype=args.dtype,
+                       run_hints=list(cfg.model.ffn_expected_active or []), op_config=repr(config))
+    out.say(f"[bench_ffn_train] {out.results['source']}: {cfg.model.n_layers} layers, D {cfg.model.d_model}, "
+            f"H {cfg.model.d_ff}, {micro_batch} x {seq_len} validation tokens, {args.dtype}; layers {layers}; "
+            f"loaded in {time.perf_counter() - t0:.1f} s")
+    xs = capture_ffn_inputs(loaded.model, tokens, layers)
+    out.say(f"[bench_ffn_train] captured the FFN inputs ({time.perf_counter() - t0:.1f} s)")
+    m, d = xs[0].shape
+    gy = fixed_cotangent(jax.random.PRNGKey(7), m, d, xs[0].dtype)
+    summary = []
+    for layer, x in zip(layers, xs):
+        t_layer = time.perf_counter()
+        out.say(f"[bench_ffn_train] layer {layer}")
+        try:
+            row = dict(kind="layer", layer=layer, **measure([x], ffn_weights(loaded.model, layer), gy, config,
+                                                           interpret, [b for b in CHECKPOINT_BACKENDS if not (
+                                                               interpret and b in DRY_RUN_SKIPPED)],
+                                                           seq_len=seq_len,
+                                                           repeats=args.repeats, trace=args.trace,
+                                                           log=out.say))
+        except Exception as e:  # a failing layer is reported, the others still run
+            row = dict(kind="layer", layer=layer, error=repr(e)[:500])
+        row["seconds"] = time.perf_counter() - t_layer
+        out.log(row)
+        summary.append(row)
+        out.say(f"[bench_ffn_train] layer {layer} done in {row['seconds']:.1f} s "
+                f"(total {time.perf_counter() - t0:.1f} s)")
+    out.finish(["", f"=== per layer, fwd+bwd on the layer's real x (ratio = xla_bf16 / x), M={m} D={d} "
+                    f"H={cfg.model.d_ff}, {out.results['device']} ==="] + layer_table(summary)
+               + [line for r in summary if "error" not in r for line in trace_lines(f"layer {r['layer']}", r)])
+
+
+def layer_table(rows: Sequence[dict]) -> list[str]:
+    """The short per-layer table printed last."""
+    lines = [f"{'layer':>5} | {'k mean/max':>10} | {'tail rows':>9} | {'hot':>8} | {'xla ms':>7} | "
+             f"{'pallas ms (ratio)':>17} | {'auto ms (ratio, plan)':>28} | {'top 3 pieces ms':<50} | model pallas ms"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['layer']:>5} | error: {r['error'][:150]}")
+            continue
+        ms, st, plan = r["ms"], r["pattern"], r["model"]["auto_plan"]
+        # Pieces the backward runs on this pattern (the 64-row block is a unit cost, not one of them).
+        top = sorted(((n, t) for n, t in r["piece_ms"].items() if n != "token_tail_64_rows"),
+                     key=lambda kv: -kv[1])[:3]
+        pallas = f"{ms['pallas']:.3f} ({ms['xla_bf16'] / ms['pallas']:.2f}x)"
+        auto = f"{ms['auto']:.3f} ({ms['xla_bf16'] / ms['auto']:.2f}x, {plan[0]}/{plan[1]})"
+        pieces = ", ".join(f"{n} {t:.2f}" for n, t in top)
+        # ">cap": more than the tail's capacity, so the whole call runs the dense backward.
+        tail = f"{st['token_tail_rows']}" + (">cap" if st["token_fallback"] else "")
+        hot = f"{st['hot_neurons']}" + (">cap" if st["neuron_fallback"] else "")
+        lines.append(f"{r['layer']:>5} | {st['active_mean']:>5.1f}/{st['active_max']:<4} | "
+                     f"{tail:>9} | {hot:>8} | {ms['xla_bf16']:>7.3f} | "
+                     f"{pallas:>17} | {auto:>28} | {pieces:<50} | {r['model']['pallas_ms']:.3f}")
+    return lines
+
+
+class Output:
+    """The JSON results (rewritten after each row) and the final table, under --out."""
+
+    def __init__(self, out_dir: Path):
+        self.dir = out_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.results: dict = {"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": []}
+
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+
+    def log(self, row: dict) -> None:
+        self.results["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        (self.dir / "bench_ffn_train.json").write_text(json.dumps(self.results, indent=1))
+
+    def finish(self, lines: list[str]) -> None:
+        print("\n".join(lines), flush=True)
+        (self.dir / "bench_ffn_train.json").write_text(json.dumps(self.results, indent=1))
+        (self.dir / "table.txt").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="synthetic: M = 16384 at k = 29 and 56 only")
+    parser.add_argument("--cases", type=parse_cases, default=None, metavar="M:K,...",
+                        help="synthetic: these (tokens M, active per token k) instead of the 3 x 3 "
+                             "grid, e.g. 2048:29,65536:112 (to split the grid over several runs)")
+    parser.add_argument("--dry-run", "--interpret", dest="dry_run", action="store_true",
+                        help="tiny shapes through the Pallas interpreter (CPU check of the script)")
+    parser.add_argument("--checkpoint", default=None,
+                        help="a trained run: measure its layers on their real FFN inputs (module doc)")
+    parser.add_argument("--step", type=int, default=None, help="with --checkpoint: the step (default: newest)")
+    parser.add_argument("--layers", default=None, help="with --checkpoint: e.g. 0,3,7 (default: every layer)")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="with --checkpoint: validation sequences fed (default 8; 2 in a dry run)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="with --checkpoint: the compute dtype of x and the weights")
+    parser.add_argument("--repeats", type=int, default=15, help="timed batches per median (5 calls each)")
+    parser.add_argument("--token-tail-chunk", type=int, default=None,
+                        help="with --checkpoint: BackwardConfig.token_tail_chunk (default: the config's)")
+    parser.add_argument("--neuron-tail-chunk", type=int, default=None,
+                        help="with --checkpoint: BackwardConfig.neuron_tail_chunk (default: the config's)")
+    parser.add_argument("--transpose-ell-width", type=parse_hot_width, default=None,
+                        help="with --checkpoint: SparseFFNConfig.transpose_ell_width, the entries above "
+                             "which a neuron is hot: an int, or a fraction of the tokens such as 0.03 "
+                             "(default: the config's)")
+    parser.add_argument("--trace", action="store_true",
+                        help="also the per-kernel GPU time of the xla_bf16, pallas and auto programs "
+                             "(jax.profiler trace of the timed programs; experiments/kernel_trace.py)")
+    parser.add_argument("--sweep-blocks", action="store_true",
+                        help="synthetic: also time the token-major and neuron-major kernels alone over "
+                             "their launch parameters (M 16384, k 29), outputs compared bit for bit")
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if args.micro_batch is not None and args.micro_batch < 1:
+        parser.error("--micro-batch must be >= 1")
+    sweep = (args.token_tail_chunk, args.neuron_tail_chunk, args.transpose_ell_width)
+    if not args.checkpoint and (args.step is not None or args.layers or args.micro_batch
+                                or any(v is not None for v in sweep)):
+        parser.error("--step, --layers, --micro-batch, --token-tail-chunk, --neuron-tail-chunk and "
+                     "--transpose-ell-width need --checkpoint")
+    if args.checkpoint and args.quick:
+        parser.error("--quick is for the synthetic mode")
+    if args.checkpoint and args.cases:
+        parser.error("--cases is for the synthetic mode")
+    if args.quick and args.cases:
+        parser.error("--quick and --cases both choose the cases: give one")
+    if args.dry_run and args.cases:
+        parser.error("--cases is for the GPU run (the dry run has its own tiny case)")
+    if args.checkpoint and args.sweep_blocks:
+        parser.error("--sweep-blocks is for the synthetic mode")
+    if args.dry_run:
+        bench_ffn.INTERPRET = True  # one timed call per measurement
+    out = Output(Path(args.out))
+    if args.checkpoint:
+        run_checkpoint(args, out)
+    else:
+        run_synthetic(args, out)
+
+
+if __name__ == "__main__":
+    main()

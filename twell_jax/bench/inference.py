@@ -1,0 +1,350 @@
+"""Model-level inference benchmark: sparse (`twell`) beside its dense twin (`relu_gated`) and a plain-JAX
+Llama, all with the same weights.
+
+    python experiments/bench_inference.py --checkpoint runs/0.5b-...   # a trained-sparse run (GPU)
+    python experiments/bench_inference.py --config 0.5b                # random init: NOT sparse (plumbing)
+    python experiments/bench_inference.py --dry-run                    # tiny shapes on CPU (the test)
+
+Prefill (the paper's protocol): `--prefill-batch` x `--context` tokens through the decoder body
+(embedding, blocks, final norm; the LM head excluded), tokens/s, and energy per token from NVML
+power sampling (a thread reading the board power every ~50 ms; trapezoid integration over the
+timed window; skipped with a message where NVML is absent). With `--checkpoint`, every token fed
+(prefill batch, decode context) is text from the run's validation split, and "auto" gets the run's
+per-layer activity hints; a random init gets random ids. Decode: tokens/s of KV-cached decode
+steps (`Transformer.decode`, LM head included) at batch 1, 8 and 64 after a prefilled context of
+`--context` - `--decode-steps` tokens, so the last step attends to `--context` slots. Each variant
+prints its per-layer mean active FFN neurons per token beside its figures.
+
+Rows: `plain` is the plain-JAX Llama of experiments/plain_llama.py (nothing of twell_jax in its
+math) holding the model's weights in the compute dtype: its body for prefill, its KV-cached decode
+(the same preallocated cache, in-place writes, chunked prefill and masked attention over the cache
+as the model's decode) for decode; it has no FFN telemetry, so no active counts. The dense twin
+(`dense`) runs the same parameters with `ffn_kind=relu_gated` (the op's dense backend, plain XLA);
+the sparse variants run `ffn_kind=twell` with the op backends of `--backends`. Every row runs in
+this process on the same tokens; each figure is also given as a ratio to the dense twin and to
+plain, and each prefill row records how far its hidden states are from plain's (the same weights
+give the same states up to rounding). A short table is printed last; `--out` gets the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from twell_jax.bench.plain_llama import (reference_body, reference_decode_step, reference_params_from_model,
+                                         reference_prefill_cache)
+from twell_jax.config import ModelConfig
+from twell_jax.inference.load import load_run, model_with_params, validation_tokens
+from twell_jax.model import Transformer, choose_attention, init_cache, init_model, split_model
+from twell_jax.training.checkpoint import checkpoint_dir
+from twell_jax.training.hints import run_hints
+
+DECODE_BATCHES = (1, 8, 64)
+PREFILL_CHUNK = 256  # tokens per call when filling the decode context
+
+
+class PowerSampler:
+    """Board power of one GPU sampled by a background thread (NVML); energy by the trapezoid rule."""
+
+    def __init__(self, device_index: int = 0, period_s: float = 0.05):
+        import pynvml  # nvidia-ml-py
+
+        pynvml.nvmlInit()
+        self._nvml = pynvml
+        self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        self.period_s = period_s
+        self.samples: list[tuple[float, float]] = []  # (time s, watts)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            watts = self._nvml.nvmlDeviceGetPowerUsage(self._handle) / 1000.0
+            self.samples.append((time.perf_counter(), watts))
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> "PowerSampler":
+        self.samples, self._stop = [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def energy_j(self, start: float, end: float) -> float:
+        """Joules between `start` and `end` (perf_counter times), trapezoid over the samples inside."""
+        inside = [(t, w) for t, w in self.samples if start <= t <= end]
+        if len(inside) < 2:
+            raise RuntimeError(f"only {len(inside)} power samples in the timed window; time longer")
+        times, watts = np.array([t for t, _ in inside]), np.array([w for _, w in inside])
+        energy = float(np.sum((watts[1:] + watts[:-1]) / 2 * np.diff(times)))
+        # Extend the two ends at the nearest sample's power (the window rarely starts on a sample).
+        return energy + watts[0] * (times[0] - start) + watts[-1] * (end - times[-1])
+
+
+def make_power_sampler(enabled: bool) -> PowerSampler | None:
+    if not enabled:
+        return None
+    try:
+        return PowerSampler()
+    except Exception as err:  # no pynvml, no driver, no GPU
+        print(f"[bench] energy skipped: NVML unavailable ({type(err).__name__}: {err})")
+        return None
+
+
+def body(model: Transformer, tokens_BxS: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Decoder body: embedding, blocks, final norm (no LM head); (hidden [B, S, D], l0 per layer [L])."""
+    x_BxSxD = jnp.take(model.embed[...].astype(model.compute_dtype), tokens_BxS, axis=0)
+    l0 = []
+    for block in model.blocks:
+        x_BxSxD, aux = block(x_BxSxD, False)
+        l0.append(aux["l0"])
+    return model.final_norm(x_BxSxD), jnp.stack(l0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Runner:
+    """One row's model as pure functions of its parameters. Every jitted program takes the
+    parameters as an argument: closing over them would bake the weights in as constants."""
+
+    params: Any  # the pytree each function below takes first
+    # (params, tokens_BxS) -> (hidden_BxSxD, l0_L or None): the decoder body, no LM head.
+    body: Callable[[Any, jax.Array], tuple[jax.Array, jax.Array | None]]
+    # (params, tokens_BxS, length) -> (last-token logits_BxV, a cache of `length` slots filled at [0, S)).
+    prefill: Callable[[Any, jax.Array, int], tuple[jax.Array, Any]]
+    # (params, cache, tokens_Bx1, slot) -> (logits_BxV, cache, l0_L or None): one KV-cached decode step.
+    step: Callable[[Any, Any, jax.Array, jax.Array], tuple[jax.Array, Any, jax.Array | None]]
+    telemetry: bool  # whether body and step return the per-layer active counts (plain JAX has none)
+
+
+def model_runner(model: Transformer, cfg: ModelConfig) -> Runner:
+    """A twell_jax model: `body` above, and `Transformer.decode` for the prefill (in chunks) and steps."""
+    graphdef, state = nnx.split(model)
+
+    def prefill(st: nnx.State, tokens_BxS: jax.Array, length: int) -> tuple[jax.Array, Any]:
+        # In chunks: the masked attention of one call materialises [B, N, chunk, length] scores.
+        model_, cache = nnx.merge(graphdef, st), init_cache(cfg, tokens_BxS.shape[0], length)
+        start_B = jnp.zeros((tokens_BxS.shape[0],), jnp.int32)
+        for begin in range(0, tokens_BxS.shape[1], PREFILL_CHUNK):
+            logits_BxV, cache, _ = model_.decode(tokens_BxS[:, begin:begin + PREFILL_CHUNK], cache,
+                                                 jnp.int32(begin), start_B)
+        return logits_BxV, cache
+
+    def step(st: nnx.State, cache: Any, tokens_Bx1: jax.Array, slot: jax.Array) -> tuple[jax.Array, Any, jax.Array]:
+        start_B = jnp.zeros((tokens_Bx1.shape[0],), jnp.int32)
+        logits_BxV, cache, aux = nnx.merge(graphdef, st).decode(tokens_Bx1, cache, slot, start_B)
+        return logits_BxV, cache, aux["l0"]
+
+    return Runner(state, lambda st, t: body(nnx.merge(graphdef, st), t), prefill, step, telemetry=True)
+
+
+def plain_runner(cfg: ModelConfig, params: dict[str, Any], dtype: str, context: int) -> Runner:
+    """The plain-JAX Llama (experiments/plain_llama.py) over the model's `params` cast to `dtype`.
+    Prefill attention is the implementation the model picks at `context` tokens (cuDNN on an
+    NVIDIA GPU where it takes the shape); decode attention is masked XLA, as the model's decode."""
+    attention = choose_attention(cfg.attention_impl, dtype=jnp.dtype(dtype), head_dim=cfg.head_dim, seq_len=context)
+    return Runner(
+        reference_params_from_model(cfg, params, dtype),
+        body=lambda p, t: (reference_body(cfg, p, t, attention), None),
+        prefill=lambda p, t, length: reference_prefill_cache(cfg, p, t, length, "xla", PREFILL_CHUNK),
+        step=lambda p, cache, t, slot: (*reference_decode_step(cfg, p, cache, t, slot, "xla"), None),
+        telemetry=False)
+
+
+def timed(fn: Callable[[], Any], min_seconds: float, min_iters: int) -> tuple[float, int, float, float]:
+    """(seconds per call, calls, window start, window end): calls run back to back until both minima."""
+    jax.block_until_ready(fn())  # compile + warm-up
+    calls, start = 0, time.perf_counter()
+    while True:
+        out = fn()
+        calls += 1
+        if calls >= min_iters and time.perf_counter() - start >= min_seconds:
+            break
+    jax.block_until_ready(out)
+    end = time.perf_counter()
+    return (end - start) / calls, calls, start, end
+
+
+def variant_models(base: ModelConfig, params: dict[str, Any], backends: list[str], dtype: str,
+                   interpret: bool, hints: tuple[float, ...] | None = None) -> dict[str, Transformer]:
+    """{"dense": relu_gated twin, "twell-<backend>": sparse model} over the same parameters; `hints`:
+    the run's per-layer active counts, which "auto" decides with (as `load_run` does for a run
+    trained with "auto")."""
+    variants = {"dense": dataclasses.replace(base, ffn_kind="relu_gated", ffn_backend="dense",
+                                             ffn_expected_active=())}
+    for backend in backends:
+        variants[f"twell-{backend}"] = dataclasses.replace(
+            base, ffn_kind="twell", ffn_backend=backend, ffn_interpret=interpret and backend == "pallas",
+            ffn_expected_active=base.ffn_expected_active or (hints if backend == "auto" and hints else ()))
+    return {name: model_with_params(cfg, params, dtype) for name, cfg in variants.items()}
+
+
+def _l0_list(l0: jax.Array | None) -> list[float] | None:
+    return None if l0 is None else np.asarray(l0, np.float64).round(2).tolist()
+
+
+def bench_prefill(runner: Runner, tokens_BxS: jax.Array, sampler: PowerSampler | None,
+                  min_seconds: float) -> tuple[dict[str, Any], jax.Array]:
+    """(figures, the hidden states [B, S, D] of one call) of the decoder body on `tokens_BxS`."""
+    fn = jax.jit(runner.body)
+    hidden_BxSxD, l0 = fn(runner.params, tokens_BxS)
+    if sampler is not None:
+        with sampler:
+            per_call, calls, start, end = timed(lambda: fn(runner.params, tokens_BxS), min_seconds, 3)
+        energy = sampler.energy_j(start, end) / (calls * tokens_BxS.size)
+    else:
+        per_call, calls, _, _ = timed(lambda: fn(runner.params, tokens_BxS), min_seconds, 3)
+        energy = None
+    return ({"tokens_per_s": tokens_BxS.size / per_call, "ms_per_call": 1e3 * per_call, "calls": calls,
+             "energy_j_per_token": energy, "l0_per_layer": _l0_list(l0)}, hidden_BxSxD)
+
+
+def bench_decode(runner: Runner, n_layers: int, tokens: jax.Array, context: int, steps: int,
+                 min_seconds: float) -> dict[str, Any]:
+    """KV-cached decode of `steps` tokens per row after prefilling `tokens` [batch, context - steps]."""
+    batch, prefill_len = tokens.shape
+    assert prefill_len == context - steps, (tokens.shape, context, steps)
+
+    def run_steps(params: Any, token_B: jax.Array, cache: Any) -> tuple[jax.Array, jax.Array]:
+        # `steps` greedy decode steps in one program (a fori_loop): host dispatch is not what we time.
+        def one(i: jax.Array, carry: tuple) -> tuple:
+            token, cache_, l0 = carry
+            logits, cache_, l0_step = runner.step(params, cache_, token[:, None], prefill_len + i)
+            if l0_step is not None:
+                l0 = l0 + l0_step / steps
+            return jnp.argmax(logits, -1).astype(jnp.int32), cache_, l0
+
+        token_B, _, l0 = jax.lax.fori_loop(0, steps, one, (token_B, cache, jnp.zeros((n_layers,))))
+        return token_B, l0
+
+    logits_BxV, cache = jax.jit(runner.prefill, static_argnums=2)(runner.params, tokens, context)
+    token_B = jnp.argmax(logits_BxV, -1).astype(jnp.int32)
+    step_fn = jax.jit(run_steps)
+    _, l0 = step_fn(runner.params, token_B, cache)
+    per_call, calls, _, _ = timed(lambda: step_fn(runner.params, token_B, cache), min_seconds, 2)
+    return {"tokens_per_s": batch * steps / per_call, "ms_per_step": 1e3 * per_call / steps, "calls": calls,
+            "l0_per_layer": _l0_list(l0) if runner.telemetry else None}
+
+
+def load_params(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, Any], str]:
+    if args.checkpoint:
+        loaded = load_run(args.checkpoint, step=args.step, dtype=args.dtype)
+        return loaded.config.model, split_model(loaded.model)[1], f"checkpoint {args.checkpoint} step {loaded.step}"
+    from configs import get_config
+
+    cfg = get_config(args.config).model
+    if args.dry_run:
+        cfg = dataclasses.replace(cfg, vocab_size=300, d_model=64, n_layers=2, n_heads=4, d_ff=256, max_seq_len=64)
+    cfg = dataclasses.replace(cfg, compute_dtype=args.dtype)
+    params = split_model(init_model(cfg, args.seed))[1]
+    return cfg, params, f"random init of {args.config}" + (" (dry-run shapes)" if args.dry_run else "")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--checkpoint", help="trained run directory (sparse weights)")
+    source.add_argument("--config", default="0.5b", help="preset for a random init (not sparse: plumbing only)")
+    parser.add_argument("--step", type=int, default=None)
+    parser.add_argument("--backends", default="auto,pallas", help="op backends of the sparse rows")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--prefill-batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=2048, help="prefill length and decode context")
+    parser.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCHES)))
+    parser.add_argument("--decode-steps", type=int, default=32, help="decode steps per timed program")
+    parser.add_argument("--min-seconds", type=float, default=3.0, help="minimum timed window per figure")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-energy", action="store_true", help="skip NVML power sampling")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: checks the plumbing")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.backends, args.dtype = "reference", "float32"  # the sparse algorithm on a CPU
+        args.prefill_batch, args.context, args.decode_steps, args.min_seconds = 2, 32, 4, 0.0
+        args.decode_batches = "1,2"
+    backends = [b for b in args.backends.split(",") if b]
+    batches = [int(b) for b in args.decode_batches.split(",") if b]
+    cfg, params, source_text = load_params(args)
+    if args.context > cfg.max_seq_len or args.decode_steps >= args.context:
+        raise SystemExit(f"--context {args.context} must be <= model.max_seq_len={cfg.max_seq_len} and > "
+                         f"--decode-steps {args.decode_steps}")
+    device = jax.devices()[0]
+    print(f"[bench] {source_text} on {device.device_kind} ({jax.default_backend()}), {args.dtype}; "
+          f"d_model {cfg.d_model}, d_ff {cfg.d_ff}, {cfg.n_layers} layers; variants plain, dense, "
+          + ", ".join(f"twell-{b}" for b in backends))
+    hints = None
+    rows_needed = max([args.prefill_batch, *batches])
+    if args.checkpoint:  # the model's activity on text, not on random ids
+        text = validation_tokens(args.checkpoint, rows_needed, cycle=True)
+        if text.shape[1] - 1 < args.context:
+            raise SystemExit(f"--context {args.context} is longer than the run's sequences ({text.shape[1] - 1})")
+        text = jnp.asarray(text[:, :args.context])
+        hints = run_hints(checkpoint_dir(args.checkpoint).parent, args.step, n_layers=cfg.n_layers)
+    else:
+        text = jax.random.randint(jax.random.key(args.seed), (rows_needed, args.context), 0, cfg.vocab_size)
+    models = variant_models(cfg, params, backends, args.dtype, interpret=args.dry_run, hints=hints)
+    # plain first: the baseline every other row is compared with.
+    runners = {"plain": plain_runner(cfg, params, args.dtype, args.context),
+               **{name: model_runner(model, cfg) for name, model in models.items()}}
+    sampler = make_power_sampler(not args.no_energy and not args.dry_run and jax.default_backend() == "gpu")
+    tokens = text[:args.prefill_batch]
+    rows: list[dict[str, Any]] = []
+    plain_hidden = None
+    for name, runner in runners.items():
+        r, hidden_BxSxD = bench_prefill(runner, tokens, sampler, args.min_seconds)
+        if plain_hidden is None:
+            plain_hidden = hidden_BxSxD.astype(jnp.float32)
+        else:  # the same weights on the same tokens: plain's states up to rounding
+            r["hidden_rel_diff_vs_plain"] = float(jnp.max(jnp.abs(hidden_BxSxD.astype(jnp.float32) - plain_hidden))
+                                                  / jnp.max(jnp.abs(plain_hidden)))
+        del hidden_BxSxD
+        rows.append({"variant": name, "phase": "prefill", "batch": args.prefill_batch, **r})
+        energy = "" if r["energy_j_per_token"] is None else f", {1e3 * r['energy_j_per_token']:.3f} mJ/token"
+        diff = f"; hidden states {r['hidden_rel_diff_vs_plain']:.1e} from plain" if name != "plain" else ""
+        print(f"[bench] prefill {name}: {r['tokens_per_s']:.0f} tokens/s{energy}; "
+              f"active/layer {r['l0_per_layer'] or '-'}{diff}")
+        for batch in batches:
+            r = bench_decode(runner, cfg.n_layers, text[:batch, :args.context - args.decode_steps], args.context,
+                             args.decode_steps, args.min_seconds)
+            rows.append({"variant": name, "phase": "decode", "batch": batch, **r})
+            print(f"[bench] decode  {name} batch {batch}: {r['tokens_per_s']:.1f} tokens/s "
+                  f"({r['ms_per_step']:.3f} ms/step); active/layer {r['l0_per_layer'] or '-'}")
+    for base in ("dense", "plain"):
+        same = {(r["phase"], r["batch"]): r for r in rows if r["variant"] == base}
+        for r in rows:
+            ref = same[(r["phase"], r["batch"])]
+            r[f"speed_vs_{base}"] = r["tokens_per_s"] / ref["tokens_per_s"]
+            if r.get("energy_j_per_token") is not None and ref.get("energy_j_per_token"):
+                r[f"energy_vs_{base}"] = r["energy_j_per_token"] / ref["energy_j_per_token"]
+    print("\n| phase | batch | variant | tokens/s | vs dense | vs plain | mJ/token | vs dense | vs plain "
+          "| mean active/token |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        mj = "-" if r.get("energy_j_per_token") is None else f"{1e3 * r['energy_j_per_token']:.3f}"
+        ev = " | ".join(f"{r[k]:.3f}x" if k in r else "-" for k in ("energy_vs_dense", "energy_vs_plain"))
+        active = "-" if r["l0_per_layer"] is None else f"{np.mean(r['l0_per_layer']):.1f} of {cfg.d_ff}"
+        print(f"| {r['phase']} | {r['batch']} | {r['variant']} | {r['tokens_per_s']:.1f} | "
+              f"{r['speed_vs_dense']:.3f}x | {r['speed_vs_plain']:.3f}x | {mj} | {ev} | {active} |")
+    result = {"source": source_text, "device": device.device_kind, "backend": jax.default_backend(),
+              "dtype": args.dtype, "context": args.context, "decode_steps": args.decode_steps,
+              "model": dataclasses.asdict(cfg), "rows": rows, "date": time.strftime("%Y-%m-%d")}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"[bench] wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
