@@ -1,0 +1,59 @@
+"""BENCHMARKS.md and README's headline table are renders of experiments/results/ (twell_jax/bench/report.py):
+the committed files must equal the render, and the results folder holds exactly what the page cites."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from twell_jax.bench import report
+
+
+def _cited(manifest) -> set[str]:
+    files = {plot["file"] for plot in manifest["plots"]}
+    for area in manifest["areas"]:
+        for row in area["rows"]:
+            files.add(row["source"]["file"])
+            files.update(row[ref]["file"] for ref in ("dense", "plain") if row.get(ref) and "file" in row[ref])
+    return files
+
+
+def test_committed_page_and_readme_headline_are_the_render():
+    manifest = report.load_manifest()
+    assert report.PAGE.read_text() == report.render_markdown(manifest), (
+        "BENCHMARKS.md differs from the render of experiments/results/page.json: run python -m twell_jax.bench.report")
+    readme = report.README.read_text()
+    assert readme == report.readme_with_headline(readme, manifest)
+    assert report.main(["--check"]) == 0
+
+
+def test_results_folder_holds_what_the_page_cites():
+    manifest = report.load_manifest()
+    present = {p.name for p in report.RESULTS.iterdir()} - {"page.json"}
+    assert present == _cited(manifest)
+    for name in manifest["plots"]:
+        assert (report.FIGURES / f"{name['name']}.png").is_file()
+
+
+def test_paths_and_ratios(tmp_path):
+    data = {"rows": [{"v": "a", "k": 29.0, "ms": 2.0}, {"v": "b", "k": 29.0, "ms": 4.0}]}
+    assert report.lookup(data, "rows[v=b,k=29].ms") == 4.0
+    assert report.lookup(data, "rows[1].v") == "b"
+    with pytest.raises(KeyError, match="matches 2 elements"):
+        report.lookup(data, "rows[k=29].ms", "row 0")
+    with pytest.raises(KeyError, match="no key 'x'"):
+        report.lookup(data, "rows[0].x", "row 0")
+    (tmp_path / "r.json").write_text(json.dumps(data))
+    source = dict(file="r.json", gpu="G", date="D", command="C")
+    manifest = {"intro": [], "areas": [{"title": "T", "rows": [
+        dict(label="b {rows[1].k:.0f}", kind="time", unit="ms", source=source, figure="rows[v=b].ms",
+             dense=dict(path="rows[v=a].ms")),
+        dict(label="rate", kind="rate", unit="/s", source=source, figure="rows[v=b].ms", dense=dict(path="rows[v=a].ms"))]}]}
+    (_, rows), = report.rows_of(manifest, tmp_path)
+    assert rows[0]["what"] == "b 29" and rows[0]["vs_dense"] == "0.500x" and rows[1]["vs_dense"] == "2.000x"
+    manifest["areas"][0]["rows"][0]["kind"] = "speed"
+    with pytest.raises(ValueError, match="kind must be one of"):
+        report.rows_of(manifest, tmp_path)
+    manifest["areas"][0]["rows"][0].update(kind="time", source=dict(source, file="missing.json"))
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        report.rows_of(manifest, tmp_path)
