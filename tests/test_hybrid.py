@@ -104,7 +104,7 @@ def test_explicit_pattern_keeps_on_pattern_zeros_through_transpose():
     np.testing.assert_array_equal(hy.pattern_to_dense(ht), pattern.T)
     np.testing.assert_array_equal(ht.row_nnz, pattern.sum(0))
     np.testing.assert_array_equal(hy.to_dense(ht), dense.T)
-    # An elementwise product that produces zeros keeps the pattern (sharp edge 11 in twell.md).
+    # An elementwise product that produces zeros keeps the pattern (docs/format.md, below the hybrid's table).
     zeroed = hy.map_values(lambda v: v * 0, h)
     np.testing.assert_array_equal(hy.pattern_to_dense(hy.transpose(zeroed, ell_width=1, tail_capacity=4)),
                                   pattern.T)

@@ -14,7 +14,7 @@ A Llama checkpoint directory holds `config.json` and `model.safetensors` (or sha
 | model.norm.weight                              | final_norm.scale                        |
 
 The paper's reference code stores `down_proj` transposed ([H, D]) in checkpoints saved from its
-hybrid-kernel runs (docs: design twell.md 5.6): `down_proj_layout="auto"` recognises it by shape
+hybrid-kernel runs (docs/training.md, last section): `down_proj_layout="auto"` recognises it by shape
 when D != H; when D == H the layout cannot be told from the shape and must be given
 ("hf" or "transposed"). RoPE: HF Llama's `rotate_half` pairs (x[i], x[i + K/2]), as ours does,
 with inv_freq = theta^(-2i/K), the same. `hidden_act` "relu" is our relu-gated FFN (imported as

@@ -1,8 +1,8 @@
 """Training objective: next-token cross-entropy plus the L1 penalty on FFN hidden activations.
 
 loss = CE + lambda(step) * mean over layers of aux["l1"], where aux["l1"] is the op's per-layer
-mean over tokens of sum over neurons of |h| (twell.md 4.9). lambda ramps linearly from 0 between
-`l1_warmup_start` and `l1_warmup_end` (twell.md 5.3) when that window is non-empty.
+mean over tokens of sum over neurons of |h| (docs/training.md, "L1 penalty"). lambda ramps linearly from 0 between
+`l1_warmup_start` and `l1_warmup_end` (docs/training.md, "L1 warm-up") when that window is non-empty.
 """
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ def decay_mask(params: Any) -> Any:
 
 
 def build_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """The optimizer of twell.md 5.2 (clip 1.0, AdamW b=(0.9, 0.95), eps 1e-8, wd 0.1 without norms)."""
+    """The optimizer of docs/training.md, "Optimizer" (clip 1.0, AdamW b=(0.9, 0.95), eps 1e-8, wd 0.1 without norms)."""
     parts = []
     if cfg.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))

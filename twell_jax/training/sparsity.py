@@ -1,6 +1,6 @@
 """Sparsity telemetry (per-layer L0, dead neurons, position profile) and dead-row re-initialisation.
 
-Dead-neuron tracking (twell.md 5.4, on the device, no host syncs): the train state holds
+Dead-neuron tracking (docs/training.md, "Dead neurons"; on the device, no host syncs): the train state holds
 `since_active` int32[L, H], per layer and neuron the number of tokens seen since the neuron last
 fired (gate pre-activation > 0). After every micro-batch, neurons that fired at least once reset to
 0 and the others grow by the micro-batch's token count (saturating at COUNTER_CAP so int32 never
@@ -8,7 +8,7 @@ wraps). A neuron is dead when its counter is >= the window (`sparsity.dead_windo
 optimizer step's tokens). Under `jax.jit` over a data-parallel mesh the activity counts are global
 (GSPMD reduces them over the batch), so every device sees the same dead mask.
 
-Re-initialisation rule [OURS] (twell.md 5.5; the reference code has none), applied after the optimizer
+Re-initialisation rule [OURS] (docs/training.md; the reference code has none), applied after the optimizer
 update every `sparsity.reinit_every` steps when `sparsity.reinit_dead`:
   for each layer and each neuron j with since_active[l, j] >= window:
     - re-sample row j of the gate weight (w_gate; w_up for the non-gated "relu" FFN) from
