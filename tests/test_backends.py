@@ -126,3 +126,18 @@ def test_one_tail_rule_for_telemetry_reference_and_pallas():
     shares = policy.shares(aux["token_active_count"], aux["neuron_active_count"])
     assert float(shares["token_tail_share"]) * 13 == pytest.approx(int(aux["backward_tail_rows"]))
     assert float(shares["hot_neuron_share"]) * 29 == pytest.approx(int(aux["backward_hot_neurons"]))
+
+
+def test_each_builtin_states_where_it_runs_and_its_cost():
+    shape, config = (16384, 2048, 5632, 2), ops.SparseFFNConfig(expected_active_per_token=29.0)
+    assert backends.get("dense").unavailable(False) is None and backends.get("reference").unavailable(False) is None
+    assert backends.get("pallas").unavailable(True) is None  # the interpreter runs anywhere
+    assert "needs a GPU" in backends.get("pallas").unavailable(False)  # this CPU
+    assert backends.get("dense").cost(shape, config, True) == planner.dense_times_ms(16384, 2048, 5632, True)
+    assert backends.get("pallas").cost(shape, config, True) == planner.sparse_times_ms(16384, 2048, 5632, 29.0, True,
+                                                                                      config=config)
+    assert backends.get("decode").cost((1, 2048, 5632, 2), config, True)[0] == pytest.approx(
+        planner.decode_time_us(1, 2048, 5632, 29.0) / 1e3)
+    assert backends.get("reference").cost is None  # the oracle: never planned
+    with pytest.raises(RuntimeError, match="backend='pallas' needs a GPU"):
+        ops.gated_ffn(*_inputs()[:1], *_inputs()[1], backend="pallas")

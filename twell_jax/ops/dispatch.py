@@ -68,7 +68,8 @@ def _with_dense_fallback(non_finite: jax.Array, plan: Plan, config: SparseFFNCon
                          x_MxD: jax.Array, weights: Weights,
                          sparse: Callable[[], Any]) -> Any:
     """`sparse()` (whose first two outputs are (y, aux)), or the exact dense forward when
-    `non_finite`; the dense branch fills any further outputs (the Pallas pack) with zeros. No cond
+    `non_finite`; the dense branch fills any further outputs (the residual the backward keeps,
+    e.g. the Pallas pattern) with zeros. No cond
     when the check is off, or when the plan's forward is the dense formula already (both branches
     would be the same dense forward; `non_finite` still sends the backward to the dense formula)."""
     if not config.check_finite or backends.get(plan.forward).dense_formula:
@@ -87,9 +88,13 @@ def _with_dense_fallback(non_finite: jax.Array, plan: Plan, config: SparseFFNCon
 
 def _run_forward(plan: Plan, config: SparseFFNConfig, x_MxD: jax.Array,
                  weights: Weights) -> tuple[jax.Array, Aux, Any]:
-    """The plan's forward; the exact dense forward when an input or weight is not finite."""
-    return _with_dense_fallback(_non_finite(config, x_MxD, weights), plan, config, x_MxD, weights,
-                                lambda: _run_sparse_forward(plan, config, x_MxD, weights))
+    """The plan's forward; the exact dense forward when an input or weight is not finite. Nothing
+    is differentiated here, so no residual leaves the branch (None in its place)."""
+    def sparse() -> tuple[jax.Array, Aux, None]:
+        y, aux, _ = _run_sparse_forward(plan, config, x_MxD, weights)
+        return y, aux, None
+
+    return _with_dense_fallback(_non_finite(config, x_MxD, weights), plan, config, x_MxD, weights, sparse)
 
 
 def _aux_keys(config: SparseFFNConfig) -> tuple[str, ...]:
