@@ -308,14 +308,19 @@ def _sparse_call(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array, weights
     return _op_body(plan, config, x_MxD, weights)
 
 
+def _validate_config(config: Any) -> SparseFFNConfig:
+    if config is None:
+        return SparseFFNConfig()
+    if not isinstance(config, SparseFFNConfig):
+        raise ValueError(f"config must be a SparseFFNConfig or None, got {type(config).__name__}")
+    return config
+
+
 def _validate(x: jax.Array, weights: dict[str, jax.Array], backend: str, config: Any,
               interpret: Any) -> SparseFFNConfig:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if config is None:
-        config = SparseFFNConfig()
-    elif not isinstance(config, SparseFFNConfig):
-        raise ValueError(f"config must be a SparseFFNConfig or None, got {type(config).__name__}")
+    config = _validate_config(config)
     if not isinstance(interpret, bool):
         raise ValueError(f"interpret must be a bool, got {interpret!r}")
     if x.dtype not in (jnp.float32, jnp.bfloat16):
@@ -406,6 +411,28 @@ def auto_decision(gated: bool, config: SparseFFNConfig, shape: tuple[int, int, i
     these per layer to decide whether refreshed hints need a recompile."""
     plan = _plan(gated, "auto", interpret, config, shape)
     return ("dense", "dense") if plan is None or plan is _AUTO_DENSE else (plan.forward, plan.backward)
+
+
+_HINT_FIELDS = ("expected_active_per_token", "expected_token_tail", "expected_hot_neurons", "expected_hot_entries")
+
+
+def plan_key(gated: bool, backend: str, config: SparseFFNConfig | None, shape: tuple[int, int, int, int],
+             interpret: bool = False) -> tuple[Any, ...]:
+    """A hashable key of everything a call's traced computation depends on besides its arrays:
+    two configs with equal keys at `shape` = (tokens of the whole call, D, H, itemsize) compile
+    the same program. The hints (expected_active_per_token and the tail shares) only choose
+    "auto"'s plan (and, for the decode path, its active-list capacity), so the key holds that
+    choice instead of their values; the model scans the layers of equal keys together."""
+    config = _validate_config(config)
+    stripped = dataclasses.replace(config, **{name: None for name in _HINT_FIELDS})
+    if backend != "auto":
+        return (gated, backend, interpret, stripped)
+    tokens, d_model, n_neurons, itemsize = shape
+    n_shards = _data_axis_size(config)
+    decision = auto_decision(gated, config, (-(-tokens // n_shards), d_model, n_neurons, itemsize), interpret)
+    # The decode path sizes its active list from the hint: keep the hint itself in its key.
+    decode_hint = config.expected_active_per_token if decision[0] == "decode" else None
+    return (gated, backend, interpret, stripped, decision, decode_hint)
 
 
 def _dispatch(gated: bool, x: Any, weights: dict[str, Any], backend: str, config: Any,
