@@ -7,7 +7,7 @@
     python experiments/bench_step.py --dry-run          # tiny shapes on CPU (what the test runs)
 
 A variant is `kind[@backend]:remat` with kind an FFN kind of the model (model.ffn_kind) or `ref` (the
-plain-JAX Llama of experiments/plain_llama.py, bf16 parameters), backend an op backend for the kinds
+plain-JAX Llama of twell_jax/bench/plain_llama.py, bf16 parameters), backend an op backend for the kinds
 that run the sparse op (default: the config's), remat a policy of model.remat. One step = jax.grad
 of CE (+ the L1 penalty for kinds trained with it), plus the AdamW update of the trainer with --optimizer. Without
 --optimizer the step returns the weights unchanged beside their gradients, so every timed step sees
@@ -18,7 +18,7 @@ validation split, with "auto" given the run's per-layer activity hints and tail 
 (`hints.run_hints`, `hints.run_tail_hints`), and each relu-family row shows its measured active
 FFN neurons per token (per layer in the JSON and the progress lines, with the layers' token-tail,
 hot-neuron and hot-entry shares on those tokens). Every variant runs in this process: compiled once
-(its compiled memory analysis recorded), warmed up, then timed as the median over --repeats runs of
+(its compile seconds and compiled memory analysis recorded), warmed up, then timed as the median over --repeats runs of
 --steps back-to-back steps (one jax.block_until_ready per run). A variant that fails (e.g. out of
 memory) is reported and the next one runs.
 
@@ -240,16 +240,17 @@ def _gib(value: int | None) -> str:
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The summary table (last thing printed)."""
     ref = next((r for r in rows if r["kind"] == "ref" and "error" not in r), None)
-    lines = ["| variant | ms/step | tokens/s | MFU | vs ref | compiled GiB | peak GiB (so far) | active/token |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | ms/step | tokens/s | MFU | vs ref | compiled GiB | peak GiB (so far) | active/token | compile s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['variant']} | failed: {r['error'][:80]} | | | | | | |")
+            lines.append(f"| {r['variant']} | failed: {r['error'][:80]} | | | | | | | |")
             continue
         ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.3f}" if ref else "n/a"
         active = f"{statistics.fmean(r['active_per_layer']):.1f}" if r.get("active_per_layer") else "-"
         lines.append(f"| {r['variant']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
-                     f"{ratio} | {_gib(r['compiled_memory_bytes'])} | {_gib(r['peak_bytes_so_far'])} | {active} |")
+                     f"{ratio} | {_gib(r['compiled_memory_bytes'])} | {_gib(r['peak_bytes_so_far'])} | {active} | "
+                     f"{r['compile_s']:.1f} |")
     return "\n".join(lines)
 
 
@@ -318,7 +319,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         row = run_variant(base, kind, backend, remat, micro_batch, tokens, steps=args.steps, warmup=args.warmup,
                           repeats=args.repeats, optimizer=args.optimizer, peak_flops=args.peak_flops,
                           params=params, hints=hints, tails=tails)
-        detail = row.get("error") or f"{row['ms_per_step']:.2f} ms/step, {row['tokens_per_s']:,.0f} tokens/s"
+        detail = row.get("error") or (f"{row['ms_per_step']:.2f} ms/step, {row['tokens_per_s']:,.0f} tokens/s, "
+                                      f"compiled in {row['compile_s']:.1f} s")
         if row.get("active_per_layer"):
             detail += (f"; active/token per layer {row['active_per_layer']}; token-tail / hot-neuron "
                        f"share per layer {describe_tails(row['tail_shares_per_layer'])}")

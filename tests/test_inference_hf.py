@@ -64,9 +64,9 @@ def test_square_ffn_needs_an_explicit_down_proj_layout():
         params_from_hf(tensors, cfg)
     as_hf = params_from_hf(tensors, cfg, down_proj_layout="hf")
     as_transposed = params_from_hf(tensors, cfg, down_proj_layout="transposed")
-    w = split_model(model)[1]["blocks"][0]["ffn"]["w_down"]
-    np.testing.assert_array_equal(as_hf["blocks"][0]["ffn"]["w_down"], w)
-    np.testing.assert_array_equal(as_transposed["blocks"][0]["ffn"]["w_down"], w.T)
+    w = split_model(model)[1]["blocks"]["ffn"]["w_down"][0]
+    np.testing.assert_array_equal(as_hf["blocks"]["ffn"]["w_down"][0], w)
+    np.testing.assert_array_equal(as_transposed["blocks"]["ffn"]["w_down"][0], w.T)
 
 
 def test_sharded_checkpoint_with_an_index_imports_the_same(tmp_path):

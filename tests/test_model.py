@@ -30,8 +30,9 @@ def _tokens(batch=3, seq=11, seed=0):
 def test_shapes_and_layout(kind):
     cfg = dataclasses.replace(CFG, ffn_kind=kind)
     model = init_model(cfg, seed=0)
-    ffn = model.blocks[0].ffn
+    ffn = model.layer(0).ffn
     assert ffn.w_up[...].shape == (37, 24) and ffn.w_down[...].shape == (37, 24)  # neuron-major [H, D]
+    assert model.blocks.ffn.w_up[...].shape == (2, 37, 24)  # stacked over layers
     assert hasattr(ffn, "w_gate") == (kind != "relu")
     logits, aux = model(_tokens(), track_neurons=True)
     assert logits.shape == (3, 11, 61) and logits.dtype == jnp.float32
@@ -103,12 +104,13 @@ def test_neuron_telemetry_comes_from_the_op_without_an_extra_gemm(backend):
     model = nnx_merge(graphdef, params)
     # The counts equal relu(gate) > 0 of each layer's FFN input (recomputed here, in f32).
     h = jnp.take(model.embed[...], x, axis=0)
-    for block in model.blocks:
+    for layer in range(model.n_layers):
+        block = model.layer(layer)
         h = h + block.attn(block.attn_norm(h))
         ffn_in = block.ffn_norm(h)
         fired = jnp.einsum("bsd,hd->bsh", ffn_in, block.ffn.w_gate[...]) > 0
         ref_counts.append(np.asarray(jnp.sum(fired, axis=(0, 1))))
-        h = h + block.ffn(ffn_in)[0]
+        h = h + block.ffn(ffn_in, model.op_configs[layer])[0]
     np.testing.assert_array_equal(np.asarray(aux["neuron_active_count"]), np.stack(ref_counts))
 
 
@@ -221,7 +223,7 @@ def test_per_layer_auto_hints_reach_each_layers_op_config(tmp_path):
     from twell_jax.training.evaluate import expected_active_from_run, with_auto_hints
 
     cfg = get_config("micro")
-    assert all(block.ffn.op_config is None for block in init_model(cfg.model, 0).blocks)
+    assert all(config is None for config in init_model(cfg.model, 0).op_configs)
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in (
         {"step": 1, "l0_per_layer": [9.0, 8.0]}, {"step": 2, "val_l0_per_layer": [3.5, 7.25]},
         {"step": 2, "l0_per_layer": [1.0]})))  # wrong layer count: ignored
@@ -229,7 +231,7 @@ def test_per_layer_auto_hints_reach_each_layers_op_config(tmp_path):
     hinted = with_auto_hints(cfg, tmp_path, echo=lambda _: None)
     assert hinted.model.ffn_expected_active == (3.5, 7.25)
     model = init_model(hinted.model, 0)
-    assert [b.ffn.op_config.expected_active_per_token for b in model.blocks] == [3.5, 7.25]
+    assert [config.expected_active_per_token for config in model.op_configs] == [3.5, 7.25]
     # A hint in ffn_op_config applies to every layer and wins; non-auto backends get no hints.
     fixed = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, ffn_op_config={"expected_active_per_token": 2.0}))
     assert with_auto_hints(fixed, tmp_path, echo=lambda _: None) is fixed

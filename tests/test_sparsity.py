@@ -51,18 +51,18 @@ def test_reinit_resets_exactly_the_dead_gate_rows_and_their_moments():
     dead = {0: [3], 1: [0]}
     adam = new_opt[1][0]
     for layer in (0, 1):
-        old_gate = np.asarray(params["blocks"][layer]["ffn"]["w_gate"])
-        new_gate = np.asarray(new_params["blocks"][layer]["ffn"]["w_gate"])
+        old_gate = np.asarray(params["blocks"]["ffn"]["w_gate"][layer])
+        new_gate = np.asarray(new_params["blocks"]["ffn"]["w_gate"][layer])
         alive = np.setdiff1d(np.arange(13), dead[layer])
         np.testing.assert_array_equal(new_gate[alive], old_gate[alive])
         for row in dead[layer]:
             assert not np.allclose(new_gate[row], old_gate[row])
             assert np.all(np.abs(new_gate[row]) < 0.02 * 6)
         for moments in (adam.mu, adam.nu):
-            gate_m = np.asarray(moments["blocks"][layer]["ffn"]["w_gate"])
+            gate_m = np.asarray(moments["blocks"]["ffn"]["w_gate"][layer])
             assert np.all(gate_m[dead[layer]] == 0) and np.all(gate_m[alive] != 0)
-            assert np.all(np.asarray(moments["blocks"][layer]["ffn"]["w_up"]) != 0)  # other weights untouched
-        np.testing.assert_array_equal(new_params["blocks"][layer]["ffn"]["w_up"],
-                                      params["blocks"][layer]["ffn"]["w_up"])
+            assert np.all(np.asarray(moments["blocks"]["ffn"]["w_up"][layer]) != 0)  # other weights untouched
+        np.testing.assert_array_equal(new_params["blocks"]["ffn"]["w_up"][layer],
+                                      params["blocks"]["ffn"]["w_up"][layer])
     np.testing.assert_array_equal(new_since, jnp.zeros((2, 13), jnp.int32).at[1, 12].set(99))
     assert int(new_opt[1][0].count) == int(opt_state[1][0].count)

@@ -85,9 +85,12 @@ def test_golden_first_step(hooked_run):
     np.testing.assert_allclose(first["ce"], GOLDEN_CE, rtol=1e-5)
 
 
-GOLDEN_LOSS = 5.705528736114502
-GOLDEN_GRAD_NORM = 0.7662381529808044
-GOLDEN_CE = 5.705261707305908
+# Updated when the blocks were stacked over layers and initialised by one vmapped program (each
+# layer from its own key: new random draws). The model math was checked unchanged then: the
+# unrolled and the scanned model gave bit-identical loss and gradient norm on the same parameters.
+GOLDEN_LOSS = 5.709372520446777
+GOLDEN_GRAD_NORM = 0.762224018573761
+GOLDEN_CE = 5.709110736846924
 
 
 def test_gradient_accumulation_matches_one_big_batch():

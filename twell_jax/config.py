@@ -21,6 +21,12 @@ from twell_jax.ops import BACKENDS as FFN_BACKENDS  # the op registry's backend 
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+# How the layer stack runs layers whose sparse-op plans differ (model.layer_scan); twell_jax/model.py
+# implements them and docs/model.md says how they were chosen.
+LAYER_SCANS: dict[str, str] = {
+    "groups": "consecutive layers with the same plan form one lax.scan each (one scan when all agree)",
+    "switch": "one lax.scan over every layer; a lax.switch on the layer's plan inside its body",
+}
 # DataConfig.source value of the deterministic random-token source.
 SYNTHETIC_SOURCE = "synthetic"
 # Backslash escapes a string field may use on the command line (`decode_escapes`).
@@ -159,6 +165,11 @@ class ModelConfig:
     # Attention: "auto" = cuDNN flash attention on NVIDIA GPUs when it takes the shape (else XLA,
     # with one logged warning naming the shape), XLA elsewhere; "cudnn" = cuDNN or an error; "xla".
     attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
+    # The blocks' parameters are stacked over layers ([L, ...]) and run as a lax.scan, so compile
+    # time is flat in depth. Layers whose op plans differ (backend "auto" with per-layer hints):
+    # "groups" = one scan per run of consecutive layers with the same plan; "switch" = one scan
+    # with a lax.switch over the distinct plans (LAYER_SCANS).
+    layer_scan: Literal["groups", "switch"] = "groups"
 
     def __post_init__(self) -> None:
         _check_finite("model", self)
@@ -174,6 +185,7 @@ class ModelConfig:
         _check_choice("model", "ffn_backend", self.ffn_backend, FFN_BACKENDS)
         _check_choice("model", "compute_dtype", self.compute_dtype, DTYPES)
         _check_choice("model", "attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        _check_choice("model", "layer_scan", self.layer_scan, tuple(LAYER_SCANS))
         if isinstance(self.remat, bool):  # configs saved before remat became a policy
             object.__setattr__(self, "remat", "full" if self.remat else "none")
         _check_choice("model", "remat", self.remat, tuple(REMAT_POLICIES))

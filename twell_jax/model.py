@@ -27,6 +27,7 @@ decode steps of generation, `twell_jax.inference`), with per-row RoPE positions 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Callable, NamedTuple
 
@@ -246,9 +247,11 @@ class FeedForward(nnx.Module):
     - "relu_gated": relu(x Wg^T) * (x Wu^T) @ Wd through the op's "dense" backend.
     - "twell": same math through the op with `cfg.ffn_backend` (the sparse model).
     - "relu": relu(x Wu^T) @ Wd through the op's non-gated `ffn`.
-    """
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
+    The op config is an argument of the call, not an attribute: the blocks are one stacked module
+    whose layers may run different plans (`Transformer`)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         h, d, std = cfg.d_ff, cfg.d_model, cfg.init_std
         self.kind = cfg.ffn_kind
         kind = cfg.kind
@@ -258,17 +261,17 @@ class FeedForward(nnx.Module):
         self.w_up = _normal(rngs, (h, d), std)
         self.w_down = _normal(rngs, (h, d), std)
         self.backend = kind.backend(cfg.ffn_backend)
-        self.op_config = build_op_config(cfg, layer)
         self.interpret = cfg.ffn_interpret
 
-    def __call__(self, x_BxSxD: jax.Array, neuron_counts: bool = False) -> tuple[jax.Array, Aux]:
+    def __call__(self, x_BxSxD: jax.Array, op_config: ops.SparseFFNConfig | None,
+                 neuron_counts: bool = False) -> tuple[jax.Array, Aux]:
         """(y, aux); with neuron_counts the op adds "neuron_active_count" [H] and
         "token_active_count" [B, S] to aux (relu kinds only)."""
         dt = x_BxSxD.dtype
         w_up, w_down = self.w_up[...].astype(dt), self.w_down[...].astype(dt)
         if self.kind == "swiglu":
             return ops.dense_ffn(True, x_BxSxD, (self.w_gate[...].astype(dt), w_up, w_down), activation="silu")
-        config = self.op_config
+        config = op_config
         if neuron_counts:
             config = dataclasses.replace(config or ops.SparseFFNConfig(), neuron_counts=True)
         if not self.gated:
@@ -279,22 +282,23 @@ class FeedForward(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block."""
+    """Pre-norm transformer block (one layer; `Transformer` holds them stacked over layers)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, rngs)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = FeedForward(cfg, rngs, layer)
+        self.ffn = FeedForward(cfg, rngs)
         self.track_neurons = cfg.is_relu_family
         self.remat_ffn = cfg.remat == "ffn"
 
-    def __call__(self, x_BxSxD: jax.Array, track_neurons: bool) -> tuple[jax.Array, Aux]:
+    def __call__(self, x_BxSxD: jax.Array, track_neurons: bool,
+                 op_config: ops.SparseFFNConfig | None = None) -> tuple[jax.Array, Aux]:
         x_BxSxD = x_BxSxD + self.attn(self.attn_norm(x_BxSxD))
         counts = track_neurons and self.track_neurons
 
         def ffn_sublayer(norm: RMSNorm, ffn: FeedForward, x: jax.Array) -> tuple[jax.Array, Aux]:
-            return ffn(norm(x), neuron_counts=counts)
+            return ffn(norm(x), op_config, neuron_counts=counts)
 
         if self.remat_ffn:
             ffn_sublayer = nnx.remat(ffn_sublayer)
@@ -303,18 +307,20 @@ class Block(nnx.Module):
         if counts:
             # Telemetry only (no gradient), from the op's own counts of the pattern it computed.
             aux.update(ops.backward_tail_shares(aux["token_active_count"], aux["neuron_active_count"],
-                                                self.ffn.op_config))
+                                                op_config))
             aux["position_active"] = jnp.mean(aux.pop("token_active_count").astype(jnp.float32), axis=0)
         return x_BxSxD + y_BxSxD, aux
 
     def decode(self, x_BxSxD: jax.Array, positions_BxS: jax.Array, k_LxBxTxNxK: jax.Array,
-               v_LxBxTxNxK: jax.Array, layer: int, cache_index: jax.Array,
-               visible_BxSxT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, Aux]:
-        """The block (number `layer`) with KV-cached attention (`Attention.decode`) and the same FFN call."""
+               v_LxBxTxNxK: jax.Array, layer: jax.Array, cache_index: jax.Array,
+               visible_BxSxT: jax.Array, op_config: ops.SparseFFNConfig | None = None
+               ) -> tuple[jax.Array, jax.Array, jax.Array, Aux]:
+        """The block (number `layer`, traced) with KV-cached attention (`Attention.decode`) and the
+        same FFN call."""
         attn_BxSxD, k_LxBxTxNxK, v_LxBxTxNxK = self.attn.decode(
             self.attn_norm(x_BxSxD), positions_BxS, k_LxBxTxNxK, v_LxBxTxNxK, layer, cache_index, visible_BxSxT)
         x_BxSxD = x_BxSxD + attn_BxSxD
-        y_BxSxD, aux = self.ffn(self.ffn_norm(x_BxSxD))
+        y_BxSxD, aux = self.ffn(self.ffn_norm(x_BxSxD), op_config)
         return x_BxSxD + y_BxSxD, k_LxBxTxNxK, v_LxBxTxNxK, aux
 
 
@@ -343,15 +349,126 @@ def _logits(x_BxSxD: jax.Array, embed_VxD: jax.Array) -> jax.Array:
     return jnp.einsum("bsd,vd->bsv", x_BxSxD, embed_VxD).astype(jnp.float32)
 
 
+def _stacked_blocks(cfg: ModelConfig, key: jax.Array) -> Block:
+    """One `Block` module whose every parameter has a leading layer axis [L, ...]: the per-layer
+    initialisation is one vmapped program (its compile time does not grow with depth), each layer
+    from its own key."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(params=0))))
+
+    def one_layer(layer_key: jax.Array) -> nnx.State:
+        return nnx.split(Block(cfg, nnx.Rngs(params=layer_key)))[1]
+
+    return nnx.merge(graphdef, jax.vmap(one_layer)(jax.random.split(key, cfg.n_layers)))
+
+
+_REMAT_BODY = {"full": jax.checkpoint_policies.nothing_saveable,
+               "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
 class Transformer(nnx.Module):
-    """Decoder-only LM. `__call__(tokens_BxS) -> (logits_BxSxV fp32, aux stacked over layers)`."""
+    """Decoder-only LM. `__call__(tokens_BxS) -> (logits_BxSxV fp32, aux stacked over layers)`.
+
+    The blocks are ONE `Block` module whose parameters are stacked over layers ([L, ...]), run by
+    `lax.scan`, so every program (init, train step, eval, prefill, decode) compiles in time about
+    flat in depth. Each layer has its own op config (`build_op_config`: the per-layer hints of
+    "auto"); layers whose configs compile the same program (`ops.plan_key`) share a scan body,
+    arranged by `model.layer_scan` ("groups" or "switch", `_run_layers`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         # Plain static attributes (not the config object, whose dict field is unhashable).
         self.max_seq_len, self.compute_dtype, self.remat = cfg.max_seq_len, cfg.compute_dtype, cfg.remat
+        self.n_layers, self.layer_scan = cfg.n_layers, cfg.layer_scan
+        self.gated, self.backend, self.interpret = cfg.kind.gated, cfg.kind.backend(cfg.ffn_backend), cfg.ffn_interpret
+        self.d_model, self.d_ff, self.is_swiglu = cfg.d_model, cfg.d_ff, cfg.ffn_kind == "swiglu"
+        self.op_configs = tuple(build_op_config(cfg, layer) for layer in range(cfg.n_layers))
         self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
-        self.blocks = nnx.List([Block(cfg, rngs, layer) for layer in range(cfg.n_layers)])
+        self.blocks = _stacked_blocks(cfg, rngs.params())
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+
+    def layer(self, index: int) -> Block:
+        """Layer `index` as a `Block` of its own (its parameter slices; for benchmarks and tests)."""
+        if not 0 <= index < self.n_layers:
+            raise ValueError(f"layer must be in [0, {self.n_layers}), got {index}")
+        graphdef, state = nnx.split(self.blocks)
+        return nnx.merge(graphdef, jax.tree.map(lambda v: v[index], state))
+
+    def layer_groups(self, n_tokens: int, dtype: Any) -> list[tuple[int, int, int]]:
+        """[(first layer, end layer, plan index)] of the maximal runs of consecutive layers whose
+        op configs compile the same program for a call of `n_tokens` tokens in `dtype`; the plan
+        index numbers the distinct plans in order of first appearance. The representative config
+        of a plan is `self.op_configs[first layer of its first run]`."""
+        if self.is_swiglu:  # no sparse op: one plan
+            return [(0, self.n_layers, 0)]
+        shape = (n_tokens, self.d_model, self.d_ff, jnp.dtype(dtype).itemsize)
+        keys = [ops.plan_key(self.gated, self.backend, config, shape, self.interpret) for config in self.op_configs]
+        index: dict[Any, int] = {}
+        groups: list[tuple[int, int, int]] = []
+        for layer, key in enumerate(keys):
+            plan = index.setdefault(key, len(index))
+            if groups and groups[-1][2] == plan:
+                groups[-1] = (groups[-1][0], layer + 1, plan)
+            else:
+                groups.append((layer, layer + 1, plan))
+        return groups
+
+    def _run_layers(self, carry: Any, step: Callable[..., tuple[Any, Aux]], n_tokens: int, dtype: Any, *,
+                    slice_params: bool, remat: str = "none") -> tuple[Any, Aux]:
+        """Run `step(block, carry, layer, op_config) -> (carry, aux)` over the layers by lax.scan;
+        returns (carry, aux stacked over layers [L, ...]).
+
+        model.layer_scan="groups": one scan per run of layers with the same plan (one scan when
+        all agree). "switch": one scan over all layers, a lax.switch over the distinct plans inside
+        (no switch with one plan). `slice_params=True` hands each scan its layers' parameters as the
+        scanned input (a slice per run: the gradient flows to the stack); False reads layer l's
+        parameters from the whole stack by index inside the body (no copy; for decoding, where no
+        gradient is taken). `remat` ("full" | "dots") checkpoints the body."""
+        graphdef, state = nnx.split(self.blocks)
+        groups = self.layer_groups(n_tokens, dtype)
+        first_of_plan: dict[int, int] = {}
+        for first, _, plan in groups:
+            first_of_plan.setdefault(plan, first)
+        configs = [self.op_configs[first_of_plan[plan]] for plan in range(len(first_of_plan))]
+
+        def run_plan(plan: int, layer_state: Any, carry: Any, layer: jax.Array) -> tuple[Any, Aux]:
+            return step(nnx.merge(graphdef, layer_state), carry, layer, configs[plan])
+
+        def layer_state_of(xs_state: Any, layer: jax.Array) -> Any:
+            if slice_params:
+                return xs_state
+            return jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, layer, keepdims=False), state)
+
+        def scan(body: Callable[..., Any], carry: Any, first: int, end: int, plans: jax.Array | None) -> Any:
+            if remat in _REMAT_BODY:
+                body = jax.checkpoint(body, policy=_REMAT_BODY[remat])
+            layers = jnp.arange(first, end, dtype=jnp.int32)
+            xs_state = jax.tree.map(lambda v: v[first:end], state) if slice_params else None
+            return jax.lax.scan(lambda c, xs: body(c, *xs), carry, (xs_state, layers, plans))
+
+        if self.layer_scan == "switch" and len(configs) > 1:
+            plans_L = jnp.asarray([plan for first, end, plan in groups for _ in range(first, end)], jnp.int32)
+            shapes = [jax.eval_shape(functools.partial(run_plan, plan), jax.tree.map(lambda v: v[0], state),
+                                     carry, jnp.int32(0)) for plan in range(len(configs))]
+            out_types = jax.tree.map(lambda *leaves: jnp.result_type(*[leaf.dtype for leaf in leaves]), *shapes)
+
+            def branch(plan: int, layer_state: Any, carry: Any, layer: jax.Array) -> tuple[Any, Aux]:
+                out = run_plan(plan, layer_state, carry, layer)
+                return jax.tree.map(lambda value, dtype: value.astype(dtype), out, out_types)
+
+            def switch_body(carry: Any, xs_state: Any, layer: jax.Array, plan: jax.Array) -> tuple[Any, Aux]:
+                branches = [functools.partial(branch, p) for p in range(len(configs))]
+                return jax.lax.switch(plan, branches, layer_state_of(xs_state, layer), carry, layer)
+
+            return scan(switch_body, carry, 0, self.n_layers, plans_L)
+        auxes = []
+        for first, end, plan in groups:
+            def group_body(carry: Any, xs_state: Any, layer: jax.Array, _: Any, plan: int = plan) -> tuple[Any, Aux]:
+                return run_plan(plan, layer_state_of(xs_state, layer), carry, layer)
+
+            carry, aux = scan(group_body, carry, first, end, None)
+            auxes.append(aux)
+        if len(auxes) == 1:
+            return carry, auxes[0]
+        return carry, jax.tree.map(lambda *parts: jnp.concatenate(parts), *auxes)
 
     def __call__(self, tokens_BxS: jax.Array, *, track_neurons: bool = False) -> tuple[jax.Array, Aux]:
         if tokens_BxS.ndim != 2:
@@ -363,21 +480,12 @@ class Transformer(nnx.Module):
         # tokens) then accumulates in fp32 rather than in the compute dtype.
         x_BxSxD = jnp.take(self.embed[...], tokens_BxS, axis=0).astype(dt)
 
-        def run_block(blk: Block, x: jax.Array) -> tuple[jax.Array, Aux]:
-            return blk(x, track_neurons)
+        def step(block: Block, x: jax.Array, layer: jax.Array, op_config: Any) -> tuple[jax.Array, Aux]:
+            return block(x, track_neurons, op_config)
 
-        if self.remat == "full":
-            # prevent_cse=True (default): keeps XLA from merging the recomputation with the forward.
-            run_block = nnx.remat(run_block)
-        elif self.remat == "dots":
-            run_block = nnx.remat(run_block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-        auxes = []
-        for block in self.blocks:
-            x_BxSxD, aux = run_block(block, x_BxSxD)
-            auxes.append(aux)
+        x_BxSxD, aux = self._run_layers(x_BxSxD, step, tokens_BxS.size, dt, slice_params=True, remat=self.remat)
         logits_BxSxV = _logits(self.final_norm(x_BxSxD), self.embed[...].astype(dt))
-        stacked = {key: jnp.stack([a[key] for a in auxes]) for key in auxes[0]}
-        return logits_BxSxV, stacked
+        return logits_BxSxV, aux
 
     def decode(self, tokens_BxS: jax.Array, cache: KVCache, cache_index: jax.Array, start_B: jax.Array,
                *, all_logits: bool = False) -> tuple[jax.Array, KVCache, Aux]:
@@ -403,18 +511,20 @@ class Transformer(nnx.Module):
         # so that its softmax is never empty (its output is never used).
         visible_BxSxT = (slot_T[None, None, :] <= slot_S[None, :, None]) & (
             (slot_T[None, None, :] >= start_B[:, None, None]) | (slot_T[None, None, :] == slot_S[None, :, None]))
-        k_all, v_all = cache
-        auxes = []
-        for layer, block in enumerate(self.blocks):
-            x_BxSxD, k_all, v_all, aux = block.decode(
-                x_BxSxD, positions_BxS, k_all, v_all, layer, cache_index, visible_BxSxT)
-            auxes.append(aux)
+
+        def step(block: Block, carry: Any, layer: jax.Array, op_config: Any) -> tuple[Any, Aux]:
+            x, k_all, v_all = carry
+            x, k_all, v_all, aux = block.decode(x, positions_BxS, k_all, v_all, layer, cache_index,
+                                                visible_BxSxT, op_config)
+            return (x, k_all, v_all), aux
+
+        (x_BxSxD, k_all, v_all), aux = self._run_layers((x_BxSxD, *cache), step, tokens_BxS.size, dt,
+                                                        slice_params=False)
         if not all_logits:
             x_BxSxD = x_BxSxD[:, -1:]
         x_BxSxD = self.final_norm(x_BxSxD)
         logits = _logits(x_BxSxD, embed_VxD)
-        stacked = {key: jnp.stack([a[key] for a in auxes]) for key in auxes[0]}
-        return (logits if all_logits else logits[:, 0]), KVCache(k_all, v_all), stacked
+        return (logits if all_logits else logits[:, 0]), KVCache(k_all, v_all), aux
 
 
 def describe_execution(cfg: ModelConfig, seq_len: int) -> str:
@@ -446,6 +556,19 @@ def apply_model(graphdef: nnx.GraphDef, params: dict[str, Any], tokens_BxS: jax.
                 *, track_neurons: bool = False) -> tuple[jax.Array, Aux]:
     """Pure function form of the forward: rebuild the module from `params` and call it."""
     return nnx.merge(graphdef, params)(tokens_BxS, track_neurons=track_neurons)
+
+
+def stack_layers(per_layer: list[Any]) -> Any:
+    """The stacked [L, ...] blocks tree of `Transformer` from one tree per layer (the layout of HF
+    checkpoints and of runs written before the layers were scanned)."""
+    if not per_layer:
+        raise ValueError("stack_layers needs at least one layer")
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *per_layer)
+
+
+def layer_slice(blocks: Any, layer: int) -> Any:
+    """Layer `layer`'s tree of a stacked blocks tree (`stack_layers`'s inverse, one layer)."""
+    return jax.tree.map(lambda leaf: leaf[layer], blocks)
 
 
 def gate_key(cfg: ModelConfig) -> str:

@@ -513,48 +513,35 @@ def capture_ffn_inputs(model: Transformer, tokens_BxS: jax.Array, layers: Sequen
     """The input x [B*S, D] that each of `layers`' FeedForward receives (the normed activations, in
     the compute dtype) in the model's own forward on tokens_BxS, in the order of `layers`.
 
-    One jitted forward of the model, with FeedForward.__call__ wrapped for its duration to record
-    its argument (restored afterwards, also on error). Remat is turned off for the capture (it
-    changes no forward value, and a value recorded inside a remat trace could not leave it) and
-    restored."""
-    n_layers = len(model.blocks)
+    One jitted forward of the model, with FeedForward.__call__ wrapped for its duration (restored
+    afterwards, also on error) to add its input to its aux: the layer scan stacks it over layers
+    like the telemetry, so no value leaves a trace."""
+    n_layers = model.n_layers
     if not layers or any(not 0 <= i < n_layers for i in layers):
         raise ValueError(f"layers must be a non-empty list of indices in [0, {n_layers}), got {list(layers)}")
-    saved = (model.remat, [blk.remat_ffn for blk in model.blocks])
     original = FeedForward.__call__
-    recorded: list[jax.Array] = []
 
-    def recording(self, x_BxSxD, neuron_counts=False):
-        recorded.append(x_BxSxD)
-        return original(self, x_BxSxD, neuron_counts)
+    def recording(self, x_BxSxD, op_config, neuron_counts=False):
+        y, aux = original(self, x_BxSxD, op_config, neuron_counts)
+        return y, {**aux, "ffn_input": x_BxSxD}
+
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def forward(state, tokens):
+        inputs_LxBxSxD = nnx.merge(graphdef, state)(tokens)[1]["ffn_input"]
+        return [inputs_LxBxSxD[i].reshape(-1, inputs_LxBxSxD.shape[-1]) for i in layers]
 
     try:
-        model.remat = "none"
-        for blk in model.blocks:
-            blk.remat_ffn = False
-        graphdef, state = nnx.split(model)
-
-        @jax.jit
-        def forward(state, tokens):
-            recorded.clear()
-            nnx.merge(graphdef, state)(tokens)
-            if len(recorded) != n_layers:
-                raise RuntimeError(f"recorded {len(recorded)} FeedForward calls, expected one per layer ({n_layers})")
-            return [recorded[i].reshape(-1, recorded[i].shape[-1]) for i in layers]
-
         FeedForward.__call__ = recording
         return forward(state, tokens_BxS)
     finally:
         FeedForward.__call__ = original
-        recorded.clear()
-        model.remat = saved[0]
-        for blk, value in zip(model.blocks, saved[1]):
-            blk.remat_ffn = value
 
 
 def ffn_weights(model: Transformer, layer: int) -> Weights3:
     """(w_gate, w_up, w_down) of a layer, [H, D] each, in the dtype the model holds them in."""
-    ffn = model.blocks[layer].ffn
+    ffn = model.layer(layer).ffn
     if not ffn.gated or ffn.kind == "swiglu":
         raise ValueError(f"layer {layer}'s FFN is {ffn.kind!r}: this benchmark needs a ReLU-gated kind "
                          "(twell or relu_gated)")

@@ -44,12 +44,9 @@ def reference_init(cfg: ModelConfig, key: jax.Array) -> PlainParams:
 
 
 def _entry(tree: Any, path: tuple[Any, ...], shape: tuple[int, ...]) -> jax.Array:
-    """tree[path[0]][path[1]]..., checked to exist with `shape`; a layer index may be an int or its
-    string (a restored checkpoint's dict keys)."""
+    """tree[path[0]][path[1]]..., checked to exist with `shape`."""
     node = tree
     for i, key in enumerate(path):
-        if isinstance(node, dict) and key not in node and str(key) in node:
-            key = str(key)
         if not isinstance(node, dict) or key not in node:
             raise ValueError(f"reference_params_from_model: params has no entry {'/'.join(map(str, path[:i + 1]))}")
         node = node[key]
@@ -71,15 +68,13 @@ def reference_params_from_model(cfg: ModelConfig, params: dict[str, Any], dtype:
     def get(path: tuple[Any, ...], shape: tuple[int, ...]) -> jax.Array:
         return _entry(params, path, shape).astype(dt)
 
-    layers = []
-    for layer in range(cfg.n_layers):
-        block = ("blocks", layer)
-        layers.append({"wq": get(block + ("attn", "w_q"), (d, d)), "wk": get(block + ("attn", "w_k"), (d, d)),
-                       "wv": get(block + ("attn", "w_v"), (d, d)), "wo": get(block + ("attn", "w_out"), (d, d)),
-                       "wg": get(block + ("ffn", "w_gate"), (h, d)).T, "wu": get(block + ("ffn", "w_up"), (h, d)).T,
-                       "wd": get(block + ("ffn", "w_down"), (h, d)),
-                       "n1": get(block + ("attn_norm", "scale"), (d,)),
-                       "n2": get(block + ("ffn_norm", "scale"), (d,))})
+    n = cfg.n_layers  # the model's blocks are stacked over layers: every entry is [L, ...]
+    stacked = {name: get(("blocks",) + path, (n,) + shape) for name, path, shape in (
+        ("wq", ("attn", "w_q"), (d, d)), ("wk", ("attn", "w_k"), (d, d)), ("wv", ("attn", "w_v"), (d, d)),
+        ("wo", ("attn", "w_out"), (d, d)), ("wg", ("ffn", "w_gate"), (h, d)), ("wu", ("ffn", "w_up"), (h, d)),
+        ("wd", ("ffn", "w_down"), (h, d)), ("n1", ("attn_norm", "scale"), (d,)), ("n2", ("ffn_norm", "scale"), (d,)))}
+    layers = [{name: (value[layer].T if name in ("wg", "wu") else value[layer]) for name, value in stacked.items()}
+              for layer in range(n)]
     return {"embed": get(("embed",), (cfg.vocab_size, d)), "layers": layers,
             "norm": get(("final_norm", "scale"), (d,))}
 

@@ -3,6 +3,8 @@
 A Llama checkpoint directory holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`), and optionally `tokenizer.json`. Layouts:
 
+Our blocks are stacked over layers (`blocks.<name>` is [L, ...]); `blocks.i` below is layer i's slice.
+
 | HF tensor (torch Linear: [out, in])            | ours                                    |
 |------------------------------------------------|-----------------------------------------|
 | model.embed_tokens.weight [V, D]               | embed [V, D] (tied output head)         |
@@ -35,7 +37,7 @@ import jax.numpy as jnp
 
 from twell_jax.config import ModelConfig
 from twell_jax.inference.load import LoadedModel, experiment_config_for, model_with_params
-from twell_jax.model import Transformer, split_model
+from twell_jax.model import Transformer, layer_slice, split_model, stack_layers
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -155,17 +157,17 @@ def params_from_hf(tensors: dict[str, jax.Array], cfg: ModelConfig,
         if not bool(jnp.array_equal(get("lm_head.weight", (cfg.vocab_size, d)), embed)):
             raise ValueError("lm_head.weight differs from model.embed_tokens.weight: an untied output head is not "
                              "supported")
-    blocks = {}
+    blocks = []
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
         attn = {f"w_{n}": get(f"{p}self_attn.{n}_proj.weight", (d, d)).T for n in ("q", "k", "v")}
         attn["w_out"] = get(f"{p}self_attn.o_proj.weight", (d, d)).T
         ffn = {"w_gate": get(f"{p}mlp.gate_proj.weight", (h, d)), "w_up": get(f"{p}mlp.up_proj.weight", (h, d)),
                "w_down": down(f"{p}mlp.down_proj.weight")}
-        blocks[i] = {"attn": attn, "ffn": ffn,
-                     "attn_norm": {"scale": get(f"{p}input_layernorm.weight", (d,))},
-                     "ffn_norm": {"scale": get(f"{p}post_attention_layernorm.weight", (d,))}}
-    params = {"embed": embed, "blocks": blocks, "final_norm": {"scale": get("model.norm.weight", (d,))}}
+        blocks.append({"attn": attn, "ffn": ffn,
+                       "attn_norm": {"scale": get(f"{p}input_layernorm.weight", (d,))},
+                       "ffn_norm": {"scale": get(f"{p}post_attention_layernorm.weight", (d,))}})
+    params = {"embed": embed, "blocks": stack_layers(blocks), "final_norm": {"scale": get("model.norm.weight", (d,))}}
     # Rotary tables some exporters store are recomputed here; any other leftover is a real mismatch.
     unused = sorted(n for n in set(tensors) - used if not n.endswith("rotary_emb.inv_freq"))
     if unused:
@@ -229,7 +231,7 @@ def hf_tensors_from_params(params: dict[str, Any], cfg: ModelConfig) -> dict[str
     """HF Llama tensors (HF layout, down_proj [D, H]) from our params dict (the inverse of params_from_hf)."""
     out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]["scale"]}
     for i in range(cfg.n_layers):
-        block, p = params["blocks"][i], f"model.layers.{i}."
+        block, p = layer_slice(params["blocks"], i), f"model.layers.{i}."
         for n in ("q", "k", "v"):
             out[f"{p}self_attn.{n}_proj.weight"] = block["attn"][f"w_{n}"].T
         out[f"{p}self_attn.o_proj.weight"] = block["attn"]["w_out"].T

@@ -318,18 +318,22 @@ def auto_decision(gated: bool, config: SparseFFNConfig, shape: tuple[int, int, i
 
 def plan_key(gated: bool, backend: str, config: SparseFFNConfig | None, shape: tuple[int, int, int, int],
              interpret: bool = False) -> Hashable:
-    """A hashable key of the computation a call traces: equal keys, equal traced programs (for the
-    same gated/shape), so layers whose keys are equal can share one program (a scan over stacked
-    layers). shape = (tokens per data shard, D, H, itemsize), as `auto_decision` takes it.
+    """A hashable key of the computation a call traces besides its arrays: two configs with equal
+    keys at `shape` = (tokens of the whole call, D, H, itemsize) compile the same program, so
+    layers whose keys are equal can share one (the model scans them together).
 
-    The key is the plan (which implementations run, or the plain dense backend) with the shape and
-    the config less the fields only the planner reads (`planner.PLANNER_ONLY_FIELDS`: the hints,
-    auto_dense_recompute); every other field (block sizes, capacities, decode_capacity,
-    check_finite, neuron_counts, ...) is part of it. To run a group of layers with equal keys as
-    one program, call the op with the ORIGINAL config of any one of them: it plans the same."""
+    The key is the plan (which implementations run, or the plain dense backend; planned for the
+    tokens per data shard, as the call plans) with the per-shard shape and the config less the
+    fields only the planner reads (`planner.PLANNER_ONLY_FIELDS`: the hints and
+    auto_dense_recompute, whose effect the plan holds); every other field (block sizes,
+    capacities, decode_capacity, check_finite, neuron_counts, ...) is part of it. To run a group
+    of layers with equal keys as one program, call the op with the ORIGINAL config of any one of
+    them: it plans the same."""
     _validate_choice(backend, interpret)
     config = _validate_config(config)
-    return planner.key_of(_plan(gated, backend, interpret, config, shape), config, shape)
+    tokens, d_model, n_neurons, itemsize = shape
+    local = (-(-tokens // _data_axis_size(config)), d_model, n_neurons, itemsize)
+    return planner.key_of(_plan(gated, backend, interpret, config, local), config, local)
 
 
 def _dispatch(gated: bool, x: Any, weights: dict[str, Any], backend: str, config: Any,

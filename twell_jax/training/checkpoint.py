@@ -48,7 +48,45 @@ FINGERPRINT_FILE = "data_fingerprint.json"
 QUARANTINE_SUBDIR = "superseded_checkpoints"
 # Items of a checkpoint besides "meta": the parameters alone, then what only training needs.
 PARAMS_ITEM, TRAIN_ITEM = "params", "train"
-CHECKPOINT_FORMAT = 2  # 1: a single "state" item without checksums (no longer readable)
+# 1: a single "state" item without checksums (no longer readable); 2: the blocks one dict per layer
+# ({"blocks": {0: ..., 1: ...}}, before the layers were stacked and scanned: converted on restore);
+# 3: the blocks stacked over layers ({"blocks": {name: [L, ...]}}).
+CHECKPOINT_FORMAT = 3
+LAYER_LIST_FORMAT = 2
+
+
+def _has_blocks(node: Any) -> bool:
+    return isinstance(node, dict) and isinstance(node.get("blocks"), dict)
+
+
+def _per_layer_targets(tree: Any) -> Any:
+    """`tree` (restore targets in the stacked layout; params, or a train state whose optimizer
+    moments mirror them) with every "blocks" entry as format 2 wrote it: one dict per layer, each
+    leaf without the leading layer axis."""
+    def unstack(node: Any) -> Any:
+        if not _has_blocks(node):
+            return node
+        blocks = node["blocks"]
+        n_layers = jax.tree.leaves(blocks)[0].shape[0]
+        return {**node, "blocks": {layer: jax.tree.map(
+            lambda leaf, layer=layer: jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype,
+                                                            sharding=getattr(leaf, "sharding", None)), blocks)
+            for layer in range(n_layers)}}
+
+    return jax.tree.map(unstack, tree, is_leaf=_has_blocks)
+
+
+def _stack_per_layer(tree: Any) -> Any:
+    """The inverse of `_per_layer_targets` on restored arrays: every per-layer "blocks" dict stacked."""
+    from twell_jax.model import stack_layers
+
+    def stack(node: Any) -> Any:
+        if not _has_blocks(node):
+            return node
+        blocks = node["blocks"]
+        return {**node, "blocks": stack_layers([blocks[layer] for layer in sorted(blocks, key=int)])}
+
+    return jax.tree.map(stack, tree, is_leaf=_has_blocks)
 
 
 class CorruptCheckpointError(ValueError):
@@ -243,9 +281,10 @@ class CheckpointStore:
                                          "checkpoint is damaged") from None
         if not isinstance(meta, dict) or "config" not in meta:
             raise CorruptCheckpointError(f"checkpoint metadata {path} holds no config; the checkpoint is damaged")
-        if meta.get("format") != CHECKPOINT_FORMAT:
+        if meta.get("format") not in (CHECKPOINT_FORMAT, LAYER_LIST_FORMAT):
             raise CorruptCheckpointError(f"checkpoint {self.step_dir(step)} has format {meta.get('format', 1)}, "
-                                         f"this version reads format {CHECKPOINT_FORMAT} only")
+                                         f"this version reads formats {LAYER_LIST_FORMAT} (converted) and "
+                                         f"{CHECKPOINT_FORMAT} only")
         return meta
 
     def restore(self, targets: dict[str, Any], step: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -253,6 +292,9 @@ class CheckpointStore:
         ShapeDtypeStructs carrying the target shardings) of checkpoint `step`, verified."""
         where = self.step_dir(step)
         meta = self.restore_meta(step)
+        per_layer = meta["format"] == LAYER_LIST_FORMAT  # written before the layers were stacked
+        if per_layer:
+            targets = {name: _per_layer_targets(abstract) for name, abstract in targets.items()}
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(
                 **{name: ocp.args.StandardRestore(abstract) for name, abstract in targets.items()}))
@@ -268,6 +310,8 @@ class CheckpointStore:
                                              f"at {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}")
         if PARAMS_ITEM in items and (bad := _nonfinite_leaves(items[PARAMS_ITEM])):
             raise CorruptCheckpointError(f"checkpoint {where} holds non-finite parameters at {', '.join(bad[:4])}")
+        if per_layer:  # verified as written, then converted to the stacked layout
+            items = {name: _stack_per_layer(tree) for name, tree in items.items()}
         return items, meta
 
     def restore_verified(self, targets: dict[str, Any], step: int | None = None, *,

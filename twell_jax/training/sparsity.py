@@ -95,21 +95,18 @@ def reinit_dead_rows(
     dead_LxH = dead_mask(since_LxH, window_tokens)
     layer_keys = jax.random.split(key, cfg.n_layers)
 
-    def with_rows(tree: dict[str, Any], row_value: Callable[[int, jax.Array], jax.Array]) -> dict[str, Any]:
-        blocks = dict(tree["blocks"])
-        for layer in range(cfg.n_layers):
-            block = dict(blocks[layer])
-            ffn = dict(block["ffn"])
-            w_HxD = ffn[name]
-            ffn[name] = jnp.where(dead_LxH[layer][:, None], row_value(layer, w_HxD), w_HxD)
-            block["ffn"] = ffn
-            blocks[layer] = block
-        return {**tree, "blocks": blocks}
+    def with_rows(tree: dict[str, Any], rows_LxHxD: Callable[[jax.Array], jax.Array]) -> dict[str, Any]:
+        # The blocks are stacked over layers (twell_jax.model): one where over [L, H, D].
+        ffn = dict(tree["blocks"]["ffn"])
+        w_LxHxD = ffn[name]
+        ffn[name] = jnp.where(dead_LxH[:, :, None], rows_LxHxD(w_LxHxD), w_LxHxD)
+        return {**tree, "blocks": {**tree["blocks"], "ffn": ffn}}
 
-    def fresh(layer: int, w_HxD: jax.Array) -> jax.Array:
-        return (cfg.init_std * jax.random.normal(layer_keys[layer], w_HxD.shape, jnp.float32)).astype(w_HxD.dtype)
+    def fresh(w_LxHxD: jax.Array) -> jax.Array:
+        draw = jax.vmap(lambda k: jax.random.normal(k, w_LxHxD.shape[1:], jnp.float32))(layer_keys)
+        return (cfg.init_std * draw).astype(w_LxHxD.dtype)
 
     new_params = with_rows(params, fresh)
-    new_opt_state = _map_adam_moments(opt_state, lambda tree: with_rows(tree, lambda _, w: jnp.zeros_like(w)))
+    new_opt_state = _map_adam_moments(opt_state, lambda tree: with_rows(tree, jnp.zeros_like))
     new_since = jnp.where(dead_LxH, 0, since_LxH)
     return new_params, new_opt_state, new_since, jnp.sum(dead_LxH, dtype=jnp.int32)
