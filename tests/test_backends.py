@@ -99,6 +99,8 @@ def test_plan_key_groups_what_traces_alike(monkeypatch):
             != ops.plan_key(True, "auto", dataclasses.replace(unchecked, decode_capacity=128), decode))
     with pytest.raises(ValueError, match="backend must be one of"):
         ops.plan_key(True, "fast", a, shape)
+    # A key is pure: a backend that cannot run here (no GPU) still has one; the call reports it.
+    assert ops.plan_key(True, "pallas", None, shape) != ops.plan_key(True, "pallas", None, shape, interpret=True)
 
 
 def test_cost_models_are_keyed_by_device_kind_with_a_fallback():

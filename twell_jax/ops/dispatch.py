@@ -292,15 +292,16 @@ def _validate(x: jax.Array, weights: dict[str, jax.Array], backend: str, config:
 
 
 def _plan(gated: bool, backend: str, interpret: bool, config: SparseFFNConfig,
-          shape: tuple[int, int, int, int]) -> Plan | str | None:
+          shape: tuple[int, int, int, int], check_runnable: bool = True) -> Plan | str | None:
     """The plan of a call, or None when it runs the plain dense backend (planner.AUTO_DENSE:
-    likewise, chosen by "auto" from its hint). shape = (tokens per shard, D, H, itemsize)."""
+    likewise, chosen by "auto" from its hint). shape = (tokens per shard, D, H, itemsize).
+    check_runnable: raise when the chosen backend cannot run here (its `unavailable` reason)."""
     if backend == "auto":
         return planner.auto_plan(gated, interpret, config, shape, backends.gpu_available())
     implementation = backends.get(backend)
     if implementation.backward is None and implementation.dense_formula:
         return None  # the "dense" backend: plain autodiff of the dense formula
-    reason = implementation.unavailable(interpret)
+    reason = implementation.unavailable(interpret) if check_runnable else None
     if reason is not None:
         raise RuntimeError(f"backend={backend!r} {reason}")
     return Plan(gated, backend, backend if implementation.backward is not None else "dense", interpret)
@@ -333,7 +334,10 @@ def plan_key(gated: bool, backend: str, config: SparseFFNConfig | None, shape: t
     config = _validate_config(config)
     tokens, d_model, n_neurons, itemsize = shape
     local = (-(-tokens // _data_axis_size(config)), d_model, n_neurons, itemsize)
-    return planner.key_of(_plan(gated, backend, interpret, config, local), config, local)
+    # No check that the backend can run here: a key is a pure function of its arguments; the call
+    # itself reports a backend that cannot run.
+    plan = _plan(gated, backend, interpret, config, local, check_runnable=False)
+    return planner.key_of(plan, config, local)
 
 
 def _dispatch(gated: bool, x: Any, weights: dict[str, Any], backend: str, config: Any,
