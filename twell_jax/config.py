@@ -169,6 +169,10 @@ class ModelConfig:
     # "groups" = one scan per run of consecutive layers with the same plan; "switch" = one scan
     # with a lax.switch over the distinct plans (LAYER_SCANS).
     layer_scan: Literal["groups", "switch"] = "groups"
+    # Layers per iteration of the layer scan's loop (lax.scan's `unroll`): 1 = a loop over layers
+    # (compile time flat in depth); n > 1 = n layers per iteration; 0 = all (no loop: compile time
+    # grows with depth again, as for an unrolled model).
+    layer_unroll: int = 1
 
     def __post_init__(self) -> None:
         _check_finite("model", self)
@@ -185,6 +189,8 @@ class ModelConfig:
         _check_choice("model", "compute_dtype", self.compute_dtype, DTYPES)
         _check_choice("model", "attention_impl", self.attention_impl, ATTENTION_IMPLS)
         _check_choice("model", "layer_scan", self.layer_scan, tuple(LAYER_SCANS))
+        if isinstance(self.layer_unroll, bool) or not isinstance(self.layer_unroll, int) or self.layer_unroll < 0:
+            raise ValueError(f"model.layer_unroll must be an int >= 0 (0 = every layer), got {self.layer_unroll!r}")
         if isinstance(self.remat, bool):  # configs saved before remat became a policy
             object.__setattr__(self, "remat", "full" if self.remat else "none")
         _check_choice("model", "remat", self.remat, tuple(REMAT_POLICIES))

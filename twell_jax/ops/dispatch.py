@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, PartitionSpec
 
 from twell_jax.ops.config import AUX_KEYS, COUNT_KEYS, TAIL_SHARE_KEYS, Aux, SparseFFNConfig, Weights
@@ -17,6 +18,8 @@ from twell_jax.ops.dense import dense_backward, dense_fallback_ffn, dense_ffn
 from twell_jax.ops.reference import reference_backward, reference_forward
 
 BACKENDS = ("dense", "reference", "pallas", "auto")
+# The checkpoint_name of the residuals the sparse op's custom_vjp keeps for its backward.
+RESIDUAL_NAME = "twell_op_residual"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,16 +128,17 @@ def _pallas_training_forward(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Ar
 def _sparse_op_fwd(plan: _Plan, config: SparseFFNConfig, x_MxD: jax.Array, weights: Weights
                    ) -> tuple[tuple[jax.Array, Aux], tuple[Any, ...]]:
     # Residuals: (x, weights, non_finite[, the Pallas pack]); the flag, computed once here, also
-    # sends the backward to the dense formula.
+    # sends the backward to the dense formula. Named RESIDUAL_NAME, so that a caller's remat policy
+    # can keep them (the model's layer scan does) instead of rerunning this forward.
     non_finite = _non_finite(config, x_MxD, weights)
     if plan.backward == "pallas":
         y, aux, pack = _with_dense_fallback(
             non_finite, plan, config, x_MxD, weights,
             lambda: _pallas_training_forward(plan, config, x_MxD, weights))
-        return (y, aux), (x_MxD, weights, non_finite, pack)
+        return (y, aux), checkpoint_name((x_MxD, weights, non_finite, pack), RESIDUAL_NAME)
     y, aux = _with_dense_fallback(non_finite, plan, config, x_MxD, weights,
                                   lambda: _run_sparse_forward(plan, config, x_MxD, weights))
-    return (y, aux), (x_MxD, weights, non_finite)
+    return (y, aux), checkpoint_name((x_MxD, weights, non_finite), RESIDUAL_NAME)
 
 
 def _sparse_op_bwd(plan: _Plan, config: SparseFFNConfig, residuals: tuple[Any, ...],
