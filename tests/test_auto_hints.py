@@ -144,35 +144,40 @@ def test_refresh_recompiles_only_when_a_decision_changes(tmp_path, monkeypatch):
     assert [r["grad_norm"] for r in a.history] == [r["grad_norm"] for r in b.history]
 
 
-def test_resume_restores_the_hints(tmp_path, monkeypatch):
+def test_resume_measures_hints_on_the_trained_parameters(tmp_path):
     cfg = micro_cfg("train.steps=2", "train.auto_refresh_every=0")
     first = Trainer(cfg, tmp_path, data_builder=FakeData).run()
-    saved = first.last_metrics["auto_hints_per_layer"]
-
-    def no_measurement(self, state):
-        raise AssertionError("a resumed run must not re-measure when its checkpoint has hints")
-
-    monkeypatch.setattr(Trainer, "_measure_first_batch", no_measurement)
+    saved = first.last_metrics["auto_hints_per_layer"]  # measured on the initial parameters
     resumed = Trainer(micro_cfg("train.steps=3", "train.auto_refresh_every=0"), tmp_path, resume=True,
                       data_builder=FakeData)
     result = resumed.run()
-    assert result.last_metrics["step"] == 3 and result.last_metrics["auto_hints_per_layer"] == saved
+    # The resumed run measures on the parameters it restored (step 2), on the first micro-batch of
+    # the batch it trains next (FakeData's batch 2), as a fresh run does on its initial ones.
+    params, _, _ = ckpt_lib.restore_params(tmp_path, step=2)
+    tokens = FakeData(cfg).train_iter
+    tokens.set_state({"step": 2})
+    dense = dataclasses.replace(cfg.model, ffn_backend="dense")
+    hints, tails = measure_activity(train_lib.abstract_graphdef(dense, cfg.train.seed), params,
+                                    next(tokens)["tokens"][:cfg.train.micro_batch], tails=True)
+    assert result.last_metrics["step"] == 3
+    np.testing.assert_allclose(result.last_metrics["auto_hints_per_layer"], hints, rtol=1e-6)
+    np.testing.assert_allclose(result.last_metrics["auto_tail_hints_per_layer"], tails, rtol=1e-6)
+    assert result.last_metrics["auto_hints_per_layer"] != saved
     saved_tails = first.last_metrics["auto_tail_hints_per_layer"]
-    assert result.last_metrics["auto_tail_hints_per_layer"] == saved_tails
     assert run_tail_hints(tmp_path, 2, n_layers=2) == tuple(tuple(t) for t in saved_tails)
-    # Evaluation and inference read the same hints: the checkpoint's own, not the later telemetry.
-    assert run_hints(tmp_path, 2) == tuple(saved) and run_hints(tmp_path) == tuple(saved)
-    # A checkpoint without hints (older runs): the last l0 logged in metrics.jsonl (validation or training).
-    again = Trainer(micro_cfg("train.steps=3"), tmp_path, resume=True, data_builder=FakeData)
-    hints, tails, _ = again._initial_hints({"step": 3}, {})
-    step_3 = [r for r in _records(tmp_path) if r["step"] == 3][0]  # ... and the last tail shares logged
-    np.testing.assert_allclose(tails, np.transpose([step_3[f"{k}_per_layer"] for k in ops.TAIL_SHARE_KEYS]))
+    # Evaluation and inference read the hints a checkpoint was compiled with, not later telemetry.
+    assert run_hints(tmp_path, 2) == tuple(saved)
+    assert run_hints(tmp_path) == tuple(result.last_metrics["auto_hints_per_layer"])
+    # A checkpoint without hints (older runs): the last l0 logged in metrics.jsonl (validation or
+    # training) and the last tail shares logged, up to the checkpoint's step.
+    step_3 = [r for r in _records(tmp_path) if r["step"] == 3][0]
+    logged_tails = run_tail_hints(tmp_path, n_layers=2, meta={"step": 3})
+    np.testing.assert_allclose(logged_tails, np.transpose([step_3[f"{k}_per_layer"] for k in ops.TAIL_SHARE_KEYS]))
     last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])  # the final validation
-    assert list(hints) == last["val_l0_per_layer"]
-    # ... and only telemetry logged up to the checkpoint's step.
+    assert list(run_hints(tmp_path, meta={"step": 3})) == last["val_l0_per_layer"]
     step_1 = [r for r in _records(tmp_path) if r["step"] == 1][0]
     assert run_hints(tmp_path, 1, meta={"step": 1}) == tuple(step_1["l0_per_layer"])
-    assert auto_decisions(again.cfg, hints, 1) == (("dense", "dense"),) * 2  # CPU: "auto" is dense
+    assert auto_decisions(resumed.cfg, saved, 1) == (("dense", "dense"),) * 2  # CPU: "auto" is dense
 
 
 def test_refresh_decides_from_the_mean_l0_since_the_last_refresh(tmp_path, monkeypatch):

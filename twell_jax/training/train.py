@@ -69,7 +69,7 @@ from twell_jax.training import parallel
 from twell_jax.config import ExperimentConfig, ModelConfig
 from twell_jax.data import DataSource, build_experiment_data
 from twell_jax.training.hints import (Tails, describe_tails, manages_auto_hints, normalise_tails,
-                                      run_hints_and_source, run_tail_hints, tails_from_shares, with_hints)
+                                      tails_from_shares, with_hints)
 from twell_jax.training.plan_trial import PlanTrial
 from twell_jax.training.loss import cross_entropy, l1_coefficient, total_loss
 from twell_jax.training.metrics import MetricsSink, check_finite, device_peak_memory_bytes, to_python
@@ -88,9 +88,61 @@ _global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.glob
 GUARDED_METRICS = ("loss", "ce", "l1", "grad_norm", "l0_per_layer")
 
 
+def check_run_name(name: str) -> None:
+    """`name` labels a run and names its default directory: one plain path component."""
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0") or name != name.strip():
+        raise ValueError(f"name={name!r}: a run name must be one plain directory name (no '/', '\\', "
+                         "'..' or surrounding spaces); use --out to choose where the run goes")
+
+
 def default_run_dir(cfg: ExperimentConfig, root: str | Path = "runs") -> Path:
-    """runs/<name>-<YYYYmmdd-HHMMSS>."""
-    return Path(root) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """A new, empty runs/<name>-<YYYYmmdd-HHMMSS>[-<n>], created here (mkdir is atomic: two runs
+    started in the same second get different directories)."""
+    check_run_name(cfg.name)
+    base = Path(root) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 10_000):
+        candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise ValueError(f"no free run directory name under {Path(root).absolute()} for {base.name}; pass --out")
+
+
+def zero_lr_from(cfg: ExperimentConfig) -> int | None:
+    """The first step index at which the learning rate is 0 for good (a cosine schedule to
+    optim.min_lr_ratio = 0 ends there; `optimizer.learning_rate_schedule`), or None (never)."""
+    if cfg.optim.schedule != "cosine" or cfg.optim.min_lr_ratio > 0:
+        return None
+    horizon = cfg.schedule_steps
+    return max(horizon, min(cfg.optim.warmup_steps, horizon) + 1)
+
+
+def check_schedule_covers_steps(cfg: ExperimentConfig, *, resume: bool) -> None:
+    """Refuse a run whose last steps would train at learning rate 0 (past the end of a cosine
+    schedule to 0: the parameters would not move), naming the field that fixes it."""
+    zero = zero_lr_from(cfg)
+    if zero is None or cfg.train.steps <= zero:
+        return
+    fix = (f"pass --set optim.schedule_steps={cfg.train.steps} to stretch the schedule to the new end (from the "
+           "step resumed on, the learning rate follows the stretched cosine)" if resume else
+           f"set optim.schedule_steps >= train.steps (or 0: the schedule then ends at train.steps)")
+    raise ValueError(f"train.steps={cfg.train.steps} runs past the end of the learning-rate schedule "
+                     f"(optim.schedule_steps={cfg.schedule_steps}, a cosine to optim.min_lr_ratio=0): steps "
+                     f"{zero + 1}-{cfg.train.steps} would train at learning rate 0 and change nothing; {fix}")
+
+
+def check_resume_steps(cfg: ExperimentConfig, run_dir: Path, start_step: int) -> None:
+    """A resume from `start_step` must have steps left to train (train.steps above it)."""
+    if cfg.train.steps > start_step:
+        return
+    more = "optim.schedule_steps=N " if zero_lr_from(cfg) is not None else ""
+    what = "is finished" if cfg.train.steps == start_step else f"is past train.steps={cfg.train.steps}"
+    raise ValueError(f"--resume: the run in {run_dir.absolute()} {what} (its checkpoint is at step {start_step}); "
+                     f"nothing to train and nothing was changed; to train further pass --set train.steps=N "
+                     f"{more}with N > {start_step}")
 
 
 def check_op_config(cfg: ExperimentConfig) -> None:
@@ -373,6 +425,7 @@ class Trainer:
         self._dense_compiled: Any = None
         self.trials: list[dict[str, Any]] = []
         check_op_config(cfg)
+        check_run_name(cfg.name)
         if resume:
             ckpt_dir = self.run_dir / ckpt_lib.CHECKPOINT_SUBDIR
             if not ckpt_lib.has_steps(ckpt_dir):
@@ -382,10 +435,33 @@ class Trainer:
             if not cfg.optim.schedule_steps:  # keep the run's schedule unless one is asked for
                 cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, schedule_steps=saved.schedule_steps))
             ckpt_lib.check_compatible(config_lib.to_dict(saved), cfg)
+            check_schedule_covers_steps(cfg, resume=True)
+            self._saved_cfg = saved
         else:
             cfg = config_lib.with_fixed_schedule(cfg)
-            if self.run_dir.is_dir() and any(self.run_dir.iterdir()) and not overwrite:
-                ckpt_lib.prepare_new_run_dir(self.run_dir, overwrite=False)  # raises, naming the directory
+            check_schedule_covers_steps(cfg, resume=False)
+            ckpt_lib.check_new_run_dir(self.run_dir, overwrite=overwrite)  # raises, naming the directory
+        # One process at a time in a run directory (multi-host runs: the lead process holds it).
+        created = not self.run_dir.exists()
+        self._lock = ckpt_lib.RunLock(self.run_dir, warn=echo) if jax.process_index() == 0 else None
+        try:
+            self._build(cfg, resume, overwrite, data_builder)
+        except BaseException:
+            self.release()
+            if created and self.run_dir.is_dir() and not any(self.run_dir.iterdir()):
+                self.run_dir.rmdir()  # a failed command leaves nothing behind
+            raise
+
+    def release(self) -> None:
+        """Give up the run directory's lock (run() does at its end; idempotent)."""
+        if getattr(self, "_lock", None) is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _build(self, cfg: ExperimentConfig, resume: bool, overwrite: bool,
+               data_builder: Callable[[ExperimentConfig], DataSource]) -> None:
+        """Mesh, data, abstract state, optimizer; then (everything checked) the run directory."""
+        echo = self.echo
         self.cfg = cfg
         tc = cfg.train
         # ---- mesh plumbing (the one place that knows about devices)
@@ -424,7 +500,7 @@ class Trainer:
             if self.data.tokenizer_json_path:
                 ckpt_lib.save_tokenizer(self.run_dir, self.data.tokenizer_json_path)
             ckpt_lib.save_corpus_fingerprint(self.run_dir, self.data)
-        ckpt_lib.atomic_write_text(self.run_dir / ckpt_lib.CONFIG_FILE, config_lib.to_json(cfg))
+            ckpt_lib.atomic_write_text(self.run_dir / ckpt_lib.CONFIG_FILE, config_lib.to_json(cfg))
         self.store = ckpt_lib.CheckpointStore(self.run_dir / ckpt_lib.CHECKPOINT_SUBDIR,
                                               max_to_keep=tc.keep_checkpoints)
 
@@ -450,6 +526,15 @@ class Trainer:
                 {k: v for k, v in shardings.items() if k != "params"}),
         }
         items, meta, step = self.store.restore_verified(targets, self.resume_step, warn=self.echo)
+        # Only now is the step resumed from known (a damaged newest checkpoint falls back): a run
+        # with nothing left to train stops here, with nothing in its directory changed.
+        check_resume_steps(self.cfg, self.run_dir, step)
+        saved = self._saved_cfg
+        if self.cfg.schedule_steps != saved.schedule_steps:
+            old_lr, new_lr = (float(learning_rate_schedule(c.optim, c.schedule_steps)(step)) for c in (saved, self.cfg))
+            self.echo(f"[twell] learning-rate schedule re-planned: optim.schedule_steps {saved.schedule_steps} -> "
+                      f"{self.cfg.schedule_steps}; learning rate of step {step + 1}: {old_lr:.3g} -> {new_lr:.3g}")
+        ckpt_lib.atomic_write_text(self.run_dir / ckpt_lib.CONFIG_FILE, config_lib.to_json(self.cfg))
         for moved in self.store.quarantine_after(step, self.run_dir):
             self.echo(f"[twell] warning: continuing from step {step}: newer checkpoint moved to {moved}")
         return {"params": items[ckpt_lib.PARAMS_ITEM], **items[ckpt_lib.TRAIN_ITEM]}, meta
@@ -470,7 +555,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def run(self, *, stop_after_step: int | None = None) -> TrainResult:
-        """Train to `train.steps` (or stop after `stop_after_step`, as if killed, for tests)."""
+        """Train to `train.steps` (or stop after `stop_after_step`, as if killed, for tests); the
+        run directory's lock is released at the end, however the run ends."""
+        try:
+            return self._run(stop_after_step)
+        finally:
+            self.release()
+
+    def _run(self, stop_after_step: int | None) -> TrainResult:
         cfg, tc, hooks = self.cfg, self.cfg.train, self.hooks
         tokens_per_step = tc.global_batch * cfg.seq_len
         self._describe(tokens_per_step)
@@ -596,16 +688,10 @@ class Trainer:
     def _initial_hints(self, state: TrainState, meta: dict[str, Any]
                        ) -> tuple[tuple[float, ...], Tails | None, str]:
         """(hints, tail hints or None, where they come from) for the first compile of a managed run:
-        a resumed run's `run_hints` (its checkpoint's, else its logged l0) with its `run_tail_hints`
-        (likewise), else a measurement."""
-        if self.resume:
-            found = run_hints_and_source(self.run_dir, int(state["step"]), n_layers=self.cfg.model.n_layers,
-                                         meta=meta)
-            if found is not None:
-                tails = (run_tail_hints(self.run_dir, int(state["step"]), n_layers=self.cfg.model.n_layers, meta=meta)
-                         if tracks_neurons(self.cfg) else None)
-                return found[0], tails, found[1]
-        return (*self._measure_first_batch(state), "measured on the first micro-batch of the next batch")
+        measured with the parameters the run starts from (a resumed run's trained ones: the hints a
+        checkpoint was compiled with may be those measured at initialisation, long out of date)."""
+        where = f"the parameters of step {int(state['step'])}" if self.resume else "the initial parameters"
+        return (*self._measure_first_batch(state), f"measured with {where} on the first micro-batch of the next batch")
 
     def _measure_first_batch(self, state: TrainState) -> tuple[tuple[float, ...], Tails | None]:
         """Mean active neurons per token per layer of the current params on the first micro-batch
@@ -857,5 +943,11 @@ def with_saved_tokenizer(cfg: ExperimentConfig, run_dir: str | Path) -> Experime
 def train(cfg: ExperimentConfig, run_dir: str | Path | None = None, *, resume: bool = False,
           echo: Callable[[str], None] = print, **kwargs: Any) -> TrainResult:
     """Convenience wrapper: build a Trainer for `cfg` and run it (kwargs go to `Trainer`)."""
-    run_dir = default_run_dir(cfg) if run_dir is None else Path(run_dir)
-    return Trainer(cfg, run_dir, resume=resume, echo=echo, **kwargs).run()
+    reserved = run_dir is None
+    run_dir = default_run_dir(cfg) if reserved else Path(run_dir)
+    try:
+        return Trainer(cfg, run_dir, resume=resume, echo=echo, **kwargs).run()
+    except BaseException:
+        if reserved and run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()  # the directory default_run_dir reserved, unused
+        raise
