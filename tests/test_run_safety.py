@@ -18,6 +18,7 @@ from test_train import FakeData, micro_cfg
 from twell_jax.cli import main
 from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax.training import train as train_lib
+from twell_jax.training.planning import PlanController
 from twell_jax.training.train import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,13 +192,13 @@ def test_a_resumed_run_plans_with_hints_measured_on_its_trained_parameters(finis
     run = _copy(finished[0], tmp_path)
     initial = finished[1].last_metrics["auto_hints_per_layer"]  # measured at initialisation, never re-planned
     measured = []
-    original = Trainer._measure_first_batch
+    original = PlanController.measure
 
     def spy(self, state):
         measured.append((int(state["step"]), original(self, state)))
         return measured[-1][1]
 
-    monkeypatch.setattr(Trainer, "_measure_first_batch", spy)
+    monkeypatch.setattr(PlanController, "measure", spy)
     result = Trainer(micro_cfg("train.steps=5", "optim.schedule_steps=5"), run, resume=True,
                      data_builder=FakeData).run()
     assert [step for step, _ in measured] == [4]  # on the restored (trained) parameters
