@@ -18,6 +18,7 @@ from test_train import FakeData, micro_cfg
 from twell_jax.cli import main
 from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax.training import train as train_lib
+from twell_jax.training.optimizer import learning_rate_schedule
 from twell_jax.training.planning import PlanController
 from twell_jax.training.train import Trainer
 
@@ -75,6 +76,14 @@ def test_a_new_run_past_its_own_schedule_is_refused(tmp_path):
     assert train_lib.zero_lr_from(micro_cfg("optim.min_lr_ratio=0.1")) is None
 
 
+@pytest.mark.parametrize("warmup,horizon", [(2, 4), (0, 4), (5, 3), (1, 1), (0, 1)])
+def test_zero_lr_from_is_where_the_schedule_reaches_0(warmup, horizon):
+    cfg = micro_cfg(f"optim.warmup_steps={warmup}", f"optim.schedule_steps={horizon}", f"train.steps={horizon}")
+    zero = train_lib.zero_lr_from(cfg)
+    lr = learning_rate_schedule(cfg.optim, cfg.schedule_steps)
+    assert float(lr(zero - 1)) > 0 and all(float(lr(i)) == 0.0 for i in range(zero, zero + 3))
+
+
 def test_cli_resume_past_the_schedule_exits_2_and_changes_nothing(finished, tmp_path, capsys):
     run = _copy(finished[0], tmp_path)
     before = _snapshot(run)
@@ -120,6 +129,9 @@ def test_overwrite_never_empties_a_directory_that_is_not_a_run(tmp_path, capsys)
 def test_overwrite_refuses_a_run_with_foreign_files_and_replaces_a_clean_one(finished, tmp_path):
     run = _copy(finished[0], tmp_path)
     (run / "notes.txt").write_text("mine")
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(ValueError, match="is a file"):
+        Trainer(micro_cfg(), tmp_path / "file", data_builder=FakeData)
     with pytest.raises(ValueError, match="notes.txt"):
         Trainer(micro_cfg(), run, overwrite=True, data_builder=FakeData)
     assert (run / "notes.txt").read_text() == "mine" and (run / "summary.json").exists()

@@ -105,6 +105,8 @@ def check_new_run_dir(run_dir: str | Path, *, overwrite: bool) -> list[Path]:
     (`holds_a_run`). A directory with anything else in it is never emptied. The run's lock file
     (`LOCK_FILE`) is neither content nor replaced."""
     run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--out {run_dir.absolute()} is a file, not a directory; pick another --out")
     entries = sorted(e for e in run_dir.iterdir() if e.name != LOCK_FILE) if run_dir.is_dir() else []
     if entries and not holds_a_run(run_dir):
         unknown = [e.name for e in entries if not _is_run_entry(e.name)]
