@@ -216,3 +216,18 @@ def test_a_resumed_run_plans_with_hints_measured_on_its_trained_parameters(finis
     assert [step for step, _ in measured] == [4]  # on the restored (trained) parameters
     assert result.last_metrics["auto_hints_per_layer"] == list(measured[0][1][0])
     assert result.last_metrics["auto_hints_per_layer"] != initial
+
+
+def test_a_file_system_without_flock_warns_and_trains(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    messages: list[str] = []
+    lock = ckpt_lib.RunLock(tmp_path, warn=messages.append)
+    assert any("does not support flock" in m for m in messages)
+    assert not (tmp_path / ckpt_lib.LOCK_FILE).exists()
+    lock.release()

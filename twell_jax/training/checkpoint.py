@@ -24,6 +24,7 @@ error, and `restore(step=None)` falls back to the newest intact one with a warni
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -145,11 +146,18 @@ class RunLock:
 
         self.path = Path(run_dir) / LOCK_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd: int | None = None
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+            except OSError as err:
+                if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # no flock on this file system
+                    os.close(fd)
+                    self.path.unlink(missing_ok=True)
+                    warn(f"[twell] warning: cannot lock {self.path.absolute()} ({err.strerror}): the file system "
+                         "does not support flock; nothing stops a second process from training in this directory")
+                    return
                 holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
                 os.close(fd)
                 raise RunLockedError(f"run directory {self.path.parent.absolute()} is in use: {self.path.absolute()} "
@@ -170,7 +178,7 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         os.fsync(fd)
-        self._fd: int | None = fd
+        self._fd = fd
 
     def release(self) -> None:
         """Delete the lock file and drop the lock (idempotent)."""
