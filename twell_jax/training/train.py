@@ -332,8 +332,12 @@ class Trainer:
     """Builds mesh, model, optimizer, data and checkpoint store for one run; `run()` trains.
 
     resume=True continues the run in `run_dir`: `cfg` may differ from the run's saved config only in
-    config.RESUMABLE_FIELDS; `resume_step` picks a checkpoint (default: the newest intact one).
-    A new run needs an empty (or missing) `run_dir`, or `overwrite=True`.
+    config.RESUMABLE_FIELDS; `resume_step` picks a checkpoint (default: the newest intact one); it
+    is refused when its last steps would train at learning rate 0 (`check_schedule_covers_steps`)
+    or nothing is left to train (`check_resume_steps`). A new run needs an empty (or missing)
+    `run_dir`, or `overwrite=True` and a directory holding a twell run (checkpoint.check_new_run_dir).
+    From construction to the end of `run()` the trainer holds the directory's lock (`release()`
+    gives it up without running).
     """
 
     def __init__(self, cfg: ExperimentConfig, run_dir: str | Path, *, resume: bool = False,
