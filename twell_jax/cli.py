@@ -1,7 +1,7 @@
 """The `twell` command: train / eval / compare.
 
     twell train --config tiny [--set model.n_layers=2 --set train.steps=50] [--out DIR] [--overwrite]
-    twell train --out DIR --resume [--step N] [--set train.steps=500]
+    twell train --out DIR --resume [--step N] [--set train.steps=500 optim.schedule_steps=500]
     twell eval --checkpoint runs/tiny-20250101-120000 [--step N] [--set train.eval_batches=32]
     twell compare --config tiny [--set ...] [--out DIR]
     twell generate --checkpoint RUN --prompt "def main(" [--max-new-tokens 64 --temperature 0.8 --top-k 50]
@@ -101,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace) -> None:
     from twell_jax.training import parallel
-    from twell_jax.training.train import default_run_dir, train
+    from twell_jax.training.train import train
 
     # Multi-host launch (SLURM, Open MPI, JAX_COORDINATOR_ADDRESS): before anything touches devices.
     parallel.initialize_distributed()
@@ -118,7 +118,7 @@ def _train(args: argparse.Namespace) -> None:
               + (f" with overrides {args.set}" if args.set else ""))
     else:
         cfg = _load_config(args.config or "tiny", args.set)
-        out = Path(args.out) if args.out else default_run_dir(cfg)
+        out = Path(args.out) if args.out else None  # None: train() reserves a new runs/<name>-<time>
         print(f"[twell] train: config {cfg.name!r}" + (f" with overrides {args.set}" if args.set else ""))
     result = train(cfg, out, resume=args.resume, resume_step=args.step, overwrite=args.overwrite)
     print(json.dumps({k: result.summary[k] for k in ("val_loss", "val_perplexity", "val_l0_mean",
