@@ -130,3 +130,11 @@ def test_installed_listing():
     assert {os.path.splitext(p)[1] for p in paths} <= {s[1:] for s in tree.INSTALLED_INCLUDE}
     narrowed = tree.list_tree_files(dataclasses.replace(cfg, include=("*.rst",)))
     assert narrowed and all(p.endswith(".rst") for p in narrowed)
+
+
+def test_worker_count():
+    from twell_jax.data.encode_pool import POOL_MIN_CHUNKS, resolve_workers
+
+    assert resolve_workers(0, POOL_MIN_CHUNKS - 1) == 1  # small corpus: in this process
+    assert resolve_workers(0, POOL_MIN_CHUNKS) == min(os.cpu_count(), POOL_MIN_CHUNKS)
+    assert resolve_workers(3, 2) == 2 and resolve_workers(3, 100) == 3 and resolve_workers(1, 100) == 1

@@ -381,7 +381,8 @@ class DataConfig:
     bpe_min_frequency: int = 2
     # Documents per `encode_batch` call while tokenizing (bounds memory, keeps Rust threads busy).
     encode_chunk_documents: int = 512
-    # Processes tokenizing chunks in parallel (0 = one per CPU core, 1 = in this process).
+    # Processes tokenizing chunks in parallel (0 = one per CPU core for a corpus of at least 16
+    # chunks, else in this process; 1 = in this process; see twell_jax/data/encode_pool.py).
     tokenize_workers: int = 0
     # Reader threads assembling batches ahead of the training loop (0 = on the caller's thread).
     num_threads: int = 2

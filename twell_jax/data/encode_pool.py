@@ -21,10 +21,19 @@ _CHUNKS_AHEAD_PER_WORKER = 2
 _worker_state: dict[str, object] = {}
 
 
+# With data.tokenize_workers=0, corpora of fewer chunks are encoded in this process (the Rust
+# library's own threads): a spawned worker's start-up (importing the package, loading the
+# tokenizer: 1-3 s) costs more than it saves there (the stdlib's 4 chunks: 4.1 s in this
+# process, 10.8 s with 2 workers on the shared 2-core machine, 2026-11-24).
+POOL_MIN_CHUNKS = 16
+
+
 def resolve_workers(requested: int, num_chunks: int) -> int:
-    """`data.tokenize_workers` (0 = every core) capped at the number of chunks (at least 1)."""
-    workers = requested or os.cpu_count() or 1
-    return max(1, min(workers, num_chunks))
+    """Processes for `num_chunks` chunks: `data.tokenize_workers` when set (> 0), else every core
+    once the corpus has POOL_MIN_CHUNKS chunks (1 below that); never more than the chunks."""
+    if requested == 0:
+        requested = (os.cpu_count() or 1) if num_chunks >= POOL_MIN_CHUNKS else 1
+    return max(1, min(requested, num_chunks))
 
 
 def _encode_chunk_with(tokenizer, texts: list[str], eot_id: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
