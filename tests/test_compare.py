@@ -73,6 +73,9 @@ def test_refuses_training_runs_and_non_empty_out(tmp_path):
     assert code == 2 and "is not empty" in err and (other / "notes.txt").read_text() == "keep me"
     code, _, err = _run_cli(["compare", "--out", str(tmp_path / "none"), "--resume"])
     assert code == 2 and "holds no comparison" in err
+    (tmp_path / "a_file").write_text("x")
+    code, _, err = _run_cli(["compare", "--config", "micro", "--out", str(tmp_path / "a_file")])
+    assert code == 2 and "not a directory" in err
     # --dry-run plans and prints, trains and writes nothing.
     code, text, _ = _run_cli(["compare", "--config", "micro", "--out", str(tmp_path / "dry"), "--l1", "0", "1e-3",
                               "--dry-run"])
@@ -102,7 +105,8 @@ def interrupted_then_resumed(tmp_path_factory, monkeypatch_module):
     first = (*first, sorted(p.name for p in out.iterdir()))  # what the interrupted study left
     # Changed study options or fixed fields are refused before anything runs.
     refused = [_run_cli(["compare", "--out", str(out), "--resume", "--l1", "5e-3"]),
-               _run_cli(["compare", "--out", str(out), "--resume", "--set", "model.d_ff=32"])]
+               _run_cli(["compare", "--out", str(out), "--resume", "--set", "model.d_ff=32"]),
+               _run_cli(argv)]  # the same study again without --resume
     resumed = _run_cli(["compare", "--out", str(out), "--resume"])
     return out, first, refused, resumed, twin_metrics
 
@@ -122,6 +126,7 @@ def test_sigterm_names_the_resume_command(interrupted_then_resumed):
         assert code == 2
     assert "differ (leave the study options out" in refused[0][2]
     assert "--set model.d_ff: cannot change when resuming a comparison" in refused[1][2]
+    assert "holds a comparison: continue it with --resume" in refused[2][2]
 
 
 def test_resume_keeps_finished_runs_and_continues_the_interrupted_one(interrupted_then_resumed):

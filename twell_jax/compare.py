@@ -93,6 +93,8 @@ def check_out_dir(out_dir: Path, *, resume: bool) -> None:
     training run (config.json / checkpoints/ without a plan) is refused either way."""
     from twell_jax.training import checkpoint as ckpt_lib
 
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir}: not a directory")
     has_plan = (out_dir / PLAN_FILE).is_file()
     if not has_plan and ((out_dir / ckpt_lib.CONFIG_FILE).is_file() or (out_dir / ckpt_lib.CHECKPOINT_SUBDIR).is_dir()):
         raise ValueError(f"--out {out_dir}: that directory is a training run of `twell train`, not a comparison "
@@ -100,9 +102,11 @@ def check_out_dir(out_dir: Path, *, resume: bool) -> None:
     if resume and not has_plan:
         raise FileNotFoundError(f"--resume: {out_dir} holds no comparison ({PLAN_FILE} is missing); start one "
                                 "with `twell compare --out DIR` (no --resume)")
+    if not resume and has_plan:
+        raise ValueError(f"--out {out_dir} holds a comparison: continue it with --resume, or pick another --out")
     if not resume and out_dir.is_dir() and any(out_dir.iterdir()):
-        what = "a comparison: continue it with --resume" if has_plan else "other files"
-        raise ValueError(f"--out {out_dir} is not empty (it holds {what}); or pick another --out")
+        raise ValueError(f"--out {out_dir} is not empty; pick another --out (a comparison starts in a new or "
+                         "empty directory)")
 
 
 def load_plan(out_dir: Path) -> tuple[list[StudyRun], dict[str, Any]]:
@@ -135,7 +139,7 @@ def _run_state(run_dir: Path, cfg: ExperimentConfig) -> str:
     from twell_jax.training import checkpoint as ckpt_lib
 
     summary = run_dir / "summary.json"
-    if summary.is_file() and json.loads(summary.read_text()).get("steps", -1) >= cfg.train.steps:
+    if summary.is_file() and ckpt_lib.read_json_file(summary, "run summary").get("steps", -1) >= cfg.train.steps:
         return "done"
     if ckpt_lib.has_steps(run_dir / ckpt_lib.CHECKPOINT_SUBDIR):
         return "resume"

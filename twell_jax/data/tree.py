@@ -51,13 +51,14 @@ def _matches(relative_path: str, patterns: tuple[str, ...]) -> bool:
 
 
 def walk_matching(root: str, patterns: tuple[str, ...], skipped_dirs: frozenset[str] = SKIPPED_DIRS) -> list[str]:
-    """Files below `root` matching one of `patterns` (sorted; directory symlinks are not followed)."""
+    """Readable files below `root` matching one of `patterns` (sorted; directory symlinks are not followed)."""
     found = []
     for directory, subdirs, names in os.walk(root):
         subdirs[:] = sorted(d for d in subdirs if d not in skipped_dirs)
         for name in names:
             path = os.path.join(directory, name)
-            if _matches(os.path.relpath(path, root).replace(os.sep, "/"), patterns) and os.path.isfile(path):
+            if (_matches(os.path.relpath(path, root).replace(os.sep, "/"), patterns) and os.path.isfile(path)
+                    and os.access(path, os.R_OK)):
                 found.append(path)
     return sorted(found)
 
