@@ -14,7 +14,8 @@ interrupted one from its checkpoint. Prints one table, per pair and over the com
 max |loss difference|, the max |CE difference|, the max |difference| of the mean active count
 per token (layer mean, and its relative value), and, for the pallas run, the share of layer-steps
 in which the op took its exact dense fallback (a high share means the kernels did not run yet:
-raise --l1 or the steps). Writes $OUT/backend_equivalence.json.
+raise --l1 or the steps). Writes $OUT/backend_equivalence.json (the runs stay in --out, one
+checkpoint each).
 """
 from __future__ import annotations
 
@@ -84,10 +85,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--data", default="stdlib",
                         help="data.source (default stdlib: a BPE of the model's vocabulary, built once and cached)")
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.FIELD=VALUE")
-    parser.add_argument("--out", default=None, help="directory of the runs (default $OUT/backend_equivalence)")
+    parser.add_argument("--out", default="runs/backend_equivalence",
+                        help="directory of the runs (not under $OUT: 0.5b checkpoints are GBs)")
     args = parser.parse_args(argv)
     cfg = get_config(args.config)
-    base = [f"train.steps={args.steps}", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=50",
+    base = [f"train.steps={args.steps}", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=100",
+            "train.keep_checkpoints=1",
             "train.eval_batches=2", "train.eval_batch_size=8", "train.progress_bar=false", "model.ffn_kind=twell", f"data.source={args.data}"]
     if args.data != "synthetic":
         base += ["data.tokenizer=bpe", f"data.vocab_size={cfg.model.vocab_size}", "data.val_fraction=0.02"]
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
         base.append(f"sparsity.l1_coef={args.l1}")
     cfg = config_lib.apply_overrides(cfg, base + args.set)
     out_root = Path(os.environ.get("OUT", "."))
-    out = Path(args.out) if args.out else out_root / "backend_equivalence"
+    out = Path(args.out)
     runs = plan(cfg)
     compare_lib.run_study(runs, out, resume=(out / compare_lib.PLAN_FILE).is_file())
     logged = {run.key: curves(out / run.key) for run in runs}
