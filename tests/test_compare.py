@@ -106,7 +106,8 @@ def interrupted_then_resumed(tmp_path_factory, monkeypatch_module):
     # Changed study options or fixed fields are refused before anything runs.
     refused = [_run_cli(["compare", "--out", str(out), "--resume", "--l1", "5e-3"]),
                _run_cli(["compare", "--out", str(out), "--resume", "--set", "model.d_ff=32"]),
-               _run_cli(argv)]  # the same study again without --resume
+               _run_cli(argv),  # the same study again without --resume
+               _run_cli(["compare", "--config", "micro", "--out", str(out), "--resume"])]
     resumed = _run_cli(["compare", "--out", str(out), "--resume"])
     return out, first, refused, resumed, twin_metrics
 
@@ -127,6 +128,7 @@ def test_sigterm_names_the_resume_command(interrupted_then_resumed):
     assert "differ (leave the study options out" in refused[0][2]
     assert "--set model.d_ff: cannot change when resuming a comparison" in refused[1][2]
     assert "holds a comparison: continue it with --resume" in refused[2][2]
+    assert "--config 'micro': leave it out with --resume" in refused[3][2]
 
 
 def test_resume_keeps_finished_runs_and_continues_the_interrupted_one(interrupted_then_resumed):

@@ -78,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     add_set(p_eval, "eval-time overrides, e.g. train.eval_batches=32 (repeatable)")
 
     p_compare = sub.add_parser("compare", help="train a dense twin and sparse twell models (several L1), compare")
-    p_compare.add_argument("--config", default="tiny", help="preset name (see `twell configs`)")
+    p_compare.add_argument("--config", default=None, help="preset name (see `twell configs`; default tiny; not "
+                           "needed with --resume)")
     add_set(p_compare, "config overrides for every run (repeatable)")
     p_compare.add_argument("--out", default=None, help="output directory (default runs/compare-<name>-<timestamp>)")
     from twell_jax.compare import add_arguments as add_compare_arguments

@@ -357,9 +357,12 @@ def main_from_args(args: argparse.Namespace, load_config: Callable[[str, list[st
             raise ValueError("--resume needs --out DIR (the comparison to continue)")
         out = Path(args.out)
         check_out_dir(out, resume=True)
+        if args.config is not None:
+            raise ValueError(f"--config {args.config!r}: leave it out with --resume (the comparison's saved plan "
+                             "is used)")
         runs = resumed_runs(out, args.set, options)
     else:
-        cfg = load_config(args.config, args.set)
+        cfg = load_config(args.config or "tiny", args.set)
         out = Path(args.out) if args.out else Path("runs") / f"compare-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         runs = study_runs(cfg, **options)
         check_out_dir(out, resume=False)
