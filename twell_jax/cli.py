@@ -3,7 +3,7 @@
     twell train --config tiny [--set model.n_layers=2 --set train.steps=50] [--out DIR] [--overwrite]
     twell train --out DIR --resume [--step N] [--set train.steps=500 optim.schedule_steps=500]
     twell eval --checkpoint runs/tiny-20250101-120000 [--step N] [--set train.eval_batches=32]
-    twell compare --config tiny [--set ...] [--out DIR]
+    twell compare --config tiny [--l1 0 1e-5 2e-5] [--set ...] [--out DIR] [--resume] [--dry-run]
     twell generate --checkpoint RUN --prompt "def main(" [--max-new-tokens 64 --temperature 0.8 --top-k 50]
     twell configs            (list presets)
 
@@ -16,7 +16,6 @@ import argparse
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 
 from twell_jax import config as config_lib
@@ -78,10 +77,14 @@ def _parser() -> argparse.ArgumentParser:
     p_eval.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest intact one)")
     add_set(p_eval, "eval-time overrides, e.g. train.eval_batches=32 (repeatable)")
 
-    p_compare = sub.add_parser("compare", help="train the dense relu_gated twin and the sparse twell model, compare")
-    p_compare.add_argument("--config", default="tiny", help="preset name (see `twell configs`)")
-    add_set(p_compare, "config overrides for both runs (repeatable)")
+    p_compare = sub.add_parser("compare", help="train a dense twin and sparse twell models (several L1), compare")
+    p_compare.add_argument("--config", default=None, help="preset name (see `twell configs`; default tiny; not "
+                           "needed with --resume)")
+    add_set(p_compare, "config overrides for every run (repeatable)")
     p_compare.add_argument("--out", default=None, help="output directory (default runs/compare-<name>-<timestamp>)")
+    from twell_jax.compare import add_arguments as add_compare_arguments
+
+    add_compare_arguments(p_compare)
 
     p_gen = sub.add_parser("generate", help="continue prompts with a trained run (KV cache, streamed)")
     p_gen.add_argument("--checkpoint", required=True, help="run directory (or its checkpoints/ dir)")
@@ -146,12 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             result = evaluate_checkpoint(args.checkpoint, step=args.step, overrides=args.set)
             print(json.dumps(result, indent=2))
         elif args.command == "compare":
-            from twell_jax.compare import compare
+            from twell_jax.compare import main_from_args
 
-            cfg = _load_config(args.config, args.set)
-            out = Path(args.out) if args.out else Path("runs") / f"compare-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-            print(f"[twell] compare: config {args.config!r}, writing to {out.absolute()}")
-            compare(cfg, out)
+            main_from_args(args, _load_config)
         elif args.command == "generate":
             from twell_jax.inference.cli import run_generate
 

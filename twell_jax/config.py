@@ -356,8 +356,14 @@ class DataConfig:
     # "stdlib" = the Python standard library's own .py files (present offline on every machine);
     # "synthetic" = deterministic random token ids (no corpus, no tokenizer: tests, benchmarks); or
     # a path to a .txt file, a .jsonl file (one JSON object per line), a .parquet file, or a
-    # directory searched recursively for those three kinds of file (other files are ignored).
+    # directory searched recursively for those three kinds of file (other files are ignored);
+    # "installed" = the standard library plus every installed package's sources and docs
+    # (site-packages, dist-packages, share/doc; see twell_jax/data/tree.py).
     source: str = "stdlib"
+    # Glob patterns (e.g. "*.py,*.md,*.rst,*.txt") choosing the files of a directory source, every
+    # match one document (.jsonl/.parquet by their kind); exact duplicate documents are dropped.
+    # For source="installed", () = its default sources-and-docs patterns. () = the default above.
+    include: tuple[str, ...] = ()
     # "bpe" = train a byte-level BPE on the training documents (cached); or a path to a
     # tokenizer.json (or to a directory holding one, e.g. a local copy of a HF model).
     # Ignored for source="synthetic".
@@ -393,6 +399,9 @@ class DataConfig:
     bpe_min_frequency: int = 2
     # Documents per `encode_batch` call while tokenizing (bounds memory, keeps Rust threads busy).
     encode_chunk_documents: int = 512
+    # Processes tokenizing chunks in parallel (0 = one per CPU core for a corpus of at least 16
+    # chunks, else in this process; 1 = in this process; see twell_jax/data/encode_pool.py).
+    tokenize_workers: int = 0
     # Reader threads assembling batches ahead of the training loop (0 = on the caller's thread).
     num_threads: int = 2
     # Batches buffered ahead per iterator (memory = prefetch * local batch).
@@ -419,7 +428,9 @@ class DataConfig:
         _check_positive("data", seq_len=self.seq_len, bpe_min_frequency=self.bpe_min_frequency,
                         encode_chunk_documents=self.encode_chunk_documents)
         _check_non_negative("data", seed=self.seed, split_seed=self.split_seed, num_threads=self.num_threads,
-                            prefetch=self.prefetch)
+                            prefetch=self.prefetch, tokenize_workers=self.tokenize_workers)
+        if not isinstance(self.include, tuple) or not all(isinstance(p, str) and p.strip() for p in self.include):
+            raise ValueError(f"data.include={self.include!r}: expected glob patterns such as '*.py,*.md'")
         if isinstance(self.val_fraction, bool) or not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction={self.val_fraction}: expected 0 <= val_fraction < 1")
         if self.max_documents is not None:
@@ -501,7 +512,7 @@ RESUMABLE_FIELDS = frozenset({
     "train.auto_trial_steps", "optim.schedule_steps",
     "model.ffn_backend", "model.ffn_op_config", "model.ffn_interpret", "model.ffn_expected_active",
     "model.ffn_expected_tails", "model.remat", "model.attention_impl",
-    "data.source", "data.cache_dir", "data.progress", "data.num_threads", "data.prefetch",
+    "data.source", "data.cache_dir", "data.progress", "data.num_threads", "data.prefetch", "data.tokenize_workers",
 })
 
 

@@ -164,8 +164,7 @@ def build_data(cfg: DataConfig, *, global_batch: int, process_index: int = 0, pr
     cache_path = os.path.join(os.path.expanduser(cfg.cache_dir), "tokens", tokens_key)
     built_tokens = not cache_lib.has_token_cache(cache_path)
     if built_tokens:
-        cache_lib.build_token_cache(cfg, files, lambda texts: tokenizer_lib.encode_documents(tok, texts),
-                                    tok.get_vocab_size(), eot_id, is_val_fn(), cache_path)
+        cache_lib.build_token_cache(cfg, files, tok, tokenizer_path, eot_id, is_val_fn(), cache_path)
     else:
         cache_lib.log(cfg, f"tokens: cached at {cache_path}")
     tokens = cache_lib.load_token_cache(cache_path)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from twell_jax.config import DataConfig
+from twell_jax.data import tree
 
 # Version of the listing fingerprint below (part of every cache key: bump to invalidate them all).
 LISTING_FORMAT_VERSION = 1
@@ -30,7 +31,7 @@ _STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__
 class SourceFile:
     """One file of a corpus."""
 
-    kind: str  # "python" (stdlib .py), "txt", "jsonl" or "parquet"
+    kind: str  # "python" (stdlib .py), "text" (any file of a data.include pattern), "txt", "jsonl" or "parquet"
     path: str
 
 
@@ -54,6 +55,8 @@ def list_source_files(cfg: DataConfig) -> list[SourceFile]:
     """The source's files in a fixed (sorted) order; clear errors for missing or unknown paths."""
     if cfg.is_synthetic:
         raise ValueError("data.source='synthetic' has no files (build it with synthetic_data)")
+    if tree.dedups_documents(cfg):  # data.include patterns, or the "installed" source
+        return [SourceFile(_kind_of(p) or "text", p) for p in tree.list_tree_files(cfg)]
     if cfg.source == "stdlib":
         root = stdlib_root()
         files = []
@@ -96,7 +99,7 @@ def _read_text(path: str) -> str:
 
 
 def _iter_file_documents(source_file: SourceFile, cfg: DataConfig) -> Iterator[str]:
-    if source_file.kind == "python":
+    if source_file.kind in ("python", "text"):
         yield _read_text(source_file.path)
     elif source_file.kind == "txt":
         text = _read_text(source_file.path)
@@ -155,10 +158,16 @@ def iter_documents(cfg: DataConfig, files: list[SourceFile] | None = None) -> It
     """The source's non-empty documents in a fixed order, at most `cfg.max_documents` of them."""
     files = list_source_files(cfg) if files is None else files
     produced = 0
+    seen: set[bytes] | None = set() if tree.dedups_documents(cfg) else None
     for source_file in files:
         for text in _iter_file_documents(source_file, cfg):
             if not text:
                 continue
+            if seen is not None:  # exact duplicates and binary files (a NUL byte) are dropped
+                digest = hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).digest()
+                if digest in seen or "\x00" in text:
+                    continue
+                seen.add(digest)
             yield text
             produced += 1
             if cfg.max_documents is not None and produced >= cfg.max_documents:
