@@ -512,3 +512,23 @@ def test_command_line_builds_and_reports(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--source", str(tmp_path / "missing"), "--cache-dir", str(tmp_path)])
     assert "data.source=" in capsys.readouterr().err
+
+
+def test_bad_bytes_fake_parquet_int_columns_and_bad_tokenizers_are_named(tmp_path):
+    cache = tmp_path / "cache"
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin.jsonl:2: not valid UTF-8"):
+        build_data(_cfg(latin, cache), global_batch=1)
+    fake = tmp_path / "fake.parquet"
+    fake.write_text("this is not parquet\n")
+    with pytest.raises(ValueError, match=r"fake.parquet: not a readable Parquet file"):
+        build_data(_cfg(fake, cache), global_batch=1)
+    ints = tmp_path / "ints.parquet"
+    pq.write_table(pa.table({"text": [1, 2, 3]}), ints)
+    with pytest.raises(ValueError, match=r"ints.parquet: column 'text' holds int64, expected strings"):
+        build_data(_cfg(ints, cache), global_batch=1)
+    bad_tok = tmp_path / "tokenizer.json"
+    bad_tok.write_text('{"version": "1.0", "model": ')
+    with pytest.raises(ValueError, match=r"tokenizer.json: not a valid tokenizer.json"):
+        tokenizer_lib.load_tokenizer(str(bad_tok))
