@@ -72,7 +72,7 @@ sys.path.insert(0, str(REPO_ROOT))  # run from a checkout, uninstalled
 
 # The parent imports JAX modules but never touches a device: initialising the GPU backend here
 # would hold a CUDA context (and by default 75% of every GPU's memory) while the children run.
-from configs import get_config  # noqa: E402
+from twell_jax.configs import get_config  # noqa: E402
 from twell_jax import config as config_lib  # noqa: E402
 from twell_jax.training import parallel  # noqa: E402
 from twell_jax.config import FFN_KINDS, ExperimentConfig  # noqa: E402

@@ -421,7 +421,7 @@ def _book(tmp_path, paragraphs: int = 60) -> str:
 
 
 def _micro(*overrides: str):
-    from configs import get_config
+    from twell_jax.configs import get_config
     from twell_jax import config as config_lib
 
     return config_lib.apply_overrides(get_config("micro"), list(overrides))

@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def micro_run(tmp_path_factory):
     """A 4-step micro run under <tmp>/runs/micro (what the README's example loads), its final params."""
-    from configs import get_config
+    from twell_jax.configs import get_config
     from twell_jax.training.train import train
 
     root = tmp_path_factory.mktemp("inference")

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from configs import get_config, list_configs
+from twell_jax.configs import get_config, list_configs
 from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax import config as config_lib
 from twell_jax.cli import _parser, main

@@ -26,7 +26,7 @@ EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}  # 128 + the signal number, as a s
 
 
 def _load_config(name: str, overrides: list[str]) -> config_lib.ExperimentConfig:
-    from configs import get_config
+    from twell_jax.configs import get_config
 
     return config_lib.apply_overrides(get_config(name), overrides)
 
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "configs":
-        from configs import list_configs
+        from twell_jax.configs import list_configs
 
         for name in list_configs():
             print(name)
