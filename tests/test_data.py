@@ -161,7 +161,7 @@ def test_val_batches_are_finite_deterministic_and_capped(bundle):
     assert len(batches) == bundle.num_val_sequences
     np.testing.assert_array_equal([b["tokens"][0] for b in batches], bundle.val_sequences)
     assert len(list(bundle.val_batches(1, max_batches=1))) == 1
-    with pytest.raises(ValueError, match=r"batch_size=10000: the validation split has only \d+ sequences"):
+    with pytest.raises(ValueError, match=r"batch_size=10000: the validation split .* holds only \d+ sequences"):
         bundle.val_batches(10000)
 
 
