@@ -130,15 +130,18 @@ def test_readme_generate_example_runs(compared, capsys):
     import shlex
 
     readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    lines = [line for line in re.findall(r"^twell generate .*$", readme, flags=re.M)]
-    assert lines, "README.md shows no twell generate command"
+    lines = re.findall(r"^twell generate --checkpoint .*$", readme, flags=re.M)  # (--hf: the HF test)
+    assert len(lines) >= 2, "README.md shows no twell generate command of a run"
     for line in lines:
         argv = shlex.split(line, comments=True)[1:]
         argv[argv.index("--checkpoint") + 1] = str(compared[0] / "twell")
         code, out, err = _run(argv, capsys)
         assert code == 0, err
         prompt = argv[argv.index("--prompt") + 1]
-        assert out.startswith(prompt) and "[twell]" not in out  # the text on stdout, the notes on stderr
+        if "--json" in argv:
+            assert json.loads(out)["prompts"][0]["prompt"] == prompt
+        else:
+            assert out.startswith(prompt) and "[twell]" not in out  # the text on stdout, the notes on stderr
 
 
 def test_generate_checks_everything_before_printing_and_truncates_on_request(compared, capsys):
