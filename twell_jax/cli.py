@@ -418,6 +418,14 @@ def _parser() -> argparse.ArgumentParser:
     def add_json(p: argparse.ArgumentParser) -> None:
         p.add_argument("--json", action="store_true", help="print the result as one JSON document on stdout")
 
+    def add_model_source(p: argparse.ArgumentParser, *, hf_help: str | None) -> None:
+        """--checkpoint and --step (a trained run), and --hf (a Hugging Face checkpoint) where given."""
+        p.add_argument("--checkpoint", default=None, required=hf_help is None,
+                       help="run directory, its checkpoints/ dir, or one step's dir (RUN/checkpoints/8)")
+        if hf_help is not None:
+            p.add_argument("--hf", default=None, metavar="HF_DIR", help=hf_help)
+        p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest intact one)")
+
     p_train = command("train", "train a model (or continue one with --resume)",
                       "Train a model from a preset or a config .json into a run directory (config, checkpoints, "
                       "metrics, summary), continue a run with --resume, or fine-tune a Hugging Face Llama "
@@ -442,10 +450,7 @@ def _parser() -> argparse.ArgumentParser:
     p_eval = command("eval", "validation loss + perplexity of a checkpoint",
                      "Evaluate a trained run's checkpoint (or a Hugging Face checkpoint with --hf): loss, "
                      "perplexity, per-layer active FFN neurons, on the run's validation split or a whole corpus.")
-    p_eval.add_argument("--checkpoint", default=None,
-                        help="run directory, its checkpoints/ dir, or one step's dir (RUN/checkpoints/8)")
-    p_eval.add_argument("--hf", default=None, metavar="HF_DIR", help="evaluate a Hugging Face Llama checkpoint")
-    p_eval.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest intact one)")
+    add_model_source(p_eval, hf_help="evaluate a Hugging Face Llama checkpoint")
     p_eval.add_argument("--split", choices=("val", "all"), default="val",
                         help="val: the validation split (data.val_fraction of the corpus, drawn at training "
                              "time); all: every full batch of the whole corpus (e.g. another corpus given with "
@@ -465,9 +470,7 @@ def _parser() -> argparse.ArgumentParser:
     p_gen = command("generate", "continue prompts with a trained run (KV cache, streamed)",
                     "Continue prompts with a trained run or a Hugging Face checkpoint: greedy or sampled, a "
                     "single prompt streamed as it is generated.")
-    p_gen.add_argument("--checkpoint", default=None,
-                       help="run directory, its checkpoints/ dir, or one step's dir (RUN/checkpoints/8)")
-    p_gen.add_argument("--hf", default=None, metavar="HF_DIR", help="generate with a Hugging Face Llama checkpoint")
+    add_model_source(p_gen, hf_help="generate with a Hugging Face Llama checkpoint")
     p_gen.add_argument("--prompt", action="append", required=True,
                        help="prompt text; repeat for a batch (a single prompt and sample is streamed)")
     p_gen.add_argument("--max-new-tokens", type=int, default=64)
@@ -483,7 +486,6 @@ def _parser() -> argparse.ArgumentParser:
     p_gen.add_argument("--truncate-prompt", choices=("error", "left"), default="error",
                        help="a prompt that leaves no room for --max-new-tokens in the context: error (default), "
                             "or left: keep its last tokens")
-    p_gen.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p_gen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     add_json(p_gen)
 
@@ -493,16 +495,16 @@ def _parser() -> argparse.ArgumentParser:
                    "checkpoint in that layout.")
     hf_sub = p_hf.add_subparsers(dest="hf_command", required=True, metavar="{import,export}")
     p_import = hf_sub.add_parser("import", parents=[common], help="check a Llama checkpoint and describe it",
+                                 epilog=EXAMPLES["hf"], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  description="Read a Llama checkpoint directory (config.json, model.safetensors "
                                  "or shards, tokenizer.json) with every check an import makes.")
     p_import.add_argument("path", help="the checkpoint directory")
     add_json(p_import)
     p_export = hf_sub.add_parser("export", parents=[common], help="write a run's checkpoint as a Llama checkpoint",
+                                 epilog=EXAMPLES["hf"], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  description="Write config.json, generation_config.json, model.safetensors and "
                                  "tokenizer.json that transformers.LlamaForCausalLM loads.")
-    p_export.add_argument("--checkpoint", required=True,
-                          help="run directory, its checkpoints/ dir, or one step's dir (RUN/checkpoints/8)")
-    p_export.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    add_model_source(p_export, hf_help=None)
     p_export.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     p_export.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     add_json(p_export)
