@@ -127,7 +127,7 @@ def test_twell_generate_streams_and_reports_errors(micro_run, capsys, monkeypatc
     rc = cli.main(["generate", "--checkpoint", str(run), "--prompt", "def main(", "--max-new-tokens", "5",
                    "--dtype", "float32", "--temperature", "0.7", "--top-k", "20", "--seed", "1"])
     captured = capsys.readouterr()
-    assert rc == 0 and requested == [(str(run), None, "float32")]
+    assert rc == 0 and requested == [(run, None, "float32")]
     # It printed the prompt and streamed the continuation that generate() gives for these settings.
     expected = generate(loaded, ["def main("], max_new_tokens=5, temperature=0.7, top_k=20, seed=1)
     assert captured.out == "def main(" + expected.texts[0] + "\n"

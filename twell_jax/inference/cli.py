@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 from twell_jax.config import decode_escapes
 from twell_jax.inference.generate import Generator, SamplingConfig
+from twell_jax.inference.load import load_run
 
 
 def _check_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
@@ -54,7 +55,6 @@ def _load(args: argparse.Namespace) -> Any:
 
         return import_hf(args.hf, dtype=args.dtype)
     from twell_jax.cli import checkpoint_arg
-    from twell_jax.inference.load import load_run
 
     run_dir, step = checkpoint_arg(args.checkpoint, args.step)
     return load_run(run_dir, step=step, dtype=args.dtype)
