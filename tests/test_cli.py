@@ -274,9 +274,16 @@ def test_every_error_is_one_line_and_exit_2_with_a_traceback_only_on_debug(compa
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(evaluate, "evaluate_checkpoint", interrupted)
-    code, out, err = _run(["eval", "--checkpoint", run], capsys)
-    assert code == 130 and out == "" and len(err.splitlines()) == 1 and "interrupted" in err
+    def import_interrupted(*args, **kwargs):  # numpy turns a Ctrl-C during its import into an ImportError
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise ImportError("Encountered an error while initializing the extension.")
+
+    for raiser in (interrupted, import_interrupted):
+        monkeypatch.setattr(evaluate, "evaluate_checkpoint", raiser)
+        code, out, err = _run(["eval", "--checkpoint", run], capsys)
+        assert code == 130 and out == "" and len(err.splitlines()) == 1 and "interrupted" in err
 
 
 def test_without_a_terminal_progress_is_plain_lines_on_each_logged_step(tmp_path):

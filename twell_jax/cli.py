@@ -518,6 +518,15 @@ def _parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------- errors
 
 
+def _root_cause(err: BaseException) -> BaseException:
+    """The first exception of `err`'s chain (what it was raised from or while handling)."""
+    seen = {id(err)}
+    while (err.__cause__ or err.__context__) is not None and id(err.__cause__ or err.__context__) not in seen:
+        err = err.__cause__ or err.__context__
+        seen.add(id(err))
+    return err
+
+
 def describe_error(err: BaseException) -> str:
     """One line for an error: the file of an OSError (also one wrapped by Orbax or TensorStore), the
     message of our own errors, the type and first line of anything else."""
@@ -544,8 +553,6 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     name = args.command if args.command != "hf" else f"hf {args.hf_command}"
     result_out = sys.stdout
-    from twell_jax.training.train import TrainingInterrupted
-
     try:
         # Everything a command prints while it runs is a log line: stderr. Its result goes to stdout.
         with contextlib.redirect_stdout(sys.stderr):
@@ -554,9 +561,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"twell {name}: interrupted (Ctrl-C); nothing more was written", file=sys.stderr)
         return EXIT_SIGNAL["SIGINT"]
     except Exception as err:  # noqa: BLE001 (the CLI boundary: every error is one line and exit 2)
-        if isinstance(err, TrainingInterrupted):
+        train_module = sys.modules.get("twell_jax.training.train")  # imported by then if err is its
+        if train_module is not None and isinstance(err, train_module.TrainingInterrupted):
             print(f"twell {name}: {err}", file=sys.stderr)
             return EXIT_SIGNAL.get(err.signal_name, EXIT_ERROR)
+        if isinstance(_root_cause(err), KeyboardInterrupt):  # e.g. an import that Ctrl-C broke
+            print(f"twell {name}: interrupted (Ctrl-C); nothing more was written", file=sys.stderr)
+            return EXIT_SIGNAL["SIGINT"]
         if args.debug:
             traceback.print_exc(file=sys.stderr)
         print(f"twell {name}: error: {describe_error(err)}"
@@ -568,7 +579,11 @@ def main(argv: list[str] | None = None) -> int:
 def run() -> None:
     """The `twell` console script: main(), exiting without interpreter teardown after Ctrl-C (the
     teardown of a compile that was interrupted has crashed with a segmentation fault)."""
-    code = main()
+    try:
+        code = main()
+    except KeyboardInterrupt:  # before a command started (parsing the arguments)
+        print("twell: interrupted (Ctrl-C)", file=sys.stderr)
+        code = EXIT_SIGNAL["SIGINT"]
     if code == EXIT_SIGNAL["SIGINT"]:
         sys.stdout.flush()
         sys.stderr.flush()
