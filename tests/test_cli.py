@@ -258,8 +258,14 @@ def test_every_error_is_one_line_and_exit_2_with_a_traceback_only_on_debug(compa
             raise RuntimeError("TensorStore write failed:\n" + "    at frame\n" * 500) from inner
 
     run = str(compared[0] / "twell")
+    def tensorstore_says(*args, **kwargs):  # a library's ValueError whose errno text sits deep in its message
+        raise ValueError("Error writing local file \"/runs/x/d/1\":\n" + "  context\n" * 50
+                         + "[RESOURCE_EXHAUSTED] No space left on device")
+
     for error, expected in ((full_disk, "/runs/x/checkpoints/4/params: No space left on device"),
-                            (TypeError("expected str, got int"), "TypeError: expected str, got int")):
+                            (TypeError("expected str, got int"), "TypeError: expected str, got int"),
+                            (tensorstore_says, 'ValueError: Error writing local file "/runs/x/d/1": '
+                                               '[No space left on device]')):
         def raise_(*args, _error=error, **kwargs):
             if callable(_error):
                 _error()

@@ -537,14 +537,38 @@ def describe_error(err: BaseException) -> str:
             where = cause.filename if cause.filename is not None else ""
             return f"{where}: {cause.strerror}" if where else cause.strerror
         cause = cause.__cause__ or cause.__context__
-    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
-    if isinstance(err, (ValueError, FileNotFoundError, FileExistsError, FloatingPointError)) and text \
-            and type(err).__module__.startswith(("builtins", "twell_jax")):
-        return text  # our own errors: the whole message, which names the argument, field or file
-    text = next((line.strip() for line in str(err).splitlines() if line.strip()), "")  # a library's: its first line
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if isinstance(err, (ValueError, FileNotFoundError, FileExistsError, FloatingPointError)) and lines \
+            and _raised_by_twell(err):
+        return " ".join(lines)  # our own errors: the whole message, which names the argument, field or file
+    text = lines[0] if lines else ""  # a library's (Orbax, TensorStore, ...): its first line
     if len(text) > 400:
         text = text[:400] + " ..."
+    # A system error spelled out deeper in a long message (TensorStore reports errno text so).
+    system = next((phrase for phrase in _SYSTEM_ERRORS if phrase in str(err) and phrase not in text), None)
+    if system:
+        text += f" [{system}]"
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+_SYSTEM_ERRORS = ("No space left on device", "Read-only file system", "Permission denied", "Disk quota exceeded")
+
+
+def _raised_by_twell(err: BaseException) -> bool:
+    """Whether `err` was raised by this package's code (its kernels and presets included)."""
+    import twell_jax
+
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    where = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    package = os.path.abspath(twell_jax.__path__[0])
+    # In a source checkout the kernels and presets are top-level folders beside the package.
+    roots = [package] + [os.path.join(os.path.abspath(entry), folder) for entry in twell_jax.__path__[1:]
+                         for folder in ("pallas_kernels", "configs")]
+    return any(where.startswith(root + os.sep) for root in roots)
 
 
 def main(argv: list[str] | None = None) -> int:
