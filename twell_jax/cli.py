@@ -208,7 +208,12 @@ def _param_count(model_cfg: config_lib.ModelConfig) -> int:
 # ----------------------------------------------------------------------------- commands
 
 
-def _train(args: argparse.Namespace, out: TextIO) -> None:
+def _train(args: argparse.Namespace, result_out: TextIO) -> None:
+    from twell_jax.training import parallel
+    from twell_jax.training.train import default_run_dir, train
+
+    # Multi-host launch (SLURM, Open MPI, JAX_COORDINATOR_ADDRESS): before anything touches devices.
+    parallel.initialize_distributed()
     if args.step is not None and not args.resume:
         raise ValueError("--step picks the checkpoint to continue from; it needs --resume")
     if args.resume and args.overwrite:
@@ -220,46 +225,37 @@ def _train(args: argparse.Namespace, out: TextIO) -> None:
     if args.resume:
         if args.out is None:
             raise ValueError("--resume needs --out DIR (the run directory to continue)")
-        out_dir = Path(args.out)
-        cfg = resume_config(out_dir, args.config, args.set)
+        out = Path(args.out)
+        cfg = resume_config(out, args.config, args.set)
+        print(f"[twell] train: resuming {out.absolute()} (config {cfg.name!r})"
+              + (f" with overrides {args.set}" if args.set else ""))
     else:
         cfg = _load_config(args.config or "tiny", args.set)
         if args.init_from:
             kind = cfg.model.ffn_kind if "model.ffn_kind" in _override_keys(args.set) else None
             imported = _imported(args.init_from, dtype="float32", ffn_kind=kind, ffn_backend=cfg.model.ffn_backend)
             cfg = _with_imported_model(cfg, imported, args.set, "--init-from")
-        out_dir = Path(args.out) if args.out else None
-    if args.print_config:
-        out.write(config_lib.to_json(cfg) + "\n")
-        return
-    if args.dry_run:
-        _dry_run(args, cfg, out_dir, out)
-        return
-    from twell_jax.training import parallel
-    from twell_jax.training.train import Trainer, default_run_dir
-
-    # Multi-host launch (SLURM, Open MPI, JAX_COORDINATOR_ADDRESS): before anything touches devices.
-    parallel.initialize_distributed()
-    out_dir = out_dir or default_run_dir(cfg)
-    if args.resume:
-        print(f"[twell] train: resuming {out_dir.absolute()} (config {cfg.name!r})"
-              + (f" with overrides {args.set}" if args.set else ""))
-    else:
+        out = Path(args.out) if args.out else default_run_dir(cfg)
         print(f"[twell] train: config {cfg.name!r}" + (f" with overrides {args.set}" if args.set else "")
               + (f", initialised from {args.init_from}" if imported is not None else ""))
-    kwargs = dict(resume=args.resume, resume_step=args.step, overwrite=args.overwrite)
+    if args.print_config:
+        result_out.write(config_lib.to_json(cfg) + "\n")
+        return
+    if args.dry_run:
+        _dry_run(args, cfg, out, result_out)
+        return
     if imported is None:
-        trainer = Trainer(cfg, out_dir, **kwargs)
+        result = train(cfg, out, resume=args.resume, resume_step=args.step, overwrite=args.overwrite)
     else:
         from twell_jax.model import split_model
 
-        trainer = _init_from_trainer()(cfg, out_dir, init_params=split_model(imported.model)[1], **kwargs)
-    result = trainer.run()
+        result = _init_from_trainer()(cfg, out, init_params=split_model(imported.model)[1],
+                                      overwrite=args.overwrite).run()
     summary = {k: result.summary[k] for k in ("val_loss", "val_perplexity", "val_l0_mean", "val_sparsity",
                                               "tokens_per_s")}
-    summary["run_dir"] = str(out_dir.absolute())
-    _emit(out, args, summary, lambda: (
-        f"{out_dir}: validation loss {summary['val_loss']:.4f}, perplexity {summary['val_perplexity']:.2f}, "
+    summary["run_dir"] = str(out.absolute())
+    _emit(result_out, args, summary, lambda: (
+        f"{out}: validation loss {summary['val_loss']:.4f}, perplexity {summary['val_perplexity']:.2f}, "
         f"{summary['val_l0_mean']:.1f} active FFN neurons/token ({100 * summary['val_sparsity']:.1f}% zero)"))
 
 
@@ -283,19 +279,17 @@ def _init_from_trainer() -> type:
     return InitFromParams
 
 
-def _dry_run(args: argparse.Namespace, cfg: config_lib.ExperimentConfig, out_dir: Path | None, out: TextIO) -> None:
+def _dry_run(args: argparse.Namespace, cfg: config_lib.ExperimentConfig, target: Path, out: TextIO) -> None:
     """Check what a run would do (config, data, batch layout over the devices) and write no run."""
     import jax
 
     from twell_jax.data import build_experiment_data
     from twell_jax.training import parallel
-    from twell_jax.training.train import default_run_dir
 
     tc = cfg.train
     devices = parallel.mesh_size(parallel.make_mesh(tc.num_devices))
     accum = parallel.check_batch_layout(tc.global_batch, tc.micro_batch, devices)
     data = build_experiment_data(cfg)  # the corpus, tokenizer and splits, checked as training checks them
-    target = out_dir or default_run_dir(cfg)
     state = ("continues the run there" if args.resume else
              "new, non-empty: needs --overwrite" if target.is_dir() and any(target.iterdir()) else "new")
     plan = {"config": cfg.name, "run_dir": str(target.absolute()), "run_dir_state": state,
