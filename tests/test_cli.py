@@ -304,3 +304,23 @@ def test_without_a_terminal_progress_is_plain_lines_on_each_logged_step(tmp_path
     sink.write({"step": 2, "val_loss": 5.0})
     sink.close()
     assert lines == ["[twell] step 2/4 loss 5.5 ce 5.4 lr 0.001 l0 4.0 100 tok/s"]
+
+
+def test_the_console_script_exits_130_on_ctrl_c_and_2_on_an_error(tmp_path):
+    import subprocess
+    import sys
+
+    script = ("import sys\n"
+              "from twell_jax.training import evaluate\n"
+              "def stop(*a, **k):\n"
+              "    raise KeyboardInterrupt\n"
+              "if sys.argv[1] == 'ctrl-c':\n"
+              "    evaluate.evaluate_checkpoint = stop\n"
+              "sys.argv = ['twell', 'eval', '--checkpoint', sys.argv[2]]\n"
+              "from twell_jax.cli import run\n"
+              "run()\n")
+    for case, code, message in (("ctrl-c", 130, "interrupted (Ctrl-C)"), ("error", 2, "no checkpoint")):
+        done = subprocess.run([sys.executable, "-c", script, case, str(tmp_path / "none")], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == code and done.stdout == "" and "Traceback" not in done.stderr, done.stderr
+        assert len(done.stderr.splitlines()) == 1 and message in done.stderr
