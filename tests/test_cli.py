@@ -324,3 +324,16 @@ def test_the_console_script_exits_130_on_ctrl_c_and_2_on_an_error(tmp_path):
                               text=True, timeout=300)
         assert done.returncode == code and done.stdout == "" and "Traceback" not in done.stderr, done.stderr
         assert len(done.stderr.splitlines()) == 1 and message in done.stderr
+
+
+def test_a_damaged_run_config_or_tokenizer_is_named(compared, tmp_path, capsys):
+    import shutil
+
+    run = shutil.copytree(compared[0] / "twell", tmp_path / "run")
+    (run / "config.json").write_bytes(b"\xff\xfe{")
+    code, _, err = _run(["eval", "--checkpoint", str(run)], capsys)
+    assert code == 2 and f"{run / 'config.json'} is not valid JSON" in err
+    shutil.copy(compared[0] / "twell" / "config.json", run / "config.json")
+    (run / "tokenizer.json").write_text("{bad")
+    code, _, err = _run(["generate", "--checkpoint", str(run), "--prompt", "x"], capsys)
+    assert code == 2 and f"{run / 'tokenizer.json'}: not a valid tokenizer.json" in err
