@@ -325,6 +325,20 @@ def test_jsonl_and_parquet_errors(tmp_path):
     pq.write_table(pa.table({"content": ["a", "b"]}), parquet)
     with pytest.raises(ValueError, match=r"Parquet file has no 'text' column \(columns: \['content'\]\)"):
         build_data(_cfg(parquet, cache), global_batch=1)
+    # Bytes that are not UTF-8 (with their line), a file that is not Parquet, a column of numbers, a
+    # tokenizer.json that does not load: each named.
+    (tmp_path / "latin.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    (tmp_path / "fake.parquet").write_text("this is not parquet\n")
+    pq.write_table(pa.table({"text": [1, 2, 3]}), tmp_path / "ints.parquet")
+    for name, match in (("latin.jsonl", r"latin.jsonl:2: not valid UTF-8"),
+                        ("fake.parquet", r"fake.parquet: not a readable Parquet file"),
+                        ("ints.parquet", r"ints.parquet: column 'text' holds int64, expected strings")):
+        with pytest.raises(ValueError, match=match):
+            build_data(_cfg(tmp_path / name, cache), global_batch=1)
+    bad_tok = tmp_path / "tokenizer.json"
+    bad_tok.write_text('{"version": "1.0", "model": ')
+    with pytest.raises(ValueError, match=r"tokenizer.json: not a valid tokenizer.json"):
+        tokenizer_lib.load_tokenizer(str(bad_tok))
 
 
 def test_tokenizer_without_eot_token_is_rejected(tmp_path, corpus):
@@ -513,22 +527,3 @@ def test_command_line_builds_and_reports(tmp_path, capsys):
         main(["--source", str(tmp_path / "missing"), "--cache-dir", str(tmp_path)])
     assert "data.source=" in capsys.readouterr().err
 
-
-def test_bad_bytes_fake_parquet_int_columns_and_bad_tokenizers_are_named(tmp_path):
-    cache = tmp_path / "cache"
-    latin = tmp_path / "latin.jsonl"
-    latin.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
-    with pytest.raises(ValueError, match=r"latin.jsonl:2: not valid UTF-8"):
-        build_data(_cfg(latin, cache), global_batch=1)
-    fake = tmp_path / "fake.parquet"
-    fake.write_text("this is not parquet\n")
-    with pytest.raises(ValueError, match=r"fake.parquet: not a readable Parquet file"):
-        build_data(_cfg(fake, cache), global_batch=1)
-    ints = tmp_path / "ints.parquet"
-    pq.write_table(pa.table({"text": [1, 2, 3]}), ints)
-    with pytest.raises(ValueError, match=r"ints.parquet: column 'text' holds int64, expected strings"):
-        build_data(_cfg(ints, cache), global_batch=1)
-    bad_tok = tmp_path / "tokenizer.json"
-    bad_tok.write_text('{"version": "1.0", "model": ')
-    with pytest.raises(ValueError, match=r"tokenizer.json: not a valid tokenizer.json"):
-        tokenizer_lib.load_tokenizer(str(bad_tok))
