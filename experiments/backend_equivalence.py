@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from configs import get_config
+from twell_jax.configs import get_config
 from twell_jax import compare as compare_lib
 from twell_jax import config as config_lib
 

@@ -30,8 +30,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn, sparse_ffn_reference  # noqa: E402
-from pallas_kernels.twell_pack import PackBlockSizes, pack_gate, pack_gate_reference  # noqa: E402
+from twell_jax.pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn, sparse_ffn_reference  # noqa: E402
+from twell_jax.pallas_kernels.twell_pack import PackBlockSizes, pack_gate, pack_gate_reference  # noqa: E402
 from twell_jax import ops  # noqa: E402
 from twell_jax.ops import pallas_forward  # noqa: E402
 

@@ -41,7 +41,7 @@ from jax import lax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_ffn  # noqa: E402  (the synthetic-sparsity generator; reads bench_ffn.D / .H)
-from pallas_kernels.twell_decode import DecodeBlockSizes  # noqa: E402
+from twell_jax.pallas_kernels.twell_decode import DecodeBlockSizes  # noqa: E402
 from twell_jax.ops import pallas_decode  # noqa: E402
 from twell_jax import ops  # noqa: E402
 

@@ -69,11 +69,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_ffn  # noqa: E402  (make_inputs, bench_interleaved, bench: one copy of each)
 from kernel_trace import KernelProfile, format_profile, kernel_times  # noqa: E402
-from pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes, neuron_backward  # noqa: E402
-from pallas_kernels.twell_bwd_token import TokenBwdBlockSizes, rank_values, token_backward, token_lists  # noqa: E402
-from pallas_kernels.twell_transpose import neuron_lists  # noqa: E402
-from pallas_kernels.twell_ffn import sparse_ffn  # noqa: E402
-from pallas_kernels.twell_pack import PackBlockSizes, pack_gate  # noqa: E402
+from twell_jax.pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes, neuron_backward  # noqa: E402
+from twell_jax.pallas_kernels.twell_bwd_token import TokenBwdBlockSizes, rank_values, token_backward, token_lists  # noqa: E402
+from twell_jax.pallas_kernels.twell_transpose import neuron_lists  # noqa: E402
+from twell_jax.pallas_kernels.twell_ffn import sparse_ffn  # noqa: E402
+from twell_jax.pallas_kernels.twell_pack import PackBlockSizes, pack_gate  # noqa: E402
 from twell_jax import ops  # noqa: E402
 from twell_jax.model import FeedForward, Transformer  # noqa: E402
 from twell_jax.ops import pallas_backward  # noqa: E402

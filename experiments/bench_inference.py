@@ -245,7 +245,7 @@ def load_params(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, Any], 
     if args.checkpoint:
         loaded = load_run(args.checkpoint, step=args.step, dtype=args.dtype)
         return loaded.config.model, split_model(loaded.model)[1], f"checkpoint {args.checkpoint} step {loaded.step}"
-    from configs import get_config
+    from twell_jax.configs import get_config
 
     cfg = get_config(args.config).model
     if args.dry_run:

@@ -45,7 +45,7 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # plain_llama, also when imported from elsewhere
-from configs import get_config  # noqa: E402
+from twell_jax.configs import get_config  # noqa: E402
 from twell_jax import config as config_lib  # noqa: E402
 from twell_jax.config import FFN_KIND_TABLE, REMAT_POLICIES, ExperimentConfig, ModelConfig  # noqa: E402
 from twell_jax.training.loss import cross_entropy, total_loss  # noqa: E402

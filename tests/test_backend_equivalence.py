@@ -17,7 +17,7 @@ import json
 import numpy as np
 import pytest
 
-from configs import get_config
+from twell_jax.configs import get_config
 from twell_jax import config as config_lib
 from twell_jax.training.train import train
 

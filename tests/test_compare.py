@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from configs import get_config
+from twell_jax.configs import get_config
 from twell_jax import compare as compare_lib
 from twell_jax import config as config_lib
 from twell_jax.cli import main

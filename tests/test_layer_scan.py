@@ -176,7 +176,7 @@ def test_a_run_written_before_the_layers_were_stacked_restores_and_resumes(tmp_p
     """A format-2 run (one dict per layer in its params and in the optimizer's moments) is
     verified as written, converted on restore, and resumes to the same parameters as a run that
     was written stacked."""
-    from configs import get_config
+    from twell_jax.configs import get_config
     from twell_jax import config as config_lib
     from twell_jax.training import checkpoint as ckpt_lib
     from twell_jax.training.checkpoint import CheckpointStore, restore_params

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.twell_pack import PackBlockSizes
+from twell_jax.pallas_kernels.twell_pack import PackBlockSizes
 from twell_jax import ops
 from twell_jax.ops import pallas_forward
 from oracles import dense_forward as dense, rel_err

@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import plain_llama  # noqa: E402
 
-from configs import get_config  # noqa: E402
+from twell_jax.configs import get_config  # noqa: E402
 from twell_jax.inference.load import model_with_params  # noqa: E402
 from twell_jax.model import init_cache, init_model, split_model  # noqa: E402
 from twell_jax.training.loss import cross_entropy  # noqa: E402

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import get_config
+from twell_jax.configs import get_config
 from twell_jax import config as config_lib
 from twell_jax.training.loss import l1_coefficient
 from twell_jax.model import init_model, split_model

@@ -239,7 +239,6 @@ def write_report(runs: list[StudyRun], out_dir: Path, *, echo: Callable[[str], N
     (out_dir / "compare.md").write_text(table + "\n")
     png = out_dir / "compare.png"
     plot(rows, png)
-    echo("\n" + table + "\n")
     unequal = [r["key"] for r in rows if not r["equal_tokens"]]
     if unequal:
         echo(f"[twell] compare: WARNING: {', '.join(unequal)} trained on other token counts than the twin "

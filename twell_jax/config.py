@@ -306,7 +306,7 @@ class TrainConfig:
     # SIGINT/SIGTERM and train.time_limit_s also checkpoint)
     keep_checkpoints: int = 2  # how many recent checkpoints Orbax keeps
     tensorboard: bool = True  # also write TensorBoard event files (tensorboardX)
-    progress_bar: bool = True  # tqdm progress bar on the console
+    progress_bar: bool = True  # tqdm bar on stderr when it is a terminal (else, and when false: one line per logged step)
     # Wall-clock budget of the training loop in seconds (compilation excluded); the run stops after
     # the step that crosses it, then checkpoints and evaluates as at the end. 0 = no limit.
     time_limit_s: float = 0.0

@@ -117,11 +117,17 @@ def _iter_file_documents(source_file: SourceFile, cfg: DataConfig) -> Iterator[s
 
 
 def _iter_jsonl(path: str, text_field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    # Binary lines, decoded one by one, so that invalid UTF-8 is reported with its file and line.
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            where = f"{path}:{line_number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{where}: not valid UTF-8 ({error.reason} at byte {error.start} of the line); "
+                                 "JSONL files must be UTF-8 text") from None
             if not line.strip():
                 continue
-            where = f"{path}:{line_number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
@@ -139,19 +145,30 @@ def _iter_jsonl(path: str, text_field: str) -> Iterator[str]:
 
 
 def _iter_parquet(path: str, text_field: str) -> Iterator[str]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    parquet_file = pq.ParquetFile(path)
+    try:
+        parquet_file = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as error:  # not Parquet (no magic bytes), truncated, unreadable
+        raise ValueError(f"{path}: not a readable Parquet file ({error})") from None
     columns = parquet_file.schema_arrow.names
     if text_field not in columns:
         raise ValueError(
             f"{path}: Parquet file has no {text_field!r} column (columns: {columns}); set "
             "data.text_field to the column holding the document text"
         )
-    for record_batch in parquet_file.iter_batches(columns=[text_field], batch_size=1024):
-        for text in record_batch.column(0).to_pylist():
-            if text is not None:  # null rows are empty documents
-                yield text
+    column_type = parquet_file.schema_arrow.field(text_field).type
+    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+        raise ValueError(f"{path}: column {text_field!r} holds {column_type}, expected strings (the document "
+                         "text); set data.text_field to the column holding the text")
+    try:
+        for record_batch in parquet_file.iter_batches(columns=[text_field], batch_size=1024):
+            for text in record_batch.column(0).to_pylist():
+                if text is not None:  # null rows are empty documents
+                    yield text
+    except (pa.ArrowException, OSError) as error:  # a damaged row group
+        raise ValueError(f"{path}: Parquet file cannot be read ({error})") from None
 
 
 def iter_documents(cfg: DataConfig, files: list[SourceFile] | None = None) -> Iterator[str]:

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 import jax
 
 if TYPE_CHECKING:  # annotations only: the kernels are imported lazily (Triton-backed Pallas)
-    from pallas_kernels.twell_decode import DecodeBlockSizes
-    from pallas_kernels.twell_ffn import FFNBlockSizes
-    from pallas_kernels.twell_pack import PackBlockSizes
+    from twell_jax.pallas_kernels.twell_decode import DecodeBlockSizes
+    from twell_jax.pallas_kernels.twell_ffn import FFNBlockSizes
+    from twell_jax.pallas_kernels.twell_pack import PackBlockSizes
     from twell_jax.ops.pallas_backward import BackwardConfig
 
 AUX_KEYS = ("l1", "l0", "tile_overflow", "row_overflow", "dense_fallback", "backward_tail_rows",
@@ -141,7 +141,7 @@ class SparseFFNConfig:
                                   ("decode_block_sizes", "twell_decode", "DecodeBlockSizes")):
             value = getattr(self, name)
             if value is not None:  # imported only here: the kernels load Triton-backed Pallas
-                expected = getattr(importlib.import_module(f"pallas_kernels.{module}"), cls)
+                expected = getattr(importlib.import_module(f"twell_jax.pallas_kernels.{module}"), cls)
                 if not isinstance(value, expected):
                     raise ValueError(f"SparseFFNConfig.{name} must be None or a pallas_kernels.{module}.{cls}, "
                                      f"got {value!r}")

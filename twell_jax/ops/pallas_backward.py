@@ -46,11 +46,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes, neuron_backward
-from pallas_kernels.twell_bwd_token import (ListsBlockSizes, TokenBwdBlockSizes, rank_values, token_backward,
+from twell_jax.pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes, neuron_backward
+from twell_jax.pallas_kernels.twell_bwd_token import (ListsBlockSizes, TokenBwdBlockSizes, rank_values, token_backward,
                                             token_lists)
-from pallas_kernels.twell_transpose import TransposeBlockSizes, chunk_histograms, neuron_lists, pack_tile
-from pallas_kernels.twell_pack import pack_gate
+from twell_jax.pallas_kernels.twell_transpose import TransposeBlockSizes, chunk_histograms, neuron_lists, pack_tile
+from twell_jax.pallas_kernels.twell_pack import pack_gate
 from twell_jax import ops
 from twell_jax.ops import pallas_forward
 

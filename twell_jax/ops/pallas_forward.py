@@ -38,9 +38,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn
-from pallas_kernels.twell_pack import PackBlockSizes, pack_gate
-from pallas_kernels.twell_transpose import neuron_histogram
+from twell_jax.pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn
+from twell_jax.pallas_kernels.twell_pack import PackBlockSizes, pack_gate
+from twell_jax.pallas_kernels.twell_transpose import neuron_histogram
 from twell_jax import ops
 
 # Cost model of the forward, fitted on an H200 (bf16, D = 2048, H = 5632, M = 2048 .. 65536;

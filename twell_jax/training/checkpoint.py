@@ -240,7 +240,7 @@ def read_json_file(path: str | Path, what: str) -> Any:
     path = Path(path)
     try:
         return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CorruptCheckpointError(f"{what} {path} is not valid JSON ({err}); the file is damaged") from None
 
 
