@@ -24,7 +24,7 @@ def get_config(name: str) -> ExperimentConfig:
     """The preset called `name` (ValueError listing the presets otherwise)."""
     if name not in _MODULES:
         raise ValueError(f"unknown config {name!r}; available: {', '.join(_MODULES)}")
-    module = importlib.import_module(f"configs.{_MODULES[name]}")
+    module = importlib.import_module(f".{_MODULES[name]}", __name__)
     if _MODULES[name] == "paper":
         return module.get_config(name)
     return module.get_config()

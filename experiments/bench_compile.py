@@ -25,7 +25,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import build_step, variant_config  # noqa: E402
-from configs import get_config  # noqa: E402
+from twell_jax.configs import get_config  # noqa: E402
 from twell_jax import config as config_lib  # noqa: E402
 from twell_jax.model import init_model, split_model  # noqa: E402
 

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import jax  # noqa: E402
 
-from configs import get_config  # noqa: E402
+from twell_jax.configs import get_config  # noqa: E402
 from twell_jax.training import parallel  # noqa: E402
 from twell_jax.training import train as train_lib  # noqa: E402
 from twell_jax.config import ExperimentConfig  # noqa: E402

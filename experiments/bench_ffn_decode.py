@@ -40,7 +40,7 @@ from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from twell_jax.bench import ffn as bench_ffn  # noqa: E402  (the synthetic-sparsity generator; reads .D / .H)
-from pallas_kernels.twell_decode import DecodeBlockSizes  # noqa: E402
+from twell_jax.pallas_kernels.twell_decode import DecodeBlockSizes  # noqa: E402
 from twell_jax.ops import pallas_decode, planner  # noqa: E402
 from twell_jax import ops  # noqa: E402
 

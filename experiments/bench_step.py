@@ -45,7 +45,7 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # plain_llama, also when imported from elsewhere
-from configs import get_config  # noqa: E402
+from twell_jax.configs import get_config  # noqa: E402
 from twell_jax import config as config_lib  # noqa: E402
 from twell_jax.config import FFN_KIND_TABLE, REMAT_POLICIES, ExperimentConfig, ModelConfig  # noqa: E402
 from twell_jax.training.loss import cross_entropy, total_loss  # noqa: E402
@@ -186,10 +186,13 @@ def compiled_memory_bytes(compiled: Any) -> int | None:
                - getattr(analysis, "alias_size_in_bytes", 0))
 
 
+trace_top = 16  # kernels listed by --trace
+
+
 def run_variant(base: ExperimentConfig, kind: str, backend: str | None, remat: str, micro_batch: int,
                 tokens: jax.Array, *, steps: int, warmup: int, repeats: int, optimizer: bool, peak_flops: float,
                 params: dict[str, Any] | None = None, hints: tuple[float, ...] | None = None,
-                tails: Tails | None = None) -> dict[str, Any]:
+                tails: Tails | None = None, trace: int = 0) -> dict[str, Any]:
     """Compile, warm up and time one variant on `tokens` [micro_batch, seq + 1]; any failure is
     returned as {"error": ...}. `params`: trained parameters for the library's model (the `ref`
     row always runs its own random init: a dense step's time does not depend on the values)."""
@@ -224,6 +227,10 @@ def run_variant(base: ExperimentConfig, kind: str, backend: str | None, remat: s
         row.update(ms_per_step=ms, ms_per_step_runs=[t * 1e3 for t in per_step], tokens_per_s=tokens_per_s,
                    mfu=tokens_per_s * flops_per_token(cfg.model, seq_len) / peak_flops,
                    peak_bytes_so_far=device_peak_memory_bytes())
+        if trace:  # the per-kernel time line (a copy of the state: the timed program donates its own)
+            from twell_jax.bench.kernel_trace import format_profile, kernel_times
+
+            row["trace"] = format_profile(kernel_times(jax.jit(step), (state, tokens), repeats=trace), top=trace_top)
     except Exception as err:  # noqa: BLE001 (an OOM or a refused shape: report it, run the next one)
         row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]
     finally:
@@ -273,6 +280,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--optimizer", action="store_true", help="include the AdamW update in the step")
     parser.add_argument("--peak-flops", type=float, default=H100_BF16_PEAK_FLOPS,
                         help="device peak FLOP/s for MFU (default: H100 bf16 dense, 989e12)")
+    parser.add_argument("--trace", type=int, default=0, metavar="N",
+                        help="also profile N steps of each variant and print its top kernels (where the time goes)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny shapes, 1 step x 1 run (checks the script on CPU)")
@@ -318,13 +327,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for kind, backend, remat in variants:
         row = run_variant(base, kind, backend, remat, micro_batch, tokens, steps=args.steps, warmup=args.warmup,
                           repeats=args.repeats, optimizer=args.optimizer, peak_flops=args.peak_flops,
-                          params=params, hints=hints, tails=tails)
+                          params=params, hints=hints, tails=tails, trace=args.trace)
         detail = row.get("error") or (f"{row['ms_per_step']:.2f} ms/step, {row['tokens_per_s']:,.0f} tokens/s, "
                                       f"compiled in {row['compile_s']:.1f} s")
         if row.get("active_per_layer"):
             detail += (f"; active/token per layer {row['active_per_layer']}; token-tail / hot-neuron "
                        f"share per layer {describe_tails(row['tail_shares_per_layer'])}")
         print(f"[bench_step] {row['variant']}: {detail} ({row.get('how', '')})", flush=True)
+        for line in row.get("trace", []):
+            print(f"[bench_step]   {line}", flush=True)
         rows.append(row)
     if args.out:
         Path(args.out).write_text(json.dumps({"config": args.config, "source": source, "hints": hints,

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from twell_jax.bench import ffn as bench_ffn  # noqa: E402  (bench_interleaved)
-from pallas_kernels.common import next_pow2  # noqa: E402
-from pallas_kernels.twell_transpose import (TransposeBlockSizes, neuron_lists,  # noqa: E402
+from twell_jax.pallas_kernels.common import next_pow2  # noqa: E402
+from twell_jax.pallas_kernels.twell_transpose import (TransposeBlockSizes, neuron_lists,  # noqa: E402
                                             neuron_lists_reference, sort_lists)
 
 # Smaller blocks: fewer registers per thread, more programs resident to hide the load latency of

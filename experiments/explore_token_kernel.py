@@ -20,10 +20,10 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from twell_jax.bench import ffn as bench_ffn  # noqa: E402
-from pallas_kernels.twell_bwd_token import (ListsBlockSizes, TokenBwdBlockSizes, rank_values, token_backward,  # noqa: E402
+from twell_jax.pallas_kernels.twell_bwd_token import (ListsBlockSizes, TokenBwdBlockSizes, rank_values, token_backward,  # noqa: E402
                                             token_lists, token_lists_reference)
-from pallas_kernels.twell_pack import pack_gate  # noqa: E402
-from pallas_kernels.twell_transpose import neuron_lists  # noqa: E402
+from twell_jax.pallas_kernels.twell_pack import pack_gate  # noqa: E402
+from twell_jax.pallas_kernels.twell_transpose import neuron_lists  # noqa: E402
 from twell_jax import ops  # noqa: E402
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from configs import get_config  # noqa: E402
+from twell_jax.configs import get_config  # noqa: E402
 from twell_jax import config as config_lib  # noqa: E402
 from twell_jax.config import ExperimentConfig  # noqa: E402
 from twell_jax.training.loss import l1_coefficient  # noqa: E402

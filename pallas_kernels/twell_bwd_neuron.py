@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import (check_launch_sizes, compiler_params, is_pow2 as _is_pow2,
+from .common import (check_launch_sizes, compiler_params, is_pow2 as _is_pow2,
                                    next_pow2 as _next_pow2, pad_rows, round_up)
 
 

@@ -41,9 +41,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import (check_launch_sizes, compiler_params, is_pow2 as _is_pow2,
+from .common import (check_launch_sizes, compiler_params, is_pow2 as _is_pow2,
                                    next_pow2 as _next_pow2, round_up)
-from pallas_kernels.twell_pack import _dot_precision
+from .twell_pack import _dot_precision
 
 
 @dataclasses.dataclass(frozen=True)

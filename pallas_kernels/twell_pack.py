@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import check_launch_sizes, compiler_params, is_pow2 as _is_pow2, round_up
+from .common import check_launch_sizes, compiler_params, is_pow2 as _is_pow2, round_up
 
 
 @dataclasses.dataclass(frozen=True)

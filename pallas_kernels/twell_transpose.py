@@ -47,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import (check_launch_sizes, compiler_params, is_pow2 as _is_pow2,
+from .common import (check_launch_sizes, compiler_params, is_pow2 as _is_pow2,
                                    next_pow2 as _next_pow2, pad_rows, round_up)
 
 Lists = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # (start_H, count_H, tokens_E, dest_MxW)

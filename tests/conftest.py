@@ -26,7 +26,7 @@ if "jax" not in __import__("sys").modules:
 # long ones first the workers finish together instead of one running a long file alone at the end.
 _LONGEST_FIRST = (
     "test_pallas_bwd_op.py", "test_auto_hints.py", "test_parallel.py", "test_train.py",
-    "test_run_trust.py", "test_bench_ffn_train_checkpoint.py", "test_run_sparse_vs_dense.py",
+    "test_run_trust.py", "test_bench_ffn_train_checkpoint.py", "test_compare.py",
     "test_sparse_checkpoint_benches.py", "test_ops.py", "test_bench_step.py",
     "test_inference_generate.py", "test_nan_policy.py", "test_inference_load.py",
     "test_pallas_bwd.py", "test_model.py", "test_pallas_decode.py", "test_pallas_bwd_bench.py",

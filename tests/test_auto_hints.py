@@ -18,10 +18,11 @@ from test_train import FakeData, micro_cfg
 from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax import ops
 from twell_jax.model import init_model, split_model
-from twell_jax.training import train as train_lib
 from twell_jax.training.hints import manages_auto_hints, run_hints, run_tail_hints
 from twell_jax.training.plan_trial import PlanTrial
-from twell_jax.training.train import Hooks, Trainer, auto_decisions, measure_activity
+from twell_jax.training import planning
+from twell_jax.training.planning import auto_decisions, measure_activity
+from twell_jax.training.train import Hooks, Trainer
 
 
 def _records(run_dir):
@@ -96,7 +97,7 @@ def test_fresh_run_takes_its_hints_from_the_first_batch(tmp_path):
     # A run with a user hint is left alone: its step compiles with the user's config as it is.
     fixed = Trainer(micro_cfg("train.steps=1", "model.ffn_expected_active=[1.0, 2.0]"), tmp_path / "fixed",
                     data_builder=FakeData, hooks=Hooks(save_final=False))
-    assert not fixed.manage_hints and fixed.step_cfg is fixed.cfg
+    assert not fixed.planner.active and fixed.planner.step_cfg is fixed.cfg
 
 
 def test_refresh_recompiles_only_when_a_decision_changes(tmp_path, monkeypatch):
@@ -132,7 +133,7 @@ def test_refresh_recompiles_only_when_a_decision_changes(tmp_path, monkeypatch):
     # A changed decision at step 2: one rebuild, with step 2's l0 as the new hints from step 3 on.
     a_records = _records(tmp_path / "a")
     assert changing.step_builds == 2
-    assert changing.decisions == (("pallas", "dense"),) * 2
+    assert changing.planner.decisions == (("pallas", "dense"),) * 2
     assert a_records[1]["auto_hints_per_layer"] == a_records[0]["auto_hints_per_layer"]
     assert a_records[2]["auto_hints_per_layer"] == pytest.approx(a_records[1]["l0_per_layer"])
     assert a_records[3]["auto_hints_per_layer"] == a_records[2]["auto_hints_per_layer"]
@@ -144,35 +145,40 @@ def test_refresh_recompiles_only_when_a_decision_changes(tmp_path, monkeypatch):
     assert [r["grad_norm"] for r in a.history] == [r["grad_norm"] for r in b.history]
 
 
-def test_resume_restores_the_hints(tmp_path, monkeypatch):
+def test_resume_measures_hints_on_the_trained_parameters(tmp_path):
     cfg = micro_cfg("train.steps=2", "train.auto_refresh_every=0")
     first = Trainer(cfg, tmp_path, data_builder=FakeData).run()
-    saved = first.last_metrics["auto_hints_per_layer"]
-
-    def no_measurement(self, state):
-        raise AssertionError("a resumed run must not re-measure when its checkpoint has hints")
-
-    monkeypatch.setattr(Trainer, "_measure_first_batch", no_measurement)
+    saved = first.last_metrics["auto_hints_per_layer"]  # measured on the initial parameters
     resumed = Trainer(micro_cfg("train.steps=3", "train.auto_refresh_every=0"), tmp_path, resume=True,
                       data_builder=FakeData)
     result = resumed.run()
-    assert result.last_metrics["step"] == 3 and result.last_metrics["auto_hints_per_layer"] == saved
+    # The resumed run measures on the parameters it restored (step 2), on the first micro-batch of
+    # the batch it trains next (FakeData's batch 2), as a fresh run does on its initial ones.
+    params, _, _ = ckpt_lib.restore_params(tmp_path, step=2)
+    tokens = FakeData(cfg).train_iter
+    tokens.set_state({"step": 2})
+    dense = dataclasses.replace(cfg.model, ffn_backend="dense")
+    hints, tails = measure_activity(planning.abstract_graphdef(dense, cfg.train.seed), params,
+                                    next(tokens)["tokens"][:cfg.train.micro_batch], tails=True)
+    assert result.last_metrics["step"] == 3
+    np.testing.assert_allclose(result.last_metrics["auto_hints_per_layer"], hints, rtol=1e-6)
+    np.testing.assert_allclose(result.last_metrics["auto_tail_hints_per_layer"], tails, rtol=1e-6)
+    assert result.last_metrics["auto_hints_per_layer"] != saved
     saved_tails = first.last_metrics["auto_tail_hints_per_layer"]
-    assert result.last_metrics["auto_tail_hints_per_layer"] == saved_tails
     assert run_tail_hints(tmp_path, 2, n_layers=2) == tuple(tuple(t) for t in saved_tails)
-    # Evaluation and inference read the same hints: the checkpoint's own, not the later telemetry.
-    assert run_hints(tmp_path, 2) == tuple(saved) and run_hints(tmp_path) == tuple(saved)
-    # A checkpoint without hints (older runs): the last l0 logged in metrics.jsonl (validation or training).
-    again = Trainer(micro_cfg("train.steps=3"), tmp_path, resume=True, data_builder=FakeData)
-    hints, tails, _ = again._initial_hints({"step": 3}, {})
-    step_3 = [r for r in _records(tmp_path) if r["step"] == 3][0]  # ... and the last tail shares logged
-    np.testing.assert_allclose(tails, np.transpose([step_3[f"{k}_per_layer"] for k in ops.TAIL_SHARE_KEYS]))
+    # Evaluation and inference read the hints a checkpoint was compiled with, not later telemetry.
+    assert run_hints(tmp_path, 2) == tuple(saved)
+    assert run_hints(tmp_path) == tuple(result.last_metrics["auto_hints_per_layer"])
+    # A checkpoint without hints (older runs): the last l0 logged in metrics.jsonl (validation or
+    # training) and the last tail shares logged, up to the checkpoint's step.
+    step_3 = [r for r in _records(tmp_path) if r["step"] == 3][0]
+    logged_tails = run_tail_hints(tmp_path, n_layers=2, meta={"step": 3})
+    np.testing.assert_allclose(logged_tails, np.transpose([step_3[f"{k}_per_layer"] for k in ops.TAIL_SHARE_KEYS]))
     last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])  # the final validation
-    assert list(hints) == last["val_l0_per_layer"]
-    # ... and only telemetry logged up to the checkpoint's step.
+    assert list(run_hints(tmp_path, meta={"step": 3})) == last["val_l0_per_layer"]
     step_1 = [r for r in _records(tmp_path) if r["step"] == 1][0]
     assert run_hints(tmp_path, 1, meta={"step": 1}) == tuple(step_1["l0_per_layer"])
-    assert auto_decisions(again.cfg, hints, 1) == (("dense", "dense"),) * 2  # CPU: "auto" is dense
+    assert auto_decisions(resumed.cfg, saved, 1) == (("dense", "dense"),) * 2  # CPU: "auto" is dense
 
 
 def test_refresh_decides_from_the_mean_l0_since_the_last_refresh(tmp_path, monkeypatch):
@@ -180,36 +186,33 @@ def test_refresh_decides_from_the_mean_l0_since_the_last_refresh(tmp_path, monke
     single noisy step does not decide), with one auto_decisions call per refresh."""
     trainer = Trainer(micro_cfg("train.steps=4", "train.auto_refresh_every=2"), tmp_path,
                       data_builder=FakeData, hooks=Hooks(save_final=False))
-    trainer._use_hints([10.0, 10.0], None, (("dense", "dense"),) * 2)
+    planner = trainer.planner
+    planner.use_hints([10.0, 10.0], None, (("dense", "dense"),) * 2)
     asked = []
 
     def fake_decisions(cfg, hints, num_devices, tails=None):
         asked.append((list(hints), tails))
         return tuple(("pallas" if h < 5 else "dense", "dense") for h in hints)
 
-    monkeypatch.setattr(train_lib, "auto_decisions", fake_decisions)
-
-    class Sink:
-        def message(self, text):
-            pass
+    monkeypatch.setattr(planning, "auto_decisions", fake_decisions)
 
     def step(l0, token_tail):
         return {"l0_per_layer": l0, "token_tail_share_per_layer": token_tail,
                 "hot_neuron_share_per_layer": [0.5, 0.5], "hot_entry_share_per_layer": [0.25, 0.75]}
 
     for l0, tail in (([2.0, 20.0], [0.0, 0.2]), ([12.0, 20.0], [0.1, 0.4])):  # one sparse-looking step; the
-        trainer._observe(step(l0, tail))                                        # mean (7, 20) stays dense
-    assert not trainer._refresh_hints(2, Sink())
+        planner.observe(step(l0, tail))                                        # mean (7, 20) stays dense
+    assert not planner.refresh_hints(2, print)
     assert asked == [([7.0, 20.0], ((0.05, 0.5, 0.25), (pytest.approx(0.3), 0.5, 0.75)))]
     for l0 in ([3.0, 20.0], [1.0, 18.0]):  # only the steps since the last refresh count
-        trainer._observe(step(l0, [0.0, 0.0]))
-    assert trainer._refresh_hints(4, Sink()) and asked[1][0] == [2.0, 19.0]
-    assert trainer.auto_hints == (2.0, 19.0) and trainer.decisions == (("pallas", "dense"), ("dense", "dense"))
-    assert trainer.auto_tails == ((0.0, 0.5, 0.25), (0.0, 0.5, 0.75))
-    assert trainer.step_cfg.model.ffn_expected_tails == trainer.auto_tails
+        planner.observe(step(l0, [0.0, 0.0]))
+    assert planner.refresh_hints(4, print) and asked[1][0] == [2.0, 19.0]
+    assert planner.auto_hints == (2.0, 19.0) and planner.decisions == (("pallas", "dense"), ("dense", "dense"))
+    assert planner.auto_tails == ((0.0, 0.5, 0.25), (0.0, 0.5, 0.75))
+    assert planner.step_cfg.model.ffn_expected_tails == planner.auto_tails
     # A step without tail shares (a run that does not track neurons): l0 alone, no tail hints.
-    trainer._observe({"l0_per_layer": [1.0, 1.0]})
-    trainer._refresh_hints(5, Sink())
+    planner.observe({"l0_per_layer": [1.0, 1.0]})
+    planner.refresh_hints(5, print)
     assert asked[-1] == ([1.0, 1.0], None)
 
 
@@ -268,7 +271,7 @@ def test_trial_runs_dense_when_the_plan_is_slower(tmp_path, monkeypatch):
                                  "train.steps=7", "train.auto_trial_steps=2", "train.auto_refresh_every=0")
     plans = [r["ffn_plan"] for r in _records(tmp_path / "slow")]
     assert plans == ["auto"] * 3 + ["dense"] * 4  # 3 timed-or-warm-up steps per arm, then the verdict
-    assert trainer.step_builds == 2 and trainer.plan_in_use == "dense"
+    assert trainer.step_builds == 2 and trainer.planner.plan_in_use == "dense"
     (trial,) = result.summary["auto_plan_trials"]
     assert trial["kept"] == "dense" and trial["step"] == 6 and trial["auto_vs_dense"] == pytest.approx(0.5)
     assert result.summary["ffn_plan_in_use"] == "dense"

@@ -43,7 +43,7 @@ def test_a_failing_variant_is_reported_and_the_rest_run(monkeypatch, capsys):
 
 
 def test_flops_per_token_matches_the_issue_figure():
-    from configs import get_config
+    from twell_jax.configs import get_config
 
     cfg = get_config("0.5b").model
     # 0.5b: 6N + 12 L S D = 3.47e9 FLOPs per token (131,700 tokens/s = 46% of 989 TFLOP/s).
@@ -62,7 +62,7 @@ def test_the_grad_only_step_keeps_the_weights():
     """A sparse step's time depends on the weights' values: the timed step must not replace them."""
     import jax
     import jax.numpy as jnp
-    from configs import get_config
+    from twell_jax.configs import get_config
 
     cfg = bench_step.variant_config(get_config("micro"), "twell", "reference", "none")
     step, state, _, _ = bench_step.build_step(cfg, "twell", optimizer=False)

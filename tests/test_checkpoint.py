@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs import get_config
+from twell_jax.configs import get_config
 from twell_jax import config as config_lib
 from twell_jax.training.checkpoint import CheckpointStore
 from twell_jax.training.train import Trainer

@@ -17,8 +17,8 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory, cache_dir):
-    """One `twell compare` (a dense and a sparse 2-step run), shared by the compare and eval tests
-    (`twell train` itself is exercised by tests/test_run_trust.py)."""
+    """One `twell compare` (a dense and a sparse 2-step run) for the eval tests (`twell train` itself
+    is exercised by tests/test_run_trust.py, `twell compare` by tests/test_compare.py)."""
     out = tmp_path_factory.mktemp("cli") / "cmp"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -27,25 +27,10 @@ def compared(tmp_path_factory, cache_dir):
     return out, printed.getvalue()
 
 
-def test_compare_writes_table_png_and_summaries(compared):
-    out, text = compared
-    for name in ("compare.png", "compare.md", "compare.json"):
-        assert (out / name).stat().st_size > 0, name
-    summary = json.loads((out / "compare.json").read_text())
-    assert summary["dense"]["ffn_kind"] == "relu_gated" and summary["dense"]["l1_coef"] == 0.0
-    assert summary["twell"]["ffn_kind"] == "twell" and summary["twell"]["l1_coef"] > 0
-    for run in ("dense", "twell"):  # each is a complete run directory
-        assert all((out / run / name).exists() for name in ("config.json", "metrics.jsonl", "summary.json"))
-        assert (out / run / "checkpoints" / "2").is_dir()
-    # The printed table reports the measured validation losses of both runs.
-    assert f"{summary['dense']['val_loss']:.4f}" in text and f"{summary['twell']['val_loss']:.4f}" in text
-
-
 def test_eval_reproduces_the_runs_validation(compared, capsys):
-    run = compared[0] / "twell"
-    assert main(["eval", "--checkpoint", str(run)]) == 0
-    text = capsys.readouterr().out
-    result = json.loads(text[text.index("{"):])
+    run = compared[0] / "twell-l1-0.001"  # the sparse run (micro's L1); the study's own tests: test_compare.py
+    assert main(["eval", "--checkpoint", str(run), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)  # stdout holds the JSON document and nothing else
     summary = json.loads((run / "summary.json").read_text())
     assert result["step"] == 2
     assert result["loss"] == pytest.approx(summary["val_loss"], rel=1e-6)  # same params, same val batches
@@ -66,3 +51,275 @@ def test_errors_are_reported_cleanly(argv, message, capsys):
 def test_eval_of_missing_checkpoint(tmp_path, capsys):
     assert main(["eval", "--checkpoint", str(tmp_path / "none")]) == 2
     assert "no checkpoint" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the command line's surface
+
+
+def _run(argv, capsys):
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_version_help_with_examples_and_one_line_per_preset(capsys):
+    from twell_jax import __version__
+    from twell_jax.cli import _parser
+    from twell_jax.configs import list_configs
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"twell {__version__}"
+    parser = _parser()
+    commands = parser._subparsers._group_actions[0].choices
+    for name, sub in commands.items():
+        text = sub.format_help()
+        assert sub.description and "examples:" in text and f"twell {name}" in text.split("examples:")[1], name
+    code, out, _ = _run(["configs"], capsys)
+    lines = out.splitlines()
+    assert code == 0 and [line.split()[0] for line in lines] == list_configs()
+    assert "2 layers, d_model 32" in lines[0]  # read from the preset itself
+
+
+def test_print_config_and_a_config_file(tmp_path, capsys):
+    from twell_jax import config as config_lib
+    from twell_jax.configs import get_config
+
+    code, out, _ = _run(["train", "--config", "micro", "--set", "train.steps=7", "--print-config"], capsys)
+    printed = config_lib.from_dict(json.loads(out))
+    assert code == 0 and printed.train.steps == 7 and printed.model == get_config("micro").model
+    path = tmp_path / "mine.json"
+    path.write_text(out)
+    code, out, _ = _run(["train", "--config", str(path), "--set", "model.n_layers=3", "--print-config"], capsys)
+    assert code == 0 and json.loads(out)["model"]["n_layers"] == 3 and json.loads(out)["train"]["steps"] == 7
+    assert not (tmp_path / "runs").exists()
+    path.write_text('{"model": ')
+    code, out, err = _run(["train", "--config", str(path), "--print-config"], capsys)
+    assert code == 2 and out == "" and f"--config {path}: not valid JSON" in err and len(err.splitlines()) == 1
+
+
+def test_dry_run_checks_and_writes_nothing(tmp_path, cache_dir, capsys):
+    out_dir = tmp_path / "dry"
+    code, out, _ = _run(["train", "--config", "micro", "--out", str(out_dir), "--dry-run", "--json",
+                         "--set", f"data.cache_dir={cache_dir}"], capsys)
+    plan = json.loads(out)
+    assert code == 0 and plan["parameters"] > 0 and plan["tokens_per_step"] == 8 * 16 and plan["run_dir_state"] == "new"
+    assert not out_dir.exists()
+    code, _, err = _run(["train", "--config", "micro", "--dry-run", "--set", "train.global_batch=7"], capsys)
+    assert code == 2 and "global_batch" in err
+
+
+def test_readme_generate_example_runs(compared, capsys):
+    """The README's `twell generate` command, on a micro run (16-token context) in place of runs/micro."""
+    import pathlib
+    import re
+    import shlex
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    lines = re.findall(r"^twell generate --checkpoint .*$", readme, flags=re.M)  # (--hf: the HF test)
+    assert len(lines) >= 2, "README.md shows no twell generate command of a run"
+    for line in lines:
+        argv = shlex.split(line, comments=True)[1:]
+        argv[argv.index("--checkpoint") + 1] = str(compared[0] / "twell")
+        code, out, err = _run(argv, capsys)
+        assert code == 0, err
+        prompt = argv[argv.index("--prompt") + 1]
+        if "--json" in argv:
+            assert json.loads(out)["prompts"][0]["prompt"] == prompt
+        else:
+            assert out.startswith(prompt) and "[twell]" not in out  # the text on stdout, the notes on stderr
+
+
+def test_generate_checks_everything_before_printing_and_truncates_on_request(compared, capsys):
+    run = str(compared[0] / "twell")
+    long_prompt = "def main(argv):\n    return sorted(set(argv)) + list(range(10))\n" * 3
+    code, out, err = _run(["generate", "--checkpoint", run, "--prompt", long_prompt, "--max-new-tokens", "4"], capsys)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert "--prompt 0 has" in err and "--truncate-prompt left" in err
+    code, out, err = _run(["generate", "--checkpoint", run, "--prompt", long_prompt, "--max-new-tokens", "4",
+                           "--truncate-prompt", "left", "--json"], capsys)
+    report = json.loads(out)
+    assert code == 0 and report["prompts"][0]["prompt_tokens"] == 16 - 4 + 1 and "truncated to its last" in err
+    for argv, message in ((["--prompt", "x\udcff"], "--prompt 0: not valid UTF-8"),
+                          (["--prompt", "x", "--num-samples", "2"], "--num-samples 2 with --temperature 0"),
+                          (["--prompt", "x", "--top-p", "0"], "--top-p"),
+                          (["--prompt", "x", "--max-new-tokens", "40"], "--max-new-tokens 40 does not fit")):
+        code, out, err = _run(["generate", "--checkpoint", run, *argv], capsys)
+        assert code == 2 and out == "" and message in err and len(err.splitlines()) == 1, (argv, err)
+
+
+def test_generate_samples_and_stop_strings_as_json(compared, capsys):
+    run = str(compared[0] / "twell")
+    argv = ["generate", "--checkpoint", run, "--prompt", "def", "--prompt", "import", "--max-new-tokens", "6",
+            "--temperature", "1.0", "--num-samples", "3", "--json"]
+    code, out, _ = _run(argv, capsys)
+    report = json.loads(out)
+    assert code == 0 and [len(p["samples"]) for p in report["prompts"]] == [3, 3]
+    free = report["prompts"][0]["samples"][0]
+    assert len({tuple(s["tokens"]) for p in report["prompts"] for s in p["samples"]}) > 1  # samples differ
+    stop = free["text"][2:4] if len(free["text"]) >= 4 else free["text"]
+    code, out, _ = _run(argv + ["--stop", stop], capsys)
+    first = json.loads(out)["prompts"][0]["samples"][0]  # same seed and rows: the same sample, cut at the stop
+    assert code == 0 and first["finish_reason"] == "stop" and first["text"] == free["text"][:free["text"].find(stop)]
+
+
+def test_eval_accepts_a_step_directory_and_the_whole_of_another_corpus(compared, tmp_path, capsys):
+    import dataclasses
+
+    from twell_jax.data import build_data
+    from twell_jax.training import checkpoint as ckpt_lib
+
+    run = compared[0] / "twell"
+    code, out, _ = _run(["eval", "--checkpoint", str(run / "checkpoints" / "2"), "--json"], capsys)
+    assert code == 0 and json.loads(out)["step"] == 2
+    code, _, err = _run(["eval", "--checkpoint", str(run / "checkpoints" / "2"), "--step", "1"], capsys)
+    assert code == 2 and "pick one" in err
+    corpus = tmp_path / "other.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i * i}\n"}) + "\n"
+                              for i in range(60)))
+    overrides = [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}"]
+    code, _, err = _run(["eval", "--checkpoint", str(run), "--set", *overrides], capsys)
+    assert code == 2 and "--split all" in err and "raise data.val_fraction" not in err  # 5% of 60 documents
+    code, _, err = _run(["eval", "--checkpoint", str(run), "--set", "data.val_fraction=0.5"], capsys)
+    assert code == 2 and "--split all" in err
+    code, out, _ = _run(["eval", "--checkpoint", str(run), "--split", "all", "--json", "--set", *overrides], capsys)
+    result = json.loads(out)
+    cfg = ckpt_lib.load_run_config(run)
+    whole = build_data(dataclasses.replace(cfg.data, source=str(corpus), cache_dir=str(tmp_path / "cache"),
+                                           tokenizer=str(run / "tokenizer.json"), val_fraction=0.0), global_batch=1)
+    batch = cfg.train.eval_batch_size
+    assert code == 0 and result["split"] == "all"
+    assert result["tokens"] == (whole.num_train_sequences // batch) * batch * cfg.data.seq_len  # every full batch
+
+
+def test_hf_export_import_eval_and_fine_tuning_from_the_command_line(compared, tmp_path, cache_dir, capsys):
+    import numpy as np
+
+    from twell_jax.inference.hf import import_hf
+    from twell_jax.training.checkpoint import restore_params
+
+    run = compared[0] / "twell"
+    exported = tmp_path / "hf"
+    code, out, _ = _run(["hf", "export", "--checkpoint", str(run), "--out", str(exported), "--json"], capsys)
+    assert code == 0 and json.loads(out)["files"] == ["config.json", "generation_config.json", "model.safetensors",
+                                                      "tokenizer.json"]
+    code, out, _ = _run(["hf", "import", str(exported), "--json"], capsys)
+    assert code == 0 and json.loads(out)["model"]["n_layers"] == 2
+    code, out, _ = _run(["eval", "--hf", str(exported), "--json", "--set", f"data.cache_dir={cache_dir}",
+                         "train.eval_batches=1"], capsys)
+    assert code == 0 and json.loads(out)["loss"] > 0
+    # Fine-tuning starts from the imported weights: one step at a negligible learning rate keeps them.
+    tuned = tmp_path / "tuned"
+    code, _, err = _run(["train", "--config", "micro", "--init-from", str(exported), "--out", str(tuned), "--set",
+                         "train.steps=1", "optim.lr=1e-12", "optim.weight_decay=0", f"data.cache_dir={cache_dir}"],
+                        capsys)
+    assert code == 0, err
+    params = restore_params(tuned)[0]
+    original = import_hf(exported)
+    from twell_jax.model import split_model
+
+    expected = split_model(original.model)[1]
+    np.testing.assert_allclose(np.asarray(params["embed"]), np.asarray(expected["embed"]), atol=1e-6)
+    code, _, err = _run(["train", "--config", "micro", "--init-from", str(exported), "--set", "model.d_model=64",
+                         "--print-config"], capsys)
+    assert code == 2 and "model.d_model" in err
+
+
+def test_every_error_is_one_line_and_exit_2_with_a_traceback_only_on_debug(compared, tmp_path, monkeypatch, capsys):
+    import errno
+
+    from twell_jax.training import evaluate
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    code, out, err = _run(["train", "--config", "micro", "--out", str(a_file / "run")], capsys)
+    errors = [line for line in err.splitlines() if line.startswith("twell train: error: ")]
+    assert code == 2 and out == "" and "Traceback" not in err  # a real OSError, named by its file
+    assert len(errors) == 1 and f"{a_file / 'run'}: Not a directory" in errors[0]
+
+    def full_disk(*args, **kwargs):  # what Orbax / TensorStore raise: a long message around the OSError
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", "/runs/x/checkpoints/4/params")
+        except OSError as inner:
+            raise RuntimeError("TensorStore write failed:\n" + "    at frame\n" * 500) from inner
+
+    run = str(compared[0] / "twell")
+    def tensorstore_says(*args, **kwargs):  # a library's ValueError whose errno text sits deep in its message
+        raise ValueError("Error writing local file \"/runs/x/d/1\":\n" + "  context\n" * 50
+                         + "[RESOURCE_EXHAUSTED] No space left on device")
+
+    for error, expected in ((full_disk, "/runs/x/checkpoints/4/params: No space left on device"),
+                            (TypeError("expected str, got int"), "TypeError: expected str, got int"),
+                            (tensorstore_says, 'ValueError: Error writing local file "/runs/x/d/1": '
+                                               '[No space left on device]')):
+        def raise_(*args, _error=error, **kwargs):
+            if callable(_error):
+                _error()
+            raise _error
+
+        monkeypatch.setattr(evaluate, "evaluate_checkpoint", raise_)
+        code, out, err = _run(["eval", "--checkpoint", run], capsys)
+        assert code == 2 and out == "" and len(err.splitlines()) == 1 and expected in err, err
+        code, _, err = _run(["eval", "--checkpoint", run, "--debug"], capsys)
+        assert code == 2 and "Traceback" in err and expected in err.splitlines()[-1]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    def import_interrupted(*args, **kwargs):  # numpy turns a Ctrl-C during its import into an ImportError
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise ImportError("Encountered an error while initializing the extension.")
+
+    for raiser in (interrupted, import_interrupted):
+        monkeypatch.setattr(evaluate, "evaluate_checkpoint", raiser)
+        code, out, err = _run(["eval", "--checkpoint", run], capsys)
+        assert code == 130 and out == "" and len(err.splitlines()) == 1 and "interrupted" in err
+
+
+def test_without_a_terminal_progress_is_plain_lines_on_each_logged_step(tmp_path):
+    from twell_jax.training.metrics import MetricsSink
+
+    lines = []
+    sink = MetricsSink(tmp_path, tensorboard=False, total_steps=4, start_step=0, progress_bar=True,
+                       echo=lines.append)
+    assert sink._bar is None  # pytest's stderr is not a terminal: no bar, no carriage returns
+    sink.progress(1, {"loss": 1.0})
+    sink.write({"step": 2, "loss": 5.5, "ce": 5.4, "lr": 1e-3, "l0_per_layer": [3.0, 5.0], "tokens_per_s": 100.0})
+    sink.write({"step": 2, "val_loss": 5.0})
+    sink.close()
+    assert lines == ["[twell] step 2/4 loss 5.5 ce 5.4 lr 0.001 l0 4.0 100 tok/s"]
+
+
+def test_the_console_script_exits_130_on_ctrl_c_and_2_on_an_error(tmp_path):
+    import subprocess
+    import sys
+
+    script = ("import sys\n"
+              "from twell_jax.training import evaluate\n"
+              "def stop(*a, **k):\n"
+              "    raise KeyboardInterrupt\n"
+              "if sys.argv[1] == 'ctrl-c':\n"
+              "    evaluate.evaluate_checkpoint = stop\n"
+              "sys.argv = ['twell', 'eval', '--checkpoint', sys.argv[2]]\n"
+              "from twell_jax.cli import run\n"
+              "run()\n")
+    for case, code, message in (("ctrl-c", 130, "interrupted (Ctrl-C)"), ("error", 2, "no checkpoint")):
+        done = subprocess.run([sys.executable, "-c", script, case, str(tmp_path / "none")], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == code and done.stdout == "" and "Traceback" not in done.stderr, done.stderr
+        assert len(done.stderr.splitlines()) == 1 and message in done.stderr
+
+
+def test_a_damaged_run_config_or_tokenizer_is_named(compared, tmp_path, capsys):
+    import shutil
+
+    run = shutil.copytree(compared[0] / "twell", tmp_path / "run")
+    (run / "config.json").write_bytes(b"\xff\xfe{")
+    code, _, err = _run(["eval", "--checkpoint", str(run)], capsys)
+    assert code == 2 and f"{run / 'config.json'} is not valid JSON" in err
+    shutil.copy(compared[0] / "twell" / "config.json", run / "config.json")
+    (run / "tokenizer.json").write_text("{bad")
+    code, _, err = _run(["generate", "--checkpoint", str(run), "--prompt", "x"], capsys)
+    assert code == 2 and f"{run / 'tokenizer.json'}: not a valid tokenizer.json" in err

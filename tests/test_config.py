@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from configs import get_config, list_configs
+from twell_jax.configs import get_config, list_configs
 from twell_jax import config as config_lib
 from twell_jax.config import DataConfig, ExperimentConfig, ModelConfig, OptimConfig, SparsityConfig, TrainConfig
 

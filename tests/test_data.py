@@ -161,7 +161,7 @@ def test_val_batches_are_finite_deterministic_and_capped(bundle):
     assert len(batches) == bundle.num_val_sequences
     np.testing.assert_array_equal([b["tokens"][0] for b in batches], bundle.val_sequences)
     assert len(list(bundle.val_batches(1, max_batches=1))) == 1
-    with pytest.raises(ValueError, match=r"batch_size=10000: the validation split has only \d+ sequences"):
+    with pytest.raises(ValueError, match=r"batch_size=10000: the validation split .* holds only \d+ sequences"):
         bundle.val_batches(10000)
 
 
@@ -325,6 +325,20 @@ def test_jsonl_and_parquet_errors(tmp_path):
     pq.write_table(pa.table({"content": ["a", "b"]}), parquet)
     with pytest.raises(ValueError, match=r"Parquet file has no 'text' column \(columns: \['content'\]\)"):
         build_data(_cfg(parquet, cache), global_batch=1)
+    # Bytes that are not UTF-8 (with their line), a file that is not Parquet, a column of numbers, a
+    # tokenizer.json that does not load: each named.
+    (tmp_path / "latin.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    (tmp_path / "fake.parquet").write_text("this is not parquet\n")
+    pq.write_table(pa.table({"text": [1, 2, 3]}), tmp_path / "ints.parquet")
+    for name, match in (("latin.jsonl", r"latin.jsonl:2: not valid UTF-8"),
+                        ("fake.parquet", r"fake.parquet: not a readable Parquet file"),
+                        ("ints.parquet", r"ints.parquet: column 'text' holds int64, expected strings")):
+        with pytest.raises(ValueError, match=match):
+            build_data(_cfg(tmp_path / name, cache), global_batch=1)
+    bad_tok = tmp_path / "tokenizer.json"
+    bad_tok.write_text('{"version": "1.0", "model": ')
+    with pytest.raises(ValueError, match=r"tokenizer.json: not a valid tokenizer.json"):
+        tokenizer_lib.load_tokenizer(str(bad_tok))
 
 
 def test_tokenizer_without_eot_token_is_rejected(tmp_path, corpus):
@@ -421,7 +435,7 @@ def _book(tmp_path, paragraphs: int = 60) -> str:
 
 
 def _micro(*overrides: str):
-    from configs import get_config
+    from twell_jax.configs import get_config
     from twell_jax import config as config_lib
 
     return config_lib.apply_overrides(get_config("micro"), list(overrides))
@@ -512,3 +526,4 @@ def test_command_line_builds_and_reports(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--source", str(tmp_path / "missing"), "--cache-dir", str(tmp_path)])
     assert "data.source=" in capsys.readouterr().err
+

@@ -174,7 +174,7 @@ def test_generation_errors_name_the_problem():
     loaded = _loaded(_model_cfg(max_seq_len=16))
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         generate(loaded, [[1], []], max_new_tokens=2)
-    with pytest.raises(ValueError, match="does not fit the cache of 16"):
+    with pytest.raises(ValueError, match="only 9 fit the cache of 16"):
         generate(loaded, [[1] * 10], max_new_tokens=8)
     with pytest.raises(ValueError, match="no tokenizer"):
         generate(loaded, ["hello"], max_new_tokens=2)
@@ -189,3 +189,43 @@ def test_generation_errors_name_the_problem():
     for bad in (dict(temperature=-1.0), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5), dict(seed=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingConfig(**bad)
+
+
+def test_a_long_prompt_is_refused_naming_the_option_or_keeps_its_last_tokens():
+    loaded = _loaded(_model_cfg(max_seq_len=16))
+    prompt = list(range(1, 13))  # 12 tokens; with 8 new ones only 9 fit the 16-token cache
+    with pytest.raises(ValueError, match=r"prompt 0 has 12 tokens.*only 9 fit.*truncate='left'.*--truncate-prompt"):
+        generate(loaded, [prompt], max_new_tokens=8)
+    kept = generate(loaded, [prompt], max_new_tokens=8, eos=(), truncate="left")
+    assert kept.prompt_lengths == [9]
+    assert kept.tokens == generate(loaded, [prompt[-9:]], max_new_tokens=8, eos=()).tokens
+    with pytest.raises(ValueError, match="truncate must be one of"):
+        generate(loaded, [prompt], max_new_tokens=8, truncate="right")
+
+
+def test_stop_strings_end_a_row_before_them_and_the_stream_never_shows_them(loaded):
+    from tokenizers import Tokenizer, models
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    named = LoadedModel(model=loaded.model, config=loaded.config, tokenizer=tokenizer, step=None)
+    prompts = [[1, 2, 3], [40, 41]]
+    free = generate(named, prompts, max_new_tokens=8, eos=())
+    stop = f"w{free.tokens[0][3]}"  # the 4th generated word of row 0 (decoded words are space-separated)
+    seen: dict[int, str] = {0: "", 1: ""}
+
+    def stream(row, token, text):
+        seen[row] += text
+
+    stopped = generate(named, prompts, max_new_tokens=8, eos=(), stop=[stop],
+                       stream=lambda row, token, text: stream(row, token, text))
+    for row in range(2):
+        text = free.texts[row]
+        cut = text.find(stop)
+        if cut >= 0:
+            assert stopped.finish_reasons[row] == "stop" and stopped.texts[row] == text[:cut]
+        else:
+            assert stopped.finish_reasons[row] == "length" and stopped.texts[row] == text
+        assert seen[row] == stopped.texts[row]  # streamed text: exactly the result, the stop string held back
+    assert stopped.finish_reasons[0] == "stop" and len(stopped.tokens[0]) <= 4
+    with pytest.raises(ValueError, match="stop strings need the model's tokenizer"):
+        generate(loaded, prompts, max_new_tokens=2, stop=["x"])

@@ -97,7 +97,7 @@ def test_export_then_import_round_trips_exactly(tmp_path, kind):
     model = init_model(cfg, 3)
     loaded = LoadedModel(model=model, config=experiment_config_for(cfg), tokenizer=None, step=None, eos_id=7)
     out = export_hf(loaded, tmp_path / "export")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     back = import_hf(out)
     jax.tree.map(np.testing.assert_array_equal, split_model(model)[1], split_model(back.model)[1])
     for field in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len", "rope_theta", "norm_eps",
@@ -181,3 +181,57 @@ def test_our_export_loads_in_transformers_with_the_same_logits(tmp_path):
         with torch.no_grad():
             expected = hf_model(torch.from_numpy(tokens)).logits.numpy()
         np.testing.assert_allclose(_logits(loaded, tokens), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad,match", [(np.nan, "non-finite"), (np.inf, "non-finite"), ("int", "dtype int32")])
+def test_nan_inf_and_integer_weights_are_refused_naming_the_tensor(tmp_path, bad, match):
+    name = "model.layers.1.mlp.gate_proj.weight"
+
+    def spoil(tensors):
+        value = np.array(tensors[name])
+        if bad == "int":
+            value = value.astype(np.int32)
+        else:
+            value[3, 5] = bad
+        return {**tensors, name: jnp.asarray(value)}
+
+    path = _copy_with(FIXTURES / "llama_relu", tmp_path / "bad", spoil)
+    with pytest.raises(ValueError, match=f"{name}.*{match}"):
+        import_hf(path)
+
+
+def test_a_config_without_rope_theta_takes_transformers_default(tmp_path):
+    path = shutil.copytree(FIXTURES / "llama_relu", tmp_path / "norope")
+    hf = json.loads((path / "config.json").read_text())
+    hf.pop("rope_theta", None)
+    hf.pop("rope_parameters", None)
+    (path / "config.json").write_text(json.dumps(hf))
+    assert import_hf(path).config.model.rope_theta == 10000.0  # LlamaConfig(rope_theta=10000.0)
+
+
+def test_damaged_files_are_errors_naming_the_file(tmp_path):
+    src = FIXTURES / "llama_relu"
+    path = shutil.copytree(src, tmp_path / "trunc")
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        import_hf(path)
+    path = shutil.copytree(src, tmp_path / "badjson")
+    (path / "config.json").write_text('{"hidden_size": 32,')
+    with pytest.raises(ValueError, match=r"badjson/config\.json: not valid JSON"):
+        import_hf(path)
+    path = shutil.copytree(src, tmp_path / "badtok")
+    (path / "tokenizer.json").write_text("{not a tokenizer")
+    with pytest.raises(ValueError, match=r"badtok/tokenizer\.json: not a valid tokenizer\.json"):
+        import_hf(path)
+    path = shutil.copytree(src, tmp_path / "badfield")
+    (path / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()),
+                                                  "hidden_act": "gelu"}))
+    with pytest.raises(ValueError, match=r"badfield/config\.json: hidden_act"):
+        import_hf(path)
+
+
+def test_export_writes_a_generation_config_with_the_end_of_text_id(tmp_path):
+    loaded = import_hf(FIXTURES / "llama_relu")
+    out = export_hf(loaded, tmp_path / "exp")
+    assert json.loads((out / "generation_config.json").read_text()) == {"bos_token_id": 0, "eos_token_id": 0}

@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def micro_run(tmp_path_factory):
     """A 4-step micro run under <tmp>/runs/micro (what the README's example loads), its final params."""
-    from configs import get_config
+    from twell_jax.configs import get_config
     from twell_jax.training.train import train
 
     root = tmp_path_factory.mktemp("inference")
@@ -127,7 +127,7 @@ def test_twell_generate_streams_and_reports_errors(micro_run, capsys, monkeypatc
     rc = cli.main(["generate", "--checkpoint", str(run), "--prompt", "def main(", "--max-new-tokens", "5",
                    "--dtype", "float32", "--temperature", "0.7", "--top-k", "20", "--seed", "1"])
     captured = capsys.readouterr()
-    assert rc == 0 and requested == [(str(run), None, "float32")]
+    assert rc == 0 and requested == [(run, None, "float32")]
     # It printed the prompt and streamed the continuation that generate() gives for these settings.
     expected = generate(loaded, ["def main("], max_new_tokens=5, temperature=0.7, top_k=20, seed=1)
     assert captured.out == "def main(" + expected.texts[0] + "\n"

@@ -1,4 +1,4 @@
-"""experiments/kernel_trace.py: parsing a hand-built trace shaped like the profiler's GPU trace
+"""twell_jax/bench/kernel_trace.py: parsing a hand-built trace shaped like the profiler's GPU trace
 (GPU device process, stream threads, a derived "XLA Ops" line and host events that must not
 count), the short names, the table, a real profile on the CPU (no GPU events, said so), and
 bench_ffn_train's bit comparison and argument checks of its --sweep-blocks flag."""

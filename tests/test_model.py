@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import get_config
+from twell_jax.configs import get_config
 from twell_jax.config import ModelConfig
 from twell_jax import model as model_lib
 from twell_jax.model import apply_model, choose_attention, describe_execution, init_model, rope, split_model

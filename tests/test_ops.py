@@ -360,7 +360,7 @@ def test_inside_a_caller_shard_map_the_op_runs_locally():
 def test_pallas_backend_in_interpret_mode_matches_the_oracle():
     """Glue only (the kernels are tested in their own files): backend="pallas" runs the Pallas
     forward and the Pallas backward; y and the gradients (L1 term included) match the fp32 oracle."""
-    pytest.importorskip("pallas_kernels.twell_ffn")
+    pytest.importorskip("twell_jax.pallas_kernels.twell_ffn")
     config = ops.SparseFFNConfig(tile=16, slots=4, ell_width=8, tail_rows=1.0, transpose_ell_width=4,
                                  transpose_tail_rows=1.0)
     x, weights = make_inputs(True, 13, 16, 40, jnp.float32, 0.7, seed=1)
@@ -433,7 +433,7 @@ def test_auto_on_a_gpu_decides_outside_the_custom_vjp(hint, sparse_chosen, monke
     match the oracle on either path; a dense decision at trace time is exactly the "dense" backend
     (plain autodiff, no Pallas call), a sparse one is the Pallas forward + dense backward, and
     without a hint both are compiled behind a cond on the sampled active count."""
-    pytest.importorskip("pallas_kernels.twell_ffn")
+    pytest.importorskip("twell_jax.pallas_kernels.twell_ffn")
     from twell_jax.ops import pallas_forward, planner
 
     monkeypatch.setattr(pallas_forward, "available", lambda: True)
@@ -489,7 +489,7 @@ def test_auto_dense_recompute_keeps_no_activations(monkeypatch):
     """"auto" planning a layer dense with auto_dense_recompute: the dense formula inside the op's
     custom_vjp (same y and gradients as the oracle, aux of a dense call), whose residual is x
     alone (`saved_residuals`: no [M, H] tensor), where plain autodiff keeps the activations."""
-    pytest.importorskip("pallas_kernels.twell_bwd_token")
+    pytest.importorskip("twell_jax.pallas_kernels.twell_bwd_token")
     from twell_jax.ops import pallas_forward, planner
 
     monkeypatch.setattr(pallas_forward, "available", lambda: True)
@@ -532,7 +532,7 @@ def test_training_plan_with_a_dense_forward(poison, monkeypatch):
     the forward is the dense formula with no NaN cond around it (both branches would be the same);
     y and the gradients match the oracle, and a NaN input propagates as in dense (the flag still
     sends the backward to the dense formula)."""
-    pytest.importorskip("pallas_kernels.twell_bwd_token")
+    pytest.importorskip("twell_jax.pallas_kernels.twell_bwd_token")
     from twell_jax.ops import pallas_forward, planner
 
     monkeypatch.setattr(pallas_forward, "available", lambda: True)

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.twell_pack import PackBlockSizes
+from twell_jax.pallas_kernels.twell_pack import PackBlockSizes
 from twell_jax import ops
 from twell_jax.ops import pallas_forward, planner
 from oracles import dense_forward as dense, rel_err
@@ -115,7 +115,7 @@ def test_the_glue_takes_only_the_typed_op_config():
     x, wg, wu, wd = make_inputs(jnp.float32, m=4, d=8, h=16)
     with pytest.raises(ValueError, match="config must be a twell_jax.ops.SparseFFNConfig"):
         pallas_forward.gated_ffn_forward(x, wg, wu, wd, {"tile": 32}, interpret=True)
-    with pytest.raises(ValueError, match="pack_block_sizes must be None or a pallas_kernels.twell_pack.PackBlockSizes"):
+    with pytest.raises(ValueError, match="pack_block_sizes must be None or a twell_jax.pallas_kernels.twell_pack.PackBlockSizes"):
         ops.SparseFFNConfig(pack_block_sizes=(16, 16, 4, 2))
 
 

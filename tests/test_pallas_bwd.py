@@ -10,14 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.twell_bwd_neuron import (NeuronBwdBlockSizes, neuron_backward,
+from twell_jax.pallas_kernels.twell_bwd_neuron import (NeuronBwdBlockSizes, neuron_backward,
                                              neuron_backward_reference)
-from pallas_kernels.twell_bwd_token import (ListsBlockSizes, TokenBwdBlockSizes, rank_values,
+from twell_jax.pallas_kernels.twell_bwd_token import (ListsBlockSizes, TokenBwdBlockSizes, rank_values,
                                             rank_values_reference, token_backward,
                                             token_backward_reference, token_lists,
                                             token_lists_reference)
-from pallas_kernels.twell_pack import pack_gate_reference
-from pallas_kernels.twell_transpose import neuron_lists_reference
+from twell_jax.pallas_kernels.twell_pack import pack_gate_reference
+from twell_jax.pallas_kernels.twell_transpose import neuron_lists_reference
 from test_ops import TOL, loss_of, make_inputs, oracle, rel_err
 from twell_jax import ops
 from twell_jax.ops import dispatch, pallas_backward, pallas_forward, planner

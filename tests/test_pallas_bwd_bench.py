@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pallas_kernels.twell_pack import PackBlockSizes
+from twell_jax.pallas_kernels.twell_pack import PackBlockSizes
 
 ROOT = Path(__file__).resolve().parents[1]
 

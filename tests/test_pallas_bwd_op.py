@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from pallas_kernels.twell_pack import pack_gate_reference
+from twell_jax.pallas_kernels.twell_pack import pack_gate_reference
 from test_ops import TOL, loss_of, make_inputs, oracle, rel_err
 from twell_jax import ops
 from twell_jax.ops import dispatch, pallas_backward

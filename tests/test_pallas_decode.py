@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compact_active_reference,
+from twell_jax.pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compact_active_reference,
                                          sparse_decode_ffn, sparse_decode_ffn_reference)
 from twell_jax import ops
 from twell_jax.ops import pallas_decode, planner

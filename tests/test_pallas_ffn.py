@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn, sparse_ffn_reference
-from pallas_kernels.twell_pack import pack_gate_reference
+from twell_jax.pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn, sparse_ffn_reference
+from twell_jax.pallas_kernels.twell_pack import pack_gate_reference
 from oracles import rel_err
 
 TILE, SLOTS = 32, 4

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.twell_pack import PackBlockSizes, pack_gate, pack_gate_reference, program_block
+from twell_jax.pallas_kernels.twell_pack import PackBlockSizes, pack_gate, pack_gate_reference, program_block
 
 TILE, SLOTS = 32, 8
 SMALL_BLOCKS = PackBlockSizes(block_m=16, block_k=16, num_warps=4, num_stages=2)

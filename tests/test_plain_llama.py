@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import get_config
+from twell_jax.configs import get_config
 from twell_jax.bench import plain_llama
 from twell_jax.inference.load import model_with_params  # noqa: E402
 from twell_jax.model import init_cache, init_model, split_model  # noqa: E402

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from configs import get_config, list_configs
+from twell_jax.configs import get_config, list_configs
 from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax import config as config_lib
 from twell_jax.cli import _parser, main
@@ -81,19 +81,23 @@ def test_repeated_set_keeps_every_override():
 # ----------------------------------------------------------------------------- 2./3. one run per directory
 
 
-def test_resume_uses_the_saved_config_and_keeps_the_schedule(base, run, capsys):
+def test_resume_uses_the_saved_config_and_never_trains_at_lr_0(base, run, capsys):
     saved = json.loads((run / "config.json").read_text())
     assert saved["optim"]["schedule_steps"] == 2  # resolved at the start of the run
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    # Step 3 is past the end of the 2-step cosine to 0: it would train at lr 0. Refused, naming the fix.
+    assert main(["train", "--out", str(run), "--resume", "--set", "train.steps=3"]) == 2
+    assert "--set optim.schedule_steps=3" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
     # No --config, no --set of the model: the saved config is the reference.
-    assert main(["train", "--out", str(run), "--resume", "--set", "train.steps=3"]) == 0
+    assert main(["train", "--out", str(run), "--resume", "--set", "train.steps=3", "optim.schedule_steps=3"]) == 0
     assert _steps(run) == [1, 2, 3]
     config = json.loads((run / "config.json").read_text())
-    assert config["train"]["steps"] == 3 and config["optim"]["schedule_steps"] == 2
+    assert config["train"]["steps"] == 3 and config["optim"]["schedule_steps"] == 3
     lr = [r["lr"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "lr" in r]
     optim = config_lib.from_dict(config).optim
-    # Step 3 (lr of state step 2) is on the original 2-step schedule, not on a re-planned 3-step one.
-    assert lr[-1] == pytest.approx(float(learning_rate_schedule(optim, 2)(2)), abs=1e-9)
-    assert lr[-1] != pytest.approx(float(learning_rate_schedule(optim, 3)(2)), abs=1e-9)
+    # Step 3 (lr of state step 2) is on the stretched 3-step schedule.
+    assert lr[-1] == pytest.approx(float(learning_rate_schedule(optim, 3)(2)), abs=1e-9) and lr[-1] > 0
 
 
 def test_resume_refuses_changes_to_fixed_fields_and_leaves_the_run_alone(run, capsys):
@@ -109,7 +113,7 @@ def test_new_run_refuses_a_non_empty_directory_unless_overwrite(base, run, capsy
     before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
     argv = ["train", "--config", "micro", "--out", str(run), "--set", *base["sets"], "train.steps=1"]
     assert main(argv) == 2
-    assert "not empty" in capsys.readouterr().err
+    assert "already holds a run" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
     # A failing --overwrite (bad value found at validation) changes nothing either.
     assert main([*argv, "--overwrite", "--set", "train.eval_batch_size=3", "train.num_devices=2"]) == 2
@@ -127,9 +131,9 @@ def test_corrupt_checkpoint_is_named_and_the_older_one_is_used(run, capsys):
     assert main(["eval", "--checkpoint", str(run), "--step", "2"]) == 2
     err = capsys.readouterr().err
     assert str(run / "checkpoints" / "2") in err
-    assert main(["eval", "--checkpoint", str(run)]) == 0  # falls back to step 1, with a warning
-    out = capsys.readouterr().out
-    assert str(run / "checkpoints" / "2") in out and json.loads(out[out.index("\n{\n"):])["step"] == 1
+    assert main(["eval", "--checkpoint", str(run), "--json"]) == 0  # falls back to step 1, with a warning
+    captured = capsys.readouterr()
+    assert str(run / "checkpoints" / "2") in captured.err and json.loads(captured.out)["step"] == 1
     # --resume falls back too, moves the corrupt one aside and trains step 2 again.
     assert main(["train", "--out", str(run), "--resume"]) == 0
     assert _steps(run) == [1, 2]
@@ -220,6 +224,7 @@ def test_sigterm_checkpoints_and_exits_with_a_resume_hint(base, tmp_path):
     assert "--resume" in err and str(out.absolute()) in err
     steps = ckpt_lib.CheckpointStore(out / "checkpoints", create=False).all_steps()
     assert steps and steps[-1] == _steps(out)[-1]  # the last finished step is checkpointed
+    assert not (out / ckpt_lib.LOCK_FILE).exists()  # the run's lock is released on SIGTERM too
 
 
 def _logged(run_dir: Path) -> bool:
@@ -249,7 +254,7 @@ def test_resume_without_a_checkpoint_is_an_error(tmp_path, capsys):
 def test_metrics_hold_each_step_once_after_a_resume(run, capsys):
     # What a kill after step 2 was logged but before its checkpoint leaves: records past the checkpoint.
     shutil.rmtree(run / "checkpoints" / "2")
-    assert main(["train", "--out", str(run), "--resume", "--set", "train.steps=3"]) == 0
+    assert main(["train", "--out", str(run), "--resume", "--set", "train.steps=3", "optim.schedule_steps=3"]) == 0
     assert _steps(run) == [1, 2, 3]
     assert _steps(run, "val_loss") == [3]  # the earlier run's final validation was at step 2, now dropped
     newest = max((run / "tensorboard").iterdir(), key=lambda p: p.stat().st_mtime_ns)

@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import get_config
+from twell_jax.configs import get_config
 from twell_jax import config as config_lib
 from twell_jax.training.loss import l1_coefficient
 from twell_jax.model import init_model, split_model
+from twell_jax.training.checkpoint import LOCK_FILE
 from twell_jax.training.train import Hooks, Trainer, accumulate_gradients
 
 
@@ -191,3 +192,82 @@ def test_should_stop_hook_ends_the_run_saved_and_evaluated(tmp_path):
     assert summary["stopped_by_hook"] is True and summary["stopped_by_time_limit"] is False
     assert summary["val_loss"] is not None and np.isfinite(summary["val_loss"])
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [2]
+
+
+# ----------------------------------------------------------------------------- metrics fetched one step late
+
+
+_TIMING = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "peak_memory_bytes")
+
+
+def _logged(run_dir):
+    """metrics.jsonl without the timing fields (wall-clock figures differ between any two runs)."""
+    return [{k: v for k, v in json.loads(line).items() if k not in _TIMING}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_metrics_are_fetched_once_the_next_step_is_dispatched(tmp_path, monkeypatch):
+    from twell_jax.training import train as train_lib
+    from twell_jax.training.planning import PlanController
+
+    events = []
+    runner, fetch = PlanController.runner, train_lib.to_python
+
+    def spy_runner(self, state):
+        executable, plan, seconds = runner(self, state)
+
+        def dispatch(*args):
+            events.append("dispatch")
+            return executable(*args)
+
+        return dispatch, plan, seconds
+
+    monkeypatch.setattr(PlanController, "runner", spy_runner)
+    monkeypatch.setattr(train_lib, "to_python", lambda tree: events.append("fetch") or fetch(tree))
+    cfg = micro_cfg("train.steps=5", "train.log_every=1", "train.auto_refresh_every=0")
+    Trainer(cfg, tmp_path / "async", data_builder=FakeData).run()
+    # Step N's metrics are fetched after step N + 1 is dispatched; the last step's are flushed.
+    assert events == ["dispatch", "dispatch", "fetch", "dispatch", "fetch", "dispatch", "fetch", "dispatch",
+                      "fetch", "fetch"]
+
+
+def test_the_deferred_fetch_logs_what_a_synchronous_loop_logs(tmp_path):
+    # eval and checkpoint at step 3 (boundaries: finished before step 4 is dispatched), logs at 2 and 5.
+    overrides = ("train.steps=5", "train.log_every=2", "train.eval_every=3", "train.checkpoint_every=3")
+    seen = {"async": [], "sync": []}
+    Trainer(micro_cfg(*overrides), tmp_path / "async", data_builder=FakeData,
+            hooks=Hooks(on_step=lambda r: seen["async"].append(r["step"]))).run()
+    # A should_stop hook makes every step a boundary: the synchronous loop of one fetch per step.
+    Trainer(micro_cfg(*overrides), tmp_path / "sync", data_builder=FakeData,
+            hooks=Hooks(on_step=lambda r: seen["sync"].append(r["step"]), should_stop=lambda r: None)).run()
+    assert _logged(tmp_path / "async") == _logged(tmp_path / "sync")
+    assert [r["step"] for r in _logged(tmp_path / "async")] == [2, 3, 4, 5, 5]  # train 2, val 3, train 4, 5, val 5
+    assert seen["async"] == seen["sync"] == [1, 2, 3, 4, 5]
+
+
+class _BadAt(FakeData):
+    """FakeData whose batch of step `bad_step` holds an out-of-range token (NaN embeddings)."""
+
+    def __init__(self, cfg, bad_step):
+        super().__init__(cfg)
+        iterator, produce = self.train_iter, self.train_iter.__next__
+
+        class Iterator:
+            def __next__(self):
+                step = iterator.step
+                batch = produce()
+                if step + 1 == bad_step:
+                    batch["tokens"][0, 3] = 10_000
+                return batch
+
+            get_state, set_state = iterator.get_state, iterator.set_state
+
+        self.train_iter = Iterator()
+
+
+def test_nan_guard_names_a_deferred_step(tmp_path):
+    cfg = micro_cfg("train.steps=5", "train.log_every=1")
+    with pytest.raises(FloatingPointError, match=r"non-finite loss=.* at step 3"):
+        Trainer(cfg, tmp_path, data_builder=lambda c: _BadAt(c, 3)).run()
+    assert [r["step"] for r in _logged(tmp_path)] == [1, 2]  # step 3 is never logged as if it were fine
+    assert not (tmp_path / LOCK_FILE).exists()  # the lock is released when a run fails too

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.common import next_pow2
-from pallas_kernels.twell_pack import pack_gate_reference
-from pallas_kernels.twell_transpose import (TransposeBlockSizes, chunk_histograms, chunk_histograms_shape,
+from twell_jax.pallas_kernels.common import next_pow2
+from twell_jax.pallas_kernels.twell_pack import pack_gate_reference
+from twell_jax.pallas_kernels.twell_transpose import (TransposeBlockSizes, chunk_histograms, chunk_histograms_shape,
                                             neuron_histogram, neuron_lists,
                                             neuron_lists_reference)
 

@@ -1,39 +1,119 @@
-"""The `twell` command: train / eval / compare.
+"""The `twell` command: train / eval / compare / generate / hf / configs (`twell COMMAND --help`).
 
     twell train --config tiny [--set model.n_layers=2 --set train.steps=50] [--out DIR] [--overwrite]
-    twell train --out DIR --resume [--step N] [--set train.steps=500]
-    twell eval --checkpoint runs/tiny-20250101-120000 [--step N] [--set train.eval_batches=32]
-    twell compare --config tiny [--set ...] [--out DIR]
+    twell train --out DIR --resume [--step N] [--set train.steps=500 optim.schedule_steps=500]
+    twell train --config micro --init-from HF_DIR      (fine-tune a Hugging Face Llama checkpoint)
+    twell eval --checkpoint runs/tiny-20250101-120000 [--step N] [--split all] [--json]
+    twell compare --config tiny [--l1 0 1e-5 2e-5] [--set ...] [--out DIR] [--resume] [--dry-run]
     twell generate --checkpoint RUN --prompt "def main(" [--max-new-tokens 64 --temperature 0.8 --top-k 50]
-    twell configs            (list presets)
+    twell hf export --checkpoint RUN --out DIR        twell hf import HF_DIR
+    twell configs            (one line per preset)
 
-Exit status: 0 done, 2 a clear error (bad argument, bad config, missing or corrupt checkpoint,
-non-finite loss), 130 / 143 stopped by SIGINT / SIGTERM after checkpointing.
+Output: results on stdout (`--json`: one JSON document), everything else (progress, logs,
+warnings) on stderr. Exit status: 0 done, 2 an error (one line naming the argument, field or file;
+`--debug` adds the traceback), 130 / 143 stopped by SIGINT / SIGTERM (a training run checkpoints
+first).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import logging
+import os
 import sys
 import time
+import traceback
 from pathlib import Path
+from typing import Any, Callable, TextIO
 
+from twell_jax import __version__
 from twell_jax import config as config_lib
 
 EXIT_ERROR = 2
 EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}  # 128 + the signal number, as a shell reports it
 
+# Model fields an imported checkpoint's weights fix (a --set may not change them).
+ARCHITECTURE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "rope_theta", "norm_eps")
+
+EXAMPLES = {
+    "train": """examples:
+  twell train --config tiny                                   # -> runs/tiny-<timestamp>/
+  twell train --config micro --set train.steps=50 --out runs/m
+  twell train --out runs/m --resume --set train.steps=100     # continue it
+  twell train --config ./my_config.json --print-config        # the resolved config, nothing run
+  twell train --config tiny --dry-run                         # check config and data, write nothing
+  twell train --config micro --init-from path/to/hf_llama --set data.source=corpus.jsonl""",
+    "eval": """examples:
+  twell eval --checkpoint runs/m                              # newest intact checkpoint, validation split
+  twell eval --checkpoint runs/m/checkpoints/8 --json | python -m json.tool
+  twell eval --checkpoint runs/m --set data.source=other.jsonl --split all   # all of another corpus
+  twell eval --hf path/to/hf_llama --set data.source=corpus.jsonl --split all""",
+    "compare": """examples:
+  twell compare --config tiny --l1 1e-3 3e-3                  # dense relu_gated twin vs sparse twell at 2 L1
+  twell compare --out runs/compare-tiny-X --resume            # continue an interrupted study
+  twell compare --config micro --set train.steps=20 --json""",
+    "generate": """examples:
+  twell generate --checkpoint runs/m --prompt "def main(" --max-new-tokens 8
+  twell generate --checkpoint runs/m --prompt "import" --num-samples 3 --temperature 0.8 --json
+  twell generate --checkpoint runs/m --prompt "$(cat long.py)" --truncate-prompt left --stop "\\n\\n"
+  twell generate --hf path/to/hf_llama --prompt "def main(" """,
+    "hf": """examples:
+  twell hf import path/to/hf_llama                            # check and describe a Llama checkpoint
+  twell hf export --checkpoint runs/m --out exported/         # config.json, generation_config.json,
+                                                              # model.safetensors, tokenizer.json""",
+    "configs": """examples:
+  twell configs""",
+}
+
+
+# ----------------------------------------------------------------------------- configs and runs
+
 
 def _load_config(name: str, overrides: list[str]) -> config_lib.ExperimentConfig:
-    from configs import get_config
+    """A preset by name, or a config.json file (a path ending in .json, e.g. a run's saved config),
+    with `overrides` applied."""
+    if name.endswith(".json") or os.sep in name:
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"--config {name}: no such file (a preset name or a config .json)")
+        try:
+            values = json.loads(path.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"--config {path}: not valid JSON ({err})") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"--config {path}: expected a JSON object, got {type(values).__name__}")
+        try:
+            cfg = config_lib.from_dict(values)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"--config {path}: {err}") from None
+    else:
+        from twell_jax.configs import get_config
 
-    return config_lib.apply_overrides(get_config(name), overrides)
+        cfg = get_config(name)
+    return config_lib.apply_overrides(cfg, overrides)
+
+
+def describe_preset(name: str) -> str:
+    """One line: the preset's model, data and schedule (read from the preset itself)."""
+    from twell_jax.configs import get_config
+
+    cfg = get_config(name)
+    m, d, t = cfg.model, cfg.data, cfg.train
+    source = "synthetic tokens" if d.is_synthetic else f"{d.source} ({d.tokenizer} tokenizer)"
+    return (f"{name:<6} {m.n_layers} layers, d_model {m.d_model}, d_ff {m.d_ff}, {m.n_heads} heads, vocab "
+            f"{m.vocab_size}, seq {d.seq_len}; {m.ffn_kind} FFN ({m.ffn_backend}), L1 {cfg.sparsity.l1_coef:g}; "
+            f"{t.steps} steps x {t.global_batch} sequences; data: {source}")
 
 
 def check_resumable_overrides(overrides: list[str]) -> None:
     """Only config.RESUMABLE_FIELDS may be set for a run that exists (resume, eval)."""
     fixed = sorted({item.split("=", 1)[0].strip() for item in overrides} - config_lib.RESUMABLE_FIELDS)
+    if "data.val_fraction" in fixed:
+        raise ValueError("--set data.val_fraction: cannot change for an existing run (its validation split was "
+                         "drawn when it was trained); to evaluate on more text use `twell eval --split all` "
+                         "(with --set data.source=<corpus> for another corpus), or lower train.eval_batch_size")
     if fixed:
         raise ValueError(f"--set {', '.join(fixed)}: cannot change for an existing run (its saved config.json is "
                          f"the source of truth); fields that may change: "
@@ -54,54 +134,84 @@ def resume_config(run_dir: Path, preset: str | None, overrides: list[str]) -> co
     return config_lib.apply_overrides(saved, overrides)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="twell", description="Activation-sparse transformer LMs in JAX.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def checkpoint_arg(path: str, step: int | None) -> tuple[Path, int | None]:
+    """(run directory, step) of a --checkpoint argument: a run directory, its checkpoints/ directory,
+    or one checkpoint step's directory (RUN/checkpoints/8, which picks step 8)."""
+    from twell_jax.training import checkpoint as ckpt_lib
 
-    def add_set(p: argparse.ArgumentParser, help_text: str) -> None:
-        # action="extend": `--set a=1 --set b=2` keeps both (a plain nargs="*" keeps only the last).
-        p.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.FIELD=VALUE",
-                       help=help_text)
-
-    p_train = sub.add_parser("train", help="train a model (or continue one with --resume)")
-    p_train.add_argument("--config", default=None, help="preset name (see `twell configs`; default tiny; "
-                         "not needed with --resume)")
-    add_set(p_train, "config overrides, e.g. --set model.n_layers=2 train.steps=50 (repeatable)")
-    p_train.add_argument("--out", default=None, help="run directory (default runs/<name>-<timestamp>)")
-    p_train.add_argument("--resume", action="store_true",
-                         help="continue the run in --out from its newest intact checkpoint, with its saved config")
-    p_train.add_argument("--step", type=int, default=None, help="with --resume: the checkpoint step to continue from")
-    p_train.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
-
-    p_eval = sub.add_parser("eval", help="validation loss + perplexity of a checkpoint")
-    p_eval.add_argument("--checkpoint", required=True, help="run directory (or its checkpoints/ dir)")
-    p_eval.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest intact one)")
-    add_set(p_eval, "eval-time overrides, e.g. train.eval_batches=32 (repeatable)")
-
-    p_compare = sub.add_parser("compare", help="train the dense relu_gated twin and the sparse twell model, compare")
-    p_compare.add_argument("--config", default="tiny", help="preset name (see `twell configs`)")
-    add_set(p_compare, "config overrides for both runs (repeatable)")
-    p_compare.add_argument("--out", default=None, help="output directory (default runs/compare-<name>-<timestamp>)")
-
-    p_gen = sub.add_parser("generate", help="continue prompts with a trained run (KV cache, streamed)")
-    p_gen.add_argument("--checkpoint", required=True, help="run directory (or its checkpoints/ dir)")
-    p_gen.add_argument("--prompt", action="append", required=True,
-                       help="prompt text; repeat for a batch (a single prompt is streamed as it is generated)")
-    p_gen.add_argument("--max-new-tokens", type=int, default=64)
-    p_gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p_gen.add_argument("--top-k", type=int, default=0, help="0 = no limit")
-    p_gen.add_argument("--top-p", type=float, default=1.0, help="1 = no nucleus cut")
-    p_gen.add_argument("--seed", type=int, default=0)
-    p_gen.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    p_gen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-
-    sub.add_parser("configs", help="list the presets")
-    return parser
+    given = Path(path)
+    if given.name.isdigit() and given.parent.name == ckpt_lib.CHECKPOINT_SUBDIR:
+        if not given.is_dir():
+            raise FileNotFoundError(f"--checkpoint {path}: no such checkpoint directory")
+        if step is not None and step != int(given.name):
+            raise ValueError(f"--checkpoint {path} is step {int(given.name)} but --step {step} was given: pick one")
+        return given.parent.parent, int(given.name)
+    return ckpt_lib.checkpoint_dir(given).parent, step
 
 
-def _train(args: argparse.Namespace) -> None:
+def _imported(hf_dir: str, *, dtype: str, ffn_kind: str | None = None, ffn_backend: str = "auto") -> Any:
+    from twell_jax.inference.hf import import_hf
+
+    return import_hf(hf_dir, dtype=dtype, ffn_kind=ffn_kind, ffn_backend=ffn_backend)
+
+
+def _override_keys(overrides: list[str]) -> set[str]:
+    return {item.split("=", 1)[0].strip() for item in overrides}
+
+
+def _with_imported_model(cfg: config_lib.ExperimentConfig, imported: Any, overrides: list[str],
+                         flag: str) -> config_lib.ExperimentConfig:
+    """`cfg` with the imported checkpoint's architecture (its weights fix it) and tokenizer."""
+    model = imported.config.model
+    changed = sorted(f"model.{f}" for f in ARCHITECTURE_FIELDS
+                     if f"model.{f}" in _override_keys(overrides) and getattr(cfg.model, f) != getattr(model, f))
+    if changed:
+        raise ValueError(f"--set {', '.join(changed)}: {flag} fixes these (the checkpoint's weights have its "
+                         f"shapes: {', '.join(f'{f}={getattr(model, f)}' for f in ARCHITECTURE_FIELDS)})")
+    keep_seq = "model.max_seq_len" in _override_keys(overrides)
+    new_model = dataclasses.replace(cfg.model, **{f: getattr(model, f) for f in ARCHITECTURE_FIELDS},
+                                    ffn_kind=model.ffn_kind,
+                                    max_seq_len=cfg.model.max_seq_len if keep_seq else model.max_seq_len)
+    data = cfg.data
+    if imported.tokenizer is not None:
+        data = dataclasses.replace(data, tokenizer=imported.config.data.tokenizer)
+    elif not data.is_synthetic:
+        raise ValueError(f"{flag}: the checkpoint has no tokenizer.json, so text cannot be tokenized for it; add "
+                         "its tokenizer.json to the directory, or use --set data.source=synthetic")
+    sparsity = cfg.sparsity
+    if not new_model.kind.l1 and sparsity.l1_coef:
+        sparsity = dataclasses.replace(sparsity, l1_coef=0.0)  # a dense kind trains without L1
+    return dataclasses.replace(cfg, model=new_model, data=data, sparsity=sparsity)
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _emit(out: TextIO, args: argparse.Namespace, result: Any, human: Callable[[], str]) -> None:
+    """A command's result on stdout: one JSON document with --json, else the human-readable text."""
+    if getattr(args, "json", False):
+        out.write(json.dumps(result, indent=2) + "\n")
+    else:
+        out.write(human() + "\n")
+    out.flush()
+
+
+def _param_count(model_cfg: config_lib.ModelConfig) -> int:
+    import jax
+    from flax import nnx
+
+    from twell_jax.model import init_model
+
+    state = nnx.state(nnx.eval_shape(lambda: init_model(model_cfg, 0)))
+    return int(sum(leaf.size for leaf in jax.tree.leaves(state)))
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def _train(args: argparse.Namespace, result_out: TextIO) -> None:
     from twell_jax.training import parallel
-    from twell_jax.training.train import default_run_dir, train
+    from twell_jax.training.train import train
 
     # Multi-host launch (SLURM, Open MPI, JAX_COORDINATOR_ADDRESS): before anything touches devices.
     parallel.initialize_distributed()
@@ -109,6 +219,10 @@ def _train(args: argparse.Namespace) -> None:
         raise ValueError("--step picks the checkpoint to continue from; it needs --resume")
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run in --out and --overwrite replaces it: pick one")
+    if args.resume and args.init_from:
+        raise ValueError("--init-from starts a new run from a Hugging Face checkpoint; --resume continues one: "
+                         "pick one")
+    imported = None
     if args.resume:
         if args.out is None:
             raise ValueError("--resume needs --out DIR (the run directory to continue)")
@@ -118,52 +232,389 @@ def _train(args: argparse.Namespace) -> None:
               + (f" with overrides {args.set}" if args.set else ""))
     else:
         cfg = _load_config(args.config or "tiny", args.set)
-        out = Path(args.out) if args.out else default_run_dir(cfg)
-        print(f"[twell] train: config {cfg.name!r}" + (f" with overrides {args.set}" if args.set else ""))
-    result = train(cfg, out, resume=args.resume, resume_step=args.step, overwrite=args.overwrite)
-    print(json.dumps({k: result.summary[k] for k in ("val_loss", "val_perplexity", "val_l0_mean",
-                                                    "val_sparsity", "tokens_per_s")}, indent=2))
+        if args.init_from:
+            kind = cfg.model.ffn_kind if "model.ffn_kind" in _override_keys(args.set) else None
+            imported = _imported(args.init_from, dtype="float32", ffn_kind=kind, ffn_backend=cfg.model.ffn_backend)
+            cfg = _with_imported_model(cfg, imported, args.set, "--init-from")
+        out = Path(args.out) if args.out else None  # None: train() reserves a new runs/<name>-<time>
+        print(f"[twell] train: config {cfg.name!r}" + (f" with overrides {args.set}" if args.set else "")
+              + (f", initialised from {args.init_from}" if imported is not None else ""))
+    if args.print_config:
+        result_out.write(config_lib.to_json(cfg) + "\n")
+        return
+    if args.dry_run:
+        _dry_run(args, cfg, out, result_out)
+        return
+    if imported is None:
+        result = train(cfg, out, resume=args.resume, resume_step=args.step, overwrite=args.overwrite)
+    else:
+        from twell_jax.model import split_model
+
+        from twell_jax.training.train import default_run_dir
+
+        result = _init_from_trainer()(cfg, out or default_run_dir(cfg), init_params=split_model(imported.model)[1],
+                                      overwrite=args.overwrite).run()
+    summary = {k: result.summary[k] for k in ("val_loss", "val_perplexity", "val_l0_mean", "val_sparsity",
+                                              "tokens_per_s")}
+    summary["run_dir"] = str(result.run_dir.absolute())
+    _emit(result_out, args, summary, lambda: (
+        f"{result.run_dir}: validation loss {summary['val_loss']:.4f}, perplexity {summary['val_perplexity']:.2f}, "
+        f"{summary['val_l0_mean']:.1f} active FFN neurons/token ({100 * summary['val_sparsity']:.1f}% zero)"))
+
+
+def _init_from_trainer() -> type:
+    """A Trainer whose new run starts from given parameters (an imported model) instead of an init."""
+    import jax
+
+    from twell_jax.training.train import Trainer
+
+    class InitFromParams(Trainer):
+        def __init__(self, *args: Any, init_params: Any, **kwargs: Any):
+            self._init_params = init_params
+            super().__init__(*args, **kwargs)
+
+        def init_state(self) -> Any:
+            state = super().init_state()  # optimizer moments start at zero whatever the parameters
+            params = jax.tree.map(lambda have, want: jax.numpy.asarray(have, want.dtype),
+                                  self._init_params, state["params"])
+            return {**state, "params": jax.device_put(params, self.state_shardings["params"])}
+
+    return InitFromParams
+
+
+def _dry_run(args: argparse.Namespace, cfg: config_lib.ExperimentConfig, target: Path | None, out: TextIO) -> None:
+    """Check what a run would do (config, data, batch layout over the devices) and write no run."""
+    import jax
+
+    from twell_jax.data import build_experiment_data
+    from twell_jax.training import parallel
+
+    tc = cfg.train
+    devices = parallel.mesh_size(parallel.make_mesh(tc.num_devices))
+    accum = parallel.check_batch_layout(tc.global_batch, tc.micro_batch, devices)
+    data = build_experiment_data(cfg)  # the corpus, tokenizer and splits, checked as training checks them
+    state = ("continues the run there" if args.resume else "new (a fresh runs/<name>-<timestamp>)" if target is None
+             else "not empty: refused unless it is a twell run and --overwrite is given"
+             if target.is_dir() and any(target.iterdir()) else "new")
+    plan = {"config": cfg.name, "run_dir": str(target.absolute()) if target else None, "run_dir_state": state,
+            "parameters": _param_count(cfg.model), "steps": tc.steps,
+            "tokens_per_step": tc.global_batch * cfg.seq_len, "devices": devices,
+            "platform": jax.devices()[0].platform, "accumulation_steps": accum,
+            "train_sequences": data.num_train_sequences, "val_sequences": data.num_val_sequences,
+            "vocab_size": data.vocab_size}
+    _emit(out, args, plan, lambda: "dry run (nothing written):\n" + "\n".join(f"  {k}: {v}" for k, v in plan.items()))
+
+
+def _eval(args: argparse.Namespace, out: TextIO) -> None:
+    from twell_jax.training.evaluate import evaluate_checkpoint, evaluate_model
+
+    if (args.checkpoint is None) == (args.hf is None):
+        raise ValueError("give one of --checkpoint RUN (a trained run) or --hf DIR (a Hugging Face checkpoint)")
+    if args.checkpoint is not None:
+        check_resumable_overrides(args.set)
+        run_dir, step = checkpoint_arg(args.checkpoint, args.step)
+        result = evaluate_checkpoint(run_dir, step=step, overrides=args.set, split=args.split)
+    else:
+        if args.step is not None:
+            raise ValueError("--step picks a checkpoint of a run; a --hf checkpoint has no steps")
+        from twell_jax.model import split_model
+
+        imported = _imported(args.hf, dtype="float32")
+        cfg = config_lib.apply_overrides(imported.config, args.set)
+        cfg = _with_imported_model(cfg, imported, args.set, "--hf")
+        limit = "train.eval_batches" in _override_keys(args.set)
+        result = evaluate_model(cfg, split_model(imported.model)[1], split=args.split, limit_batches=limit)
+    _emit(out, args, result, lambda: (
+        f"loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}  tokens {int(result['tokens'])}  "
+        f"active FFN neurons/token {result['l0_mean']:.1f}  sparsity {100 * result['sparsity']:.1f}%  "
+        f"step {result['step']}  split {result['split']}"))
+
+
+def _compare(args: argparse.Namespace, out: TextIO) -> None:
+    from twell_jax.compare import main_from_args, markdown_table
+
+    if args.print_config:
+        out.write(config_lib.to_json(_load_config(args.config or "tiny", args.set)) + "\n")
+        return
+    report = main_from_args(args, _load_config)
+    if report is not None:  # None: --dry-run
+        _emit(out, args, report, lambda: markdown_table(report["runs"]))
+
+
+def _hf(args: argparse.Namespace, out: TextIO) -> None:
+    if args.hf_command == "import":
+        imported = _imported(args.path, dtype="float32")
+        cfg = imported.config
+        result = {"path": str(Path(args.path).absolute()), "parameters": _param_count(cfg.model),
+                  "tokenizer": cfg.data.tokenizer if imported.tokenizer is not None else None,
+                  "eos_id": imported.eos_id, "model": config_lib.to_dict(cfg.model)}
+        m = cfg.model
+        _emit(out, args, result, lambda: (
+            f"{args.path}: a {m.n_layers}-layer Llama, d_model {m.d_model}, d_ff {m.d_ff}, {m.n_heads} heads, vocab "
+            f"{m.vocab_size}, context {m.max_seq_len}, rope_theta {m.rope_theta:g} -> ffn_kind {m.ffn_kind}; "
+            f"{result['parameters']} parameters, all finite; tokenizer: {result['tokenizer'] or 'none'}\n"
+            f"use it with: twell eval --hf {args.path} ... | twell generate --hf {args.path} ... | "
+            f"twell train --init-from {args.path} ..."))
+    else:  # export
+        from twell_jax.inference.hf import export_hf
+        from twell_jax.inference.load import load_run
+
+        run_dir, step = checkpoint_arg(args.checkpoint, args.step)
+        loaded = load_run(run_dir, step=step, dtype="float32")
+        written = export_hf(loaded, args.out, dtype=args.dtype)
+        files = sorted(p.name for p in written.iterdir())
+        _emit(out, args, {"out": str(written.absolute()), "step": loaded.step, "files": files},
+              lambda: f"exported {run_dir} step {loaded.step} to {written}: {', '.join(files)}")
+
+
+def _configs(args: argparse.Namespace, out: TextIO) -> None:
+    from twell_jax.configs import list_configs
+
+    names = list_configs()
+    if args.json:
+        _emit(out, args, {name: describe_preset(name) for name in names}, str)
+    else:
+        out.write("".join(describe_preset(name) + "\n" for name in names))
+
+
+def _generate(args: argparse.Namespace, out: TextIO) -> None:
+    from twell_jax.inference.cli import run_generate
+
+    run_generate(args, out)
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO], None]] = {
+    "train": _train, "eval": _eval, "compare": _compare, "generate": _generate, "hf": _hf, "configs": _configs}
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="twell", description="Activation-sparse transformer language models in JAX: train, evaluate, "
+        "compare with the dense twin, generate, and convert to and from Hugging Face Llama checkpoints.",
+        epilog="Results go to stdout (--json: one JSON document), logs and progress to stderr. Exit status: 0 "
+               "done, 2 error (one line; --debug for the traceback), 130/143 interrupted by SIGINT/SIGTERM.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"twell {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="print the traceback of an error")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help_text: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_text, description=description, epilog=EXAMPLES[name],
+                              parents=[common], formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def add_set(p: argparse.ArgumentParser, help_text: str) -> None:
+        # action="extend": `--set a=1 --set b=2` keeps both (a plain nargs="*" keeps only the last).
+        p.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.FIELD=VALUE",
+                       help=help_text)
+
+    def add_json(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--json", action="store_true", help="print the result as one JSON document on stdout")
+
+    def add_model_source(p: argparse.ArgumentParser, *, hf_help: str | None) -> None:
+        """--checkpoint and --step (a trained run), and --hf (a Hugging Face checkpoint) where given."""
+        p.add_argument("--checkpoint", default=None, required=hf_help is None,
+                       help="run directory, its checkpoints/ dir, or one step's dir (RUN/checkpoints/8)")
+        if hf_help is not None:
+            p.add_argument("--hf", default=None, metavar="HF_DIR", help=hf_help)
+        p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest intact one)")
+
+    p_train = command("train", "train a model (or continue one with --resume)",
+                      "Train a model from a preset or a config .json into a run directory (config, checkpoints, "
+                      "metrics, summary), continue a run with --resume, or fine-tune a Hugging Face Llama "
+                      "checkpoint with --init-from.")
+    p_train.add_argument("--config", default=None, help="preset name (see `twell configs`; default tiny) or a "
+                         "config .json (e.g. a run's config.json); not needed with --resume")
+    add_set(p_train, "config overrides, e.g. --set model.n_layers=2 train.steps=50 (repeatable)")
+    p_train.add_argument("--out", default=None, help="run directory (default runs/<name>-<timestamp>)")
+    p_train.add_argument("--resume", action="store_true",
+                         help="continue the run in --out from its newest intact checkpoint, with its saved config")
+    p_train.add_argument("--step", type=int, default=None, help="with --resume: the checkpoint step to continue from")
+    p_train.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    p_train.add_argument("--init-from", default=None, metavar="HF_DIR",
+                         help="start from a Hugging Face Llama checkpoint's weights (its architecture and "
+                              "tokenizer; optimizer, schedule and data from --config / --set)")
+    p_train.add_argument("--print-config", action="store_true",
+                         help="print the resolved config as JSON and exit (nothing is trained or written)")
+    p_train.add_argument("--dry-run", action="store_true",
+                         help="check the config, devices and data, print the plan, and write no run")
+    add_json(p_train)
+
+    p_eval = command("eval", "validation loss + perplexity of a checkpoint",
+                     "Evaluate a trained run's checkpoint (or a Hugging Face checkpoint with --hf): loss, "
+                     "perplexity, per-layer active FFN neurons, on the run's validation split or a whole corpus.")
+    add_model_source(p_eval, hf_help="evaluate a Hugging Face Llama checkpoint")
+    p_eval.add_argument("--split", choices=("val", "all"), default="val",
+                        help="val: the validation split (data.val_fraction of the corpus, drawn at training "
+                             "time); all: every full batch of the whole corpus (e.g. another corpus given with "
+                             "--set data.source=...; train.eval_batches limits it only when set)")
+    add_set(p_eval, "eval-time overrides, e.g. train.eval_batches=32 data.source=other.jsonl (repeatable)")
+    add_json(p_eval)
+
+    p_compare = command("compare", "train a dense twin and sparse twell models (several L1), compare",
+                        "Train the dense twin (no L1) and sparse twell models at each --l1 on the same tokens in "
+                        "the same order, then print the comparison table and write compare.png / .md / .json. "
+                        "An interrupted study continues with --resume.")
+    p_compare.add_argument("--config", default=None, help="preset name (see `twell configs`) or a config .json "
+                           "(default tiny; not with --resume)")
+    add_set(p_compare, "config overrides for every run (repeatable)")
+    p_compare.add_argument("--out", default=None, help="output directory (default runs/compare-<name>-<timestamp>)")
+    p_compare.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    from twell_jax.compare import add_arguments as add_compare_arguments
+
+    add_compare_arguments(p_compare)
+    add_json(p_compare)
+
+    p_gen = command("generate", "continue prompts with a trained run (KV cache, streamed)",
+                    "Continue prompts with a trained run or a Hugging Face checkpoint: greedy or sampled, a "
+                    "single prompt streamed as it is generated.")
+    add_model_source(p_gen, hf_help="generate with a Hugging Face Llama checkpoint")
+    p_gen.add_argument("--prompt", action="append", required=True,
+                       help="prompt text; repeat for a batch (a single prompt and sample is streamed)")
+    p_gen.add_argument("--max-new-tokens", type=int, default=64)
+    p_gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p_gen.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    p_gen.add_argument("--top-p", type=float, default=1.0, help="1 = no nucleus cut")
+    p_gen.add_argument("--seed", type=int, default=0)
+    p_gen.add_argument("--num-samples", type=int, default=1,
+                       help="continuations per prompt (sampled: needs --temperature > 0)")
+    p_gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                       help="stop a continuation at this text, which is not printed (repeatable; escapes such "
+                            "as \\n are decoded)")
+    p_gen.add_argument("--truncate-prompt", choices=("error", "left"), default="error",
+                       help="a prompt that leaves no room for --max-new-tokens in the context: error (default), "
+                            "or left: keep its last tokens")
+    p_gen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    add_json(p_gen)
+
+    p_hf = command("hf", "import / export Hugging Face Llama checkpoints",
+                   "Hugging Face LlamaForCausalLM checkpoints: `import` checks one and describes the model it "
+                   "becomes (then: eval --hf, generate --hf, train --init-from); `export` writes a run's "
+                   "checkpoint in that layout.")
+    hf_sub = p_hf.add_subparsers(dest="hf_command", required=True, metavar="{import,export}")
+    p_import = hf_sub.add_parser("import", parents=[common], help="check a Llama checkpoint and describe it",
+                                 epilog=EXAMPLES["hf"], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 description="Read a Llama checkpoint directory (config.json, model.safetensors "
+                                 "or shards, tokenizer.json) with every check an import makes.")
+    p_import.add_argument("path", help="the checkpoint directory")
+    add_json(p_import)
+    p_export = hf_sub.add_parser("export", parents=[common], help="write a run's checkpoint as a Llama checkpoint",
+                                 epilog=EXAMPLES["hf"], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 description="Write config.json, generation_config.json, model.safetensors and "
+                                 "tokenizer.json that transformers.LlamaForCausalLM loads.")
+    add_model_source(p_export, hf_help=None)
+    p_export.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    p_export.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    add_json(p_export)
+
+    p_configs = command("configs", "list the presets, one line each",
+                        "List the presets: model shape, FFN, L1, schedule and data of each.")
+    add_json(p_configs)
+    return parser
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    """The first exception of `err`'s chain (what it was raised from or while handling)."""
+    seen = {id(err)}
+    while (err.__cause__ or err.__context__) is not None and id(err.__cause__ or err.__context__) not in seen:
+        err = err.__cause__ or err.__context__
+        seen.add(id(err))
+    return err
+
+
+def describe_error(err: BaseException) -> str:
+    """One line for an error: the file of an OSError (also one wrapped by Orbax or TensorStore), the
+    message of our own errors, the type and first line of anything else."""
+    seen, cause = set(), err
+    while cause is not None and id(cause) not in seen:  # an OSError anywhere in the chain names the file
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.strerror:
+            where = cause.filename if cause.filename is not None else ""
+            return f"{where}: {cause.strerror}" if where else cause.strerror
+        cause = cause.__cause__ or cause.__context__
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if isinstance(err, (ValueError, FileNotFoundError, FileExistsError, FloatingPointError)) and lines \
+            and _raised_by_twell(err):
+        return " ".join(lines)  # our own errors: the whole message, which names the argument, field or file
+    text = lines[0] if lines else ""  # a library's (Orbax, TensorStore, ...): its first line
+    if len(text) > 400:
+        text = text[:400] + " ..."
+    # A system error spelled out deeper in a long message (TensorStore reports errno text so).
+    system = next((phrase for phrase in _SYSTEM_ERRORS if phrase in str(err) and phrase not in text), None)
+    if system:
+        text += f" [{system}]"
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+_SYSTEM_ERRORS = ("No space left on device", "Read-only file system", "Permission denied", "Disk quota exceeded")
+
+
+def _raised_by_twell(err: BaseException) -> bool:
+    """Whether `err` was raised by this package's code (its kernels and presets included)."""
+    import twell_jax
+
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    where = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    package = os.path.abspath(twell_jax.__path__[0])
+    # In a source checkout the kernels and presets are top-level folders beside the package.
+    roots = [package] + [os.path.join(os.path.abspath(entry), folder) for entry in twell_jax.__path__[1:]
+                         for folder in ("pallas_kernels", "configs")]
+    return any(where.startswith(root + os.sep) for root in roots)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.command == "configs":
-        from configs import list_configs
-
-        for name in list_configs():
-            print(name)
-        return 0
-    from twell_jax.training.train import TrainingInterrupted
-
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    name = args.command if args.command != "hf" else f"hf {args.hf_command}"
+    result_out = sys.stdout
     try:
-        if args.command == "train":
-            _train(args)
-        elif args.command == "eval":
-            from twell_jax.training.evaluate import evaluate_checkpoint
-
-            check_resumable_overrides(args.set)
-            result = evaluate_checkpoint(args.checkpoint, step=args.step, overrides=args.set)
-            print(json.dumps(result, indent=2))
-        elif args.command == "compare":
-            from twell_jax.compare import compare
-
-            cfg = _load_config(args.config, args.set)
-            out = Path(args.out) if args.out else Path("runs") / f"compare-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-            print(f"[twell] compare: config {args.config!r}, writing to {out.absolute()}")
-            compare(cfg, out)
-        elif args.command == "generate":
-            from twell_jax.inference.cli import run_generate
-
-            run_generate(args)
-    except TrainingInterrupted as err:
-        print(f"twell {args.command}: {err}", file=sys.stderr)
-        return EXIT_SIGNAL.get(err.signal_name, EXIT_ERROR)
-    except (ValueError, FileNotFoundError, FloatingPointError) as err:
-        print(f"twell {args.command}: error: {err}", file=sys.stderr)
+        # Everything a command prints while it runs is a log line: stderr. Its result goes to stdout.
+        with contextlib.redirect_stdout(sys.stderr):
+            COMMANDS[args.command](args, result_out)
+    except KeyboardInterrupt:
+        print(f"twell {name}: interrupted (Ctrl-C); nothing more was written", file=sys.stderr)
+        return EXIT_SIGNAL["SIGINT"]
+    except Exception as err:  # noqa: BLE001 (the CLI boundary: every error is one line and exit 2)
+        train_module = sys.modules.get("twell_jax.training.train")  # imported by then if err is its
+        if train_module is not None and isinstance(err, train_module.TrainingInterrupted):
+            print(f"twell {name}: {err}", file=sys.stderr)
+            return EXIT_SIGNAL.get(err.signal_name, EXIT_ERROR)
+        if isinstance(_root_cause(err), KeyboardInterrupt):  # e.g. an import that Ctrl-C broke
+            print(f"twell {name}: interrupted (Ctrl-C); nothing more was written", file=sys.stderr)
+            return EXIT_SIGNAL["SIGINT"]
+        if args.debug:
+            traceback.print_exc(file=sys.stderr)
+        print(f"twell {name}: error: {describe_error(err)}"
+              + ("" if args.debug else " (--debug shows the traceback)"), file=sys.stderr)
         return EXIT_ERROR
     return 0
 
 
+def run() -> None:
+    """The `twell` console script: main(), exiting without interpreter teardown after Ctrl-C (the
+    teardown of a compile that was interrupted has crashed with a segmentation fault)."""
+    try:
+        code = main()
+    except KeyboardInterrupt:  # before a command started (parsing the arguments)
+        print("twell: interrupted (Ctrl-C)", file=sys.stderr)
+        code = EXIT_SIGNAL["SIGINT"]
+    if code == EXIT_SIGNAL["SIGINT"]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -1,132 +1,378 @@
-"""Dense-vs-sparse comparison: train the dense `relu_gated` twin and the sparse `twell` model on the
-same data and seed, then write one table (console, markdown, JSON) and a PNG of loss curves and
-per-layer sparsity."""
+"""The quality study behind `twell compare`: a dense twin and sparse `twell` models at several L1
+values, trained on the same tokens in the same order (same data, seed and steps), then one table
+(console, markdown, JSON) and one PNG.
+
+Reported per run, from what the training loop already wrote (summary.json, metrics.jsonl): the
+validation CE and its gap to the twin, mean active FFN neurons per token (and the share of d_ff)
+over all layers, per layer (validation) and per token position (the training steps' position
+profile, averaged over the last quarter of the logged steps), the dead-neuron share at the end
+(runs with and without `sparsity.reinit_dead` when asked), and tokens/s.
+
+`out_dir` holds `compare_plan.json` (what the study trains: written first, so a directory is
+recognisably a comparison) and one run directory per run. An interrupted study (SIGTERM, a crash,
+a time limit) continues with `twell compare --out DIR --resume`: finished runs are kept, an
+interrupted one resumes from its newest checkpoint, the rest start.
+"""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from twell_jax import config as config_lib
 from twell_jax.config import FFN_KIND_TABLE, ExperimentConfig
-from twell_jax.training.train import TrainResult, train
+
+PLAN_FILE = "compare_plan.json"
+PLAN_VERSION = 1
+TWIN = "dense"
+DENSE_TWIN_KINDS = ("relu_gated", "swiglu")
+REINIT_CHOICES = ("off", "on", "both")
+POSITION_TAIL = 0.25  # the per-position profile averages the last quarter of the logged steps
 
 
-def twin_configs(cfg: ExperimentConfig) -> tuple[ExperimentConfig, ExperimentConfig]:
-    """(dense relu_gated baseline without L1, sparse twell model with cfg's L1), otherwise identical."""
-    dense = dataclasses.replace(
-        cfg, name=f"{cfg.name}-dense",
-        model=dataclasses.replace(cfg.model, ffn_kind="relu_gated"),
-        sparsity=dataclasses.replace(cfg.sparsity, l1_coef=0.0, reinit_dead=False))
+@dataclasses.dataclass(frozen=True)
+class StudyRun:
+    """One run of the study: its directory name under out_dir and its full config."""
+
+    key: str
+    cfg: ExperimentConfig
+
+
+def l1_key(l1: float, reinit: bool) -> str:
+    return f"twell-l1-{l1:g}" + ("-reinit" if reinit else "")
+
+
+def study_runs(cfg: ExperimentConfig, *, l1_values: list[float] | None = None, dense_kind: str | None = None,
+               reinit: str | None = None, l1_warmup_steps: int | None = None) -> list[StudyRun]:
+    """The dense twin (`dense_kind`, no L1, no re-initialisation) then one sparse run per L1 (and per
+    re-initialisation setting with reinit="both"); everything else is `cfg`'s, so every run reads
+    the same tokens in the same order. None = the config's value (its l1_coef, its reinit_dead)."""
+    dense_kind = dense_kind or DENSE_TWIN_KINDS[0]
+    if dense_kind not in DENSE_TWIN_KINDS:
+        raise ValueError(f"--dense-kind={dense_kind!r}: expected one of {DENSE_TWIN_KINDS}")
+    if reinit is not None and reinit not in REINIT_CHOICES:
+        raise ValueError(f"--reinit-dead={reinit!r}: expected one of {REINIT_CHOICES}")
+    l1_values = [cfg.sparsity.l1_coef] if not l1_values else list(l1_values)
+    bad = [v for v in l1_values if not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0)]
+    if bad or len(set(l1_values)) != len(l1_values):
+        raise ValueError(f"--l1 {l1_values}: expected distinct finite L1 coefficients >= 0")
+    sparsity = cfg.sparsity
+    if l1_warmup_steps is not None:
+        if l1_warmup_steps < 0:
+            raise ValueError(f"--l1-warmup-steps={l1_warmup_steps}: expected >= 0")
+        sparsity = dataclasses.replace(sparsity, l1_warmup_start=0, l1_warmup_end=l1_warmup_steps)
+    reinits = {None: [sparsity.reinit_dead], "off": [False], "on": [True], "both": [False, True]}[reinit]
     sparse_kind = cfg.model.ffn_kind if cfg.model.kind.sparse_op else "twell"
-    sparse = dataclasses.replace(cfg, name=f"{cfg.name}-twell",
-                                 model=dataclasses.replace(cfg.model, ffn_kind=sparse_kind))
-    return dense, sparse
+    runs = [StudyRun(TWIN, dataclasses.replace(
+        cfg, name=f"{cfg.name}-{TWIN}", model=dataclasses.replace(cfg.model, ffn_kind=dense_kind),
+        sparsity=dataclasses.replace(sparsity, l1_coef=0.0, reinit_dead=False)))]
+    for l1 in l1_values:
+        for flag in reinits:
+            key = l1_key(l1, flag)
+            runs.append(StudyRun(key, dataclasses.replace(
+                cfg, name=f"{cfg.name}-{key}", model=dataclasses.replace(cfg.model, ffn_kind=sparse_kind),
+                sparsity=dataclasses.replace(sparsity, l1_coef=float(l1), reinit_dead=flag))))
+    return runs
 
 
-def _fmt_bytes(value: float | None) -> str:
-    return "n/a (CPU)" if value is None else f"{value / 2**30:.2f} GiB"
+# ----------------------------------------------------------------------------- the plan on disk
 
 
-def comparison_rows(dense: dict[str, Any], sparse: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """(metric, dense, sparse) rows of the comparison table."""
-    d_ff = dense["d_ff"]
-    rel = 100.0 * (sparse["val_loss"] - dense["val_loss"]) / dense["val_loss"]
-
-    def pct(x: float | None) -> str:
-        return "n/a" if x is None else f"{100 * x:.1f}%"
-
-    return [
-        ("FFN", f"{dense['ffn_kind']} ({FFN_KIND_TABLE[dense['ffn_kind']].backend(dense['ffn_backend'])})",
-         f"{sparse['ffn_kind']} ({FFN_KIND_TABLE[sparse['ffn_kind']].backend(sparse['ffn_backend'])})"),
-        ("L1 coefficient", f"{dense['l1_coef']:g}", f"{sparse['l1_coef']:g}"),
-        ("validation loss (CE)", f"{dense['val_loss']:.4f}", f"{sparse['val_loss']:.4f}"),
-        ("relative CE change", "-", f"{rel:+.2f}%"),
-        ("validation perplexity", f"{dense['val_perplexity']:.2f}", f"{sparse['val_perplexity']:.2f}"),
-        (f"mean active neurons/token (of {d_ff})", f"{dense['val_l0_mean']:.1f}", f"{sparse['val_l0_mean']:.1f}"),
-        ("FFN activation sparsity", pct(dense["val_sparsity"]), pct(sparse["val_sparsity"])),
-        ("dead neurons", pct(dense["dead_share_mean"]), pct(sparse["dead_share_mean"])),
-        ("train tokens/s (median step)", f"{dense['tokens_per_s']:.0f}", f"{sparse['tokens_per_s']:.0f}"),
-        ("peak device memory", _fmt_bytes(dense["peak_memory_bytes"]), _fmt_bytes(sparse["peak_memory_bytes"])),
-        ("wall time (train + eval)", f"{dense['wall_time_s']:.0f}s", f"{sparse['wall_time_s']:.0f}s"),
-    ]
+def _plan_dict(runs: list[StudyRun], options: dict[str, Any]) -> dict[str, Any]:
+    return {"version": PLAN_VERSION, "options": options,
+            "runs": [{"key": r.key, "config": config_lib.to_dict(r.cfg)} for r in runs]}
 
 
-def markdown_table(rows: list[tuple[str, str, str]]) -> str:
-    lines = ["| metric | dense (relu_gated) | sparse (twell) |", "|---|---|---|"]
-    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+def check_out_dir(out_dir: Path, *, resume: bool) -> None:
+    """A new study needs a missing or empty `out_dir`; --resume needs a comparison directory. A
+    training run (config.json / checkpoints/ without a plan) is refused either way."""
+    from twell_jax.training import checkpoint as ckpt_lib
+
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir}: not a directory")
+    has_plan = (out_dir / PLAN_FILE).is_file()
+    if not has_plan and ((out_dir / ckpt_lib.CONFIG_FILE).is_file() or (out_dir / ckpt_lib.CHECKPOINT_SUBDIR).is_dir()):
+        raise ValueError(f"--out {out_dir}: that directory is a training run of `twell train`, not a comparison "
+                         f"(no {PLAN_FILE}); pick another --out")
+    if resume and not has_plan:
+        raise FileNotFoundError(f"--resume: {out_dir} holds no comparison ({PLAN_FILE} is missing); start one "
+                                "with `twell compare --out DIR` (no --resume)")
+    if not resume and has_plan:
+        raise ValueError(f"--out {out_dir} holds a comparison: continue it with --resume, or pick another --out")
+    if not resume and out_dir.is_dir() and any(out_dir.iterdir()):
+        raise ValueError(f"--out {out_dir} is not empty; pick another --out (a comparison starts in a new or "
+                         "empty directory)")
+
+
+def load_plan(out_dir: Path) -> tuple[list[StudyRun], dict[str, Any]]:
+    """(the runs, the study options) saved in `out_dir`'s plan."""
+    from twell_jax.training import checkpoint as ckpt_lib
+
+    plan = ckpt_lib.read_json_file(out_dir / PLAN_FILE, "comparison plan")
+    if plan.get("version") != PLAN_VERSION:
+        raise ValueError(f"{out_dir / PLAN_FILE}: version {plan.get('version')!r}, expected {PLAN_VERSION}")
+    return [StudyRun(r["key"], config_lib.from_dict(r["config"])) for r in plan["runs"]], plan["options"]
+
+
+def resumed_runs(out_dir: Path, overrides: list[str], options: dict[str, Any]) -> list[StudyRun]:
+    """The saved plan with `overrides` (config.RESUMABLE_FIELDS only) applied to every run. A study
+    option given (not None) that differs from the saved one is refused: the runs must train as planned."""
+    runs, saved = load_plan(out_dir)
+    changed = {k: v for k, v in options.items() if v is not None and v != saved.get(k)}
+    if changed:
+        raise ValueError(f"--resume: {out_dir} was planned with {saved}; {changed} differ (leave the study "
+                         "options out when resuming)")
+    fixed = sorted({o.split("=", 1)[0].strip() for o in overrides} - config_lib.RESUMABLE_FIELDS)
+    if fixed:
+        raise ValueError(f"--set {', '.join(fixed)}: cannot change when resuming a comparison (every run must "
+                         "train as planned); fields that may change: " + ", ".join(sorted(config_lib.RESUMABLE_FIELDS)))
+    return [StudyRun(r.key, config_lib.apply_overrides(r.cfg, overrides)) for r in runs]
+
+
+def _run_state(run_dir: Path, cfg: ExperimentConfig) -> str:
+    """"done" (summary at train.steps), "resume" (a checkpoint to continue from) or "new"."""
+    from twell_jax.training import checkpoint as ckpt_lib
+
+    summary = run_dir / "summary.json"
+    if summary.is_file() and ckpt_lib.read_json_file(summary, "run summary").get("steps", -1) >= cfg.train.steps:
+        return "done"
+    if ckpt_lib.has_steps(run_dir / ckpt_lib.CHECKPOINT_SUBDIR):
+        return "resume"
+    return "new"
+
+
+# ----------------------------------------------------------------------------- the study
+
+
+def run_study(runs: list[StudyRun], out_dir: str | Path, *, resume: bool = False,
+              options: dict[str, Any] | None = None, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Train every run of the plan under `out_dir/<key>` (keeping finished ones when `resume`),
+    then write compare.json, compare.md and compare.png into `out_dir`; returns the report.
+    `options`: the study options recorded in the plan (what --resume checks against)."""
+    from twell_jax.training.train import Trainer, TrainingInterrupted
+
+    out_dir = Path(out_dir)
+    check_out_dir(out_dir, resume=resume)
+    if not resume:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        from twell_jax.training.checkpoint import atomic_write_text
+
+        atomic_write_text(out_dir / PLAN_FILE, json.dumps(_plan_dict(runs, options or {}), indent=1))
+    for i, run in enumerate(runs, 1):
+        run_dir = out_dir / run.key
+        state = _run_state(run_dir, run.cfg) if resume else "new"
+        what = f"{run.cfg.model.ffn_kind}, L1 {run.cfg.sparsity.l1_coef:g}" + (
+            ", re-initialising dead neurons" if run.cfg.sparsity.reinit_dead else "")
+        if state == "done":
+            echo(f"[twell] compare: run {i}/{len(runs)} {run.key} ({what}) finished earlier: kept")
+            continue
+        echo(f"[twell] compare: run {i}/{len(runs)} {run.key} ({what}) -> {run_dir}"
+             + (" (resuming from its checkpoint)" if state == "resume" else ""))
+        start = time.perf_counter()
+        try:
+            # "new" in an existing directory: a run killed before its first checkpoint; start it again.
+            Trainer(run.cfg, run_dir, resume=state == "resume", overwrite=resume and state == "new",
+                    echo=echo).run()
+        except TrainingInterrupted as err:  # the message names the command that continues the study
+            err.args = (f"{err.signal_name} received: run {run.key} stopped after step {err.step}; continue the "
+                        f"comparison with: twell compare --out {out_dir} --resume",)
+            raise
+        echo(f"[twell] compare: {run.key} trained in {time.perf_counter() - start:.0f}s")
+    return write_report(runs, out_dir, echo=echo)
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    records = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            records.append(json.loads(line))
+    return records
+
+
+def run_report(run: StudyRun, run_dir: Path) -> dict[str, Any]:
+    """One run's row: its summary.json plus the training curves and the position profile from
+    metrics.jsonl (each logged step's `position_profile` [layers, buckets])."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = _read_metrics(run_dir / "metrics.jsonl")
+    train_records = [r for r in records if "ce" in r]
+    profiles = [np.asarray(r["position_profile"], np.float64) for r in train_records if "position_profile" in r]
+    position = None
+    if profiles:
+        tail = profiles[-max(1, int(round(POSITION_TAIL * len(profiles)))):]
+        position = np.mean(tail, axis=0)  # [layers, buckets]
+    cfg = run.cfg
+    d_ff = cfg.model.d_ff
+    return {
+        "key": run.key, "ffn_kind": cfg.model.ffn_kind,
+        "ffn_backend": FFN_KIND_TABLE[cfg.model.ffn_kind].backend(cfg.model.ffn_backend),
+        "l1_coef": cfg.sparsity.l1_coef, "reinit_dead": cfg.sparsity.reinit_dead,
+        "l1_warmup": [cfg.sparsity.l1_warmup_start, cfg.sparsity.l1_warmup_end],
+        "steps": summary["steps"], "planned_steps": cfg.train.steps,
+        "tokens": summary["steps"] * cfg.train.global_batch * cfg.seq_len,
+        "val_loss": summary["val_loss"], "val_perplexity": summary["val_perplexity"],
+        "active_per_token": summary["val_l0_mean"], "active_share": summary["val_l0_mean"] / d_ff,
+        "active_per_layer": summary["val_l0_per_layer"],
+        "active_per_position": None if position is None else position.mean(axis=0).tolist(),
+        "active_per_layer_position": None if position is None else position.tolist(),
+        "position_buckets": cfg.sparsity.position_buckets, "seq_len": cfg.seq_len,
+        "dead_share": summary["dead_share_mean"], "dead_share_per_layer": summary["dead_share_per_layer"],
+        "tokens_per_s": summary["tokens_per_s"], "d_ff": d_ff, "n_layers": cfg.model.n_layers,
+        "curve_steps": [r["step"] for r in train_records], "curve_ce": [r["ce"] for r in train_records],
+    }
+
+
+def write_report(runs: list[StudyRun], out_dir: Path, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """compare.json, compare.md and compare.png from the runs' own files; the table is echoed."""
+    rows = [run_report(run, out_dir / run.key) for run in runs]
+    twin = rows[0]
+    for row in rows:
+        row["ce_gap_to_twin"] = (row["val_loss"] - twin["val_loss"]) / twin["val_loss"]
+        row["equal_tokens"] = row["tokens"] == twin["tokens"]
+    report = {"twin": twin["key"], "runs": rows, "out_dir": str(out_dir)}
+    table = markdown_table(rows)
+    (out_dir / "compare.json").write_text(json.dumps(report, indent=1))
+    (out_dir / "compare.md").write_text(table + "\n")
+    png = out_dir / "compare.png"
+    plot(rows, png)
+    unequal = [r["key"] for r in rows if not r["equal_tokens"]]
+    if unequal:
+        echo(f"[twell] compare: WARNING: {', '.join(unequal)} trained on other token counts than the twin "
+             "(stopped early?): their CE gaps are not at equal tokens")
+    echo(f"[twell] compare: wrote {png}, {out_dir / 'compare.md'}, {out_dir / 'compare.json'}")
+    return report
+
+
+TABLE_HEADER = ("run", "FFN", "L1", "re-init", "tokens", "val CE", "gap to twin", "active/token",
+                "% of d_ff", "dead", "tokens/s")
+
+
+def table_cells(row: dict[str, Any]) -> tuple[str, ...]:
+    gap = "-" if row["key"] == TWIN else f"{100 * row['ce_gap_to_twin']:+.2f}%"
+    tokens = f"{row['tokens']:,}" + ("" if row["equal_tokens"] else " (!)")
+    tps = "-" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f}"
+    return (row["key"], f"{row['ffn_kind']} ({row['ffn_backend']})", f"{row['l1_coef']:g}",
+            "yes" if row["reinit_dead"] else "no", tokens, f"{row['val_loss']:.4f}", gap,
+            f"{row['active_per_token']:.1f}", f"{100 * row['active_share']:.2f}%",
+            f"{100 * row['dead_share']:.1f}%", tps)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
+    lines += ["| " + " | ".join(table_cells(r)) + " |" for r in rows]
     return "\n".join(lines)
 
 
-def console_table(rows: list[tuple[str, str, str]]) -> str:
-    widths = [max(len(r[i]) for r in rows + [("metric", "dense (relu_gated)", "sparse (twell)")]) for i in range(3)]
-    header = ("metric", "dense (relu_gated)", "sparse (twell)")
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
-
-
-def plot(dense: TrainResult, sparse: TrainResult, path: Path) -> None:
-    """Loss curves (train CE per step, validation loss at the end) and per-layer sparsity bars."""
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Four panels: validation CE against active neurons per token (a point per sparse run, the twin
+    as a line), training CE curves, active neurons per layer, active neurons per token position."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_sparsity) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for result, label, color in ((dense, "dense relu_gated", "tab:blue"), (sparse, "sparse twell", "tab:red")):
-        steps = [r["step"] for r in result.history]
-        ax_loss.plot(steps, [r["ce"] for r in result.history], color=color, alpha=0.8, label=f"{label} train CE")
-        if result.summary.get("val_loss") is not None:
-            ax_loss.scatter([steps[-1]], [result.summary["val_loss"]], color=color, marker="*", s=120,
-                            label=f"{label} val loss {result.summary['val_loss']:.3f}")
-    ax_loss.set_xlabel("optimizer step")
-    ax_loss.set_ylabel("cross-entropy (nats/token)")
-    ax_loss.set_title("loss")
-    ax_loss.legend(fontsize=8)
-    d_ff = dense.summary["d_ff"]
-    layers = np.arange(len(dense.summary["val_l0_per_layer"]))
-    for offset, result, label, color in ((-0.2, dense, "dense relu_gated", "tab:blue"),
-                                         (0.2, sparse, "sparse twell", "tab:red")):
-        zero_pct = 100.0 * (1.0 - np.asarray(result.summary["val_l0_per_layer"]) / d_ff)
-        ax_sparsity.bar(layers + offset, zero_pct, width=0.4, color=color, label=label)
-    ax_sparsity.axhline(90.0, color="gray", linestyle="--", linewidth=1, label="90%")
-    ax_sparsity.set_xlabel("layer")
-    ax_sparsity.set_ylabel("FFN activations that are zero (%)")
-    ax_sparsity.set_title("per-layer sparsity (validation)")
-    ax_sparsity.set_ylim(0, 100)
-    ax_sparsity.set_xticks(layers)
-    ax_sparsity.legend(fontsize=8, loc="lower right")
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    ax_front, ax_curve, ax_layer, ax_pos = axes.ravel()
+    twin, sparse = rows[0], rows[1:]
+    colors = plt.get_cmap("viridis")(np.linspace(0, 0.9, max(1, len(sparse))))
+    for row, color in zip(sparse, colors):
+        ax_front.scatter([max(row["active_per_token"], 1e-2)], [row["val_loss"]], color=color, s=60,
+                         marker="s" if row["reinit_dead"] else "o", label=row["key"])
+    ax_front.axhline(twin["val_loss"], color="black", linestyle="--",
+                     label=f"dense twin ({twin['ffn_kind']}): {twin['val_loss']:.4f}")
+    ax_front.set_xscale("log")
+    ax_front.set_xlabel(f"mean active FFN neurons per token (of d_ff = {twin['d_ff']})")
+    ax_front.set_ylabel("validation CE (nats/token)")
+    ax_front.set_title("quality against sparsity")
+    ax_front.legend(fontsize=7)
+    styled = [(twin, "black")] + list(zip(sparse, colors))
+    for row, color in styled:
+        ax_curve.plot(row["curve_steps"], row["curve_ce"], color=color, alpha=0.8, label=row["key"])
+        layers = np.arange(len(row["active_per_layer"]))
+        ax_layer.plot(layers, np.maximum(row["active_per_layer"], 1e-2), color=color, marker="o", label=row["key"])
+        if row["active_per_position"] is not None:
+            buckets = len(row["active_per_position"])
+            starts = np.arange(buckets) * row["seq_len"] / buckets
+            ax_pos.plot(starts, np.maximum(row["active_per_position"], 1e-2), color=color, marker="o", label=row["key"])
+    ax_curve.set_xlabel("optimizer step")
+    ax_curve.set_ylabel("training CE")
+    ax_curve.set_title("training curves (same tokens, same order)")
+    ax_curve.legend(fontsize=7)
+    for ax, xlabel, title in ((ax_layer, "layer", "active neurons per layer (validation)"),
+                              (ax_pos, "token position (bucket start)",
+                               "active neurons per position (training, last quarter of logged steps)")):
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("mean active neurons per token")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    ax_layer.set_xticks(np.arange(twin["n_layers"]))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def compare(cfg: ExperimentConfig, out_dir: str | Path, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """Train both twins under `out_dir/{dense,twell}` and write the comparison files into `out_dir`."""
-    import time
+# ----------------------------------------------------------------------------- command line
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    dense_cfg, sparse_cfg = twin_configs(cfg)
-    results = {}
-    for key, run_cfg in (("dense", dense_cfg), ("twell", sparse_cfg)):
-        echo(f"[twell] compare: training the {key} model ({run_cfg.model.ffn_kind}, L1 "
-             f"{run_cfg.sparsity.l1_coef:g}) -> {out_dir / key}")
-        start = time.perf_counter()
-        result = train(run_cfg, out_dir / key, echo=echo)
-        result.summary["wall_time_s"] = time.perf_counter() - start
-        results[key] = result
-    rows = comparison_rows(results["dense"].summary, results["twell"].summary)
-    table = console_table(rows)
-    echo("\n" + table + "\n")
-    png = out_dir / "compare.png"
-    plot(results["dense"], results["twell"], png)
-    summary = {"dense": results["dense"].summary, "twell": results["twell"].summary,
-               "relative_ce_change": (results["twell"].summary["val_loss"] - results["dense"].summary["val_loss"])
-               / results["dense"].summary["val_loss"]}
-    (out_dir / "compare.json").write_text(json.dumps(summary, indent=2))
-    (out_dir / "compare.md").write_text(markdown_table(rows) + "\n")
-    echo(f"[twell] compare: wrote {png}, {out_dir / 'compare.md'}, {out_dir / 'compare.json'}")
-    return summary
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`twell compare`'s study options (the CLI adds --config, --set and --out)."""
+    parser.add_argument("--l1", type=float, nargs="+", default=None, metavar="COEF",
+                        help="L1 coefficients of the sparse runs, e.g. --l1 0 1e-5 2e-5 5e-5 (default: the "
+                             "config's sparsity.l1_coef)")
+    parser.add_argument("--dense-kind", choices=DENSE_TWIN_KINDS, default=None,
+                        help="FFN of the dense twin (trained without L1; default relu_gated, the paper's)")
+    parser.add_argument("--reinit-dead", choices=REINIT_CHOICES, default=None,
+                        help="sparse runs re-initialise dead neurons: off, on, or both (a run of each per "
+                             "L1); default: the config's sparsity.reinit_dead")
+    parser.add_argument("--l1-warmup-steps", type=int, default=None, metavar="N",
+                        help="ramp the L1 from 0 at step 0 to its value at step N (sets "
+                             "sparsity.l1_warmup_start=0, l1_warmup_end=N)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the comparison in --out: finished runs are kept, an interrupted one "
+                             "resumes from its checkpoint (--set: resumable fields only)")
+    parser.add_argument("--dry-run", action="store_true", help="print the runs the study would train, and exit")
+
+
+def compare(cfg: ExperimentConfig, out_dir: str | Path, *, l1_values: list[float] | None = None,
+            dense_kind: str | None = None, reinit: str | None = None, l1_warmup_steps: int | None = None,
+            echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Plan the study for `cfg` (see `study_runs`) and run it into a new `out_dir`."""
+    options = dict(l1_values=l1_values, dense_kind=dense_kind, reinit=reinit, l1_warmup_steps=l1_warmup_steps)
+    return run_study(study_runs(cfg, **options), out_dir, options=options, echo=echo)
+
+
+def main_from_args(args: argparse.Namespace, load_config: Callable[[str, list[str]], ExperimentConfig],
+                   echo: Callable[[str], None] = print) -> dict[str, Any] | None:
+    """`twell compare`: plan (or, with --resume, reload) the study, then train and report it."""
+    options = dict(l1_values=args.l1, dense_kind=args.dense_kind, reinit=args.reinit_dead,
+                   l1_warmup_steps=args.l1_warmup_steps)
+    if args.resume:
+        if args.out is None:
+            raise ValueError("--resume needs --out DIR (the comparison to continue)")
+        out = Path(args.out)
+        check_out_dir(out, resume=True)
+        if args.config is not None:
+            raise ValueError(f"--config {args.config!r}: leave it out with --resume (the comparison's saved plan "
+                             "is used)")
+        runs = resumed_runs(out, args.set, options)
+    else:
+        cfg = load_config(args.config or "tiny", args.set)
+        out = Path(args.out) if args.out else Path("runs") / f"compare-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        runs = study_runs(cfg, **options)
+        check_out_dir(out, resume=False)
+    first = runs[0].cfg
+    echo(f"[twell] compare: {len(runs)} runs of {first.train.steps} steps x {first.train.global_batch} x "
+         f"{first.seq_len} tokens, data {first.data.source!r} (seed {first.data.seed}) -> {out.absolute()}")
+    for run in runs:
+        echo(f"  {run.key}: ffn {run.cfg.model.ffn_kind} ({run.cfg.model.ffn_backend}), L1 "
+             f"{run.cfg.sparsity.l1_coef:g} (warm-up steps {run.cfg.sparsity.l1_warmup_start}-"
+             f"{run.cfg.sparsity.l1_warmup_end}), reinit_dead {run.cfg.sparsity.reinit_dead}")
+    if args.dry_run:
+        echo("[twell] compare: --dry-run: nothing trained")
+        return None
+    return run_study(runs, out, resume=args.resume, options=options, echo=echo)

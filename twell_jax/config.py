@@ -170,6 +170,10 @@ class ModelConfig:
     # "groups" = one scan per run of consecutive layers with the same plan; "switch" = one scan
     # with a lax.switch over the distinct plans (LAYER_SCANS).
     layer_scan: Literal["groups", "switch"] = "groups"
+    # Layers per iteration of the layer scan's loop (lax.scan's `unroll`): 1 = a loop over layers
+    # (compile time flat in depth); n > 1 = n layers per iteration; 0 = all (no loop: compile time
+    # grows with depth again, as for an unrolled model).
+    layer_unroll: int = 1
 
     def __post_init__(self) -> None:
         _check_finite("model", self)
@@ -186,6 +190,8 @@ class ModelConfig:
         _check_choice("model", "compute_dtype", self.compute_dtype, DTYPES)
         _check_choice("model", "attention_impl", self.attention_impl, ATTENTION_IMPLS)
         _check_choice("model", "layer_scan", self.layer_scan, tuple(LAYER_SCANS))
+        if isinstance(self.layer_unroll, bool) or not isinstance(self.layer_unroll, int) or self.layer_unroll < 0:
+            raise ValueError(f"model.layer_unroll must be an int >= 0 (0 = every layer), got {self.layer_unroll!r}")
         if isinstance(self.remat, bool):  # configs saved before remat became a policy
             object.__setattr__(self, "remat", "full" if self.remat else "none")
         _check_choice("model", "remat", self.remat, tuple(REMAT_POLICIES))
@@ -301,7 +307,7 @@ class TrainConfig:
     # SIGINT/SIGTERM and train.time_limit_s also checkpoint)
     keep_checkpoints: int = 2  # how many recent checkpoints Orbax keeps
     tensorboard: bool = True  # also write TensorBoard event files (tensorboardX)
-    progress_bar: bool = True  # tqdm progress bar on the console
+    progress_bar: bool = True  # tqdm bar on stderr when it is a terminal (else, and when false: one line per logged step)
     # Wall-clock budget of the training loop in seconds (compilation excluded); the run stops after
     # the step that crosses it, then checkpoints and evaluates as at the end. 0 = no limit.
     time_limit_s: float = 0.0
@@ -351,8 +357,14 @@ class DataConfig:
     # "stdlib" = the Python standard library's own .py files (present offline on every machine);
     # "synthetic" = deterministic random token ids (no corpus, no tokenizer: tests, benchmarks); or
     # a path to a .txt file, a .jsonl file (one JSON object per line), a .parquet file, or a
-    # directory searched recursively for those three kinds of file (other files are ignored).
+    # directory searched recursively for those three kinds of file (other files are ignored);
+    # "installed" = the standard library plus every installed package's sources and docs
+    # (site-packages, dist-packages, share/doc; see twell_jax/data/tree.py).
     source: str = "stdlib"
+    # Glob patterns (e.g. "*.py,*.md,*.rst,*.txt") choosing the files of a directory source, every
+    # match one document (.jsonl/.parquet by their kind); exact duplicate documents are dropped.
+    # For source="installed", () = its default sources-and-docs patterns. () = the default above.
+    include: tuple[str, ...] = ()
     # "bpe" = train a byte-level BPE on the training documents (cached); or a path to a
     # tokenizer.json (or to a directory holding one, e.g. a local copy of a HF model).
     # Ignored for source="synthetic".
@@ -388,6 +400,9 @@ class DataConfig:
     bpe_min_frequency: int = 2
     # Documents per `encode_batch` call while tokenizing (bounds memory, keeps Rust threads busy).
     encode_chunk_documents: int = 512
+    # Processes tokenizing chunks in parallel (0 = one per CPU core for a corpus of at least 16
+    # chunks, else in this process; 1 = in this process; see twell_jax/data/encode_pool.py).
+    tokenize_workers: int = 0
     # Reader threads assembling batches ahead of the training loop (0 = on the caller's thread).
     num_threads: int = 2
     # Batches buffered ahead per iterator (memory = prefetch * local batch).
@@ -414,7 +429,9 @@ class DataConfig:
         _check_positive("data", seq_len=self.seq_len, bpe_min_frequency=self.bpe_min_frequency,
                         encode_chunk_documents=self.encode_chunk_documents)
         _check_non_negative("data", seed=self.seed, split_seed=self.split_seed, num_threads=self.num_threads,
-                            prefetch=self.prefetch)
+                            prefetch=self.prefetch, tokenize_workers=self.tokenize_workers)
+        if not isinstance(self.include, tuple) or not all(isinstance(p, str) and p.strip() for p in self.include):
+            raise ValueError(f"data.include={self.include!r}: expected glob patterns such as '*.py,*.md'")
         if isinstance(self.val_fraction, bool) or not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction={self.val_fraction}: expected 0 <= val_fraction < 1")
         if self.max_documents is not None:
@@ -496,7 +513,7 @@ RESUMABLE_FIELDS = frozenset({
     "train.auto_trial_steps", "optim.schedule_steps",
     "model.ffn_backend", "model.ffn_op_config", "model.ffn_interpret", "model.ffn_expected_active",
     "model.ffn_expected_tails", "model.remat", "model.attention_impl",
-    "data.source", "data.cache_dir", "data.progress", "data.num_threads", "data.prefetch",
+    "data.source", "data.cache_dir", "data.progress", "data.num_threads", "data.prefetch", "data.tokenize_workers",
 })
 
 

@@ -281,6 +281,18 @@ class FeedForward(nnx.Module):
                              backend=self.backend, config=config, interpret=self.interpret)
 
 
+# What the backward keeps of a layer (besides its inputs) where it recomputes the rest: the GEMM
+# outputs without batch dimensions and the sparse op's own residuals (ops.RESIDUAL_NAME, so that its
+# custom_vjp forward is not run twice).
+SAVE_DOTS_AND_OP_RESIDUALS = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    jax.checkpoint_policies.save_only_these_names(ops.RESIDUAL_NAME))
+
+
+def _apply_norm(norm: RMSNorm, x: jax.Array) -> jax.Array:
+    return norm(x)
+
+
 class Block(nnx.Module):
     """Pre-norm transformer block (one layer; `Transformer` holds them stacked over layers)."""
 
@@ -294,14 +306,20 @@ class Block(nnx.Module):
 
     def __call__(self, x_BxSxD: jax.Array, track_neurons: bool,
                  op_config: ops.SparseFFNConfig | None = None) -> tuple[jax.Array, Aux]:
-        x_BxSxD = x_BxSxD + self.attn(self.attn_norm(x_BxSxD))
+        # The norm is recomputed from its bf16 input in the backward: the layer scan would otherwise
+        # keep its f32 intermediates (three [B, S, D] f32 tensors) for every layer.
+        x_BxSxD = x_BxSxD + self.attn(nnx.remat(_apply_norm)(self.attn_norm, x_BxSxD))
         counts = track_neurons and self.track_neurons
 
         def ffn_sublayer(norm: RMSNorm, ffn: FeedForward, x: jax.Array) -> tuple[jax.Array, Aux]:
             return ffn(norm(x), op_config, neuron_counts=counts)
 
-        if self.remat_ffn:
-            ffn_sublayer = nnx.remat(ffn_sublayer)
+        # remat "ffn": the whole sub-block recomputed. Otherwise its GEMM outputs and the sparse
+        # op's residuals are kept and the elementwise work (the norm, the f32 gating product of
+        # the dense formula) recomputed: what XLA's fusion did by itself when the layers were
+        # unrolled, but a scan materialises every saved value of every layer (28.4 against 19.4
+        # GiB for the 0.5b dense twin's step on an H100 before this policy).
+        ffn_sublayer = nnx.remat(ffn_sublayer, policy=None if self.remat_ffn else SAVE_DOTS_AND_OP_RESIDUALS)
         y_BxSxD, aux = ffn_sublayer(self.ffn_norm, self.ffn, x_BxSxD)
         aux = dict(aux)
         if counts:
@@ -361,8 +379,7 @@ def _stacked_blocks(cfg: ModelConfig, key: jax.Array) -> Block:
     return nnx.merge(graphdef, jax.vmap(one_layer)(jax.random.split(key, cfg.n_layers)))
 
 
-_REMAT_BODY = {"full": jax.checkpoint_policies.nothing_saveable,
-               "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+_REMAT_BODY = {"full": jax.checkpoint_policies.nothing_saveable, "dots": SAVE_DOTS_AND_OP_RESIDUALS}
 
 
 class Transformer(nnx.Module):
@@ -377,7 +394,7 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         # Plain static attributes (not the config object, whose dict field is unhashable).
         self.max_seq_len, self.compute_dtype, self.remat = cfg.max_seq_len, cfg.compute_dtype, cfg.remat
-        self.n_layers, self.layer_scan = cfg.n_layers, cfg.layer_scan
+        self.n_layers, self.layer_scan, self.layer_unroll = cfg.n_layers, cfg.layer_scan, cfg.layer_unroll
         self.gated, self.backend, self.interpret = cfg.kind.gated, cfg.kind.backend(cfg.ffn_backend), cfg.ffn_interpret
         self.d_model, self.d_ff, self.is_swiglu = cfg.d_model, cfg.d_ff, cfg.ffn_kind == "swiglu"
         self.op_configs = tuple(build_op_config(cfg, layer) for layer in range(cfg.n_layers))
@@ -423,6 +440,12 @@ class Transformer(nnx.Module):
         parameters from the whole stack by index inside the body (no copy; for decoding, where no
         gradient is taken). `remat` ("full" | "dots") checkpoints the body."""
         graphdef, state = nnx.split(self.blocks)
+        if slice_params:
+            # The weight matrices cast to the compute dtype once, outside the loop (norm scales stay
+            # f32): a scan reads its layer's slice of each stacked input as a copy, half the bytes
+            # so. (Decoding reads its weights in place by index, already in the compute dtype when
+            # inference.load_run loaded them.)
+            state = jax.tree.map(lambda v: v.astype(dtype) if v.ndim >= 3 else v, state)
         groups = self.layer_groups(n_tokens, dtype)
         first_of_plan: dict[int, int] = {}
         for first, _, plan in groups:
@@ -442,7 +465,8 @@ class Transformer(nnx.Module):
                 body = jax.checkpoint(body, policy=_REMAT_BODY[remat])
             layers = jnp.arange(first, end, dtype=jnp.int32)
             xs_state = jax.tree.map(lambda v: v[first:end], state) if slice_params else None
-            return jax.lax.scan(lambda c, xs: body(c, *xs), carry, (xs_state, layers, plans))
+            unroll = end - first if self.layer_unroll == 0 else min(self.layer_unroll, end - first)
+            return jax.lax.scan(lambda c, xs: body(c, *xs), carry, (xs_state, layers, plans), unroll=unroll)
 
         if self.layer_scan == "switch" and len(configs) > 1:
             plans_L = jnp.asarray([plan for first, end, plan in groups for _ in range(first, end)], jnp.int32)

@@ -28,8 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn, sparse_ffn_reference
-from pallas_kernels.twell_pack import PackBlockSizes, pack_gate, pack_gate_reference
+from twell_jax.pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn, sparse_ffn_reference
+from twell_jax.pallas_kernels.twell_pack import PackBlockSizes, pack_gate, pack_gate_reference
 from twell_jax import ops
 from twell_jax.ops import pallas_forward, planner
 

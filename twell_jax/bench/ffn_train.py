@@ -39,7 +39,7 @@ planner.sparse_times_ms / dense_times_ms and auto's plan, ops.auto_decision). Pr
 short table last; writes bench_ffn_train.json (and table.txt) to --out.
 
 --trace (both modes): the per-kernel GPU time of the xla_bf16, pallas and auto programs that were
-timed (one jax.profiler trace of --repeats back-to-back calls each, experiments/kernel_trace.py):
+timed (one jax.profiler trace of --repeats back-to-back calls each, twell_jax/bench/kernel_trace.py):
 each kernel's launches, ms and share per fwd+bwd call, the wall span and busy time; in the JSON
 rows ("trace") and the table (top 12). --sweep-blocks (synthetic): the token-major, the
 neuron-major and the pack kernel timed alone over their launch parameters (TOKEN_SWEEP: block_t x
@@ -66,11 +66,11 @@ from flax import nnx
 
 from twell_jax.bench import ffn as bench_ffn  # make_inputs, bench_interleaved, bench: one copy of each
 from twell_jax.bench.kernel_trace import KernelProfile, format_profile, kernel_times
-from pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes, neuron_backward
-from pallas_kernels.twell_bwd_token import TokenBwdBlockSizes, rank_values, token_backward, token_lists
-from pallas_kernels.twell_transpose import neuron_lists
-from pallas_kernels.twell_ffn import sparse_ffn
-from pallas_kernels.twell_pack import PackBlockSizes, pack_gate
+from twell_jax.pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes, neuron_backward
+from twell_jax.pallas_kernels.twell_bwd_token import TokenBwdBlockSizes, rank_values, token_backward, token_lists
+from twell_jax.pallas_kernels.twell_transpose import neuron_lists
+from twell_jax.pallas_kernels.twell_ffn import sparse_ffn
+from twell_jax.pallas_kernels.twell_pack import PackBlockSizes, pack_gate
 from twell_jax import ops
 from twell_jax.model import FeedForward, Transformer
 from twell_jax.ops import pallas_backward, planner
@@ -822,7 +822,7 @@ def main(argv: list[str] | None = None) -> None:
                              "(default: the config's)")
     parser.add_argument("--trace", action="store_true",
                         help="also the per-kernel GPU time of the xla_bf16, pallas and auto programs "
-                             "(jax.profiler trace of the timed programs; experiments/kernel_trace.py)")
+                             "(jax.profiler trace of the timed programs; twell_jax/bench/kernel_trace.py)")
     parser.add_argument("--sweep-blocks", action="store_true",
                         help="synthetic: also time the token-major and neuron-major kernels alone over "
                              "their launch parameters (M 16384, k 29), outputs compared bit for bit")

@@ -15,7 +15,7 @@ steps (`Transformer.decode`, LM head included) at batch 1, 8 and 64 after a pref
 `--context` - `--decode-steps` tokens, so the last step attends to `--context` slots. Each variant
 prints its per-layer mean active FFN neurons per token beside its figures.
 
-Rows: `plain` is the plain-JAX Llama of experiments/plain_llama.py (nothing of twell_jax in its
+Rows: `plain` is the plain-JAX Llama of twell_jax/bench/plain_llama.py (nothing of twell_jax in its
 math) holding the model's weights in the compute dtype: its body for prefill, its KV-cached decode
 (the same preallocated cache, in-place writes, chunked prefill and masked attention over the cache
 as the model's decode) for decode; it has no FFN telemetry, so no active counts. The dense twin
@@ -150,7 +150,7 @@ def model_runner(model: Transformer, cfg: ModelConfig) -> Runner:
 
 
 def plain_runner(cfg: ModelConfig, params: dict[str, Any], dtype: str, context: int) -> Runner:
-    """The plain-JAX Llama (experiments/plain_llama.py) over the model's `params` cast to `dtype`.
+    """The plain-JAX Llama (twell_jax/bench/plain_llama.py) over the model's `params` cast to `dtype`.
     Prefill attention is the implementation the model picks at `context` tokens (cuDNN on an
     NVIDIA GPU where it takes the shape); decode attention is masked XLA, as the model's decode."""
     attention = choose_attention(cfg.attention_impl, dtype=jnp.dtype(dtype), head_dim=cfg.head_dim, seq_len=context)
@@ -241,7 +241,7 @@ def load_params(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, Any], 
     if args.checkpoint:
         loaded = load_run(args.checkpoint, step=args.step, dtype=args.dtype)
         return loaded.config.model, split_model(loaded.model)[1], f"checkpoint {args.checkpoint} step {loaded.step}"
-    from configs import get_config
+    from twell_jax.configs import get_config
 
     cfg = get_config(args.config).model
     if args.dry_run:

@@ -20,13 +20,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--val-fraction", type=float, default=defaults.val_fraction)
     parser.add_argument("--txt-separator", default=None,
                         help=r"split .txt files into documents at this string; escapes: \n \t \r \\")
+    parser.add_argument("--include", default="",
+                        help="comma-separated glob patterns for a directory or 'installed' source, e.g. '*.py,*.md'")
+    parser.add_argument("--tokenize-workers", type=int, default=defaults.tokenize_workers,
+                        help="processes tokenizing in parallel (0 = every core)")
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--cache-dir", default=defaults.cache_dir)
     args = parser.parse_args(argv)
     try:
         cfg = DataConfig(source=args.source, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                          seq_len=args.seq_len, max_documents=args.max_documents, val_fraction=args.val_fraction,
-                         txt_separator=args.txt_separator, cache_dir=args.cache_dir)
+                         txt_separator=args.txt_separator, cache_dir=args.cache_dir,
+                         include=tuple(p.strip() for p in args.include.split(",") if p.strip()),
+                         tokenize_workers=args.tokenize_workers)
         start = time.perf_counter()
         bundle = build_data(cfg, global_batch=args.global_batch)
     except ValueError as error:

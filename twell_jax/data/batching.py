@@ -97,8 +97,8 @@ def val_batches(sequences: SequenceTable, *, batch_size: int, max_batches: int |
         raise ValueError(f"max_batches={max_batches}: expected None or a positive integer")
     num_batches = len(sequences) // batch_size
     if num_batches == 0:
-        raise ValueError(f"batch_size={batch_size}: the validation split has only {len(sequences)} sequences "
-                         f"({describe}); use a smaller batch (train.eval_batch_size) or a larger data.val_fraction")
+        raise ValueError(f"batch_size={batch_size}: {describe} holds only {len(sequences)} sequences; use a smaller "
+                         "batch (train.eval_batch_size)")
     if max_batches is not None:
         num_batches = min(num_batches, max_batches)
     return _iter_val(sequences, batch_size // process_count, batch_size, num_batches, process_index)

@@ -106,9 +106,11 @@ class DataBundle:
         process gets its slice, `{"tokens": int32[batch_size // process_count, seq_len + 1]}`."""
         if self.config.val_fraction == 0:
             raise ValueError("val_batches: there is no validation split (data.val_fraction=0)")
-        describe = f"of seq_len + 1 = {self.seq_len + 1} tokens, {self.num_val_tokens} tokens"
+        describe = (f"the validation split (data.val_fraction={self.config.val_fraction}: sequences of seq_len + 1 = "
+                    f"{self.seq_len + 1} tokens, {self.num_val_tokens} tokens")
         if self.tokenizer is not None:
             describe += f" in {self.num_val_documents} documents"
+        describe += "; `twell eval --split all` evaluates a whole corpus)"
         return val_batches(self.val_sequences, batch_size=batch_size, max_batches=max_batches,
                            process_index=self.process_index, process_count=self.process_count,
                            describe=describe)
@@ -164,8 +166,7 @@ def build_data(cfg: DataConfig, *, global_batch: int, process_index: int = 0, pr
     cache_path = os.path.join(os.path.expanduser(cfg.cache_dir), "tokens", tokens_key)
     built_tokens = not cache_lib.has_token_cache(cache_path)
     if built_tokens:
-        cache_lib.build_token_cache(cfg, files, lambda texts: tokenizer_lib.encode_documents(tok, texts),
-                                    tok.get_vocab_size(), eot_id, is_val_fn(), cache_path)
+        cache_lib.build_token_cache(cfg, files, tok, tokenizer_path, eot_id, is_val_fn(), cache_path)
     else:
         cache_lib.log(cfg, f"tokens: cached at {cache_path}")
     tokens = cache_lib.load_token_cache(cache_path)

@@ -11,7 +11,6 @@ import shutil
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -76,47 +75,61 @@ def _write_npy_from_raw(raw_path: str, npy_path: str, dtype: np.dtype) -> int:
 
 
 def build_token_cache(
-    cfg: DataConfig, files: list[SourceFile], encode: Callable[[list[str]], list[list[int]]],
-    vocab_size: int, eot_id: int, is_val: np.ndarray, final_dir: str,
+    cfg: DataConfig, files: list[SourceFile], tokenizer: Any, tokenizer_json_path: str,
+    eot_id: int, is_val: np.ndarray, final_dir: str,
 ) -> None:
-    """Tokenizes every document (`encode`: a batch of texts -> their ids, no special tokens) into
-    train.npy / val.npy, document ids and lengths, and meta.json (with the corpus content hash)."""
+    """Tokenizes every document (no special tokens, then `eot_id`) into train.npy / val.npy,
+    document ids and lengths, and meta.json (with the corpus content hash); chunks of
+    `encode_chunk_documents` documents are encoded by `data.tokenize_workers` processes."""
     from tqdm.auto import tqdm
 
+    from twell_jax.data.encode_pool import encode_chunks, resolve_workers
+
+    vocab_size = tokenizer.get_vocab_size()
     dtype = token_dtype(vocab_size)
     tmp_dir = new_tmp_dir(final_dir)
     raw = {split: open(os.path.join(tmp_dir, f"{split}.raw"), "wb") for split in ("train", "val")}
-    doc_lengths: dict[str, list[int]] = {"train": [], "val": []}
+    doc_lengths: dict[str, list[np.ndarray]] = {"train": [], "val": []}
     hasher = DocumentHasher()
     start = time.perf_counter()
+    chunk = cfg.encode_chunk_documents
+    workers = resolve_workers(cfg.tokenize_workers, -(-len(is_val) // chunk))
     progress_bar = tqdm(total=len(is_val), unit="doc", disable=not cfg.progress,
-                        desc=f"tokenizing {cfg.source} -> {final_dir}")
+                        desc=f"tokenizing {cfg.source} ({workers} process{'es' if workers > 1 else ''}) -> {final_dir}")
 
-    def flush(batch: list[str], first_doc: int) -> None:
-        for offset, ids in enumerate(encode(batch)):
-            split = "val" if is_val[first_doc + offset] else "train"
-            ids.append(eot_id)
-            raw[split].write(np.asarray(ids, dtype=dtype).tobytes())
-            doc_lengths[split].append(len(ids))
-        progress_bar.update(len(batch))
-
-    try:
+    def chunks():
         batch: list[str] = []
-        first_doc = 0
-        for doc_index, text in enumerate(iter_documents(cfg, files)):
+        for text in iter_documents(cfg, files):
             hasher.update(text)
-            if not batch:
-                first_doc = doc_index
             batch.append(text)
-            if len(batch) == cfg.encode_chunk_documents:
-                flush(batch, first_doc)
+            if len(batch) == chunk:
+                yield batch
                 batch = []
         if batch:
-            flush(batch, first_doc)
+            yield batch
+
+    try:
+        first_doc = 0
+        for flat, lengths in encode_chunks(chunks(), tokenizer=tokenizer, tokenizer_json_path=tokenizer_json_path,
+                                           eot_id=eot_id, dtype=dtype, workers=workers):
+            if first_doc + len(lengths) > len(is_val):
+                break  # more documents than counted: reported below
+            in_val = is_val[first_doc:first_doc + len(lengths)]
+            doc_of_token = np.repeat(in_val, lengths)
+            raw["val"].write(flat[doc_of_token].tobytes())
+            raw["train"].write(flat[~doc_of_token].tobytes())
+            doc_lengths["val"].append(lengths[in_val])
+            doc_lengths["train"].append(lengths[~in_val])
+            first_doc += len(lengths)
+            progress_bar.update(len(lengths))
     finally:
         progress_bar.close()
         for handle in raw.values():
             handle.close()
+    if first_doc != len(is_val):
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise ValueError(f"data.source={cfg.source!r}: the corpus changed while it was tokenized (the "
+                         f"{len(is_val)} documents counted before differ from those read); run again")
     meta: dict[str, Any] = {"version": TOKEN_CACHE_VERSION, "vocab_size": vocab_size, "eot_id": eot_id,
                             "dtype": dtype.name, "documents_sha256": hasher.hexdigest()}
     for split, mask in (("train", ~is_val), ("val", is_val)):
@@ -124,14 +137,16 @@ def build_token_cache(
             os.path.join(tmp_dir, f"{split}.raw"), os.path.join(tmp_dir, f"{split}.npy"), dtype
         )
         np.save(os.path.join(tmp_dir, f"{split}_doc_ids.npy"), np.flatnonzero(mask).astype(np.int64))
-        np.save(os.path.join(tmp_dir, f"{split}_doc_lengths.npy"), np.asarray(doc_lengths[split], np.int64))
+        np.save(os.path.join(tmp_dir, f"{split}_doc_lengths.npy"),
+                np.concatenate(doc_lengths[split] or [np.zeros(0, np.int64)]))
         meta[f"num_{split}_tokens"] = num_tokens
         meta[f"num_{split}_documents"] = int(mask.sum())
     with open(os.path.join(tmp_dir, _META), "w") as handle:
         json.dump(meta, handle, indent=1)
     publish(tmp_dir, final_dir)
     log(cfg, f"tokenized {len(is_val)} documents ({meta['num_train_tokens']} train + "
-             f"{meta['num_val_tokens']} val tokens) in {time.perf_counter() - start:.1f}s")
+             f"{meta['num_val_tokens']} val tokens) in {time.perf_counter() - start:.1f}s with {workers} "
+             f"process{'es' if workers > 1 else ''}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from twell_jax.config import DataConfig
+from twell_jax.data import tree
 
 # Version of the listing fingerprint below (part of every cache key: bump to invalidate them all).
 LISTING_FORMAT_VERSION = 1
@@ -30,7 +31,7 @@ _STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__
 class SourceFile:
     """One file of a corpus."""
 
-    kind: str  # "python" (stdlib .py), "txt", "jsonl" or "parquet"
+    kind: str  # "python" (stdlib .py), "text" (any file of a data.include pattern), "txt", "jsonl" or "parquet"
     path: str
 
 
@@ -54,6 +55,8 @@ def list_source_files(cfg: DataConfig) -> list[SourceFile]:
     """The source's files in a fixed (sorted) order; clear errors for missing or unknown paths."""
     if cfg.is_synthetic:
         raise ValueError("data.source='synthetic' has no files (build it with synthetic_data)")
+    if tree.dedups_documents(cfg):  # data.include patterns, or the "installed" source
+        return [SourceFile(_kind_of(p) or "text", p) for p in tree.list_tree_files(cfg)]
     if cfg.source == "stdlib":
         root = stdlib_root()
         files = []
@@ -96,7 +99,7 @@ def _read_text(path: str) -> str:
 
 
 def _iter_file_documents(source_file: SourceFile, cfg: DataConfig) -> Iterator[str]:
-    if source_file.kind == "python":
+    if source_file.kind in ("python", "text"):
         yield _read_text(source_file.path)
     elif source_file.kind == "txt":
         text = _read_text(source_file.path)
@@ -114,11 +117,17 @@ def _iter_file_documents(source_file: SourceFile, cfg: DataConfig) -> Iterator[s
 
 
 def _iter_jsonl(path: str, text_field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    # Binary lines, decoded one by one, so that invalid UTF-8 is reported with its file and line.
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            where = f"{path}:{line_number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{where}: not valid UTF-8 ({error.reason} at byte {error.start} of the line); "
+                                 "JSONL files must be UTF-8 text") from None
             if not line.strip():
                 continue
-            where = f"{path}:{line_number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
@@ -136,29 +145,46 @@ def _iter_jsonl(path: str, text_field: str) -> Iterator[str]:
 
 
 def _iter_parquet(path: str, text_field: str) -> Iterator[str]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    parquet_file = pq.ParquetFile(path)
+    try:
+        parquet_file = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as error:  # not Parquet (no magic bytes), truncated, unreadable
+        raise ValueError(f"{path}: not a readable Parquet file ({error})") from None
     columns = parquet_file.schema_arrow.names
     if text_field not in columns:
         raise ValueError(
             f"{path}: Parquet file has no {text_field!r} column (columns: {columns}); set "
             "data.text_field to the column holding the document text"
         )
-    for record_batch in parquet_file.iter_batches(columns=[text_field], batch_size=1024):
-        for text in record_batch.column(0).to_pylist():
-            if text is not None:  # null rows are empty documents
-                yield text
+    column_type = parquet_file.schema_arrow.field(text_field).type
+    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+        raise ValueError(f"{path}: column {text_field!r} holds {column_type}, expected strings (the document "
+                         "text); set data.text_field to the column holding the text")
+    try:
+        for record_batch in parquet_file.iter_batches(columns=[text_field], batch_size=1024):
+            for text in record_batch.column(0).to_pylist():
+                if text is not None:  # null rows are empty documents
+                    yield text
+    except (pa.ArrowException, OSError) as error:  # a damaged row group
+        raise ValueError(f"{path}: Parquet file cannot be read ({error})") from None
 
 
 def iter_documents(cfg: DataConfig, files: list[SourceFile] | None = None) -> Iterator[str]:
     """The source's non-empty documents in a fixed order, at most `cfg.max_documents` of them."""
     files = list_source_files(cfg) if files is None else files
     produced = 0
+    seen: set[bytes] | None = set() if tree.dedups_documents(cfg) else None
     for source_file in files:
         for text in _iter_file_documents(source_file, cfg):
             if not text:
                 continue
+            if seen is not None:  # exact duplicates and binary files (a NUL byte) are dropped
+                digest = hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).digest()
+                if digest in seen or "\x00" in text:
+                    continue
+                seen.add(digest)
             yield text
             produced += 1
             if cfg.max_documents is not None and produced >= cfg.max_documents:

@@ -82,7 +82,11 @@ def load_tokenizer(path: str) -> "Tokenizer":
     """Loads a `tokenizer.json` (a file or a HF model directory holding one)."""
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(resolve_tokenizer_path(path))
+    resolved = resolve_tokenizer_path(path)
+    try:
+        return Tokenizer.from_file(resolved)
+    except Exception as error:  # noqa: BLE001 (the tokenizers library raises a bare Exception on bad JSON)
+        raise ValueError(f"{resolved}: not a valid tokenizer.json ({error})") from None
 
 
 def eot_token_id(tokenizer: "Tokenizer", eot_token: str, *, where: str) -> int:

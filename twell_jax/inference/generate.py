@@ -30,10 +30,14 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 # Shortest prompt bucket: tiny prompts share one prefill program.
 MIN_PROMPT_BUCKET = 8
+# What to do with a prompt that leaves no room in the cache for max_new_tokens: "error" refuses it,
+# "left" keeps its last tokens (drops its beginning).
+TRUNCATIONS = ("error", "left")
 
 # stream(row, token_id, text): called for every generated token as soon as it is known; `text` is
 # the newly printable text of that row ("" while a multi-byte character is incomplete, or when the
-# model has no tokenizer).
+# model has no tokenizer). With stop strings, text that may begin a stop string is held back until
+# it cannot (it then comes with a later token, at the latest with the row's last one).
 StreamFn = Callable[[int, int, str], None]
 
 
@@ -63,8 +67,8 @@ class GenerationResult:
 
     tokens: list[list[int]]  # generated ids (the EOS id included when a row stopped on it)
     texts: list[str] | None  # decoded generated text (EOS excluded); None without a tokenizer
-    finish_reasons: list[str]  # "eos" or "length" (max_new_tokens reached)
-    prompt_lengths: list[int]
+    finish_reasons: list[str]  # "eos", "stop" (a stop string; the text ends before it) or "length"
+    prompt_lengths: list[int]  # tokens of each prompt as run (after any truncation)
 
 
 def sample_tokens(logits_BxV: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
@@ -161,22 +165,42 @@ class Generator:
             raise ValueError("prompts is empty")
         return out
 
+    def fit_prompts(self, ids: list[list[int]], max_new_tokens: int, truncate: str = "error") -> list[list[int]]:
+        """The prompts as they will run: each must leave room in the cache for max_new_tokens - 1
+        decode steps; `truncate="left"` keeps the last tokens of a longer one, "error" refuses it."""
+        if truncate not in TRUNCATIONS:
+            raise ValueError(f"truncate must be one of {TRUNCATIONS}, got {truncate!r}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        room = self.cache_len - max_new_tokens + 1  # prompt tokens that fit
+        if room < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} does not fit the cache of {self.cache_len} tokens "
+                             f"(model.max_seq_len) even with a one-token prompt; use at most {self.cache_len}")
+        too_long = [i for i, p in enumerate(ids) if len(p) > room]
+        if too_long and truncate == "error":
+            i = too_long[0]
+            raise ValueError(f"prompt {i} has {len(ids[i])} tokens; with max_new_tokens={max_new_tokens} only "
+                             f"{room} fit the cache of {self.cache_len} tokens (model.max_seq_len): shorten the "
+                             "prompt or max_new_tokens, or keep the prompt's last tokens with truncate='left' "
+                             "(twell generate --truncate-prompt left)")
+        return [p[-room:] for p in ids]
+
     def prompt_bucket(self, longest: int, max_new_tokens: int) -> int:
         """The padded prompt length: a power of two >= longest (>= MIN_PROMPT_BUCKET), shortened to
         leave room in the cache for max_new_tokens - 1 decode steps."""
         if longest + max_new_tokens - 1 > self.cache_len:
             raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} does not fit the "
                              f"cache of {self.cache_len} tokens (model.max_seq_len); shorten the prompt or "
-                             "max_new_tokens")
+                             "max_new_tokens, or pass truncate='left'")
         return min(max(_next_pow2(longest), MIN_PROMPT_BUCKET), self.cache_len - max_new_tokens + 1)
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int = 64,
                  sampling: SamplingConfig = SamplingConfig(), eos: int | Sequence[int] | None = None,
-                 stream: StreamFn | None = None) -> GenerationResult:
+                 stream: StreamFn | None = None, truncate: str = "error",
+                 stop: Sequence[str] = ()) -> GenerationResult:
         """See `generate` (module level)."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        ids = self.encode(prompts)
+        ids = self.fit_prompts(self.encode(prompts), max_new_tokens, truncate)
+        stop = _stop_strings(stop, self.loaded.tokenizer)
         eos_ids = _eos_set(eos, self.loaded.eos_id)
         n_rows, rows = len(ids), _next_pow2(len(ids))
         lengths = [len(p) for p in ids]
@@ -193,7 +217,7 @@ class Generator:
         out: list[list[int]] = [[] for _ in range(n_rows)]
         reasons = ["length"] * n_rows
         done = [False] * n_rows
-        printer = _StreamPrinter(self.loaded.tokenizer, n_rows, stream)
+        printer = _RowText(self.loaded.tokenizer, n_rows, stream, stop)
         for step in range(max_new_tokens):
             if step:
                 token_B, cache = self._decode_step(self.state, cache, token_B, jnp.int32(bucket + step - 1),
@@ -204,14 +228,17 @@ class Generator:
                     continue
                 token = int(host_B[b])
                 out[b].append(token)
-                printer.push(b, token, token in eos_ids)
-                if token in eos_ids:
+                is_eos = token in eos_ids
+                if printer.push(b, token, is_eos, last=is_eos or step == max_new_tokens - 1):
+                    done[b], reasons[b] = True, "stop"
+                elif is_eos:
                     done[b], reasons[b] = True, "eos"
             if all(done):
                 break
         texts = None
         if self.loaded.tokenizer is not None:
             texts = [self.loaded.tokenizer.decode([t for t in row if t not in eos_ids]) for row in out]
+            texts = [text if cut is None else text[:cut] for text, cut in zip(texts, printer.stop_at)]
         return GenerationResult(tokens=out, texts=texts, finish_reasons=reasons, prompt_lengths=lengths)
 
 
@@ -227,35 +254,68 @@ def _eos_set(eos: int | Sequence[int] | None, default: int | None) -> frozenset[
                      f"stop early), got {eos!r}")
 
 
-class _StreamPrinter:
-    """Turns each row's token stream into newly printable text for the stream callback."""
+def _stop_strings(stop: Sequence[str] | None, tokenizer: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
+    if stop and tokenizer is None:
+        raise ValueError("stop strings need the model's tokenizer (this model has none)")
+    return tuple(stop)
 
-    def __init__(self, tokenizer: object, n_rows: int, stream: StreamFn | None):
-        self.tokenizer, self.stream = tokenizer, stream
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that begins some stop string (it may still become one)."""
+    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
+               default=0)
+
+
+class _RowText:
+    """Each row's decoded text as tokens arrive: newly printable text for the stream callback, and
+    where a stop string first appears (`stop_at[row]`, a character offset, None while none has)."""
+
+    def __init__(self, tokenizer: object, n_rows: int, stream: StreamFn | None, stops: tuple[str, ...]):
+        self.tokenizer, self.stream, self.stops = tokenizer, stream, stops
         self.ids: list[list[int]] = [[] for _ in range(n_rows)]
         self.emitted = [0] * n_rows
+        self.stop_at: list[int | None] = [None] * n_rows
 
-    def push(self, row: int, token: int, is_eos: bool) -> None:
-        if self.stream is None:
-            return
+    def push(self, row: int, token: int, is_eos: bool, last: bool) -> bool:
+        """Records `token` of `row` (`last`: its final one); True when a stop string is complete."""
+        if self.stream is None and not self.stops:
+            return False
         text = ""
-        if self.tokenizer is not None and not is_eos:
-            self.ids[row].append(token)
+        if self.tokenizer is not None:
+            if not is_eos:
+                self.ids[row].append(token)
             decoded = self.tokenizer.decode(self.ids[row])
-            # Hold back a trailing incomplete UTF-8 sequence (decoded as U+FFFD) until it completes.
-            if not decoded.endswith("\ufffd"):
-                text, self.emitted[row] = decoded[self.emitted[row]:], len(decoded)
-        self.stream(row, token, text)
+            hits = [i for i in (decoded.find(s) for s in self.stops) if i >= 0]
+            if hits:
+                end = self.stop_at[row] = min(hits)
+            elif last:
+                end = len(decoded)
+            elif decoded.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait until it completes
+                end = self.emitted[row]
+            else:
+                end = len(decoded) - _held_back(decoded, self.stops)
+            end = max(end, self.emitted[row])
+            text, self.emitted[row] = decoded[self.emitted[row]:end], end
+        if self.stream is not None:
+            self.stream(row, token, text)
+        return self.stop_at[row] is not None
 
 
 def generate(model: "LoadedModel | Generator", prompts: Sequence[str] | Sequence[Sequence[int]],
              max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              seed: int = 0, eos: int | Sequence[int] | None = None,
-             stream: StreamFn | None = None) -> GenerationResult:
+             stream: StreamFn | None = None, truncate: str = "error",
+             stop: Sequence[str] = ()) -> GenerationResult:
     """Continue each prompt (a string, or a list of token ids) by up to `max_new_tokens` tokens.
 
     Greedy when temperature == 0, else sampling with top-k / top-p and `seed`. A row stops at
-    its first token in `eos` (default: the model's end-of-text id; () never stops early).
+    its first token in `eos` (default: the model's end-of-text id; () never stops early), or once
+    its text holds one of the `stop` strings (its text then ends before it). A prompt that leaves no
+    room for `max_new_tokens` is an error, or with `truncate="left"` loses its first tokens.
     `stream(row, token_id, text)` is called for each new token as soon as it is known. Pass a
     `Generator` (or the same LoadedModel again: its Generator is cached on it) to reuse compiled
     programs across calls."""
@@ -266,4 +326,4 @@ def generate(model: "LoadedModel | Generator", prompts: Sequence[str] | Sequence
             model._generator = Generator(model)  # one set of programs per loaded model
         generator = model._generator
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    return generator.generate(prompts, max_new_tokens, sampling, eos, stream)
+    return generator.generate(prompts, max_new_tokens, sampling, eos, stream, truncate, stop)

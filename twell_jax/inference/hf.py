@@ -43,7 +43,10 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 DOWN_PROJ_LAYOUTS = ("auto", "hf", "transposed")
+# transformers' LlamaConfig default for a config.json without rope_theta (LlamaConfig(rope_theta=10000.0)).
+HF_DEFAULT_ROPE_THETA = 10000.0
 _ACT_TO_KIND = {"relu": ("twell", "relu_gated"), "silu": ("swiglu",)}
 _KIND_TO_ACT = {"twell": "relu", "relu_gated": "relu", "swiglu": "silu"}
 
@@ -56,8 +59,10 @@ def _rope_theta(hf: dict[str, Any]) -> float:
     if rope_type not in ("default", None):
         raise ValueError(f"config.json: rope_type {rope_type!r} (RoPE scaling) is not supported; only plain RoPE")
     theta = hf.get("rope_theta", params.get("rope_theta"))
-    if theta is None:
-        raise ValueError("config.json has no rope_theta (top level or rope_parameters)")
+    if theta is None:  # what transformers' LlamaConfig assumes for such a file
+        return HF_DEFAULT_ROPE_THETA
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise ValueError(f"config.json: rope_theta={theta!r}, expected a positive number")
     return float(theta)
 
 
@@ -96,32 +101,50 @@ def model_config_from_hf(hf: dict[str, Any], *, ffn_kind: str | None = None, ffn
                        compute_dtype=compute_dtype)
 
 
-def read_safetensors(path: str | Path) -> dict[str, jax.Array]:
-    """All tensors of a checkpoint dir (`model.safetensors`, or the shards of its index)."""
+def _read_json(path: Path) -> Any:
+    """json.loads of a checkpoint's JSON file; a damaged or non-UTF-8 file is an error naming it."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+
+
+def _load_safetensors(file: Path) -> dict[str, jax.Array]:
+    """One safetensors file; a truncated or damaged file is an error naming it."""
     from safetensors.flax import load_file
 
+    try:
+        return load_file(str(file))
+    except Exception as err:  # noqa: BLE001 (safetensors raises its own SafetensorError, or OSError)
+        raise ValueError(f"{file}: not a readable safetensors file ({err})") from None
+
+
+def read_safetensors(path: str | Path) -> dict[str, jax.Array]:
+    """All tensors of a checkpoint dir (`model.safetensors`, or the shards of its index)."""
     path = Path(path)
     if (path / INDEX_FILE).is_file():
-        weight_map = json.loads((path / INDEX_FILE).read_text()).get("weight_map")
+        index = _read_json(path / INDEX_FILE)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             raise ValueError(f"{path / INDEX_FILE} has no weight_map")
         tensors: dict[str, jax.Array] = {}
         for shard in sorted(set(weight_map.values())):
             if not (path / shard).is_file():
                 raise FileNotFoundError(f"shard {shard} listed in {path / INDEX_FILE} is missing")
-            tensors.update(load_file(str(path / shard)))
+            tensors.update(_load_safetensors(path / shard))
         missing = sorted(set(weight_map) - set(tensors))
         if missing:
             raise ValueError(f"tensors listed in {INDEX_FILE} but absent from the shards: {missing[:5]}")
         return tensors
     if (path / WEIGHTS_FILE).is_file():
-        return load_file(str(path / WEIGHTS_FILE))
+        return _load_safetensors(path / WEIGHTS_FILE)
     raise FileNotFoundError(f"{path} has neither {WEIGHTS_FILE} nor {INDEX_FILE}")
 
 
 def params_from_hf(tensors: dict[str, jax.Array], cfg: ModelConfig,
                    down_proj_layout: str = "auto") -> dict[str, Any]:
-    """Our params dict (f32) from HF Llama tensors; errors name any missing / misshapen tensor."""
+    """Our params dict (f32) from HF Llama tensors; errors name any missing, misshapen, non-float
+    or non-finite tensor (a restored checkpoint is held to the same rule)."""
     if down_proj_layout not in DOWN_PROJ_LAYOUTS:
         raise ValueError(f"down_proj_layout must be one of {DOWN_PROJ_LAYOUTS}, got {down_proj_layout!r}")
     d, h = cfg.d_model, cfg.d_ff
@@ -131,9 +154,15 @@ def params_from_hf(tensors: dict[str, jax.Array], cfg: ModelConfig,
         if name not in tensors:
             raise ValueError(f"checkpoint lacks tensor {name!r}")
         used.add(name)
-        value = jnp.asarray(tensors[name], jnp.float32)
+        raw = jnp.asarray(tensors[name])
+        if not jnp.issubdtype(raw.dtype, jnp.floating):
+            raise ValueError(f"tensor {name!r} has dtype {raw.dtype}, expected floating point weights")
+        value = raw.astype(jnp.float32)
         if shape is not None and value.shape != shape:
             raise ValueError(f"tensor {name!r} has shape {value.shape}, expected {shape}")
+        bad = int(jnp.size(value) - jnp.sum(jnp.isfinite(value)))
+        if bad:
+            raise ValueError(f"tensor {name!r} holds {bad} non-finite value(s) (NaN or Inf): a damaged checkpoint")
         return value
 
     def down(name: str) -> jax.Array:
@@ -197,8 +226,14 @@ def import_hf(path: str | Path, *, dtype: str = "float32", ffn_kind: str | None 
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"tokenizer={str(tokenizer)!r}: no such file (expected a {TOKENIZER_FILE} or a "
                                     "directory holding one)")
-    hf = json.loads((path / CONFIG_FILE).read_text())
-    model_cfg = model_config_from_hf(hf, ffn_kind=ffn_kind, ffn_backend=ffn_backend, compute_dtype=dtype)
+    hf = _read_json(path / CONFIG_FILE)
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path / CONFIG_FILE}: expected a JSON object, got {type(hf).__name__}")
+    try:
+        model_cfg = model_config_from_hf(hf, ffn_kind=ffn_kind, ffn_backend=ffn_backend, compute_dtype=dtype)
+    except (TypeError, KeyError, ValueError) as err:  # a missing, unsupported or mistyped field
+        text = str(err).removeprefix(f"{CONFIG_FILE}: ").removeprefix(CONFIG_FILE + " ")
+        raise ValueError(f"{path / CONFIG_FILE}: {text}") from None
     params = params_from_hf(read_safetensors(path), model_cfg, down_proj_layout)
     tok = None if tokenizer_file is None else tokenizer_lib.load_tokenizer(str(tokenizer_file))
     if tok is not None and tok.get_vocab_size() > model_cfg.vocab_size:
@@ -227,6 +262,11 @@ def hf_config_from_model(cfg: ModelConfig, *, eos_id: int | None = None, dtype: 
             "torch_dtype": dtype, **special}
 
 
+def hf_generation_config(eos_id: int | None) -> dict[str, Any]:
+    """The `generation_config.json` of an export: the special tokens `generate` stops on."""
+    return {} if eos_id is None else {"bos_token_id": eos_id, "eos_token_id": eos_id}
+
+
 def hf_tensors_from_params(params: dict[str, Any], cfg: ModelConfig) -> dict[str, jax.Array]:
     """HF Llama tensors (HF layout, down_proj [D, H]) from our params dict (the inverse of params_from_hf)."""
     out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]["scale"]}
@@ -245,7 +285,8 @@ def hf_tensors_from_params(params: dict[str, Any], cfg: ModelConfig) -> dict[str
 
 def export_hf(model: LoadedModel | Transformer, out_dir: str | Path, *, cfg: ModelConfig | None = None,
               tokenizer: Any = None, dtype: str = "float32") -> Path:
-    """Write `out_dir` = config.json + model.safetensors (+ tokenizer.json) in the Llama layout.
+    """Write `out_dir` = config.json + generation_config.json + model.safetensors (+ tokenizer.json)
+    in the Llama layout.
 
     `out_dir` must not exist or be empty; everything is written to a temporary sibling first and
     renamed into place, so a failed export leaves nothing behind."""
@@ -274,6 +315,7 @@ def export_hf(model: LoadedModel | Transformer, out_dir: str | Path, *, cfg: Mod
     try:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        (tmp / GENERATION_CONFIG_FILE).write_text(json.dumps(hf_generation_config(eos_id), indent=2) + "\n")
         if tokenizer is not None:
             tokenizer.save(str(tmp / TOKENIZER_FILE))
         if out_dir.exists():
@@ -285,5 +327,5 @@ def export_hf(model: LoadedModel | Transformer, out_dir: str | Path, *, cfg: Mod
     return out_dir
 
 
-__all__ = ["DOWN_PROJ_LAYOUTS", "export_hf", "hf_config_from_model", "hf_tensors_from_params", "import_hf",
+__all__ = ["DOWN_PROJ_LAYOUTS", "export_hf", "hf_config_from_model", "hf_generation_config", "hf_tensors_from_params", "import_hf",
            "model_config_from_hf", "params_from_hf", "read_safetensors"]

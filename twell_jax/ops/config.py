@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 import jax
 
 if TYPE_CHECKING:  # annotations only: the kernels are imported lazily (Triton-backed Pallas)
-    from pallas_kernels.twell_decode import DecodeBlockSizes
-    from pallas_kernels.twell_ffn import FFNBlockSizes
-    from pallas_kernels.twell_pack import PackBlockSizes
+    from twell_jax.pallas_kernels.twell_decode import DecodeBlockSizes
+    from twell_jax.pallas_kernels.twell_ffn import FFNBlockSizes
+    from twell_jax.pallas_kernels.twell_pack import PackBlockSizes
     from twell_jax.ops.pallas_config import BackwardConfig
 
 AUX_KEYS = ("l1", "l0", "tile_overflow", "row_overflow", "dense_fallback", "backward_tail_rows",
@@ -50,9 +50,9 @@ _KERNEL_CONFIG_FIELDS = ("pack_block_sizes", "ffn_block_sizes", "decode_block_si
 
 def _check_kernel_configs(config: "SparseFFNConfig") -> None:
     # Imported only here (leaf modules), when such a field is set: they load Triton-backed Pallas.
-    from pallas_kernels.twell_decode import DecodeBlockSizes
-    from pallas_kernels.twell_ffn import FFNBlockSizes
-    from pallas_kernels.twell_pack import PackBlockSizes
+    from twell_jax.pallas_kernels.twell_decode import DecodeBlockSizes
+    from twell_jax.pallas_kernels.twell_ffn import FFNBlockSizes
+    from twell_jax.pallas_kernels.twell_pack import PackBlockSizes
     from twell_jax.ops.pallas_config import BackwardConfig
 
     for name, expected in zip(_KERNEL_CONFIG_FIELDS, (PackBlockSizes, FFNBlockSizes, DecodeBlockSizes,

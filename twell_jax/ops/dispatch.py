@@ -11,6 +11,7 @@ from typing import Any, Callable, Hashable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, PartitionSpec
 
 from twell_jax.ops import backends, planner
@@ -23,6 +24,8 @@ from twell_jax.ops.tails import TailPolicy
 # The backend names of the built-in implementations (`backends.backend_names()` also lists any
 # registered later).
 BACKENDS = backends.backend_names()
+# The checkpoint_name of the residuals the sparse op's custom_vjp keeps for its backward.
+RESIDUAL_NAME = "twell_op_residual"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -111,11 +114,12 @@ def _sparse_op(plan: Plan, config: SparseFFNConfig, x_MxD: jax.Array,
 def _sparse_op_fwd(plan: Plan, config: SparseFFNConfig, x_MxD: jax.Array, weights: Weights
                    ) -> tuple[tuple[jax.Array, Aux], tuple[Any, ...]]:
     # Residuals: (x, weights, non_finite, what the backward keeps); the flag, computed once here,
-    # also sends the backward to the dense formula.
+    # also sends the backward to the dense formula. Named RESIDUAL_NAME, so that a caller's remat
+    # policy can keep them (the model's layer scan does) instead of rerunning this forward.
     non_finite = _non_finite(config, x_MxD, weights)
     y, aux, residual = _with_dense_fallback(non_finite, plan, config, x_MxD, weights,
                                             lambda: _run_sparse_forward(plan, config, x_MxD, weights))
-    return (y, aux), (x_MxD, weights, non_finite, residual)
+    return (y, aux), checkpoint_name((x_MxD, weights, non_finite, residual), RESIDUAL_NAME)
 
 
 def _sparse_op_bwd(plan: Plan, config: SparseFFNConfig, residuals: tuple[Any, ...],

@@ -44,11 +44,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.twell_bwd_neuron import neuron_backward
-from pallas_kernels.twell_bwd_token import (rank_values, token_backward,
+from twell_jax.pallas_kernels.twell_bwd_neuron import neuron_backward
+from twell_jax.pallas_kernels.twell_bwd_token import (rank_values, token_backward,
                                             token_lists)
-from pallas_kernels.twell_pack import PackBlockSizes, pack_gate
-from pallas_kernels.twell_transpose import chunk_histograms, neuron_lists, pack_tile
+from twell_jax.pallas_kernels.twell_pack import PackBlockSizes, pack_gate
+from twell_jax.pallas_kernels.twell_transpose import chunk_histograms, neuron_lists, pack_tile
 from twell_jax.ops import pallas_forward
 from twell_jax.ops.config import SparseFFNConfig
 from twell_jax.ops.dense import dense_fallback_ffn

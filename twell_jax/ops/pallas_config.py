@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes
-from pallas_kernels.twell_bwd_token import ListsBlockSizes, TokenBwdBlockSizes
-from pallas_kernels.twell_transpose import TransposeBlockSizes
+from twell_jax.pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes
+from twell_jax.pallas_kernels.twell_bwd_token import ListsBlockSizes, TokenBwdBlockSizes
+from twell_jax.pallas_kernels.twell_transpose import TransposeBlockSizes
 
 
 @dataclasses.dataclass(frozen=True)

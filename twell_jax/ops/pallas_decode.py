@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compact_active_reference,
+from twell_jax.pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compact_active_reference,
                                          sparse_decode_ffn, sparse_decode_ffn_reference)
 from twell_jax.ops.config import SparseFFNConfig
 from twell_jax.ops.dense import dense_ffn

@@ -38,9 +38,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn
-from pallas_kernels.twell_pack import PackBlockSizes, pack_gate
-from pallas_kernels.twell_transpose import neuron_histogram
+from twell_jax.pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn
+from twell_jax.pallas_kernels.twell_pack import PackBlockSizes, pack_gate
+from twell_jax.pallas_kernels.twell_transpose import neuron_histogram
 from twell_jax.ops import planner
 from twell_jax.ops.config import SparseFFNConfig
 from twell_jax.ops.dense import dense_fallback_ffn, dense_hidden

@@ -11,7 +11,11 @@ A run directory (`twell train --out DIR`) holds ONE run:
   "params" (the model parameters, restorable alone: evaluation needs no optimizer), "train"
   ({opt_state, step, since_active}) and "meta" (JSON: config, data-iterator position, step, metric
   history, and a checksum of every array of the other two items);
-- `metrics.jsonl`, `tensorboard/`, `summary.json` (see twell_jax/training/metrics.py and train.py).
+- `metrics.jsonl`, `tensorboard/`, `summary.json` (see twell_jax/training/metrics.py and train.py);
+- `twell.lock` while a process trains in it (`RunLock`: one process at a time).
+
+Nothing else: `--overwrite` deletes only these entries, and only in a directory that holds nothing
+else (`check_new_run_dir`), so a directory that is not a run is never emptied.
 
 Orbax writes into a temporary directory and renames it on success, so a save killed midway leaves
 the previous checkpoint as the latest (the tmp directory is ignored). A restore checks Orbax's own
@@ -20,6 +24,7 @@ error, and `restore(step=None)` falls back to the newest intact one with a warni
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -110,18 +115,124 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def prepare_new_run_dir(run_dir: str | Path, *, overwrite: bool) -> None:
-    """Make `run_dir` ready for a NEW run: refuse a non-empty directory unless `overwrite`, which
-    empties it (call this only after everything that can be validated has been)."""
+# What twell writes into a run directory (besides atomic_write_text's `.<name>.tmp-*` files): the
+# only entries `--overwrite` may delete. Anything else in a directory makes it "not a run".
+LOCK_FILE = "twell.lock"
+RUN_ENTRIES = frozenset({CONFIG_FILE, TOKENIZER_FILE, FINGERPRINT_FILE, "metrics.jsonl", "summary.json",
+                         "tensorboard", CHECKPOINT_SUBDIR, QUARANTINE_SUBDIR, LOCK_FILE})
+
+
+def _is_run_entry(name: str) -> bool:
+    return name in RUN_ENTRIES or (name.startswith(".") and ".tmp-" in name)
+
+
+def holds_a_run(run_dir: str | Path) -> bool:
+    """True when `run_dir` holds a twell run: a config.json that twell wrote (a JSON object with
+    the config's sections) and nothing that twell does not write."""
     run_dir = Path(run_dir)
-    entries = sorted(run_dir.iterdir()) if run_dir.is_dir() else []
+    try:
+        values = json.loads((run_dir / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(values, dict) and {"model", "train", "optim", "data"} <= set(values)
+            and all(_is_run_entry(e.name) for e in run_dir.iterdir()))
+
+
+def check_new_run_dir(run_dir: str | Path, *, overwrite: bool) -> list[Path]:
+    """The entries a NEW run in `run_dir` replaces (none: a missing or empty directory); raises
+    ValueError for a non-empty directory unless `overwrite` and it holds a twell run
+    (`holds_a_run`). A directory with anything else in it is never emptied. The run's lock file
+    (`LOCK_FILE`) is neither content nor replaced."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--out {run_dir.absolute()} is a file, not a directory; pick another --out")
+    entries = sorted(e for e in run_dir.iterdir() if e.name != LOCK_FILE) if run_dir.is_dir() else []
+    if entries and not holds_a_run(run_dir):
+        unknown = [e.name for e in entries if not _is_run_entry(e.name)]
+        why = (f"files twell did not write: {', '.join(unknown[:5])}{', ...' if len(unknown) > 5 else ''}"
+               if unknown else "no config.json written by twell")
+        raise ValueError(f"--out {run_dir.absolute()} is not empty and is not a twell run directory ({why}); "
+                         "pick another --out (twell never deletes files it did not write)")
     if entries and not overwrite:
-        raise ValueError(f"run directory {run_dir.absolute()} is not empty (it holds "
-                         f"{', '.join(e.name for e in entries[:5])}{', ...' if len(entries) > 5 else ''}); "
-                         "continue that run with --resume, pick another --out, or pass --overwrite to replace it")
-    for entry in entries:
+        listing = f"{', '.join(e.name for e in entries[:5])}{', ...' if len(entries) > 5 else ''}"
+        raise ValueError(f"run directory {run_dir.absolute()} already holds a run ({listing}); continue it with "
+                         "--resume, pick another --out, or pass --overwrite to replace it")
+    return entries
+
+
+def prepare_new_run_dir(run_dir: str | Path, *, overwrite: bool) -> None:
+    """Make `run_dir` ready for a NEW run (`check_new_run_dir`, then delete the old run's entries;
+    call this only after everything that can be validated has been)."""
+    for entry in check_new_run_dir(run_dir, overwrite=overwrite):
         shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+
+
+class RunLockedError(ValueError):
+    """Another live process holds the run directory's lock; the message names the lock and its pid."""
+
+
+class RunLock:
+    """An exclusive lock on a run directory: `fcntl.flock` on `<run>/twell.lock`, which holds the
+    holder's pid and host. The kernel releases a flock when its process dies (kill -9 included), so
+    a lock file whose lock can be taken was left by a process that is gone: it is taken over with a
+    warning. `release()` (also on SIGTERM, through the trainer's finally) deletes the file."""
+
+    def __init__(self, run_dir: str | Path, *, warn: Callable[[str], None] = logger.warning):
+        import fcntl
+        import socket
+
+        self.path = Path(run_dir) / LOCK_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd: int | None = None
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # no flock on this file system
+                    os.close(fd)
+                    self.path.unlink(missing_ok=True)
+                    warn(f"[twell] warning: cannot lock {self.path.absolute()} ({err.strerror}): the file system "
+                         "does not support flock; nothing stops a second process from training in this directory")
+                    return
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise RunLockedError(f"run directory {self.path.parent.absolute()} is in use: {self.path.absolute()} "
+                                     f"is held by {holder}; wait for that run to finish (or stop it) first") from None
+            # The holder before us may have deleted the file between our open and our flock: then
+            # the lock is on a dead inode; start again on the path's current file.
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        left = os.pread(fd, 200, 0).decode(errors="replace").strip()
+        if left:
+            warn(f"[twell] warning: taking over the lock {self.path.absolute()} left by {left}, which is no "
+                 "longer running")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+
+    def release(self) -> None:
+        """Delete the lock file and drop the lock (idempotent)."""
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:  # a Trainer dropped without run(): its lock goes with it
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 (interpreter shutdown: nothing left to report to)
+            pass
 
 
 def read_json_file(path: str | Path, what: str) -> Any:
@@ -129,7 +240,7 @@ def read_json_file(path: str | Path, what: str) -> Any:
     path = Path(path)
     try:
         return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CorruptCheckpointError(f"{what} {path} is not valid JSON ({err}); the file is damaged") from None
 
 

@@ -1,57 +1,78 @@
-"""Evaluate a saved checkpoint: validation loss, perplexity, per-layer activity and dead neurons.
+"""Evaluate a saved checkpoint (or any parameters): validation loss, perplexity, per-layer activity
+and dead neurons.
 
 Restores the parameters alone (checkpoint.restore_params_with_meta: no optimizer, no Trainer),
 gives backend "auto" the checkpoint's hints (hints.with_auto_hints), builds the data with the
-tokenizer saved in the run, and evaluates on the run's validation split.
+tokenizer saved in the run, and evaluates on the run's validation split, or with split="all" on
+every sequence of the corpus (another corpus's whole text, not only its held-out share).
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
 
 from twell_jax import config as config_lib
 from twell_jax.config import ExperimentConfig
-from twell_jax.data import DataSource, build_experiment_data
+from twell_jax.data import DataSource, build_data, build_experiment_data
+from twell_jax.data.batching import val_batches
 from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax.training import parallel
 from twell_jax.training.hints import expected_active_from_run, with_auto_hints
 from twell_jax.training.train import abstract_graphdef, evaluate_params, make_eval_step, with_saved_tokenizer
 
+# "val": the corpus's validation split (data.val_fraction of it, chosen at training time); "all":
+# every full evaluation batch of the whole corpus, in the corpus's order.
+SPLITS = ("val", "all")
 
-def evaluate_checkpoint(path: str | Path, *, step: int | None = None, overrides: list[str] | None = None,
-                        echo: Callable[[str], None] = print,
-                        data_builder: Callable[[ExperimentConfig], DataSource] = build_experiment_data) -> dict[str, Any]:
-    """Restore the run at `path` (a run dir or its checkpoints/ dir) and evaluate it on the validation split.
 
-    `step` picks a checkpoint (default: the newest intact one, with a warning for each newer one
-    that fails verification). `overrides` may change only config.RESUMABLE_FIELDS (e.g.
-    train.eval_batches=32, train.num_devices=1, data.source=<the moved corpus>). A non-finite
-    loss raises FloatingPointError.
-    """
-    ckpt_dir = ckpt_lib.checkpoint_dir(path)
-    if not ckpt_dir.is_dir():
-        raise FileNotFoundError(f"no checkpoint directory at {ckpt_dir}")
-    run_dir = ckpt_dir.parent
-    saved = ckpt_lib.load_run_config(run_dir)
-    cfg = config_lib.apply_overrides(saved, overrides or [])
-    ckpt_lib.check_compatible(config_lib.to_dict(saved), cfg)
-    mesh = parallel.make_mesh(cfg.train.num_devices)
-    with jax.set_mesh(mesh):
-        params, meta, step = ckpt_lib.restore_params_with_meta(run_dir, step, mesh=mesh, warn=echo)
-        # The hints that checkpoint was trained with (its meta, already read), else its logged l0.
-        cfg = with_auto_hints(cfg, run_dir, step, meta=meta, echo=echo)
-        echo(f"[twell] evaluating {ckpt_dir} (step {step}, config {cfg.name!r})")
-        data = data_builder(with_saved_tokenizer(cfg, run_dir))
-        ckpt_lib.check_corpus_fingerprint(run_dir, data, echo)
-        graphdef = abstract_graphdef(cfg.model, cfg.train.seed)
-        result = evaluate_params(cfg, data, jax.jit(make_eval_step(cfg, graphdef)), params, mesh, step=step)
-    result["step"] = step
+@dataclasses.dataclass
+class WholeCorpus:
+    """A corpus's every sequence as the "validation" batches (a DataSource for evaluate_params).
+
+    `max_batches`: at most this many batches (None = all of them), whatever evaluate_params asks."""
+
+    bundle: Any  # a DataBundle built with val_fraction=0 (everything in its train_sequences)
+    max_batches: int | None
+
+    @property
+    def source_fingerprint(self) -> str:
+        return self.bundle.source_fingerprint
+
+    def val_batches(self, batch_size: int, max_batches: int | None = None) -> Iterator[dict[str, Any]]:
+        del max_batches  # the whole corpus, or self.max_batches
+        return val_batches(self.bundle.train_sequences, batch_size=batch_size, max_batches=self.max_batches,
+                           process_index=self.bundle.process_index, process_count=self.bundle.process_count,
+                           describe=f"the whole corpus, {self.bundle.num_train_tokens} tokens")
+
+
+def split_data(cfg: ExperimentConfig, split: str, *, limit_batches: bool,
+               data_builder: Callable[[ExperimentConfig], DataSource] = build_experiment_data) -> DataSource:
+    """The data an evaluation reads: the validation split of `cfg.data` ("val"), or the whole
+    corpus ("all"; `limit_batches`: stop after train.eval_batches batches, else read every one)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if split == "val":
+        try:
+            return data_builder(cfg)
+        except ValueError as err:
+            if "raise data.val_fraction" not in str(err):
+                raise
+            # The split was drawn when the run was trained: raising data.val_fraction is not an option here.
+            text = str(err).replace("raise data.val_fraction", "evaluate the whole corpus (`twell eval --split all`)")
+            raise ValueError(f"{text} (data.val_fraction is the run's own: it picked the held-out documents when "
+                             "the run was trained)") from None
+    bundle = build_data(dataclasses.replace(cfg.data, val_fraction=0.0), global_batch=cfg.train.global_batch,
+                        process_index=jax.process_index(), process_count=jax.process_count())
+    return WholeCorpus(bundle, cfg.train.eval_batches if limit_batches else None)
+
+
+def _summarise(result: dict[str, Any], cfg: ExperimentConfig, echo: Callable[[str], None]) -> dict[str, Any]:
     result["l0_mean"] = float(np.mean(result["l0_per_layer"]))
     result["sparsity"] = 1.0 - result["l0_mean"] / cfg.model.d_ff
-    result["dead_share_per_layer"] = meta["dead_share_per_layer"]
     # The "auto" hints the evaluation compiled with (None: none were set or found).
     result["auto_hints_per_layer"] = list(cfg.model.ffn_expected_active) or None
     echo(f"[twell] validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} over "
@@ -60,5 +81,58 @@ def evaluate_checkpoint(path: str | Path, *, step: int | None = None, overrides:
     return result
 
 
+def evaluate_checkpoint(path: str | Path, *, step: int | None = None, overrides: list[str] | None = None,
+                        split: str = "val", echo: Callable[[str], None] = print,
+                        data_builder: Callable[[ExperimentConfig], DataSource] = build_experiment_data) -> dict[str, Any]:
+    """Restore the run at `path` (a run dir or its checkpoints/ dir) and evaluate it on the validation
+    split (`split="all"`: on the whole corpus, every batch unless train.eval_batches is overridden).
+
+    `step` picks a checkpoint (default: the newest intact one, with a warning for each newer one
+    that fails verification). `overrides` may change only config.RESUMABLE_FIELDS (e.g.
+    train.eval_batches=32, train.num_devices=1, data.source=<the moved corpus, or another one>). A
+    non-finite loss raises FloatingPointError.
+    """
+    ckpt_dir = ckpt_lib.checkpoint_dir(path)
+    if not ckpt_dir.is_dir():
+        raise FileNotFoundError(f"no checkpoint directory at {ckpt_dir}")
+    run_dir = ckpt_dir.parent
+    saved = ckpt_lib.load_run_config(run_dir)
+    cfg = config_lib.apply_overrides(saved, overrides or [])
+    ckpt_lib.check_compatible(config_lib.to_dict(saved), cfg)
+    limit = any(item.split("=", 1)[0].strip() == "train.eval_batches" for item in overrides or [])
+    mesh = parallel.make_mesh(cfg.train.num_devices)
+    with jax.set_mesh(mesh):
+        params, meta, step = ckpt_lib.restore_params_with_meta(run_dir, step, mesh=mesh, warn=echo)
+        # The hints that checkpoint was trained with (its meta, already read), else its logged l0.
+        cfg = with_auto_hints(cfg, run_dir, step, meta=meta, echo=echo)
+        echo(f"[twell] evaluating {ckpt_dir} (step {step}, config {cfg.name!r}, split {split!r})")
+        data = split_data(with_saved_tokenizer(cfg, run_dir), split, limit_batches=limit, data_builder=data_builder)
+        ckpt_lib.check_corpus_fingerprint(run_dir, data, echo)
+        graphdef = abstract_graphdef(cfg.model, cfg.train.seed)
+        result = evaluate_params(cfg, data, jax.jit(make_eval_step(cfg, graphdef)), params, mesh, step=step)
+    result["step"] = step
+    result["split"] = split
+    result["dead_share_per_layer"] = meta["dead_share_per_layer"]
+    return _summarise(result, cfg, echo)
+
+
+def evaluate_model(cfg: ExperimentConfig, params: Any, *, split: str = "val", limit_batches: bool = False,
+                   echo: Callable[[str], None] = print,
+                   data_builder: Callable[[ExperimentConfig], DataSource] = build_experiment_data) -> dict[str, Any]:
+    """Evaluate `params` (the plain dict of `model.split_model`, e.g. an imported Hugging Face
+    model's) of the model `cfg.model` on `cfg.data`'s validation split or whole corpus."""
+    mesh = parallel.make_mesh(cfg.train.num_devices)
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, parallel.replicated(mesh))
+        echo(f"[twell] evaluating {cfg.name!r} on {cfg.data.source!r} (split {split!r})")
+        data = split_data(cfg, split, limit_batches=limit_batches, data_builder=data_builder)
+        graphdef = abstract_graphdef(cfg.model, cfg.train.seed)
+        result = evaluate_params(cfg, data, jax.jit(make_eval_step(cfg, graphdef)), params, mesh)
+    result["step"] = None
+    result["split"] = split
+    return _summarise(result, cfg, echo)
+
+
 # Older import site of the run-hint readers (twell_jax/training/hints.py holds them).
-__all__ = ["evaluate_checkpoint", "with_auto_hints", "expected_active_from_run"]
+__all__ = ["SPLITS", "WholeCorpus", "evaluate_checkpoint", "evaluate_model", "split_data", "with_auto_hints",
+           "expected_active_from_run"]

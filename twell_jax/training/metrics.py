@@ -51,6 +51,10 @@ class MetricsSink:
     """The one place a run's telemetry goes: `<run>/metrics.jsonl` (one JSON object per record),
     TensorBoard scalars (tensorboardX) and the console (tqdm bar + message lines).
 
+    The bar (on stderr) is drawn only when `progress_bar` is set and stderr is a terminal; otherwise
+    every record written (each `train.log_every` steps) also prints one plain line, so that a log
+    file gets whole lines and no carriage returns.
+
     Opened at `start_step` (0 for a new run, the restored step on resume): records after it, left by
     an interrupted earlier attempt, are removed from metrics.jsonl and purged from TensorBoard, so a
     resumed run's logs hold every step once.
@@ -72,8 +76,9 @@ class MetricsSink:
             # purge_step: TensorBoard hides the events at steps >= it from older event files.
             self._tb = SummaryWriter(str(run_dir / "tensorboard"),
                                      purge_step=start_step + 1 if start_step else None)
+        self.total_steps = total_steps
         self._bar = None
-        if progress_bar:
+        if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
@@ -89,6 +94,8 @@ class MetricsSink:
         record = to_python(record)
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
+        if self._bar is None and "loss" in record:
+            self.echo(progress_line(record, self.total_steps))
         if self._tb is not None:
             step = int(record["step"])
             for key, value in record.items():
@@ -119,6 +126,19 @@ class MetricsSink:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def progress_line(record: dict[str, Any], total_steps: int) -> str:
+    """The plain console line of a training record (where no progress bar is drawn)."""
+    parts = [f"[twell] step {record['step']}/{total_steps}"]
+    for key, label in (("loss", "loss"), ("ce", "ce"), ("lr", "lr")):
+        if isinstance(record.get(key), (int, float)):
+            parts.append(f"{label} {record[key]:.4g}")
+    if record.get("l0_per_layer"):
+        parts.append(f"l0 {sum(record['l0_per_layer']) / len(record['l0_per_layer']):.1f}")
+    if isinstance(record.get("tokens_per_s"), (int, float)):
+        parts.append(f"{record['tokens_per_s']:.0f} tok/s")
+    return " ".join(parts)
 
 
 def _short(value: Any) -> str:

@@ -3,46 +3,28 @@
 All mesh plumbing lives in `Trainer.__init__` (one place): a 1-D "data" mesh over
 `train.num_devices` devices (`twell_jax.training.parallel.make_mesh`), params / optimizer state replicated
 (or FSDP-sharded with `train.fsdp`), the batch split over "data". The step is `jax.jit` with
-NamedSharding in/out shardings and the state donated, compiled once before the loop (its memory
+NamedSharding in/out shardings and the state donated, compiled before the loop (its memory
 analysis logged) and run under `jax.set_mesh(mesh)` so the sparse op can `shard_map` its kernels.
 
 One optimizer step = `accum` micro-batches of `train.micro_batch` sequences per device, scanned with
-`jax.lax.scan`, gradients averaged. The loop fetches each step's metrics as soon as the step is
-done (the step time is the interval between two completions), passes them through the NaN/Inf
-guard and hands them to the run's one `MetricsSink` and to the caller's `Hooks`.
+`jax.lax.scan`, gradients averaged. The loop fetches a step's metrics once the next step is
+dispatched (no host sync per step: the device always has the next step queued), in step order, so
+the logs are those of a synchronous loop; a step whose end needs its state or its metrics (the
+last one, evaluations, checkpoints, re-plans and plan trials, a `should_stop` hook, a signal or the
+time limit) is finished before the next is dispatched. A step's time is the interval between two
+completions. Each step's metrics pass the NaN/Inf guard (which names that step) and go to the run's
+one `MetricsSink` and to the caller's `Hooks`.
 
 A run directory holds one run (twell_jax/training/checkpoint.py): a new run refuses a non-empty directory
-unless told to overwrite; `resume=True` continues from the newest intact checkpoint (or `step`),
-with the run's saved config as the reference. SIGINT/SIGTERM finish the current step, checkpoint
+unless it holds a twell run and is told to overwrite; `resume=True` continues from the newest
+intact checkpoint (or `step`), with the run's saved config as the reference, and is refused when
+nothing is left to train or its last steps would run at learning rate 0. One process at a time
+holds the directory (`checkpoint.RunLock`). SIGINT/SIGTERM finish the current step, checkpoint
 and raise `TrainingInterrupted`.
 
-Training "auto" hints. When the sparse op runs backend "auto" and the user gave no hint
-(`manages_auto_hints`), the trainer supplies `model.ffn_expected_active` itself, so that "auto"
-decides dense vs sparse per layer at trace time and compiles exactly one path (without a hint it
-compiles both behind a device-side branch, which costs time and memory). A fresh run measures each
-layer's mean active neurons per token with one forward on the first micro-batch of its first batch
-(through the dense backend: same counts; a model at initialisation is ~50% active, so the step
-compiled is exactly the dense one); a resumed run takes the hints its checkpoint was saved with
-(`hints.run_hints`: else the last l0 in metrics.jsonl, else a measurement). Every
-`train.auto_refresh_every` steps the mean of the steps' l0_per_layer since the last re-plan (fetched
-for logging anyway: no extra host sync; a mean, so one noisy step does not flip a layer) gives new
-per-layer decisions (`auto_decisions`, which is `ops.auto_decision`, i.e. the op's own plan); only
-when one changes are the hints replaced by that mean, the
-graphdef rebuilt (params keep their structure) and the step recompiled, once, with a log line
-naming every layer's decision. The hints in use go into every metrics record
-(`auto_hints_per_layer`) and into the checkpoints' config. A run that tracks neurons (a ReLU model,
-`sparsity.track_neurons`) hints each layer's expected dense tails of the sparse backward too
-(`model.ffn_expected_tails`, `auto_tail_hints_per_layer`): the token-tail, hot-neuron and
-hot-entry shares the step measures from the op's counts for any plan (`ops.backward_tail_shares`,
-logged as `token_tail_share_per_layer`, ...), measured and averaged like l0, so that the cost model
-prices the tails of the layer's real pattern (dense first tokens, hot neurons) and not only its
-mean active count.
-
-The plan is then checked on the run (`plan_trial.py`, `train.auto_trial_steps`): a plan with a
-sparse piece runs that many timed steps, the dense program (compiled once per run) as many, and the
-sparse plan is kept only at >= 0.98x dense's median step time; otherwise the dense program runs
-until the next re-plan, which checks again. Each record names the program its step ran
-(`ffn_plan`); the summary lists the trials (`auto_plan_trials`).
+Which program the step compiles (the sparse op's "auto" hints, re-plans, the A/B of a sparse plan
+against dense) is the op-planning policy of `planning.PlanController`; the trainer calls it at the
+start, per step and at a step's boundary.
 """
 from __future__ import annotations
 
@@ -54,7 +36,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -66,14 +48,12 @@ from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax import config as config_lib
 from twell_jax import ops
 from twell_jax.training import parallel
-from twell_jax.config import ExperimentConfig, ModelConfig
+from twell_jax.config import ExperimentConfig
 from twell_jax.data import DataSource, build_experiment_data
-from twell_jax.training.hints import (Tails, describe_tails, manages_auto_hints, normalise_tails,
-                                      run_hints_and_source, run_tail_hints, tails_from_shares, with_hints)
-from twell_jax.training.plan_trial import PlanTrial
+from twell_jax.training.planning import PlanController, abstract_graphdef, measure_activity  # noqa: F401 (re-exported)
 from twell_jax.training.loss import cross_entropy, l1_coefficient, total_loss
 from twell_jax.training.metrics import MetricsSink, check_finite, device_peak_memory_bytes, to_python
-from twell_jax.model import apply_model, build_op_config, describe_execution, init_model, split_model
+from twell_jax.model import apply_model, describe_execution, init_model, split_model
 from twell_jax.training.optimizer import build_optimizer, learning_rate_schedule
 from twell_jax.training.sparsity import dead_share, init_counters, position_profile, reinit_dead_rows, update_counters
 
@@ -88,9 +68,61 @@ _global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.glob
 GUARDED_METRICS = ("loss", "ce", "l1", "grad_norm", "l0_per_layer")
 
 
+def check_run_name(name: str) -> None:
+    """`name` labels a run and names its default directory: one plain path component."""
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0") or name != name.strip():
+        raise ValueError(f"name={name!r}: a run name must be one plain directory name (no '/', '\\', "
+                         "'..' or surrounding spaces); use --out to choose where the run goes")
+
+
 def default_run_dir(cfg: ExperimentConfig, root: str | Path = "runs") -> Path:
-    """runs/<name>-<YYYYmmdd-HHMMSS>."""
-    return Path(root) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """A new, empty runs/<name>-<YYYYmmdd-HHMMSS>[-<n>], created here (mkdir is atomic: two runs
+    started in the same second get different directories)."""
+    check_run_name(cfg.name)
+    base = Path(root) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 10_000):
+        candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise ValueError(f"no free run directory name under {Path(root).absolute()} for {base.name}; pass --out")
+
+
+def zero_lr_from(cfg: ExperimentConfig) -> int | None:
+    """The first step index at which the learning rate is 0 for good (a cosine schedule to
+    optim.min_lr_ratio = 0 ends there; `optimizer.learning_rate_schedule`), or None (never)."""
+    if cfg.optim.schedule != "cosine" or cfg.optim.min_lr_ratio > 0:
+        return None
+    horizon = cfg.schedule_steps
+    return max(horizon, min(cfg.optim.warmup_steps, horizon) + 1)
+
+
+def check_schedule_covers_steps(cfg: ExperimentConfig, *, resume: bool) -> None:
+    """Refuse a run whose last steps would train at learning rate 0 (past the end of a cosine
+    schedule to 0: the parameters would not move), naming the field that fixes it."""
+    zero = zero_lr_from(cfg)
+    if zero is None or cfg.train.steps <= zero:
+        return
+    fix = (f"pass --set optim.schedule_steps={cfg.train.steps} to stretch the schedule to the new end (from the "
+           "step resumed on, the learning rate follows the stretched cosine)" if resume else
+           "set optim.schedule_steps >= train.steps (or 0: the schedule then ends at train.steps)")
+    raise ValueError(f"train.steps={cfg.train.steps} runs past the end of the learning-rate schedule "
+                     f"(optim.schedule_steps={cfg.schedule_steps}, a cosine to optim.min_lr_ratio=0): steps "
+                     f"{zero + 1}-{cfg.train.steps} would train at learning rate 0 and change nothing; {fix}")
+
+
+def check_resume_steps(cfg: ExperimentConfig, run_dir: Path, start_step: int) -> None:
+    """A resume from `start_step` must have steps left to train (train.steps above it)."""
+    if cfg.train.steps > start_step:
+        return
+    more = "optim.schedule_steps=N " if zero_lr_from(cfg) is not None else ""
+    what = "is finished" if cfg.train.steps == start_step else f"is past train.steps={cfg.train.steps}"
+    raise ValueError(f"--resume: the run in {run_dir.absolute()} {what} (its checkpoint is at step {start_step}); "
+                     f"nothing to train and nothing was changed; to train further pass --set train.steps=N "
+                     f"{more}with N > {start_step}")
 
 
 def check_op_config(cfg: ExperimentConfig) -> None:
@@ -102,50 +134,6 @@ def check_op_config(cfg: ExperimentConfig) -> None:
         raise ValueError(f"model.ffn_op_config={cfg.model.ffn_op_config!r}: {err} (known keys: {known})") from None
     except ValueError as err:
         raise ValueError(f"model.ffn_op_config={cfg.model.ffn_op_config!r}: {err}") from None
-
-
-Decision = tuple[str, str]  # (forward, backward) of one layer's op call, as ops.auto_decision names them
-
-
-def auto_decisions(cfg: ExperimentConfig, hints: Sequence[float], num_devices: int,
-                   tails: Tails | None = None) -> tuple[Decision, ...]:
-    """Per layer, the (forward, backward) path that backend "auto" compiles for the training step's
-    FFN calls (one micro-batch of `train.micro_batch` sequences per device) with these hints (and
-    these tail hints, when given)."""
-    model = with_hints(cfg, hints, tails).model
-    itemsize = jnp.dtype(model.compute_dtype).itemsize
-    decisions = []
-    for layer in range(model.n_layers):
-        op_config = build_op_config(model, layer)
-        # The op splits the micro-batch over the mesh's data axis (when its config names it).
-        per_shard = cfg.train.micro_batch * (1 if op_config.data_axis == parallel.DATA_AXIS else num_devices)
-        shape = (per_shard * cfg.seq_len, model.d_model, model.d_ff, itemsize)
-        decisions.append(ops.auto_decision(model.kind.gated, op_config, shape, model.ffn_interpret))
-    return tuple(decisions)
-
-
-def describe_decisions(decisions: Sequence[Decision]) -> str:
-    """"layer 0 dense/dense, layer 1 pallas/dense, ..." (forward/backward per layer)."""
-    return ", ".join(f"layer {i} {fwd}/{bwd}" for i, (fwd, bwd) in enumerate(decisions))
-
-
-def measure_activity(graphdef: nnx.GraphDef, params: Any, tokens_BxT: jax.Array, *,
-                     tails: bool) -> tuple[tuple[float, ...], Tails | None]:
-    """Each layer's mean active FFN neurons per token (the model's aux l0) on one forward of
-    `tokens_BxT` (inputs tokens[:, :-1], as in training), and with `tails` (a ReLU model) each
-    layer's expected dense tails of the sparse backward (`tails_from_shares`), else None."""
-    keys = ("l0", *(ops.TAIL_SHARE_KEYS if tails else ()))
-    forward = jax.jit(lambda p, t: {k: v for k, v in apply_model(graphdef, p, t[:, :-1], track_neurons=tails)[1].items()
-                                    if k in keys})
-    aux = jax.device_get(forward(params, tokens_BxT))
-    l0 = tuple(float(v) for v in np.asarray(aux["l0"]))
-    return l0, (tails_from_shares(aux) if tails else None)
-
-
-def abstract_graphdef(model: ModelConfig, seed: int) -> nnx.GraphDef:
-    """The graphdef of `model` (static structure and attributes, hints included), built without
-    allocating parameters."""
-    return nnx.split(nnx.eval_shape(lambda: init_model(model, seed)))[0]
 
 
 def dead_window(cfg: ExperimentConfig) -> int:
@@ -344,8 +332,12 @@ class Trainer:
     """Builds mesh, model, optimizer, data and checkpoint store for one run; `run()` trains.
 
     resume=True continues the run in `run_dir`: `cfg` may differ from the run's saved config only in
-    config.RESUMABLE_FIELDS; `resume_step` picks a checkpoint (default: the newest intact one).
-    A new run needs an empty (or missing) `run_dir`, or `overwrite=True`.
+    config.RESUMABLE_FIELDS; `resume_step` picks a checkpoint (default: the newest intact one); it
+    is refused when its last steps would train at learning rate 0 (`check_schedule_covers_steps`)
+    or nothing is left to train (`check_resume_steps`). A new run needs an empty (or missing)
+    `run_dir`, or `overwrite=True` and a directory holding a twell run (checkpoint.check_new_run_dir).
+    From construction to the end of `run()` the trainer holds the directory's lock (`release()`
+    gives it up without running).
     """
 
     def __init__(self, cfg: ExperimentConfig, run_dir: str | Path, *, resume: bool = False,
@@ -357,22 +349,9 @@ class Trainer:
         self.echo = echo
         self.hooks = hooks or Hooks()
         self.store = None
-        self.auto_hints: tuple[float, ...] | None = None  # the "auto" hints compiled in (managed runs)
-        self.auto_tails: Tails | None = None  # and their tail hints (runs that track neurons)
-        self.decisions: tuple[Decision, ...] | None = None  # their per-layer (forward, backward)
-        # Sums of the per-layer l0 (and tail shares [L, 3]) of the steps since the last re-plan, and
-        # the number of steps (managed runs).
-        self._l0_sum: np.ndarray | None = None
-        self._tails_sum: np.ndarray | None = None
-        self._l0_steps = 0
         self.step_builds = 0  # how many times the train step was compiled in this process
-        # The A/B of a sparse "auto" plan against the dense program (plan_trial.py): the trial under
-        # way, the plan kept by the last one, the dense executable (compiled once), the record.
-        self.trial: PlanTrial | None = None
-        self.plan_in_use = "auto"
-        self._dense_compiled: Any = None
-        self.trials: list[dict[str, Any]] = []
         check_op_config(cfg)
+        check_run_name(cfg.name)
         if resume:
             ckpt_dir = self.run_dir / ckpt_lib.CHECKPOINT_SUBDIR
             if not ckpt_lib.has_steps(ckpt_dir):
@@ -382,10 +361,33 @@ class Trainer:
             if not cfg.optim.schedule_steps:  # keep the run's schedule unless one is asked for
                 cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, schedule_steps=saved.schedule_steps))
             ckpt_lib.check_compatible(config_lib.to_dict(saved), cfg)
+            check_schedule_covers_steps(cfg, resume=True)
+            self._saved_cfg = saved
         else:
             cfg = config_lib.with_fixed_schedule(cfg)
-            if self.run_dir.is_dir() and any(self.run_dir.iterdir()) and not overwrite:
-                ckpt_lib.prepare_new_run_dir(self.run_dir, overwrite=False)  # raises, naming the directory
+            check_schedule_covers_steps(cfg, resume=False)
+            ckpt_lib.check_new_run_dir(self.run_dir, overwrite=overwrite)  # raises, naming the directory
+        # One process at a time in a run directory (multi-host runs: the lead process holds it).
+        created = not self.run_dir.exists()
+        self._lock = ckpt_lib.RunLock(self.run_dir, warn=echo) if jax.process_index() == 0 else None
+        try:
+            self._build(cfg, resume, overwrite, data_builder)
+        except BaseException:
+            self.release()
+            if created and self.run_dir.is_dir() and not any(self.run_dir.iterdir()):
+                self.run_dir.rmdir()  # a failed command leaves nothing behind
+            raise
+
+    def release(self) -> None:
+        """Give up the run directory's lock (run() does at its end; idempotent)."""
+        if getattr(self, "_lock", None) is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _build(self, cfg: ExperimentConfig, resume: bool, overwrite: bool,
+               data_builder: Callable[[ExperimentConfig], DataSource]) -> None:
+        """Mesh, data, abstract state, optimizer; then (everything checked) the run directory."""
+        echo = self.echo
         self.cfg = cfg
         tc = cfg.train
         # ---- mesh plumbing (the one place that knows about devices)
@@ -406,8 +408,7 @@ class Trainer:
             ckpt_lib.check_corpus_fingerprint(self.run_dir, self.data, echo)
 
         abstract_model = nnx.eval_shape(lambda: init_model(cfg.model, tc.seed))
-        self.graphdef, abstract_state = nnx.split(abstract_model)
-        abstract_params = nnx.to_pure_dict(abstract_state)
+        abstract_params = nnx.to_pure_dict(nnx.split(abstract_model)[1])
         self.optimizer = build_optimizer(cfg.optim, cfg.schedule_steps)
         abstract_train_state = {
             "params": abstract_params,
@@ -417,14 +418,16 @@ class Trainer:
         }
         self.state_shardings = parallel.param_shardings(self.mesh, abstract_train_state, fsdp=tc.fsdp)
         self.abstract_state = abstract_train_state
-        self.manage_hints = manages_auto_hints(cfg.model)
+        # The op-planning policy ("auto" hints, re-plans, the plan trial): planning.py.
+        self.planner = PlanController(cfg, num_devices=self.num_devices, mesh=self.mesh, data=self.data,
+                                      compile_step=self._compile, track_tails=tracks_neurons(cfg))
         # Everything that can be checked has been: only now may a new run take over the directory.
         if not resume:
             ckpt_lib.prepare_new_run_dir(self.run_dir, overwrite=overwrite)
             if self.data.tokenizer_json_path:
                 ckpt_lib.save_tokenizer(self.run_dir, self.data.tokenizer_json_path)
             ckpt_lib.save_corpus_fingerprint(self.run_dir, self.data)
-        ckpt_lib.atomic_write_text(self.run_dir / ckpt_lib.CONFIG_FILE, config_lib.to_json(cfg))
+            ckpt_lib.atomic_write_text(self.run_dir / ckpt_lib.CONFIG_FILE, config_lib.to_json(cfg))
         self.store = ckpt_lib.CheckpointStore(self.run_dir / ckpt_lib.CHECKPOINT_SUBDIR,
                                               max_to_keep=tc.keep_checkpoints)
 
@@ -450,15 +453,24 @@ class Trainer:
                 {k: v for k, v in shardings.items() if k != "params"}),
         }
         items, meta, step = self.store.restore_verified(targets, self.resume_step, warn=self.echo)
+        # Only now is the step resumed from known (a damaged newest checkpoint falls back): a run
+        # with nothing left to train stops here, with nothing in its directory changed.
+        check_resume_steps(self.cfg, self.run_dir, step)
+        saved = self._saved_cfg
+        if self.cfg.schedule_steps != saved.schedule_steps:
+            old_lr, new_lr = (float(learning_rate_schedule(c.optim, c.schedule_steps)(step)) for c in (saved, self.cfg))
+            self.echo(f"[twell] learning-rate schedule re-planned: optim.schedule_steps {saved.schedule_steps} -> "
+                      f"{self.cfg.schedule_steps}; learning rate of step {step + 1}: {old_lr:.3g} -> {new_lr:.3g}")
+        ckpt_lib.atomic_write_text(self.run_dir / ckpt_lib.CONFIG_FILE, config_lib.to_json(self.cfg))
         for moved in self.store.quarantine_after(step, self.run_dir):
             self.echo(f"[twell] warning: continuing from step {step}: newer checkpoint moved to {moved}")
         return {"params": items[ckpt_lib.PARAMS_ITEM], **items[ckpt_lib.TRAIN_ITEM]}, meta
 
     def save(self, state: TrainState, history: list[dict[str, Any]]) -> None:
         # The config with the "auto" hints in use: what evaluation / inference of this step should run.
-        meta = {"config": config_lib.to_dict(self.step_cfg), "data_iter": _json_ready(self.data.train_iter.get_state()),
-                "step": int(state["step"]), "history": history,
-                "auto_hints": list(self.auto_hints) if self.auto_hints is not None else None,
+        meta = {"config": config_lib.to_dict(self.planner.step_cfg),
+                "data_iter": _json_ready(self.data.train_iter.get_state()),
+                "step": int(state["step"]), "history": history, **self.planner.checkpoint_fields(),
                 "dead_share_per_layer": dead_share_per_layer(self.cfg, state["since_active"])}
         self.store.save(int(state["step"]), state["params"],
                         {k: v for k, v in state.items() if k != "params"}, meta)
@@ -470,228 +482,139 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def run(self, *, stop_after_step: int | None = None) -> TrainResult:
-        """Train to `train.steps` (or stop after `stop_after_step`, as if killed, for tests)."""
-        cfg, tc, hooks = self.cfg, self.cfg.train, self.hooks
-        tokens_per_step = tc.global_batch * cfg.seq_len
-        self._describe(tokens_per_step)
-        history: list[dict[str, Any]] = []
+        """Train to `train.steps` (or stop after `stop_after_step`, as if killed, for tests); the
+        run directory's lock is released at the end, however the run ends."""
+        try:
+            return self._run(stop_after_step)
+        finally:
+            self.release()
+
+    def _run(self, stop_after_step: int | None) -> TrainResult:
+        tc = self.cfg.train
+        self._describe(tc.global_batch * self.cfg.seq_len)
         with jax.set_mesh(self.mesh), _StopSignals() as signals:
-            meta: dict[str, Any] = {}
-            if self.resume:
-                state, meta = self.restore_state()
-                self.data.train_iter.set_state(_from_json_ready(meta["data_iter"]))
-                history = meta.get("history", [])
-                self.echo(f"[twell] resumed from step {int(state['step'])} ({self.store.directory})")
-            else:
-                state = self.init_state()
-            if self.manage_hints:
-                hints, tails, source = self._initial_hints(state, meta)
-                self._use_hints(hints, tails)
-                self.echo(f"[twell] 'auto' backend hints (mean active FFN neurons/token per layer, {source}): "
-                          f"{', '.join(f'{v:.1f}' for v in hints)}"
-                          + (f"; backward tails (token-tail / hot-neuron share) {describe_tails(tails)}" if tails else "")
-                          + f"; plan: {describe_decisions(self.decisions)}"
-                          + (f"; re-planned every {tc.auto_refresh_every} steps" if tc.auto_refresh_every else ""))
+            state, history = self._start_state()
             start_step = int(state["step"])
-            compiled, compile_s = self._compile(state)
-            compiled_auto = compiled  # the "auto" plan's executable (`compiled` may be dense's)
-            eval_fn = jax.jit(make_eval_step(self.step_cfg, self.graphdef))
+            loop = _Loop(history=history, compile_s=self.planner.start(state, resumed=self.resume, echo=self.echo),
+                         end_step=tc.steps if stop_after_step is None else min(tc.steps, stop_after_step))
+            eval_fn = self._eval_fn()
             sink = MetricsSink(self.run_dir, tensorboard=tc.tensorboard, total_steps=tc.steps,
                                start_step=start_step, progress_bar=tc.progress_bar, echo=self.echo)
             self.echo(f"[twell] metrics: {sink.jsonl_path}"
                       + (f", TensorBoard: {self.run_dir / 'tensorboard'}" if tc.tensorboard else ""))
-            last_val: dict[str, Any] = {}
-            last_record: dict[str, Any] = {}
-            step_times: list[float] = []
-            stop_reason = None
-            end_step = tc.steps if stop_after_step is None else min(tc.steps, stop_after_step)
-            self._maybe_start_trial(start_step, sink)
+            self.planner.maybe_start_trial(start_step, sink.message)
             try:
-                mark = loop_start = time.perf_counter()
-                for step_no in range(start_step + 1, end_step + 1):
+                pending = None  # the step dispatched last whose metrics are not fetched yet
+                loop.mark = loop.start = time.perf_counter()
+                for step_no in range(start_step + 1, loop.end_step + 1):
+                    runner, plan, compile_s = self.planner.runner(state)
+                    if compile_s:
+                        loop.compile_s += compile_s
+                        loop.mark = time.perf_counter()  # compilation is not step time
                     batch = parallel.host_to_global(next(self.data.train_iter), self.mesh)
-                    plan = self.plan_in_use if self.trial is None else self.trial.arm()
-                    if self.trial is not None and plan == "dense" and self._dense_compiled is None:
-                        compile_s += self._compile_dense(state)
-                        mark = time.perf_counter()  # compilation is not step time
-                    runner = compiled if self.trial is None else (
-                        compiled_auto if plan == "auto" else self._dense_compiled)
                     state, device_metrics = runner(state, batch)
-                    host = to_python(jax.device_get(device_metrics))  # waits for this step
-                    now = time.perf_counter()
-                    step_times.append(now - mark)
-                    check_finite(step_no, host, GUARDED_METRICS)
-                    if self.trial is not None:
-                        self.trial.add(step_times[-1])
-                        if self.trial.decided:
-                            compiled = compiled_auto if self._end_trial(step_no, sink) == "auto" else self._dense_compiled
-                    logged = step_no % tc.log_every == 0 or step_no == end_step
-                    last_record = self._record(step_no, host, step_times[-1], tokens_per_step, memory=logged)
-                    if self.manage_hints:
-                        last_record["ffn_plan"] = plan
-                    history.append(compact_record(last_record))
-                    sink.progress(step_no, {"loss": host["loss"], "ce": host["ce"],
-                                            "l0": float(np.mean(host["l0_per_layer"])),
-                                            "tok/s": int(last_record["tokens_per_s"])})
-                    if logged:
-                        sink.write(last_record)
-                    if hooks.on_step is not None:
-                        hooks.on_step(last_record)
-                    if self.manage_hints:
-                        self._observe(host)
-                    if (self.manage_hints and tc.auto_refresh_every and step_no % tc.auto_refresh_every == 0
-                            and step_no < end_step):
-                        if self._refresh_hints(step_no, sink):
-                            compiled, seconds = self._compile(state)
-                            compiled_auto = compiled
-                            self.plan_in_use = "auto"
-                            compile_s += seconds
-                            eval_fn = jax.jit(make_eval_step(self.step_cfg, self.graphdef))
-                            self._maybe_start_trial(step_no, sink)
-                        elif self.plan_in_use == "dense":  # the patterns move: check the plan again
-                            self._maybe_start_trial(step_no, sink)
-                    if tc.eval_every and step_no % tc.eval_every == 0 and step_no != tc.steps:
-                        last_val = self._eval_and_log(sink, eval_fn, state, step_no)
-                    if tc.checkpoint_every and step_no % tc.checkpoint_every == 0 and step_no != end_step:
-                        self.save(state, history)
-                        sink.message(f"[twell] step {step_no}: checkpoint -> {self.store.directory}")
-                    if signals.received:
-                        stop_reason = signals.received
-                    elif hooks.should_stop is not None and step_no < end_step and (
-                            why := hooks.should_stop(last_record)):
-                        stop_reason = "hook"
-                        sink.message(f"[twell] step {step_no}: stopping ({why})")
-                    elif tc.time_limit_s and time.perf_counter() - loop_start >= tc.time_limit_s and step_no < end_step:
-                        stop_reason = "time_limit"
-                        sink.message(f"[twell] step {step_no}: train.time_limit_s={tc.time_limit_s:g} reached, "
-                                     f"stopping ({end_step - step_no} of {end_step} steps not run)")
-                    if stop_reason:
+                    if pending is not None:  # the previous step's metrics, fetched while this one runs
+                        self._finish_step(loop, sink, *pending)
+                    pending = (step_no, device_metrics, plan)
+                    if not self._at_boundary(loop, step_no, signals):
+                        continue
+                    self._finish_step(loop, sink, *pending)
+                    pending = None
+                    changed, compile_s = self.planner.replan(step_no, loop.end_step, state, sink.message)
+                    if changed:
+                        loop.compile_s += compile_s
+                        eval_fn = self._eval_fn()
+                    self._boundary(loop, sink, eval_fn, state, step_no, signals)
+                    if loop.stop_reason:
                         break
-                    mark = time.perf_counter()  # evaluations and saves are not step time
-
-                finished = int(state["step"])
-                if hooks.save_final and self.store.latest_step() != finished:
-                    self.save(state, history)
-                    sink.message(f"[twell] checkpoint at step {finished} -> {self.store.directory}")
-                if stop_reason not in (None, "time_limit", "hook") and finished < end_step:
-                    raise TrainingInterrupted(stop_reason, finished, self.run_dir.absolute(), hooks.save_final)
-                if finished >= tc.steps or stop_reason in ("time_limit", "hook"):
-                    last_val = self._eval_and_log(sink, eval_fn, state, finished)
+                    loop.mark = time.perf_counter()  # evaluations and saves are not step time
+                self._end(loop, sink, eval_fn, state)
             finally:
                 sink.close()
-            summary = self._summary(state, history, last_val, step_times, compile_s)
-            summary["stopped_by_time_limit"] = stop_reason == "time_limit"
-            summary["stopped_by_hook"] = stop_reason == "hook"
+            summary = self._summary(state, loop)
             ckpt_lib.atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
             self.echo(f"[twell] summary: {self.run_dir / 'summary.json'}")
-        return TrainResult(run_dir=self.run_dir, history=history, summary=summary, state=state,
-                           last_metrics=last_record or None)
+        return TrainResult(run_dir=self.run_dir, history=loop.history, summary=summary, state=state,
+                           last_metrics=loop.last_record or None)
 
-    # ------------------------------------------------------------------ "auto" hints
-    @property
-    def step_cfg(self) -> ExperimentConfig:
-        """The config the step is compiled with: `cfg` plus the "auto" hints in use (if any)."""
-        return self.cfg if self.auto_hints is None else with_hints(self.cfg, self.auto_hints, self.auto_tails)
+    def _start_state(self) -> tuple[TrainState, list[dict[str, Any]]]:
+        """The state to train from (restored, with the data iterator's position, or initialised)
+        and the run's history so far."""
+        if not self.resume:
+            return self.init_state(), []
+        state, meta = self.restore_state()
+        self.data.train_iter.set_state(_from_json_ready(meta["data_iter"]))
+        self.echo(f"[twell] resumed from step {int(state['step'])} ({self.store.directory})")
+        return state, meta.get("history", [])
 
-    def _initial_hints(self, state: TrainState, meta: dict[str, Any]
-                       ) -> tuple[tuple[float, ...], Tails | None, str]:
-        """(hints, tail hints or None, where they come from) for the first compile of a managed run:
-        a resumed run's `run_hints` (its checkpoint's, else its logged l0) with its `run_tail_hints`
-        (likewise), else a measurement."""
-        if self.resume:
-            found = run_hints_and_source(self.run_dir, int(state["step"]), n_layers=self.cfg.model.n_layers,
-                                         meta=meta)
-            if found is not None:
-                tails = (run_tail_hints(self.run_dir, int(state["step"]), n_layers=self.cfg.model.n_layers, meta=meta)
-                         if tracks_neurons(self.cfg) else None)
-                return found[0], tails, found[1]
-        return (*self._measure_first_batch(state), "measured on the first micro-batch of the next batch")
+    def _eval_fn(self) -> Callable:
+        step_cfg = self.planner.step_cfg
+        return jax.jit(make_eval_step(step_cfg, abstract_graphdef(step_cfg.model, self.cfg.train.seed)))
 
-    def _measure_first_batch(self, state: TrainState) -> tuple[tuple[float, ...], Tails | None]:
-        """Mean active neurons per token per layer of the current params on the first micro-batch
-        of the batch the loop will train on next (the data iterator is rewound afterwards), and the
-        layers' tail hints (runs that track neurons)."""
-        iterator = self.data.train_iter
-        position = iterator.get_state()
-        tokens = np.asarray(next(iterator)["tokens"], np.int32)
-        iterator.set_state(position)
-        # One micro-batch (this process's rows of it): the memory of a step's forward, not more.
-        rows = self.cfg.train.micro_batch * max(1, self.num_devices // jax.process_count())
-        placed = parallel.host_to_global({"tokens": tokens[:rows]}, self.mesh)
-        # The dense backend: the same l0 exactly (a backend never changes results), without
-        # compiling "auto"'s two hint-less paths just to count.
-        dense = dataclasses.replace(self.cfg.model, ffn_backend="dense")
-        return measure_activity(abstract_graphdef(dense, self.cfg.train.seed), state["params"],
-                                placed["tokens"], tails=tracks_neurons(self.cfg))
+    def _at_boundary(self, loop: "_Loop", step_no: int, signals: "_StopSignals") -> bool:
+        """True when step `step_no` is finished before the next is dispatched: something at its end
+        needs its state or its metrics (the last step, an evaluation, a checkpoint, a re-plan or a
+        trial step, a should_stop hook) or the run stops after it (a signal, the time limit).
+        Other steps' metrics are fetched once the next step is dispatched: no host sync per step."""
+        tc = self.cfg.train
+        return (step_no == loop.end_step or self.planner.needs_sync(step_no, loop.end_step)
+                or bool(tc.eval_every and step_no % tc.eval_every == 0)
+                or bool(tc.checkpoint_every and step_no % tc.checkpoint_every == 0)
+                or self.hooks.should_stop is not None or signals.received is not None
+                or bool(tc.time_limit_s and time.perf_counter() - loop.start >= tc.time_limit_s))
 
-    def _use_hints(self, hints: Sequence[float], tails: Tails | None,
-                   decisions: tuple[Decision, ...] | None = None) -> None:
-        """Compile with these hints (and tail hints) from now on: their decisions (`decisions` when
-        the caller has them already) and the graphdef built with them."""
-        self.auto_hints = tuple(float(v) for v in hints)
-        self.auto_tails = None if tails is None else normalise_tails(tails)
-        self.decisions = decisions or auto_decisions(self.cfg, self.auto_hints, self.num_devices, self.auto_tails)
-        self.graphdef = abstract_graphdef(self.step_cfg.model, self.cfg.train.seed)
+    def _finish_step(self, loop: "_Loop", sink: MetricsSink, step_no: int, device_metrics: dict,
+                     plan: str | None) -> None:
+        """Fetch step `step_no`'s metrics (waiting for that step only), check them (the NaN/Inf
+        guard names this step), time the step, log it and hand it to the hooks."""
+        host = to_python(jax.device_get(device_metrics))
+        now = time.perf_counter()
+        loop.step_times.append(now - loop.mark)
+        loop.mark = now
+        check_finite(step_no, host, GUARDED_METRICS)
+        self.planner.timed(step_no, loop.step_times[-1], sink.message)
+        logged = step_no % self.cfg.train.log_every == 0 or step_no == loop.end_step
+        loop.last_record = self._record(step_no, host, loop.step_times[-1], memory=logged)
+        loop.last_record.update(self.planner.record_fields(plan))
+        loop.history.append(compact_record(loop.last_record))
+        sink.progress(step_no, {"loss": host["loss"], "ce": host["ce"], "l0": float(np.mean(host["l0_per_layer"])),
+                                "tok/s": int(loop.last_record["tokens_per_s"])})
+        if logged:
+            sink.write(loop.last_record)
+        if self.hooks.on_step is not None:
+            self.hooks.on_step(loop.last_record)
+        self.planner.observe(host)
 
-    def _maybe_start_trial(self, step_no: int, sink: MetricsSink) -> None:
-        """Start an A/B of the compiled "auto" plan against dense (plan_trial.py) when the plan has a
-        sparse piece and train.auto_trial_steps > 0."""
-        steps = self.cfg.train.auto_trial_steps
-        if not (self.manage_hints and steps and any(d != ("dense", "dense") for d in self.decisions)):
-            return
-        self.trial = PlanTrial(steps)
-        sink.message(f"[twell] step {step_no}: timing the 'auto' plan against the dense program over the "
-                     f"next {2 * (steps + 1)} steps (train.auto_trial_steps={steps})")
+    def _boundary(self, loop: "_Loop", sink: MetricsSink, eval_fn: Callable, state: TrainState, step_no: int,
+                  signals: "_StopSignals") -> None:
+        """After a finished step: evaluate and checkpoint on their cadence, then decide whether to
+        stop (a signal, a should_stop hook, the time limit)."""
+        tc, hooks = self.cfg.train, self.hooks
+        if tc.eval_every and step_no % tc.eval_every == 0 and step_no != tc.steps:
+            loop.last_val = self._eval_and_log(sink, eval_fn, state, step_no)
+        if tc.checkpoint_every and step_no % tc.checkpoint_every == 0 and step_no != loop.end_step:
+            self.save(state, loop.history)
+            sink.message(f"[twell] step {step_no}: checkpoint -> {self.store.directory}")
+        if signals.received:
+            loop.stop_reason = signals.received
+        elif hooks.should_stop is not None and step_no < loop.end_step and (why := hooks.should_stop(loop.last_record)):
+            loop.stop_reason = "hook"
+            sink.message(f"[twell] step {step_no}: stopping ({why})")
+        elif tc.time_limit_s and time.perf_counter() - loop.start >= tc.time_limit_s and step_no < loop.end_step:
+            loop.stop_reason = "time_limit"
+            sink.message(f"[twell] step {step_no}: train.time_limit_s={tc.time_limit_s:g} reached, "
+                         f"stopping ({loop.end_step - step_no} of {loop.end_step} steps not run)")
 
-    def _compile_dense(self, state: TrainState) -> float:
-        """Compile the dense program (the op's dense backend) once per run; its compile seconds."""
-        dense = dataclasses.replace(self.cfg, model=dataclasses.replace(self.cfg.model, ffn_backend="dense"))
-        self._dense_compiled, seconds = self._compile(state, dense)
-        return seconds
-
-    def _end_trial(self, step_no: int, sink: MetricsSink) -> str:
-        """Close the trial: the plan to run until the next re-plan ("auto" or "dense")."""
-        trial, self.trial = self.trial, None
-        verdict, medians = trial.verdict(), trial.medians()
-        self.plan_in_use = verdict
-        self.trials.append({"step": step_no, "auto_step_s": medians["auto"], "dense_step_s": medians["dense"],
-                            "auto_vs_dense": trial.speed_ratio(), "kept": verdict,
-                            "decisions": [list(d) for d in self.decisions]})
-        sink.message(f"[twell] step {step_no}: 'auto' plan {medians['auto']:.4f} s/step, dense "
-                     f"{medians['dense']:.4f} s/step ({trial.speed_ratio():.3f}x dense): "
-                     + ("keeping the 'auto' plan" if verdict == "auto" else
-                        f"running the dense program (the plan is under {trial.floor:g}x dense)"))
-        return verdict
-
-    def _observe(self, host: dict[str, Any]) -> None:
-        """Add one step's per-layer l0 (and tail shares, when the step reports them) to the means
-        the next re-plan decides from."""
-        l0 = np.asarray(host["l0_per_layer"], np.float64)
-        self._l0_sum = l0 if self._l0_sum is None else self._l0_sum + l0
-        if all(f"{key}_per_layer" in host for key in ops.TAIL_SHARE_KEYS):
-            tails = np.asarray(tails_from_shares(host, "_per_layer"))
-            self._tails_sum = tails if self._tails_sum is None else self._tails_sum + tails
-        self._l0_steps += 1
-
-    def _refresh_hints(self, step_no: int, sink: MetricsSink) -> bool:
-        """Re-plan from the mean l0 (and tail shares) of the steps since the last re-plan, so that
-        one noisy step near a dense/sparse threshold does not flip the plan; True when some layer's
-        decision changed (the caller then recompiles). Unchanged decisions keep the hints: no
-        recompile."""
-        mean_l0 = (self._l0_sum / self._l0_steps).tolist()
-        mean_tails = None if self._tails_sum is None else normalise_tails(self._tails_sum / self._l0_steps)
-        # The next re-plan averages the steps after this one.
-        self._l0_sum, self._tails_sum, self._l0_steps = None, None, 0
-        decisions = auto_decisions(self.cfg, mean_l0, self.num_devices, mean_tails)
-        if decisions == self.decisions:
-            return False
-        changed = [i for i, (old, new) in enumerate(zip(self.decisions, decisions)) if old != new]
-        self._use_hints(mean_l0, mean_tails, decisions)
-        sink.message(f"[twell] step {step_no}: 'auto' plan changed in layer(s) {changed}; recompiling the step "
-                     f"with hints {', '.join(f'{v:.1f}' for v in self.auto_hints)}"
-                     + (f", backward tails {describe_tails(mean_tails)}" if mean_tails else "")
-                     + f": {describe_decisions(decisions)}")
-        return True
+    def _end(self, loop: "_Loop", sink: MetricsSink, eval_fn: Callable, state: TrainState) -> None:
+        """The final checkpoint, the interruption (a signal) or the final evaluation."""
+        finished, end_step = int(state["step"]), loop.end_step
+        if self.hooks.save_final and self.store.latest_step() != finished:
+            self.save(state, loop.history)
+            sink.message(f"[twell] checkpoint at step {finished} -> {self.store.directory}")
+        if loop.stop_reason not in (None, "time_limit", "hook") and finished < end_step:
+            raise TrainingInterrupted(loop.stop_reason, finished, self.run_dir.absolute(), self.hooks.save_final)
+        if finished >= self.cfg.train.steps or loop.stop_reason in ("time_limit", "hook"):
+            loop.last_val = self._eval_and_log(sink, eval_fn, state, finished)
 
     def _describe(self, tokens_per_step: int) -> None:
         cfg, tc = self.cfg, self.cfg.train
@@ -704,11 +627,11 @@ class Trainer:
                   f"{tc.global_batch} x {cfg.seq_len} tokens = {tokens_per_step} tokens/step; micro-batch "
                   f"{tc.micro_batch}/device, {self.accum_steps} accumulation step(s)")
 
-    def _compile(self, state: TrainState, cfg: ExperimentConfig | None = None) -> tuple[Any, float]:
-        """The train step compiled for `cfg` (default: the step config with the hints in use)."""
+    def _compile(self, state: TrainState, cfg: ExperimentConfig) -> tuple[Any, float]:
+        """The train step compiled for `cfg` (the planner's step config, or its dense program)."""
         self.step_builds += 1
-        graphdef = self.graphdef if cfg is None else abstract_graphdef(cfg.model, self.cfg.train.seed)
-        train_step = make_train_step(cfg or self.step_cfg, graphdef, self.optimizer, self.accum_steps)
+        train_step = make_train_step(cfg, abstract_graphdef(cfg.model, self.cfg.train.seed), self.optimizer,
+                                     self.accum_steps)
         jitted = jax.jit(train_step, in_shardings=(self.state_shardings, {"tokens": self.batch_sharding}),
                          out_shardings=(self.state_shardings, self.replicated), donate_argnames=("state",))
         batch_spec = {"tokens": jax.ShapeDtypeStruct((self.cfg.train.global_batch, self.cfg.seq_len + 1), jnp.int32,
@@ -719,19 +642,15 @@ class Trainer:
         self.echo(f"[twell] train step compiled in {compile_s:.1f}s; {_memory_analysis_text(compiled)}")
         return compiled, compile_s
 
-    def _record(self, step_no: int, host: dict[str, Any], step_time: float, tokens_per_step: int, *,
-                memory: bool) -> dict[str, Any]:
+    def _record(self, step_no: int, host: dict[str, Any], step_time: float, *, memory: bool) -> dict[str, Any]:
         """A step's full record; `memory`: add the device's peak memory (read for logged records
         only: the peak so far is a running maximum, so the end of the run has the run's peak)."""
+        tokens_per_step = self.cfg.train.global_batch * self.cfg.seq_len
         record = {"step": step_no, **host, "step_time_s": step_time,
                   **parallel.tokens_per_second(tokens_per_step, step_time, self.num_devices)}
         peak = device_peak_memory_bytes() if memory else None
         if peak is not None:
             record["peak_memory_bytes"] = peak
-        if self.auto_hints is not None:
-            record["auto_hints_per_layer"] = list(self.auto_hints)
-        if self.auto_tails is not None:
-            record["auto_tail_hints_per_layer"] = [list(t) for t in self.auto_tails]
         return record
 
     def _eval_and_log(self, sink: MetricsSink, eval_fn: Callable, state: TrainState, step_no: int) -> dict[str, Any]:
@@ -744,14 +663,14 @@ class Trainer:
             self.hooks.on_eval(step_no, val)
         return val
 
-    def _summary(self, state: TrainState, history: list[dict[str, Any]], val: dict[str, Any],
-                 step_times: list[float], compile_s: float) -> dict[str, Any]:
-        cfg = self.cfg
+    def _summary(self, state: TrainState, loop: "_Loop") -> dict[str, Any]:
+        cfg, history, val, step_times = self.cfg, loop.history, loop.last_val, loop.step_times
         dead = dead_share_per_layer(cfg, state["since_active"])
         # Skip the first steps (warm caches, async start) in the speed figure.
         steady = step_times[min(2, len(step_times) - 1):] if step_times else []
         median_step = float(np.median(steady)) if steady else float("nan")
         l0 = val.get("l0_per_layer")
+        plan = self.planner.summary_fields()
         return {
             "name": cfg.name, "ffn_kind": cfg.model.ffn_kind, "ffn_backend": cfg.model.ffn_backend,
             "l1_coef": cfg.sparsity.l1_coef, "d_ff": cfg.model.d_ff, "n_layers": cfg.model.n_layers,
@@ -762,13 +681,28 @@ class Trainer:
             "dead_share_per_layer": dead, "dead_share_mean": float(np.mean(dead)) if dead is not None else None,
             "median_step_time_s": median_step,
             "tokens_per_s": cfg.train.global_batch * cfg.seq_len / median_step if steady else None,
-            "peak_memory_bytes": device_peak_memory_bytes(), "compile_time_s": compile_s,
+            "peak_memory_bytes": device_peak_memory_bytes(), "compile_time_s": loop.compile_s,
             "step_builds": self.step_builds,
-            "auto_hints_per_layer": list(self.auto_hints) if self.auto_hints is not None else None,
-            "ffn_plan_in_use": self.plan_in_use if self.manage_hints else None,
-            "auto_plan_trials": self.trials,
+            "auto_hints_per_layer": plan["auto_hints_per_layer"], "ffn_plan_in_use": plan["ffn_plan_in_use"],
+            "auto_plan_trials": plan["auto_plan_trials"],
             "final_train_ce": history[-1]["ce"] if history else None,
+            "stopped_by_time_limit": loop.stop_reason == "time_limit", "stopped_by_hook": loop.stop_reason == "hook",
         }
+
+
+@dataclasses.dataclass
+class _Loop:
+    """The training loop's running state (one `Trainer.run`)."""
+
+    history: list[dict[str, Any]]  # compact records, one per step (restored ones first)
+    compile_s: float  # compile seconds so far
+    end_step: int  # the last step this run trains
+    step_times: list[float] = dataclasses.field(default_factory=list)
+    last_record: dict[str, Any] = dataclasses.field(default_factory=dict)  # the last step's full record
+    last_val: dict[str, Any] = dataclasses.field(default_factory=dict)  # the last validation
+    stop_reason: str | None = None  # a signal's name, "hook" or "time_limit"
+    start: float = 0.0  # perf_counter at the loop's start (the time limit counts from here)
+    mark: float = 0.0  # perf_counter the next step's time counts from
 
 
 def compact_record(record: dict[str, Any]) -> dict[str, Any]:
@@ -857,5 +791,11 @@ def with_saved_tokenizer(cfg: ExperimentConfig, run_dir: str | Path) -> Experime
 def train(cfg: ExperimentConfig, run_dir: str | Path | None = None, *, resume: bool = False,
           echo: Callable[[str], None] = print, **kwargs: Any) -> TrainResult:
     """Convenience wrapper: build a Trainer for `cfg` and run it (kwargs go to `Trainer`)."""
-    run_dir = default_run_dir(cfg) if run_dir is None else Path(run_dir)
-    return Trainer(cfg, run_dir, resume=resume, echo=echo, **kwargs).run()
+    reserved = run_dir is None
+    run_dir = default_run_dir(cfg) if reserved else Path(run_dir)
+    try:
+        return Trainer(cfg, run_dir, resume=resume, echo=echo, **kwargs).run()
+    except BaseException:
+        if reserved and run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()  # the directory default_run_dir reserved, unused
+        raise
