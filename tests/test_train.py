@@ -278,4 +278,4 @@ def test_start_up_time_is_reported_once_and_saved(hooked_run):
     summary = hooked_run[0].summary
     assert set(summary["startup_s"]) == {"data", "init", "train step compile", "hints", "first step"}
     assert all(seconds >= 0 for seconds in summary["startup_s"].values())
-    assert summary["startup_s"]["train step compile"] == pytest.approx(summary["compile_time_s"])
+    assert summary["startup_s"]["train step compile"] == pytest.approx(summary["compile_time_s"], abs=1e-3)
