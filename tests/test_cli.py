@@ -120,7 +120,7 @@ def test_readme_generate_example_runs(compared, capsys):
     assert len(lines) >= 2, "README.md shows no twell generate command of a run"
     for line in lines:
         argv = shlex.split(line, comments=True)[1:]
-        argv[argv.index("--checkpoint") + 1] = str(compared[0] / "twell")
+        argv[argv.index("--checkpoint") + 1] = str(compared[0] / "twell-l1-0.001")  # the sparse run
         code, out, err = _run(argv, capsys)
         assert code == 0, err
         prompt = argv[argv.index("--prompt") + 1]
@@ -131,7 +131,7 @@ def test_readme_generate_example_runs(compared, capsys):
 
 
 def test_generate_checks_everything_before_printing_and_truncates_on_request(compared, capsys):
-    run = str(compared[0] / "twell")
+    run = str(compared[0] / "twell-l1-0.001")
     long_prompt = "def main(argv):\n    return sorted(set(argv)) + list(range(10))\n" * 3
     code, out, err = _run(["generate", "--checkpoint", run, "--prompt", long_prompt, "--max-new-tokens", "4"], capsys)
     assert code == 2 and out == "" and len(err.splitlines()) == 1
@@ -149,7 +149,7 @@ def test_generate_checks_everything_before_printing_and_truncates_on_request(com
 
 
 def test_generate_samples_and_stop_strings_as_json(compared, capsys):
-    run = str(compared[0] / "twell")
+    run = str(compared[0] / "twell-l1-0.001")
     argv = ["generate", "--checkpoint", run, "--prompt", "def", "--prompt", "import", "--max-new-tokens", "6",
             "--temperature", "1.0", "--num-samples", "3", "--json"]
     code, out, _ = _run(argv, capsys)
@@ -169,7 +169,7 @@ def test_eval_accepts_a_step_directory_and_the_whole_of_another_corpus(compared,
     from twell_jax.data import build_data
     from twell_jax.training import checkpoint as ckpt_lib
 
-    run = compared[0] / "twell"
+    run = compared[0] / "twell-l1-0.001"
     code, out, _ = _run(["eval", "--checkpoint", str(run / "checkpoints" / "2"), "--json"], capsys)
     assert code == 0 and json.loads(out)["step"] == 2
     code, _, err = _run(["eval", "--checkpoint", str(run / "checkpoints" / "2"), "--step", "1"], capsys)
@@ -198,7 +198,7 @@ def test_hf_export_import_eval_and_fine_tuning_from_the_command_line(compared, t
     from twell_jax.inference.hf import import_hf
     from twell_jax.training.checkpoint import restore_params
 
-    run = compared[0] / "twell"
+    run = compared[0] / "twell-l1-0.001"
     exported = tmp_path / "hf"
     code, out, _ = _run(["hf", "export", "--checkpoint", str(run), "--out", str(exported), "--json"], capsys)
     assert code == 0 and json.loads(out)["files"] == ["config.json", "generation_config.json", "model.safetensors",
@@ -243,7 +243,7 @@ def test_every_error_is_one_line_and_exit_2_with_a_traceback_only_on_debug(compa
         except OSError as inner:
             raise RuntimeError("TensorStore write failed:\n" + "    at frame\n" * 500) from inner
 
-    run = str(compared[0] / "twell")
+    run = str(compared[0] / "twell-l1-0.001")
     def tensorstore_says(*args, **kwargs):  # a library's ValueError whose errno text sits deep in its message
         raise ValueError("Error writing local file \"/runs/x/d/1\":\n" + "  context\n" * 50
                          + "[RESOURCE_EXHAUSTED] No space left on device")
@@ -315,11 +315,11 @@ def test_the_console_script_exits_130_on_ctrl_c_and_2_on_an_error(tmp_path):
 def test_a_damaged_run_config_or_tokenizer_is_named(compared, tmp_path, capsys):
     import shutil
 
-    run = shutil.copytree(compared[0] / "twell", tmp_path / "run")
+    run = shutil.copytree(compared[0] / "twell-l1-0.001", tmp_path / "run")
     (run / "config.json").write_bytes(b"\xff\xfe{")
     code, _, err = _run(["eval", "--checkpoint", str(run)], capsys)
     assert code == 2 and f"{run / 'config.json'} is not valid JSON" in err
-    shutil.copy(compared[0] / "twell" / "config.json", run / "config.json")
+    shutil.copy(compared[0] / "twell-l1-0.001" / "config.json", run / "config.json")
     (run / "tokenizer.json").write_text("{bad")
     code, _, err = _run(["generate", "--checkpoint", str(run), "--prompt", "x"], capsys)
     assert code == 2 and f"{run / 'tokenizer.json'}: not a valid tokenizer.json" in err

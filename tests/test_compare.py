@@ -77,9 +77,9 @@ def test_refuses_training_runs_and_non_empty_out(tmp_path):
     code, _, err = _run_cli(["compare", "--config", "micro", "--out", str(tmp_path / "a_file")])
     assert code == 2 and "not a directory" in err
     # --dry-run plans and prints, trains and writes nothing.
-    code, text, _ = _run_cli(["compare", "--config", "micro", "--out", str(tmp_path / "dry"), "--l1", "0", "1e-3",
-                              "--dry-run"])
-    assert code == 0 and "twell-l1-0.001" in text and not (tmp_path / "dry").exists()
+    code, text, err = _run_cli(["compare", "--config", "micro", "--out", str(tmp_path / "dry"), "--l1", "0", "1e-3",
+                                "--dry-run"])
+    assert code == 0 and text == "" and "twell-l1-0.001" in err and not (tmp_path / "dry").exists()
 
 
 @pytest.fixture(scope="module")
@@ -134,8 +134,8 @@ def test_sigterm_names_the_resume_command(interrupted_then_resumed):
 def test_resume_keeps_finished_runs_and_continues_the_interrupted_one(interrupted_then_resumed):
     out, _, _, (code, text, err), twin_metrics = interrupted_then_resumed
     assert code == 0, err
-    assert "dense (relu_gated, L1 0) finished earlier: kept" in text
-    assert "twell-l1-0 (twell, L1 0) -> " in text and "(resuming from its checkpoint)" in text
+    assert "dense (relu_gated, L1 0) finished earlier: kept" in err  # logs on stderr, the table on stdout
+    assert "twell-l1-0 (twell, L1 0) -> " in err and "(resuming from its checkpoint)" in err
     assert (out / "dense" / "metrics.jsonl").read_text() == twin_metrics  # not trained again
     steps = [json.loads(line)["step"] for line in (out / "twell-l1-0" / "metrics.jsonl").read_text().splitlines()
              if "ce" in json.loads(line)]

@@ -271,3 +271,11 @@ def test_nan_guard_names_a_deferred_step(tmp_path):
         Trainer(cfg, tmp_path, data_builder=lambda c: _BadAt(c, 3)).run()
     assert [r["step"] for r in _logged(tmp_path)] == [1, 2]  # step 3 is never logged as if it were fine
     assert not (tmp_path / LOCK_FILE).exists()  # the lock is released when a run fails too
+
+
+def test_start_up_time_is_reported_once_and_saved(hooked_run):
+    """Where the time to the first step went: each phase once, in the summary too."""
+    summary = hooked_run[0].summary
+    assert set(summary["startup_s"]) == {"data", "init", "train step compile", "hints", "first step"}
+    assert all(seconds >= 0 for seconds in summary["startup_s"].values())
+    assert summary["startup_s"]["train step compile"] == pytest.approx(summary["compile_time_s"], abs=1e-3)

@@ -531,17 +531,18 @@ def _root_cause(err: BaseException) -> BaseException:
 def describe_error(err: BaseException) -> str:
     """One line for an error: the file of an OSError (also one wrapped by Orbax or TensorStore), the
     message of our own errors, the type and first line of anything else."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if isinstance(err, (ValueError, FileNotFoundError, FileExistsError, FloatingPointError)) and lines \
+            and _raised_by_twell(err):
+        return " ".join(lines)  # our own errors: the whole message, which names the argument, field or file
     seen, cause = set(), err
     while cause is not None and id(cause) not in seen:  # an OSError anywhere in the chain names the file
         seen.add(id(cause))
         if isinstance(cause, OSError) and cause.strerror:
             where = cause.filename if cause.filename is not None else ""
             return f"{where}: {cause.strerror}" if where else cause.strerror
-        cause = cause.__cause__ or cause.__context__
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    if isinstance(err, (ValueError, FileNotFoundError, FileExistsError, FloatingPointError)) and lines \
-            and _raised_by_twell(err):
-        return " ".join(lines)  # our own errors: the whole message, which names the argument, field or file
+        # `raise ... from None` hides the context: so does this walk.
+        cause = cause.__cause__ if cause.__cause__ is not None or cause.__suppress_context__ else cause.__context__
     text = lines[0] if lines else ""  # a library's (Orbax, TensorStore, ...): its first line
     if len(text) > 400:
         text = text[:400] + " ..."

@@ -495,6 +495,12 @@ class Transformer(nnx.Module):
         return carry, jax.tree.map(lambda *parts: jnp.concatenate(parts), *auxes)
 
     def __call__(self, tokens_BxS: jax.Array, *, track_neurons: bool = False) -> tuple[jax.Array, Aux]:
+        hidden_BxSxD, aux = self.hidden_states(tokens_BxS, track_neurons=track_neurons)
+        return _logits(hidden_BxSxD, self.embed[...].astype(hidden_BxSxD.dtype)), aux
+
+    def hidden_states(self, tokens_BxS: jax.Array, *, track_neurons: bool = False) -> tuple[jax.Array, Aux]:
+        """The decoder body without the LM head: (final-normed hidden states [B, S, D] in the
+        compute dtype, aux stacked over layers)."""
         if tokens_BxS.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tokens_BxS.shape}")
         if tokens_BxS.shape[1] > self.max_seq_len:
@@ -508,8 +514,7 @@ class Transformer(nnx.Module):
             return block(x, track_neurons, op_config)
 
         x_BxSxD, aux = self._run_layers(x_BxSxD, step, tokens_BxS.size, dt, slice_params=True, remat=self.remat)
-        logits_BxSxV = _logits(self.final_norm(x_BxSxD), self.embed[...].astype(dt))
-        return logits_BxSxV, aux
+        return self.final_norm(x_BxSxD), aux
 
     def decode(self, tokens_BxS: jax.Array, cache: KVCache, cache_index: jax.Array, start_B: jax.Array,
                *, all_logits: bool = False) -> tuple[jax.Array, KVCache, Aux]:

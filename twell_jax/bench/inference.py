@@ -105,12 +105,8 @@ def make_power_sampler(enabled: bool) -> PowerSampler | None:
 
 def body(model: Transformer, tokens_BxS: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Decoder body: embedding, blocks, final norm (no LM head); (hidden [B, S, D], l0 per layer [L])."""
-    x_BxSxD = jnp.take(model.embed[...].astype(model.compute_dtype), tokens_BxS, axis=0)
-    l0 = []
-    for block in model.blocks:
-        x_BxSxD, aux = block(x_BxSxD, False)
-        l0.append(aux["l0"])
-    return model.final_norm(x_BxSxD), jnp.stack(l0)
+    hidden_BxSxD, aux = model.hidden_states(tokens_BxS)
+    return hidden_BxSxD, aux["l0"]
 
 
 @dataclasses.dataclass(frozen=True)

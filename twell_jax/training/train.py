@@ -344,6 +344,8 @@ class Trainer:
                  resume_step: int | None = None, overwrite: bool = False,
                  data_builder: Callable[[ExperimentConfig], DataSource] = build_experiment_data,
                  echo: Callable[[str], None] = print, hooks: Hooks | None = None):
+        self._created_at = time.perf_counter()  # the start-up report counts from here
+        self.startup: dict[str, float] = {}  # seconds of each start-up phase (`_report_startup`)
         self.run_dir = Path(run_dir)
         self.resume, self.resume_step, self.overwrite = resume, resume_step, overwrite
         self.echo = echo
@@ -400,7 +402,9 @@ class Trainer:
         self.batch_sharding = parallel.batch_sharding(self.mesh)
         self.replicated = parallel.replicated(self.mesh)
 
+        t0 = time.perf_counter()
         self.data = data_builder(with_saved_tokenizer(cfg, self.run_dir) if resume else cfg)
+        self.startup["data"] = time.perf_counter() - t0
         if self.data.vocab_size > cfg.model.vocab_size:
             raise ValueError(f"the tokenizer has {self.data.vocab_size} tokens but model.vocab_size="
                              f"{cfg.model.vocab_size}; raise model.vocab_size")
@@ -493,10 +497,15 @@ class Trainer:
         tc = self.cfg.train
         self._describe(tc.global_batch * self.cfg.seq_len)
         with jax.set_mesh(self.mesh), _StopSignals() as signals:
+            t0 = time.perf_counter()
             state, history = self._start_state()
-            start_step = int(state["step"])
+            start_step = int(jax.block_until_ready(state["step"]))
+            self.startup["restore" if self.resume else "init"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
             loop = _Loop(history=history, compile_s=self.planner.start(state, resumed=self.resume, echo=self.echo),
                          end_step=tc.steps if stop_after_step is None else min(tc.steps, stop_after_step))
+            self.startup["train step compile"] = loop.compile_s
+            self.startup["hints"] = time.perf_counter() - t0 - loop.compile_s
             eval_fn = self._eval_fn()
             sink = MetricsSink(self.run_dir, tensorboard=tc.tensorboard, total_steps=tc.steps,
                                start_step=start_step, progress_bar=tc.progress_bar, echo=self.echo)
@@ -512,7 +521,10 @@ class Trainer:
                         loop.compile_s += compile_s
                         loop.mark = time.perf_counter()  # compilation is not step time
                     batch = parallel.host_to_global(next(self.data.train_iter), self.mesh)
+                    first_dispatch = time.perf_counter()
                     state, device_metrics = runner(state, batch)
+                    if step_no == start_step + 1:
+                        self._report_startup(state, first_dispatch, sink.message)
                     if pending is not None:  # the previous step's metrics, fetched while this one runs
                         self._finish_step(loop, sink, *pending)
                     pending = (step_no, device_metrics, plan)
@@ -536,6 +548,17 @@ class Trainer:
             self.echo(f"[twell] summary: {self.run_dir / 'summary.json'}")
         return TrainResult(run_dir=self.run_dir, history=loop.history, summary=summary, state=state,
                            last_metrics=loop.last_record or None)
+
+    def _report_startup(self, state: TrainState, dispatched: float, message: Callable[[str], None]) -> None:
+        """Once, after the first step: where the time from the Trainer's creation to the end of
+        the first step went (the rest: building the mesh, the optimizer and the run directory)."""
+        jax.block_until_ready(state["step"])
+        self.startup["first step"] = time.perf_counter() - dispatched
+        total = time.perf_counter() - self._created_at
+        phases = {name: seconds for name, seconds in self.startup.items() if seconds >= 0.05}
+        rest = total - sum(self.startup.values())
+        message("[twell] start-up: " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in phases.items())
+                + f", other {max(rest, 0.0):.1f}s; first step done {total:.1f}s after start")
 
     def _start_state(self) -> tuple[TrainState, list[dict[str, Any]]]:
         """The state to train from (restored, with the data iterator's position, or initialised)
@@ -682,6 +705,7 @@ class Trainer:
             "median_step_time_s": median_step,
             "tokens_per_s": cfg.train.global_batch * cfg.seq_len / median_step if steady else None,
             "peak_memory_bytes": device_peak_memory_bytes(), "compile_time_s": loop.compile_s,
+            "startup_s": {name: round(seconds, 3) for name, seconds in self.startup.items()},
             "step_builds": self.step_builds,
             "auto_hints_per_layer": plan["auto_hints_per_layer"], "ffn_plan_in_use": plan["ffn_plan_in_use"],
             "auto_plan_trials": plan["auto_plan_trials"],
