@@ -6,18 +6,23 @@ steps then cosine to 0 over 30000 steps, clip 1.0, L1 2e-5 (the paper's recommen
 configs used 3e-4 for 0.5B/1B/2B), bf16 compute. The data section points at a local fineweb-edu
 copy with the SmolLM2 tokenizer; set data.source / data.tokenizer to your paths.
 
-Rematerialisation (`REMAT`): the fastest policy that fits an 80 GB GPU at micro-batch 8 x 2048.
-0.5b without remat was measured to fit on an H100 80GB (issue 9). The others are estimates: per
-device 20 bytes per parameter (fp32 params, gradients, their accumulation buffer, two Adam
-moments), plus per layer ~1.1 GB of saved activations without remat at 16384 tokens (six [M, D]
-and three [M, H] bf16 tensors), ~0.47 GB with "ffn" (the FFN sub-block recomputed), ~0.07 GB
-with "full", plus ~8 GB around the LM head (fp32 logits and their gradient):
-    0.5b  N = 0.51B: 10 + 9 + 8 = ~28 GB with "none"
-    1b    N = 1.03B: 21 + 20 + 8 = ~49 GB with "none"
-    1.5b  N = 1.54B: 31 + 31 + 8 = ~70 GB with "none" (too close to 80), ~52 GB with "ffn"
-    2b    N = 2.05B: 41 + 18 + 8 = ~67 GB with "ffn" (too close), ~52 GB with "full"
-Measure with `experiments/bench_step.py --config 2b --optimizer --variants twell:ffn,twell:full`
-and lower the policy where a larger GPU allows it (`--set model.remat=none`).
+Rematerialisation (`REMAT`) and the layer loop (`LAYER_UNROLL`, model.layer_unroll), measured on
+one H100 80GB (JAX 0.11.2, 2026-11-24, trained-sparse checkpoints of each size, `bench_step
+--optimizer` at micro-batch 8; BENCHMARKS.md, "The paper's sizes"):
+    0.5b  remat none, all 8 layers in one loop iteration (layer_unroll 0): the dense twin 103.3 ms
+          = 1.005x plain JAX (the loop: 0.913x, its per-layer residual slices are copied); sparse
+          `auto` 1.197x the twin; twin 17.6 GiB compiled, step compile 5-36 s.
+    1b    remat none, the loop (layer_unroll 1): twin 231 ms, 33.5 GiB; `auto` 1.222x, `pallas`
+          29.6 GiB; step compile 5-16 s (unrolled, `pallas` would take ~4.5 s a layer: over a minute).
+    2b    remat full, the loop: twin 520 ms, 35.0 GiB; `auto` 1.238x; step compile 6-19 s (all 38
+          layers unrolled: 184 s for `pallas`); `twell train --config 2b` does its first step 43 s
+          after the command with the data cached.
+    1.5b  not measured: remat "ffn" (estimated fit: 20 bytes per parameter for the parameters,
+          gradients and Adam moments plus ~0.5 GB of saved activations per layer at 16384 tokens)
+          and the loop, as 1b and 2b.
+Lighter remat policies and larger micro-batches at 1b-2b (what the sparse model's saved memory
+could buy) are not measured yet: `experiments/bench_step.py --checkpoint RUN --optimizer
+--variants relu_gated:dots,twell@auto:dots,twell@auto:none [--micro-batch 16]`.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from twell_jax.config import DataConfig
 
 LAYERS = {"0.5b": 8, "1b": 18, "1.5b": 28, "2b": 38}
 REMAT = {"0.5b": "none", "1b": "none", "1.5b": "ffn", "2b": "full"}  # module docstring says why
+LAYER_UNROLL = {"0.5b": 0, "1b": 1, "1.5b": 1, "2b": 1}  # module docstring says why
 
 
 def get_config(name: str) -> ExperimentConfig:
@@ -33,7 +39,7 @@ def get_config(name: str) -> ExperimentConfig:
         name=name,
         model=ModelConfig(vocab_size=49152, d_model=2048, n_layers=LAYERS[name], n_heads=32, d_ff=5632,
                           max_seq_len=2048, rope_theta=100_000.0, ffn_kind="twell", ffn_backend="auto",
-                          compute_dtype="bfloat16", remat=REMAT[name]),
+                          compute_dtype="bfloat16", remat=REMAT[name], layer_unroll=LAYER_UNROLL[name]),
         optim=OptimConfig(lr=1e-3, warmup_steps=600, schedule="cosine", b1=0.9, b2=0.95, eps=1e-8,
                           weight_decay=0.1, clip_norm=1.0),
         sparsity=SparsityConfig(l1_coef=2e-5),
