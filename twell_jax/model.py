@@ -23,6 +23,10 @@ so tracking costs no extra GEMM.
 
 `Transformer.decode` runs S new tokens per row against a preallocated `KVCache` (prefill and
 decode steps of generation, `twell_jax.inference`), with per-row RoPE positions and masks.
+
+The blocks are one `Block` whose parameters are stacked over layers ([L, ...]), initialised by one
+vmapped program and run by `lax.scan` (forward, backward and decode), so compile time does not grow
+with depth; layers with different sparse-op plans share scan bodies by plan (docs/model.md).
 """
 from __future__ import annotations
 
