@@ -20,11 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import build_step, variant_config  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+from twell_jax.bench.step import build_step, variant_config  # noqa: E402
 from twell_jax.configs import get_config  # noqa: E402
 from twell_jax import config as config_lib  # noqa: E402
 from twell_jax.model import init_model, split_model  # noqa: E402

@@ -2,13 +2,10 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import bench_step  # noqa: E402
+from twell_jax.bench import step as bench_step
 
 
 def test_dry_run_times_every_variant_and_writes_json(tmp_path, capsys):

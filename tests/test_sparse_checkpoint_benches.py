@@ -4,17 +4,14 @@ asserted."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from twell_jax.bench import inference as bench_inference
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))  # the scripts below
-import bench_step  # noqa: E402
-import train_to_sparse  # noqa: E402
+from twell_jax.bench import step as bench_step
+from twell_jax.bench import train_to_sparse
 
 from twell_jax.inference.load import load_run, validation_tokens  # noqa: E402
 
