@@ -15,8 +15,8 @@ one H100 80GB (JAX 0.11.2, 2026-11-24, trained-sparse checkpoints of each size, 
     1b    remat none, the loop (layer_unroll 1): twin 231 ms, 33.5 GiB; `auto` 1.222x, `pallas`
           29.6 GiB; step compile 5-16 s (unrolled, `pallas` would take ~4.5 s a layer: over a minute).
     2b    remat full, the loop: twin 520 ms, 35.0 GiB; `auto` 1.238x; step compile 6-19 s (all 38
-          layers unrolled: 184 s for `pallas`); `twell train --config 2b` does its first step 43 s
-          after the command with the data cached.
+          layers unrolled: 184 s for `pallas`); `twell train --config 2b` did its first step 43 s
+          after the command with the data cached, all layers unrolled (its step compiled in 26 s).
     1.5b  not measured: remat "ffn" (estimated fit: 20 bytes per parameter for the parameters,
           gradients and Adam moments plus ~0.5 GB of saved activations per layer at 16384 tokens)
           and the loop, as 1b and 2b.
