@@ -287,8 +287,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for name in ("steps", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
-    if args.warmup < 0:
-        parser.error("--warmup must be >= 0")
+    for name in ("warmup", "trace"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name} must be >= 0")
     sets = list(args.set)
     if args.dry_run:
         sets = sets if args.checkpoint else DRY_RUN_SETS + sets  # a run's shapes are its own
