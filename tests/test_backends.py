@@ -45,6 +45,8 @@ def test_a_registered_toy_backend_runs_through_gated_ffn():
         assert "toy" in ops.backend_names()
         with pytest.raises(ValueError, match="already registered"):
             ops.register(toy)
+        with pytest.raises(ValueError, match="cannot be named 'auto'"):
+            ops.register(dataclasses.replace(toy, name="auto"))
         x, ws = _inputs()
 
         def loss(backend, x_, ws_):

@@ -25,7 +25,9 @@ def register(implementation: Implementation) -> Implementation:
     """Add an implementation (its name must be new); returns it."""
     if not isinstance(implementation, Implementation):
         raise ValueError(f"register needs an Implementation, got {type(implementation).__name__}")
-    if implementation.name in _REGISTRY or implementation.name == "auto":
+    if implementation.name == "auto":
+        raise ValueError("an implementation cannot be named 'auto': backend='auto' is the planner")
+    if implementation.name in _REGISTRY:
         raise ValueError(f"an implementation named {implementation.name!r} is already registered")
     _REGISTRY[implementation.name] = implementation
     return implementation
