@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):  # before the listing, the BPE, the tokenizing
+        parser.error(f"--out {args.out} is a file; give a directory for measure_corpus.json")
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="twell_corpus_")
     include = tuple(p.strip() for p in args.include.split(",") if p.strip())
     cfg = DataConfig(source=args.source, include=include, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
