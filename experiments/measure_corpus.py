@@ -14,13 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
+from pathlib import Path
 
-from twell_jax.config import DataConfig
-from twell_jax.data import build_data, iter_documents
-from twell_jax.data.bundle import build_tokenizer
-from twell_jax.data.sources import list_source_files
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+from twell_jax.config import DataConfig  # noqa: E402
+from twell_jax.data import build_data, iter_documents  # noqa: E402
+from twell_jax.data.bundle import build_tokenizer  # noqa: E402
+from twell_jax.data.sources import list_source_files  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
