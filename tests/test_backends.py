@@ -145,3 +145,17 @@ def test_each_builtin_states_where_it_runs_and_its_cost():
     assert backends.get("reference").cost is None  # the oracle: never planned
     with pytest.raises(RuntimeError, match="backend='pallas' needs a GPU"):
         ops.gated_ffn(*_inputs()[:1], *_inputs()[1], backend="pallas")
+
+
+@pytest.mark.parametrize("interpret", [False, True])
+def test_pallas_names_a_failed_kernel_import_not_a_missing_gpu(monkeypatch, interpret):
+    """As before the registry: a jax build whose Pallas cannot be imported is reported as such
+    (backend='pallas' with or without interpret), not as 'needs a GPU' or a bare ImportError."""
+    import sys
+
+    from twell_jax import ops as ops_package
+
+    monkeypatch.delattr(ops_package, "pallas_forward", raising=False)
+    monkeypatch.setitem(sys.modules, "twell_jax.ops.pallas_forward", None)  # import raises ImportError
+    with pytest.raises(RuntimeError, match="backend='pallas' needs twell_jax.ops.pallas_forward, which failed to import"):
+        ops.gated_ffn(*_inputs()[:1], *_inputs()[1], backend="pallas", interpret=interpret)
