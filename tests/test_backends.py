@@ -125,8 +125,13 @@ def test_one_tail_rule_for_telemetry_reference_and_pallas():
     counts = jnp.asarray([[1, 2], [4, 2], [3, 3], [0, 0], [5, 0]], jnp.int32)  # row 4 overflows a tile
     np.testing.assert_array_equal(policy.pack_token_tail(counts), [False, True, True, False, True])
     np.testing.assert_array_equal(policy.token_tail(jnp.sum(counts, axis=1)), [False, True, True, False, False])
+    # Thresholds that split both tails (10-21 actives per token, 3-10 entries per neuron here): 8 of
+    # the 13 tokens and 16 of the 29 neurons are in a tail, so a rule off by one side would differ.
+    config = dataclasses.replace(config, ell_width=14, transpose_ell_width=6)
+    policy = ops.TailPolicy(config)
     x, ws = _inputs(m=13, d=16, h=29, seed=3)
     _, aux = ops.gated_ffn(x, *ws, backend="reference", config=config)
+    assert (int(aux["backward_tail_rows"]), int(aux["backward_hot_neurons"])) == (8, 16)
     shares = policy.shares(aux["token_active_count"], aux["neuron_active_count"])
     assert float(shares["token_tail_share"]) * 13 == pytest.approx(int(aux["backward_tail_rows"]))
     assert float(shares["hot_neuron_share"]) * 29 == pytest.approx(int(aux["backward_hot_neurons"]))
