@@ -304,8 +304,8 @@ def auto_config(config: ops.SparseFFNConfig, stats: dict) -> ops.SparseFFNConfig
 
 def model_prediction(m: int, d: int, h: int, auto_cfg: ops.SparseFFNConfig, itemsize: int,
                      interpret: bool) -> dict:
-    """The cost table's figures (ms) for this shape at auto_cfg's hints (mean k and tails), and the
-    plan "auto" compiles."""
+    """The planner's cost-model figures (ms; planner.COST_MODELS) for this shape at auto_cfg's hints
+    (mean k and tails), and the plan "auto" compiles."""
     k = auto_cfg.expected_active_per_token
     keep = (auto_cfg.backward or pallas_backward.BackwardConfig()).keep_gate_pattern
     fwd, bwd = planner.sparse_times_ms(m, d, h, k, True, itemsize=itemsize, keep_pattern=keep,
