@@ -12,7 +12,7 @@ here and calls them, with no switch on their names. The built-in ones live besid
 
 Adding a backend: write its file with one `Implementation` and `register` it (one line below for
 a built-in one); `gated_ffn(..., backend=name)` then runs it through the op's custom_vjp, NaN
-policy and shard_map (tests/test_ops.py registers a toy one).
+policy and shard_map (tests/test_backends.py registers a toy one).
 """
 from __future__ import annotations
 
