@@ -247,11 +247,12 @@ def pattern_stats(counts_MxNT: np.ndarray, neuron_count_H: np.ndarray, config: o
                          f"and {neuron_count_H.shape}")
     m, h = counts_MxNT.shape[0], neuron_count_H.shape[0]
     bc = config.backward or pallas_backward.BackwardConfig()
+    policy = ops.TailPolicy(config)  # the backward's tail rule, not a copy of it
     active_M = counts_MxNT.sum(axis=1)
     overflow_M = (counts_MxNT > config.slots).any(axis=1)
-    wide_M = active_M > config.ell_width
-    tail = int(np.sum(overflow_M | wide_M))
-    hot_H = neuron_count_H > config.hot_threshold(m)
+    wide_M = np.asarray(policy.token_tail(active_M))
+    tail = int(np.sum(np.asarray(policy.pack_token_tail(jnp.asarray(counts_MxNT)))))
+    hot_H = np.asarray(policy.hot(neuron_count_H, m))
     n_hot = int(hot_H.sum())
     entries = int(neuron_count_H.sum())
     token_cap, hot_cap = config.tail_capacity(m), config.transpose_tail_capacity(h)
