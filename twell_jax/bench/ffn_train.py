@@ -177,7 +177,7 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
                             block_sizes=bc.transpose_block_sizes, interpret=interpret)
 
     def hot_of(lists):
-        return lists[1] > config.hot_threshold(lists[3].shape[0])
+        return ops.TailPolicy(config).hot(lists[1], lists[3].shape[0])
 
     @functools.partial(jax.jit, static_argnames="tails")
     def token(x, wg, wu, wd, gy, prepared, lists, *, tails: bool):
@@ -221,7 +221,7 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
         zeros = tuple(jnp.zeros((h, d), jnp.float32) for _ in range(3))
         return pallas_backward.hot_neuron_backward(
             True, x, gy, (wg, wu, wd), jnp.float32(L1_COEF / m), tail_M,
-            count_H > config.hot_threshold(m), config.transpose_tail_capacity(h), bc.neuron_tail_chunk,
+            ops.TailPolicy(config).hot(count_H, m), config.transpose_tail_capacity(h), bc.neuron_tail_chunk,
             bc.small_tail_chunk, (jnp.zeros((m, d), jnp.float32), zeros))
 
     return dict(pack=pack, token_inputs=jax.jit(token_inputs), transpose=jax.jit(transpose),
@@ -340,7 +340,7 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
     counts = packed[2]
     prepared = p["token_inputs"](packed)
     lists = p["transpose"](prepared)
-    tails = bool(jnp.any(prepared[3])) or bool(jnp.any(lists[1] > config.hot_threshold(m)))
+    tails = bool(jnp.any(prepared[3])) or bool(jnp.any(ops.TailPolicy(config).hot(lists[1], m)))
     _, values_E = p["token"](*x0, prepared, lists, tails=tails)
     stats = pattern_stats(np.asarray(counts), np.asarray(lists[1]), config, seq_len)
     hint = stats["active_mean"]
@@ -368,7 +368,7 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
     tail_dx, tail_parts = p["token_tail"](*x0, prepared[3])
     _, hot_parts = p["neuron_tail"](*x0, prepared[3], lists[1])
     tail_rows = np.flatnonzero(np.asarray(prepared[3]))
-    hot = np.flatnonzero(np.asarray(lists[1]) > config.hot_threshold(m))
+    hot = np.flatnonzero(np.asarray(ops.TailPolicy(config).hot(lists[1], m)))
     row["piece_errors"] = {}
     if tail_rows.size and not stats["token_fallback"]:
         row["piece_errors"].update(rel_errors([tail_dx[tail_rows]], [base[0][tail_rows]], ["token_tail_dx"]))
@@ -448,7 +448,7 @@ def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: op
     p = pieces()
     prepared = p["token_inputs"](p["pack"](x, wg))
     lists = p["transpose"](prepared)
-    tails = bool(jnp.any(prepared[3])) or bool(jnp.any(lists[1] > config.hot_threshold(x.shape[0])))
+    tails = bool(jnp.any(prepared[3])) or bool(jnp.any(ops.TailPolicy(config).hot(lists[1], x.shape[0])))
 
     def token_run(sizes: TokenBwdBlockSizes):
         return (functools.partial(pieces(token_block_sizes=sizes)["token"], tails=tails),
