@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--dry-run", action="store_true", help="micro shapes at 2 and 24 layers on CPU")
     args = parser.parse_args(argv)
+    if args.out and Path(args.out).is_dir():  # checked before compiling anything, not when writing the rows
+        parser.error(f"--out {args.out} is a directory; give the JSON file to write")
     variants = []
     for item in filter(None, (v.strip() for v in args.variants.split(","))):
         kind, _, backend = item.partition("@")
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             print(f"[bench_compile] {json.dumps(row)}", flush=True)
             rows.append(row)
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                                               "rows": rows}, indent=2))
     print(format_table(rows))

@@ -19,7 +19,8 @@ interleaved:
 Every variant is first checked against the dense output (relative error) and the decode path's
 aux is recorded. Beside the times: the HBM floors (bytes / 3.35e12 B/s: all three matrices for
 dense; W_gate plus the U and W rows of the call's active-neuron union for sparse) and the
-pallas_decode cost model's predictions (to refit its DECODE_* constants). Prints a short table
+decode cost model's predictions (to refit `planner.DecodeCosts`, the H100 entry of
+`planner.COST_MODELS`). Prints a short table
 last; JSON to --out. `--interpret`: tiny shapes through the Pallas interpreter (a test runs it).
 `--sweep`: also time the decode path's launch variants (SWEEP: block sizes, a bounded capacity)
 to pick DecodeBlockSizes defaults; e.g. `--sweep --tokens 1,8,64`.

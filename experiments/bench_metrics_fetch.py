@@ -46,6 +46,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per mode; the median is reported")
     parser.add_argument("--out", default=None, help="directory for bench_metrics_fetch.json")
     args = parser.parse_args()
+    # Checked before any run: a bad value would otherwise fail only after every run, with a traceback.
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (throughput is measured between the first and the last step)")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        parser.error(f"--out {args.out} is a file; give a directory for bench_metrics_fetch.json")
     cfg = config_lib.apply_overrides(get_config(args.config), [
         f"train.steps={args.steps}", "train.eval_every=0", "train.checkpoint_every=0", "train.log_every=10",
         "train.progress_bar=false", "train.tensorboard=false", "train.auto_refresh_every=0",

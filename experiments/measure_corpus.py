@@ -14,13 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
+from pathlib import Path
 
-from twell_jax.config import DataConfig
-from twell_jax.data import build_data, iter_documents
-from twell_jax.data.bundle import build_tokenizer
-from twell_jax.data.sources import list_source_files
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+from twell_jax.config import DataConfig  # noqa: E402
+from twell_jax.data import build_data, iter_documents  # noqa: E402
+from twell_jax.data.bundle import build_tokenizer  # noqa: E402
+from twell_jax.data.sources import list_source_files  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -33,6 +36,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):  # before the listing, the BPE, the tokenizing
+        parser.error(f"--out {args.out} is a file; give a directory for measure_corpus.json")
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="twell_corpus_")
     include = tuple(p.strip() for p in args.include.split(",") if p.strip())
     cfg = DataConfig(source=args.source, include=include, tokenizer=args.tokenizer, vocab_size=args.vocab_size,

@@ -45,6 +45,8 @@ def test_a_registered_toy_backend_runs_through_gated_ffn():
         assert "toy" in ops.backend_names()
         with pytest.raises(ValueError, match="already registered"):
             ops.register(toy)
+        with pytest.raises(ValueError, match="cannot be named 'auto'"):
+            ops.register(dataclasses.replace(toy, name="auto"))
         x, ws = _inputs()
 
         def loss(backend, x_, ws_):
@@ -123,8 +125,13 @@ def test_one_tail_rule_for_telemetry_reference_and_pallas():
     counts = jnp.asarray([[1, 2], [4, 2], [3, 3], [0, 0], [5, 0]], jnp.int32)  # row 4 overflows a tile
     np.testing.assert_array_equal(policy.pack_token_tail(counts), [False, True, True, False, True])
     np.testing.assert_array_equal(policy.token_tail(jnp.sum(counts, axis=1)), [False, True, True, False, False])
+    # Thresholds that split both tails (10-21 actives per token, 3-10 entries per neuron here): 8 of
+    # the 13 tokens and 16 of the 29 neurons are in a tail, so a rule off by one side would differ.
+    config = dataclasses.replace(config, ell_width=14, transpose_ell_width=6)
+    policy = ops.TailPolicy(config)
     x, ws = _inputs(m=13, d=16, h=29, seed=3)
     _, aux = ops.gated_ffn(x, *ws, backend="reference", config=config)
+    assert (int(aux["backward_tail_rows"]), int(aux["backward_hot_neurons"])) == (8, 16)
     shares = policy.shares(aux["token_active_count"], aux["neuron_active_count"])
     assert float(shares["token_tail_share"]) * 13 == pytest.approx(int(aux["backward_tail_rows"]))
     assert float(shares["hot_neuron_share"]) * 29 == pytest.approx(int(aux["backward_hot_neurons"]))
@@ -143,3 +150,17 @@ def test_each_builtin_states_where_it_runs_and_its_cost():
     assert backends.get("reference").cost is None  # the oracle: never planned
     with pytest.raises(RuntimeError, match="backend='pallas' needs a GPU"):
         ops.gated_ffn(*_inputs()[:1], *_inputs()[1], backend="pallas")
+
+
+@pytest.mark.parametrize("interpret", [False, True])
+def test_pallas_names_a_failed_kernel_import_not_a_missing_gpu(monkeypatch, interpret):
+    """As before the registry: a jax build whose Pallas cannot be imported is reported as such
+    (backend='pallas' with or without interpret), not as 'needs a GPU' or a bare ImportError."""
+    import sys
+
+    from twell_jax import ops as ops_package
+
+    monkeypatch.delattr(ops_package, "pallas_forward", raising=False)
+    monkeypatch.setitem(sys.modules, "twell_jax.ops.pallas_forward", None)  # import raises ImportError
+    with pytest.raises(RuntimeError, match="backend='pallas' needs twell_jax.ops.pallas_forward, which failed to import"):
+        ops.gated_ffn(*_inputs()[:1], *_inputs()[1], backend="pallas", interpret=interpret)

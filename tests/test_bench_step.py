@@ -55,6 +55,23 @@ def test_bad_variants_are_rejected(text, match):
         bench_step.parse_variants(text)
 
 
+@pytest.mark.parametrize("option", ["--trace", "--warmup"])
+def test_a_negative_count_is_refused_before_any_variant_runs(option, capsys):
+    # A negative --trace used to reach the profiler after the timing and turn a timed row into an error.
+    with pytest.raises(SystemExit) as exc:
+        bench_step.main(["--dry-run", "--config", "micro", option, "-1"])
+    assert exc.value.code == 2 and f"{option} must be >= 0" in capsys.readouterr().err
+
+
+def test_out_is_checked_before_the_variants_and_its_folder_made(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_step.main(["--dry-run", "--config", "micro", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "is a directory" in capsys.readouterr().err
+    out = tmp_path / "new" / "step.json"  # a folder that does not exist yet: made when the rows are written
+    bench_step.main(["--dry-run", "--config", "micro", "--variants", "ref:none", "--out", str(out)])
+    assert json.loads(out.read_text())["rows"][0]["variant"].startswith("ref")
+
+
 def test_the_grad_only_step_keeps_the_weights():
     """A sparse step's time depends on the weights' values: the timed step must not replace them."""
     import jax

@@ -43,6 +43,12 @@ def test_paths_and_ratios(tmp_path):
         report.lookup(data, "rows[k=29].ms", "row 0")
     with pytest.raises(KeyError, match="no key 'x'"):
         report.lookup(data, "rows[0].x", "row 0")
+    # A bad index or selection names the row and the path, like a missing key.
+    for path, message in (("rows[5].ms", "out of range"), ("rows[0][1]", "not a list"),
+                          ("rows[0].v[k=1]", "not a list"), ("rows[b]", "key=value")):
+        with pytest.raises(KeyError, match=message) as err:
+            report.lookup(data, path, "row 0")
+        assert "row 0" in str(err.value) and path in str(err.value)
     (tmp_path / "r.json").write_text(json.dumps(data))
     source = dict(file="r.json", gpu="G", date="D", command="C")
     manifest = {"intro": [], "areas": [{"title": "T", "rows": [

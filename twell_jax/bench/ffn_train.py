@@ -177,7 +177,7 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
                             block_sizes=bc.transpose_block_sizes, interpret=interpret)
 
     def hot_of(lists):
-        return lists[1] > config.hot_threshold(lists[3].shape[0])
+        return ops.TailPolicy(config).hot(lists[1], lists[3].shape[0])
 
     @functools.partial(jax.jit, static_argnames="tails")
     def token(x, wg, wu, wd, gy, prepared, lists, *, tails: bool):
@@ -221,7 +221,7 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
         zeros = tuple(jnp.zeros((h, d), jnp.float32) for _ in range(3))
         return pallas_backward.hot_neuron_backward(
             True, x, gy, (wg, wu, wd), jnp.float32(L1_COEF / m), tail_M,
-            count_H > config.hot_threshold(m), config.transpose_tail_capacity(h), bc.neuron_tail_chunk,
+            ops.TailPolicy(config).hot(count_H, m), config.transpose_tail_capacity(h), bc.neuron_tail_chunk,
             bc.small_tail_chunk, (jnp.zeros((m, d), jnp.float32), zeros))
 
     return dict(pack=pack, token_inputs=jax.jit(token_inputs), transpose=jax.jit(transpose),
@@ -247,11 +247,12 @@ def pattern_stats(counts_MxNT: np.ndarray, neuron_count_H: np.ndarray, config: o
                          f"and {neuron_count_H.shape}")
     m, h = counts_MxNT.shape[0], neuron_count_H.shape[0]
     bc = config.backward or pallas_backward.BackwardConfig()
+    policy = ops.TailPolicy(config)  # the backward's tail rule, not a copy of it
     active_M = counts_MxNT.sum(axis=1)
     overflow_M = (counts_MxNT > config.slots).any(axis=1)
-    wide_M = active_M > config.ell_width
-    tail = int(np.sum(overflow_M | wide_M))
-    hot_H = neuron_count_H > config.hot_threshold(m)
+    wide_M = np.asarray(policy.token_tail(active_M))
+    tail = int(np.sum(np.asarray(policy.pack_token_tail(jnp.asarray(counts_MxNT)))))
+    hot_H = np.asarray(policy.hot(neuron_count_H, m))
     n_hot = int(hot_H.sum())
     entries = int(neuron_count_H.sum())
     token_cap, hot_cap = config.tail_capacity(m), config.transpose_tail_capacity(h)
@@ -304,8 +305,8 @@ def auto_config(config: ops.SparseFFNConfig, stats: dict) -> ops.SparseFFNConfig
 
 def model_prediction(m: int, d: int, h: int, auto_cfg: ops.SparseFFNConfig, itemsize: int,
                      interpret: bool) -> dict:
-    """The cost table's figures (ms) for this shape at auto_cfg's hints (mean k and tails), and the
-    plan "auto" compiles."""
+    """The planner's cost-model figures (ms; planner.COST_MODELS) for this shape at auto_cfg's hints
+    (mean k and tails), and the plan "auto" compiles."""
     k = auto_cfg.expected_active_per_token
     keep = (auto_cfg.backward or pallas_backward.BackwardConfig()).keep_gate_pattern
     fwd, bwd = planner.sparse_times_ms(m, d, h, k, True, itemsize=itemsize, keep_pattern=keep,
@@ -339,7 +340,7 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
     counts = packed[2]
     prepared = p["token_inputs"](packed)
     lists = p["transpose"](prepared)
-    tails = bool(jnp.any(prepared[3])) or bool(jnp.any(lists[1] > config.hot_threshold(m)))
+    tails = bool(jnp.any(prepared[3])) or bool(jnp.any(ops.TailPolicy(config).hot(lists[1], m)))
     _, values_E = p["token"](*x0, prepared, lists, tails=tails)
     stats = pattern_stats(np.asarray(counts), np.asarray(lists[1]), config, seq_len)
     hint = stats["active_mean"]
@@ -367,7 +368,7 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
     tail_dx, tail_parts = p["token_tail"](*x0, prepared[3])
     _, hot_parts = p["neuron_tail"](*x0, prepared[3], lists[1])
     tail_rows = np.flatnonzero(np.asarray(prepared[3]))
-    hot = np.flatnonzero(np.asarray(lists[1]) > config.hot_threshold(m))
+    hot = np.flatnonzero(np.asarray(ops.TailPolicy(config).hot(lists[1], m)))
     row["piece_errors"] = {}
     if tail_rows.size and not stats["token_fallback"]:
         row["piece_errors"].update(rel_errors([tail_dx[tail_rows]], [base[0][tail_rows]], ["token_tail_dx"]))
@@ -447,7 +448,7 @@ def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: op
     p = pieces()
     prepared = p["token_inputs"](p["pack"](x, wg))
     lists = p["transpose"](prepared)
-    tails = bool(jnp.any(prepared[3])) or bool(jnp.any(lists[1] > config.hot_threshold(x.shape[0])))
+    tails = bool(jnp.any(prepared[3])) or bool(jnp.any(ops.TailPolicy(config).hot(lists[1], x.shape[0])))
 
     def token_run(sizes: TokenBwdBlockSizes):
         return (functools.partial(pieces(token_block_sizes=sizes)["token"], tails=tails),

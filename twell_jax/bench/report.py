@@ -53,9 +53,17 @@ def lookup(data: Any, path: str, where: str = "") -> Any:
             if not isinstance(node, dict) or key not in node:
                 raise KeyError(f"{where}: no key {key!r} on the way to {path!r}")
             node = node[key]
+        elif not isinstance(node, list):
+            raise KeyError(f"{where}: [{selector}] applied to a {type(node).__name__}, not a list, on the way to "
+                           f"{path!r}")
         elif re.fullmatch(r"-?\d+", selector):
+            if not -len(node) <= int(selector) < len(node):
+                raise KeyError(f"{where}: [{selector}] is out of range of a list of {len(node)} on the way to {path!r}")
             node = node[int(selector)]
         else:
+            if "=" not in selector or not all(isinstance(item, dict) for item in node):
+                raise KeyError(f"{where}: [{selector}] needs key=value pairs over a list of objects, on the way to "
+                               f"{path!r}")
             wanted = dict(part.split("=", 1) for part in selector.split(","))
             hits = [item for item in node if all(str(item.get(k)) == v or item.get(k) == _scalar(v)
                                                   for k, v in wanted.items())]
@@ -230,8 +238,10 @@ def load_manifest(results: Path = RESULTS) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="compare BENCHMARKS.md with the render; write nothing")
-    parser.add_argument("--no-plots", action="store_true", help="write BENCHMARKS.md only")
+    parser.add_argument("--check", action="store_true",
+                        help="compare BENCHMARKS.md and README.md's headline table with the render; write nothing")
+    parser.add_argument("--no-plots", action="store_true",
+                        help="write BENCHMARKS.md and README.md's headline table, not the plots")
     args = parser.parse_args(argv)
     manifest = load_manifest()
     # Everything is read and rendered before anything is written.

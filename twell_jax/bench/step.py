@@ -287,8 +287,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for name in ("steps", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
-    if args.warmup < 0:
-        parser.error("--warmup must be >= 0")
+    for name in ("warmup", "trace"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name} must be >= 0")
+    if args.out and Path(args.out).is_dir():  # checked before the variants run, not when writing their rows
+        parser.error(f"--out {args.out} is a directory; give the JSON file to write")
     sets = list(args.set)
     if args.dry_run:
         sets = sets if args.checkpoint else DRY_RUN_SETS + sets  # a run's shapes are its own
@@ -335,6 +338,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             print(f"[bench_step]   {line}", flush=True)
         rows.append(row)
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"config": args.config, "source": source, "hints": hints,
                                               "tail_hints": tails, "sets": sets, "micro_batch": micro_batch,
                                               "device": device.device_kind, "optimizer": args.optimizer,

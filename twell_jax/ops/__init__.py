@@ -68,7 +68,7 @@ reference and Pallas backwards, the telemetry estimate and the cost model.
 
 The reference and dense backwards keep only (x, weights) as residuals and recompute what they
 need; the Pallas backward also keeps the forward's TwELL pack unless
-`pallas_backward.BackwardConfig.keep_gate_pattern` is False.
+`pallas_config.BackwardConfig.keep_gate_pattern` is False (`SparseFFNConfig.backward`).
 
 Exactness (no non-zero is ever dropped): gate rows with an overflowing TwELL tile or more than
 `ell_width` actives go, complete, to the dense tail of the hybrid; if the tail capacity (static,

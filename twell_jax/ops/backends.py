@@ -12,7 +12,7 @@ here and calls them, with no switch on their names. The built-in ones live besid
 
 Adding a backend: write its file with one `Implementation` and `register` it (one line below for
 a built-in one); `gated_ffn(..., backend=name)` then runs it through the op's custom_vjp, NaN
-policy and shard_map (tests/test_ops.py registers a toy one).
+policy and shard_map (tests/test_backends.py registers a toy one).
 """
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ def register(implementation: Implementation) -> Implementation:
     """Add an implementation (its name must be new); returns it."""
     if not isinstance(implementation, Implementation):
         raise ValueError(f"register needs an Implementation, got {type(implementation).__name__}")
-    if implementation.name in _REGISTRY or implementation.name == "auto":
+    if implementation.name == "auto":
+        raise ValueError("an implementation cannot be named 'auto': backend='auto' is the planner")
+    if implementation.name in _REGISTRY:
         raise ValueError(f"an implementation named {implementation.name!r} is already registered")
     _REGISTRY[implementation.name] = implementation
     return implementation

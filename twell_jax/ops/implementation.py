@@ -29,7 +29,9 @@ class Implementation:
     # Why it cannot run here (None: it can), given the call's `interpret` flag.
     unavailable: Callable[[bool], str | None]
     # Modelled (forward, backward) ms for shape = (M, D, H, itemsize), a config and gated (None:
-    # not modelled; the planner never picks it).
+    # not modelled). Informational (benchmarks, tests): `planner.auto_plan` does not read it; "auto"
+    # plans only the built-in "pallas", "decode" and "dense" from planner's own cost models (which
+    # the built-ins' cost functions call), so a registered implementation runs only when named.
     cost: Callable[[tuple[int, int, int, int], SparseFFNConfig, bool], tuple[float, float]] | None = None
     # Its forward is the dense formula (the NaN policy's fallback would be the same computation).
     dense_formula: bool = False

@@ -15,9 +15,11 @@ from twell_jax.ops.implementation import Implementation
 
 
 def _unavailable(interpret: bool) -> str | None:
-    from twell_jax.ops import backends
-
-    if interpret or backends.gpu_available():
+    try:
+        from twell_jax.ops import pallas_forward
+    except ImportError as err:  # a jax build without Triton-backed Pallas: say so, even with interpret
+        return f"needs twell_jax.ops.pallas_forward, which failed to import: {err}"
+    if interpret or pallas_forward.available():
         return None
     return ("needs a GPU (pallas_forward.available() is False); pass interpret=True to run the "
             "kernels in the Pallas interpreter, or use backend='reference' or 'dense'")

@@ -1,5 +1,5 @@
 """The `auto` planner: the op's cost models (forward, backward, decode), keyed by device kind, and
-the plan they give a call (`plan`). No kernel is imported here.
+the plan they give a call (`auto_plan`). No kernel is imported here.
 
 Only `use_sparse_forward` and `sampled_active_per_token` touch arrays (the forward's device-side
 choice without a hint).
@@ -365,7 +365,7 @@ def prefer_decode_path(m: int, d: int, h: int, expected_active: float | None, ga
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """How one call runs (static): the registry names of its forward and backward implementations
-    (`backends.REGISTRY`). sampled: "auto" without a hint, the forward chosen on the device
+    (`backends.get`). sampled: "auto" without a hint, the forward chosen on the device
     between this plan and the dense formula (`dispatch`)."""
 
     gated: bool
