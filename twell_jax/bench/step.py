@@ -227,7 +227,11 @@ def run_variant(base: ExperimentConfig, kind: str, backend: str | None, remat: s
         if trace:  # the per-kernel time line (a copy of the state: the timed program donates its own)
             from twell_jax.bench.kernel_trace import format_profile, kernel_times
 
-            row["trace"] = format_profile(kernel_times(jax.jit(step), (state, tokens), repeats=trace), top=trace_top)
+            try:
+                row["trace"] = format_profile(kernel_times(jax.jit(step), (state, tokens), repeats=trace),
+                                              top=trace_top)
+            except Exception as err:  # noqa: BLE001 (the timing stands; only the profile failed)
+                row["trace"] = [f"kernel trace failed: {type(err).__name__}: {str(err).strip()[:200]}"]
     except Exception as err:  # noqa: BLE001 (an OOM or a refused shape: report it, run the next one)
         row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]
     finally:

@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "val_loss": summary["val_loss"], "val_l0_per_layer": summary["val_l0_per_layer"],
         "train_l0_per_layer": [float(v) for v in last.get("l0_per_layer", [])],
         "dead_share_per_layer": summary["dead_share_per_layer"], "tokens_per_s": summary["tokens_per_s"],
-        "trajectory": stop.trajectory[::10] + stop.trajectory[-1:],
+        # Every 10th step and the last one (once, also when it is a 10th).
+        "trajectory": stop.trajectory[:-1:10] + stop.trajectory[-1:],
     }
     if args.summary:
         Path(args.summary).write_text(json.dumps(reached, indent=2))
