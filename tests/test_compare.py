@@ -43,6 +43,7 @@ def test_study_plan_same_tokens_several_l1():
 
 @pytest.mark.parametrize("options, message", [
     (dict(l1_values=[1e-3, 1e-3]), "distinct"),
+    (dict(l1_values=[1e-5, 1.0000001e-5]), "6 significant digits"),  # one run directory name for both
     (dict(l1_values=[-1.0]), ">= 0"),
     (dict(dense_kind="twell"), "--dense-kind"),
     (dict(l1_warmup_steps=-1), "--l1-warmup-steps"),

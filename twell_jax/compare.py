@@ -61,6 +61,12 @@ def study_runs(cfg: ExperimentConfig, *, l1_values: list[float] | None = None, d
     bad = [v for v in l1_values if not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0)]
     if bad or len(set(l1_values)) != len(l1_values):
         raise ValueError(f"--l1 {l1_values}: expected distinct finite L1 coefficients >= 0")
+    # Each run's directory is named by l1_key (6 significant digits): values it cannot tell apart
+    # would share one directory.
+    keys = [l1_key(v, False) for v in l1_values]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"--l1 {l1_values}: {sorted({k for k in keys if keys.count(k) > 1})} name several of these "
+                         "values (run directories carry 6 significant digits); give values that differ there")
     sparsity = cfg.sparsity
     if l1_warmup_steps is not None:
         if l1_warmup_steps < 0:
