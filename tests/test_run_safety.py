@@ -231,3 +231,25 @@ def test_a_file_system_without_flock_warns_and_trains(tmp_path, monkeypatch):
     assert any("does not support flock" in m for m in messages)
     assert not (tmp_path / ckpt_lib.LOCK_FILE).exists()
     lock.release()
+
+
+def test_a_failed_init_from_run_leaves_no_reserved_run_directory(tmp_path, monkeypatch, capsys):
+    """`twell train --init-from` without --out reserves runs/<name>-<time> like any new run; a run
+    that fails before training removes it again (as `train()` does for the other runs)."""
+    import types
+
+    from twell_jax import cli
+    from twell_jax.model import init_model
+
+    cfg = micro_cfg("data.source=synthetic")
+    imported = types.SimpleNamespace(config=cfg, model=init_model(cfg.model, 0), tokenizer=None)
+    monkeypatch.setattr(cli, "_imported", lambda *args, **kwargs: imported)
+
+    def fail(self, *args, **kwargs):
+        raise ValueError("data.source: a failure while building the run")
+
+    monkeypatch.setattr(Trainer, "_build", fail)
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "--config", "micro", "--init-from", "hf_dir", "--set", "data.source=synthetic"])
+    assert code == 2 and "a failure while building the run" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

@@ -250,10 +250,8 @@ def _train(args: argparse.Namespace, result_out: TextIO) -> None:
     else:
         from twell_jax.model import split_model
 
-        from twell_jax.training.train import default_run_dir
-
-        result = _init_from_trainer()(cfg, out or default_run_dir(cfg), init_params=split_model(imported.model)[1],
-                                      overwrite=args.overwrite).run()
+        result = train(cfg, out, trainer_cls=_init_from_trainer(), init_params=split_model(imported.model)[1],
+                       overwrite=args.overwrite)
     summary = {k: result.summary[k] for k in ("val_loss", "val_perplexity", "val_l0_mean", "val_sparsity",
                                               "tokens_per_s")}
     summary["run_dir"] = str(result.run_dir.absolute())

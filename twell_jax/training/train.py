@@ -813,12 +813,13 @@ def with_saved_tokenizer(cfg: ExperimentConfig, run_dir: str | Path) -> Experime
 
 
 def train(cfg: ExperimentConfig, run_dir: str | Path | None = None, *, resume: bool = False,
-          echo: Callable[[str], None] = print, **kwargs: Any) -> TrainResult:
-    """Convenience wrapper: build a Trainer for `cfg` and run it (kwargs go to `Trainer`)."""
+          echo: Callable[[str], None] = print, trainer_cls: type[Trainer] = Trainer, **kwargs: Any) -> TrainResult:
+    """Convenience wrapper: build a `trainer_cls` (a Trainer) for `cfg` and run it (kwargs go to it);
+    run_dir None reserves a new runs/<name>-<time>, removed again if the run fails before using it."""
     reserved = run_dir is None
     run_dir = default_run_dir(cfg) if reserved else Path(run_dir)
     try:
-        return Trainer(cfg, run_dir, resume=resume, echo=echo, **kwargs).run()
+        return trainer_cls(cfg, run_dir, resume=resume, echo=echo, **kwargs).run()
     except BaseException:
         if reserved and run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()  # the directory default_run_dir reserved, unused
