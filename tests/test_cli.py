@@ -323,3 +323,23 @@ def test_a_damaged_run_config_or_tokenizer_is_named(compared, tmp_path, capsys):
     (run / "tokenizer.json").write_text("{bad")
     code, _, err = _run(["generate", "--checkpoint", str(run), "--prompt", "x"], capsys)
     assert code == 2 and f"{run / 'tokenizer.json'}: not a valid tokenizer.json" in err
+
+
+def test_an_imported_model_keeps_a_set_ffn_kind_of_its_activation():
+    """`eval --hf ... --set model.ffn_kind=relu_gated` evaluates the dense kind (it was silently reset
+    to the import's default, twell); a kind of another activation is refused naming the field."""
+    import types
+
+    from twell_jax import config as config_lib
+    from twell_jax.cli import _with_imported_model
+    from twell_jax.configs import get_config
+
+    base = config_lib.apply_overrides(get_config("micro"), ["data.source=synthetic"])
+    imported = types.SimpleNamespace(config=base, tokenizer=None)  # a relu checkpoint: twell by default
+    dense = ["model.ffn_kind=relu_gated", "sparsity.l1_coef=0"]
+    cfg = _with_imported_model(config_lib.apply_overrides(base, dense), imported, dense, "--hf")
+    assert cfg.model.ffn_kind == "relu_gated"
+    assert _with_imported_model(base, imported, [], "--hf").model.ffn_kind == "twell"
+    silu = ["model.ffn_kind=swiglu", "sparsity.l1_coef=0"]
+    with pytest.raises(ValueError, match="model.ffn_kind=swiglu"):
+        _with_imported_model(config_lib.apply_overrides(base, silu), imported, silu, "--hf")

@@ -169,8 +169,18 @@ def _with_imported_model(cfg: config_lib.ExperimentConfig, imported: Any, overri
         raise ValueError(f"--set {', '.join(changed)}: {flag} fixes these (the checkpoint's weights have its "
                          f"shapes: {', '.join(f'{f}={getattr(model, f)}' for f in ARCHITECTURE_FIELDS)})")
     keep_seq = "model.max_seq_len" in _override_keys(overrides)
+    kind = model.ffn_kind
+    if "model.ffn_kind" in _override_keys(overrides) and cfg.model.ffn_kind != kind:
+        from twell_jax.inference.hf import _KIND_TO_ACT
+
+        # The weights fix the activation; the FFN kinds of that activation share one layout.
+        allowed = sorted(k for k, act in _KIND_TO_ACT.items() if act == _KIND_TO_ACT[kind])
+        if cfg.model.ffn_kind not in allowed:
+            raise ValueError(f"--set model.ffn_kind={cfg.model.ffn_kind}: {flag}'s checkpoint has the activation "
+                             f"{_KIND_TO_ACT[kind]!r}, so the FFN kind is one of {allowed}")
+        kind = cfg.model.ffn_kind
     new_model = dataclasses.replace(cfg.model, **{f: getattr(model, f) for f in ARCHITECTURE_FIELDS},
-                                    ffn_kind=model.ffn_kind,
+                                    ffn_kind=kind,
                                     max_seq_len=cfg.model.max_seq_len if keep_seq else model.max_seq_len)
     data = cfg.data
     if imported.tokenizer is not None:
