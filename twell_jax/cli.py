@@ -339,9 +339,12 @@ def _eval(args: argparse.Namespace, out: TextIO) -> None:
 
 
 def _compare(args: argparse.Namespace, out: TextIO) -> None:
-    from twell_jax.compare import main_from_args, markdown_table
+    from twell_jax.compare import PLAN_FILE, main_from_args, markdown_table
 
     if args.print_config:
+        if args.resume:  # the base config would be tiny's, not the study's
+            raise ValueError(f"--print-config shows a new study's config; the configs of the comparison being "
+                             f"resumed are in {Path(args.out or 'DIR') / PLAN_FILE}")
         out.write(config_lib.to_json(_load_config(args.config or "tiny", args.set)) + "\n")
         return
     report = main_from_args(args, _load_config)
