@@ -109,6 +109,29 @@ def test_dry_run_checks_and_writes_nothing(tmp_path, cache_dir, capsys):
     assert code == 2 and "global_batch" in err
 
 
+
+def test_dry_run_of_a_resume_reads_the_runs_tokenizer(tmp_path, monkeypatch, capsys):
+    """As the resumed run will: the run's saved tokenizer.json, not a tokenizer built anew from the config."""
+    import twell_jax.data
+    from twell_jax import config as config_lib
+    from twell_jax.configs import get_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(config_lib.to_json(get_config("micro")))
+    (run / "tokenizer.json").write_text("{}")
+    seen = []
+
+    def builder(cfg):
+        seen.append(cfg.data.tokenizer)
+        raise ValueError("data: stopped here")
+
+    monkeypatch.setattr(twell_jax.data, "build_experiment_data", builder)
+    code, _, err = _run(["train", "--out", str(run), "--resume", "--dry-run"], capsys)
+    assert code == 2 and "stopped here" in err
+    assert seen == [str((run / "tokenizer.json").absolute())]
+
+
 def test_readme_generate_example_runs(compared, capsys):
     """The README's `twell generate` command, on a micro run (16-token context) in place of runs/micro."""
     import pathlib

@@ -300,7 +300,10 @@ def _dry_run(args: argparse.Namespace, cfg: config_lib.ExperimentConfig, target:
     tc = cfg.train
     devices = parallel.mesh_size(parallel.make_mesh(tc.num_devices))
     accum = parallel.check_batch_layout(tc.global_batch, tc.micro_batch, devices)
-    data = build_experiment_data(cfg)  # the corpus, tokenizer and splits, checked as training checks them
+    from twell_jax.training.train import with_saved_tokenizer
+
+    # The corpus, tokenizer and splits, checked as training checks them (a resume reads the run's tokenizer).
+    data = build_experiment_data(with_saved_tokenizer(cfg, target) if args.resume else cfg)
     state = ("continues the run there" if args.resume else "new (a fresh runs/<name>-<timestamp>)" if target is None
              else "not empty: refused unless it is a twell run and --overwrite is given"
              if target.is_dir() and any(target.iterdir()) else "new")
