@@ -233,7 +233,8 @@ def run_report(run: StudyRun, run_dir: Path) -> dict[str, Any]:
 
 
 def write_report(runs: list[StudyRun], out_dir: Path, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """compare.json, compare.md and compare.png from the runs' own files; the table is echoed."""
+    """compare.json, compare.md and compare.png from the runs' own files; returns the report (the
+    `twell compare` command prints its table on stdout)."""
     rows = [run_report(run, out_dir / run.key) for run in runs]
     twin = rows[0]
     for row in rows:
