@@ -120,6 +120,7 @@ def test_dry_run_of_a_resume_reads_the_runs_tokenizer(tmp_path, monkeypatch, cap
     run.mkdir()
     (run / "config.json").write_text(config_lib.to_json(get_config("micro")))
     (run / "tokenizer.json").write_text("{}")
+    (run / "checkpoints" / "4").mkdir(parents=True)  # a step to resume from (never read: the data stops it)
     seen = []
 
     def builder(cfg):

@@ -87,8 +87,9 @@ def test_zero_lr_from_is_where_the_schedule_reaches_0(warmup, horizon):
 def test_cli_resume_past_the_schedule_exits_2_and_changes_nothing(finished, tmp_path, capsys):
     run = _copy(finished[0], tmp_path)
     before = _snapshot(run)
-    assert main(["train", "--out", str(run), "--resume", "--set", "train.steps=8"]) == 2
-    assert "--set optim.schedule_steps=8" in capsys.readouterr().err
+    for extra in ([], ["--dry-run"]):  # a dry run checks as the resume does
+        assert main(["train", "--out", str(run), "--resume", "--set", "train.steps=8", *extra]) == 2
+        assert "--set optim.schedule_steps=8" in capsys.readouterr().err
     assert _snapshot(run) == before
 
 
@@ -113,7 +114,7 @@ def test_overwrite_never_empties_a_directory_that_is_not_a_run(tmp_path, capsys)
     precious.mkdir()
     (precious / "thesis.tex").write_text("x")
     argv = ["train", "--config", "micro", "--out", str(precious)]
-    for extra in ([], ["--overwrite"]):
+    for extra in ([], ["--overwrite"], ["--dry-run"], ["--dry-run", "--overwrite"]):  # a dry run checks as the run
         assert main([*argv, *extra]) == 2
         err = capsys.readouterr().err
         assert "thesis.tex" in err and "not a twell run" in err and "--overwrite" not in err

@@ -295,18 +295,20 @@ def _dry_run(args: argparse.Namespace, cfg: config_lib.ExperimentConfig, target:
     import jax
 
     from twell_jax.data import build_experiment_data
+    from twell_jax.training import checkpoint as ckpt_lib
     from twell_jax.training import parallel
+    from twell_jax.training.train import checked_run_config, with_saved_tokenizer
 
+    # The run's own checks (schedule, op config, resumable checkpoint, what --out holds): a dry run
+    # that passes is a run that starts. Without --out the run gets a new directory.
+    cfg = checked_run_config(cfg, target, resume=args.resume, overwrite=args.overwrite)[0]
     tc = cfg.train
     devices = parallel.mesh_size(parallel.make_mesh(tc.num_devices))
     accum = parallel.check_batch_layout(tc.global_batch, tc.micro_batch, devices)
-    from twell_jax.training.train import with_saved_tokenizer
-
     # The corpus, tokenizer and splits, checked as training checks them (a resume reads the run's tokenizer).
     data = build_experiment_data(with_saved_tokenizer(cfg, target) if args.resume else cfg)
     state = ("continues the run there" if args.resume else "new (a fresh runs/<name>-<timestamp>)" if target is None
-             else "not empty: refused unless it is a twell run and --overwrite is given"
-             if target.is_dir() and any(target.iterdir()) else "new")
+             else "holds a twell run, which --overwrite replaces" if ckpt_lib.holds_a_run(target) else "new")
     plan = {"config": cfg.name, "run_dir": str(target.absolute()) if target else None, "run_dir_state": state,
             "parameters": _param_count(cfg.model), "steps": tc.steps,
             "tokens_per_step": tc.global_batch * cfg.seq_len, "devices": devices,
