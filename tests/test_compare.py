@@ -81,6 +81,14 @@ def test_refuses_training_runs_and_non_empty_out(tmp_path):
     code, text, err = _run_cli(["compare", "--config", "micro", "--out", str(tmp_path / "dry"), "--l1", "0", "1e-3",
                                 "--dry-run"])
     assert code == 0 and text == "" and "twell-l1-0.001" in err and not (tmp_path / "dry").exists()
+    # A damaged plan is named, whatever is wrong in it.
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    bad_config = '{"version": 1, "runs": [{"key": "dense", "config": {"nope": 1}}], "options": {}}'
+    for text in ('{"version": 1}', '[1]', bad_config):
+        (damaged / compare_lib.PLAN_FILE).write_text(text)
+        code, _, err = _run_cli(["compare", "--out", str(damaged), "--resume"])
+        assert code == 2 and str(damaged / compare_lib.PLAN_FILE) in err, err
     # --print-config prints a new study's config: with --resume it would be tiny's, whatever was planned.
     code, text, err = _run_cli(["compare", "--out", str(tmp_path / "dry"), "--resume", "--print-config"])
     assert code == 2 and text == "" and "compare_plan.json" in err

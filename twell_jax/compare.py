@@ -119,10 +119,15 @@ def load_plan(out_dir: Path) -> tuple[list[StudyRun], dict[str, Any]]:
     """(the runs, the study options) saved in `out_dir`'s plan."""
     from twell_jax.training import checkpoint as ckpt_lib
 
-    plan = ckpt_lib.read_json_file(out_dir / PLAN_FILE, "comparison plan")
-    if plan.get("version") != PLAN_VERSION:
-        raise ValueError(f"{out_dir / PLAN_FILE}: version {plan.get('version')!r}, expected {PLAN_VERSION}")
-    return [StudyRun(r["key"], config_lib.from_dict(r["config"])) for r in plan["runs"]], plan["options"]
+    path = out_dir / PLAN_FILE
+    plan = ckpt_lib.read_json_file(path, "comparison plan")
+    version = plan.get("version") if isinstance(plan, dict) else None
+    if version != PLAN_VERSION:
+        raise ValueError(f"{path}: version {version!r}, expected {PLAN_VERSION}")
+    try:
+        return [StudyRun(r["key"], config_lib.from_dict(r["config"])) for r in plan["runs"]], plan["options"]
+    except (KeyError, TypeError, ValueError) as err:  # a damaged or hand-edited plan
+        raise ValueError(f"{path}: not a valid comparison plan ({type(err).__name__}: {err})") from None
 
 
 def resumed_runs(out_dir: Path, overrides: list[str], options: dict[str, Any]) -> list[StudyRun]:
