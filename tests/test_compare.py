@@ -81,6 +81,11 @@ def test_refuses_training_runs_and_non_empty_out(tmp_path):
     code, text, err = _run_cli(["compare", "--config", "micro", "--out", str(tmp_path / "dry"), "--l1", "0", "1e-3",
                                 "--dry-run"])
     assert code == 0 and text == "" and "twell-l1-0.001" in err and not (tmp_path / "dry").exists()
+    code, text, _ = _run_cli(["compare", "--config", "micro", "--out", str(tmp_path / "dry"), "--l1", "0", "1e-3",
+                              "--dry-run", "--json"])  # --json: the plan as one document on stdout
+    plan = json.loads(text)["plan"]
+    assert code == 0 and [r["key"] for r in plan["runs"]] == ["dense", "twell-l1-0", "twell-l1-0.001"]
+    assert plan["options"]["l1_values"] == [0.0, 1e-3] and not (tmp_path / "dry").exists()
     # A damaged plan is named, whatever is wrong in it.
     damaged = tmp_path / "damaged"
     damaged.mkdir()

@@ -353,8 +353,11 @@ def _compare(args: argparse.Namespace, out: TextIO) -> None:
         out.write(config_lib.to_json(_load_config(args.config or "tiny", args.set)) + "\n")
         return
     report = main_from_args(args, _load_config)
-    if report is not None:  # None: --dry-run
-        _emit(out, args, report, lambda: markdown_table(report["runs"]))
+    if report.get("dry_run"):
+        if args.json:  # the plan (without --json it was printed on stderr)
+            _emit(out, args, report, str)
+        return
+    _emit(out, args, report, lambda: markdown_table(report["runs"]))
 
 
 def _hf(args: argparse.Namespace, out: TextIO) -> None:

@@ -359,8 +359,9 @@ def compare(cfg: ExperimentConfig, out_dir: str | Path, *, l1_values: list[float
 
 
 def main_from_args(args: argparse.Namespace, load_config: Callable[[str, list[str]], ExperimentConfig],
-                   echo: Callable[[str], None] = print) -> dict[str, Any] | None:
-    """`twell compare`: plan (or, with --resume, reload) the study, then train and report it."""
+                   echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """`twell compare`: plan (or, with --resume, reload) the study, then train and report it; with
+    --dry-run only plan it ({"dry_run": True, "out_dir", "plan": what compare_plan.json would hold})."""
     options = dict(l1_values=args.l1, dense_kind=args.dense_kind, reinit=args.reinit_dead,
                    l1_warmup_steps=args.l1_warmup_steps)
     if args.resume:
@@ -386,5 +387,5 @@ def main_from_args(args: argparse.Namespace, load_config: Callable[[str, list[st
              f"{run.cfg.sparsity.l1_warmup_end}), reinit_dead {run.cfg.sparsity.reinit_dead}")
     if args.dry_run:
         echo("[twell] compare: --dry-run: nothing trained")
-        return None
+        return {"dry_run": True, "out_dir": str(out.absolute()), "plan": _plan_dict(runs, options)}
     return run_study(runs, out, resume=args.resume, options=options, echo=echo)
