@@ -109,6 +109,30 @@ def test_dry_run_checks_and_writes_nothing(tmp_path, cache_dir, capsys):
     assert code == 2 and "global_batch" in err
 
 
+
+def test_dry_run_of_a_resume_reads_the_runs_tokenizer(tmp_path, monkeypatch, capsys):
+    """As the resumed run will: the run's saved tokenizer.json, not a tokenizer built anew from the config."""
+    import twell_jax.data
+    from twell_jax import config as config_lib
+    from twell_jax.configs import get_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(config_lib.to_json(get_config("micro")))
+    (run / "tokenizer.json").write_text("{}")
+    (run / "checkpoints" / "4").mkdir(parents=True)  # a step to resume from (never read: the data stops it)
+    seen = []
+
+    def builder(cfg):
+        seen.append(cfg.data.tokenizer)
+        raise ValueError("data: stopped here")
+
+    monkeypatch.setattr(twell_jax.data, "build_experiment_data", builder)
+    code, _, err = _run(["train", "--out", str(run), "--resume", "--dry-run"], capsys)
+    assert code == 2 and "stopped here" in err
+    assert seen == [str((run / "tokenizer.json").absolute())]
+
+
 def test_readme_generate_example_runs(compared, capsys):
     """The README's `twell generate` command, on a micro run (16-token context) in place of runs/micro."""
     import pathlib
@@ -323,3 +347,23 @@ def test_a_damaged_run_config_or_tokenizer_is_named(compared, tmp_path, capsys):
     (run / "tokenizer.json").write_text("{bad")
     code, _, err = _run(["generate", "--checkpoint", str(run), "--prompt", "x"], capsys)
     assert code == 2 and f"{run / 'tokenizer.json'}: not a valid tokenizer.json" in err
+
+
+def test_an_imported_model_keeps_a_set_ffn_kind_of_its_activation():
+    """`eval --hf ... --set model.ffn_kind=relu_gated` evaluates the dense kind (it was silently reset
+    to the import's default, twell); a kind of another activation is refused naming the field."""
+    import types
+
+    from twell_jax import config as config_lib
+    from twell_jax.cli import _with_imported_model
+    from twell_jax.configs import get_config
+
+    base = config_lib.apply_overrides(get_config("micro"), ["data.source=synthetic"])
+    imported = types.SimpleNamespace(config=base, tokenizer=None)  # a relu checkpoint: twell by default
+    dense = ["model.ffn_kind=relu_gated", "sparsity.l1_coef=0"]
+    cfg = _with_imported_model(config_lib.apply_overrides(base, dense), imported, dense, "--hf")
+    assert cfg.model.ffn_kind == "relu_gated"
+    assert _with_imported_model(base, imported, [], "--hf").model.ffn_kind == "twell"
+    silu = ["model.ffn_kind=swiglu", "sparsity.l1_coef=0"]
+    with pytest.raises(ValueError, match="model.ffn_kind=swiglu"):
+        _with_imported_model(config_lib.apply_overrides(base, silu), imported, silu, "--hf")

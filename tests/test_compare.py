@@ -43,6 +43,7 @@ def test_study_plan_same_tokens_several_l1():
 
 @pytest.mark.parametrize("options, message", [
     (dict(l1_values=[1e-3, 1e-3]), "distinct"),
+    (dict(l1_values=[1e-5, 1.0000001e-5]), "6 significant digits"),  # one run directory name for both
     (dict(l1_values=[-1.0]), ">= 0"),
     (dict(dense_kind="twell"), "--dense-kind"),
     (dict(l1_warmup_steps=-1), "--l1-warmup-steps"),
@@ -80,6 +81,22 @@ def test_refuses_training_runs_and_non_empty_out(tmp_path):
     code, text, err = _run_cli(["compare", "--config", "micro", "--out", str(tmp_path / "dry"), "--l1", "0", "1e-3",
                                 "--dry-run"])
     assert code == 0 and text == "" and "twell-l1-0.001" in err and not (tmp_path / "dry").exists()
+    code, text, _ = _run_cli(["compare", "--config", "micro", "--out", str(tmp_path / "dry"), "--l1", "0", "1e-3",
+                              "--dry-run", "--json"])  # --json: the plan as one document on stdout
+    plan = json.loads(text)["plan"]
+    assert code == 0 and [r["key"] for r in plan["runs"]] == ["dense", "twell-l1-0", "twell-l1-0.001"]
+    assert plan["options"]["l1_values"] == [0.0, 1e-3] and not (tmp_path / "dry").exists()
+    # A damaged plan is named, whatever is wrong in it.
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    bad_config = '{"version": 1, "runs": [{"key": "dense", "config": {"nope": 1}}], "options": {}}'
+    for text in ('{"version": 1}', '[1]', bad_config):
+        (damaged / compare_lib.PLAN_FILE).write_text(text)
+        code, _, err = _run_cli(["compare", "--out", str(damaged), "--resume"])
+        assert code == 2 and str(damaged / compare_lib.PLAN_FILE) in err, err
+    # --print-config prints a new study's config: with --resume it would be tiny's, whatever was planned.
+    code, text, err = _run_cli(["compare", "--out", str(tmp_path / "dry"), "--resume", "--print-config"])
+    assert code == 2 and text == "" and "compare_plan.json" in err
 
 
 @pytest.fixture(scope="module")

@@ -105,6 +105,20 @@ def test_split_by_document_and_cache_hit(tree_root, tmp_path):
     assert again.source_fingerprint == bundle.source_fingerprint
 
 
+def test_patterns_do_not_share_the_cache_of_the_same_files_without_them(tmp_path):
+    """A directory of .txt files read with data.include drops duplicate documents, without it keeps
+    them: the same file listing, two corpora, two caches (one was served for both)."""
+    root = tmp_path / "txt"
+    for i in range(10):
+        _write(root, f"doc_{i:02d}.txt", _text(i))
+    _write(root, "doc_99.txt", _text(3))  # a duplicate
+    plain = build_data(_cfg(root, tmp_path / "cache", include=()), global_batch=2)
+    patterned = build_data(_cfg(root, tmp_path / "cache", include=("*.txt",)), global_batch=2)
+    assert plain.num_train_documents + plain.num_val_documents == 11
+    assert patterned.num_train_documents + patterned.num_val_documents == 10
+    assert patterned.cache_path != plain.cache_path
+
+
 def test_pool_equals_in_process(tree_root, tmp_path):
     """Two spawned workers on chunks of 3 documents give the in-process cache token for token."""
     one = build_data(_cfg(tree_root, tmp_path / "one", encode_chunk_documents=3), global_batch=2)

@@ -87,8 +87,9 @@ def test_zero_lr_from_is_where_the_schedule_reaches_0(warmup, horizon):
 def test_cli_resume_past_the_schedule_exits_2_and_changes_nothing(finished, tmp_path, capsys):
     run = _copy(finished[0], tmp_path)
     before = _snapshot(run)
-    assert main(["train", "--out", str(run), "--resume", "--set", "train.steps=8"]) == 2
-    assert "--set optim.schedule_steps=8" in capsys.readouterr().err
+    for extra in ([], ["--dry-run"]):  # a dry run checks as the resume does
+        assert main(["train", "--out", str(run), "--resume", "--set", "train.steps=8", *extra]) == 2
+        assert "--set optim.schedule_steps=8" in capsys.readouterr().err
     assert _snapshot(run) == before
 
 
@@ -113,7 +114,7 @@ def test_overwrite_never_empties_a_directory_that_is_not_a_run(tmp_path, capsys)
     precious.mkdir()
     (precious / "thesis.tex").write_text("x")
     argv = ["train", "--config", "micro", "--out", str(precious)]
-    for extra in ([], ["--overwrite"]):
+    for extra in ([], ["--overwrite"], ["--dry-run"], ["--dry-run", "--overwrite"]):  # a dry run checks as the run
         assert main([*argv, *extra]) == 2
         err = capsys.readouterr().err
         assert "thesis.tex" in err and "not a twell run" in err and "--overwrite" not in err
@@ -231,3 +232,25 @@ def test_a_file_system_without_flock_warns_and_trains(tmp_path, monkeypatch):
     assert any("does not support flock" in m for m in messages)
     assert not (tmp_path / ckpt_lib.LOCK_FILE).exists()
     lock.release()
+
+
+def test_a_failed_init_from_run_leaves_no_reserved_run_directory(tmp_path, monkeypatch, capsys):
+    """`twell train --init-from` without --out reserves runs/<name>-<time> like any new run; a run
+    that fails before training removes it again (as `train()` does for the other runs)."""
+    import types
+
+    from twell_jax import cli
+    from twell_jax.model import init_model
+
+    cfg = micro_cfg("data.source=synthetic")
+    imported = types.SimpleNamespace(config=cfg, model=init_model(cfg.model, 0), tokenizer=None)
+    monkeypatch.setattr(cli, "_imported", lambda *args, **kwargs: imported)
+
+    def fail(self, *args, **kwargs):
+        raise ValueError("data.source: a failure while building the run")
+
+    monkeypatch.setattr(Trainer, "_build", fail)
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "--config", "micro", "--init-from", "hf_dir", "--set", "data.source=synthetic"])
+    assert code == 2 and "a failure while building the run" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

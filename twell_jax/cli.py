@@ -169,8 +169,18 @@ def _with_imported_model(cfg: config_lib.ExperimentConfig, imported: Any, overri
         raise ValueError(f"--set {', '.join(changed)}: {flag} fixes these (the checkpoint's weights have its "
                          f"shapes: {', '.join(f'{f}={getattr(model, f)}' for f in ARCHITECTURE_FIELDS)})")
     keep_seq = "model.max_seq_len" in _override_keys(overrides)
+    kind = model.ffn_kind
+    if "model.ffn_kind" in _override_keys(overrides) and cfg.model.ffn_kind != kind:
+        from twell_jax.inference.hf import _KIND_TO_ACT
+
+        # The weights fix the activation; the FFN kinds of that activation share one layout.
+        allowed = sorted(k for k, act in _KIND_TO_ACT.items() if act == _KIND_TO_ACT[kind])
+        if cfg.model.ffn_kind not in allowed:
+            raise ValueError(f"--set model.ffn_kind={cfg.model.ffn_kind}: {flag}'s checkpoint has the activation "
+                             f"{_KIND_TO_ACT[kind]!r}, so the FFN kind is one of {allowed}")
+        kind = cfg.model.ffn_kind
     new_model = dataclasses.replace(cfg.model, **{f: getattr(model, f) for f in ARCHITECTURE_FIELDS},
-                                    ffn_kind=model.ffn_kind,
+                                    ffn_kind=kind,
                                     max_seq_len=cfg.model.max_seq_len if keep_seq else model.max_seq_len)
     data = cfg.data
     if imported.tokenizer is not None:
@@ -250,10 +260,8 @@ def _train(args: argparse.Namespace, result_out: TextIO) -> None:
     else:
         from twell_jax.model import split_model
 
-        from twell_jax.training.train import default_run_dir
-
-        result = _init_from_trainer()(cfg, out or default_run_dir(cfg), init_params=split_model(imported.model)[1],
-                                      overwrite=args.overwrite).run()
+        result = train(cfg, out, trainer_cls=_init_from_trainer(), init_params=split_model(imported.model)[1],
+                       overwrite=args.overwrite)
     summary = {k: result.summary[k] for k in ("val_loss", "val_perplexity", "val_l0_mean", "val_sparsity",
                                               "tokens_per_s")}
     summary["run_dir"] = str(result.run_dir.absolute())
@@ -287,15 +295,20 @@ def _dry_run(args: argparse.Namespace, cfg: config_lib.ExperimentConfig, target:
     import jax
 
     from twell_jax.data import build_experiment_data
+    from twell_jax.training import checkpoint as ckpt_lib
     from twell_jax.training import parallel
+    from twell_jax.training.train import checked_run_config, with_saved_tokenizer
 
+    # The run's own checks (schedule, op config, resumable checkpoint, what --out holds): a dry run
+    # that passes is a run that starts. Without --out the run gets a new directory.
+    cfg = checked_run_config(cfg, target, resume=args.resume, overwrite=args.overwrite)[0]
     tc = cfg.train
     devices = parallel.mesh_size(parallel.make_mesh(tc.num_devices))
     accum = parallel.check_batch_layout(tc.global_batch, tc.micro_batch, devices)
-    data = build_experiment_data(cfg)  # the corpus, tokenizer and splits, checked as training checks them
+    # The corpus, tokenizer and splits, checked as training checks them (a resume reads the run's tokenizer).
+    data = build_experiment_data(with_saved_tokenizer(cfg, target) if args.resume else cfg)
     state = ("continues the run there" if args.resume else "new (a fresh runs/<name>-<timestamp>)" if target is None
-             else "not empty: refused unless it is a twell run and --overwrite is given"
-             if target.is_dir() and any(target.iterdir()) else "new")
+             else "holds a twell run, which --overwrite replaces" if ckpt_lib.holds_a_run(target) else "new")
     plan = {"config": cfg.name, "run_dir": str(target.absolute()) if target else None, "run_dir_state": state,
             "parameters": _param_count(cfg.model), "steps": tc.steps,
             "tokens_per_step": tc.global_batch * cfg.seq_len, "devices": devices,
@@ -331,14 +344,20 @@ def _eval(args: argparse.Namespace, out: TextIO) -> None:
 
 
 def _compare(args: argparse.Namespace, out: TextIO) -> None:
-    from twell_jax.compare import main_from_args, markdown_table
+    from twell_jax.compare import PLAN_FILE, main_from_args, markdown_table
 
     if args.print_config:
+        if args.resume:  # the base config would be tiny's, not the study's
+            raise ValueError(f"--print-config shows a new study's config; the configs of the comparison being "
+                             f"resumed are in {Path(args.out or 'DIR') / PLAN_FILE}")
         out.write(config_lib.to_json(_load_config(args.config or "tiny", args.set)) + "\n")
         return
     report = main_from_args(args, _load_config)
-    if report is not None:  # None: --dry-run
-        _emit(out, args, report, lambda: markdown_table(report["runs"]))
+    if report.get("dry_run"):
+        if args.json:  # the plan (without --json it was printed on stderr)
+            _emit(out, args, report, str)
+        return
+    _emit(out, args, report, lambda: markdown_table(report["runs"]))
 
 
 def _hf(args: argparse.Namespace, out: TextIO) -> None:

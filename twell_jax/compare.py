@@ -61,6 +61,12 @@ def study_runs(cfg: ExperimentConfig, *, l1_values: list[float] | None = None, d
     bad = [v for v in l1_values if not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0)]
     if bad or len(set(l1_values)) != len(l1_values):
         raise ValueError(f"--l1 {l1_values}: expected distinct finite L1 coefficients >= 0")
+    # Each run's directory is named by l1_key (6 significant digits): values it cannot tell apart
+    # would share one directory.
+    keys = [l1_key(v, False) for v in l1_values]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"--l1 {l1_values}: {sorted({k for k in keys if keys.count(k) > 1})} name several of these "
+                         "values (run directories carry 6 significant digits); give values that differ there")
     sparsity = cfg.sparsity
     if l1_warmup_steps is not None:
         if l1_warmup_steps < 0:
@@ -113,10 +119,15 @@ def load_plan(out_dir: Path) -> tuple[list[StudyRun], dict[str, Any]]:
     """(the runs, the study options) saved in `out_dir`'s plan."""
     from twell_jax.training import checkpoint as ckpt_lib
 
-    plan = ckpt_lib.read_json_file(out_dir / PLAN_FILE, "comparison plan")
-    if plan.get("version") != PLAN_VERSION:
-        raise ValueError(f"{out_dir / PLAN_FILE}: version {plan.get('version')!r}, expected {PLAN_VERSION}")
-    return [StudyRun(r["key"], config_lib.from_dict(r["config"])) for r in plan["runs"]], plan["options"]
+    path = out_dir / PLAN_FILE
+    plan = ckpt_lib.read_json_file(path, "comparison plan")
+    version = plan.get("version") if isinstance(plan, dict) else None
+    if version != PLAN_VERSION:
+        raise ValueError(f"{path}: version {version!r}, expected {PLAN_VERSION}")
+    try:
+        return [StudyRun(r["key"], config_lib.from_dict(r["config"])) for r in plan["runs"]], plan["options"]
+    except (KeyError, TypeError, ValueError) as err:  # a damaged or hand-edited plan
+        raise ValueError(f"{path}: not a valid comparison plan ({type(err).__name__}: {err})") from None
 
 
 def resumed_runs(out_dir: Path, overrides: list[str], options: dict[str, Any]) -> list[StudyRun]:
@@ -227,7 +238,8 @@ def run_report(run: StudyRun, run_dir: Path) -> dict[str, Any]:
 
 
 def write_report(runs: list[StudyRun], out_dir: Path, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """compare.json, compare.md and compare.png from the runs' own files; the table is echoed."""
+    """compare.json, compare.md and compare.png from the runs' own files; returns the report (the
+    `twell compare` command prints its table on stdout)."""
     rows = [run_report(run, out_dir / run.key) for run in runs]
     twin = rows[0]
     for row in rows:
@@ -347,8 +359,9 @@ def compare(cfg: ExperimentConfig, out_dir: str | Path, *, l1_values: list[float
 
 
 def main_from_args(args: argparse.Namespace, load_config: Callable[[str, list[str]], ExperimentConfig],
-                   echo: Callable[[str], None] = print) -> dict[str, Any] | None:
-    """`twell compare`: plan (or, with --resume, reload) the study, then train and report it."""
+                   echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """`twell compare`: plan (or, with --resume, reload) the study, then train and report it; with
+    --dry-run only plan it ({"dry_run": True, "out_dir", "plan": what compare_plan.json would hold})."""
     options = dict(l1_values=args.l1, dense_kind=args.dense_kind, reinit=args.reinit_dead,
                    l1_warmup_steps=args.l1_warmup_steps)
     if args.resume:
@@ -374,5 +387,5 @@ def main_from_args(args: argparse.Namespace, load_config: Callable[[str, list[st
              f"{run.cfg.sparsity.l1_warmup_end}), reinit_dead {run.cfg.sparsity.reinit_dead}")
     if args.dry_run:
         echo("[twell] compare: --dry-run: nothing trained")
-        return None
+        return {"dry_run": True, "out_dir": str(out.absolute()), "plan": _plan_dict(runs, options)}
     return run_study(runs, out, resume=args.resume, options=options, echo=echo)

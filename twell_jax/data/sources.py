@@ -214,7 +214,7 @@ def listing_fingerprint(cfg: DataConfig, files: list[SourceFile]) -> dict[str, A
     for source_file in files:
         stat = os.stat(source_file.path)
         listing.append([os.path.abspath(source_file.path), stat.st_size, stat.st_mtime_ns])
-    return {
+    fingerprint = {
         "version": LISTING_FORMAT_VERSION,
         "source": cfg.source,
         "listing": listing,
@@ -225,6 +225,9 @@ def listing_fingerprint(cfg: DataConfig, files: list[SourceFile]) -> dict[str, A
         "val_fraction": cfg.val_fraction,
         "split_seed": cfg.split_seed,
     }
+    if cfg.include:  # the same files listed by patterns give other documents (duplicates dropped): another cache
+        fingerprint["dedups_documents"] = True
+    return fingerprint
 
 
 def select_validation(num_items: int, cfg: DataConfig, what: str = "document") -> np.ndarray:

@@ -71,13 +71,14 @@ def run_generate(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict[str
     generator = loaded._generator = loaded._generator or Generator(loaded)
     # Encode and fit every prompt before anything is printed: a bad prompt stops here.
     try:
-        ids = generator.fit_prompts(generator.encode(prompts), args.max_new_tokens, args.truncate_prompt)
+        encoded = generator.encode(prompts)
+        ids = generator.fit_prompts(encoded, args.max_new_tokens, args.truncate_prompt)
     except ValueError as err:  # the library's argument names, as the command line spells them
         raise ValueError(str(err).replace("max_new_tokens=", "--max-new-tokens ").replace("prompt ", "--prompt ", 1)
                          ) from None
     shown = []
-    for i, (prompt, kept) in enumerate(zip(prompts, ids)):
-        full = len(generator.encode([prompt])[0])
+    for i, (prompt, full_ids, kept) in enumerate(zip(prompts, encoded, ids)):
+        full = len(full_ids)
         if len(kept) < full:
             print(f"[twell] generate: prompt {i} truncated to its last {len(kept)} of {full} tokens "
                   "(--truncate-prompt left)", file=sys.stderr)

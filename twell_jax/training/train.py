@@ -136,6 +136,34 @@ def check_op_config(cfg: ExperimentConfig) -> None:
         raise ValueError(f"model.ffn_op_config={cfg.model.ffn_op_config!r}: {err}") from None
 
 
+def checked_run_config(cfg: ExperimentConfig, run_dir: Path | None, *, resume: bool,
+                       overwrite: bool) -> tuple[ExperimentConfig, ExperimentConfig | None]:
+    """The checks a run makes before it touches anything (what `twell train --dry-run` runs too):
+    (the config to train with, its schedule fixed; the saved config of the run resumed, or None).
+    A resume needs a checkpoint in `run_dir` and a compatible config; a new run a `run_dir` it may
+    use (`checkpoint.check_new_run_dir`; None: a new runs/<name>-<time>)."""
+    check_op_config(cfg)
+    check_run_name(cfg.name)
+    if not resume:
+        cfg = config_lib.with_fixed_schedule(cfg)
+        check_schedule_covers_steps(cfg, resume=False)
+        if run_dir is not None:
+            ckpt_lib.check_new_run_dir(run_dir, overwrite=overwrite)  # raises, naming the directory
+        return cfg, None
+    if run_dir is None:
+        raise ValueError("--resume needs --out DIR (the run directory to continue)")
+    ckpt_dir = run_dir / ckpt_lib.CHECKPOINT_SUBDIR
+    if not ckpt_lib.has_steps(ckpt_dir):
+        raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir.absolute()} (is --out the run "
+                                "directory of the run to continue?)")
+    saved = ckpt_lib.load_run_config(run_dir)
+    if not cfg.optim.schedule_steps:  # keep the run's schedule unless one is asked for
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, schedule_steps=saved.schedule_steps))
+    ckpt_lib.check_compatible(config_lib.to_dict(saved), cfg)
+    check_schedule_covers_steps(cfg, resume=True)
+    return cfg, saved
+
+
 def dead_window(cfg: ExperimentConfig) -> int:
     """Tokens without firing after which a neuron counts as dead (default: one optimizer step)."""
     return cfg.sparsity.dead_window_tokens or cfg.train.global_batch * cfg.seq_len
@@ -352,23 +380,7 @@ class Trainer:
         self.hooks = hooks or Hooks()
         self.store = None
         self.step_builds = 0  # how many times the train step was compiled in this process
-        check_op_config(cfg)
-        check_run_name(cfg.name)
-        if resume:
-            ckpt_dir = self.run_dir / ckpt_lib.CHECKPOINT_SUBDIR
-            if not ckpt_lib.has_steps(ckpt_dir):
-                raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir.absolute()} (is --out the run "
-                                        "directory of the run to continue?)")
-            saved = ckpt_lib.load_run_config(self.run_dir)
-            if not cfg.optim.schedule_steps:  # keep the run's schedule unless one is asked for
-                cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, schedule_steps=saved.schedule_steps))
-            ckpt_lib.check_compatible(config_lib.to_dict(saved), cfg)
-            check_schedule_covers_steps(cfg, resume=True)
-            self._saved_cfg = saved
-        else:
-            cfg = config_lib.with_fixed_schedule(cfg)
-            check_schedule_covers_steps(cfg, resume=False)
-            ckpt_lib.check_new_run_dir(self.run_dir, overwrite=overwrite)  # raises, naming the directory
+        cfg, self._saved_cfg = checked_run_config(cfg, self.run_dir, resume=resume, overwrite=overwrite)
         # One process at a time in a run directory (multi-host runs: the lead process holds it).
         created = not self.run_dir.exists()
         self._lock = ckpt_lib.RunLock(self.run_dir, warn=echo) if jax.process_index() == 0 else None
@@ -813,12 +825,13 @@ def with_saved_tokenizer(cfg: ExperimentConfig, run_dir: str | Path) -> Experime
 
 
 def train(cfg: ExperimentConfig, run_dir: str | Path | None = None, *, resume: bool = False,
-          echo: Callable[[str], None] = print, **kwargs: Any) -> TrainResult:
-    """Convenience wrapper: build a Trainer for `cfg` and run it (kwargs go to `Trainer`)."""
+          echo: Callable[[str], None] = print, trainer_cls: type[Trainer] = Trainer, **kwargs: Any) -> TrainResult:
+    """Convenience wrapper: build a `trainer_cls` (a Trainer) for `cfg` and run it (kwargs go to it);
+    run_dir None reserves a new runs/<name>-<time>, removed again if the run fails before using it."""
     reserved = run_dir is None
     run_dir = default_run_dir(cfg) if reserved else Path(run_dir)
     try:
-        return Trainer(cfg, run_dir, resume=resume, echo=echo, **kwargs).run()
+        return trainer_cls(cfg, run_dir, resume=resume, echo=echo, **kwargs).run()
     except BaseException:
         if reserved and run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()  # the directory default_run_dir reserved, unused
