@@ -59,7 +59,9 @@ def test_pallas_trains_the_dense_model(curves):
     np.testing.assert_allclose(pallas["ce"], dense["ce"], rtol=LOSS_RTOL)
     np.testing.assert_allclose(pallas["val_loss"], dense["val_loss"], rtol=LOSS_RTOL)
     np.testing.assert_allclose(pallas["active"], dense["active"], rtol=ACTIVE_RTOL)
-    assert not pallas["fallback"].any() and (pallas["tail_rows"] > 0).all() and not dense["fallback"].any()
+    # The kernels ran: no call of the pallas run fell back to the dense formula, and its backward
+    # had dense tails to handle (the op's dense backend reports neither, so only pallas is checked).
+    assert not pallas["fallback"].any() and (pallas["tail_rows"] > 0).all()
     # The run learns and the L1 acts, so agreeing is not agreeing on nothing.
     assert dense["ce"][-1] < dense["ce"][0]
     assert 0 < dense["active"].min() and dense["active"][-1].mean() < dense["active"][0].mean()

@@ -142,7 +142,7 @@ def test_sigterm_names_the_resume_command(interrupted_then_resumed):
     assert left == [compare_lib.PLAN_FILE, "dense", "twell-l1-0"]  # no report, the third run not started
     for code, _, err in refused:
         assert code == 2
-    assert "differ (leave the study options out" in refused[0][2]
+    assert "differ (leave the study options out" in refused[0][2] and "; --l1 [0.005] differ" in refused[0][2]
     assert "--set model.d_ff: cannot change when resuming a comparison" in refused[1][2]
     assert "holds a comparison: continue it with --resume" in refused[2][2]
     assert "--config 'micro': leave it out with --resume" in refused[3][2]
@@ -182,3 +182,20 @@ def test_report_table_json_and_plot(interrupted_then_resumed):
         assert sum(all(c in line for c in cells) for line in text.splitlines()) == 1
     assert rows["twell-l1-0.001"]["l1_coef"] == 1e-3 and rows["dense"]["ffn_kind"] == "relu_gated"
     assert (out / "compare.png").stat().st_size > 10_000
+
+
+
+def test_default_out_is_reserved_per_study(tmp_path, monkeypatch):
+    """A study without --out reserves runs/compare-<name>-<time>[-n] atomically: two started in the
+    same second get two directories (each keeps its plan, to be continued with --resume)."""
+    import time as time_module
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time_module, "strftime", lambda fmt, *a: "20260101-000000")
+    failing = ["compare", "--config", "micro", "--set", f"data.source={tmp_path / 'no_such_corpus.jsonl'}"]
+    for _ in range(2):
+        code, _, err = _run_cli(failing)
+        assert code == 2 and "no_such_corpus" in err, err
+    made = sorted(p.name for p in (tmp_path / "runs").glob("compare-*"))
+    assert made == ["compare-micro-20260101-000000", "compare-micro-20260101-000000-2"]
+    assert all((tmp_path / "runs" / name / "compare_plan.json").is_file() for name in made)

@@ -136,7 +136,11 @@ def resumed_runs(out_dir: Path, overrides: list[str], options: dict[str, Any]) -
     runs, saved = load_plan(out_dir)
     changed = {k: v for k, v in options.items() if v is not None and v != saved.get(k)}
     if changed:
-        raise ValueError(f"--resume: {out_dir} was planned with {saved}; {changed} differ (leave the study "
+        flag = {"l1_values": "--l1", "dense_kind": "--dense-kind", "reinit": "--reinit-dead",
+                "l1_warmup_steps": "--l1-warmup-steps"}
+        planned = ", ".join(f"{flag.get(k, k)} {v}" for k, v in saved.items())
+        given = ", ".join(f"{flag.get(k, k)} {v}" for k, v in changed.items())
+        raise ValueError(f"--resume: {out_dir} was planned with {planned}; {given} differ (leave the study "
                          "options out when resuming)")
     fixed = sorted({o.split("=", 1)[0].strip() for o in overrides} - config_lib.RESUMABLE_FIELDS)
     if fixed:
@@ -375,8 +379,15 @@ def main_from_args(args: argparse.Namespace, load_config: Callable[[str, list[st
         runs = resumed_runs(out, args.set, options)
     else:
         cfg = load_config(args.config or "tiny", args.set)
-        out = Path(args.out) if args.out else Path("runs") / f"compare-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         runs = study_runs(cfg, **options)
+        if args.out:
+            out = Path(args.out)
+        elif args.dry_run:  # nothing is written: the name a real run would start from
+            out = Path("runs") / f"compare-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        else:  # reserved atomically, so two studies started in the same second never share one
+            from twell_jax.training.train import default_run_dir
+
+            out = default_run_dir(dataclasses.replace(cfg, name=f"compare-{cfg.name}"))
         check_out_dir(out, resume=False)
     first = runs[0].cfg
     echo(f"[twell] compare: {len(runs)} runs of {first.train.steps} steps x {first.train.global_batch} x "
@@ -388,4 +399,9 @@ def main_from_args(args: argparse.Namespace, load_config: Callable[[str, list[st
     if args.dry_run:
         echo("[twell] compare: --dry-run: nothing trained")
         return {"dry_run": True, "out_dir": str(out.absolute()), "plan": _plan_dict(runs, options)}
-    return run_study(runs, out, resume=args.resume, options=options, echo=echo)
+    try:
+        return run_study(runs, out, resume=args.resume, options=options, echo=echo)
+    except BaseException:
+        if not args.resume and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # a study that failed before writing anything leaves no directory behind
+        raise
