@@ -105,16 +105,23 @@ def test_plan_key_groups_what_traces_alike(monkeypatch):
     assert ops.plan_key(True, "pallas", None, shape) != ops.plan_key(True, "pallas", None, shape, interpret=True)
 
 
-def test_cost_models_are_keyed_by_device_kind_with_a_fallback():
+def test_cost_models_are_keyed_by_device_kind_with_a_fallback(monkeypatch):
     assert planner.device_kind("NVIDIA H100 80GB HBM3") == "H100"
     assert planner.device_kind("NVIDIA H200") == planner.FALLBACK_KIND  # no fit of its own yet
     assert planner.device_kind("cpu") == planner.FALLBACK_KIND
     for costs in planner.COST_MODELS.values():
         for part in (costs.forward, costs.backward, costs.decode):
             assert part.fit.date and part.fit.gpu and part.fit.command
-    args = (16384, 2048, 5632, 29.0, True)
-    assert (planner.choose_training_path(*args, kind="NVIDIA H100 80GB HBM3")
-            == planner.choose_training_path(*args, kind="some future GPU"))
+    # A kind with its own models gets them; any other kind the fallback's. A second entry whose
+    # sparse backward costs 1000x more makes the two lookups give different plans.
+    args = (16384, 2048, 5632, 5.0, True)  # a trained layer's activity: the H100 models plan it sparse
+    slow = dataclasses.replace(planner.H100, backward=dataclasses.replace(planner.H100.backward, bwd_fixed_ms=1e3))
+    monkeypatch.setitem(planner.COST_MODELS, "B200", slow)
+    assert planner.device_kind("NVIDIA B200") == "B200" and planner.costs("NVIDIA B200") is slow
+    assert planner.choose_training_path(*args, kind="NVIDIA H100 80GB HBM3")[1] is True  # sparse backward
+    assert planner.choose_training_path(*args, kind="NVIDIA B200")[1] is False
+    assert (planner.choose_training_path(*args, kind="some future GPU")
+            == planner.choose_training_path(*args, kind="NVIDIA H100 80GB HBM3"))
 
 
 def test_one_tail_rule_for_telemetry_reference_and_pallas():

@@ -229,6 +229,18 @@ def test_hf_export_import_eval_and_fine_tuning_from_the_command_line(compared, t
                                                       "tokenizer.json"]
     code, out, _ = _run(["hf", "import", str(exported), "--json"], capsys)
     assert code == 0 and json.loads(out)["model"]["n_layers"] == 2
+    # An export into a non-empty directory is refused before the checkpoint is loaded.
+    from twell_jax.inference import load as load_lib
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the checkpoint was loaded before --out was checked")
+
+    original, load_lib.load_run = load_lib.load_run, no_load
+    try:
+        code, _, err = _run(["hf", "export", "--checkpoint", str(run), "--out", str(exported)], capsys)
+    finally:
+        load_lib.load_run = original
+    assert code == 2 and "is not an empty directory" in err, err
     code, out, _ = _run(["eval", "--hf", str(exported), "--json", "--set", f"data.cache_dir={cache_dir}",
                          "train.eval_batches=1"], capsys)
     assert code == 0 and json.loads(out)["loss"] > 0

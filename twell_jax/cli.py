@@ -375,10 +375,11 @@ def _hf(args: argparse.Namespace, out: TextIO) -> None:
             f"use it with: twell eval --hf {args.path} ... | twell generate --hf {args.path} ... | "
             f"twell train --init-from {args.path} ..."))
     else:  # export
-        from twell_jax.inference.hf import export_hf
+        from twell_jax.inference.hf import check_export_dir, export_hf
         from twell_jax.inference.load import load_run
 
         run_dir, step = checkpoint_arg(args.checkpoint, args.step)
+        check_export_dir(args.out)  # before the checkpoint is loaded
         loaded = load_run(run_dir, step=step, dtype="float32")
         written = export_hf(loaded, args.out, dtype=args.dtype)
         files = sorted(p.name for p in written.iterdir())

@@ -283,6 +283,15 @@ def hf_tensors_from_params(params: dict[str, Any], cfg: ModelConfig) -> dict[str
     return out
 
 
+def check_export_dir(out_dir: str | Path) -> Path:
+    """`out_dir` as a Path when an export may write there (it does not exist, or is an empty
+    directory); a FileExistsError naming it otherwise. Callers check before loading a model."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise FileExistsError(f"{out_dir} exists and is not an empty directory; refusing to overwrite it")
+    return out_dir
+
+
 def export_hf(model: LoadedModel | Transformer, out_dir: str | Path, *, cfg: ModelConfig | None = None,
               tokenizer: Any = None, dtype: str = "float32") -> Path:
     """Write `out_dir` = config.json + generation_config.json + model.safetensors (+ tokenizer.json)
@@ -300,9 +309,7 @@ def export_hf(model: LoadedModel | Transformer, out_dir: str | Path, *, cfg: Mod
         module, eos_id = model, None
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise FileExistsError(f"{out_dir} exists and is not an empty directory; refusing to overwrite it")
+    out_dir = check_export_dir(out_dir)
     if eos_id is None and tokenizer is not None:
         eos_id = tokenizer.token_to_id("<|endoftext|>")
     hf = hf_config_from_model(cfg, eos_id=eos_id, dtype=dtype)  # first: refuses kinds without a Llama layout
