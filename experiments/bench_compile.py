@@ -22,14 +22,10 @@ from typing import Any
 import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-from twell_jax.bench.step import build_step, variant_config  # noqa: E402
+from twell_jax.bench.step import DRY_RUN_SETS, build_step, variant_config  # noqa: E402
 from twell_jax.configs import get_config  # noqa: E402
 from twell_jax import config as config_lib  # noqa: E402
 from twell_jax.model import init_model, split_model  # noqa: E402
-
-DRY_RUN_SETS = ["model.vocab_size=300", "model.d_model=32", "model.n_heads=2", "model.d_ff=64",
-                "model.max_seq_len=16", "data.vocab_size=300", "data.seq_len=16", "model.compute_dtype=float32"]
-
 
 def measure(base: config_lib.ExperimentConfig, kind: str, backend: str | None, micro_batch: int) -> dict[str, Any]:
     """One (preset, variant): init and step compile seconds, lowered size, first step seconds."""

@@ -308,7 +308,7 @@ def model_prediction(m: int, d: int, h: int, auto_cfg: ops.SparseFFNConfig, item
     """The planner's cost-model figures (ms; planner.COST_MODELS) for this shape at auto_cfg's hints
     (mean k and tails), and the plan "auto" compiles."""
     k = auto_cfg.expected_active_per_token
-    keep = (auto_cfg.backward or pallas_backward.BackwardConfig()).keep_gate_pattern
+    keep = auto_cfg.keeps_gate_pattern
     fwd, bwd = planner.sparse_times_ms(m, d, h, k, True, itemsize=itemsize, keep_pattern=keep,
                                                config=auto_cfg)
     _, bwd_recompute = planner.sparse_times_ms(m, d, h, k, True, itemsize=itemsize,

@@ -183,6 +183,12 @@ class SparseFFNConfig:
             raise ValueError("SparseFFNConfig.expected_active_per_token must be None or a number >= 0, "
                              f"got {expected!r}")
 
+    @property
+    def keeps_gate_pattern(self) -> bool:
+        """Whether the Pallas training forward keeps its TwELL pack for the backward
+        (`backward.keep_gate_pattern`; without a BackwardConfig, its default: True)."""
+        return True if self.backward is None else self.backward.keep_gate_pattern
+
     def tail_capacity(self, n_tokens: int) -> int:
         """Tail rows of the token-major hybrid for a call with n_tokens tokens."""
         return _resolve_capacity(self.tail_rows, n_tokens)

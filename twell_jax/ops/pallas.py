@@ -61,9 +61,8 @@ def _pallas_backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: ja
 def _pallas_cost(shape: tuple[int, int, int, int], config: SparseFFNConfig, gated: bool) -> tuple[float, float]:
     m, d, h, itemsize = shape
     k = config.expected_active_per_token
-    keep = config.backward.keep_gate_pattern if config.backward is not None else True
     return planner.sparse_times_ms(m, d, h, 0.0 if k is None else k, gated, itemsize=itemsize,
-                                   keep_pattern=keep, config=config)
+                                   keep_pattern=config.keeps_gate_pattern, config=config)
 
 
 def _decode_forward(gated: bool, x_MxD: jax.Array, weights: Weights, config: SparseFFNConfig,

@@ -396,9 +396,8 @@ def auto_plan(gated: bool, interpret: bool, config: SparseFFNConfig,
                           check_finite=config.check_finite):
         # Decode sizes (a few tokens per call): the work spread over the active neurons.
         return Plan(gated, "decode", "dense", interpret)
-    keep_pattern = config.backward.keep_gate_pattern if config.backward is not None else True
     fwd_sparse, bwd_sparse = choose_training_path(m, d_model, n_neurons, hint, gated, itemsize=itemsize,
-                                                  keep_pattern=keep_pattern, config=config)
+                                                  keep_pattern=config.keeps_gate_pattern, config=config)
     if not (fwd_sparse or bwd_sparse):
         # The dense plan IS the "dense" backend (plain autodiff keeps its activations), unless the
         # config asks for the dense formula inside the custom_vjp, which recomputes them.
