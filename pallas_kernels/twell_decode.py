@@ -149,14 +149,16 @@ def compact_active_reference(active_H: jax.Array) -> tuple[jax.Array, jax.Array]
 # hidden and down
 # ----------------------------------------------------------------------------------------------
 
-def _hidden_kernel(n_ref, order_ref, x_ref, g_ref, w_up_ref, h_ref, *, m: int, d: int,
+def _hidden_kernel(n_ref, base_ref, order_ref, x_ref, g_ref, w_up_ref, h_ref, *, m: int, d: int,
                    capacity: int, block_k: int, n_k: int, precision: lax.Precision) -> None:
     """Program (c, i): neurons order[c*BN : (c+1)*BN] x tokens [i*BM, (i+1)*BM).
-    Refs: n [1], order [BN], x [M, D], g [M, H], w_up [H, D] (the last three whole), h [BM, BN]."""
+    Refs: n [1], base [1] (the weight rows' offset: layer * H in a stack), order [BN], x [M, D],
+    g [M, H], w_up [(L*)H, D] (the last three whole), h [BM, BN]."""
     block_m, block_n = h_ref.shape
     chunk, row_block = pl.program_id(0), pl.program_id(1)
     # Entries past the capacity are never read.
     n = jnp.minimum(jnp.max(n_ref[...]), jnp.int32(capacity)).astype(jnp.int32)
+    base = jnp.max(base_ref[...]).astype(jnp.int32)
     j_BN = order_ref[...]
     live_BN = chunk * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0) < n
     rows_BM = row_block * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
@@ -171,7 +173,7 @@ def _hidden_kernel(n_ref, order_ref, x_ref, g_ref, w_up_ref, h_ref, *, m: int, d
         # neurons, rows >= M, columns >= D) move no bytes, so x and the weights need no padding.
         x_BMxBK = plgpu.load(x_ref.at[rows_BM[:, None], cols_BK[None, :]],
                              mask=row_ok_BM[:, None] & col_ok_BK[None, :], other=0)
-        u_BNxBK = plgpu.load(w_up_ref.at[j_BN[:, None], cols_BK[None, :]],
+        u_BNxBK = plgpu.load(w_up_ref.at[(base + j_BN)[:, None], cols_BK[None, :]],
                              mask=live_BN[:, None] & col_ok_BK[None, :], other=0)
         return acc_BMxBN + lax.dot_general(x_BMxBK, u_BNxBK, (((1,), (1,)), ((), ())),
                                            precision=precision, preferred_element_type=jnp.float32)
@@ -187,12 +189,14 @@ def _hidden_kernel(n_ref, order_ref, x_ref, g_ref, w_up_ref, h_ref, *, m: int, d
     h_ref[...] = (jnp.maximum(g_BMxBN, 0.0) * u_BMxBN).astype(h_ref.dtype)
 
 
-def _down_kernel(n_ref, order_ref, h_ref, w_down_ref, y_ref, *, d: int, capacity: int,
+def _down_kernel(n_ref, base_ref, order_ref, h_ref, w_down_ref, y_ref, *, d: int, capacity: int,
                  block_h: int, precision: lax.Precision) -> None:
     """Program (j, i): output columns [j*BD, (j+1)*BD) x tokens [i*BM, (i+1)*BM).
-    Refs: n [1], order [>= C] (whole), h [BM, C], w_down [H, D] (whole), y [BM, BD]."""
+    Refs: n [1], base [1] (as `_hidden_kernel`), order [>= C] (whole), h [BM, C],
+    w_down [(L*)H, D] (whole), y [BM, BD]."""
     block_m, block_d = y_ref.shape
     n = jnp.minimum(jnp.max(n_ref[...]), jnp.int32(capacity)).astype(jnp.int32)
+    base = jnp.max(base_ref[...]).astype(jnp.int32)
     cols_BD = pl.program_id(0) * block_d + lax.broadcasted_iota(jnp.int32, (block_d,), 0)
     step_BH = lax.broadcasted_iota(jnp.int32, (block_h,), 0)
 
@@ -200,7 +204,7 @@ def _down_kernel(n_ref, order_ref, h_ref, w_down_ref, y_ref, *, d: int, capacity
         j_BH = order_ref[pl.ds(t * block_h, block_h)]
         live_BH = t * block_h + step_BH < n
         h_BMxBH = h_ref[:, pl.ds(t * block_h, block_h)]  # zero past n (written so by `hidden`)
-        w_BHxBD = plgpu.load(w_down_ref.at[j_BH[:, None], cols_BD[None, :]],
+        w_BHxBD = plgpu.load(w_down_ref.at[(base + j_BH)[:, None], cols_BD[None, :]],
                              mask=live_BH[:, None] & (cols_BD < d)[None, :], other=0)
         return acc_BMxBD + lax.dot_general(h_BMxBH, w_BHxBD, (((1,), (0,)), ((), ())),
                                            precision=precision, preferred_element_type=jnp.float32)
@@ -240,7 +244,7 @@ def validate_decode_args(x_MxD, g_MxH, order, n_active, w_up_HxD, w_down_HxD, ca
 @functools.partial(jax.jit, static_argnames=("capacity", "block_sizes", "interpret", "debug"))
 def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array, n_active: jax.Array,
                       w_up_HxD: jax.Array | None, w_down_HxD: jax.Array, *,
-                      capacity: int | None = None,
+                      capacity: int | None = None, layer: jax.Array | None = None,
                       block_sizes: DecodeBlockSizes = DecodeBlockSizes(), interpret: bool = False,
                       debug: bool = False) -> tuple[jax.Array, jax.Array]:
     """Sparse FFN over the active-neuron list: returns (h [M, C] in x's dtype, y [M, D]).
@@ -248,9 +252,25 @@ def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array, n_ac
     g_MxH: fp32 pre-activation of the gate (gated) or of the up projection (non-gated,
     w_up_HxD=None). order, n_active: `compact_active`'s partition and active count. Only
     order[:min(n, C)] is read, C = capacity (static; None = len(order)); h is 0 beyond. Any M, D, H.
+    `layer` (int32 [1]): the weights are stacks [L, H, D] read in place at that layer (the decode
+    loop over stacked layers: no copy of the layer's rows).
     """
     capacity = order.shape[0] if capacity is None else capacity
-    validate_decode_args(x_MxD, g_MxH, order, n_active, w_up_HxD, w_down_HxD, capacity, block_sizes)
+    base = jnp.zeros((1,), jnp.int32)
+    if layer is not None:
+        if layer.shape != (1,) or layer.dtype != jnp.int32:
+            raise ValueError(f"layer must be int32 [1], got {layer.dtype}{layer.shape}")
+        if w_down_HxD.ndim != 3 or (w_up_HxD is not None and w_up_HxD.shape != w_down_HxD.shape):
+            raise ValueError(f"with layer, w_up and w_down must be stacks [L, H, D], got "
+                             f"{None if w_up_HxD is None else w_up_HxD.shape} and {w_down_HxD.shape}")
+        one = lambda w: None if w is None else jax.ShapeDtypeStruct(w.shape[1:], w.dtype)  # noqa: E731
+        validate_decode_args(x_MxD, g_MxH, order, n_active, one(w_up_HxD), one(w_down_HxD), capacity,
+                             block_sizes)
+        base = layer * w_down_HxD.shape[1]
+        flat = lambda w: None if w is None else w.reshape(-1, w.shape[-1])  # noqa: E731
+        w_up_HxD, w_down_HxD = flat(w_up_HxD), flat(w_down_HxD)
+    else:
+        validate_decode_args(x_MxD, g_MxH, order, n_active, w_up_HxD, w_down_HxD, capacity, block_sizes)
     m, d = x_MxD.shape
     bm = block_sizes.block_m(m)
     m_pad = round_up(m, bm)
@@ -262,7 +282,7 @@ def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array, n_ac
             functools.partial(_hidden_kernel, m=m, d=d, capacity=capacity, block_k=bk,
                               n_k=-(-d // bk), precision=precision),
             grid=(capacity // bn, m_pad // bm),
-            in_specs=[n_spec,
+            in_specs=[n_spec, n_spec,
                       pl.BlockSpec((bn,), lambda c, i: (c,)),
                       pl.BlockSpec(x_MxD.shape, lambda c, i: (0, 0)),
                       pl.BlockSpec(g_MxH.shape, lambda c, i: (0, 0)),
@@ -273,7 +293,7 @@ def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array, n_ac
             interpret=interpret,
             debug=debug,
             name="twell_decode_hidden",
-        )(n_active, order, x_MxD, g_MxH, w_up_HxD)
+        )(n_active, base, order, x_MxD, g_MxH, w_up_HxD)
     else:
         live_C = jnp.arange(capacity) < n_active[0]
         h_MxC = jnp.where(live_C, jax.nn.relu(jnp.take(g_MxH, order[:capacity], axis=1)), 0.0)
@@ -284,7 +304,7 @@ def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array, n_ac
         functools.partial(_down_kernel, d=d, capacity=capacity, block_h=block_sizes.block_h,
                           precision=precision),
         grid=(d_out // bd, m_pad // bm),
-        in_specs=[n_spec,
+        in_specs=[n_spec, n_spec,
                   pl.BlockSpec(order.shape, lambda j, i: (0,)),
                   pl.BlockSpec((bm, capacity), lambda j, i: (i, 0)),
                   pl.BlockSpec(w_down_HxD.shape, lambda j, i: (0, 0))],
@@ -294,7 +314,7 @@ def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array, n_ac
         interpret=interpret,
         debug=debug,
         name="twell_decode_down",
-    )(n_active, order, h_MpxC, w_down_HxD)
+    )(n_active, base, order, h_MpxC, w_down_HxD)
     # Slices of the padded outputs: XLA fuses them into their consumers.
     return h_MpxC[:m], y_MpxDp[:m, :d]
 

@@ -21,6 +21,12 @@ from twell_jax.ops import BACKENDS as FFN_BACKENDS  # the op registry's backend 
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+# How a one-token decode step runs (model.decode_kernels; twell_jax/model.py, `Transformer.decode`).
+DECODE_KERNELS: dict[str, str] = {
+    "auto": "the Pallas decode kernels where they can run (a GPU), else XLA",
+    "pallas": "the Pallas decode kernels (a GPU, or model.ffn_interpret=true for the interpreter)",
+    "xla": "the model's generic XLA path (the layer scan's decode)",
+}
 # How the layer stack runs layers whose sparse-op plans differ (model.layer_scan); twell_jax/model.py
 # implements them and docs/model.md says how they were chosen.
 LAYER_SCANS: dict[str, str] = {
@@ -174,6 +180,10 @@ class ModelConfig:
     # (compile time flat in depth); n > 1 = n layers per iteration; 0 = all (no loop: compile time
     # grows with depth again, as for an unrolled model).
     layer_unroll: int = 1
+    # A one-token decode step (generation): "auto" = the Pallas decode kernels (fused norm +
+    # matrix-vector products reading the stacked weights in place, the sparse FFN's decode
+    # kernels) where they can run, else XLA; "pallas"; "xla" (DECODE_KERNELS).
+    decode_kernels: Literal["auto", "pallas", "xla"] = "auto"
 
     def __post_init__(self) -> None:
         _check_finite("model", self)
@@ -190,6 +200,7 @@ class ModelConfig:
         _check_choice("model", "compute_dtype", self.compute_dtype, DTYPES)
         _check_choice("model", "attention_impl", self.attention_impl, ATTENTION_IMPLS)
         _check_choice("model", "layer_scan", self.layer_scan, tuple(LAYER_SCANS))
+        _check_choice("model", "decode_kernels", self.decode_kernels, tuple(DECODE_KERNELS))
         if isinstance(self.layer_unroll, bool) or not isinstance(self.layer_unroll, int) or self.layer_unroll < 0:
             raise ValueError(f"model.layer_unroll must be an int >= 0 (0 = every layer), got {self.layer_unroll!r}")
         if isinstance(self.remat, bool):  # configs saved before remat became a policy
@@ -512,7 +523,7 @@ RESUMABLE_FIELDS = frozenset({
     "train.progress_bar", "train.num_devices", "train.micro_batch", "train.fsdp", "train.auto_refresh_every",
     "train.auto_trial_steps", "optim.schedule_steps",
     "model.ffn_backend", "model.ffn_op_config", "model.ffn_interpret", "model.ffn_expected_active",
-    "model.ffn_expected_tails", "model.remat", "model.attention_impl",
+    "model.ffn_expected_tails", "model.remat", "model.attention_impl", "model.decode_kernels",
     "data.source", "data.cache_dir", "data.progress", "data.num_threads", "data.prefetch", "data.tokenize_workers",
 })
 

@@ -41,6 +41,7 @@ from flax import nnx
 
 from twell_jax import ops
 from twell_jax.config import ATTENTION_IMPLS, REMAT_POLICIES, ModelConfig
+from twell_jax.ops.backends import gpu_available
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +75,15 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x_BxSxD: jax.Array) -> jax.Array:
-        x32 = x_BxSxD.astype(jnp.float32)
-        inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-        return (x32 * inv_rms * self.scale[...]).astype(x_BxSxD.dtype)
+        return self.normalize(x_BxSxD, self.scale[...], self.eps)
+
+    @staticmethod
+    def normalize(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+        """The norm of `x` over its last axis with `scale` (the module's formula, for a scale
+        taken from a stack)."""
+        x32 = x.astype(jnp.float32)
+        inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+        return (x32 * inv_rms * scale).astype(x.dtype)
 
 
 def rope(x_BxSxNxK: jax.Array, theta: float, positions_BxS: jax.Array | None = None) -> jax.Array:
@@ -402,6 +409,7 @@ class Transformer(nnx.Module):
         self.gated, self.backend, self.interpret = cfg.kind.gated, cfg.kind.backend(cfg.ffn_backend), cfg.ffn_interpret
         self.d_model, self.d_ff, self.is_swiglu = cfg.d_model, cfg.d_ff, cfg.ffn_kind == "swiglu"
         self.op_configs = tuple(build_op_config(cfg, layer) for layer in range(cfg.n_layers))
+        self.decode_kernels, self.norm_eps, self.rope_theta = cfg.decode_kernels, cfg.norm_eps, cfg.rope_theta
         self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
         self.blocks = _stacked_blocks(cfg, rngs.params())
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -534,6 +542,8 @@ class Transformer(nnx.Module):
             raise ValueError(f"tokens must be [batch, S] with S <= the cache length {length} and batch = the "
                              f"cache's {rows} rows, got shape {tokens_BxS.shape}")
         b, s = tokens_BxS.shape
+        if s == 1 and not all_logits and self._decode_with_kernels():
+            return self._decode_step_kernels(tokens_BxS[:, 0], cache, cache_index, start_B)
         dt = _dtype(self.compute_dtype)
         embed_VxD = self.embed[...].astype(dt)
         x_BxSxD = jnp.take(embed_VxD, tokens_BxS, axis=0)
@@ -558,6 +568,128 @@ class Transformer(nnx.Module):
         x_BxSxD = self.final_norm(x_BxSxD)
         logits = _logits(x_BxSxD, embed_VxD)
         return (logits if all_logits else logits[:, 0]), KVCache(k_all, v_all), aux
+
+
+    def _decode_with_kernels(self) -> bool:
+        """Whether a one-token decode step runs `_decode_step_kernels` (model.decode_kernels)."""
+        if self.decode_kernels == "xla":
+            return False
+        gpu = gpu_available()
+        if self.decode_kernels == "pallas":
+            if not (gpu or self.interpret):
+                raise ValueError("model.decode_kernels='pallas' needs a GPU (or model.ffn_interpret=true to run "
+                                 "the kernels in the Pallas interpreter); use 'auto' or 'xla' here")
+            return True
+        return gpu
+
+    def decode_layer_sparse(self, batch: int, dtype: Any) -> tuple[bool, ...]:
+        """Per layer, whether a one-token decode step of `batch` rows runs the sparse FFN's decode
+        kernels (its op plan is a sparse forward) or the fused dense products."""
+        if self.is_swiglu:
+            return (False,) * self.n_layers
+        itemsize = jnp.dtype(dtype).itemsize
+        return tuple(ops.decode_forward_is_sparse(self.gated, self.backend, config, batch, self.d_model, self.d_ff,
+                                                  itemsize, self.interpret) for config in self.op_configs)
+
+    def _decode_step_kernels(self, tokens_B: jax.Array, cache: KVCache, cache_index: jax.Array,
+                             start_B: jax.Array) -> tuple[jax.Array, KVCache, Aux]:
+        """`decode` of one token per row by the decode kernels: per layer, the attention norm and
+        the q/k/v projections in one `decode_matvec` launch, RoPE, the in-place cache write and the
+        masked attention over the cache (XLA), the output projection with the residual add in its
+        epilogue, then the FFN: dense plans as one launch for norm + gate/up + activation and one
+        for the down projection + residual; sparse plans (`decode_layer_sparse`) by the sparse FFN's
+        decode kernels (the gate's product, the union of the rows' active neurons compacted on the
+        device, the up/down rows of those only), with, for a batch of several rows, a device-side
+        switch to the dense products when the union exceeds DECODE_DENSE_SHARE of d_ff (no host
+        round trip). The stacked weights are read in place at the layer (no per-layer copy).
+        The LM head: the final norm and the tied embedding's product in one launch. Same roundings
+        as the XLA path up to the order of fp32 sums (tests/test_decode_kernels.py)."""
+        from twell_jax.pallas_kernels.decode_matvec import decode_matvec
+        from twell_jax.pallas_kernels.twell_decode import DecodeBlockSizes, compact_active, sparse_decode_ffn
+
+        b, length = tokens_B.shape[0], cache.k_LxBxTxNxK.shape[2]
+        dt = _dtype(self.compute_dtype)
+        interpret, gated, h_dim, d = self.interpret, self.gated, self.d_ff, self.d_model
+        blocks, attn, ffn = self.blocks, self.blocks.attn, self.blocks.ffn
+        n_heads, head_dim = attn.n_heads, attn.head_dim
+        w_qkv = tuple(w[...].astype(dt) for w in (attn.w_q, attn.w_k, attn.w_v))  # [L, D, D]: no-op casts when
+        w_out = attn.w_out[...].astype(dt)  # the weights are loaded in the compute dtype (inference.load_run)
+        w_gate = ffn.w_gate[...].astype(dt) if gated else None
+        w_up, w_down = ffn.w_up[...].astype(dt), ffn.w_down[...].astype(dt)  # [L, H, D]
+        n1_LxD, n2_LxD = (n.scale[...].astype(jnp.float32) for n in (blocks.attn_norm, blocks.ffn_norm))
+        act = "silu" if self.is_swiglu else "relu"
+        mv = functools.partial(decode_matvec, eps=self.norm_eps, interpret=interpret)
+        embed_VxD = self.embed[...].astype(dt)
+        x_BxD = jnp.take(embed_VxD, tokens_B, axis=0)
+        positions_Bx1 = jnp.maximum(cache_index - start_B, 0)[:, None]
+        slot_T = jnp.arange(length)
+        visible_BxT = (slot_T[None, :] <= cache_index) & ((slot_T[None, :] >= start_B[:, None]) | (slot_T[None, :] == cache_index))
+
+        def dense_ffn(x: jax.Array, li: jax.Array, norm: jax.Array | None, residual: jax.Array,
+                      enable: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+            if gated:
+                h = mv(x, w_up, layer=li, norm_scale=norm, gate=w_gate, activation=act, enable=enable)
+            else:
+                h = mv(x, w_up, layer=li, norm_scale=norm, activation="relu", enable=enable)
+            return mv(h, w_down, layer=li, layout="kn", residual=residual, enable=enable), h
+
+        def layer_step(carry: Any, layer: jax.Array, sparse: bool, op_config: Any) -> tuple[Any, Aux]:
+            x, k_all, v_all = carry
+            li = layer[None]
+            qkv = mv(x, w_qkv, layer=li, layout="kn", norm_scale=n1_LxD).reshape(b, 1, 3, n_heads, head_dim)
+            q = rope(qkv[:, :, 0], self.rope_theta, positions_Bx1)
+            k = rope(qkv[:, :, 1], self.rope_theta, positions_Bx1)
+            start = (layer, 0, cache_index, 0, 0)
+            k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
+            v_all = jax.lax.dynamic_update_slice(v_all, qkv[:, :, 2][None].astype(v_all.dtype), start)
+            o = jax.nn.dot_product_attention(
+                q, jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False).astype(dt),
+                jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False).astype(dt),
+                mask=visible_BxT[:, None, None, :], implementation="xla")
+            x = mv(o.reshape(b, d), w_out, layer=li, layout="kn", residual=x)
+            if not sparse:
+                x, h = dense_ffn(x, li, n2_LxD, x)
+                return (x, k_all, v_all), {"l0": jnp.sum(h != 0, dtype=jnp.float32) / b}
+            scale = jax.lax.dynamic_index_in_dim(n2_LxD, layer, keepdims=False)
+            xn = RMSNorm.normalize(x, scale, self.norm_eps)
+            g = mv(xn, w_gate if gated else w_up, layer=li, out_dtype=jnp.float32)  # [B, H]
+            count_H = jnp.sum(g > 0, axis=0, dtype=jnp.int32)
+            order, n_active = compact_active(count_H, interpret=interpret)
+            block_sizes = (op_config.decode_block_sizes if op_config is not None else None) or DecodeBlockSizes()
+            capacity = -(-h_dim // block_sizes.chunk) * block_sizes.chunk
+            if capacity > order.shape[0]:  # tiny d_ff: the list is shorter than one kernel chunk
+                order = jnp.pad(order, (0, capacity - order.shape[0]), constant_values=h_dim - 1)
+            use_dense = n_active > int(DECODE_DENSE_SHARE * h_dim) if b > 1 else None
+            n_sparse = n_active if use_dense is None else jnp.where(use_dense, 0, n_active)
+            _, y = sparse_decode_ffn(xn, g, order, n_sparse, w_up if gated else None, w_down, capacity=capacity,
+                                     layer=li, block_sizes=block_sizes, interpret=interpret)
+            x = x + y
+            if use_dense is not None:  # no products when sparse (enable 0): x passes through
+                x = dense_ffn(xn, li, None, x, use_dense.astype(jnp.int32))[0]
+            return (x, k_all, v_all), {"l0": jnp.sum(count_H, dtype=jnp.float32) / b}
+
+        sparse_L = self.decode_layer_sparse(b, dt)
+        carry, auxes, first = (x_BxD, cache.k_LxBxTxNxK, cache.v_LxBxTxNxK), [], 0
+        while first < self.n_layers:  # one scan per run of layers with the same kind of FFN step
+            end = first + 1
+            while end < self.n_layers and sparse_L[end] == sparse_L[first]:
+                end += 1
+            step = functools.partial(layer_step, sparse=sparse_L[first], op_config=self.op_configs[first])
+            carry, aux = jax.lax.scan(lambda c, layer: step(c, layer), carry, jnp.arange(first, end, dtype=jnp.int32))
+            auxes.append(aux)
+            first = end
+        x_BxD, k_all, v_all = carry
+        logits_BxV = mv(x_BxD, embed_VxD, norm_scale=self.final_norm.scale[...].astype(jnp.float32),
+                        out_dtype=jnp.float32)
+        aux = jax.tree.map(lambda *parts: jnp.concatenate(parts), *auxes)
+        return logits_BxV, KVCache(k_all, v_all), aux
+
+
+# A decode step of several rows runs the dense FFN products instead of the sparse ones when the
+# union of the rows' active neurons exceeds this share of d_ff (`_decode_step_kernels`): an
+# estimate (the sparse kernels read two rows per active neuron, gathered; the dense products read
+# all rows at full width), not yet fitted on the GPU.
+DECODE_DENSE_SHARE = 0.5
 
 
 def describe_execution(cfg: ModelConfig, seq_len: int) -> str:

@@ -233,6 +233,24 @@ def bench_decode(runner: Runner, n_layers: int, tokens: jax.Array, context: int,
             "l0_per_layer": _l0_list(l0) if runner.telemetry else None}
 
 
+def decode_floor_bytes(cfg: ModelConfig, batch: int, context: int, itemsize: int,
+                       active_per_layer: list[float] | None = None) -> float:
+    """Bytes one decode step must read at least: every weight once (the tied embedding once, as
+    the LM head; the token's embedding row is negligible) and the KV cache of `context` slots, in
+    the compute dtype. With `active_per_layer` (mean active FFN neurons per token, the sparse
+    rows), a layer's up and down projections count only the union of the batch's active neurons,
+    bounded by min(d_ff, batch x active): the gate is always read in full."""
+    d, h, layers = cfg.d_model, cfg.d_ff, cfg.n_layers
+    ffn_mats = 3 if cfg.kind.gated else 2
+    attention = 4 * d * d
+    ffn = [ffn_mats * h * d] * layers
+    if active_per_layer is not None:
+        gate = d * h if cfg.kind.gated else 0
+        ffn = [gate + 2 * min(h, batch * a) * d for a in active_per_layer]
+    kv = 2 * layers * batch * context * d
+    return float(itemsize * (cfg.vocab_size * d + layers * attention + sum(ffn) + kv))
+
+
 def load_params(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, Any], str]:
     if args.checkpoint:
         loaded = load_run(args.checkpoint, step=args.step, dtype=args.dtype)
@@ -262,6 +280,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--min-seconds", type=float, default=3.0, help="minimum timed window per figure")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-energy", action="store_true", help="skip NVML power sampling")
+    parser.add_argument("--xla-decode-row", action="store_true",
+                        help="add 'dense-xla': the dense twin with model.decode_kernels=xla (the generic path)")
+    parser.add_argument("--peak-gbs", type=float, default=3350.0,
+                        help="the device's HBM bandwidth for the decode rows' share of the floor (H100 SXM)")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: checks the plumbing")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -290,6 +312,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         text = jax.random.randint(jax.random.key(args.seed), (rows_needed, args.context), 0, cfg.vocab_size)
     models = variant_models(cfg, params, backends, args.dtype, interpret=args.dry_run, hints=hints)
+    if args.xla_decode_row:
+        models["dense-xla"] = model_with_params(
+            dataclasses.replace(cfg, ffn_kind="relu_gated", ffn_backend="dense", ffn_expected_active=(),
+                                decode_kernels="xla"), params, args.dtype)
     # plain first: the baseline every other row is compared with.
     runners = {"plain": plain_runner(cfg, params, args.dtype, args.context),
                **{name: model_runner(model, cfg) for name, model in models.items()}}
@@ -313,9 +339,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for batch in batches:
             r = bench_decode(runner, cfg.n_layers, text[:batch, :args.context - args.decode_steps], args.context,
                              args.decode_steps, args.min_seconds)
+            sparse = name.startswith("twell") and r["l0_per_layer"] is not None
+            floor = decode_floor_bytes(cfg, batch, args.context, jnp.dtype(args.dtype).itemsize,
+                                       r["l0_per_layer"] if sparse else None)
+            r["floor_bytes"] = floor
+            r["floor_share"] = floor / (args.peak_gbs * 1e9) / (r["ms_per_step"] / 1e3)
             rows.append({"variant": name, "phase": "decode", "batch": batch, **r})
             print(f"[bench] decode  {name} batch {batch}: {r['tokens_per_s']:.1f} tokens/s "
-                  f"({r['ms_per_step']:.3f} ms/step); active/layer {r['l0_per_layer'] or '-'}")
+                  f"({r['ms_per_step']:.3f} ms/step, {r['floor_share']:.0%} of the bandwidth floor "
+                  f"{floor / 1e9:.3f} GB); active/layer {r['l0_per_layer'] or '-'}")
     for base in ("dense", "plain"):
         same = {(r["phase"], r["batch"]): r for r in rows if r["variant"] == base}
         for r in rows:
@@ -324,14 +356,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if r.get("energy_j_per_token") is not None and ref.get("energy_j_per_token"):
                 r[f"energy_vs_{base}"] = r["energy_j_per_token"] / ref["energy_j_per_token"]
     print("\n| phase | batch | variant | tokens/s | vs dense | vs plain | mJ/token | vs dense | vs plain "
-          "| mean active/token |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| mean active/token | ms/step | floor share |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mj = "-" if r.get("energy_j_per_token") is None else f"{1e3 * r['energy_j_per_token']:.3f}"
         ev = " | ".join(f"{r[k]:.3f}x" if k in r else "-" for k in ("energy_vs_dense", "energy_vs_plain"))
         active = "-" if r["l0_per_layer"] is None else f"{np.mean(r['l0_per_layer']):.1f} of {cfg.d_ff}"
+        step = f"{r['ms_per_step']:.3f} | {r['floor_share']:.0%}" if r["phase"] == "decode" else "- | -"
         print(f"| {r['phase']} | {r['batch']} | {r['variant']} | {r['tokens_per_s']:.1f} | "
-              f"{r['speed_vs_dense']:.3f}x | {r['speed_vs_plain']:.3f}x | {mj} | {ev} | {active} |")
+              f"{r['speed_vs_dense']:.3f}x | {r['speed_vs_plain']:.3f}x | {mj} | {ev} | {active} | {step} |")
     result = {"source": source_text, "device": device.device_kind, "backend": jax.default_backend(),
               "dtype": args.dtype, "context": args.context, "decode_steps": args.decode_steps,
               "model": dataclasses.asdict(cfg), "rows": rows, "date": time.strftime("%Y-%m-%d")}

@@ -321,6 +321,17 @@ def auto_decision(gated: bool, config: SparseFFNConfig, shape: tuple[int, int, i
     return ("dense", "dense") if plan is None or plan is planner.AUTO_DENSE else (plan.forward, plan.backward)
 
 
+def decode_forward_is_sparse(gated: bool, backend: str, config: SparseFFNConfig | None, m: int, d_model: int,
+                             n_neurons: int, itemsize: int, interpret: bool = False) -> bool:
+    """Whether a call of `m` tokens runs a sparse forward (planned "decode" or "pallas"), or the
+    dense formula: the model's decode kernels (twell_jax/model.py, `Transformer.decode`) run the
+    decode path's sparse kernels for the former and their fused dense products for the latter."""
+    _validate_choice(backend, interpret)
+    config = _validate_config(config)
+    plan = _plan(gated, backend, interpret, config, (m, d_model, n_neurons, itemsize), check_runnable=False)
+    return isinstance(plan, Plan) and plan.forward in ("decode", "pallas")
+
+
 def plan_key(gated: bool, backend: str, config: SparseFFNConfig | None, shape: tuple[int, int, int, int],
              interpret: bool = False) -> Hashable:
     """A hashable key of the computation a call traces besides its arrays: two configs with equal

@@ -1,0 +1,116 @@
+"""The decode matrix-vector kernel (pallas_kernels/decode_matvec.py) against XLA on the shapes of one
+decode step of the paper's models (d_model 2048, d_ff 5632, vocab 49152): microseconds per call,
+the bandwidth reached (weight bytes / time) and the ratio to XLA's dot of the same operands, over
+a sweep of block sizes. The best variant per shape is printed last; --out gets every row as JSON.
+
+    python experiments/bench_decode_matvec.py --rows 1,8 --out $OUT/bench_decode_matvec.json
+    python experiments/bench_decode_matvec.py --dry-run     # tiny shapes on CPU (interpret mode)
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from twell_jax.pallas_kernels.decode_matvec import MatvecBlockSizes, decode_matvec  # noqa: E402
+
+# (name, N, K, layout, gated): the GEMVs of a decode step.
+SHAPES = (("qkv", 6144, 2048, "kn", False), ("attn_out", 2048, 2048, "kn", False),
+          ("gate_up", 5632, 2048, "nk", True), ("down", 2048, 5632, "kn", False),
+          ("down_nk", 2048, 5632, "nk", False), ("head", 49152, 2048, "nk", False))
+SWEEP = [MatvecBlockSizes(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+         for bn, bk, (nw, ns) in itertools.product((16, 32, 64), (256, 512), ((4, 3), (4, 4), (8, 3)))]
+
+
+def per_call_us(fn, x, w, gate, *, iters: int, min_seconds: float) -> float:
+    """Microseconds per call of fn(x, w, gate) run `iters` times back to back on the device (one
+    program: a loop whose next x depends on the last output, so nothing is hoisted), as a decode
+    step runs its kernels; the host's dispatch of a single call (tens of us) is not timed."""
+    def body(_, carry):
+        x_, acc = carry
+        acc = acc + fn(x_, w, gate)[0, 0].astype(jnp.float32)
+        return x_ + (acc * 0).astype(x_.dtype), acc
+
+    loop = jax.jit(lambda x, w, g: jax.lax.fori_loop(0, iters, body, (x, jnp.float32(0)))[1])
+    jax.block_until_ready(loop(x, w, gate))
+    calls, start = 0, time.perf_counter()
+    while True:
+        out = loop(x, w, gate)
+        calls += 1
+        if calls >= 3 and time.perf_counter() - start >= min_seconds:
+            break
+    jax.block_until_ready(out)
+    return 1e6 * (time.perf_counter() - start) / (calls * iters)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,8", help="token rows per call (the decode batch)")
+    parser.add_argument("--min-seconds", type=float, default=0.05)
+    parser.add_argument("--iters", type=int, default=100, help="calls per timed program")
+    parser.add_argument("--peak-gbs", type=float, default=3350.0, help="HBM bandwidth for the share column")
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    shapes, sweep, interpret = SHAPES, SWEEP, False
+    if args.dry_run:
+        shapes = (("tiny", 40, 48, "kn", False), ("tiny_gated", 40, 48, "nk", True))
+        sweep, interpret, args.min_seconds, args.iters = [MatvecBlockSizes(block_n=16, block_k=16, num_stages=1)], True, 0.0, 2
+    rows = []
+    key = jax.random.key(0)
+    for m in [int(r) for r in args.rows.split(",") if r]:
+        for name, n, k, layout, gated in shapes:
+            kx, kw, kg = jax.random.split(jax.random.fold_in(key, n * k + m), 3)
+            x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+            shape = (n, k) if layout == "nk" else (k, n)
+            w = jax.random.normal(kw, shape, jnp.bfloat16)
+            gate = jax.random.normal(kg, shape, jnp.bfloat16) if gated else None
+            nbytes = 2 * n * k * (2 if gated else 1)
+            spec = "mk,nk->mn" if layout == "nk" else "mk,kn->mn"
+            if gated:
+                xla = jax.jit(lambda x, w, g: (jax.nn.relu(jnp.einsum(spec, x, g)) * jnp.einsum(spec, x, w)))
+            else:
+                xla = jax.jit(lambda x, w, g: jnp.einsum(spec, x, w))
+            xla_us = per_call_us(xla, x, w, gate, iters=args.iters, min_seconds=args.min_seconds)
+            want = xla(x, w, gate).astype(jnp.float32)
+            for sizes in sweep:
+                fn = jax.jit(lambda x, w, g, s=sizes: decode_matvec(
+                    x, w, layout=layout, gate=g, activation="relu" if gated else None, block_sizes=s,
+                    interpret=interpret))
+                try:
+                    err = float(jnp.max(jnp.abs(fn(x, w, gate).astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+                    us = per_call_us(fn, x, w, gate, iters=args.iters, min_seconds=args.min_seconds)
+                except Exception as exc:  # a variant that does not compile: recorded, not fatal
+                    rows.append({"shape": name, "m": m, "sizes": str(sizes), "error": f"{type(exc).__name__}: {exc}"[:300]})
+                    continue
+                rows.append({"shape": name, "m": m, "n": n, "k": k, "layout": layout, "gated": gated,
+                             "block_n": sizes.block_n, "block_k": sizes.block_k, "num_warps": sizes.num_warps,
+                             "num_stages": sizes.num_stages, "us": us, "xla_us": xla_us, "vs_xla": xla_us / us,
+                             "gb_s": nbytes / us / 1e3, "peak_share": nbytes / us / 1e3 / args.peak_gbs,
+                             "rel_err_vs_xla": err})
+            best = min((r for r in rows if r.get("shape") == name and r["m"] == m and "us" in r), key=lambda r: r["us"])
+            print(f"[matvec] m {m} {name}: best bn {best['block_n']} bk {best['block_k']} w{best['num_warps']} "
+                  f"s{best['num_stages']} {best['us']:.1f} us ({best['gb_s']:.0f} GB/s) vs XLA {xla_us:.1f} us", flush=True)
+            if args.out:  # after every shape: a run cut short keeps what it measured
+                Path(args.out).write_text(json.dumps({"device": jax.devices()[0].device_kind, "rows": rows}, indent=1))
+    print("\n| m | shape | best blocks | us | GB/s | share of peak | XLA us | vs XLA |\n|---|---|---|---|---|---|---|---|")
+    for m in sorted({r["m"] for r in rows}):
+        for name, *_ in shapes:
+            cand = [r for r in rows if r.get("shape") == name and r["m"] == m and "us" in r]
+            if cand:
+                b = min(cand, key=lambda r: r["us"])
+                print(f"| {m} | {name} | {b['block_n']}/{b['block_k']}/w{b['num_warps']}/s{b['num_stages']} | "
+                      f"{b['us']:.1f} | {b['gb_s']:.0f} | {b['peak_share']:.0%} | {b['xla_us']:.1f} | {b['vs_xla']:.2f}x |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

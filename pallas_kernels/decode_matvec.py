@@ -1,0 +1,295 @@
+"""Decode-size matrix-vector products (Pallas, Triton backend), with the small ops around them fused.
+
+A decode step multiplies a few token rows (M = the batch, 1 to 64) by every weight matrix of the
+model once: a memory-bound GEMV whose cost is reading the weights. XLA emits these as reductions
+or small GEMMs that reached 1.0-2.2 TB/s on an H100 (of 3.35), and the norms, activations and
+residual adds around them as separate kernels. This kernel reads the weight once at full width and
+does the rest in its prologue and epilogue:
+
+    out = round( residual + round( act(round(xn . gate)) * round(xn . w) ) )      (all optional)
+    xn  = round(x * rsqrt(mean(x^2) + eps) * norm_scale)     (RMSNorm prologue, fp32 as the model)
+
+Every rounding is the model's (twell_jax/model.py: the norm in fp32 rounded to x's dtype; the dense
+FFN formula of twell_jax/ops/dense.py: GEMM outputs rounded to x's dtype, the gating product
+rounded once; the residual add of two rounded values), so a decode step built from it computes what
+the model's XLA path computes up to the order of the fp32 sums.
+
+Layouts: w is "nk" ([N, K], output-major: the FFN's neuron-major gate/up weights and the tied
+embedding as the LM head) or "kn" ([K, N], x @ w: the attention projections and W_down). Stacked
+weights ([L, N, K] / [L, K, N], and norm scales [L, K]) with a traced `layer` (int32 [1]) are read
+in place at that layer: the decode loop over the stacked layers (lax.scan) hands the whole stack
+to the kernel, so no layer's weights are copied out of it (XLA's slice of a scanned operand feeding
+a GEMM is a copy: 0.34-0.37 ms of a 1.5-1.7 ms step of the 0.5b model, BENCHMARKS.md, Decode).
+
+Grid (cdiv(N, block_n), cdiv(M, block_m)): program (j, i) owns output columns [j*bn, (j+1)*bn)
+of rows [i*bm, (i+1)*bm); it loops over K in block_k steps (a tensor-core dot of [bm, bk] x
+[bk, bn], fp32 accumulation; bm >= 16 is the dot's minimum, rows >= M are masked lanes that move no
+bytes). The norm's sum of squares is a first pass over the program's x rows (x is KBs: L2-resident).
+No operand is padded; nothing is accumulated across programs (deterministic).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .common import check_launch_sizes, compiler_params, is_pow2, next_pow2, round_up
+from .twell_pack import _dot_precision
+
+LAYOUTS = ("nk", "kn")
+ACTIVATIONS = (None, "relu", "silu")
+
+
+@dataclasses.dataclass(frozen=True)
+class MatvecBlockSizes:
+    """Static launch parameters (powers of two >= 16 for the block extents)."""
+
+    block_n: int = 32  # output columns per program
+    block_k: int = 256  # K step of the dot loop
+    max_block_m: int = 16  # token rows per program, at most
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "max_block_m"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not is_pow2(value) or value < 16:
+                raise ValueError(f"MatvecBlockSizes.{name} must be a power of two >= 16, got {value!r}")
+        check_launch_sizes(self)
+
+    def block_m(self, m: int) -> int:
+        return max(16, min(self.max_block_m, next_pow2(m)))
+
+
+def _act(v: jax.Array, activation: str | None) -> jax.Array:
+    if activation == "relu":
+        return jnp.maximum(v, 0.0)
+    if activation == "silu":
+        return v * jax.nn.sigmoid(v)
+    return v
+
+
+def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, has_norm: bool,
+                   has_gate: bool, has_residual: bool, has_enable: bool, n_parts: int, activation: str | None,
+                   eps: float, block_k: int, n_k: int, precision: lax.Precision) -> None:
+    refs = list(refs)
+    layer_ref = refs.pop(0) if has_layer else None
+    enable_ref = refs.pop(0) if has_enable else None
+    x_ref = refs.pop(0)
+    w_refs = [refs.pop(0) for _ in range(n_parts)]
+    gate_ref = refs.pop(0) if has_gate else None
+    scale_ref = refs.pop(0) if has_norm else None
+    res_ref = refs.pop(0) if has_residual else None
+    (o_ref,) = refs
+    block_m, block_n = o_ref.shape
+    layer = jnp.max(layer_ref[...]).astype(jnp.int32) if has_layer else jnp.int32(0)
+    rows_BM = pl.program_id(1) * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
+    row_ok_BM = rows_BM < m
+    cols_BN = pl.program_id(0) * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
+    col_ok_BN = cols_BN < n * n_parts
+    # Several parts (w = (w_q, w_k, w_v)): output columns [p*n, (p+1)*n) are part p's; a program's
+    # columns lie in one part (n % block_n == 0), whose loads are the only live ones (masked-off
+    # loads move no bytes).
+    part = (pl.program_id(0) * block_n) // n
+    cols_BN = cols_BN - part * n
+    col_ok_BN = col_ok_BN & (cols_BN < n)
+    step_BK = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+
+    def load_x(t: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        ks_BK = t * block_k + step_BK
+        k_ok_BK = ks_BK < k
+        # other= on every masked load that feeds a sum (interpret mode leaves masked lanes undefined).
+        x_BMxBK = plgpu.load(x_ref.at[rows_BM[:, None], ks_BK[None, :]],
+                             mask=row_ok_BM[:, None] & k_ok_BK[None, :], other=0)
+        return x_BMxBK, ks_BK, k_ok_BK
+
+    inv_rms_BM = None
+    if has_norm:
+        def ss_step(t, ss_BM):
+            x_BMxBK = load_x(t)[0].astype(jnp.float32)
+            return ss_BM + jnp.sum(x_BMxBK * x_BMxBK, axis=1)
+
+        ss_BM = lax.fori_loop(jnp.int32(0), jnp.int32(n_k), ss_step, jnp.zeros((block_m,), jnp.float32))
+        inv_rms_BM = lax.rsqrt(ss_BM / k + eps)
+
+    def load_w(ref, ks_BK: jax.Array, k_ok_BK: jax.Array, live=True) -> jax.Array:
+        cols_ok_BN = col_ok_BN & live
+        if layout == "nk":  # rows layer*N + n of the flattened [L*N, K]
+            return plgpu.load(ref.at[(layer * n + cols_BN)[:, None], ks_BK[None, :]],
+                              mask=cols_ok_BN[:, None] & k_ok_BK[None, :], other=0)
+        return plgpu.load(ref.at[(layer * k + ks_BK)[:, None], cols_BN[None, :]],  # [L*K, N]
+                          mask=k_ok_BK[:, None] & cols_ok_BN[None, :], other=0)
+
+    def dot(x_BMxBK: jax.Array, w: jax.Array) -> jax.Array:
+        dims = (((1,), (1,)), ((), ())) if layout == "nk" else (((1,), (0,)), ((), ()))
+        return lax.dot_general(x_BMxBK, w, dims, precision=precision, preferred_element_type=jnp.float32)
+
+    def k_step(t, accs):
+        x_BMxBK, ks_BK, k_ok_BK = load_x(t)
+        if has_norm:
+            scale_BK = plgpu.load(scale_ref.at[layer * k + ks_BK], mask=k_ok_BK, other=0.0)
+            x_BMxBK = (x_BMxBK.astype(jnp.float32) * inv_rms_BM[:, None] * scale_BK[None, :]).astype(x_ref.dtype)
+        if n_parts == 1:
+            w_tile = load_w(w_refs[0], ks_BK, k_ok_BK)
+        else:  # one live part: the others' lanes are all masked (zeros, no traffic)
+            w_tile = load_w(w_refs[0], ks_BK, k_ok_BK, part == 0)
+            for p in range(1, n_parts):
+                w_tile = w_tile + load_w(w_refs[p], ks_BK, k_ok_BK, part == p)
+        acc_BMxBN = accs[0] + dot(x_BMxBK, w_tile)
+        if not has_gate:
+            return (acc_BMxBN,)
+        return acc_BMxBN, accs[1] + dot(x_BMxBK, load_w(gate_ref, ks_BK, k_ok_BK))
+
+    zeros = jnp.zeros((block_m, block_n), jnp.float32)
+    # enable = 0: no K loop (the output is the residual, or zeros): the device-side switch between
+    # this dense product and a sparse one without a host round trip. Both loop bounds int32.
+    trips = jnp.int32(n_k)
+    if has_enable:
+        trips = jnp.where(jnp.max(enable_ref[...]) != 0, jnp.int32(n_k), jnp.int32(0)).astype(jnp.int32)
+    accs = lax.fori_loop(jnp.int32(0), trips, k_step, (zeros, zeros) if has_gate else (zeros,))
+    dt = x_ref.dtype
+    out_BMxBN = accs[0].astype(dt).astype(jnp.float32)
+    if has_gate:  # the dense formula: act(round(g)) * round(u), rounded once
+        g_BMxBN = accs[1].astype(dt).astype(jnp.float32)
+        out_BMxBN = (_act(g_BMxBN, activation) * out_BMxBN).astype(dt).astype(jnp.float32)
+    elif activation is not None:
+        out_BMxBN = _act(out_BMxBN, activation).astype(dt).astype(jnp.float32)
+    if has_residual:
+        res_BMxBN = plgpu.load(res_ref.at[rows_BM[:, None], cols_BN[None, :]],
+                               mask=row_ok_BM[:, None] & col_ok_BN[None, :], other=0)
+        out_BMxBN = out_BMxBN + res_BMxBN.astype(jnp.float32)
+    o_ref[...] = out_BMxBN.astype(o_ref.dtype)
+
+
+def _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_dtype,
+           enable=None, block_n: int | None = None) -> tuple[int, int, int]:
+    """(N of one part, K, L) after raising ValueError naming the offending argument; `w` is one
+    weight or a tuple of parts of one shape (their outputs side by side)."""
+    parts = tuple(w) if isinstance(w, (tuple, list)) else (w,)
+    w = parts[0]
+    if any(p.shape != w.shape or p.dtype != w.dtype for p in parts):
+        raise ValueError(f"the parts of w must share one shape and dtype, got {[(p.dtype, p.shape) for p in parts]}")
+    if len(parts) > 1 and gate is not None:
+        raise ValueError("gate needs a single w (not parts)")
+    if enable is not None and (enable.shape != (1,) or enable.dtype != jnp.int32):
+        raise ValueError(f"enable must be int32 [1], got {enable.dtype}{enable.shape}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if x_MxK.ndim != 2 or x_MxK.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"x_MxK must be float32 or bfloat16 [M, K], got {x_MxK.dtype}{x_MxK.shape}")
+    stacked = layer is not None
+    if w.ndim != (3 if stacked else 2) or w.dtype != x_MxK.dtype:
+        want = "[L, N, K] / [L, K, N] with layer=" if stacked else "[N, K] / [K, N] without layer"
+        raise ValueError(f"w must be {x_MxK.dtype} {want}, got {w.dtype}{w.shape}")
+    n_layers = w.shape[0] if stacked else 1
+    n, k = (w.shape[-2], w.shape[-1]) if layout == "nk" else (w.shape[-1], w.shape[-2])
+    if k != x_MxK.shape[1]:
+        raise ValueError(f"w {w.shape} ({layout}) has K={k} but x_MxK has K={x_MxK.shape[1]}")
+    if stacked and (layer.shape != (1,) or layer.dtype != jnp.int32):
+        raise ValueError(f"layer must be int32 [1], got {layer.dtype}{layer.shape}")
+    if gate is not None and (gate.shape != w.shape or gate.dtype != w.dtype):
+        raise ValueError(f"gate must be {w.dtype}{w.shape} like w, got {gate.dtype}{gate.shape}")
+    if norm_scale is not None:
+        want_scale = (n_layers, k) if stacked else (k,)
+        if norm_scale.shape != want_scale or norm_scale.dtype != jnp.float32:
+            raise ValueError(f"norm_scale must be float32 {want_scale}, got {norm_scale.dtype}{norm_scale.shape}")
+    if len(parts) > 1 and block_n is not None and n % block_n:
+        raise ValueError(f"parts of w need N={n} to be a multiple of block_n={block_n}")
+    if residual is not None and residual.shape != (x_MxK.shape[0], n * len(parts)):
+        raise ValueError(f"residual must be [M={x_MxK.shape[0]}, N={n * len(parts)}], got {residual.shape}")
+    if out_dtype is not None and jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    return n, k, n_layers
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "activation", "eps", "out_dtype", "block_sizes",
+                                             "interpret", "debug"))
+def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, layer: jax.Array | None = None,
+                  layout: str = "nk", norm_scale: jax.Array | None = None, eps: float = 1e-6,
+                  gate: jax.Array | None = None, activation: str | None = None,
+                  residual: jax.Array | None = None, enable: jax.Array | None = None, out_dtype=None,
+                  block_sizes: MatvecBlockSizes = MatvecBlockSizes(), interpret: bool = False,
+                  debug: bool = False) -> jax.Array:
+    """[M, N] = residual + act(xn . gate) * (xn . w) (module docstring), each part optional;
+    xn = RMSNorm(x) with `norm_scale` when given, else x. Output in `out_dtype` (default x's).
+    `w` may be a tuple of equal-shaped parts (e.g. (w_q, w_k, w_v)): their outputs side by side,
+    [M, parts * N], from one launch. `enable` (int32 [1]): 0 skips the products (the output is the
+    residual, or zeros): a device-side switch, no host round trip."""
+    n, k, n_layers = _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_dtype,
+                            enable, block_sizes.block_n)
+    parts = tuple(w) if isinstance(w, (tuple, list)) else (w,)
+    m = x_MxK.shape[0]
+    bm, bn, bk = block_sizes.block_m(m), block_sizes.block_n, block_sizes.block_k
+    m_pad, n_pad = round_up(m, bm), round_up(n * len(parts), bn)
+    flat = (n_layers * parts[0].shape[-2], parts[0].shape[-1])  # [L*N, K] or [L*K, N]: a bitcast
+    operands = (([layer] if layer is not None else []) + ([enable] if enable is not None else [])
+                + [x_MxK] + [p.reshape(flat) for p in parts])
+    if gate is not None:
+        operands.append(gate.reshape(flat))
+    if norm_scale is not None:
+        operands.append(norm_scale.reshape(-1))
+    if residual is not None:
+        operands.append(residual)
+    whole = [pl.BlockSpec(op.shape, lambda j, i, nd=op.ndim: (0,) * nd) for op in operands]
+    kernel = functools.partial(
+        _matvec_kernel, m=m, n=n, k=k, layout=layout, has_layer=layer is not None,
+        has_norm=norm_scale is not None, has_gate=gate is not None, has_residual=residual is not None,
+        has_enable=enable is not None, n_parts=len(parts), activation=activation, eps=float(eps), block_k=bk, n_k=-(-k // bk), precision=_dot_precision(x_MxK.dtype))
+    out = pl.pallas_call(
+        kernel,
+        grid=(n_pad // bn, m_pad // bm),
+        in_specs=whole,
+        out_specs=pl.BlockSpec((bm, bn), lambda j, i: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((m_pad, n_pad), jnp.dtype(out_dtype or x_MxK.dtype)),
+        compiler_params=compiler_params(block_sizes),
+        interpret=interpret,
+        debug=debug,
+        name="twell_decode_matvec",
+    )(*operands)
+    return out[:m, :n * len(parts)]  # a slice of the padded output: XLA fuses it into the consumer
+
+
+def decode_matvec_reference(x_MxK: jax.Array, w: jax.Array, *, layer: jax.Array | None = None,
+                            layout: str = "nk", norm_scale: jax.Array | None = None, eps: float = 1e-6,
+                            gate: jax.Array | None = None, activation: str | None = None,
+                            residual: jax.Array | None = None, enable: jax.Array | None = None,
+                            out_dtype=None) -> jax.Array:
+    """The same in jnp, with the model's roundings (the kernel's oracle)."""
+    _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_dtype, enable)
+    if isinstance(w, (tuple, list)):
+        return jnp.concatenate([decode_matvec_reference(
+            x_MxK, p, layer=layer, layout=layout, norm_scale=norm_scale, eps=eps, activation=activation,
+            residual=None if residual is None else jnp.split(residual, len(w), axis=1)[i], enable=enable,
+            out_dtype=out_dtype) for i, p in enumerate(w)], axis=1)
+    dt = x_MxK.dtype
+    if layer is not None:
+        w = w[layer[0]]
+        gate = None if gate is None else gate[layer[0]]
+        norm_scale = None if norm_scale is None else norm_scale[layer[0]]
+    x = x_MxK
+    if norm_scale is not None:
+        x32 = x.astype(jnp.float32)
+        x = (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * norm_scale).astype(dt)
+
+    def mm(weight: jax.Array) -> jax.Array:
+        spec = "mk,nk->mn" if layout == "nk" else "mk,kn->mn"
+        return jnp.einsum(spec, x, weight, preferred_element_type=jnp.float32,
+                          precision=lax.Precision.HIGHEST).astype(dt).astype(jnp.float32)
+
+    out = mm(w)
+    if enable is not None:
+        out = jnp.where(enable[0] != 0, out, 0.0)
+    if gate is not None:
+        out = (_act(mm(gate), activation) * out).astype(dt).astype(jnp.float32)
+    elif activation is not None:
+        out = _act(out, activation).astype(dt).astype(jnp.float32)
+    if residual is not None:
+        out = out + residual.astype(jnp.float32)
+    return out.astype(jnp.dtype(out_dtype or dt))

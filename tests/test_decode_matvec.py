@@ -1,0 +1,129 @@
+"""The decode matrix-vector kernel (pallas_kernels/decode_matvec.py, interpret mode) against its
+jnp reference and against the model's own XLA formulas, every option, stacked or not."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from twell_jax.pallas_kernels.decode_matvec import MatvecBlockSizes, decode_matvec, decode_matvec_reference
+from twell_jax.model import RMSNorm
+
+SMALL = MatvecBlockSizes(block_n=16, block_k=16, max_block_m=16, num_warps=1, num_stages=1)
+# rel. error (max abs / max abs of the reference). bf16: the kernel's fp32 sums run in another order,
+# so a rounded intermediate can land one bf16 ulp away.
+TOL = {jnp.float32: 2e-6, jnp.bfloat16: 2e-2}
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def _inputs(dtype, m, n, k, layers=None, seed=0):
+    rng = np.random.default_rng(seed)
+    lead = () if layers is None else (layers,)
+    x = jnp.asarray(rng.normal(size=(m, k)), dtype)
+    w = jnp.asarray(rng.normal(size=lead + (n, k)) / np.sqrt(k), dtype)
+    gate = jnp.asarray(rng.normal(size=lead + (n, k)) / np.sqrt(k), dtype)
+    scale = jnp.asarray(rng.uniform(0.5, 1.5, size=lead + (k,)), jnp.float32)
+    res = jnp.asarray(rng.normal(size=(m, n)), dtype)
+    return x, w, gate, scale, res
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 70), (3, 16, 16), (17, 33, 50)])
+def test_every_option_matches_the_reference(dtype, layout, m, n, k):
+    x, w, gate, scale, res = _inputs(dtype, m, n, k, seed=m + n)
+    if layout == "kn":
+        w, gate = w.T, gate.T
+    cases = [dict(), dict(norm_scale=scale), dict(residual=res), dict(activation="relu"),
+             dict(norm_scale=scale, gate=gate, activation="relu"), dict(gate=gate, activation="silu"),
+             dict(norm_scale=scale, residual=res, out_dtype=jnp.float32)]
+    for kwargs in cases:
+        got = decode_matvec(x, w, layout=layout, block_sizes=SMALL, interpret=True, **kwargs)
+        want = decode_matvec_reference(x, w, layout=layout, **kwargs)
+        assert got.shape == (m, n) and got.dtype == want.dtype, kwargs
+        assert _rel(got, want) <= TOL[dtype], (kwargs, _rel(got, want))
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_stacked_weights_are_read_at_the_layer(layout):
+    x, w, gate, scale, res = _inputs(jnp.float32, 2, 24, 40, layers=3, seed=7)
+    if layout == "kn":
+        w, gate = jnp.swapaxes(w, 1, 2), jnp.swapaxes(gate, 1, 2)
+    for layer in range(3):
+        idx = jnp.asarray([layer], jnp.int32)
+        got = decode_matvec(x, w, layer=idx, layout=layout, norm_scale=scale, gate=gate, activation="relu",
+                            residual=res, block_sizes=SMALL, interpret=True)
+        want = decode_matvec_reference(x, w[layer], layout=layout, norm_scale=scale[layer], gate=gate[layer],
+                                       activation="relu", residual=res)
+        assert _rel(got, want) <= TOL[jnp.float32], layer
+    # traced inside a scan, as the decode loop calls it
+    def body(carry, layer):
+        return carry, decode_matvec(x, w, layer=layer[None], layout=layout, block_sizes=SMALL, interpret=True)
+
+    _, outs = jax.lax.scan(body, 0, jnp.arange(3, dtype=jnp.int32))
+    for layer in range(3):
+        want = decode_matvec_reference(x, w[layer], layout=layout)
+        assert _rel(outs[layer], want) <= TOL[jnp.float32]
+
+
+def test_the_model_formulas_round_alike():
+    """bf16: the fused norm equals the model's RMSNorm followed by a bf16 GEMM, and the gated
+    product the dense formula's roundings (same values up to the fp32 summation order)."""
+    x, w, gate, scale, res = _inputs(jnp.bfloat16, 4, 64, 96, seed=3)
+    norm = RMSNorm(96, 1e-6)
+    norm.scale[...] = scale
+    xn = norm(x[:, None, :])[:, 0]
+    want = (xn @ w.T).astype(jnp.float32)
+    got = decode_matvec(x, w, norm_scale=scale, block_sizes=SMALL, interpret=True)
+    assert _rel(got, want) <= TOL[jnp.bfloat16]
+    g, u = xn @ gate.T, xn @ w.T
+    want = (jax.nn.relu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(jnp.bfloat16)
+    got = decode_matvec(x, w, norm_scale=scale, gate=gate, activation="relu", block_sizes=SMALL, interpret=True)
+    assert _rel(got, want) <= TOL[jnp.bfloat16]
+
+
+def test_bad_arguments_are_named():
+    x, w, gate, scale, res = _inputs(jnp.float32, 2, 24, 40)
+    with pytest.raises(ValueError, match="layout"):
+        decode_matvec(x, w, layout="mk")
+    with pytest.raises(ValueError, match="K=40"):
+        decode_matvec(x[:, :30], w)
+    with pytest.raises(ValueError, match="w must be"):
+        decode_matvec(x, w, layer=jnp.zeros((1,), jnp.int32))
+    with pytest.raises(ValueError, match="gate"):
+        decode_matvec(x, w, gate=gate[:3])
+    with pytest.raises(ValueError, match="norm_scale"):
+        decode_matvec(x, w, norm_scale=scale[:5])
+    with pytest.raises(ValueError, match="residual"):
+        decode_matvec(x, w, residual=res[:, :3])
+    with pytest.raises(ValueError, match="activation"):
+        decode_matvec(x, w, activation="gelu")
+    with pytest.raises(ValueError, match="block_n"):
+        MatvecBlockSizes(block_n=24)
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_parts_side_by_side_and_the_enable_switch(layout):
+    x, w, gate, scale, res = _inputs(jnp.float32, 3, 32, 40, layers=2, seed=11)
+    parts = (w, gate, w * 2)
+    if layout == "kn":
+        parts = tuple(jnp.swapaxes(p, 1, 2) for p in parts)
+    layer = jnp.asarray([1], jnp.int32)
+    got = decode_matvec(x, parts, layer=layer, layout=layout, norm_scale=scale, block_sizes=SMALL, interpret=True)
+    want = jnp.concatenate([decode_matvec_reference(x, p[1], layout=layout, norm_scale=scale[1]) for p in parts], 1)
+    assert got.shape == (3, 96) and _rel(got, want) <= TOL[jnp.float32]
+    res3 = jnp.concatenate([res, res, res], axis=1)
+    for on in (0, 1):
+        enable = jnp.asarray([on], jnp.int32)
+        got = decode_matvec(x, parts, layer=layer, layout=layout, residual=res3, enable=enable, block_sizes=SMALL,
+                            interpret=True)
+        want = decode_matvec_reference(x, parts, layer=layer, layout=layout, residual=res3, enable=enable)
+        assert _rel(got, want) <= TOL[jnp.float32], on
+        if not on:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(res3))
+    with pytest.raises(ValueError, match="multiple of block_n"):
+        decode_matvec(x[:, :40], tuple(p[:, :20] if layout == "nk" else p[:, :, :20] for p in parts), layer=layer,
+                      layout=layout, block_sizes=SMALL)
