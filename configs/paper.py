@@ -14,12 +14,13 @@ one H100 80GB (JAX 0.11.2, 2026-11-24, trained-sparse checkpoints of each size, 
           `auto` 1.197x the twin; twin 17.6 GiB compiled, step compile 5-36 s.
     1b    remat none, the loop (layer_unroll 1): twin 231 ms, 33.5 GiB; `auto` 1.222x, `pallas`
           29.6 GiB; step compile 5-16 s (unrolled, `pallas` would take ~4.5 s a layer: over a minute).
+    1.5b  remat none, the loop (layer_unroll 1): twin 352 ms, 49.5 GiB compiled (55.3 GiB peak), at
+          0.896x plain JAX in the same process (the loop copies each layer's saved values,
+          docs/model.md); `auto` 1.210x the twin (1.084x plain JAX), `pallas` 1.188x and 42.8 GiB
+          (-13.6%); step compile 6-22 s. Prefill: `auto` 1.282x the twin at 0.764x its energy.
     2b    remat full, the loop: twin 520 ms, 35.0 GiB; `auto` 1.238x; step compile 6-19 s (all 38
           layers unrolled: 184 s for `pallas`); `twell train --config 2b` did its first step 43 s
           after the command with the data cached, all layers unrolled (its step compiled in 26 s).
-    1.5b  not measured: remat "ffn" (estimated fit: 20 bytes per parameter for the parameters,
-          gradients and Adam moments plus ~0.5 GB of saved activations per layer at 16384 tokens)
-          and the loop, as 1b and 2b.
 Lighter remat policies and larger micro-batches at 1b-2b (what the sparse model's saved memory
 could buy) are not measured yet: `experiments/bench_step.py --checkpoint RUN --optimizer
 --variants relu_gated:dots,twell@auto:dots,twell@auto:none [--micro-batch 16]`.
@@ -30,7 +31,7 @@ from twell_jax.config import ExperimentConfig, ModelConfig, OptimConfig, Sparsit
 from twell_jax.config import DataConfig
 
 LAYERS = {"0.5b": 8, "1b": 18, "1.5b": 28, "2b": 38}
-REMAT = {"0.5b": "none", "1b": "none", "1.5b": "ffn", "2b": "full"}  # module docstring says why
+REMAT = {"0.5b": "none", "1b": "none", "1.5b": "none", "2b": "full"}  # module docstring says why
 LAYER_UNROLL = {"0.5b": 0, "1b": 1, "1.5b": 1, "2b": 1}  # module docstring says why
 
 

@@ -12,10 +12,15 @@ The runs are a `twell compare` plan (twell_jax/compare.py) in --out: a call cut 
 `timeout`) keeps its finished runs and the next call with the same --out continues the
 interrupted one from its checkpoint. Prints one table, per pair and over the common steps: the
 max |loss difference|, the max |CE difference|, the max |difference| of the mean active count
-per token (layer mean, and its relative value), and, for the pallas run, the share of layer-steps
-in which the op took its exact dense fallback (a high share means the kernels did not run yet:
-raise --l1 or the steps). Writes $OUT/backend_equivalence.json (the runs stay in --out, one
-checkpoint each).
+per token (layer mean, and its relative value); then the same curves smoothed by a 20-step moving
+average (--window), whose mean and max |difference| are not dominated by one batch's noise; and,
+for the pallas run, the share of layer calls (layer x micro-batch x step) in which the op took its
+exact dense fallback (a high share means the kernels did not run yet: raise --l1 or the steps).
+Writes $OUT/backend_equivalence.json (with every run's loss and active curves at every 5th step)
+and $OUT/backend_equivalence.png (the curves); the runs stay in --out, one checkpoint each.
+
+    # the figures again from finished runs (a directory holding the plan and <run>/metrics.jsonl):
+    PYTHONPATH=. python experiments/backend_equivalence.py --out runs/backend_equivalence --report-only
 """
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ from twell_jax.configs import get_config
 from twell_jax import compare as compare_lib
 from twell_jax import config as config_lib
 
+WINDOW = 20  # steps per moving average of the smoothed comparison
+CURVE_EVERY = 5  # the JSON keeps every run's curves at every CURVE_EVERY-th step
 PAIRS = (("pallas", "dense", "sparse kernels vs dense"),
          ("dense-half-micro-batch", "dense", "noise: reduction order"),
          ("dense-data-seed", "dense", "noise: data order"))
@@ -57,24 +64,161 @@ def curves(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in records if "ce" in r}
 
 
-def compare_pair(a: dict[int, dict], b: dict[int, dict]) -> dict:
+def final_val_loss(run_dir: Path) -> float | None:
+    """The last validation loss in the run's metrics.jsonl (None when it logged none)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    losses = [r["val_loss"] for r in records if "val_loss" in r]
+    return float(losses[-1]) if losses else None
+
+
+def moving_average(x: np.ndarray, window: int) -> np.ndarray:
+    """Means of `window` consecutive values (len(x) - window + 1 of them; the whole curve's mean
+    when it is shorter than the window)."""
+    window = max(1, min(window, len(x)))
+    return np.convolve(x, np.ones(window) / window, mode="valid")
+
+
+def compare_pair(a: dict[int, dict], b: dict[int, dict], window: int = WINDOW) -> dict:
+    """Run a against run b over their common steps: the raw per-step differences (max |.|) and the
+    differences of the `window`-step moving averages (mean and max |.|; active also relative to b's)."""
     steps = sorted(set(a) & set(b))
     if not steps:
         raise ValueError("the two runs logged no common step")
     loss = np.array([[a[s]["loss"], b[s]["loss"]] for s in steps])
     ce = np.array([[a[s]["ce"], b[s]["ce"]] for s in steps])
     active = np.array([[np.mean(a[s]["l0_per_layer"]), np.mean(b[s]["l0_per_layer"])] for s in steps])
+    smooth = {name: np.abs(moving_average(v[:, 0], window) - moving_average(v[:, 1], window))
+              for name, v in (("loss", loss), ("active", active))}
+    smooth_rel_active = smooth["active"] / np.maximum(moving_average(active[:, 1], window), 1e-9)
     return {"steps": len(steps), "last_step": steps[-1],
             "max_abs_loss_diff": float(np.max(np.abs(loss[:, 0] - loss[:, 1]))),
             "max_abs_ce_diff": float(np.max(np.abs(ce[:, 0] - ce[:, 1]))),
             "max_abs_active_diff": float(np.max(np.abs(active[:, 0] - active[:, 1]))),
             "max_rel_active_diff": float(np.max(np.abs(active[:, 0] - active[:, 1]) / np.maximum(active[:, 1], 1e-9))),
-            "final_active": active[-1].tolist()}
+            "final_active": active[-1].tolist(),
+            "smoothing_window": min(window, len(steps)),
+            "smoothed_mean_abs_loss_diff": float(np.mean(smooth["loss"])),
+            "smoothed_max_abs_loss_diff": float(np.max(smooth["loss"])),
+            "smoothed_mean_abs_active_diff": float(np.mean(smooth["active"])),
+            "smoothed_max_abs_active_diff": float(np.max(smooth["active"])),
+            "smoothed_mean_rel_active_diff": float(np.mean(smooth_rel_active)),
+            "smoothed_max_rel_active_diff": float(np.max(smooth_rel_active))}
 
 
-def fallback_share(run: dict[int, dict]) -> float | None:
+def micro_batches_per_step(cfg: config_lib.ExperimentConfig, run_dir: Path, run: dict[int, dict]) -> int:
+    """The gradient-accumulation steps of the run (global_batch / (micro_batch x devices)); the device
+    count from its summary.json, else from its logged throughput (total over per-device)."""
+    devices = None
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        devices = json.loads(summary.read_text()).get("num_devices")
+    if devices is None:
+        rates = [(r["tokens_per_s"], r["tokens_per_s_per_device"]) for r in run.values()
+                 if r.get("tokens_per_s") and r.get("tokens_per_s_per_device")]
+        devices = round(rates[0][0] / rates[0][1]) if rates else cfg.train.num_devices
+    if devices is None:
+        raise ValueError(f"{run_dir}: cannot tell how many devices the run used (no summary.json, no throughput "
+                         "in metrics.jsonl, train.num_devices unset)")
+    per_step = cfg.train.micro_batch * devices
+    if cfg.train.global_batch % per_step:
+        raise ValueError(f"{run_dir}: global_batch {cfg.train.global_batch} is not a multiple of micro_batch "
+                         f"{cfg.train.micro_batch} x {devices} devices")
+    return cfg.train.global_batch // per_step
+
+
+def fallback_share(run: dict[int, dict], micro_batches: int) -> float | None:
+    """The share of the op's calls (layer x micro-batch x step) that took the exact dense fallback.
+    A step's `dense_fallback_per_layer` is each layer's count over the step's micro-batches (the loop
+    sums them), so it is divided by the micro-batches per step as well as averaged."""
     flags = [r["dense_fallback_per_layer"] for r in run.values() if "dense_fallback_per_layer" in r]
-    return float(np.mean(flags)) if flags else None
+    if not flags:
+        return None
+    flags = np.asarray(flags)
+    if flags.min() < 0 or flags.max() > micro_batches:
+        raise ValueError(f"dense fallback counts {flags.min()}..{flags.max()} fall outside 0..{micro_batches} "
+                         f"(the micro-batches per step): not counts of the op's calls")
+    return float(np.mean(flags)) / micro_batches
+
+
+def every_nth(run: dict[int, dict], every: int) -> dict[str, list]:
+    """The run's loss and layer-mean active count per token at its first step and every `every`th."""
+    steps = sorted(run)
+    kept = [s for s in steps if s == steps[0] or s % every == 0]
+    return {"step": kept, "loss": [float(run[s]["loss"]) for s in kept],
+            "active": [float(np.mean(run[s]["l0_per_layer"])) for s in kept]}
+
+
+def report(out: Path, runs: list[compare_lib.StudyRun] | None = None, *, window: int = WINDOW,
+           every: int = CURVE_EVERY) -> dict:
+    """The comparison of the runs in `out` (each `<key>/metrics.jsonl`; `runs`: the plan, else the
+    one saved in `out`), from their files alone: it can be re-run on saved metrics."""
+    if runs is None:
+        runs, _ = compare_lib.load_plan(out)
+    by_key = {run.key: run for run in runs}
+    logged = {key: curves(out / key) for key in by_key}
+    rows = [{"pair": f"{a} vs {b}", "what": what, **compare_pair(logged[a], logged[b], window)} for a, b, what in PAIRS]
+    noise = max(r["max_abs_loss_diff"] for r in rows[1:])
+    smoothed_noise = {q: max(r[f"smoothed_max_abs_{q}_diff"] for r in rows[1:]) for q in ("loss", "active")}
+    cfg = by_key["dense"].cfg
+    pallas = by_key["pallas"]
+    return {"config": cfg.name.removesuffix("-dense"), "steps": cfg.train.steps, "l1_coef": cfg.sparsity.l1_coef,
+            "data": cfg.data.source, "global_batch": cfg.train.global_batch, "seq_len": cfg.seq_len,
+            "smoothing_window": min(r["smoothing_window"] for r in rows), "pairs": rows,
+            "pallas_dense_fallback_share": fallback_share(
+                logged["pallas"], micro_batches_per_step(pallas.cfg, out / pallas.key, logged["pallas"])),
+            "pallas_within_noise": rows[0]["max_abs_loss_diff"] <= noise,
+            "pallas_within_noise_smoothed": {q: rows[0][f"smoothed_max_abs_{q}_diff"] <= smoothed_noise[q]
+                                             for q in ("loss", "active")},
+            "final_val_loss": {key: final_val_loss(out / key) for key in by_key},
+            "curves_every": every, "curves": {key: every_nth(logged[key], every) for key in by_key}}
+
+
+def print_report(result: dict) -> None:
+    """The table of the pairs (raw and smoothed differences) and the fallback / noise verdict."""
+    window = result["smoothing_window"]
+    print("| pair | what | steps | max abs loss diff | max abs CE diff | max abs active diff (rel) "
+          f"| {window}-step mean loss: mean / max abs diff "
+          f"| {window}-step mean active: mean / max abs diff (max rel) |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for r in result["pairs"]:
+        print(f"| {r['pair']} | {r['what']} | {r['steps']} | {r['max_abs_loss_diff']:.3g} | {r['max_abs_ce_diff']:.3g} "
+              f"| {r['max_abs_active_diff']:.3g} ({100 * r['max_rel_active_diff']:.2f}%) "
+              f"| {r['smoothed_mean_abs_loss_diff']:.3g} / {r['smoothed_max_abs_loss_diff']:.3g} "
+              f"| {r['smoothed_mean_abs_active_diff']:.3g} / {r['smoothed_max_abs_active_diff']:.3g} "
+              f"({100 * r['smoothed_max_rel_active_diff']:.2f}%) |")
+    share = result["pallas_dense_fallback_share"]
+    noise = max(r["max_abs_loss_diff"] for r in result["pairs"][1:])
+    smoothed = result["pallas_within_noise_smoothed"]
+    verdict = lambda within: "within" if within else "OUTSIDE"  # noqa: E731
+    print(f"pallas: dense fallback in {'-' if share is None else f'{100 * share:.1f}%'} of the op's calls; "
+          f"loss difference {verdict(result['pallas_within_noise'])} the measured noise ({noise:.3g}); "
+          f"{window}-step means: loss {verdict(smoothed['loss'])}, active/token {verdict(smoothed['active'])} "
+          "the noise pairs' largest")
+
+
+def plot(result: dict, path: Path) -> None:
+    """Two panels against the step: each run's training loss and mean active neurons per token."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_active) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key, curve in result["curves"].items():
+        ax_loss.plot(curve["step"], curve["loss"], label=key, lw=1.2)
+        ax_active.plot(curve["step"], curve["active"], label=key, lw=1.2)
+    ax_loss.set_ylabel("training loss (CE + L1 term)")
+    ax_active.set_ylabel("mean active FFN neurons per token (layer mean)")
+    ax_active.set_yscale("log")
+    for ax in (ax_loss, ax_active):
+        ax.set_xlabel(f"optimizer step (every {result['curves_every']}th)")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{result['config']}: pallas vs dense backend, and the two noise runs "
+                 f"(L1 {result['l1_coef']:g}, global batch {result['global_batch']} x {result['seq_len']})",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -87,40 +231,36 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.FIELD=VALUE")
     parser.add_argument("--out", default="runs/backend_equivalence",
                         help="directory of the runs (not under $OUT: 0.5b checkpoints are GBs)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="train nothing: the figures from --out's saved plan and <run>/metrics.jsonl files")
+    parser.add_argument("--window", type=int, default=WINDOW, help="steps per moving average (smoothed comparison)")
     args = parser.parse_args(argv)
-    cfg = get_config(args.config)
-    base = [f"train.steps={args.steps}", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=100",
-            "train.keep_checkpoints=1",
-            "train.eval_batches=2", "train.eval_batch_size=8", "train.progress_bar=false", "model.ffn_kind=twell", f"data.source={args.data}"]
-    if args.data != "synthetic":
-        base += ["data.tokenizer=bpe", f"data.vocab_size={cfg.model.vocab_size}", "data.val_fraction=0.02"]
-    if args.l1 is not None:
-        base.append(f"sparsity.l1_coef={args.l1}")
-    cfg = config_lib.apply_overrides(cfg, base + args.set)
+    if args.window < 1:
+        parser.error("--window must be >= 1")
     out_root = Path(os.environ.get("OUT", "."))
     out = Path(args.out)
-    runs = plan(cfg)
-    compare_lib.run_study(runs, out, resume=(out / compare_lib.PLAN_FILE).is_file())
-    logged = {run.key: curves(out / run.key) for run in runs}
-    rows = [{"pair": f"{a} vs {b}", "what": what, **compare_pair(logged[a], logged[b])} for a, b, what in PAIRS]
-    noise = max(r["max_abs_loss_diff"] for r in rows[1:])
-    result = {"config": args.config, "steps": args.steps, "l1_coef": cfg.sparsity.l1_coef, "data": args.data,
-              "global_batch": cfg.train.global_batch, "seq_len": cfg.seq_len, "pairs": rows,
-              "pallas_dense_fallback_share": fallback_share(logged["pallas"]),
-              "pallas_within_noise": rows[0]["max_abs_loss_diff"] <= noise}
-    print("| pair | what | steps | max abs loss diff | max abs CE diff | max abs active diff (rel) |\n"
-          "|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['pair']} | {r['what']} | {r['steps']} | {r['max_abs_loss_diff']:.3g} | {r['max_abs_ce_diff']:.3g} "
-              f"| {r['max_abs_active_diff']:.3g} ({100 * r['max_rel_active_diff']:.2f}%) |")
-    share = result["pallas_dense_fallback_share"]
-    print(f"pallas: dense fallback in {'-' if share is None else f'{100 * share:.1f}%'} of layer-steps; "
-          f"loss difference {'within' if result['pallas_within_noise'] else 'OUTSIDE'} the measured noise "
-          f"({noise:.3g})")
+    if args.report_only:
+        if not (out / compare_lib.PLAN_FILE).is_file():
+            parser.error(f"--report-only: {out} holds no {compare_lib.PLAN_FILE}")
+        runs = None
+    else:
+        cfg = get_config(args.config)
+        base = [f"train.steps={args.steps}", "train.log_every=1", "train.eval_every=0",
+                "train.checkpoint_every=100", "train.keep_checkpoints=1", "train.eval_batches=2",
+                "train.eval_batch_size=8", "train.progress_bar=false", "model.ffn_kind=twell",
+                f"data.source={args.data}"]
+        if args.data != "synthetic":
+            base += ["data.tokenizer=bpe", f"data.vocab_size={cfg.model.vocab_size}", "data.val_fraction=0.02"]
+        if args.l1 is not None:
+            base.append(f"sparsity.l1_coef={args.l1}")
+        runs = plan(config_lib.apply_overrides(cfg, base + args.set))
+        compare_lib.run_study(runs, out, resume=(out / compare_lib.PLAN_FILE).is_file())
+    result = report(out, runs, window=args.window)
+    print_report(result)
     out_root.mkdir(parents=True, exist_ok=True)
     (out_root / "backend_equivalence.json").write_text(json.dumps(result, indent=1))
+    plot(result, out_root / "backend_equivalence.png")
     return result
-
 
 if __name__ == "__main__":
     main()

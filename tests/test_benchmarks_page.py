@@ -63,3 +63,13 @@ def test_paths_and_ratios(tmp_path):
     manifest["areas"][0]["rows"][0].update(kind="time", source=dict(source, file="missing.json"))
     with pytest.raises(FileNotFoundError, match="missing.json"):
         report.rows_of(manifest, tmp_path)
+
+
+def test_a_plot_drawn_by_its_script_is_copied(tmp_path):
+    png = b"\x89PNG\r\n\x1a\n not really an image"
+    (tmp_path / "curves.png").write_bytes(png)
+    manifest = {"plots": [{"name": "curves", "title": "T", "file": "curves.png"}]}
+    assert report.render_plots(manifest, tmp_path, tmp_path / "figures") == {tmp_path / "figures" / "curves.png": png}
+    manifest["plots"][0]["file"] = "missing.png"
+    with pytest.raises(FileNotFoundError, match="missing.png"):
+        report.render_plots(manifest, tmp_path, tmp_path / "figures")

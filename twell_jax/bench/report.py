@@ -10,6 +10,10 @@ of the figure, of the dense figure and of the plain-JAX figure of the same run i
 number on the page is read from those files here; the ratios are computed here. To update a row,
 replace its file by a newer run's and point the row at it; to add one, add a row.
 
+Plots (the manifest's "plots", shown at the end of the page from docs/figures/<name>.png): drawn
+here from a result JSON's items ("panels"), or, when "file" names a .png a script drew itself,
+that image copied (it is a result file like the others: cited, and kept in experiments/results/).
+
 Paths: dot-separated keys; `[3]` indexes a list; `[key=value,...]` picks the one list element whose
 fields equal those values (numbers compared as numbers). Row kinds: "time" (lower is better: the
 ratios are reference / figure, a speed-up), "rate" (higher is better: figure / reference), "cost"
@@ -199,6 +203,12 @@ def render_plots(manifest: dict[str, Any], results: Path = RESULTS, out_dir: Pat
     rendered = {}
     for plot in manifest.get("plots", []):
         where = f"page.json plot {plot['name']!r}"
+        if plot["file"].endswith(".png"):  # drawn by its script: copied as it is
+            image = results / plot["file"]
+            if not image.is_file():
+                raise FileNotFoundError(f"{where} cites {plot['file']}, which is not in {results}")
+            rendered[out_dir / f"{plot['name']}.png"] = image.read_bytes()
+            continue
         data = _load(results, plot["file"], cache)
         fig, axes = plt.subplots(1, len(plot["panels"]), figsize=(5.5 * len(plot["panels"]), 4), squeeze=False)
         for ax, panel in zip(axes[0], plot["panels"]):
