@@ -66,6 +66,13 @@ class MatvecBlockSizes:
         return max(16, min(self.max_block_m, next_pow2(m)))
 
 
+# What a call without block_sizes uses: the best total over the qkv, attention-output, gate/up and
+# down shapes of `experiments/bench_decode_matvec.py --rows 1` among its 18 variants (H100,
+# 2026-11-24: 87 us summed, the best 85, the worst 108; those timings include ~10 us per call of
+# the timing loop's own work, so close variants are not told apart).
+DEFAULT_BLOCK_SIZES = MatvecBlockSizes(block_n=32, block_k=256, num_warps=8, num_stages=3)
+
+
 def _act(v: jax.Array, activation: str | None) -> jax.Array:
     if activation == "relu":
         return jnp.maximum(v, 0.0)
@@ -215,13 +222,14 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
                   layout: str = "nk", norm_scale: jax.Array | None = None, eps: float = 1e-6,
                   gate: jax.Array | None = None, activation: str | None = None,
                   residual: jax.Array | None = None, enable: jax.Array | None = None, out_dtype=None,
-                  block_sizes: MatvecBlockSizes = MatvecBlockSizes(), interpret: bool = False,
+                  block_sizes: MatvecBlockSizes | None = None, interpret: bool = False,
                   debug: bool = False) -> jax.Array:
     """[M, N] = residual + act(xn . gate) * (xn . w) (module docstring), each part optional;
     xn = RMSNorm(x) with `norm_scale` when given, else x. Output in `out_dtype` (default x's).
     `w` may be a tuple of equal-shaped parts (e.g. (w_q, w_k, w_v)): their outputs side by side,
     [M, parts * N], from one launch. `enable` (int32 [1]): 0 skips the products (the output is the
     residual, or zeros): a device-side switch, no host round trip."""
+    block_sizes = block_sizes or DEFAULT_BLOCK_SIZES
     n, k, n_layers = _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_dtype,
                             enable, block_sizes.block_n)
     parts = tuple(w) if isinstance(w, (tuple, list)) else (w,)

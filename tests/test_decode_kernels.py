@@ -89,3 +89,15 @@ def test_the_choice_of_path():
     assert auto._decode_with_kernels() == (jax.default_backend() == "gpu")
     with pytest.raises(ValueError, match="decode_kernels"):
         ModelConfig(decode_kernels="cuda")
+
+
+def test_qkv_in_three_launches_when_d_model_is_not_a_multiple_of_block_n(monkeypatch):
+    from twell_jax.pallas_kernels import decode_matvec
+
+    monkeypatch.setattr(decode_matvec, "DEFAULT_BLOCK_SIZES", decode_matvec.MatvecBlockSizes(block_n=64, block_k=16))
+    cfg = dataclasses.replace(BASE, **KINDS["dense_twin"])
+    tokens = jax.random.randint(jax.random.key(3), (2, 8), 0, cfg.vocab_size)
+    start = jnp.zeros((2,), jnp.int32)
+    got, _, _ = _run(cfg, tokens, start, prompt=5)
+    want, _, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=5)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

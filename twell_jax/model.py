@@ -593,21 +593,27 @@ class Transformer(nnx.Module):
 
     def _decode_step_kernels(self, tokens_B: jax.Array, cache: KVCache, cache_index: jax.Array,
                              start_B: jax.Array) -> tuple[jax.Array, KVCache, Aux]:
-        """`decode` of one token per row by the decode kernels: per layer, the attention norm and
-        the q/k/v projections in one `decode_matvec` launch, RoPE, the in-place cache write and the
-        masked attention over the cache (XLA), the output projection with the residual add in its
-        epilogue, then the FFN: dense plans as one launch for norm + gate/up + activation and one
-        for the down projection + residual; sparse plans (`decode_layer_sparse`) by the sparse FFN's
-        decode kernels (the gate's product, the union of the rows' active neurons compacted on the
-        device, the up/down rows of those only), with, for a batch of several rows, a device-side
-        switch to the dense products when the union exceeds DECODE_DENSE_SHARE of d_ff (no host
-        round trip). The stacked weights are read in place at the layer (no per-layer copy).
-        The LM head: the final norm and the tied embedding's product in one launch. Same roundings
-        as the XLA path up to the order of fp32 sums (tests/test_decode_kernels.py)."""
+        """`decode` of one token per row by the decode kernels, per layer: the attention norm and
+        the q/k/v projections in one `decode_matvec` launch; RoPE and the in-place cache write
+        (XLA); the attention by `decode_attention`, over the stacked caches in place and only the
+        visible slots; the output projection with the residual add in its epilogue; then the FFN:
+        dense plans as one launch for norm + gate/up + activation and one for the down projection
+        + residual; sparse plans (`decode_layer_sparse`) by the sparse FFN's decode kernels (the
+        gate's product, the union of the rows' active neurons compacted on the device, the up/down
+        rows of those only), with, for a batch of several rows, a device-side switch to the dense
+        products when the union exceeds DECODE_DENSE_SHARE of d_ff (no host round trip). The
+        stacked weights are read in place at the layer (no per-layer copy). The LM head: the final
+        norm and the tied embedding's product in one launch. Same roundings as the XLA path up to
+        the order of fp32 sums and the attention's fp32 probabilities (tests/test_decode_kernels.py)."""
+        from twell_jax.pallas_kernels.decode_attention import decode_attention
+        from twell_jax.pallas_kernels import decode_matvec as matvec_module
         from twell_jax.pallas_kernels.decode_matvec import decode_matvec
+
+        def matvec_blocks() -> Any:
+            return matvec_module.DEFAULT_BLOCK_SIZES
         from twell_jax.pallas_kernels.twell_decode import DecodeBlockSizes, compact_active, sparse_decode_ffn
 
-        b, length = tokens_B.shape[0], cache.k_LxBxTxNxK.shape[2]
+        b = tokens_B.shape[0]
         dt = _dtype(self.compute_dtype)
         interpret, gated, h_dim, d = self.interpret, self.gated, self.d_ff, self.d_model
         blocks, attn, ffn = self.blocks, self.blocks.attn, self.blocks.ffn
@@ -618,12 +624,13 @@ class Transformer(nnx.Module):
         w_up, w_down = ffn.w_up[...].astype(dt), ffn.w_down[...].astype(dt)  # [L, H, D]
         n1_LxD, n2_LxD = (n.scale[...].astype(jnp.float32) for n in (blocks.attn_norm, blocks.ffn_norm))
         act = "silu" if self.is_swiglu else "relu"
-        mv = functools.partial(decode_matvec, eps=self.norm_eps, interpret=interpret)
+        # The blocks are passed explicitly (read at trace time): a changed DEFAULT_BLOCK_SIZES retraces.
+        mv = functools.partial(decode_matvec, eps=self.norm_eps, interpret=interpret, block_sizes=matvec_blocks())
         embed_VxD = self.embed[...].astype(dt)
         x_BxD = jnp.take(embed_VxD, tokens_B, axis=0)
         positions_Bx1 = jnp.maximum(cache_index - start_B, 0)[:, None]
-        slot_T = jnp.arange(length)
-        visible_BxT = (slot_T[None, :] <= cache_index) & ((slot_T[None, :] >= start_B[:, None]) | (slot_T[None, :] == cache_index))
+        index_1 = jnp.reshape(cache_index, (1,)).astype(jnp.int32)
+        start_i32 = start_B.astype(jnp.int32)
 
         def dense_ffn(x: jax.Array, li: jax.Array, norm: jax.Array | None, residual: jax.Array,
                       enable: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -636,17 +643,19 @@ class Transformer(nnx.Module):
         def layer_step(carry: Any, layer: jax.Array, sparse: bool, op_config: Any) -> tuple[Any, Aux]:
             x, k_all, v_all = carry
             li = layer[None]
-            qkv = mv(x, w_qkv, layer=li, layout="kn", norm_scale=n1_LxD).reshape(b, 1, 3, n_heads, head_dim)
+            if d % matvec_blocks().block_n == 0:  # one launch for the three parts
+                qkv = mv(x, w_qkv, layer=li, layout="kn", norm_scale=n1_LxD)
+            else:
+                qkv = jnp.concatenate([mv(x, w, layer=li, layout="kn", norm_scale=n1_LxD) for w in w_qkv], axis=1)
+            qkv = qkv.reshape(b, 1, 3, n_heads, head_dim)
             q = rope(qkv[:, :, 0], self.rope_theta, positions_Bx1)
             k = rope(qkv[:, :, 1], self.rope_theta, positions_Bx1)
             start = (layer, 0, cache_index, 0, 0)
             k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
             v_all = jax.lax.dynamic_update_slice(v_all, qkv[:, :, 2][None].astype(v_all.dtype), start)
-            o = jax.nn.dot_product_attention(
-                q, jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False).astype(dt),
-                jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False).astype(dt),
-                mask=visible_BxT[:, None, None, :], implementation="xla")
-            x = mv(o.reshape(b, d), w_out, layer=li, layout="kn", residual=x)
+            o = decode_attention(q[:, 0].astype(k_all.dtype), k_all, v_all, li, index_1, start_i32,
+                                 interpret=interpret)
+            x = mv(o.astype(dt).reshape(b, d), w_out, layer=li, layout="kn", residual=x)
             if not sparse:
                 x, h = dense_ffn(x, li, n2_LxD, x)
                 return (x, k_all, v_all), {"l0": jnp.sum(h != 0, dtype=jnp.float32) / b}

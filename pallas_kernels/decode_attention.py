@@ -1,0 +1,158 @@
+"""Decode attention over a stacked KV cache (Pallas, Triton backend): one new query per row and head
+against the cached keys/values of one layer, read in place.
+
+The model's caches are [L, B, T, N, K] arrays carried through the decode loop over the stacked
+layers. XLA's attention reads layer l's [B, T, N, K] out of them as a copy inside the loop (at
+batch 8 and 64 that copy cost more than the attention itself: BENCHMARKS.md, Decode); this kernel
+takes the whole caches and the traced `layer` and reads the slots it needs where they are, and it
+reads only the slots a row can see (up to the newest one), not the whole cache length.
+
+    visible(b, t) = t <= index and (t >= start[b] or t == index)     (the model's decode mask)
+    out[b, n]     = softmax_t(q[b, n] . k[l, b, t, n] / sqrt(K)) . v[l, b, t, n]   over visible t
+
+Grid (B, N, S): program (b, n, s) runs an online softmax (fp32) over its share of the slots,
+[s * T/S, (s+1) * T/S) clipped to the visible range, in blocks of `block_t`, and writes its partial
+(acc [K] unnormalised, max, sum); `combine` merges the S partials per (b, n) in XLA (a few KB).
+S spreads a small batch over the SMs (S = 1 at large batches). A program with no visible slot
+writes max -1e30, sum 0 and contributes nothing. Deterministic: fixed orders, no atomics.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .common import check_launch_sizes, compiler_params, is_pow2
+
+NEG = -1e30  # the running max before any visible slot (finite: no inf - inf)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBlockSizes:
+    block_t: int = 64  # cache slots per step (power of two >= 16)
+    target_programs: int = 512  # S is chosen so that B * N * S reaches about this many programs
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_t, bool) or not isinstance(self.block_t, int) or not is_pow2(self.block_t) \
+                or self.block_t < 16:
+            raise ValueError(f"AttentionBlockSizes.block_t must be a power of two >= 16, got {self.block_t!r}")
+        if not isinstance(self.target_programs, int) or self.target_programs < 1:
+            raise ValueError(f"AttentionBlockSizes.target_programs must be an int >= 1, got {self.target_programs!r}")
+        check_launch_sizes(self)
+
+    def splits(self, batch: int, heads: int, length: int) -> int:
+        """S: enough programs for the SMs, at most one per block of slots."""
+        blocks = -(-length // self.block_t)
+        return max(1, min(-(-self.target_programs // (batch * heads)), blocks))
+
+
+def _attention_kernel(layer_ref, index_ref, start_ref, q_ref, k_ref, v_ref, acc_ref, stats_ref, *,
+                      batch: int, length: int, heads: int, head_dim: int, splits: int, block_t: int,
+                      scale: float) -> None:
+    b, n, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = jnp.max(layer_ref[...]).astype(jnp.int32)
+    index = jnp.max(index_ref[...]).astype(jnp.int32)
+    start_b = jnp.max(plgpu.load(start_ref.at[jnp.full((2,), b, jnp.int32)])).astype(jnp.int32)  # a 2-lane gather
+    cols_K = lax.broadcasted_iota(jnp.int32, (head_dim,), 0)
+    q_K = plgpu.load(q_ref.at[jnp.full((head_dim,), b * heads + n, jnp.int32), cols_K]).astype(jnp.float32)
+    share = -(-length // splits)
+    begin = s * share
+    # Slots before start[b] are never visible except `index` itself, which the last block holds.
+    first = jnp.maximum(begin, jnp.minimum(start_b, index))
+    first = (first // block_t) * block_t
+    end = jnp.minimum(begin + share, index + 1)
+    trips = jnp.where(end > first, (end - first + block_t - 1) // block_t, 0).astype(jnp.int32)
+    row_base = (layer * batch + b) * length  # row of slot 0 in the flattened [L*B*T*N, K] cache
+    step_T = lax.broadcasted_iota(jnp.int32, (block_t,), 0)
+
+    def t_step(i, carry):
+        m, l, acc_K = carry
+        t_T = first + i * block_t + step_T
+        vis_T = (t_T >= begin) & (t_T < end) & ((t_T >= start_b) | (t_T == index))
+        rows_T = (row_base + jnp.minimum(t_T, length - 1)) * heads + n
+        k_TxK = plgpu.load(k_ref.at[rows_T[:, None], cols_K[None, :]], mask=vis_T[:, None], other=0)
+        v_TxK = plgpu.load(v_ref.at[rows_T[:, None], cols_K[None, :]], mask=vis_T[:, None], other=0)
+        s_T = jnp.where(vis_T, jnp.sum(k_TxK.astype(jnp.float32) * q_K[None, :], axis=1) * scale, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s_T))
+        p_T = jnp.exp(s_T - m_new)
+        alpha = jnp.exp(m - m_new)
+        acc_K = acc_K * alpha + jnp.sum(p_T[:, None] * v_TxK.astype(jnp.float32), axis=0)
+        return m_new, l * alpha + jnp.sum(p_T), acc_K
+
+    m, l, acc_K = lax.fori_loop(jnp.int32(0), trips, t_step,
+                                (jnp.float32(NEG), jnp.float32(0.0), jnp.zeros((head_dim,), jnp.float32)))
+    row = (b * heads + n) * splits + s
+    plgpu.store(acc_ref.at[jnp.full((head_dim,), row, jnp.int32), cols_K], acc_K)
+    two = lax.broadcasted_iota(jnp.int32, (2,), 0)
+    plgpu.store(stats_ref.at[jnp.full((2,), row, jnp.int32), two], jnp.where(two == 0, m, l))
+
+
+def _check(q_BxNxK, k_cache, v_cache, layer, index, start_B) -> None:
+    if k_cache.ndim != 5 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must be [L, B, T, N, K] of one shape, got {k_cache.shape} and "
+                         f"{v_cache.shape}")
+    _, b, _, n, k = k_cache.shape
+    if q_BxNxK.shape != (b, n, k):
+        raise ValueError(f"q must be [B={b}, N={n}, K={k}] like the cache, got {q_BxNxK.shape}")
+    if not is_pow2(k) or k < 16:
+        raise ValueError(f"the head dim K must be a power of two >= 16, got {k}")
+    for name, value, shape in (("layer", layer, (1,)), ("index", index, (1,)), ("start_B", start_B, (b,))):
+        if value.shape != shape or value.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32 {list(shape)}, got {value.dtype}{value.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "debug"))
+def decode_attention(q_BxNxK: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
+                     index: jax.Array, start_B: jax.Array, *,
+                     block_sizes: AttentionBlockSizes = AttentionBlockSizes(), interpret: bool = False,
+                     debug: bool = False) -> jax.Array:
+    """[B, N, K] attention output (q's dtype) of one new query per row and head over layer `layer`
+    of the [L, B, T, N, K] caches: slots t <= index visible, from start_B[b] on (and `index`)."""
+    _check(q_BxNxK, k_cache, v_cache, layer, index, start_B)
+    n_layers, b, length, n, k = k_cache.shape
+    splits = block_sizes.splits(b, n, length)
+    flat = (n_layers * b * length * n, k)
+    kernel = functools.partial(_attention_kernel, batch=b, length=length, heads=n, head_dim=k, splits=splits,
+                               block_t=block_sizes.block_t, scale=1.0 / float(k) ** 0.5)
+    operands = (layer, index, start_B, q_BxNxK.reshape(b * n, k), k_cache.reshape(flat), v_cache.reshape(flat))
+    whole = [pl.BlockSpec(op.shape, lambda i, j, s, nd=op.ndim: (0,) * nd) for op in operands]
+    rows = b * n * splits
+    acc, stats = pl.pallas_call(
+        kernel,
+        grid=(b, n, splits),
+        in_specs=whole,
+        out_specs=[pl.BlockSpec((rows, k), lambda i, j, s: (0, 0)), pl.BlockSpec((rows, 2), lambda i, j, s: (0, 0))],
+        out_shape=[jax.ShapeDtypeStruct((rows, k), jnp.float32), jax.ShapeDtypeStruct((rows, 2), jnp.float32)],
+        compiler_params=compiler_params(block_sizes),
+        interpret=interpret,
+        debug=debug,
+        name="twell_decode_attention",
+    )(*operands)
+    return combine(acc.reshape(b, n, splits, k), stats.reshape(b, n, splits, 2)).astype(q_BxNxK.dtype)
+
+
+def combine(acc_BxNxSxK: jax.Array, stats_BxNxSx2: jax.Array) -> jax.Array:
+    """Merge the splits' partial softmaxes: sum_s w_s acc_s / sum_s w_s l_s, w_s = exp(m_s - max m)."""
+    m, l = stats_BxNxSx2[..., 0], stats_BxNxSx2[..., 1]
+    w = jnp.exp(m - jnp.max(m, axis=-1, keepdims=True))
+    return jnp.sum(w[..., None] * acc_BxNxSxK, axis=2) / jnp.sum(w * l, axis=-1)[..., None]
+
+
+def decode_attention_reference(q_BxNxK: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
+                               index: jax.Array, start_B: jax.Array) -> jax.Array:
+    """The same in jnp (fp32 softmax over the visible slots of the layer's caches)."""
+    _check(q_BxNxK, k_cache, v_cache, layer, index, start_B)
+    k_BxTxNxK, v_BxTxNxK = k_cache[layer[0]].astype(jnp.float32), v_cache[layer[0]].astype(jnp.float32)
+    t = jnp.arange(k_cache.shape[2])
+    vis_BxT = (t[None] <= index[0]) & ((t[None] >= start_B[:, None]) | (t[None] == index[0]))
+    s = jnp.einsum("bnk,btnk->bnt", q_BxNxK.astype(jnp.float32), k_BxTxNxK,
+                   precision=lax.Precision.HIGHEST) / jnp.sqrt(jnp.float32(q_BxNxK.shape[-1]))
+    p = jax.nn.softmax(jnp.where(vis_BxT[:, None], s, -jnp.inf), axis=-1)
+    return jnp.einsum("bnt,btnk->bnk", p, v_BxTxNxK, precision=lax.Precision.HIGHEST).astype(q_BxNxK.dtype)
