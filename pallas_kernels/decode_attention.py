@@ -101,8 +101,8 @@ def _check(q_BxNxK, k_cache, v_cache, layer, index, start_B) -> None:
     _, b, _, n, k = k_cache.shape
     if q_BxNxK.shape != (b, n, k):
         raise ValueError(f"q must be [B={b}, N={n}, K={k}] like the cache, got {q_BxNxK.shape}")
-    if not is_pow2(k) or k < 16:
-        raise ValueError(f"the head dim K must be a power of two >= 16, got {k}")
+    if not is_pow2(k):
+        raise ValueError(f"the head dim K must be a power of two (a Triton block extent), got {k}")
     for name, value, shape in (("layer", layer, (1,)), ("index", index, (1,)), ("start_B", start_B, (b,))):
         if value.shape != shape or value.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32 {list(shape)}, got {value.dtype}{value.shape}")

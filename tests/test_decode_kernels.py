@@ -101,3 +101,12 @@ def test_qkv_in_three_launches_when_d_model_is_not_a_multiple_of_block_n(monkeyp
     got, _, _ = _run(cfg, tokens, start, prompt=5)
     want, _, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=5)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_head_dim_that_is_not_a_power_of_two_attends_through_xla():
+    cfg = dataclasses.replace(BASE, d_model=36, n_heads=3, **KINDS["dense_twin"])  # head dim 12
+    tokens = jax.random.randint(jax.random.key(5), (2, 8), 0, cfg.vocab_size)
+    start = jnp.asarray([0, 3], jnp.int32)
+    got, _, _ = _run(cfg, tokens, start, prompt=5)
+    want, _, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=5)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

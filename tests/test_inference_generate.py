@@ -229,3 +229,32 @@ def test_stop_strings_end_a_row_before_them_and_the_stream_never_shows_them(load
     assert stopped.finish_reasons[0] == "stop" and len(stopped.tokens[0]) <= 4
     with pytest.raises(ValueError, match="stop strings need the model's tokenizer"):
         generate(loaded, prompts, max_new_tokens=2, stop=["x"])
+
+
+@pytest.mark.parametrize("kind,backend", [("twell", "pallas"), ("relu_gated", "dense")])
+def test_greedy_generation_through_the_decode_kernels_equals_the_full_forward(kind, backend):
+    """The one-token steps run `Transformer._decode_step_kernels` (model.decode_kernels=pallas, the
+    kernels interpreted): the sparse model and its dense twin, padded rows included."""
+    cfg = _model_cfg(ffn_kind=kind, ffn_backend=backend, ffn_interpret=True, decode_kernels="pallas",
+                     ffn_op_config={"tile": 16, "slots": 16, "ell_width": 64})
+    loaded_ = _loaded(cfg, seed=1)
+    assert loaded_.model._decode_with_kernels()
+    prompts = [[3, 14, 15, 9, 2, 6], [5]]
+    result = generate(loaded_, prompts, max_new_tokens=4, eos=())
+    for prompt, out in zip(prompts, result.tokens):
+        assert out == _greedy_by_full_forward(loaded_.model, prompt, 4)
+    assert result.decode_steps == 3 and result.decode_s > 0 and result.prefill_s > 0
+    assert result.decode_tokens_per_s() == pytest.approx(2 * 3 / result.decode_s)
+
+
+def test_the_decode_step_runs_no_finiteness_scan():
+    """Generation never pays for the op's NaN/Inf scan: the one-token step through the decode
+    kernels contains no is_finite, whatever the op config's check_finite says."""
+    cfg = _model_cfg(ffn_kind="twell", ffn_backend="pallas", ffn_interpret=True, decode_kernels="pallas",
+                     ffn_op_config={"tile": 16, "slots": 16, "ell_width": 64, "check_finite": True})
+    model = init_model(cfg, 0)
+    cache = init_cache(cfg, 2, 8)
+    jaxpr = jax.make_jaxpr(lambda c: model.decode(jnp.zeros((2, 1), jnp.int32), c, jnp.int32(3),
+                                                  jnp.zeros((2,), jnp.int32)))(cache)
+    assert "is_finite" not in str(jaxpr)
+    assert "twell_decode_matvec" in str(jaxpr) or "pallas_call" in str(jaxpr)

@@ -653,8 +653,16 @@ class Transformer(nnx.Module):
             start = (layer, 0, cache_index, 0, 0)
             k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
             v_all = jax.lax.dynamic_update_slice(v_all, qkv[:, :, 2][None].astype(v_all.dtype), start)
-            o = decode_attention(q[:, 0].astype(k_all.dtype), k_all, v_all, li, index_1, start_i32,
-                                 interpret=interpret)
+            if head_dim & (head_dim - 1) == 0:  # a power of two: the kernel reads the caches in place
+                o = decode_attention(q[:, 0].astype(k_all.dtype), k_all, v_all, li, index_1, start_i32,
+                                     interpret=interpret)
+            else:  # XLA's masked attention over the layer's cache (read out of the stack as a copy)
+                slot_T = jnp.arange(k_all.shape[2])
+                visible_BxT = (slot_T[None] <= cache_index) & ((slot_T[None] >= start_B[:, None]) | (slot_T[None] == cache_index))
+                o = jax.nn.dot_product_attention(
+                    q, jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False).astype(dt),
+                    jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False).astype(dt),
+                    mask=visible_BxT[:, None, None, :], implementation="xla")[:, 0]
             x = mv(o.astype(dt).reshape(b, d), w_out, layer=li, layout="kn", residual=x)
             if not sparse:
                 x, h = dense_ffn(x, li, n2_LxD, x)

@@ -105,7 +105,9 @@ def run_generate(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict[str
         {"prompt": prompt, "prompt_tokens": len(kept), "samples": [
             {"text": texts[r], "tokens": result.tokens[r], "finish_reason": result.finish_reasons[r]}
             for r in range(i * args.num_samples, (i + 1) * args.num_samples)]}
-        for i, (prompt, kept) in enumerate(zip(shown, ids))]}
+        for i, (prompt, kept) in enumerate(zip(shown, ids))],
+        "prefill_s": result.prefill_s, "decode_s": result.decode_s, "decode_steps": result.decode_steps,
+        "decode_tokens_per_s": result.decode_tokens_per_s()}
     if args.json:
         out.write(json.dumps(report, indent=2) + "\n")
     elif streaming:
@@ -118,4 +120,9 @@ def run_generate(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict[str
     out.flush()
     reasons = ", ".join(f"{r} after {len(t)} tokens" for r, t in zip(result.finish_reasons, result.tokens))
     print(f"[twell] stopped: {reasons}", file=sys.stderr)
+    speed = result.decode_tokens_per_s()
+    if speed is not None:
+        print(f"[twell] speed: prefill {result.prefill_s:.2f}s (compile included on a first call); decode "
+              f"{speed:.1f} tokens/s ({len(rows)} row(s) x {result.decode_steps} steps in {result.decode_s:.2f}s, "
+              f"{1e3 * result.decode_s / result.decode_steps:.2f} ms/step; the first step compiles)", file=sys.stderr)
     return report

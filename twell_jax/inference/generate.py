@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import jax
@@ -69,6 +70,18 @@ class GenerationResult:
     texts: list[str] | None  # decoded generated text (EOS excluded); None without a tokenizer
     finish_reasons: list[str]  # "eos", "stop" (a stop string; the text ends before it) or "length"
     prompt_lengths: list[int]  # tokens of each prompt as run (after any truncation)
+    # Wall seconds: the prefill (compile included on a first call) up to the first tokens on the
+    # host, and the decode steps after it (each ends with its tokens on the host: streaming and
+    # EOS need them). decode_steps counts steps; tokens/s = rows x steps / decode_s.
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+
+    def decode_tokens_per_s(self) -> float | None:
+        """Generated tokens per second over the decode steps (every row counted), None without any."""
+        if not self.decode_steps or self.decode_s <= 0:
+            return None
+        return len(self.tokens) * self.decode_steps / self.decode_s
 
 
 def sample_tokens(logits_BxV: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
@@ -213,7 +226,9 @@ class Generator:
         key = jax.random.key(sampling.seed)
         settings = (jnp.float32(sampling.temperature), jnp.int32(sampling.top_k), jnp.float32(sampling.top_p))
         start = jnp.asarray(start_B)
+        began = time.perf_counter()
         token_B, cache = self._prefill(self.state, jnp.asarray(tokens_BxP), start, key, *settings)
+        prefill_s, decode_began, steps = None, None, 0
         out: list[list[int]] = [[] for _ in range(n_rows)]
         reasons = ["length"] * n_rows
         done = [False] * n_rows
@@ -223,6 +238,11 @@ class Generator:
                 token_B, cache = self._decode_step(self.state, cache, token_B, jnp.int32(bucket + step - 1),
                                                    start, key, *settings)
             host_B = np.asarray(token_B)
+            if step:
+                steps += 1
+            else:
+                decode_began = time.perf_counter()
+                prefill_s = decode_began - began
             for b in range(n_rows):
                 if done[b]:
                     continue
@@ -239,7 +259,9 @@ class Generator:
         if self.loaded.tokenizer is not None:
             texts = [self.loaded.tokenizer.decode([t for t in row if t not in eos_ids]) for row in out]
             texts = [text if cut is None else text[:cut] for text, cut in zip(texts, printer.stop_at)]
-        return GenerationResult(tokens=out, texts=texts, finish_reasons=reasons, prompt_lengths=lengths)
+        return GenerationResult(tokens=out, texts=texts, finish_reasons=reasons, prompt_lengths=lengths,
+                                prefill_s=prefill_s or 0.0, decode_s=time.perf_counter() - decode_began,
+                                decode_steps=steps)
 
 
 def _eos_set(eos: int | Sequence[int] | None, default: int | None) -> frozenset[int]:
