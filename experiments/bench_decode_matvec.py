@@ -1,7 +1,9 @@
 """The decode matrix-vector kernel (pallas_kernels/decode_matvec.py) against XLA on the shapes of one
 decode step of the paper's models (d_model 2048, d_ff 5632, vocab 49152): microseconds per call,
 the bandwidth reached (weight bytes / time) and the ratio to XLA's dot of the same operands, over
-a sweep of block sizes. The best variant per shape is printed last; --out gets every row as JSON.
+a sweep of block sizes (split_k included). Each figure is a call's time inside a device loop of
+--iters calls, less the loop's own time per call (a product-free body, measured beside it). The
+best variant per shape is printed last; --out gets every row as JSON.
 
     python experiments/bench_decode_matvec.py --rows 1,8 --out $OUT/bench_decode_matvec.json
     python experiments/bench_decode_matvec.py --dry-run     # tiny shapes on CPU (interpret mode)
@@ -26,8 +28,8 @@ from twell_jax.pallas_kernels.decode_matvec import MatvecBlockSizes, decode_matv
 SHAPES = (("qkv", 6144, 2048, "kn", False), ("attn_out", 2048, 2048, "kn", False),
           ("gate_up", 5632, 2048, "nk", True), ("down", 2048, 5632, "kn", False),
           ("down_nk", 2048, 5632, "nk", False), ("head", 49152, 2048, "nk", False))
-SWEEP = [MatvecBlockSizes(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
-         for bn, bk, (nw, ns) in itertools.product((16, 32, 64), (256, 512), ((4, 3), (4, 4), (8, 3)))]
+SWEEP = [MatvecBlockSizes(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, split_k=sk)
+         for bn, bk, (nw, ns), sk in itertools.product((16, 32, 64), (128, 256), ((4, 3), (8, 3)), (1, 2, 4))]
 
 
 def per_call_us(fn, x, w, gate, *, iters: int, min_seconds: float) -> float:
@@ -63,7 +65,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     shapes, sweep, interpret = SHAPES, SWEEP, False
     if args.dry_run:
         shapes = (("tiny", 40, 48, "kn", False), ("tiny_gated", 40, 48, "nk", True))
-        sweep, interpret, args.min_seconds, args.iters = [MatvecBlockSizes(block_n=16, block_k=16, num_stages=1)], True, 0.0, 2
+        sweep = [MatvecBlockSizes(block_n=16, block_k=16, num_stages=1, split_k=sk) for sk in (1, 2)]
+        interpret, args.min_seconds, args.iters = True, 0.0, 2
     rows = []
     key = jax.random.key(0)
     for m in [int(r) for r in args.rows.split(",") if r]:
@@ -79,26 +82,31 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 xla = jax.jit(lambda x, w, g: (jax.nn.relu(jnp.einsum(spec, x, g)) * jnp.einsum(spec, x, w)))
             else:
                 xla = jax.jit(lambda x, w, g: jnp.einsum(spec, x, w))
-            xla_us = per_call_us(xla, x, w, gate, iters=args.iters, min_seconds=args.min_seconds)
+            # The timing loop's own work per call (the dependency on the output), measured with a
+            # product-free body and subtracted from every figure below.
+            loop_us = per_call_us(lambda x, w, g: x[:, :1], x, w, gate, iters=args.iters, min_seconds=args.min_seconds)
+            xla_us = per_call_us(xla, x, w, gate, iters=args.iters, min_seconds=args.min_seconds) - loop_us
             want = xla(x, w, gate).astype(jnp.float32)
             for sizes in sweep:
+                if gated and sizes.split_k > 1:
+                    continue  # a gate is not split (the kernel refuses it)
                 fn = jax.jit(lambda x, w, g, s=sizes: decode_matvec(
                     x, w, layout=layout, gate=g, activation="relu" if gated else None, block_sizes=s,
                     interpret=interpret))
                 try:
                     err = float(jnp.max(jnp.abs(fn(x, w, gate).astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
-                    us = per_call_us(fn, x, w, gate, iters=args.iters, min_seconds=args.min_seconds)
+                    us = per_call_us(fn, x, w, gate, iters=args.iters, min_seconds=args.min_seconds) - loop_us
                 except Exception as exc:  # a variant that does not compile: recorded, not fatal
                     rows.append({"shape": name, "m": m, "sizes": str(sizes), "error": f"{type(exc).__name__}: {exc}"[:300]})
                     continue
                 rows.append({"shape": name, "m": m, "n": n, "k": k, "layout": layout, "gated": gated,
                              "block_n": sizes.block_n, "block_k": sizes.block_k, "num_warps": sizes.num_warps,
-                             "num_stages": sizes.num_stages, "us": us, "xla_us": xla_us, "vs_xla": xla_us / us,
+                             "num_stages": sizes.num_stages, "split_k": sizes.split_k, "loop_us": loop_us, "us": us, "xla_us": xla_us, "vs_xla": xla_us / us,
                              "gb_s": nbytes / us / 1e3, "peak_share": nbytes / us / 1e3 / args.peak_gbs,
                              "rel_err_vs_xla": err})
             best = min((r for r in rows if r.get("shape") == name and r["m"] == m and "us" in r), key=lambda r: r["us"])
             print(f"[matvec] m {m} {name}: best bn {best['block_n']} bk {best['block_k']} w{best['num_warps']} "
-                  f"s{best['num_stages']} {best['us']:.1f} us ({best['gb_s']:.0f} GB/s) vs XLA {xla_us:.1f} us", flush=True)
+                  f"s{best['num_stages']} split {best['split_k']} {best['us']:.1f} us ({best['gb_s']:.0f} GB/s) vs XLA {xla_us:.1f} us", flush=True)
             if args.out:  # after every shape: a run cut short keeps what it measured
                 Path(args.out).write_text(json.dumps({"device": jax.devices()[0].device_kind, "rows": rows}, indent=1))
     print("\n| m | shape | best blocks | us | GB/s | share of peak | XLA us | vs XLA |\n|---|---|---|---|---|---|---|---|")
@@ -107,7 +115,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             cand = [r for r in rows if r.get("shape") == name and r["m"] == m and "us" in r]
             if cand:
                 b = min(cand, key=lambda r: r["us"])
-                print(f"| {m} | {name} | {b['block_n']}/{b['block_k']}/w{b['num_warps']}/s{b['num_stages']} | "
+                print(f"| {m} | {name} | {b['block_n']}/{b['block_k']}/w{b['num_warps']}/s{b['num_stages']}/k{b['split_k']} | "
                       f"{b['us']:.1f} | {b['gb_s']:.0f} | {b['peak_share']:.0%} | {b['xla_us']:.1f} | {b['vs_xla']:.2f}x |")
     return rows
 

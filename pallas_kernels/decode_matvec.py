@@ -54,12 +54,18 @@ class MatvecBlockSizes:
     max_block_m: int = 16  # token rows per program, at most
     num_warps: int = 4
     num_stages: int = 3
+    # > 1: the K loop split over this many programs per output block (more programs for a narrow
+    # N: 2048 columns in blocks of 32 are 64 programs on 132 SMs); their fp32 partials are summed
+    # and the epilogue applied in XLA (one small fusion). Not with a gate.
+    split_k: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "max_block_m"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not is_pow2(value) or value < 16:
                 raise ValueError(f"MatvecBlockSizes.{name} must be a power of two >= 16, got {value!r}")
+        if isinstance(self.split_k, bool) or not isinstance(self.split_k, int) or self.split_k < 1:
+            raise ValueError(f"MatvecBlockSizes.split_k must be an int >= 1, got {self.split_k!r}")
         check_launch_sizes(self)
 
     def block_m(self, m: int) -> int:
@@ -83,7 +89,8 @@ def _act(v: jax.Array, activation: str | None) -> jax.Array:
 
 def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, has_norm: bool,
                    has_gate: bool, has_residual: bool, has_enable: bool, n_parts: int, activation: str | None,
-                   eps: float, block_k: int, n_k: int, precision: lax.Precision) -> None:
+                   eps: float, block_k: int, n_k: int, precision: lax.Precision, split_k: int = 1,
+                   n_k_split: int = 0) -> None:
     refs = list(refs)
     layer_ref = refs.pop(0) if has_layer else None
     enable_ref = refs.pop(0) if has_enable else None
@@ -136,7 +143,10 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
         dims = (((1,), (1,)), ((), ())) if layout == "nk" else (((1,), (0,)), ((), ()))
         return lax.dot_general(x_BMxBK, w, dims, precision=precision, preferred_element_type=jnp.float32)
 
-    def k_step(t, accs):
+    k_first = pl.program_id(2) * n_k_split if split_k > 1 else jnp.int32(0)
+
+    def k_step(i, accs):
+        t = k_first + i
         x_BMxBK, ks_BK, k_ok_BK = load_x(t)
         if has_norm:
             scale_BK = plgpu.load(scale_ref.at[layer * k + ks_BK], mask=k_ok_BK, other=0.0)
@@ -156,9 +166,14 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
     # enable = 0: no K loop (the output is the residual, or zeros): the device-side switch between
     # this dense product and a sparse one without a host round trip. Both loop bounds int32.
     trips = jnp.int32(n_k)
+    if split_k > 1:  # this program's share of the K blocks
+        trips = jnp.clip(jnp.int32(n_k) - k_first, 0, n_k_split).astype(jnp.int32)
     if has_enable:
-        trips = jnp.where(jnp.max(enable_ref[...]) != 0, jnp.int32(n_k), jnp.int32(0)).astype(jnp.int32)
+        trips = jnp.where(jnp.max(enable_ref[...]) != 0, trips, jnp.int32(0)).astype(jnp.int32)
     accs = lax.fori_loop(jnp.int32(0), trips, k_step, (zeros, zeros) if has_gate else (zeros,))
+    if split_k > 1:  # the raw fp32 partial: summed and finished in XLA (`_finish`)
+        o_ref[...] = accs[0]
+        return
     dt = x_ref.dtype
     out_BMxBN = accs[0].astype(dt).astype(jnp.float32)
     if has_gate:  # the dense formula: act(round(g)) * round(u), rounded once
@@ -174,7 +189,7 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
 
 
 def _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_dtype,
-           enable=None, block_n: int | None = None) -> tuple[int, int, int]:
+           enable=None, block_n: int | None = None, split_k: int = 1) -> tuple[int, int, int]:
     """(N of one part, K, L) after raising ValueError naming the offending argument; `w` is one
     weight or a tuple of parts of one shape (their outputs side by side)."""
     parts = tuple(w) if isinstance(w, (tuple, list)) else (w,)
@@ -183,6 +198,8 @@ def _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_
         raise ValueError(f"the parts of w must share one shape and dtype, got {[(p.dtype, p.shape) for p in parts]}")
     if len(parts) > 1 and gate is not None:
         raise ValueError("gate needs a single w (not parts)")
+    if gate is not None and block_n is not None and split_k > 1:
+        raise ValueError("a gate cannot be used with MatvecBlockSizes.split_k > 1")
     if enable is not None and (enable.shape != (1,) or enable.dtype != jnp.int32):
         raise ValueError(f"enable must be int32 [1], got {enable.dtype}{enable.shape}")
     if layout not in LAYOUTS:
@@ -231,7 +248,7 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
     residual, or zeros): a device-side switch, no host round trip."""
     block_sizes = block_sizes or DEFAULT_BLOCK_SIZES
     n, k, n_layers = _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_dtype,
-                            enable, block_sizes.block_n)
+                            enable, block_sizes.block_n, block_sizes.split_k)
     parts = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     m = x_MxK.shape[0]
     bm, bn, bk = block_sizes.block_m(m), block_sizes.block_n, block_sizes.block_k
@@ -245,11 +262,28 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
         operands.append(norm_scale.reshape(-1))
     if residual is not None:
         operands.append(residual)
-    whole = [pl.BlockSpec(op.shape, lambda j, i, nd=op.ndim: (0,) * nd) for op in operands]
+    whole = [pl.BlockSpec(op.shape, lambda *_, nd=op.ndim: (0,) * nd) for op in operands]
+    n_k, split = -(-k // bk), block_sizes.split_k
     kernel = functools.partial(
         _matvec_kernel, m=m, n=n, k=k, layout=layout, has_layer=layer is not None,
         has_norm=norm_scale is not None, has_gate=gate is not None, has_residual=residual is not None,
-        has_enable=enable is not None, n_parts=len(parts), activation=activation, eps=float(eps), block_k=bk, n_k=-(-k // bk), precision=_dot_precision(x_MxK.dtype))
+        has_enable=enable is not None, n_parts=len(parts), activation=activation, eps=float(eps), block_k=bk,
+        n_k=n_k, precision=_dot_precision(x_MxK.dtype), split_k=split, n_k_split=-(-n_k // split))
+    if split > 1:  # fp32 partials [S * m_pad, n_pad]: split s owns rows [s * m_pad, (s + 1) * m_pad)
+        m_blocks = m_pad // bm
+        partials = pl.pallas_call(
+            kernel,
+            grid=(n_pad // bn, m_blocks, split),
+            in_specs=whole,
+            out_specs=pl.BlockSpec((bm, bn), lambda j, i, s: (s * m_blocks + i, j)),
+            out_shape=jax.ShapeDtypeStruct((split * m_pad, n_pad), jnp.float32),
+            compiler_params=compiler_params(block_sizes),
+            interpret=interpret,
+            debug=debug,
+            name="twell_decode_matvec_split",
+        )(*operands)
+        acc = jnp.sum(partials.reshape(split, m_pad, n_pad), axis=0)[:m, :n * len(parts)]
+        return _finish(acc, x_MxK.dtype, activation, residual, out_dtype)
     out = pl.pallas_call(
         kernel,
         grid=(n_pad // bn, m_pad // bm),
@@ -262,6 +296,17 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
         name="twell_decode_matvec",
     )(*operands)
     return out[:m, :n * len(parts)]  # a slice of the padded output: XLA fuses it into the consumer
+
+
+def _finish(acc: jax.Array, dt, activation: str | None, residual: jax.Array | None, out_dtype) -> jax.Array:
+    """The kernel's epilogue without a gate, from the fp32 product: rounded to x's dtype, the
+    activation (rounded), the residual added; in `out_dtype` (default x's)."""
+    out = acc.astype(dt).astype(jnp.float32)
+    if activation is not None:
+        out = _act(out, activation).astype(dt).astype(jnp.float32)
+    if residual is not None:
+        out = out + residual.astype(jnp.float32)
+    return out.astype(jnp.dtype(out_dtype or dt))
 
 
 def decode_matvec_reference(x_MxK: jax.Array, w: jax.Array, *, layer: jax.Array | None = None,

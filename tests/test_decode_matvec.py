@@ -127,3 +127,26 @@ def test_parts_side_by_side_and_the_enable_switch(layout):
     with pytest.raises(ValueError, match="multiple of block_n"):
         decode_matvec(x[:, :40], tuple(p[:, :20] if layout == "nk" else p[:, :, :20] for p in parts), layer=layer,
                       layout=layout, block_sizes=SMALL)
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("split", [2, 3, 8])
+def test_split_k_matches_the_unsplit_product(layout, split):
+    """The K loop split over programs (fp32 partials summed, the epilogue in XLA): the same values,
+    with the norm, residual, activation, parts, a stack and the enable switch."""
+    x, w, gate, scale, res = _inputs(jnp.float32, 3, 32, 70, layers=2, seed=split)
+    if layout == "kn":
+        w, gate = jnp.swapaxes(w, 1, 2), jnp.swapaxes(gate, 1, 2)
+    sizes = MatvecBlockSizes(block_n=16, block_k=16, num_warps=1, num_stages=1, split_k=split)
+    layer = jnp.asarray([1], jnp.int32)
+    cases = [dict(norm_scale=scale, residual=res), dict(activation="relu"),
+             dict(w=(w, gate), norm_scale=scale), dict(residual=res, enable=jnp.asarray([0], jnp.int32))]
+    for kwargs in cases:
+        weights = kwargs.pop("w", w)
+        got = decode_matvec(x, weights, layer=layer, layout=layout, block_sizes=sizes, interpret=True, **kwargs)
+        want = decode_matvec_reference(x, weights, layer=layer, layout=layout, **kwargs)
+        assert got.shape == want.shape and _rel(got, want) <= TOL[jnp.float32], kwargs
+    with pytest.raises(ValueError, match="split_k"):
+        decode_matvec(x, w, layer=layer, layout=layout, gate=gate, activation="relu", block_sizes=sizes)
+    with pytest.raises(ValueError, match="split_k"):
+        MatvecBlockSizes(split_k=0)

@@ -92,3 +92,40 @@ def test_bench_inference_feeds_the_runs_text(sparse_run, tmp_path):
 def test_bad_backend_variants_are_rejected(text, match):
     with pytest.raises(ValueError, match=match):
         bench_step.parse_variants(text)
+
+
+def test_bench_inference_decode_rows_give_the_floor_share_and_the_xla_row(sparse_run, tmp_path):
+    out = sparse_run[0]
+    result = bench_inference.main(["--dry-run", "--checkpoint", str(out), "--xla-decode-row"])
+    decode = [r for r in result["rows"] if r["phase"] == "decode"]
+    assert {r["variant"] for r in decode} >= {"plain", "dense", "dense-xla", "twell-reference"}
+    for r in decode:
+        assert r["floor_bytes"] > 0 and r["floor_share"] > 0
+
+
+def test_the_decode_floor_counts_every_weight_once_and_the_sparse_rows_union():
+    from twell_jax.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=100, d_model=8, n_layers=2, n_heads=2, d_ff=32, max_seq_len=16,
+                      ffn_kind="twell", ffn_backend="dense")
+    dense = bench_inference.decode_floor_bytes(cfg, batch=2, context=16, itemsize=2)
+    weights = 100 * 8 + 2 * (4 * 8 * 8 + 3 * 32 * 8)
+    kv = 2 * 2 * 2 * 16 * 8
+    assert dense == 2 * (weights + kv)
+    # 3 active per token: the union of 2 rows is at most 6 of the 32 neurons; the gate stays whole.
+    sparse = bench_inference.decode_floor_bytes(cfg, batch=2, context=16, itemsize=2, active_per_layer=[3.0, 40.0])
+    ffn = (32 * 8 + 2 * 6 * 8) + (32 * 8 + 2 * 32 * 8)
+    assert sparse == 2 * (100 * 8 + 2 * 4 * 8 * 8 + ffn + kv)
+
+
+def test_the_matvec_sweep_runs_on_the_cpu(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "bench_decode_matvec.py"
+    spec = importlib.util.spec_from_file_location("bench_decode_matvec", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.main(["--dry-run", "--rows", "1", "--out", str(tmp_path / "m.json")])
+    assert {r["split_k"] for r in rows if "us" in r} == {1, 2}
+    assert all("error" not in r for r in rows) and json.loads((tmp_path / "m.json").read_text())["rows"]
