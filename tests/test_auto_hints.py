@@ -17,6 +17,7 @@ import pytest
 from test_train import FakeData, micro_cfg
 from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax import ops
+from twell_jax.ops import planner
 from twell_jax.model import init_model, split_model
 from twell_jax.training.hints import manages_auto_hints, run_hints, run_tail_hints
 from twell_jax.training.plan_trial import PlanTrial
@@ -371,3 +372,19 @@ def test_tail_hints_reach_each_layers_op_config_and_are_validated():
     for bad in (((0.1, 0.2, 0.3),), ((0.1, 0.2), (0.1, 0.2)), ((0.1, 0.2, 1.5),) * 2):
         with pytest.raises(ValueError, match="model.ffn_expected_tails"):
             dataclasses.replace(cfg.model, ffn_expected_tails=bad)
+
+
+@pytest.mark.parametrize("m", [2, 8, 64])
+def test_the_decode_union_limit_is_the_decode_paths_break_even(m):
+    """Below the limit the decode model's time at that union beats dense by the margin, above it not;
+    and a hint whose expected union is under it is one prefer_decode_path takes."""
+    d, h = 2048, 5632
+    limit = planner.decode_union_limit(m, d, h)
+    assert 0 < limit < h
+    dense = planner.DECODE_MARGIN * planner.dense_time_us(m, d, h, gated=True)
+    assert planner._decode_time_at_union(m, d, h, limit, True, 2, None) <= dense
+    assert planner._decode_time_at_union(m, d, h, limit + 1, True, 2, None) > dense
+    k = 1.0
+    while planner.expected_union(m, k * 1.1, h) <= limit:
+        k *= 1.1
+    assert planner.prefer_decode_path(m, d, h, k, True)

@@ -57,11 +57,11 @@ def test_kernel_steps_equal_the_xla_steps_and_the_forward(kind, batch, padded):
             np.testing.assert_allclose(got[row], full[row, 6:], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("share", [0.0, 1.0])
-def test_both_sides_of_the_dense_switch(monkeypatch, share):
-    """Several rows: share 0 sends every sparse layer to the dense products, 1 keeps the sparse
-    kernels; both give the XLA path's logits."""
-    monkeypatch.setattr(model_lib, "DECODE_DENSE_SHARE", share)
+@pytest.mark.parametrize("limit", [0, 10_000])
+def test_both_sides_of_the_dense_switch(monkeypatch, limit):
+    """Several rows: a union limit of 0 sends every sparse layer to the dense products, a large one
+    keeps the sparse kernels; both give the XLA path's logits."""
+    monkeypatch.setattr(model_lib.planner, "decode_union_limit", lambda *a, **k: limit)
     tokens = jax.random.randint(jax.random.key(7), (2, 9), 0, BASE.vocab_size)
     start = jnp.zeros((2,), jnp.int32)
     got, _, model = _run(BASE, tokens, start, prompt=5)

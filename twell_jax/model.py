@@ -41,6 +41,7 @@ from flax import nnx
 
 from twell_jax import ops
 from twell_jax.config import ATTENTION_IMPLS, REMAT_POLICIES, ModelConfig
+from twell_jax.ops import planner
 from twell_jax.ops.backends import gpu_available
 
 logger = logging.getLogger(__name__)
@@ -601,7 +602,8 @@ class Transformer(nnx.Module):
         + residual; sparse plans (`decode_layer_sparse`) by the sparse FFN's decode kernels (the
         gate's product, the union of the rows' active neurons compacted on the device, the up/down
         rows of those only), with, for a batch of several rows, a device-side switch to the dense
-        products when the union exceeds DECODE_DENSE_SHARE of d_ff (no host round trip). The
+        products when the union exceeds `ops.planner.decode_union_limit` (the decode cost model's
+        break-even; no host round trip). The
         stacked weights are read in place at the layer (no per-layer copy). The LM head: the final
         norm and the tied embedding's product in one launch. Same roundings as the XLA path up to
         the order of fp32 sums and the attention's fp32 probabilities (tests/test_decode_kernels.py)."""
@@ -676,7 +678,10 @@ class Transformer(nnx.Module):
             capacity = -(-h_dim // block_sizes.chunk) * block_sizes.chunk
             if capacity > order.shape[0]:  # tiny d_ff: the list is shorter than one kernel chunk
                 order = jnp.pad(order, (0, capacity - order.shape[0]), constant_values=h_dim - 1)
-            use_dense = n_active > int(DECODE_DENSE_SHARE * h_dim) if b > 1 else None
+            use_dense = None
+            if b > 1:  # the planner's decode cost model: the union above which dense is faster
+                limit = planner.decode_union_limit(b, d, h_dim, gated=gated, itemsize=jnp.dtype(dt).itemsize)
+                use_dense = n_active > limit
             n_sparse = n_active if use_dense is None else jnp.where(use_dense, 0, n_active)
             _, y = sparse_decode_ffn(xn, g, order, n_sparse, w_up if gated else None, w_down, capacity=capacity,
                                      layer=li, block_sizes=block_sizes, interpret=interpret)
@@ -700,13 +705,6 @@ class Transformer(nnx.Module):
                         out_dtype=jnp.float32)
         aux = jax.tree.map(lambda *parts: jnp.concatenate(parts), *auxes)
         return logits_BxV, KVCache(k_all, v_all), aux
-
-
-# A decode step of several rows runs the dense FFN products instead of the sparse ones when the
-# union of the rows' active neurons exceeds this share of d_ff (`_decode_step_kernels`): an
-# estimate (the sparse kernels read two rows per active neuron, gathered; the dense products read
-# all rows at full width), not yet fitted on the GPU.
-DECODE_DENSE_SHARE = 0.5
 
 
 def describe_execution(cfg: ModelConfig, seq_len: int) -> str:

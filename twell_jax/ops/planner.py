@@ -334,12 +334,28 @@ def dense_time_us(m: int, d: int, h: int, *, gated: bool = True, itemsize: int =
 def decode_time_us(m: int, d: int, h: int, expected_active: float, *, gated: bool = True,
                    itemsize: int = 2, kind: str | None = None) -> float:
     """Predicted time of the decode path ("triton") at expected_active neurons per token."""
+    return _decode_time_at_union(m, d, h, expected_union(m, expected_active, h), gated, itemsize, kind)
+
+
+def _decode_time_at_union(m: int, d: int, h: int, union: float, gated: bool, itemsize: int,
+                          kind: str | None) -> float:
     c = costs(kind).decode
-    union = expected_union(m, expected_active, h)
     n_rows = 2 if gated else 1
     return (_gemm_us(c, m, d, h, itemsize) + c.decode_fixed_us
             + union * n_rows * d * itemsize / c.decode_row_bytes_per_us
             + n_rows * 2.0 * max(m, 16) * union * d / c.decode_flops_per_us)
+
+
+def decode_union_limit(m: int, d: int, h: int, *, gated: bool = True, itemsize: int = 2,
+                       kind: str | None = None) -> int:
+    """The largest union of active neurons (over a call's m tokens) at which the decode path is
+    predicted to beat the dense FFN by DECODE_MARGIN (the same model as `prefer_decode_path`, whose
+    time grows linearly in the union), in [0, h]: the device-side switch of the model's decode
+    step (`Transformer._decode_step_kernels`) runs the dense products above it."""
+    fixed = _decode_time_at_union(m, d, h, 0.0, gated, itemsize, kind)
+    per_row = _decode_time_at_union(m, d, h, 1.0, gated, itemsize, kind) - fixed
+    budget = DECODE_MARGIN * dense_time_us(m, d, h, gated=gated, itemsize=itemsize, kind=kind) - fixed
+    return int(min(h, max(0.0, budget / per_row)))
 
 
 def prefer_decode_path(m: int, d: int, h: int, expected_active: float | None, gated: bool, *,
