@@ -14,7 +14,7 @@ def _cited(manifest) -> set[str]:
     for area in manifest["areas"]:
         for row in area["rows"]:
             files.add(row["source"]["file"])
-            files.update(row[ref]["file"] for ref in ("dense", "plain") if row.get(ref) and "file" in row[ref])
+            files.update(row[ref]["file"] for ref in ("dense", "plain", "paper") if row.get(ref) and "file" in row[ref])
     return files
 
 
@@ -73,3 +73,28 @@ def test_a_plot_drawn_by_its_script_is_copied(tmp_path):
     manifest["plots"][0]["file"] = "missing.png"
     with pytest.raises(FileNotFoundError, match="missing.png"):
         report.render_plots(manifest, tmp_path, tmp_path / "figures")
+
+
+def test_side_by_side_area_puts_the_papers_change_beside_ours(tmp_path):
+    (tmp_path / "paper.json").write_text(json.dumps({"sizes": [{"size": "1b", "step": 21.9, "memory": -25.5}]}))
+    (tmp_path / "r.json").write_text(json.dumps({"rows": [{"v": "sparse", "ms": 400.0, "gib": 30.0},
+                                                           {"v": "twin", "ms": 500.0, "gib": 40.0}]}))
+    source = dict(file="r.json", gpu="G", date="D", command="C")
+    rows = [dict(label="step", kind="time", unit="ms", source=source, figure="rows[v=sparse].ms",
+                 dense=dict(path="rows[v=twin].ms"), paper=dict(file="paper.json", path="sizes[size=1b].step")),
+            dict(label="memory", kind="cost", unit="GiB", source=source, figure="rows[v=sparse].gib",
+                 dense=dict(path="rows[v=twin].gib"), paper=dict(file="paper.json", path="sizes[size=1b].memory")),
+            dict(label="memory, no paper figure", kind="cost", unit="GiB", source=source, figure="rows[v=sparse].gib",
+                 dense=dict(path="rows[v=twin].gib"))]
+    manifest = {"intro": [], "areas": [{"title": "T", "side_by_side": True, "rows": rows}]}
+    (_, rendered), = report.rows_of(manifest, tmp_path)
+    # A time's speed-up reads as throughput (500/400 = +25%), a cost as its change (30/40 = -25%).
+    assert [(r["paper"], r["ours"]) for r in rendered] == [("+21.9%", "+25.0%"), ("-25.5%", "-25.0%"),
+                                                            ("no counterpart", "-25.0%")]
+    page = report.render_markdown(manifest, tmp_path)
+    assert "| what | paper | ours | figure | dense | GPU | date | command | result file |" in page
+    assert "| step | +21.9% | +25.0% | 400.000 ms | 500.000 | G | D | `C` | `r.json` |" in page
+    # Without a dense reference there is no change to show.
+    del rows[0]["dense"]
+    with pytest.raises(ValueError, match="needs a dense reference"):
+        report.rows_of(manifest, tmp_path)

@@ -18,6 +18,12 @@ Paths: dot-separated keys; `[3]` indexes a list; `[key=value,...]` picks the one
 fields equal those values (numbers compared as numbers). Row kinds: "time" (lower is better: the
 ratios are reference / figure, a speed-up), "rate" (higher is better: figure / reference), "cost"
 (lower is better, memory or energy: figure / reference, below 1 = less), "value" (no ratio).
+
+An area with `"side_by_side": true` is a table of another source's figures beside ours: each row's
+"paper" ({"file", "path"}: a change in percent, e.g. the paper's figures transcribed in
+paper_anchors.json; without it the cell reads "no counterpart") and "ours", the row's ratio to its
+dense reference as a change in percent (a time's speed-up +x% = throughput, a rate's gain, a cost's
+change), so that both columns read alike.
 """
 from __future__ import annotations
 
@@ -99,6 +105,12 @@ def _ratio(kind: str, figure: float, reference: float | None) -> str:
     return f"{ratio:.3f}x"
 
 
+def _change(kind: str, figure: float, reference: float) -> str:
+    """The ratio of `_ratio` as a change in percent: +23.8% for a 1.238x speed-up, -11.5% for 0.885x memory."""
+    ratio = reference / figure if kind == "time" else figure / reference
+    return f"{(ratio - 1) * 100:+.1f}%"
+
+
 def _format(value: float, digits: int) -> str:
     return f"{value:,.{digits}f}"
 
@@ -134,7 +146,16 @@ def rows_of(manifest: dict[str, Any], results: Path = RESULTS) -> list[tuple[str
                 ref_data = _load(results, spec.get("file", source["file"]), cache)
                 refs[ref] = _number(lookup(ref_data, spec["path"], where), scale, where)
             digits = int(row.get("digits", 3))
+            paper = ours = ""
+            if area.get("side_by_side"):
+                if refs["dense"] is None or row["kind"] not in ("time", "rate", "cost"):
+                    raise ValueError(f"{where}: a side-by-side row needs a dense reference and a time, rate or cost kind")
+                ours, paper = _change(row["kind"], figure, refs["dense"]), "no counterpart"
+                if "paper" in row:
+                    paper_data = _load(results, row["paper"]["file"], cache)
+                    paper = f"{_number(lookup(paper_data, row['paper']['path'], where), 1.0, where):+.1f}%"
             rendered.append(dict(
+                paper=paper, ours=ours,
                 what=_label(row["label"], data, where),
                 headline=_label(row.get("headline_label", row["label"]), data, where), gpu=source["gpu"], date=source["date"],
                 command=source["command"], figure=f"{_format(figure, digits)} {row['unit']}".strip(),
@@ -147,9 +168,12 @@ def rows_of(manifest: dict[str, Any], results: Path = RESULTS) -> list[tuple[str
     return areas
 
 
-def _table(rows: list[dict[str, str]], with_source: bool = True) -> list[str]:
+def _table(rows: list[dict[str, str]], with_source: bool = True, side_by_side: bool = False) -> list[str]:
     head = ["what", "figure", "dense", "vs dense", "plain JAX", "vs plain JAX", "GPU", "date"]
     keys = ["what", "figure", "dense", "vs_dense", "plain", "vs_plain", "gpu", "date"]
+    if side_by_side:
+        head = ["what", "paper", "ours", "figure", "dense", "GPU", "date"]
+        keys = ["what", "paper", "ours", "figure", "dense", "gpu", "date"]
     if with_source:
         head, keys = head + ["command", "result file"], keys + ["command", "file"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -168,7 +192,7 @@ def render_markdown(manifest: dict[str, Any], results: Path = RESULTS) -> str:
         out += [f"## {area['title']}", ""]
         for paragraph in area.get("notes", []):
             out += [paragraph, ""]
-        out += _table(rows) + [""]
+        out += _table(rows, side_by_side=bool(area.get("side_by_side"))) + [""]
     for plot in manifest.get("plots", []):
         out += [f"![{plot['title']}](docs/figures/{plot['name']}.png)", ""]
     return "\n".join(out).rstrip() + "\n"
