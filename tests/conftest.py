@@ -3,10 +3,19 @@
 before jax is first imported."""
 import os
 
-# One XLA compilation cache for the session, its subprocesses (the experiments' dry runs) and both
-# xdist workers: many tests compile the same tiny programs (the interpreted kernels, the micro model).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      os.path.join(__import__("tempfile").gettempdir(), "twell-jax-tests-xla-cache"))
+# One XLA compilation cache per xdist worker, shared with its subprocesses (the experiments' dry
+# runs): many tests compile the same tiny programs (the interpreted kernels, the micro model). Not
+# one for both workers: a worker reading an entry the other was writing crashed XLA:CPU's
+# deserialisation (a segfault in compilation_cache.get_executable_and_time, 2026-11-24). A worker
+# inherits the controller's environment, so it sets its own directory once (its subprocesses then
+# inherit that one).
+_CACHE = os.path.join(__import__("tempfile").gettempdir(), "twell-jax-tests-xla-cache")
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and os.environ.get("TWELL_TESTS_CACHE_WORKER") != _WORKER:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = f"{_CACHE}-{_WORKER}"
+    os.environ["TWELL_TESTS_CACHE_WORKER"] = _WORKER
+else:
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 # 8 simulated CPU devices; and CPU code generation without LLVM's expensive optimisations and with
@@ -15,6 +24,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 # (an interpreted backward: 8.0 -> 3.4 s) without changing what is computed.
 _FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
           "--xla_llvm_disable_expensive_passes=true", "--xla_cpu_use_fusion_emitters=false")
+def pytest_report_header(config):
+    return f"XLA compilation cache: {os.environ['JAX_COMPILATION_CACHE_DIR']}"
+
+
 if "jax" not in __import__("sys").modules:
     _present = os.environ.get("XLA_FLAGS", "")
     _missing = [f for f in _FLAGS if f.split("=")[0] not in _present]
