@@ -24,10 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from twell_jax.pallas_kernels.decode_matvec import MatvecBlockSizes, decode_matvec  # noqa: E402
 
-# (name, N, K, layout, gated): the GEMVs of a decode step.
-SHAPES = (("qkv", 6144, 2048, "kn", False), ("attn_out", 2048, 2048, "kn", False),
-          ("gate_up", 5632, 2048, "nk", True), ("down", 2048, 5632, "kn", False),
-          ("down_nk", 2048, 5632, "nk", False), ("head", 49152, 2048, "nk", False))
+# (name, N, K, layout, gated, parts): the products of a decode step, as the model calls them
+# (`Transformer._decode_step_kernels`; its roles are `decode_matvec.ROLES`): q/k/v as three parts of
+# one launch ("qkv"; "qkv_one" is the same bytes as one [K, 3N] weight), the output projection, the
+# gated gate/up, W_down, the LM head; "down_nk" is W_down transposed, for comparison.
+SHAPES = (("qkv", 2048, 2048, "kn", False, 3), ("qkv_one", 6144, 2048, "kn", False, 1),
+          ("out", 2048, 2048, "kn", False, 1), ("gate_up", 5632, 2048, "nk", True, 1),
+          ("down", 2048, 5632, "kn", False, 1), ("down_nk", 2048, 5632, "nk", False, 1),
+          ("head", 49152, 2048, "nk", False, 1))
 SWEEP = [MatvecBlockSizes(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, split_k=sk)
          for bn, bk, (nw, ns), sk in itertools.product((16, 32, 64), (128, 256), ((4, 3), (8, 3)), (1, 2, 4))]
 
@@ -64,22 +68,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     shapes, sweep, interpret = SHAPES, SWEEP, False
     if args.dry_run:
-        shapes = (("tiny", 40, 48, "kn", False), ("tiny_gated", 40, 48, "nk", True))
+        shapes = (("tiny", 40, 48, "kn", False, 1), ("tiny_gated", 40, 48, "nk", True, 1),
+                  ("tiny_parts", 32, 48, "kn", False, 3))
         sweep = [MatvecBlockSizes(block_n=16, block_k=16, num_stages=1, split_k=sk) for sk in (1, 2)]
         interpret, args.min_seconds, args.iters = True, 0.0, 2
     rows = []
     key = jax.random.key(0)
     for m in [int(r) for r in args.rows.split(",") if r]:
-        for name, n, k, layout, gated in shapes:
-            kx, kw, kg = jax.random.split(jax.random.fold_in(key, n * k + m), 3)
+        for name, n, k, layout, gated, parts in shapes:
+            kx, kw, kg = jax.random.split(jax.random.fold_in(key, n * k * parts + m), 3)
             x = jax.random.normal(kx, (m, k), jnp.bfloat16)
             shape = (n, k) if layout == "nk" else (k, n)
             w = jax.random.normal(kw, shape, jnp.bfloat16)
+            if parts > 1:
+                w = tuple(jax.random.normal(jax.random.fold_in(kw, p), shape, jnp.bfloat16) for p in range(parts))
             gate = jax.random.normal(kg, shape, jnp.bfloat16) if gated else None
-            nbytes = 2 * n * k * (2 if gated else 1)
+            nbytes = 2 * n * k * (2 if gated else parts)
             spec = "mk,nk->mn" if layout == "nk" else "mk,kn->mn"
             if gated:
                 xla = jax.jit(lambda x, w, g: (jax.nn.relu(jnp.einsum(spec, x, g)) * jnp.einsum(spec, x, w)))
+            elif parts > 1:
+                xla = jax.jit(lambda x, w, g: jnp.concatenate([jnp.einsum(spec, x, p) for p in w], axis=1))
             else:
                 xla = jax.jit(lambda x, w, g: jnp.einsum(spec, x, w))
             # The timing loop's own work per call (the dependency on the output), measured with a
@@ -88,8 +97,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             xla_us = per_call_us(xla, x, w, gate, iters=args.iters, min_seconds=args.min_seconds) - loop_us
             want = xla(x, w, gate).astype(jnp.float32)
             for sizes in sweep:
-                if gated and sizes.split_k > 1:
-                    continue  # a gate is not split (the kernel refuses it)
+                if (gated and sizes.split_k > 1) or (parts > 1 and n % sizes.block_n):
+                    continue  # refused by the kernel: a split gate; parts not a multiple of block_n
                 fn = jax.jit(lambda x, w, g, s=sizes: decode_matvec(
                     x, w, layout=layout, gate=g, activation="relu" if gated else None, block_sizes=s,
                     interpret=interpret))
@@ -99,7 +108,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 except Exception as exc:  # a variant that does not compile: recorded, not fatal
                     rows.append({"shape": name, "m": m, "sizes": str(sizes), "error": f"{type(exc).__name__}: {exc}"[:300]})
                     continue
-                rows.append({"shape": name, "m": m, "n": n, "k": k, "layout": layout, "gated": gated,
+                rows.append({"shape": name, "m": m, "n": n, "k": k, "layout": layout, "gated": gated, "parts": parts,
                              "block_n": sizes.block_n, "block_k": sizes.block_k, "num_warps": sizes.num_warps,
                              "num_stages": sizes.num_stages, "split_k": sizes.split_k, "loop_us": loop_us, "us": us, "xla_us": xla_us, "vs_xla": xla_us / us,
                              "gb_s": nbytes / us / 1e3, "peak_share": nbytes / us / 1e3 / args.peak_gbs,

@@ -77,6 +77,19 @@ class MatvecBlockSizes:
 # 2026-11-24: 87 us summed, the best 85, the worst 108; those timings include ~10 us per call of
 # the timing loop's own work, so close variants are not told apart).
 DEFAULT_BLOCK_SIZES = MatvecBlockSizes(block_n=32, block_k=256, num_warps=8, num_stages=3)
+# The products of a model's decode step (`Transformer._decode_step_kernels`) by role, each with its
+# block sizes: q/k/v (three parts, one launch), the attention output projection, the gated
+# gate/up, W_down, the LM head, the sparse layers' gate. All DEFAULT_BLOCK_SIZES until the per-role
+# sweep (`experiments/bench_decode_matvec.py`, whose shapes are these roles) is run on the GPU.
+ROLES = ("qkv", "out", "gate_up", "down", "head", "gate")
+ROLE_BLOCK_SIZES: dict[str, MatvecBlockSizes] = {role: DEFAULT_BLOCK_SIZES for role in ROLES}
+
+
+def role_block_sizes(role: str) -> MatvecBlockSizes:
+    """The block sizes of a decode-step role (ROLES)."""
+    if role not in ROLE_BLOCK_SIZES:
+        raise ValueError(f"role must be one of {tuple(ROLE_BLOCK_SIZES)}, got {role!r}")
+    return ROLE_BLOCK_SIZES[role]
 
 
 def _act(v: jax.Array, activation: str | None) -> jax.Array:

@@ -94,7 +94,7 @@ def test_the_choice_of_path():
 def test_qkv_in_three_launches_when_d_model_is_not_a_multiple_of_block_n(monkeypatch):
     from twell_jax.pallas_kernels import decode_matvec
 
-    monkeypatch.setattr(decode_matvec, "DEFAULT_BLOCK_SIZES", decode_matvec.MatvecBlockSizes(block_n=64, block_k=16))
+    monkeypatch.setitem(decode_matvec.ROLE_BLOCK_SIZES, "qkv", decode_matvec.MatvecBlockSizes(block_n=64, block_k=16))
     cfg = dataclasses.replace(BASE, **KINDS["dense_twin"])
     tokens = jax.random.randint(jax.random.key(3), (2, 8), 0, cfg.vocab_size)
     start = jnp.zeros((2,), jnp.int32)

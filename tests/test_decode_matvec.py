@@ -150,3 +150,11 @@ def test_split_k_matches_the_unsplit_product(layout, split):
         decode_matvec(x, w, layer=layer, layout=layout, gate=gate, activation="relu", block_sizes=sizes)
     with pytest.raises(ValueError, match="split_k"):
         MatvecBlockSizes(split_k=0)
+
+
+def test_every_decode_role_has_block_sizes():
+    from twell_jax.pallas_kernels.decode_matvec import ROLES, role_block_sizes
+
+    assert all(isinstance(role_block_sizes(role), MatvecBlockSizes) for role in ROLES)
+    with pytest.raises(ValueError, match="role"):
+        role_block_sizes("lm_head")

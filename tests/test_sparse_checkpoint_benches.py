@@ -101,6 +101,8 @@ def test_bench_inference_decode_rows_give_the_floor_share_and_the_xla_row(sparse
     assert {r["variant"] for r in decode} >= {"plain", "dense", "dense-xla", "twell-reference"}
     for r in decode:
         assert r["floor_bytes"] > 0 and r["floor_share"] > 0
+        assert r["prefill_first_call_s"] > 0 and r["steps_first_call_s"] > 0
+    assert all(r["first_call_s"] > 0 for r in result["rows"] if r["phase"] == "prefill")
 
 
 def test_the_decode_floor_counts_every_weight_once_and_the_sparse_rows_union():

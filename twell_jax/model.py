@@ -608,11 +608,7 @@ class Transformer(nnx.Module):
         norm and the tied embedding's product in one launch. Same roundings as the XLA path up to
         the order of fp32 sums and the attention's fp32 probabilities (tests/test_decode_kernels.py)."""
         from twell_jax.pallas_kernels.decode_attention import decode_attention
-        from twell_jax.pallas_kernels import decode_matvec as matvec_module
-        from twell_jax.pallas_kernels.decode_matvec import decode_matvec
-
-        def matvec_blocks() -> Any:
-            return matvec_module.DEFAULT_BLOCK_SIZES
+        from twell_jax.pallas_kernels.decode_matvec import decode_matvec, role_block_sizes
         from twell_jax.pallas_kernels.twell_decode import DecodeBlockSizes, compact_active, sparse_decode_ffn
 
         b = tokens_B.shape[0]
@@ -626,8 +622,10 @@ class Transformer(nnx.Module):
         w_up, w_down = ffn.w_up[...].astype(dt), ffn.w_down[...].astype(dt)  # [L, H, D]
         n1_LxD, n2_LxD = (n.scale[...].astype(jnp.float32) for n in (blocks.attn_norm, blocks.ffn_norm))
         act = "silu" if self.is_swiglu else "relu"
-        # The blocks are passed explicitly (read at trace time): a changed DEFAULT_BLOCK_SIZES retraces.
-        mv = functools.partial(decode_matvec, eps=self.norm_eps, interpret=interpret, block_sizes=matvec_blocks())
+        def mv(*args: Any, role: str, **kwargs: Any) -> jax.Array:
+            # Each role's blocks passed explicitly (read at trace time: a changed table retraces).
+            return decode_matvec(*args, eps=self.norm_eps, interpret=interpret, block_sizes=role_block_sizes(role),
+                                 **kwargs)
         embed_VxD = self.embed[...].astype(dt)
         x_BxD = jnp.take(embed_VxD, tokens_B, axis=0)
         positions_Bx1 = jnp.maximum(cache_index - start_B, 0)[:, None]
@@ -637,18 +635,19 @@ class Transformer(nnx.Module):
         def dense_ffn(x: jax.Array, li: jax.Array, norm: jax.Array | None, residual: jax.Array,
                       enable: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
             if gated:
-                h = mv(x, w_up, layer=li, norm_scale=norm, gate=w_gate, activation=act, enable=enable)
+                h = mv(x, w_up, role="gate_up", layer=li, norm_scale=norm, gate=w_gate, activation=act, enable=enable)
             else:
-                h = mv(x, w_up, layer=li, norm_scale=norm, activation="relu", enable=enable)
-            return mv(h, w_down, layer=li, layout="kn", residual=residual, enable=enable), h
+                h = mv(x, w_up, role="gate_up", layer=li, norm_scale=norm, activation="relu", enable=enable)
+            return mv(h, w_down, role="down", layer=li, layout="kn", residual=residual, enable=enable), h
 
         def layer_step(carry: Any, layer: jax.Array, sparse: bool, op_config: Any) -> tuple[Any, Aux]:
             x, k_all, v_all = carry
             li = layer[None]
-            if d % matvec_blocks().block_n == 0:  # one launch for the three parts
-                qkv = mv(x, w_qkv, layer=li, layout="kn", norm_scale=n1_LxD)
+            if d % role_block_sizes("qkv").block_n == 0:  # one launch for the three parts
+                qkv = mv(x, w_qkv, role="qkv", layer=li, layout="kn", norm_scale=n1_LxD)
             else:
-                qkv = jnp.concatenate([mv(x, w, layer=li, layout="kn", norm_scale=n1_LxD) for w in w_qkv], axis=1)
+                qkv = jnp.concatenate([mv(x, w, role="qkv", layer=li, layout="kn", norm_scale=n1_LxD) for w in w_qkv],
+                                      axis=1)
             qkv = qkv.reshape(b, 1, 3, n_heads, head_dim)
             q = rope(qkv[:, :, 0], self.rope_theta, positions_Bx1)
             k = rope(qkv[:, :, 1], self.rope_theta, positions_Bx1)
@@ -665,13 +664,13 @@ class Transformer(nnx.Module):
                     q, jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False).astype(dt),
                     jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False).astype(dt),
                     mask=visible_BxT[:, None, None, :], implementation="xla")[:, 0]
-            x = mv(o.astype(dt).reshape(b, d), w_out, layer=li, layout="kn", residual=x)
+            x = mv(o.astype(dt).reshape(b, d), w_out, role="out", layer=li, layout="kn", residual=x)
             if not sparse:
                 x, h = dense_ffn(x, li, n2_LxD, x)
                 return (x, k_all, v_all), {"l0": jnp.sum(h != 0, dtype=jnp.float32) / b}
             scale = jax.lax.dynamic_index_in_dim(n2_LxD, layer, keepdims=False)
             xn = RMSNorm.normalize(x, scale, self.norm_eps)
-            g = mv(xn, w_gate if gated else w_up, layer=li, out_dtype=jnp.float32)  # [B, H]
+            g = mv(xn, w_gate if gated else w_up, role="gate", layer=li, out_dtype=jnp.float32)  # [B, H]
             count_H = jnp.sum(g > 0, axis=0, dtype=jnp.int32)
             order, n_active = compact_active(count_H, interpret=interpret)
             block_sizes = (op_config.decode_block_sizes if op_config is not None else None) or DecodeBlockSizes()
@@ -701,7 +700,7 @@ class Transformer(nnx.Module):
             auxes.append(aux)
             first = end
         x_BxD, k_all, v_all = carry
-        logits_BxV = mv(x_BxD, embed_VxD, norm_scale=self.final_norm.scale[...].astype(jnp.float32),
+        logits_BxV = mv(x_BxD, embed_VxD, role="head", norm_scale=self.final_norm.scale[...].astype(jnp.float32),
                         out_dtype=jnp.float32)
         aux = jax.tree.map(lambda *parts: jnp.concatenate(parts), *auxes)
         return logits_BxV, KVCache(k_all, v_all), aux

@@ -194,7 +194,9 @@ def bench_prefill(runner: Runner, tokens_BxS: jax.Array, sampler: PowerSampler |
                   min_seconds: float) -> tuple[dict[str, Any], jax.Array]:
     """(figures, the hidden states [B, S, D] of one call) of the decoder body on `tokens_BxS`."""
     fn = jax.jit(runner.body)
-    hidden_BxSxD, l0 = fn(runner.params, tokens_BxS)
+    began = time.perf_counter()
+    hidden_BxSxD, l0 = jax.block_until_ready(fn(runner.params, tokens_BxS))
+    first_call_s = time.perf_counter() - began  # the program's compile and one call
     if sampler is not None:
         with sampler:
             per_call, calls, start, end = timed(lambda: fn(runner.params, tokens_BxS), min_seconds, 3)
@@ -203,6 +205,7 @@ def bench_prefill(runner: Runner, tokens_BxS: jax.Array, sampler: PowerSampler |
         per_call, calls, _, _ = timed(lambda: fn(runner.params, tokens_BxS), min_seconds, 3)
         energy = None
     return ({"tokens_per_s": tokens_BxS.size / per_call, "ms_per_call": 1e3 * per_call, "calls": calls,
+             "first_call_s": first_call_s,
              "energy_j_per_token": energy, "l0_per_layer": _l0_list(l0)}, hidden_BxSxD)
 
 
@@ -224,12 +227,18 @@ def bench_decode(runner: Runner, n_layers: int, tokens: jax.Array, context: int,
         token_B, _, l0 = jax.lax.fori_loop(0, steps, one, (token_B, cache, jnp.zeros((n_layers,))))
         return token_B, l0
 
-    logits_BxV, cache = jax.jit(runner.prefill, static_argnums=2)(runner.params, tokens, context)
+    began = time.perf_counter()
+    logits_BxV, cache = jax.block_until_ready(jax.jit(runner.prefill, static_argnums=2)(runner.params, tokens, context))
+    prefill_first_s = time.perf_counter() - began
     token_B = jnp.argmax(logits_BxV, -1).astype(jnp.int32)
     step_fn = jax.jit(run_steps)
-    _, l0 = step_fn(runner.params, token_B, cache)
+    began = time.perf_counter()
+    _, l0 = jax.block_until_ready(step_fn(runner.params, token_B, cache))
+    steps_first_s = time.perf_counter() - began
     per_call, calls, _, _ = timed(lambda: step_fn(runner.params, token_B, cache), min_seconds, 2)
+    # First calls: each program's compile and one run (the prefill in chunks; the decode steps' loop).
     return {"tokens_per_s": batch * steps / per_call, "ms_per_step": 1e3 * per_call / steps, "calls": calls,
+            "prefill_first_call_s": prefill_first_s, "steps_first_call_s": steps_first_s,
             "l0_per_layer": _l0_list(l0) if runner.telemetry else None}
 
 
@@ -334,7 +343,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append({"variant": name, "phase": "prefill", "batch": args.prefill_batch, **r})
         energy = "" if r["energy_j_per_token"] is None else f", {1e3 * r['energy_j_per_token']:.3f} mJ/token"
         diff = f"; hidden states {r['hidden_rel_diff_vs_plain']:.1e} from plain" if name != "plain" else ""
-        print(f"[bench] prefill {name}: {r['tokens_per_s']:.0f} tokens/s{energy}; "
+        print(f"[bench] prefill {name}: {r['tokens_per_s']:.0f} tokens/s{energy} (first call {r['first_call_s']:.1f}s); "
               f"active/layer {r['l0_per_layer'] or '-'}{diff}")
         for batch in batches:
             r = bench_decode(runner, cfg.n_layers, text[:batch, :args.context - args.decode_steps], args.context,
@@ -347,7 +356,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows.append({"variant": name, "phase": "decode", "batch": batch, **r})
             print(f"[bench] decode  {name} batch {batch}: {r['tokens_per_s']:.1f} tokens/s "
                   f"({r['ms_per_step']:.3f} ms/step, {r['floor_share']:.0%} of the bandwidth floor "
-                  f"{floor / 1e9:.3f} GB); active/layer {r['l0_per_layer'] or '-'}")
+                  f"{floor / 1e9:.3f} GB; first calls: cache prefill {r['prefill_first_call_s']:.1f}s, "
+                  f"decode loop {r['steps_first_call_s']:.1f}s); active/layer {r['l0_per_layer'] or '-'}")
     for base in ("dense", "plain"):
         same = {(r["phase"], r["batch"]): r for r in rows if r["variant"] == base}
         for r in rows:
