@@ -603,10 +603,10 @@ class Transformer(nnx.Module):
         gate's product, the union of the rows' active neurons compacted on the device, the up/down
         rows of those only), with, for a batch of several rows, a device-side switch to the dense
         products when the union exceeds `ops.planner.decode_union_limit` (the decode cost model's
-        break-even; no host round trip). The
-        stacked weights are read in place at the layer (no per-layer copy). The LM head: the final
-        norm and the tied embedding's product in one launch. Same roundings as the XLA path up to
-        the order of fp32 sums and the attention's fp32 probabilities (tests/test_decode_kernels.py)."""
+        break-even; no host round trip). The stacked weights are read in place at the layer (no
+        per-layer copy). The LM head: the final norm and the tied embedding's product in one
+        launch. Same roundings as the XLA path up to the order of fp32 sums and the attention's fp32
+        probabilities (tests/test_decode_kernels.py)."""
         from twell_jax.pallas_kernels.decode_attention import decode_attention
         from twell_jax.pallas_kernels.decode_matvec import decode_matvec, role_block_sizes
         from twell_jax.pallas_kernels.twell_decode import DecodeBlockSizes, compact_active, sparse_decode_ffn
@@ -622,10 +622,12 @@ class Transformer(nnx.Module):
         w_up, w_down = ffn.w_up[...].astype(dt), ffn.w_down[...].astype(dt)  # [L, H, D]
         n1_LxD, n2_LxD = (n.scale[...].astype(jnp.float32) for n in (blocks.attn_norm, blocks.ffn_norm))
         act = "silu" if self.is_swiglu else "relu"
+
         def mv(*args: Any, role: str, **kwargs: Any) -> jax.Array:
             # Each role's blocks passed explicitly (read at trace time: a changed table retraces).
             return decode_matvec(*args, eps=self.norm_eps, interpret=interpret, block_sizes=role_block_sizes(role),
                                  **kwargs)
+
         embed_VxD = self.embed[...].astype(dt)
         x_BxD = jnp.take(embed_VxD, tokens_B, axis=0)
         positions_Bx1 = jnp.maximum(cache_index - start_B, 0)[:, None]
@@ -659,7 +661,8 @@ class Transformer(nnx.Module):
                                      interpret=interpret)
             else:  # XLA's masked attention over the layer's cache (read out of the stack as a copy)
                 slot_T = jnp.arange(k_all.shape[2])
-                visible_BxT = (slot_T[None] <= cache_index) & ((slot_T[None] >= start_B[:, None]) | (slot_T[None] == cache_index))
+                visible_BxT = (slot_T[None] <= cache_index) & (
+                    (slot_T[None] >= start_B[:, None]) | (slot_T[None] == cache_index))
                 o = jax.nn.dot_product_attention(
                     q, jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False).astype(dt),
                     jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False).astype(dt),
