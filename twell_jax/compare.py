@@ -405,3 +405,49 @@ def main_from_args(args: argparse.Namespace, load_config: Callable[[str, list[st
         if not args.resume and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # a study that failed before writing anything leaves no directory behind
         raise
+
+
+# ----------------------------------------------------------------------------- per-layer profiles
+
+PROFILE_POINTS = 8  # relative depths at which two runs' per-layer profiles are compared
+
+
+def layer_profile(run_dir: str | Path) -> dict[str, Any]:
+    """A finished run's per-layer activity from its summary.json: the share of d_ff active per
+    token on the validation split and the dead-neuron share, per layer, with its size and steps."""
+    path = Path(run_dir) / "summary.json"
+    if not path.is_file():
+        raise ValueError(f"{run_dir} has no summary.json: give the directory of a finished run")
+    summary = json.loads(path.read_text())
+    active = summary.get("val_l0_per_layer")
+    if not active:
+        raise ValueError(f"{path} has no val_l0_per_layer (a run of a relu-family FFN with an evaluation)")
+    d_ff = summary["d_ff"]
+    dead = summary.get("dead_share_per_layer") or [float("nan")] * len(active)
+    return {"run": str(run_dir), "d_ff": d_ff, "n_layers": len(active), "steps": summary.get("steps"),
+            "val_loss": summary.get("val_loss"), "active_share": [a / d_ff for a in active],
+            "dead_share": list(dead)}
+
+
+def _at_depths(values: list[float], points: int) -> np.ndarray:
+    """Per-layer values read at `points` relative depths (layer i sits at (i + 0.5) / L)."""
+    n = len(values)
+    return np.interp((np.arange(points) + 0.5) / points, (np.arange(n) + 0.5) / n, np.asarray(values, np.float64))
+
+
+def profile_distance(a: dict[str, Any], b: dict[str, Any], points: int = PROFILE_POINTS) -> dict[str, Any]:
+    """How far run b's per-layer profile is from run a's (`layer_profile` dicts; the sizes may differ:
+    both are read at `points` relative depths). level_ratio: b's mean active share over a's;
+    shape_distance: the total-variation distance of the two profiles normalised to sum 1 (0 = the
+    same shape, 1 = disjoint); per_depth_ratio: b over a at each depth; dead_gap: b's mean dead
+    share minus a's (dead shares only where both runs report them)."""
+    pa, pb = _at_depths(a["active_share"], points), _at_depths(b["active_share"], points)
+    shape = 0.5 * float(np.sum(np.abs(pa / max(pa.sum(), 1e-30) - pb / max(pb.sum(), 1e-30))))
+    da, db = _at_depths(a["dead_share"], points), _at_depths(b["dead_share"], points)
+    return {"points": points, "depths": ((np.arange(points) + 0.5) / points).tolist(),
+            "active_share_a": pa.tolist(), "active_share_b": pb.tolist(),
+            "per_depth_ratio": (pb / np.maximum(pa, 1e-30)).tolist(),
+            "level_ratio": float(pb.mean() / max(pa.mean(), 1e-30)), "shape_distance": shape,
+            "dead_share_a": da.tolist(), "dead_share_b": db.tolist(),
+            "dead_gap": float(np.nanmean(db) - np.nanmean(da)) if np.isfinite(da).any() and np.isfinite(db).any()
+            else None}
