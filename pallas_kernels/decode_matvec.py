@@ -72,10 +72,10 @@ class MatvecBlockSizes:
         return max(16, min(self.max_block_m, next_pow2(m)))
 
 
-# What a call without block_sizes uses: the best total over the qkv, attention-output, gate/up and
-# down shapes of `experiments/bench_decode_matvec.py --rows 1` among its 18 variants (H100,
-# 2026-11-24: 87 us summed, the best 85, the worst 108; those timings include ~10 us per call of
-# the timing loop's own work, so close variants are not told apart).
+# What a call without block_sizes uses: among the variants of `experiments/bench_decode_matvec.py
+# --rows 1` (H100, 2026-11-24, a sweep whose timings still held ~10 us per call of its loop's own
+# work) within 10% of the best summed time over the qkv, output, gate/up and down shapes, the one
+# whose three-part q/k/v launch fits the H100's shared memory (block_k 512 did not: 244 KiB).
 DEFAULT_BLOCK_SIZES = MatvecBlockSizes(block_n=32, block_k=256, num_warps=8, num_stages=3)
 # The products of a model's decode step (`Transformer._decode_step_kernels`) by role, each with its
 # block sizes: q/k/v (three parts, one launch), the attention output projection, the gated
@@ -184,21 +184,15 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
     if has_enable:
         trips = jnp.where(jnp.max(enable_ref[...]) != 0, trips, jnp.int32(0)).astype(jnp.int32)
     accs = lax.fori_loop(jnp.int32(0), trips, k_step, (zeros, zeros) if has_gate else (zeros,))
-    if split_k > 1:  # the raw fp32 partial: summed and finished in XLA (`_finish`)
+    if split_k > 1:  # the raw fp32 partial: summed and finished in XLA (`_epilogue`)
         o_ref[...] = accs[0]
         return
     dt = x_ref.dtype
-    out_BMxBN = accs[0].astype(dt).astype(jnp.float32)
-    if has_gate:  # the dense formula: act(round(g)) * round(u), rounded once
-        g_BMxBN = accs[1].astype(dt).astype(jnp.float32)
-        out_BMxBN = (_act(g_BMxBN, activation) * out_BMxBN).astype(dt).astype(jnp.float32)
-    elif activation is not None:
-        out_BMxBN = _act(out_BMxBN, activation).astype(dt).astype(jnp.float32)
+    res_BMxBN = None
     if has_residual:
         res_BMxBN = plgpu.load(res_ref.at[rows_BM[:, None], cols_BN[None, :]],
                                mask=row_ok_BM[:, None] & col_ok_BN[None, :], other=0)
-        out_BMxBN = out_BMxBN + res_BMxBN.astype(jnp.float32)
-    o_ref[...] = out_BMxBN.astype(o_ref.dtype)
+    o_ref[...] = _epilogue(accs, dt, activation, res_BMxBN, o_ref.dtype)
 
 
 def _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_dtype,
@@ -211,7 +205,7 @@ def _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_
         raise ValueError(f"the parts of w must share one shape and dtype, got {[(p.dtype, p.shape) for p in parts]}")
     if len(parts) > 1 and gate is not None:
         raise ValueError("gate needs a single w (not parts)")
-    if gate is not None and block_n is not None and split_k > 1:
+    if gate is not None and split_k > 1:
         raise ValueError("a gate cannot be used with MatvecBlockSizes.split_k > 1")
     if enable is not None and (enable.shape != (1,) or enable.dtype != jnp.int32):
         raise ValueError(f"enable must be int32 [1], got {enable.dtype}{enable.shape}")
@@ -296,7 +290,7 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
             name="twell_decode_matvec_split",
         )(*operands)
         acc = jnp.sum(partials.reshape(split, m_pad, n_pad), axis=0)[:m, :n * len(parts)]
-        return _finish(acc, x_MxK.dtype, activation, residual, out_dtype)
+        return _epilogue((acc,), x_MxK.dtype, activation, residual, out_dtype)
     out = pl.pallas_call(
         kernel,
         grid=(n_pad // bn, m_pad // bm),
@@ -311,11 +305,16 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
     return out[:m, :n * len(parts)]  # a slice of the padded output: XLA fuses it into the consumer
 
 
-def _finish(acc: jax.Array, dt, activation: str | None, residual: jax.Array | None, out_dtype) -> jax.Array:
-    """The kernel's epilogue without a gate, from the fp32 product: rounded to x's dtype, the
-    activation (rounded), the residual added; in `out_dtype` (default x's)."""
-    out = acc.astype(dt).astype(jnp.float32)
-    if activation is not None:
+def _epilogue(accs: tuple[jax.Array, ...], dt, activation: str | None, residual: jax.Array | None,
+              out_dtype) -> jax.Array:
+    """The output from the fp32 products (u,) or (u, g): with a gate, the dense formula
+    act(round(g)) * round(u) rounded once; else round(u), through the activation (rounded) when
+    one is given; then + residual, in `out_dtype` (default x's). One copy for the kernel, the split
+    path's XLA finish and the reference."""
+    out = accs[0].astype(dt).astype(jnp.float32)
+    if len(accs) > 1:
+        out = (_act(accs[1].astype(dt).astype(jnp.float32), activation) * out).astype(dt).astype(jnp.float32)
+    elif activation is not None:
         out = _act(out, activation).astype(dt).astype(jnp.float32)
     if residual is not None:
         out = out + residual.astype(jnp.float32)
@@ -346,16 +345,8 @@ def decode_matvec_reference(x_MxK: jax.Array, w: jax.Array, *, layer: jax.Array 
 
     def mm(weight: jax.Array) -> jax.Array:
         spec = "mk,nk->mn" if layout == "nk" else "mk,kn->mn"
-        return jnp.einsum(spec, x, weight, preferred_element_type=jnp.float32,
-                          precision=lax.Precision.HIGHEST).astype(dt).astype(jnp.float32)
+        product = jnp.einsum(spec, x, weight, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+        return product if enable is None else jnp.where(enable[0] != 0, product, 0.0)
 
-    out = mm(w)
-    if enable is not None:
-        out = jnp.where(enable[0] != 0, out, 0.0)
-    if gate is not None:
-        out = (_act(mm(gate), activation) * out).astype(dt).astype(jnp.float32)
-    elif activation is not None:
-        out = _act(out, activation).astype(dt).astype(jnp.float32)
-    if residual is not None:
-        out = out + residual.astype(jnp.float32)
-    return out.astype(jnp.dtype(out_dtype or dt))
+    accs = (mm(w),) if gate is None else (mm(w), mm(gate))
+    return _epilogue(accs, dt, activation, residual, out_dtype)

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from twell_jax.model import decode_mask
 from twell_jax.pallas_kernels.decode_attention import (AttentionBlockSizes, decode_attention,
                                                        decode_attention_reference)
 
@@ -36,9 +37,8 @@ def test_matches_the_reference(dtype, tol, index, starts):
 def test_the_reference_is_the_models_masked_attention():
     q, k, v = _inputs(jnp.float32, seed=5)
     start, index, layer = jnp.asarray([0, 4, 9], jnp.int32), 20, 1
-    t = jnp.arange(k.shape[2])
-    vis = (t[None] <= index) & ((t[None] >= start[:, None]) | (t[None] == index))
-    want = jax.nn.dot_product_attention(q[:, None], k[layer], v[layer], mask=vis[:, None, None, :],
+    vis = decode_mask(jnp.asarray([index]), start, k.shape[2])  # the model's rule, [B, 1, T]
+    want = jax.nn.dot_product_attention(q[:, None], k[layer], v[layer], mask=vis[:, None],
                                         implementation="xla")[:, 0]
     got = decode_attention_reference(q, k, v, jnp.asarray([layer], jnp.int32), jnp.asarray([index], jnp.int32), start)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -372,6 +372,15 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: str | jnp.dtype
     return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
 
 
+def decode_mask(slot_S: jax.Array, start_B: jax.Array, length: int) -> jax.Array:
+    """[B, S, T] which cache slots the queries written at `slot_S` see: causal over the slots, and
+    no padding slot (before start_B[b]) as a key; a padding query sees itself only, so that its
+    softmax is never empty (its output is never used). `decode_attention` applies the same rule."""
+    slot_T = jnp.arange(length)
+    return (slot_T[None, None, :] <= slot_S[None, :, None]) & (
+        (slot_T[None, None, :] >= start_B[:, None, None]) | (slot_T[None, None, :] == slot_S[None, :, None]))
+
+
 def _logits(x_BxSxD: jax.Array, embed_VxD: jax.Array) -> jax.Array:
     """The tied output head: a compute-dtype GEMM (bf16 operands forward and backward, no f32
     output), upcast to fp32 for the loss and for sampling. Forward and decode share it, so decoded
@@ -410,7 +419,7 @@ class Transformer(nnx.Module):
         self.gated, self.backend, self.interpret = cfg.kind.gated, cfg.kind.backend(cfg.ffn_backend), cfg.ffn_interpret
         self.d_model, self.d_ff, self.is_swiglu = cfg.d_model, cfg.d_ff, cfg.ffn_kind == "swiglu"
         self.op_configs = tuple(build_op_config(cfg, layer) for layer in range(cfg.n_layers))
-        self.decode_kernels, self.norm_eps, self.rope_theta = cfg.decode_kernels, cfg.norm_eps, cfg.rope_theta
+        self.decode_kernels = cfg.decode_kernels
         self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
         self.blocks = _stacked_blocks(cfg, rngs.params())
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -550,11 +559,7 @@ class Transformer(nnx.Module):
         x_BxSxD = jnp.take(embed_VxD, tokens_BxS, axis=0)
         slot_S = cache_index + jnp.arange(s)
         positions_BxS = jnp.maximum(slot_S[None, :] - start_B[:, None], 0)
-        slot_T = jnp.arange(length)
-        # Causal over the slots, and no padding slot as a key; a padding query sees itself only,
-        # so that its softmax is never empty (its output is never used).
-        visible_BxSxT = (slot_T[None, None, :] <= slot_S[None, :, None]) & (
-            (slot_T[None, None, :] >= start_B[:, None, None]) | (slot_T[None, None, :] == slot_S[None, :, None]))
+        visible_BxSxT = decode_mask(slot_S, start_B, length)
 
         def step(block: Block, carry: Any, layer: jax.Array, op_config: Any) -> tuple[Any, Aux]:
             x, k_all, v_all = carry
@@ -622,10 +627,11 @@ class Transformer(nnx.Module):
         w_up, w_down = ffn.w_up[...].astype(dt), ffn.w_down[...].astype(dt)  # [L, H, D]
         n1_LxD, n2_LxD = (n.scale[...].astype(jnp.float32) for n in (blocks.attn_norm, blocks.ffn_norm))
         act = "silu" if self.is_swiglu else "relu"
+        eps, theta = self.final_norm.eps, attn.rope_theta  # every norm has the model's norm_eps
 
         def mv(*args: Any, role: str, **kwargs: Any) -> jax.Array:
             # Each role's blocks passed explicitly (read at trace time: a changed table retraces).
-            return decode_matvec(*args, eps=self.norm_eps, interpret=interpret, block_sizes=role_block_sizes(role),
+            return decode_matvec(*args, eps=eps, interpret=interpret, block_sizes=role_block_sizes(role),
                                  **kwargs)
 
         embed_VxD = self.embed[...].astype(dt)
@@ -651,8 +657,8 @@ class Transformer(nnx.Module):
                 qkv = jnp.concatenate([mv(x, w, role="qkv", layer=li, layout="kn", norm_scale=n1_LxD) for w in w_qkv],
                                       axis=1)
             qkv = qkv.reshape(b, 1, 3, n_heads, head_dim)
-            q = rope(qkv[:, :, 0], self.rope_theta, positions_Bx1)
-            k = rope(qkv[:, :, 1], self.rope_theta, positions_Bx1)
+            q = rope(qkv[:, :, 0], theta, positions_Bx1)
+            k = rope(qkv[:, :, 1], theta, positions_Bx1)
             start = (layer, 0, cache_index, 0, 0)
             k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
             v_all = jax.lax.dynamic_update_slice(v_all, qkv[:, :, 2][None].astype(v_all.dtype), start)
@@ -660,19 +666,16 @@ class Transformer(nnx.Module):
                 o = decode_attention(q[:, 0].astype(k_all.dtype), k_all, v_all, li, index_1, start_i32,
                                      interpret=interpret)
             else:  # XLA's masked attention over the layer's cache (read out of the stack as a copy)
-                slot_T = jnp.arange(k_all.shape[2])
-                visible_BxT = (slot_T[None] <= cache_index) & (
-                    (slot_T[None] >= start_B[:, None]) | (slot_T[None] == cache_index))
                 o = jax.nn.dot_product_attention(
                     q, jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False).astype(dt),
                     jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False).astype(dt),
-                    mask=visible_BxT[:, None, None, :], implementation="xla")[:, 0]
+                    mask=decode_mask(index_1, start_B, k_all.shape[2])[:, None], implementation="xla")[:, 0]
             x = mv(o.astype(dt).reshape(b, d), w_out, role="out", layer=li, layout="kn", residual=x)
             if not sparse:
                 x, h = dense_ffn(x, li, n2_LxD, x)
                 return (x, k_all, v_all), {"l0": jnp.sum(h != 0, dtype=jnp.float32) / b}
             scale = jax.lax.dynamic_index_in_dim(n2_LxD, layer, keepdims=False)
-            xn = RMSNorm.normalize(x, scale, self.norm_eps)
+            xn = RMSNorm.normalize(x, scale, eps)
             g = mv(xn, w_gate if gated else w_up, role="gate", layer=li, out_dtype=jnp.float32)  # [B, H]
             count_H = jnp.sum(g > 0, axis=0, dtype=jnp.int32)
             order, n_active = compact_active(count_H, interpret=interpret)
