@@ -167,6 +167,7 @@ def test_generate_checks_everything_before_printing_and_truncates_on_request(com
     for argv, message in ((["--prompt", "x\udcff"], "--prompt 0: not valid UTF-8"),
                           (["--prompt", "x", "--num-samples", "2"], "--num-samples 2 with --temperature 0"),
                           (["--prompt", "x", "--top-p", "0"], "--top-p"),
+                          (["--prompt", "x", "--decode-chunk", "0"], "--decode-chunk 0"),
                           (["--prompt", "x", "--max-new-tokens", "40"], "--max-new-tokens 40 does not fit")):
         code, out, err = _run(["generate", "--checkpoint", run, *argv], capsys)
         assert code == 2 and out == "" and message in err and len(err.splitlines()) == 1, (argv, err)
@@ -181,6 +182,9 @@ def test_generate_samples_and_stop_strings_as_json(compared, capsys):
     assert code == 0 and [len(p["samples"]) for p in report["prompts"]] == [3, 3]
     free = report["prompts"][0]["samples"][0]
     assert len({tuple(s["tokens"]) for p in report["prompts"] for s in p["samples"]}) > 1  # samples differ
+    assert report["decode_chunk"] == 16 and report["compile_s"] > 0 and report["decode_tokens_per_s"] > 0
+    code, out, _ = _run(argv + ["--decode-chunk", "1"], capsys)  # a device call per token: the same samples
+    assert code == 0 and json.loads(out)["prompts"] == report["prompts"]
     stop = free["text"][2:4] if len(free["text"]) >= 4 else free["text"]
     code, out, _ = _run(argv + ["--stop", stop], capsys)
     first = json.loads(out)["prompts"][0]["samples"][0]  # same seed and rows: the same sample, cut at the stop

@@ -107,6 +107,48 @@ def test_a_mix_of_prompt_lengths_compiles_one_prefill_per_bucket_and_one_decode_
     assert generator.traces == {"prefill": len(buckets) + 2, "decode": 2}
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 16])
+def test_chunked_decode_equals_step_at_a_time_and_compiles_before_the_clock(chunk):
+    """Any chunk (decode steps per program call) gives the same tokens, greedy and sampled, with
+    rows stopping on EOS inside a chunk; compilation is reported on its own, once."""
+    generator = Generator(_loaded(_model_cfg(n_layers=1)), cache_len=32, chunk=chunk)
+    reference = Generator(_loaded(_model_cfg(n_layers=1)), cache_len=32, chunk=1)
+    prompts = [[1, 2, 3], [40, 41], [7]]
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=1.5, seed=2)):
+        free = reference.generate(prompts, 9, sampling, eos=())
+        eos = free.tokens[1][3]  # row 1 stops at its 4th token: inside the first chunk of 16, after one of 2
+        want = reference.generate(prompts, 9, sampling, eos=eos)
+        got = generator.generate(prompts, 9, sampling, eos=eos)
+        assert got.tokens == want.tokens and got.finish_reasons == want.finish_reasons
+        assert got.decode_steps == want.decode_steps
+    first = generator.generate(prompts, 5, SamplingConfig(), eos=())
+    again = generator.generate(prompts, 5, SamplingConfig(), eos=())
+    assert first.compile_s == 0.0 and again.compile_s == 0.0  # compiled by the calls above
+    assert generator.traces == {"prefill": 1, "decode": 1}
+    fresh = Generator(_loaded(_model_cfg(n_layers=1)), cache_len=32, chunk=chunk)
+    assert fresh.generate(prompts, 3, SamplingConfig(), eos=()).compile_s > 0
+
+
+def test_a_chunk_ends_on_the_device_once_every_row_made_an_eos():
+    generator = Generator(_loaded(_model_cfg(n_layers=1)), cache_len=32, chunk=8)
+    greedy = generator.generate([[7]], 4, SamplingConfig(), eos=()).tokens[0]
+    assert greedy[2] != greedy[1]  # (this model's greedy tokens from [7] do not repeat at once)
+    prefill = generator._run("prefill", generator._prefill, generator.state, jnp.asarray([[0] * 7 + [7]]),
+                             jnp.asarray([7]), jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1))
+    (token_B, cache), _ = prefill
+    assert int(token_B[0]) == greedy[0]
+    settings = (jnp.int32(8), jnp.int32(8))  # the first slot after the prompt bucket, up to 8 steps
+    for eos, steps in ((greedy[2], 2), (-1, 8)):  # the 2nd decode step makes greedy[2]; -1 is never made
+        (tokens_BxC, n_run, last_B, _), _ = generator._run(
+            "decode", generator._decode_chunk, generator.state, cache, token_B, *settings, jnp.asarray([False]),
+            jnp.asarray([eos], jnp.int32), jnp.asarray([7]), jax.random.key(0), jnp.float32(0), jnp.int32(0),
+            jnp.float32(1))
+        assert int(n_run) == steps and list(np.asarray(tokens_BxC[0, :2])) == greedy[1:3]
+        assert int(last_B[0]) == int(tokens_BxC[0, steps - 1]) and int(tokens_BxC[0, steps:].max(initial=-1)) == -1
+    with pytest.raises(ValueError, match="chunk .* must be an int >= 1"):
+        Generator(_loaded(_model_cfg(n_layers=1)), chunk=0)
+
+
 def test_eos_stops_each_row_on_its_own(loaded):
     prompts = [[1, 2, 3], [40, 41], [7]]
     free = generate(loaded, prompts, max_new_tokens=8, eos=())

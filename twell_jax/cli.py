@@ -507,6 +507,9 @@ def _parser() -> argparse.ArgumentParser:
     p_gen.add_argument("--truncate-prompt", choices=("error", "left"), default="error",
                        help="a prompt that leaves no room for --max-new-tokens in the context: error (default), "
                             "or left: keep its last tokens")
+    p_gen.add_argument("--decode-chunk", type=int, default=config_lib.DEFAULT_DECODE_CHUNK, metavar="N",
+                       help=f"decode steps per device call (default {config_lib.DEFAULT_DECODE_CHUNK}): tokens reach "
+                            "the host, and the stream, N at a time; 1 = one call per token")
     p_gen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     add_json(p_gen)
 

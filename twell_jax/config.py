@@ -27,6 +27,10 @@ DECODE_KERNELS: dict[str, str] = {
     "pallas": "the Pallas decode kernels (a GPU, or model.ffn_interpret=true for the interpreter)",
     "xla": "the model's generic XLA path (the layer scan's decode)",
 }
+# Generation's decode steps per program call (twell_jax/inference/generate.py, `Generator.chunk`;
+# `twell generate --decode-chunk`): tokens reach the host, and a stream, this many at a time; at ~1 ms
+# a step that is ~16 ms between updates, and the host's per-call cost is paid once per 16 tokens.
+DEFAULT_DECODE_CHUNK = 16
 # How the layer stack runs layers whose sparse-op plans differ (model.layer_scan); twell_jax/model.py
 # implements them and docs/model.md says how they were chosen.
 LAYER_SCANS: dict[str, str] = {

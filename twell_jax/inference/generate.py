@@ -8,6 +8,18 @@ bucket) pair one prefill program. A length bucket that would leave no room in th
 `max_new_tokens` is shortened to fit (`Generator.prompt_bucket`). `Generator.traces` counts the
 programs traced so far.
 
+Decode steps run in chunks: one program call runs up to `Generator.chunk` steps in a device-side
+loop (each step samples on the device and feeds its token to the next), stopping early once every
+row has produced an EOS token, and hands the chunk's tokens to the host at once. Streaming, stop
+strings and the per-row bookkeeping then walk the chunk step by step, exactly as if each step had
+come alone (tokens a row makes after its stop are computed and dropped). One host round trip per
+chunk instead of per token: at decode sizes the per-call dispatch and copy are a large part of a
+step. `chunk=1` is the step-at-a-time loop.
+
+Compilation is done before the clock starts (`jax.jit(...).lower(...).compile()`, one executable
+per argument shape) and reported on its own (`GenerationResult.compile_s`), so prefill_s and
+decode_s are run time on every call, the first included.
+
 Left padding: row b's prompt occupies cache slots [P - len_b, P) and sits at RoPE positions
 0..len_b - 1; `Transformer.decode` hides the padding slots from every query, so each row computes
 exactly what it would alone (tested against the full forward).
@@ -24,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from twell_jax.config import DEFAULT_DECODE_CHUNK
 from twell_jax.model import init_cache
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -70,12 +83,14 @@ class GenerationResult:
     texts: list[str] | None  # decoded generated text (EOS excluded); None without a tokenizer
     finish_reasons: list[str]  # "eos", "stop" (a stop string; the text ends before it) or "length"
     prompt_lengths: list[int]  # tokens of each prompt as run (after any truncation)
-    # Wall seconds: the prefill (compile included on a first call) up to the first tokens on the
-    # host, and the decode steps after it (each ends with its tokens on the host: streaming and
-    # EOS need them). decode_steps counts steps; tokens/s = rows x steps / decode_s.
+    # Wall seconds: the prefill up to the first tokens on the host, and the decode steps after it
+    # (chunks of steps, each ending with its tokens on the host); neither includes compilation,
+    # which is compile_s (0 when every program was compiled by an earlier call). decode_steps
+    # counts the steps whose tokens were used; tokens/s = rows x steps / decode_s.
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_steps: int = 0
+    compile_s: float = 0.0
 
     def decode_tokens_per_s(self) -> float | None:
         """Generated tokens per second over the decode steps (every row counted), None without any."""
@@ -121,16 +136,20 @@ def _next_pow2(n: int) -> int:
 
 
 class Generator:
-    """Compiled prefill / decode-step programs of one model, reused across `generate` calls."""
+    """Compiled prefill / decode programs of one model, reused across `generate` calls."""
 
-    def __init__(self, loaded: "LoadedModel", *, cache_len: int | None = None):
+    def __init__(self, loaded: "LoadedModel", *, cache_len: int | None = None, chunk: int = DEFAULT_DECODE_CHUNK):
         model_cfg = loaded.config.model
         self.loaded = loaded
         self.cache_len = model_cfg.max_seq_len if cache_len is None else cache_len
         if not 2 <= self.cache_len <= model_cfg.max_seq_len:
             raise ValueError(f"cache_len must be in [2, model.max_seq_len={model_cfg.max_seq_len}], got {cache_len}")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk (decode steps per program call) must be an int >= 1, got {chunk!r}")
+        self.chunk = chunk
         self.graphdef, self.state = nnx.split(loaded.model)
         self.traces = {"prefill": 0, "decode": 0}  # programs traced (= compiled) so far
+        self._executables: dict[tuple, object] = {}
         model_cfg_ = model_cfg
         cache_len_ = self.cache_len
 
@@ -142,18 +161,50 @@ class Generator:
             logits_BxV, cache, _ = model.decode(tokens_BxP, cache, jnp.int32(0), start_B)
             return sample_tokens(logits_BxV, jax.random.fold_in(key, 0), temperature, top_k, top_p), cache
 
-        def decode_step(state: nnx.State, cache: object, token_B: jax.Array, cache_index: jax.Array,
-                        start_B: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                        top_p: jax.Array) -> tuple[jax.Array, object]:
+        def decode_chunk(state: nnx.State, cache: object, token_B: jax.Array, first_index: jax.Array,
+                         n_steps: jax.Array, done_B: jax.Array, eos_E: jax.Array, start_B: jax.Array,
+                         key: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                         top_p: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, object]:
+            """Up to n_steps (<= chunk) decode steps, the first writing cache slot first_index; stops
+            after the step in which every row is done (done_B on entry, or an id of eos_E made).
+            Returns the tokens [B, chunk] (column i: step i's; -1 after the last step run), the
+            steps run, the last step's tokens [B] (the next chunk's input) and the cache."""
             self.traces["decode"] += 1
             model = nnx.merge(self.graphdef, state)
-            logits_BxV, cache, _ = model.decode(token_B[:, None], cache, cache_index, start_B)
-            return sample_tokens(logits_BxV, jax.random.fold_in(key, cache_index), temperature, top_k, top_p), cache
+
+            def running(carry: tuple) -> jax.Array:
+                i, _, _, done_B, _ = carry
+                return (i < n_steps) & ~jnp.all(done_B)
+
+            def step(carry: tuple) -> tuple:
+                i, token_B, cache, done_B, tokens_BxC = carry
+                index = first_index + i
+                logits_BxV, cache, _ = model.decode(token_B[:, None], cache, index, start_B)
+                token_B = sample_tokens(logits_BxV, jax.random.fold_in(key, index), temperature, top_k, top_p)
+                tokens_BxC = jax.lax.dynamic_update_slice(tokens_BxC, token_B[:, None], (jnp.int32(0), i))
+                done_B = done_B | jnp.any(token_B[:, None] == eos_E[None, :], axis=1)
+                return i + 1, token_B, cache, done_B, tokens_BxC
+
+            tokens_BxC = jnp.full((token_B.shape[0], self.chunk), -1, jnp.int32)
+            n_run, token_B, cache, _, tokens_BxC = jax.lax.while_loop(
+                running, step, (jnp.int32(0), token_B, cache, done_B, tokens_BxC))
+            return tokens_BxC, n_run, token_B, cache
 
         self._prefill = jax.jit(prefill)
         # The cache is updated in place on accelerators (CPU cannot donate buffers and would warn).
         donate = (1,) if jax.default_backend() != "cpu" else ()
-        self._decode_step = jax.jit(decode_step, donate_argnums=donate)
+        self._decode_chunk = jax.jit(decode_chunk, donate_argnums=donate)
+
+    def _run(self, name: str, fn, *args) -> tuple[object, float]:
+        """fn(*args) through an executable compiled ahead for these argument shapes (once per shape
+        per Generator); returns (output, seconds spent compiling now)."""
+        key = (name, tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in jax.tree.leaves(args[1:])))
+        compile_s = 0.0
+        if key not in self._executables:
+            began = time.perf_counter()
+            self._executables[key] = fn.lower(*args).compile()
+            compile_s = time.perf_counter() - began
+        return self._executables[key](*args), compile_s
 
     def encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
         """Token ids of each prompt (strings need the model's tokenizer); errors name the prompt."""
@@ -226,42 +277,55 @@ class Generator:
         key = jax.random.key(sampling.seed)
         settings = (jnp.float32(sampling.temperature), jnp.int32(sampling.top_k), jnp.float32(sampling.top_p))
         start = jnp.asarray(start_B)
+        # EOS ids padded to a power of two with -1 (never a token): few distinct program shapes.
+        eos_E = np.full((_next_pow2(max(len(eos_ids), 1)),), -1, np.int32)
+        eos_E[:len(eos_ids)] = sorted(eos_ids)
+        eos_E = jnp.asarray(eos_E)
         began = time.perf_counter()
-        token_B, cache = self._prefill(self.state, jnp.asarray(tokens_BxP), start, key, *settings)
-        prefill_s, decode_began, steps = None, None, 0
+        (token_B, cache), compile_s = self._run("prefill", self._prefill, self.state, jnp.asarray(tokens_BxP),
+                                                start, key, *settings)
+        host_B = np.asarray(token_B)
+        decode_began = time.perf_counter()
+        prefill_s = decode_began - began - compile_s
         out: list[list[int]] = [[] for _ in range(n_rows)]
         reasons = ["length"] * n_rows
         done = [False] * n_rows
         printer = _RowText(self.loaded.tokenizer, n_rows, stream, stop)
-        for step in range(max_new_tokens):
-            if step:
-                token_B, cache = self._decode_step(self.state, cache, token_B, jnp.int32(bucket + step - 1),
-                                                   start, key, *settings)
-            host_B = np.asarray(token_B)
-            if step:
-                steps += 1
-            else:
-                decode_began = time.perf_counter()
-                prefill_s = decode_began - began
+
+        def take(tokens: np.ndarray, last: bool) -> None:  # one step's token per row
             for b in range(n_rows):
                 if done[b]:
                     continue
-                token = int(host_B[b])
+                token = int(tokens[b])
                 out[b].append(token)
                 is_eos = token in eos_ids
-                if printer.push(b, token, is_eos, last=is_eos or step == max_new_tokens - 1):
+                if printer.push(b, token, is_eos, last=is_eos or last):
                     done[b], reasons[b] = True, "stop"
                 elif is_eos:
                     done[b], reasons[b] = True, "eos"
-            if all(done):
-                break
+
+        take(host_B, last=max_new_tokens == 1)
+        steps, decode_compile_s = 0, 0.0
+        while steps < max_new_tokens - 1 and not all(done):
+            n_steps = min(self.chunk, max_new_tokens - 1 - steps)
+            done_B = np.array(done + [True] * (rows - n_rows))  # padding rows never hold a chunk open
+            (tokens_BxC, n_run, token_B, cache), seconds = self._run(
+                "decode", self._decode_chunk, self.state, cache, token_B, jnp.int32(bucket + steps), jnp.int32(n_steps),
+                jnp.asarray(done_B), eos_E, start, key, *settings)
+            decode_compile_s += seconds
+            host_BxC, n_run = np.asarray(tokens_BxC), int(n_run)
+            for i in range(n_run):
+                if all(done):
+                    break
+                steps += 1
+                take(host_BxC[:, i], last=steps == max_new_tokens - 1)
         texts = None
         if self.loaded.tokenizer is not None:
             texts = [self.loaded.tokenizer.decode([t for t in row if t not in eos_ids]) for row in out]
             texts = [text if cut is None else text[:cut] for text, cut in zip(texts, printer.stop_at)]
         return GenerationResult(tokens=out, texts=texts, finish_reasons=reasons, prompt_lengths=lengths,
-                                prefill_s=prefill_s or 0.0, decode_s=time.perf_counter() - decode_began,
-                                decode_steps=steps)
+                                prefill_s=prefill_s, decode_s=time.perf_counter() - decode_began - decode_compile_s,
+                                decode_steps=steps, compile_s=compile_s + decode_compile_s)
 
 
 def _eos_set(eos: int | Sequence[int] | None, default: int | None) -> frozenset[int]:
