@@ -32,8 +32,14 @@ SHAPES = (("qkv", 2048, 2048, "kn", False, 3), ("qkv_one", 6144, 2048, "kn", Fal
           ("out", 2048, 2048, "kn", False, 1), ("gate_up", 5632, 2048, "nk", True, 1),
           ("down", 2048, 5632, "kn", False, 1), ("down_nk", 2048, 5632, "nk", False, 1),
           ("head", 49152, 2048, "nk", False, 1))
-SWEEP = [MatvecBlockSizes(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, split_k=sk)
-         for bn, bk, (nw, ns), sk in itertools.product((16, 32, 64), (128, 256), ((4, 3), (8, 3)), (1, 2, 4))]
+# (block_n, block_k) per layout. A "kn" tile [bk, bn] reads bk rows of bn contiguous elements: wide
+# and short tiles (rows of 64-512 B), with split_k for programs when N / block_n is small. An "nk"
+# tile [bn, bk] reads bn rows of bk contiguous elements: narrow and long ones.
+TILES = {"kn": ((32, 128), (32, 256), (64, 64), (64, 128), (128, 32), (128, 64), (256, 16), (256, 32)),
+         "nk": ((16, 256), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256))}
+SWEEPS = {layout: [MatvecBlockSizes(block_n=bn, block_k=bk, num_warps=nw, num_stages=3, split_k=sk)
+                   for (bn, bk), nw, sk in itertools.product(tiles, (4, 8), (1, 4, 8))]
+          for layout, tiles in TILES.items()}
 
 
 def per_call_us(fn, x, w, gate, *, iters: int, min_seconds: float) -> float:
@@ -60,17 +66,24 @@ def per_call_us(fn, x, w, gate, *, iters: int, min_seconds: float) -> float:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,8", help="token rows per call (the decode batch)")
+    parser.add_argument("--shapes", default=",".join(shape[0] for shape in SHAPES),
+                        help="which of the shapes to sweep (comma-separated)")
     parser.add_argument("--min-seconds", type=float, default=0.05)
     parser.add_argument("--iters", type=int, default=100, help="calls per timed program")
     parser.add_argument("--peak-gbs", type=float, default=3350.0, help="HBM bandwidth for the share column")
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    shapes, sweep, interpret = SHAPES, SWEEP, False
+    wanted = [name for name in args.shapes.split(",") if name]
+    unknown = sorted(set(wanted) - {shape[0] for shape in SHAPES})
+    if unknown:
+        parser.error(f"--shapes: unknown {unknown}; expected some of {[shape[0] for shape in SHAPES]}")
+    shapes, sweeps, interpret = [shape for shape in SHAPES if shape[0] in wanted], SWEEPS, False
     if args.dry_run:
         shapes = (("tiny", 40, 48, "kn", False, 1), ("tiny_gated", 40, 48, "nk", True, 1),
                   ("tiny_parts", 32, 48, "kn", False, 3))
-        sweep = [MatvecBlockSizes(block_n=16, block_k=16, num_stages=1, split_k=sk) for sk in (1, 2)]
+        tiny = [MatvecBlockSizes(block_n=16, block_k=16, num_stages=1, split_k=sk) for sk in (1, 2)]
+        sweeps = {"nk": tiny, "kn": tiny}
         interpret, args.min_seconds, args.iters = True, 0.0, 2
     rows = []
     key = jax.random.key(0)
@@ -96,7 +109,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             loop_us = per_call_us(lambda x, w, g: x[:, :1], x, w, gate, iters=args.iters, min_seconds=args.min_seconds)
             xla_us = per_call_us(xla, x, w, gate, iters=args.iters, min_seconds=args.min_seconds) - loop_us
             want = xla(x, w, gate).astype(jnp.float32)
-            for sizes in sweep:
+            for sizes in sweeps[layout]:
                 if (gated and sizes.split_k > 1) or (parts > 1 and n % sizes.block_n):
                     continue  # refused by the kernel: a split gate; parts not a multiple of block_n
                 fn = jax.jit(lambda x, w, g, s=sizes: decode_matvec(

@@ -146,12 +146,22 @@ def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_
     import json
 
     rows = json.loads(out.read_text())["rows"]
+    generate_rows = [r for r in rows if r["phase"].startswith("generate")]
+    rows = [r for r in rows if not r["phase"].startswith("generate")]
     assert {(r["phase"], r["batch"]) for r in rows} == {("prefill", 2), ("decode", 1), ("decode", 2)}
     assert [r["variant"] for r in rows if r["phase"] == "prefill"] == ["plain", "dense", "twell-reference"]
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["speed_vs_plain"] > 0 and r["speed_vs_dense"] > 0
         # plain JAX has no FFN telemetry; the library's rows count per layer.
         assert r["l0_per_layer"] is None if r["variant"] == "plain" else len(r["l0_per_layer"]) == 2
+    # Generation end to end (no plain-JAX generator): 1 and 16 steps per device call, the same
+    # 8 greedy tokens from the same prompt, and dense and sparse make the same ones (same weights).
+    assert {(r["variant"], r["chunk"]) for r in generate_rows} == {
+        (v, c) for v in ("dense", "twell-reference") for c in (1, 16)}
+    assert len({tuple(r["tokens"]) for r in generate_rows}) == 1
+    for r in generate_rows:
+        assert r["decode_steps"] == 7 and r["tokens_per_s"] > 0 and r["compile_s"] > 0
+        assert r["speed_vs_dense"] > 0 and "speed_vs_plain" not in r
     # The same weights: dense and sparse rows see the same activity, and plain's hidden states (f32).
     prefill = {r["variant"]: r for r in rows if r["phase"] == "prefill"}
     np.testing.assert_allclose(prefill["dense"]["l0_per_layer"], prefill["twell-reference"]["l0_per_layer"],

@@ -96,9 +96,18 @@ def test_bad_backend_variants_are_rejected(text, match):
 
 def test_bench_inference_decode_rows_give_the_floor_share_and_the_xla_row(sparse_run, tmp_path):
     out = sparse_run[0]
-    result = bench_inference.main(["--dry-run", "--checkpoint", str(out), "--xla-decode-row"])
+    result = bench_inference.main(["--dry-run", "--checkpoint", str(out), "--xla-decode-row", "--generate-tokens", "0",
+                                   "--xla-option", "xla_gpu_enable_command_buffer=FUSION,WHILE"])
     decode = [r for r in result["rows"] if r["phase"] == "decode"]
-    assert {r["variant"] for r in decode} >= {"plain", "dense", "dense-xla", "twell-reference"}
+    assert {r["variant"] for r in decode} == {f"{v}{suffix}" for v in ("plain", "dense", "dense-xla", "twell-reference")
+                                              for suffix in ("", "+xla")}
+    assert not any(r["phase"].startswith("generate") for r in result["rows"])
+    for r in decode:  # the option rows: compiled with it, compared with the baselines without it
+        assert r.get("xla_options") == ({"xla_gpu_enable_command_buffer": "FUSION,WHILE"} if "+xla" in r["variant"]
+                                        else None)
+        assert r["speed_vs_plain"] > 0 and r["speed_vs_dense"] > 0
+    with pytest.raises(SystemExit, match="--xla-option 'gpu_graphs'"):
+        bench_inference.main(["--dry-run", "--checkpoint", str(out), "--xla-option", "gpu_graphs"])
     for r in decode:
         assert r["floor_bytes"] > 0 and r["floor_share"] > 0
         assert r["prefill_first_call_s"] > 0 and r["steps_first_call_s"] > 0
@@ -131,3 +140,7 @@ def test_the_matvec_sweep_runs_on_the_cpu(tmp_path):
     rows = module.main(["--dry-run", "--rows", "1", "--out", str(tmp_path / "m.json")])
     assert {r["split_k"] for r in rows if "us" in r} == {1, 2}
     assert all("error" not in r for r in rows) and json.loads((tmp_path / "m.json").read_text())["rows"]
+    with pytest.raises(SystemExit):  # argparse's error: the unknown shape is named on stderr
+        module.main(["--dry-run", "--shapes", "qkv,nope"])
+    # Each layout sweeps its own tiles: kn wide and short (rows of >= 64 B), nk narrow and long.
+    assert all(s.block_n * 2 >= 64 for s in module.SWEEPS["kn"]) and {1, 4, 8} == {s.split_k for s in module.SWEEPS["kn"]}

@@ -13,7 +13,13 @@ timed window; skipped with a message where NVML is absent). With `--checkpoint`,
 per-layer activity hints; a random init gets random ids. Decode: tokens/s of KV-cached decode
 steps (`Transformer.decode`, LM head included) at batch 1, 8 and 64 after a prefilled context of
 `--context` - `--decode-steps` tokens, so the last step attends to `--context` slots. Each variant
-prints its per-layer mean active FFN neurons per token beside its figures.
+prints its per-layer mean active FFN neurons per token beside its figures. Generate (twell_jax rows
+only, `--generate-tokens`): `Generator.generate` at batch 1, greedy, from a prompt of the same text,
+with 1 and with 16 decode steps per device call: what `twell generate` delivers, host round trips
+included (compilation excluded), beside the device-loop decode rows above. `--xla-option KEY=VALUE`
+adds a second decode row per variant, `VARIANT+xla`, its loop compiled with those XLA options (for
+example command buffers over the while loops, which capture the decode steps as CUDA graphs),
+compared with the rows compiled without them.
 
 Rows: `plain` is the plain-JAX Llama of twell_jax/bench/plain_llama.py (nothing of twell_jax in its
 math) holding the model's weights in the compute dtype: its body for prefill, its KV-cached decode
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import threading
 import time
@@ -42,14 +49,16 @@ from flax import nnx
 
 from twell_jax.bench.plain_llama import (reference_body, reference_decode_step, reference_params_from_model,
                                          reference_prefill_cache)
-from twell_jax.config import ModelConfig
-from twell_jax.inference.load import load_run, model_with_params, validation_tokens
+from twell_jax.config import DEFAULT_DECODE_CHUNK, ModelConfig
+from twell_jax.inference.generate import Generator, SamplingConfig
+from twell_jax.inference.load import LoadedModel, experiment_config_for, load_run, model_with_params, validation_tokens
 from twell_jax.model import Transformer, choose_attention, init_cache, init_model, split_model
 from twell_jax.training.checkpoint import checkpoint_dir
 from twell_jax.training.hints import run_hints
 
 DECODE_BATCHES = (1, 8, 64)
 PREFILL_CHUNK = 256  # tokens per call when filling the decode context
+GENERATE_PROMPT = 128  # prompt tokens of the generate rows (at most half of --context)
 
 
 class PowerSampler:
@@ -172,18 +181,18 @@ def timed(fn: Callable[[], Any], min_seconds: float, min_iters: int) -> tuple[fl
     return (end - start) / calls, calls, start, end
 
 
-def variant_models(base: ModelConfig, params: dict[str, Any], backends: list[str], dtype: str,
-                   interpret: bool, hints: tuple[float, ...] | None = None) -> dict[str, Transformer]:
-    """{"dense": relu_gated twin, "twell-<backend>": sparse model} over the same parameters; `hints`:
-    the run's per-layer active counts, which "auto" decides with (as `load_run` does for a run
-    trained with "auto")."""
+def variant_configs(base: ModelConfig, backends: list[str], interpret: bool,
+                    hints: tuple[float, ...] | None = None) -> dict[str, ModelConfig]:
+    """{"dense": relu_gated twin, "twell-<backend>": sparse model}, to run over the same parameters;
+    `hints`: the run's per-layer active counts, which "auto" decides with (as `load_run` does for a
+    run trained with "auto")."""
     variants = {"dense": dataclasses.replace(base, ffn_kind="relu_gated", ffn_backend="dense",
                                              ffn_expected_active=())}
     for backend in backends:
         variants[f"twell-{backend}"] = dataclasses.replace(
             base, ffn_kind="twell", ffn_backend=backend, ffn_interpret=interpret and backend == "pallas",
             ffn_expected_active=base.ffn_expected_active or (hints if backend == "auto" and hints else ()))
-    return {name: model_with_params(cfg, params, dtype) for name, cfg in variants.items()}
+    return variants
 
 
 def _l0_list(l0: jax.Array | None) -> list[float] | None:
@@ -210,8 +219,9 @@ def bench_prefill(runner: Runner, tokens_BxS: jax.Array, sampler: PowerSampler |
 
 
 def bench_decode(runner: Runner, n_layers: int, tokens: jax.Array, context: int, steps: int,
-                 min_seconds: float) -> dict[str, Any]:
-    """KV-cached decode of `steps` tokens per row after prefilling `tokens` [batch, context - steps]."""
+                 min_seconds: float, compiler_options: dict[str, str] | None = None) -> dict[str, Any]:
+    """KV-cached decode of `steps` tokens per row after prefilling `tokens` [batch, context - steps];
+    `compiler_options`: XLA options of the decode loop's program (e.g. its command buffers)."""
     batch, prefill_len = tokens.shape
     assert prefill_len == context - steps, (tokens.shape, context, steps)
 
@@ -231,7 +241,7 @@ def bench_decode(runner: Runner, n_layers: int, tokens: jax.Array, context: int,
     logits_BxV, cache = jax.block_until_ready(jax.jit(runner.prefill, static_argnums=2)(runner.params, tokens, context))
     prefill_first_s = time.perf_counter() - began
     token_B = jnp.argmax(logits_BxV, -1).astype(jnp.int32)
-    step_fn = jax.jit(run_steps)
+    step_fn = jax.jit(run_steps, compiler_options=compiler_options or None)
     began = time.perf_counter()
     _, l0 = jax.block_until_ready(step_fn(runner.params, token_B, cache))
     steps_first_s = time.perf_counter() - began
@@ -240,6 +250,35 @@ def bench_decode(runner: Runner, n_layers: int, tokens: jax.Array, context: int,
     return {"tokens_per_s": batch * steps / per_call, "ms_per_step": 1e3 * per_call / steps, "calls": calls,
             "prefill_first_call_s": prefill_first_s, "steps_first_call_s": steps_first_s,
             "l0_per_layer": _l0_list(l0) if runner.telemetry else None}
+
+
+def bench_generate(model: Transformer, cfg: ModelConfig, prompt: list[int], new_tokens: int, chunk: int,
+                   repeats: int = 2) -> dict[str, Any]:
+    """`Generator.generate` end to end at batch 1 (greedy, no EOS: exactly `new_tokens` tokens): what
+    `twell generate` delivers, host round trips included; the best of `repeats` calls after a first
+    one (compilation is reported apart by the Generator, and timed here only as compile_s)."""
+    generator = Generator(LoadedModel(model=model, config=experiment_config_for(cfg), tokenizer=None, step=None),
+                          chunk=chunk)
+    first = generator.generate([prompt], new_tokens, SamplingConfig(), eos=())
+    best = min((generator.generate([prompt], new_tokens, SamplingConfig(), eos=()) for _ in range(repeats)),
+               key=lambda res: res.decode_s / res.decode_steps)
+    if best.tokens != first.tokens:
+        raise AssertionError(f"generation with chunk {chunk} is not deterministic: {first.tokens} vs {best.tokens}")
+    return {"tokens_per_s": best.decode_tokens_per_s(), "ms_per_step": 1e3 * best.decode_s / best.decode_steps,
+            "chunk": chunk, "decode_steps": best.decode_steps, "prefill_s": best.prefill_s,
+            "compile_s": first.compile_s, "tokens": best.tokens[0], "l0_per_layer": None}
+
+
+def parse_xla_options(items: list[str]) -> dict[str, str]:
+    """{"KEY": "VALUE"} of `--xla-option KEY=VALUE` items (XLA's debug options, e.g. xla_gpu_...)."""
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("xla_") or key in options:
+            raise SystemExit(f"--xla-option {item!r}: expected KEY=VALUE with an XLA option name (xla_...), "
+                             "each key once")
+        options[key] = value
+    return options
 
 
 def decode_floor_bytes(cfg: ModelConfig, batch: int, context: int, itemsize: int,
@@ -291,6 +330,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-energy", action="store_true", help="skip NVML power sampling")
     parser.add_argument("--xla-decode-row", action="store_true",
                         help="add 'dense-xla': the dense twin with model.decode_kernels=xla (the generic path)")
+    parser.add_argument("--generate-tokens", type=int, default=256,
+                        help="tokens per `twell generate`-style call at batch 1 (host round trips included), "
+                             f"chunks of 1 and {DEFAULT_DECODE_CHUNK} decode steps per device call; 0 = skip")
+    parser.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an XLA option for a second decode row of every variant, named VARIANT+xla (the "
+                             "decode loop compiled with it; repeatable), e.g. xla_gpu_enable_command_buffer="
+                             "FUSION,CUBLAS,CUSTOM_CALL,WHILE,CONDITIONAL to capture the steps as CUDA graphs")
     parser.add_argument("--peak-gbs", type=float, default=3350.0,
                         help="the device's HBM bandwidth for the decode rows' share of the floor (H100 SXM)")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: checks the plumbing")
@@ -299,13 +345,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.dry_run:
         args.backends, args.dtype = "reference", "float32"  # the sparse algorithm on a CPU
         args.prefill_batch, args.context, args.decode_steps, args.min_seconds = 2, 32, 4, 0.0
-        args.decode_batches = "1,2"
+        args.decode_batches, args.generate_tokens = "1,2", min(args.generate_tokens, 8)
     backends = [b for b in args.backends.split(",") if b]
+    xla_options = parse_xla_options(args.xla_option)
     batches = [int(b) for b in args.decode_batches.split(",") if b]
     cfg, params, source_text = load_params(args)
     if args.context > cfg.max_seq_len or args.decode_steps >= args.context:
         raise SystemExit(f"--context {args.context} must be <= model.max_seq_len={cfg.max_seq_len} and > "
                          f"--decode-steps {args.decode_steps}")
+    prompt_len = min(GENERATE_PROMPT, args.context // 2)
+    if not 0 <= args.generate_tokens <= args.context - prompt_len:
+        raise SystemExit(f"--generate-tokens {args.generate_tokens} must be in [0, {args.context - prompt_len}] "
+                         f"(a {prompt_len}-token prompt plus the new tokens fit --context)")
     device = jax.devices()[0]
     print(f"[bench] {source_text} on {device.device_kind} ({jax.default_backend()}), {args.dtype}; "
           f"d_model {cfg.d_model}, d_ff {cfg.d_ff}, {cfg.n_layers} layers; variants plain, dense, "
@@ -320,11 +371,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         hints = run_hints(checkpoint_dir(args.checkpoint).parent, args.step, n_layers=cfg.n_layers)
     else:
         text = jax.random.randint(jax.random.key(args.seed), (rows_needed, args.context), 0, cfg.vocab_size)
-    models = variant_models(cfg, params, backends, args.dtype, interpret=args.dry_run, hints=hints)
+    configs = variant_configs(cfg, backends, interpret=args.dry_run, hints=hints)
     if args.xla_decode_row:
-        models["dense-xla"] = model_with_params(
-            dataclasses.replace(cfg, ffn_kind="relu_gated", ffn_backend="dense", ffn_expected_active=(),
-                                decode_kernels="xla"), params, args.dtype)
+        configs["dense-xla"] = dataclasses.replace(configs["dense"], decode_kernels="xla")
+    configs = {name: dataclasses.replace(c, compute_dtype=args.dtype) for name, c in configs.items()}
+    models = {name: model_with_params(c, params, args.dtype) for name, c in configs.items()}
     # plain first: the baseline every other row is compared with.
     runners = {"plain": plain_runner(cfg, params, args.dtype, args.context),
                **{name: model_runner(model, cfg) for name, model in models.items()}}
@@ -345,23 +396,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         diff = f"; hidden states {r['hidden_rel_diff_vs_plain']:.1e} from plain" if name != "plain" else ""
         print(f"[bench] prefill {name}: {r['tokens_per_s']:.0f} tokens/s{energy} (first call {r['first_call_s']:.1f}s); "
               f"active/layer {r['l0_per_layer'] or '-'}{diff}")
-        for batch in batches:
+        for batch, options in itertools.product(batches, [None, xla_options] if xla_options else [None]):
             r = bench_decode(runner, cfg.n_layers, text[:batch, :args.context - args.decode_steps], args.context,
-                             args.decode_steps, args.min_seconds)
+                             args.decode_steps, args.min_seconds, options)
             sparse = name.startswith("twell") and r["l0_per_layer"] is not None
             floor = decode_floor_bytes(cfg, batch, args.context, jnp.dtype(args.dtype).itemsize,
                                        r["l0_per_layer"] if sparse else None)
             r["floor_bytes"] = floor
             r["floor_share"] = floor / (args.peak_gbs * 1e9) / (r["ms_per_step"] / 1e3)
-            rows.append({"variant": name, "phase": "decode", "batch": batch, **r})
-            print(f"[bench] decode  {name} batch {batch}: {r['tokens_per_s']:.1f} tokens/s "
+            label = name if options is None else f"{name}+xla"
+            rows.append({"variant": label, "phase": "decode", "batch": batch, **r,
+                         **({} if options is None else {"xla_options": options})})
+            print(f"[bench] decode  {label} batch {batch}: {r['tokens_per_s']:.1f} tokens/s "
                   f"({r['ms_per_step']:.3f} ms/step, {r['floor_share']:.0%} of the bandwidth floor "
                   f"{floor / 1e9:.3f} GB; first calls: cache prefill {r['prefill_first_call_s']:.1f}s, "
                   f"decode loop {r['steps_first_call_s']:.1f}s); active/layer {r['l0_per_layer'] or '-'}")
+        if args.generate_tokens and name in models:  # plain JAX has no generator: ratios vs dense only
+            for chunk in sorted({1, DEFAULT_DECODE_CHUNK}):
+                r = bench_generate(models[name], configs[name], text[0, :prompt_len].tolist(),
+                                   args.generate_tokens, chunk)
+                rows.append({"variant": name, "phase": f"generate, chunk {chunk}", "batch": 1, **r})
+                print(f"[bench] generate {name} chunk {chunk}: {r['tokens_per_s']:.1f} tokens/s "
+                      f"({r['ms_per_step']:.3f} ms/token over {r['decode_steps']} steps; "
+                      f"compile {r['compile_s']:.1f}s)")
     for base in ("dense", "plain"):
         same = {(r["phase"], r["batch"]): r for r in rows if r["variant"] == base}
         for r in rows:
-            ref = same[(r["phase"], r["batch"])]
+            ref = same.get((r["phase"], r["batch"]))
+            if ref is None:  # generate rows: no plain-JAX generator
+                continue
             r[f"speed_vs_{base}"] = r["tokens_per_s"] / ref["tokens_per_s"]
             if r.get("energy_j_per_token") is not None and ref.get("energy_j_per_token"):
                 r[f"energy_vs_{base}"] = r["energy_j_per_token"] / ref["energy_j_per_token"]
@@ -372,9 +435,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         mj = "-" if r.get("energy_j_per_token") is None else f"{1e3 * r['energy_j_per_token']:.3f}"
         ev = " | ".join(f"{r[k]:.3f}x" if k in r else "-" for k in ("energy_vs_dense", "energy_vs_plain"))
         active = "-" if r["l0_per_layer"] is None else f"{np.mean(r['l0_per_layer']):.1f} of {cfg.d_ff}"
-        step = f"{r['ms_per_step']:.3f} | {r['floor_share']:.0%}" if r["phase"] == "decode" else "- | -"
-        print(f"| {r['phase']} | {r['batch']} | {r['variant']} | {r['tokens_per_s']:.1f} | "
-              f"{r['speed_vs_dense']:.3f}x | {r['speed_vs_plain']:.3f}x | {mj} | {ev} | {active} | {step} |")
+        step = "- | -" if r["phase"] == "prefill" else f"{r['ms_per_step']:.3f} | " + (
+            f"{r['floor_share']:.0%}" if "floor_share" in r else "-")
+        vs = " | ".join(f"{r[k]:.3f}x" if k in r else "-" for k in ("speed_vs_dense", "speed_vs_plain"))
+        print(f"| {r['phase']} | {r['batch']} | {r['variant']} | {r['tokens_per_s']:.1f} | {vs} | {mj} | {ev} | "
+              f"{active} | {step} |")
     result = {"source": source_text, "device": device.device_kind, "backend": jax.default_backend(),
               "dtype": args.dtype, "context": args.context, "decode_steps": args.decode_steps,
               "model": dataclasses.asdict(cfg), "rows": rows, "date": time.strftime("%Y-%m-%d")}
