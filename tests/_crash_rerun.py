@@ -3,7 +3,7 @@ the replacement worker; a second crash fails it. The terminal summary lists ever
 re-run is never silent."""
 import pytest
 
-MAX_RERUNS = 1
+MAX_RERUNS = 1  # a second crash of the same test fails it
 _crashes: dict[str, int] = {}
 
 

@@ -51,9 +51,47 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order inside a file kept
 
 
-# A worker that dies (seen 2026-11-24: a segfault inside XLA:CPU's compiler, in
-# `backend_compile_and_load`, about one run in three on the 2-core machine, in a different test each
-# time, never when that test ran again) takes no test down with it: its test runs once more on the
-# replacement worker and must pass there; a second crash fails it. Every crash is listed at the end.
-# `--dist worksteal` because `loadfile` deadlocks after a crash (pytest-xdist 3.8, issue #1378).
+# A worker that dies (as one did when its memory maps ran out: the fixture below) takes no test down
+# with it: its test runs once more on the replacement worker and must pass there; a second crash
+# fails it. Every crash is listed at the end. `--dist worksteal` because `loadfile` deadlocks after
+# a crash (pytest-xdist 3.8, issue #1378): a CI run then waits until it is killed.
 from _crash_rerun import pytest_handlecrashitem, pytest_terminal_summary  # noqa: E402,F401
+
+
+# Every compiled XLA:CPU program holds memory maps (its code and data sections) while JAX's caches
+# keep it alive. One worker runs hundreds of test files' programs: it passed vm.max_map_count
+# (65530) three quarters of the way through the suite, and the next compilation crashed the
+# process (a segfault while raising the failed compilation's error; reproduced 2026-11-24 by running
+# one worker's share of the tests in one process). Each file's programs are dropped after it, and
+# after any test that leaves the process holding more than MAX_MAPS maps (one file reached 31,000).
+MAX_MAPS = 30_000
+
+
+def _drop_compiled_programs():
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
+def _maps() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # not Linux
+        return 0
+
+
+@__import__("pytest").fixture(autouse=True, scope="module")
+def _drop_compiled_programs_after_each_file():
+    yield
+    _drop_compiled_programs()
+
+
+@__import__("pytest").fixture(autouse=True)
+def _drop_compiled_programs_when_the_maps_run_high():
+    yield
+    if _maps() > MAX_MAPS:
+        _drop_compiled_programs()

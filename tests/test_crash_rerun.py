@@ -1,11 +1,14 @@
-"""The CI's guard against a dying worker (tests/_crash_rerun.py): a test whose worker crashed once
-runs again and may pass; one that crashes again fails; the run finishes (no deadlock) and names
-both crashes."""
+"""The CI's guards against a dying worker: a test whose worker crashed once runs again and may
+pass, one that crashes again fails, the run finishes (no deadlock) and names both crashes
+(tests/_crash_rerun.py); compiled programs are dropped before a worker runs out of memory maps
+(tests/conftest.py)."""
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 TESTS = Path(__file__).parent
 
@@ -38,3 +41,23 @@ def test_a_crashed_test_reruns_once_and_a_second_crash_fails(tmp_path):
     assert "FAILED test_always.py::test_always_crashes" in out, out
     assert "test_flaky.py::test_crashes_once: its worker died (re-run)" in out, out
     assert "test_always.py::test_always_crashes: its worker died (failed after 2 crashes)" in out, out
+
+
+def test_dropping_the_compiled_programs_returns_their_memory_maps():
+    """The guard of conftest.py: compiled programs hold memory maps until JAX's caches drop them
+    (a worker that ran out of maps crashed)."""
+    import jax
+    import jax.numpy as jnp
+
+    from conftest import _drop_compiled_programs, _maps
+
+    _drop_compiled_programs()
+    before = _maps()
+    if before == 0:
+        pytest.skip("no /proc/self/maps here (not Linux)")
+    keep = [jax.jit(lambda x, i=i: jnp.sin(x) * i + jnp.cumsum(x)) for i in range(60)]
+    for fn in keep:
+        fn(jnp.arange(8.0)).block_until_ready()
+    grown = _maps()
+    _drop_compiled_programs()
+    assert grown > before + 60 and _maps() < before + (grown - before) / 2, (before, grown, _maps())
