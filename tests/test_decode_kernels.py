@@ -110,3 +110,43 @@ def test_a_head_dim_that_is_not_a_power_of_two_attends_through_xla():
     got, _, _ = _run(cfg, tokens, start, prompt=5)
     want, _, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=5)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["sparse", "dense_twin"])
+def test_transposed_weight_copies_give_the_same_steps(kind, monkeypatch):
+    """model.decode_transposed: the step reads q/k/v, out and the dense W_down from
+    `prepare_decode`'s output-major copies (layout "nk"): the XLA path's logits, padded rows
+    included; without the option, or off the kernel path, there are no copies."""
+    cfg = dataclasses.replace(BASE, decode_transposed=True, **KINDS[kind])
+    model = init_model(cfg, seed=4)
+    prepared = model.prepare_decode()
+    attn = model.blocks.attn
+    np.testing.assert_array_equal(prepared["w_q"], jnp.swapaxes(attn.w_q[...], 1, 2))
+    np.testing.assert_array_equal(prepared["w_down"], jnp.swapaxes(model.blocks.ffn.w_down[...], 1, 2))
+    tokens = jax.random.randint(jax.random.key(5), (3, 9), 0, cfg.vocab_size)
+    start = jnp.asarray([0, 1, 3], jnp.int32)
+    cache = init_cache(cfg, 3, 9)
+    _, cache, _ = model.decode(tokens[:, :5], cache, jnp.int32(0), start)
+    from twell_jax.pallas_kernels import decode_matvec
+
+    layouts = []
+    original = decode_matvec.decode_matvec
+    monkeypatch.setattr(decode_matvec, "decode_matvec",
+                        lambda *a, **k: layouts.append(k.get("layout", "nk")) or original(*a, **k))
+    for p in (None, prepared):  # every product reads an output-major weight with the copies
+        layouts.clear()
+        jax.make_jaxpr(lambda c: model.decode(tokens[:, 5:6], c, jnp.int32(5), start, prepared=p))(cache)
+        assert ("kn" in layouts) == (p is None), layouts
+    step = jax.jit(lambda c, t, i, p: model.decode(t, c, i, start, prepared=p)[:2])
+    got = []
+    for t in range(5, 9):
+        logits, cache = step(cache, tokens[:, t:t + 1], jnp.int32(t), prepared)
+        got.append(logits)
+    want, _, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=5)
+    np.testing.assert_allclose(jnp.stack(got, 1), want, rtol=1e-4, atol=1e-5)
+    assert init_model(dataclasses.replace(cfg, decode_transposed=False), 0).prepare_decode() is None
+    assert init_model(dataclasses.replace(cfg, decode_kernels="xla"), 0).prepare_decode() is None
+    with pytest.raises(ValueError, match="prepare_decode"):
+        model.decode(tokens[:, 5:6], cache, jnp.int32(5), start, prepared={"w_q": prepared["w_q"]})
+    with pytest.raises(ValueError, match="decode_transposed must be true or false"):
+        ModelConfig(decode_transposed="yes")

@@ -140,7 +140,7 @@ def test_a_chunk_ends_on_the_device_once_every_row_made_an_eos():
     settings = (jnp.int32(8), jnp.int32(8))  # the first slot after the prompt bucket, up to 8 steps
     for eos, steps in ((greedy[2], 2), (-1, 8)):  # the 2nd decode step makes greedy[2]; -1 is never made
         (tokens_BxC, n_run, last_B, _), _ = generator._run(
-            "decode", generator._decode_chunk, generator.state, cache, token_B, *settings, jnp.asarray([False]),
+            "decode", generator._decode_chunk, generator.state, generator.prepared, cache, token_B, *settings, jnp.asarray([False]),
             jnp.asarray([eos], jnp.int32), jnp.asarray([7]), jax.random.key(0), jnp.float32(0), jnp.int32(0),
             jnp.float32(1))
         assert int(n_run) == steps and list(np.asarray(tokens_BxC[0, :2])) == greedy[1:3]
@@ -273,14 +273,17 @@ def test_stop_strings_end_a_row_before_them_and_the_stream_never_shows_them(load
         generate(loaded, prompts, max_new_tokens=2, stop=["x"])
 
 
-@pytest.mark.parametrize("kind,backend", [("twell", "pallas"), ("relu_gated", "dense")])
-def test_greedy_generation_through_the_decode_kernels_equals_the_full_forward(kind, backend):
+@pytest.mark.parametrize("kind,backend,transposed", [("twell", "pallas", False), ("relu_gated", "dense", False),
+                                                     ("twell", "pallas", True)])
+def test_greedy_generation_through_the_decode_kernels_equals_the_full_forward(kind, backend, transposed):
     """The one-token steps run `Transformer._decode_step_kernels` (model.decode_kernels=pallas, the
-    kernels interpreted): the sparse model and its dense twin, padded rows included."""
+    kernels interpreted): the sparse model and its dense twin, padded rows included; with
+    model.decode_transposed, on the Generator's output-major weight copies."""
     cfg = _model_cfg(ffn_kind=kind, ffn_backend=backend, ffn_interpret=True, decode_kernels="pallas",
-                     ffn_op_config={"tile": 16, "slots": 16, "ell_width": 64})
+                     ffn_op_config={"tile": 16, "slots": 16, "ell_width": 64}, decode_transposed=transposed)
     loaded_ = _loaded(cfg, seed=1)
     assert loaded_.model._decode_with_kernels()
+    assert (Generator(loaded_).prepared is not None) == transposed
     prompts = [[3, 14, 15, 9, 2, 6], [5]]
     result = generate(loaded_, prompts, max_new_tokens=4, eos=())
     for prompt, out in zip(prompts, result.tokens):

@@ -141,11 +141,18 @@ def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_inference.py"), "--dry-run",
-                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+                           "--transposed-decode-rows", "--out", str(out)], capture_output=True, text=True, env=env,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     import json
 
     rows = json.loads(out.read_text())["rows"]
+    # +t rows (model.decode_transposed): decode and generate only, the same tokens (on a CPU the
+    # step is XLA's, so no copies are made: the plumbing is what runs here).
+    transposed = [r for r in rows if r["variant"].endswith("+t")]
+    assert {r["variant"] for r in transposed} == {"dense+t", "twell-reference+t"}
+    assert {r["phase"] for r in transposed} == {"decode", "generate, chunk 1", "generate, chunk 16"}
+    rows = [r for r in rows if not r["variant"].endswith("+t")]
     generate_rows = [r for r in rows if r["phase"].startswith("generate")]
     rows = [r for r in rows if not r["phase"].startswith("generate")]
     assert {(r["phase"], r["batch"]) for r in rows} == {("prefill", 2), ("decode", 1), ("decode", 2)}
@@ -159,6 +166,7 @@ def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_
     assert {(r["variant"], r["chunk"]) for r in generate_rows} == {
         (v, c) for v in ("dense", "twell-reference") for c in (1, 16)}
     assert len({tuple(r["tokens"]) for r in generate_rows}) == 1
+    assert {tuple(r["tokens"]) for r in transposed if "tokens" in r} == {tuple(r["tokens"]) for r in generate_rows}
     for r in generate_rows:
         assert r["decode_steps"] == 7 and r["tokens_per_s"] > 0 and r["compile_s"] > 0
         assert r["speed_vs_dense"] > 0 and "speed_vs_plain" not in r

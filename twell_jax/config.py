@@ -188,6 +188,11 @@ class ModelConfig:
     # matrix-vector products reading the stacked weights in place, the sparse FFN's decode
     # kernels) where they can run, else XLA; "pallas"; "xla" (DECODE_KERNELS).
     decode_kernels: Literal["auto", "pallas", "xla"] = "auto"
+    # With the decode kernels: read q/k/v, the attention output projection and W_down from
+    # output-major copies ([L, N, K], made once per generator by `Transformer.prepare_decode`)
+    # instead of the stored input-major stacks ([L, K, N]): more memory (those weights twice), the
+    # matrix-vector products' faster layout (docs/model.md, "Decoding one token per step").
+    decode_transposed: bool = False
 
     def __post_init__(self) -> None:
         _check_finite("model", self)
@@ -205,6 +210,8 @@ class ModelConfig:
         _check_choice("model", "attention_impl", self.attention_impl, ATTENTION_IMPLS)
         _check_choice("model", "layer_scan", self.layer_scan, tuple(LAYER_SCANS))
         _check_choice("model", "decode_kernels", self.decode_kernels, tuple(DECODE_KERNELS))
+        if not isinstance(self.decode_transposed, bool):
+            raise ValueError(f"model.decode_transposed must be true or false, got {self.decode_transposed!r}")
         if isinstance(self.layer_unroll, bool) or not isinstance(self.layer_unroll, int) or self.layer_unroll < 0:
             raise ValueError(f"model.layer_unroll must be an int >= 0 (0 = every layer), got {self.layer_unroll!r}")
         if isinstance(self.remat, bool):  # configs saved before remat became a policy
@@ -528,6 +535,7 @@ RESUMABLE_FIELDS = frozenset({
     "train.auto_trial_steps", "optim.schedule_steps",
     "model.ffn_backend", "model.ffn_op_config", "model.ffn_interpret", "model.ffn_expected_active",
     "model.ffn_expected_tails", "model.remat", "model.attention_impl", "model.decode_kernels",
+    "model.decode_transposed",
     "data.source", "data.cache_dir", "data.progress", "data.num_threads", "data.prefetch", "data.tokenize_workers",
 })
 

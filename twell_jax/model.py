@@ -419,7 +419,7 @@ class Transformer(nnx.Module):
         self.gated, self.backend, self.interpret = cfg.kind.gated, cfg.kind.backend(cfg.ffn_backend), cfg.ffn_interpret
         self.d_model, self.d_ff, self.is_swiglu = cfg.d_model, cfg.d_ff, cfg.ffn_kind == "swiglu"
         self.op_configs = tuple(build_op_config(cfg, layer) for layer in range(cfg.n_layers))
-        self.decode_kernels = cfg.decode_kernels
+        self.decode_kernels, self.decode_transposed = cfg.decode_kernels, cfg.decode_transposed
         self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
         self.blocks = _stacked_blocks(cfg, rngs.params())
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -539,21 +539,23 @@ class Transformer(nnx.Module):
         return self.final_norm(x_BxSxD), aux
 
     def decode(self, tokens_BxS: jax.Array, cache: KVCache, cache_index: jax.Array, start_B: jax.Array,
-               *, all_logits: bool = False) -> tuple[jax.Array, KVCache, Aux]:
+               *, all_logits: bool = False, prepared: dict[str, Any] | None = None) -> tuple[jax.Array, KVCache, Aux]:
         """Forward of S new tokens per row written at cache slots [cache_index, cache_index + S).
 
         Row b's real tokens start at slot `start_B[b]` (left padding: earlier slots are never
         attended to) and sit at RoPE position slot - start_B[b], so a left-padded row computes
         exactly what it would alone. Returns (fp32 logits [B, S, V] if `all_logits` else those of
         the last new token [B, V], the updated cache, aux stacked over layers). The caller keeps
-        cache_index + S <= T (a traced index cannot be checked here; the cache write would clamp)."""
+        cache_index + S <= T (a traced index cannot be checked here; the cache write would clamp).
+        `prepared`: `prepare_decode()`'s weight copies, which a one-token step through the decode
+        kernels reads instead of the stored stacks (other calls ignore them)."""
         length, rows = cache.k_LxBxTxNxK.shape[2], cache.k_LxBxTxNxK.shape[1]
         if tokens_BxS.ndim != 2 or tokens_BxS.shape[1] > length or tokens_BxS.shape[0] != rows:
             raise ValueError(f"tokens must be [batch, S] with S <= the cache length {length} and batch = the "
                              f"cache's {rows} rows, got shape {tokens_BxS.shape}")
         b, s = tokens_BxS.shape
         if s == 1 and not all_logits and self._decode_with_kernels():
-            return self._decode_step_kernels(tokens_BxS[:, 0], cache, cache_index, start_B)
+            return self._decode_step_kernels(tokens_BxS[:, 0], cache, cache_index, start_B, prepared)
         dt = _dtype(self.compute_dtype)
         embed_VxD = self.embed[...].astype(dt)
         x_BxSxD = jnp.take(embed_VxD, tokens_BxS, axis=0)
@@ -588,6 +590,20 @@ class Transformer(nnx.Module):
             return True
         return gpu
 
+    def prepare_decode(self) -> dict[str, jax.Array] | None:
+        """Output-major copies ([L, N, K], compute dtype) of the weights that a one-token decode step
+        reads input-major (w_q, w_k, w_v, w_out: [L, D, D]; w_down: [L, H, D] as [L, D, H]), for
+        `decode(..., prepared=)`, when model.decode_transposed and the decode kernels run; else
+        None. Made once per set of weights (a Generator makes them at its start): the copies cost
+        those weights' memory a second time."""
+        if not (self.decode_transposed and self._decode_with_kernels()):
+            return None
+        dt = _dtype(self.compute_dtype)
+        attn = self.blocks.attn
+        names = {"w_q": attn.w_q, "w_k": attn.w_k, "w_v": attn.w_v, "w_out": attn.w_out,
+                 "w_down": self.blocks.ffn.w_down}
+        return {name: jnp.swapaxes(w[...].astype(dt), 1, 2) for name, w in names.items()}
+
     def decode_layer_sparse(self, batch: int, dtype: Any) -> tuple[bool, ...]:
         """Per layer, whether a one-token decode step of `batch` rows runs the sparse FFN's decode
         kernels (its op plan is a sparse forward) or the fused dense products."""
@@ -598,7 +614,8 @@ class Transformer(nnx.Module):
                                                   itemsize, self.interpret) for config in self.op_configs)
 
     def _decode_step_kernels(self, tokens_B: jax.Array, cache: KVCache, cache_index: jax.Array,
-                             start_B: jax.Array) -> tuple[jax.Array, KVCache, Aux]:
+                             start_B: jax.Array, prepared: dict[str, Any] | None = None
+                             ) -> tuple[jax.Array, KVCache, Aux]:
         """`decode` of one token per row by the decode kernels, per layer: the attention norm and
         the q/k/v projections in one `decode_matvec` launch; RoPE and the in-place cache write
         (XLA); the attention by `decode_attention`, over the stacked caches in place and only the
@@ -609,9 +626,10 @@ class Transformer(nnx.Module):
         rows of those only), with, for a batch of several rows, a device-side switch to the dense
         products when the union exceeds `ops.planner.decode_union_limit` (the decode cost model's
         break-even; no host round trip). The stacked weights are read in place at the layer (no
-        per-layer copy). The LM head: the final norm and the tied embedding's product in one
-        launch. Same roundings as the XLA path up to the order of fp32 sums and the attention's fp32
-        probabilities (tests/test_decode_kernels.py)."""
+        per-layer copy); with `prepared` (`prepare_decode`), q/k/v, the output projection and the
+        dense W_down are read from its output-major copies instead. The LM head: the final norm and
+        the tied embedding's product in one launch. Same roundings as the XLA path up to the order
+        of fp32 sums and the attention's fp32 probabilities (tests/test_decode_kernels.py)."""
         from twell_jax.pallas_kernels.decode_attention import decode_attention
         from twell_jax.pallas_kernels.decode_matvec import decode_matvec, role_block_sizes
         from twell_jax.pallas_kernels.twell_decode import DecodeBlockSizes, compact_active, sparse_decode_ffn
@@ -625,6 +643,15 @@ class Transformer(nnx.Module):
         w_out = attn.w_out[...].astype(dt)  # the weights are loaded in the compute dtype (inference.load_run)
         w_gate = ffn.w_gate[...].astype(dt) if gated else None
         w_up, w_down = ffn.w_up[...].astype(dt), ffn.w_down[...].astype(dt)  # [L, H, D]
+        # The layouts the products read: the stored stacks are input-major ("kn"); prepared copies
+        # are output-major ("nk"). The sparse FFN always reads the stored W_down (rows per neuron).
+        proj_layout, w_qkv_mv, w_out_mv, w_down_mv = "kn", w_qkv, w_out, w_down
+        if prepared is not None:
+            if set(prepared) != {"w_q", "w_k", "w_v", "w_out", "w_down"}:
+                raise ValueError(f"prepared must be Transformer.prepare_decode()'s dict, got keys {sorted(prepared)}")
+            proj_layout = "nk"
+            w_qkv_mv = tuple(prepared[k].astype(dt) for k in ("w_q", "w_k", "w_v"))
+            w_out_mv, w_down_mv = prepared["w_out"].astype(dt), prepared["w_down"].astype(dt)
         n1_LxD, n2_LxD = (n.scale[...].astype(jnp.float32) for n in (blocks.attn_norm, blocks.ffn_norm))
         act = "silu" if self.is_swiglu else "relu"
         eps, theta = self.final_norm.eps, attn.rope_theta  # every norm has the model's norm_eps
@@ -646,16 +673,16 @@ class Transformer(nnx.Module):
                 h = mv(x, w_up, role="gate_up", layer=li, norm_scale=norm, gate=w_gate, activation=act, enable=enable)
             else:
                 h = mv(x, w_up, role="gate_up", layer=li, norm_scale=norm, activation="relu", enable=enable)
-            return mv(h, w_down, role="down", layer=li, layout="kn", residual=residual, enable=enable), h
+            return mv(h, w_down_mv, role="down", layer=li, layout=proj_layout, residual=residual, enable=enable), h
 
         def layer_step(carry: Any, layer: jax.Array, sparse: bool, op_config: Any) -> tuple[Any, Aux]:
             x, k_all, v_all = carry
             li = layer[None]
             if d % role_block_sizes("qkv").block_n == 0:  # one launch for the three parts
-                qkv = mv(x, w_qkv, role="qkv", layer=li, layout="kn", norm_scale=n1_LxD)
+                qkv = mv(x, w_qkv_mv, role="qkv", layer=li, layout=proj_layout, norm_scale=n1_LxD)
             else:
-                qkv = jnp.concatenate([mv(x, w, role="qkv", layer=li, layout="kn", norm_scale=n1_LxD) for w in w_qkv],
-                                      axis=1)
+                qkv = jnp.concatenate([mv(x, w, role="qkv", layer=li, layout=proj_layout, norm_scale=n1_LxD)
+                                       for w in w_qkv_mv], axis=1)
             qkv = qkv.reshape(b, 1, 3, n_heads, head_dim)
             q = rope(qkv[:, :, 0], theta, positions_Bx1)
             k = rope(qkv[:, :, 1], theta, positions_Bx1)
@@ -670,7 +697,7 @@ class Transformer(nnx.Module):
                     q, jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False).astype(dt),
                     jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False).astype(dt),
                     mask=decode_mask(index_1, start_B, k_all.shape[2])[:, None], implementation="xla")[:, 0]
-            x = mv(o.astype(dt).reshape(b, d), w_out, role="out", layer=li, layout="kn", residual=x)
+            x = mv(o.astype(dt).reshape(b, d), w_out_mv, role="out", layer=li, layout=proj_layout, residual=x)
             if not sparse:
                 x, h = dense_ffn(x, li, n2_LxD, x)
                 return (x, k_all, v_all), {"l0": jnp.sum(h != 0, dtype=jnp.float32) / b}

@@ -19,7 +19,9 @@ with 1 and with 16 decode steps per device call: what `twell generate` delivers,
 included (compilation excluded), beside the device-loop decode rows above. `--xla-option KEY=VALUE`
 adds a second decode row per variant, `VARIANT+xla`, its loop compiled with those XLA options (for
 example command buffers over the while loops, which capture the decode steps as CUDA graphs),
-compared with the rows compiled without them.
+compared with the rows compiled without them. `--transposed-decode-rows` adds `VARIANT+t` decode
+and generate rows of the dense and sparse variants with model.decode_transposed (the decode
+kernels read output-major copies of q/k/v, the output projection and W_down).
 
 Rows: `plain` is the plain-JAX Llama of twell_jax/bench/plain_llama.py (nothing of twell_jax in its
 math) holding the model's weights in the compute dtype: its body for prefill, its KV-cached decode
@@ -134,24 +136,28 @@ class Runner:
 
 
 def model_runner(model: Transformer, cfg: ModelConfig) -> Runner:
-    """A twell_jax model: `body` above, and `Transformer.decode` for the prefill (in chunks) and steps."""
+    """A twell_jax model: `body` above, and `Transformer.decode` for the prefill (in chunks) and steps
+    (with `prepare_decode`'s weight copies where model.decode_transposed asks for them). Its params
+    are (the model's state, those copies or None)."""
     graphdef, state = nnx.split(model)
 
-    def prefill(st: nnx.State, tokens_BxS: jax.Array, length: int) -> tuple[jax.Array, Any]:
+    def prefill(params: Any, tokens_BxS: jax.Array, length: int) -> tuple[jax.Array, Any]:
         # In chunks: the masked attention of one call materialises [B, N, chunk, length] scores.
-        model_, cache = nnx.merge(graphdef, st), init_cache(cfg, tokens_BxS.shape[0], length)
+        model_, cache = nnx.merge(graphdef, params[0]), init_cache(cfg, tokens_BxS.shape[0], length)
         start_B = jnp.zeros((tokens_BxS.shape[0],), jnp.int32)
         for begin in range(0, tokens_BxS.shape[1], PREFILL_CHUNK):
             logits_BxV, cache, _ = model_.decode(tokens_BxS[:, begin:begin + PREFILL_CHUNK], cache,
                                                  jnp.int32(begin), start_B)
         return logits_BxV, cache
 
-    def step(st: nnx.State, cache: Any, tokens_Bx1: jax.Array, slot: jax.Array) -> tuple[jax.Array, Any, jax.Array]:
+    def step(params: Any, cache: Any, tokens_Bx1: jax.Array, slot: jax.Array) -> tuple[jax.Array, Any, jax.Array]:
         start_B = jnp.zeros((tokens_Bx1.shape[0],), jnp.int32)
-        logits_BxV, cache, aux = nnx.merge(graphdef, st).decode(tokens_Bx1, cache, slot, start_B)
+        logits_BxV, cache, aux = nnx.merge(graphdef, params[0]).decode(tokens_Bx1, cache, slot, start_B,
+                                                                       prepared=params[1])
         return logits_BxV, cache, aux["l0"]
 
-    return Runner(state, lambda st, t: body(nnx.merge(graphdef, st), t), prefill, step, telemetry=True)
+    return Runner((state, model.prepare_decode()), lambda p, t: body(nnx.merge(graphdef, p[0]), t), prefill, step,
+                  telemetry=True)
 
 
 def plain_runner(cfg: ModelConfig, params: dict[str, Any], dtype: str, context: int) -> Runner:
@@ -333,6 +339,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--generate-tokens", type=int, default=256,
                         help="tokens per `twell generate`-style call at batch 1 (host round trips included), "
                              f"chunks of 1 and {DEFAULT_DECODE_CHUNK} decode steps per device call; 0 = skip")
+    parser.add_argument("--transposed-decode-rows", action="store_true",
+                        help="add VARIANT+t for the dense and sparse variants: decode and generate with "
+                             "model.decode_transposed (output-major copies of q/k/v, out and W_down)")
     parser.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
                         help="an XLA option for a second decode row of every variant, named VARIANT+xla (the "
                              "decode loop compiled with it; repeatable), e.g. xla_gpu_enable_command_buffer="
@@ -374,6 +383,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     configs = variant_configs(cfg, backends, interpret=args.dry_run, hints=hints)
     if args.xla_decode_row:
         configs["dense-xla"] = dataclasses.replace(configs["dense"], decode_kernels="xla")
+    if args.transposed_decode_rows:  # decode rows only (their prefill is the variant's own)
+        configs.update({f"{name}+t": dataclasses.replace(c, decode_transposed=True) for name, c in list(configs.items())
+                        if name == "dense" or name.startswith("twell-")})
     configs = {name: dataclasses.replace(c, compute_dtype=args.dtype) for name, c in configs.items()}
     models = {name: model_with_params(c, params, args.dtype) for name, c in configs.items()}
     # plain first: the baseline every other row is compared with.
@@ -383,19 +395,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokens = text[:args.prefill_batch]
     rows: list[dict[str, Any]] = []
     plain_hidden = None
-    for name, runner in runners.items():
-        r, hidden_BxSxD = bench_prefill(runner, tokens, sampler, args.min_seconds)
-        if plain_hidden is None:
-            plain_hidden = hidden_BxSxD.astype(jnp.float32)
-        else:  # the same weights on the same tokens: plain's states up to rounding
-            r["hidden_rel_diff_vs_plain"] = float(jnp.max(jnp.abs(hidden_BxSxD.astype(jnp.float32) - plain_hidden))
-                                                  / jnp.max(jnp.abs(plain_hidden)))
-        del hidden_BxSxD
-        rows.append({"variant": name, "phase": "prefill", "batch": args.prefill_batch, **r})
-        energy = "" if r["energy_j_per_token"] is None else f", {1e3 * r['energy_j_per_token']:.3f} mJ/token"
-        diff = f"; hidden states {r['hidden_rel_diff_vs_plain']:.1e} from plain" if name != "plain" else ""
-        print(f"[bench] prefill {name}: {r['tokens_per_s']:.0f} tokens/s{energy} (first call {r['first_call_s']:.1f}s); "
-              f"active/layer {r['l0_per_layer'] or '-'}{diff}")
+    def decode_rows(name: str, runner: Runner) -> None:
+        """The decode rows of a variant (and its +xla rows), then its generate rows."""
         for batch, options in itertools.product(batches, [None, xla_options] if xla_options else [None]):
             r = bench_decode(runner, cfg.n_layers, text[:batch, :args.context - args.decode_steps], args.context,
                              args.decode_steps, args.min_seconds, options)
@@ -419,6 +420,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"[bench] generate {name} chunk {chunk}: {r['tokens_per_s']:.1f} tokens/s "
                       f"({r['ms_per_step']:.3f} ms/token over {r['decode_steps']} steps; "
                       f"compile {r['compile_s']:.1f}s)")
+
+    for name, runner in runners.items():
+        if not name.endswith("+t"):  # a +t variant's prefill is its variant's: decode and generate rows only
+            r, hidden_BxSxD = bench_prefill(runner, tokens, sampler, args.min_seconds)
+            if plain_hidden is None:
+                plain_hidden = hidden_BxSxD.astype(jnp.float32)
+            else:  # the same weights on the same tokens: plain's states up to rounding
+                r["hidden_rel_diff_vs_plain"] = float(jnp.max(jnp.abs(hidden_BxSxD.astype(jnp.float32) - plain_hidden))
+                                                      / jnp.max(jnp.abs(plain_hidden)))
+            del hidden_BxSxD
+            rows.append({"variant": name, "phase": "prefill", "batch": args.prefill_batch, **r})
+            energy = "" if r["energy_j_per_token"] is None else f", {1e3 * r['energy_j_per_token']:.3f} mJ/token"
+            diff = f"; hidden states {r['hidden_rel_diff_vs_plain']:.1e} from plain" if name != "plain" else ""
+            print(f"[bench] prefill {name}: {r['tokens_per_s']:.0f} tokens/s{energy} (first call "
+                  f"{r['first_call_s']:.1f}s); active/layer {r['l0_per_layer'] or '-'}{diff}")
+        decode_rows(name, runner)
     for base in ("dense", "plain"):
         same = {(r["phase"], r["batch"]): r for r in rows if r["variant"] == base}
         for r in rows:

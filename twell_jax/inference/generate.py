@@ -148,6 +148,8 @@ class Generator:
             raise ValueError(f"chunk (decode steps per program call) must be an int >= 1, got {chunk!r}")
         self.chunk = chunk
         self.graphdef, self.state = nnx.split(loaded.model)
+        # model.decode_transposed: the decode kernels' output-major weight copies, made once here.
+        self.prepared = loaded.model.prepare_decode()
         self.traces = {"prefill": 0, "decode": 0}  # programs traced (= compiled) so far
         self._executables: dict[tuple, object] = {}
         model_cfg_ = model_cfg
@@ -161,9 +163,9 @@ class Generator:
             logits_BxV, cache, _ = model.decode(tokens_BxP, cache, jnp.int32(0), start_B)
             return sample_tokens(logits_BxV, jax.random.fold_in(key, 0), temperature, top_k, top_p), cache
 
-        def decode_chunk(state: nnx.State, cache: object, token_B: jax.Array, first_index: jax.Array,
-                         n_steps: jax.Array, done_B: jax.Array, eos_E: jax.Array, start_B: jax.Array,
-                         key: jax.Array, temperature: jax.Array, top_k: jax.Array,
+        def decode_chunk(state: nnx.State, prepared: object, cache: object, token_B: jax.Array,
+                         first_index: jax.Array, n_steps: jax.Array, done_B: jax.Array, eos_E: jax.Array,
+                         start_B: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
                          top_p: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, object]:
             """Up to n_steps (<= chunk) decode steps, the first writing cache slot first_index; stops
             after the step in which every row is done (done_B on entry, or an id of eos_E made).
@@ -179,7 +181,7 @@ class Generator:
             def step(carry: tuple) -> tuple:
                 i, token_B, cache, done_B, tokens_BxC = carry
                 index = first_index + i
-                logits_BxV, cache, _ = model.decode(token_B[:, None], cache, index, start_B)
+                logits_BxV, cache, _ = model.decode(token_B[:, None], cache, index, start_B, prepared=prepared)
                 token_B = sample_tokens(logits_BxV, jax.random.fold_in(key, index), temperature, top_k, top_p)
                 tokens_BxC = jax.lax.dynamic_update_slice(tokens_BxC, token_B[:, None], (jnp.int32(0), i))
                 done_B = done_B | jnp.any(token_B[:, None] == eos_E[None, :], axis=1)
@@ -192,7 +194,7 @@ class Generator:
 
         self._prefill = jax.jit(prefill)
         # The cache is updated in place on accelerators (CPU cannot donate buffers and would warn).
-        donate = (1,) if jax.default_backend() != "cpu" else ()
+        donate = (2,) if jax.default_backend() != "cpu" else ()
         self._decode_chunk = jax.jit(decode_chunk, donate_argnums=donate)
 
     def _run(self, name: str, fn, *args) -> tuple[object, float]:
@@ -310,8 +312,8 @@ class Generator:
             n_steps = min(self.chunk, max_new_tokens - 1 - steps)
             done_B = np.array(done + [True] * (rows - n_rows))  # padding rows never hold a chunk open
             (tokens_BxC, n_run, token_B, cache), seconds = self._run(
-                "decode", self._decode_chunk, self.state, cache, token_B, jnp.int32(bucket + steps), jnp.int32(n_steps),
-                jnp.asarray(done_B), eos_E, start, key, *settings)
+                "decode", self._decode_chunk, self.state, self.prepared, cache, token_B, jnp.int32(bucket + steps),
+                jnp.int32(n_steps), jnp.asarray(done_B), eos_E, start, key, *settings)
             decode_compile_s += seconds
             host_BxC, n_run = np.asarray(tokens_BxC), int(n_run)
             for i in range(n_run):
