@@ -8,6 +8,7 @@ with --json. Progress and notes go to stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any, TextIO
@@ -70,6 +71,10 @@ def run_generate(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict[str
     if loaded.tokenizer is None:
         raise ValueError(f"{source} has no tokenizer (no tokenizer.json and none rebuildable from its data config): "
                          "text prompts cannot be encoded")
+    if args.decode_transposed:
+        loaded.config = dataclasses.replace(loaded.config, model=dataclasses.replace(loaded.config.model,
+                                                                                  decode_transposed=True))
+        loaded.model.decode_transposed = True
     generator = loaded._generator = Generator(loaded, chunk=args.decode_chunk)
     # Encode and fit every prompt before anything is printed: a bad prompt stops here.
     try:
