@@ -22,16 +22,21 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from twell_jax.pallas_kernels.decode_matvec import MatvecBlockSizes, decode_matvec  # noqa: E402
+from twell_jax.pallas_kernels.decode_matvec import ROLES, MatvecBlockSizes, decode_matvec  # noqa: E402
 
 # (name, N, K, layout, gated, parts): the products of a decode step, as the model calls them
 # (`Transformer._decode_step_kernels`; its roles are `decode_matvec.ROLES`): q/k/v as three parts of
 # one launch ("qkv"; "qkv_one" is the same bytes as one [K, 3N] weight), the output projection, the
-# gated gate/up, W_down, the LM head; "down_nk" is W_down transposed, for comparison.
+# gated gate/up, W_down, the LM head, the sparse layers' gate; "down_nk" is W_down transposed, as
+# model.decode_transposed reads it (and q/k/v and out then read as "nk": shapes "qkv_nk", "out_nk").
 SHAPES = (("qkv", 2048, 2048, "kn", False, 3), ("qkv_one", 6144, 2048, "kn", False, 1),
           ("out", 2048, 2048, "kn", False, 1), ("gate_up", 5632, 2048, "nk", True, 1),
           ("down", 2048, 5632, "kn", False, 1), ("down_nk", 2048, 5632, "nk", False, 1),
-          ("head", 49152, 2048, "nk", False, 1))
+          ("head", 49152, 2048, "nk", False, 1), ("gate", 5632, 2048, "nk", False, 1),
+          ("qkv_nk", 2048, 2048, "nk", False, 3), ("out_nk", 2048, 2048, "nk", False, 1))
+# The shape that measures each of decode_matvec.ROLES.
+ROLE_SHAPES = {"qkv": "qkv", "out": "out", "gate_up": "gate_up", "down": "down", "head": "head", "gate": "gate",
+               "qkv_nk": "qkv_nk", "out_nk": "out_nk", "down_nk": "down_nk"}
 # (block_n, block_k) per layout. A "kn" tile [bk, bn] reads bk rows of bn contiguous elements: wide
 # and short tiles (rows of 64-512 B), with split_k for programs when N / block_n is small. An "nk"
 # tile [bn, bk] reads bn rows of bk contiguous elements: narrow and long ones.
@@ -79,11 +84,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if unknown:
         parser.error(f"--shapes: unknown {unknown}; expected some of {[shape[0] for shape in SHAPES]}")
     shapes, sweeps, interpret = [shape for shape in SHAPES if shape[0] in wanted], SWEEPS, False
+    role_shapes = ROLE_SHAPES
     if args.dry_run:
         shapes = (("tiny", 40, 48, "kn", False, 1), ("tiny_gated", 40, 48, "nk", True, 1),
                   ("tiny_parts", 32, 48, "kn", False, 3))
         tiny = [MatvecBlockSizes(block_n=16, block_k=16, num_stages=1, split_k=sk) for sk in (1, 2)]
         sweeps = {"nk": tiny, "kn": tiny}
+        role_shapes = {"out": "tiny", "gate_up": "tiny_gated", "qkv": "tiny_parts"}
         interpret, args.min_seconds, args.iters = True, 0.0, 2
     rows = []
     key = jax.random.key(0)
@@ -139,6 +146,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 b = min(cand, key=lambda r: r["us"])
                 print(f"| {m} | {name} | {b['block_n']}/{b['block_k']}/w{b['num_warps']}/s{b['num_stages']}/k{b['split_k']} | "
                       f"{b['us']:.1f} | {b['gb_s']:.0f} | {b['peak_share']:.0%} | {b['xla_us']:.1f} | {b['vs_xla']:.2f}x |")
+        print(f"\n# decode_matvec.ROLE_BLOCK_SIZES: each role's fastest blocks at m {m}")
+        for role, name in role_shapes.items():
+            cand = [r for r in rows if r.get("shape") == name and r["m"] == m and "us" in r]
+            if cand:
+                b = min(cand, key=lambda r: r["us"])
+                print(f'    "{role}": MatvecBlockSizes(block_n={b["block_n"]}, block_k={b["block_k"]}, '
+                      f'num_warps={b["num_warps"]}, num_stages={b["num_stages"]}, split_k={b["split_k"]}),')
     return rows
 
 

@@ -79,9 +79,11 @@ class MatvecBlockSizes:
 DEFAULT_BLOCK_SIZES = MatvecBlockSizes(block_n=32, block_k=256, num_warps=8, num_stages=3)
 # The products of a model's decode step (`Transformer._decode_step_kernels`) by role, each with its
 # block sizes: q/k/v (three parts, one launch), the attention output projection, the gated
-# gate/up, W_down, the LM head, the sparse layers' gate. All DEFAULT_BLOCK_SIZES until the per-role
-# sweep (`experiments/bench_decode_matvec.py`, whose shapes are these roles) is run on the GPU.
-ROLES = ("qkv", "out", "gate_up", "down", "head", "gate")
+# gate/up, W_down, the LM head, the sparse layers' gate; and "qkv_nk", "out_nk", "down_nk": the
+# first three read from model.decode_transposed's output-major copies (another layout, other best
+# tiles). All DEFAULT_BLOCK_SIZES until the per-role sweep (`experiments/bench_decode_matvec.py`,
+# whose shapes are these roles; it prints the table's entries) is run on the GPU.
+ROLES = ("qkv", "out", "gate_up", "down", "head", "gate", "qkv_nk", "out_nk", "down_nk")
 ROLE_BLOCK_SIZES: dict[str, MatvecBlockSizes] = {role: DEFAULT_BLOCK_SIZES for role in ROLES}
 
 

@@ -129,7 +129,7 @@ def test_the_decode_floor_counts_every_weight_once_and_the_sparse_rows_union():
     assert sparse == 2 * (100 * 8 + 2 * 4 * 8 * 8 + ffn + kv)
 
 
-def test_the_matvec_sweep_runs_on_the_cpu(tmp_path):
+def test_the_matvec_sweep_runs_on_the_cpu(tmp_path, capsys):
     import importlib.util
     from pathlib import Path
 
@@ -138,9 +138,15 @@ def test_the_matvec_sweep_runs_on_the_cpu(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     rows = module.main(["--dry-run", "--rows", "1", "--out", str(tmp_path / "m.json")])
+    # Each role's fastest blocks, printed as decode_matvec.ROLE_BLOCK_SIZES entries.
+    printed = capsys.readouterr().out
+    assert '"qkv": MatvecBlockSizes(block_n=16, block_k=16, num_warps=4, num_stages=1, split_k=' in printed
+    assert set(module.ROLE_SHAPES) == set(module.ROLES) and set(module.ROLE_SHAPES.values()) <= {
+        shape[0] for shape in module.SHAPES}
     assert {r["split_k"] for r in rows if "us" in r} == {1, 2}
     assert all("error" not in r for r in rows) and json.loads((tmp_path / "m.json").read_text())["rows"]
     with pytest.raises(SystemExit):  # argparse's error: the unknown shape is named on stderr
         module.main(["--dry-run", "--shapes", "qkv,nope"])
     # Each layout sweeps its own tiles: kn wide and short (rows of >= 64 B), nk narrow and long.
-    assert all(s.block_n * 2 >= 64 for s in module.SWEEPS["kn"]) and {1, 4, 8} == {s.split_k for s in module.SWEEPS["kn"]}
+    kn = module.SWEEPS["kn"]
+    assert all(s.block_n * 2 >= 64 for s in kn) and {1, 4, 8} == {s.split_k for s in kn}

@@ -645,11 +645,11 @@ class Transformer(nnx.Module):
         w_up, w_down = ffn.w_up[...].astype(dt), ffn.w_down[...].astype(dt)  # [L, H, D]
         # The layouts the products read: the stored stacks are input-major ("kn"); prepared copies
         # are output-major ("nk"). The sparse FFN always reads the stored W_down (rows per neuron).
-        proj_layout, w_qkv_mv, w_out_mv, w_down_mv = "kn", w_qkv, w_out, w_down
+        proj_layout, w_qkv_mv, w_out_mv, w_down_mv, nk = "kn", w_qkv, w_out, w_down, ""
         if prepared is not None:
             if set(prepared) != {"w_q", "w_k", "w_v", "w_out", "w_down"}:
                 raise ValueError(f"prepared must be Transformer.prepare_decode()'s dict, got keys {sorted(prepared)}")
-            proj_layout = "nk"
+            proj_layout, nk = "nk", "_nk"  # the roles of these products in that layout
             w_qkv_mv = tuple(prepared[k].astype(dt) for k in ("w_q", "w_k", "w_v"))
             w_out_mv, w_down_mv = prepared["w_out"].astype(dt), prepared["w_down"].astype(dt)
         n1_LxD, n2_LxD = (n.scale[...].astype(jnp.float32) for n in (blocks.attn_norm, blocks.ffn_norm))
@@ -673,15 +673,16 @@ class Transformer(nnx.Module):
                 h = mv(x, w_up, role="gate_up", layer=li, norm_scale=norm, gate=w_gate, activation=act, enable=enable)
             else:
                 h = mv(x, w_up, role="gate_up", layer=li, norm_scale=norm, activation="relu", enable=enable)
-            return mv(h, w_down_mv, role="down", layer=li, layout=proj_layout, residual=residual, enable=enable), h
+            return mv(h, w_down_mv, role="down" + nk, layer=li, layout=proj_layout, residual=residual,
+                      enable=enable), h
 
         def layer_step(carry: Any, layer: jax.Array, sparse: bool, op_config: Any) -> tuple[Any, Aux]:
             x, k_all, v_all = carry
             li = layer[None]
-            if d % role_block_sizes("qkv").block_n == 0:  # one launch for the three parts
-                qkv = mv(x, w_qkv_mv, role="qkv", layer=li, layout=proj_layout, norm_scale=n1_LxD)
+            if d % role_block_sizes("qkv" + nk).block_n == 0:  # one launch for the three parts
+                qkv = mv(x, w_qkv_mv, role="qkv" + nk, layer=li, layout=proj_layout, norm_scale=n1_LxD)
             else:
-                qkv = jnp.concatenate([mv(x, w, role="qkv", layer=li, layout=proj_layout, norm_scale=n1_LxD)
+                qkv = jnp.concatenate([mv(x, w, role="qkv" + nk, layer=li, layout=proj_layout, norm_scale=n1_LxD)
                                        for w in w_qkv_mv], axis=1)
             qkv = qkv.reshape(b, 1, 3, n_heads, head_dim)
             q = rope(qkv[:, :, 0], theta, positions_Bx1)
@@ -697,7 +698,7 @@ class Transformer(nnx.Module):
                     q, jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False).astype(dt),
                     jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False).astype(dt),
                     mask=decode_mask(index_1, start_B, k_all.shape[2])[:, None], implementation="xla")[:, 0]
-            x = mv(o.astype(dt).reshape(b, d), w_out_mv, role="out", layer=li, layout=proj_layout, residual=x)
+            x = mv(o.astype(dt).reshape(b, d), w_out_mv, role="out" + nk, layer=li, layout=proj_layout, residual=x)
             if not sparse:
                 x, h = dense_ffn(x, li, n2_LxD, x)
                 return (x, k_all, v_all), {"l0": jnp.sum(h != 0, dtype=jnp.float32) / b}
