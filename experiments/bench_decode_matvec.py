@@ -28,12 +28,13 @@ from twell_jax.pallas_kernels.decode_matvec import ROLES, MatvecBlockSizes, deco
 # (`Transformer._decode_step_kernels`; its roles are `decode_matvec.ROLES`): q/k/v as three parts of
 # one launch ("qkv"; "qkv_one" is the same bytes as one [K, 3N] weight), the output projection, the
 # gated gate/up, W_down, the LM head, the sparse layers' gate; "down_nk" is W_down transposed, as
-# model.decode_transposed reads it (and q/k/v and out then read as "nk": shapes "qkv_nk", "out_nk").
+# model.decode_transposed reads it (and out, and q/k/v as one [3N, K] weight, then read as "nk":
+# shapes "out_nk", "qkv_nk").
 SHAPES = (("qkv", 2048, 2048, "kn", False, 3), ("qkv_one", 6144, 2048, "kn", False, 1),
           ("out", 2048, 2048, "kn", False, 1), ("gate_up", 5632, 2048, "nk", True, 1),
           ("down", 2048, 5632, "kn", False, 1), ("down_nk", 2048, 5632, "nk", False, 1),
           ("head", 49152, 2048, "nk", False, 1), ("gate", 5632, 2048, "nk", False, 1),
-          ("qkv_nk", 2048, 2048, "nk", False, 3), ("out_nk", 2048, 2048, "nk", False, 1))
+          ("qkv_nk", 6144, 2048, "nk", False, 1), ("out_nk", 2048, 2048, "nk", False, 1))
 # The shape that measures each of decode_matvec.ROLES.
 ROLE_SHAPES = {"qkv": "qkv", "out": "out", "gate_up": "gate_up", "down": "down", "head": "head", "gate": "gate",
                "qkv_nk": "qkv_nk", "out_nk": "out_nk", "down_nk": "down_nk"}

@@ -115,13 +115,14 @@ def test_a_head_dim_that_is_not_a_power_of_two_attends_through_xla():
 @pytest.mark.parametrize("kind", ["sparse", "dense_twin"])
 def test_transposed_weight_copies_give_the_same_steps(kind, monkeypatch):
     """model.decode_transposed: the step reads q/k/v, out and the dense W_down from
-    `prepare_decode`'s output-major copies (layout "nk"): the XLA path's logits, padded rows
-    included; without the option, or off the kernel path, there are no copies."""
+    `prepare_decode`'s output-major copies (layout "nk"; q/k/v as one weight): the XLA path's
+    logits, padded rows included; without the option, or off the kernel path, there are no copies."""
     cfg = dataclasses.replace(BASE, decode_transposed=True, **KINDS[kind])
     model = init_model(cfg, seed=4)
     prepared = model.prepare_decode()
     attn = model.blocks.attn
-    np.testing.assert_array_equal(prepared["w_q"], jnp.swapaxes(attn.w_q[...], 1, 2))
+    np.testing.assert_array_equal(prepared["w_qkv"], jnp.concatenate(
+        [jnp.swapaxes(w[...], 1, 2) for w in (attn.w_q, attn.w_k, attn.w_v)], axis=1))
     np.testing.assert_array_equal(prepared["w_down"], jnp.swapaxes(model.blocks.ffn.w_down[...], 1, 2))
     tokens = jax.random.randint(jax.random.key(5), (3, 9), 0, cfg.vocab_size)
     start = jnp.asarray([0, 1, 3], jnp.int32)
@@ -147,6 +148,6 @@ def test_transposed_weight_copies_give_the_same_steps(kind, monkeypatch):
     assert init_model(dataclasses.replace(cfg, decode_transposed=False), 0).prepare_decode() is None
     assert init_model(dataclasses.replace(cfg, decode_kernels="xla"), 0).prepare_decode() is None
     with pytest.raises(ValueError, match="prepare_decode"):
-        model.decode(tokens[:, 5:6], cache, jnp.int32(5), start, prepared={"w_q": prepared["w_q"]})
+        model.decode(tokens[:, 5:6], cache, jnp.int32(5), start, prepared={"w_qkv": prepared["w_qkv"]})
     with pytest.raises(ValueError, match="decode_transposed must be true or false"):
         ModelConfig(decode_transposed="yes")

@@ -592,17 +592,20 @@ class Transformer(nnx.Module):
 
     def prepare_decode(self) -> dict[str, jax.Array] | None:
         """Output-major copies ([L, N, K], compute dtype) of the weights that a one-token decode step
-        reads input-major (w_q, w_k, w_v, w_out: [L, D, D]; w_down: [L, H, D] as [L, D, H]), for
-        `decode(..., prepared=)`, when model.decode_transposed and the decode kernels run; else
-        None. Made once per set of weights (a Generator makes them at its start): the copies cost
-        those weights' memory a second time."""
+        reads input-major, for `decode(..., prepared=)`, when model.decode_transposed and the
+        decode kernels run; else None: "w_qkv" [L, 3D, D] (q, k, v side by side: one weight, so one
+        launch without the three-part masking), "w_out" [L, D, D], "w_down" [L, D, H]. Made once
+        per set of weights (a Generator makes them at its start): the copies cost those weights'
+        memory a second time."""
         if not (self.decode_transposed and self._decode_with_kernels()):
             return None
         dt = _dtype(self.compute_dtype)
         attn = self.blocks.attn
-        names = {"w_q": attn.w_q, "w_k": attn.w_k, "w_v": attn.w_v, "w_out": attn.w_out,
-                 "w_down": self.blocks.ffn.w_down}
-        return {name: jnp.swapaxes(w[...].astype(dt), 1, 2) for name, w in names.items()}
+        def t(w: nnx.Param) -> jax.Array:
+            return jnp.swapaxes(w[...].astype(dt), 1, 2)
+
+        return {"w_qkv": jnp.concatenate([t(attn.w_q), t(attn.w_k), t(attn.w_v)], axis=1), "w_out": t(attn.w_out),
+                "w_down": t(self.blocks.ffn.w_down)}
 
     def decode_layer_sparse(self, batch: int, dtype: Any) -> tuple[bool, ...]:
         """Per layer, whether a one-token decode step of `batch` rows runs the sparse FFN's decode
@@ -647,10 +650,10 @@ class Transformer(nnx.Module):
         # are output-major ("nk"). The sparse FFN always reads the stored W_down (rows per neuron).
         proj_layout, w_qkv_mv, w_out_mv, w_down_mv, nk = "kn", w_qkv, w_out, w_down, ""
         if prepared is not None:
-            if set(prepared) != {"w_q", "w_k", "w_v", "w_out", "w_down"}:
+            if set(prepared) != {"w_qkv", "w_out", "w_down"}:
                 raise ValueError(f"prepared must be Transformer.prepare_decode()'s dict, got keys {sorted(prepared)}")
             proj_layout, nk = "nk", "_nk"  # the roles of these products in that layout
-            w_qkv_mv = tuple(prepared[k].astype(dt) for k in ("w_q", "w_k", "w_v"))
+            w_qkv_mv = prepared["w_qkv"].astype(dt)  # one [L, 3D, D] weight: q, k, v in one part
             w_out_mv, w_down_mv = prepared["w_out"].astype(dt), prepared["w_down"].astype(dt)
         n1_LxD, n2_LxD = (n.scale[...].astype(jnp.float32) for n in (blocks.attn_norm, blocks.ffn_norm))
         act = "silu" if self.is_swiglu else "relu"
@@ -679,7 +682,7 @@ class Transformer(nnx.Module):
         def layer_step(carry: Any, layer: jax.Array, sparse: bool, op_config: Any) -> tuple[Any, Aux]:
             x, k_all, v_all = carry
             li = layer[None]
-            if d % role_block_sizes("qkv" + nk).block_n == 0:  # one launch for the three parts
+            if prepared is not None or d % role_block_sizes("qkv").block_n == 0:  # one launch for q, k, v
                 qkv = mv(x, w_qkv_mv, role="qkv" + nk, layer=li, layout=proj_layout, norm_scale=n1_LxD)
             else:
                 qkv = jnp.concatenate([mv(x, w, role="qkv" + nk, layer=li, layout=proj_layout, norm_scale=n1_LxD)
