@@ -108,6 +108,11 @@ def test_bench_inference_decode_rows_give_the_floor_share_and_the_xla_row(sparse
         assert r["speed_vs_plain"] > 0 and r["speed_vs_dense"] > 0
     with pytest.raises(SystemExit, match="--xla-option 'gpu_graphs'"):
         bench_inference.main(["--dry-run", "--checkpoint", str(out), "--xla-option", "gpu_graphs"])
+    with pytest.raises(SystemExit, match="--generate-chunks '0,x'"):
+        bench_inference.main(["--dry-run", "--checkpoint", str(out), "--generate-chunks", "0,x"])
+    one = bench_inference.main(["--dry-run", "--checkpoint", str(out), "--backends", "", "--decode-batches", "1",
+                                "--generate-chunks", "4"])
+    assert {r["phase"] for r in one["rows"]} == {"prefill", "decode", "generate, chunk 4"}
     for r in decode:
         assert r["floor_bytes"] > 0 and r["floor_share"] > 0
         assert r["prefill_first_call_s"] > 0 and r["steps_first_call_s"] > 0

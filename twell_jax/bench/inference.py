@@ -337,8 +337,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--xla-decode-row", action="store_true",
                         help="add 'dense-xla': the dense twin with model.decode_kernels=xla (the generic path)")
     parser.add_argument("--generate-tokens", type=int, default=256,
-                        help="tokens per `twell generate`-style call at batch 1 (host round trips included), "
-                             f"chunks of 1 and {DEFAULT_DECODE_CHUNK} decode steps per device call; 0 = skip")
+                        help="tokens per `twell generate`-style call at batch 1 (host round trips included); "
+                             "0 = no generate rows")
+    parser.add_argument("--generate-chunks", default=f"1,{DEFAULT_DECODE_CHUNK}",
+                        help="the generate rows' decode steps per device call (comma-separated)")
     parser.add_argument("--transposed-decode-rows", action="store_true",
                         help="add VARIANT+t for the dense and sparse variants: decode and generate with "
                              "model.decode_transposed (output-major copies of q/k/v, out and W_down)")
@@ -357,6 +359,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.decode_batches, args.generate_tokens = "1,2", min(args.generate_tokens, 8)
     backends = [b for b in args.backends.split(",") if b]
     xla_options = parse_xla_options(args.xla_option)
+    try:
+        chunks = sorted({int(c) for c in args.generate_chunks.split(",") if c})
+    except ValueError:
+        chunks = [0]
+    if not chunks or min(chunks) < 1:
+        raise SystemExit(f"--generate-chunks {args.generate_chunks!r}: expected integers >= 1, comma-separated")
     batches = [int(b) for b in args.decode_batches.split(",") if b]
     cfg, params, source_text = load_params(args)
     if args.context > cfg.max_seq_len or args.decode_steps >= args.context:
@@ -413,7 +421,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"{floor / 1e9:.3f} GB; first calls: cache prefill {r['prefill_first_call_s']:.1f}s, "
                   f"decode loop {r['steps_first_call_s']:.1f}s); active/layer {r['l0_per_layer'] or '-'}")
         if args.generate_tokens and name in models:  # plain JAX has no generator: ratios vs dense only
-            for chunk in sorted({1, DEFAULT_DECODE_CHUNK}):
+            for chunk in chunks:
                 r = bench_generate(models[name], configs[name], text[0, :prompt_len].tolist(),
                                    args.generate_tokens, chunk)
                 rows.append({"variant": name, "phase": f"generate, chunk {chunk}", "batch": 1, **r})
