@@ -163,13 +163,14 @@ def test_eos_stops_each_row_on_its_own(loaded):
     assert stopped.finish_reasons[0] == "eos" and len(stopped.tokens[0]) <= 3
 
 
-def test_stream_gets_every_token_in_order_as_generated(loaded):
+@pytest.mark.parametrize("chunk", [2, 16])
+def test_stream_gets_every_token_in_order_as_generated(loaded, chunk):
     seen: list[tuple[int, int, str]] = []
-    result = generate(loaded, [[4, 5, 6], [9]], max_new_tokens=5, eos=(),
+    result = generate(Generator(loaded, chunk=chunk), [[4, 5, 6], [9]], max_new_tokens=5, eos=(),
                       stream=lambda row, token, text: seen.append((row, token, text)))
     for row in range(2):
         assert [t for r, t, _ in seen if r == row] == result.tokens[row]
-    assert [r for r, _, _ in seen] == [0, 1] * 5  # one step at a time, rows interleaved
+    assert [r for r, _, _ in seen] == [0, 1] * 5  # one step at a time, rows interleaved, across chunks
     assert all(text == "" for _, _, text in seen)  # no tokenizer: nothing printable
 
 
