@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--out {args.out} is a directory; give a file")
     try:
         ref = layer_profile(args.reference)
-        rows = [{**layer_profile(run), **profile_distance(ref, layer_profile(run), args.points)} for run in args.runs]
+        profiles = [layer_profile(run) for run in args.runs]
+        rows = [{**profile, **profile_distance(ref, profile, args.points)} for profile in profiles]
     except ValueError as err:
         parser.error(str(err))
     result = {"reference": ref, "runs": rows}

@@ -1,14 +1,18 @@
 """Test session set-up: simulate 8 CPU devices so the data-parallel tests can build 1-, 2- and
 8-device meshes in the same process, and compile fast (XLA flags below). The flags must be set
 before jax is first imported."""
+import gc
 import os
+
+import pytest
 
 # One XLA compilation cache per xdist worker, shared with its subprocesses (the experiments' dry
 # runs): many tests compile the same tiny programs (the interpreted kernels, the micro model). Not
-# one for both workers: a worker reading an entry the other was writing crashed XLA:CPU's
-# deserialisation (a segfault in compilation_cache.get_executable_and_time, 2026-11-24). A worker
-# inherits the controller's environment, so it sets its own directory once (its subprocesses then
-# inherit that one).
+# one for both workers: a worker crashed in XLA:CPU's deserialisation of a cache entry
+# (compilation_cache.get_executable_and_time, 2026-11-24), which was taken for a read of an entry
+# the other worker was writing; it may as well have been the memory maps running out (below). A
+# worker inherits the controller's environment, so it sets its own directory once (its
+# subprocesses then inherit that one).
 _CACHE = os.path.join(__import__("tempfile").gettempdir(), "twell-jax-tests-xla-cache")
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _WORKER and os.environ.get("TWELL_TESTS_CACHE_WORKER") != _WORKER:
@@ -24,14 +28,20 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 # (an interpreted backward: 8.0 -> 3.4 s) without changing what is computed.
 _FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
           "--xla_llvm_disable_expensive_passes=true", "--xla_cpu_use_fusion_emitters=false")
-def pytest_report_header(config):
-    return f"XLA compilation cache: {os.environ['JAX_COMPILATION_CACHE_DIR']}"
-
-
 if "jax" not in __import__("sys").modules:
     _present = os.environ.get("XLA_FLAGS", "")
     _missing = [f for f in _FLAGS if f.split("=")[0] not in _present]
     os.environ["XLA_FLAGS"] = " ".join([_present, *_missing]).strip()
+
+# A worker that dies (as one did when its memory maps ran out: the fixtures below) takes no test
+# down with it: its test runs once more on the replacement worker and must pass there; a second
+# crash fails it. Every crash is listed at the end. `--dist worksteal` because `loadfile`
+# deadlocks after a crash (pytest-xdist 3.8, issue #1378): a CI run then waits until it is killed.
+from _crash_rerun import pytest_handlecrashitem, pytest_terminal_summary  # noqa: E402,F401
+
+
+def pytest_report_header(config):
+    return f"XLA compilation cache: {os.environ['JAX_COMPILATION_CACHE_DIR']}"
 
 
 # The files that take longest on the 2-core CI machine (pytest --durations, 2026-11-22), run
@@ -51,13 +61,6 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order inside a file kept
 
 
-# A worker that dies (as one did when its memory maps ran out: the fixture below) takes no test down
-# with it: its test runs once more on the replacement worker and must pass there; a second crash
-# fails it. Every crash is listed at the end. `--dist worksteal` because `loadfile` deadlocks after
-# a crash (pytest-xdist 3.8, issue #1378): a CI run then waits until it is killed.
-from _crash_rerun import pytest_handlecrashitem, pytest_terminal_summary  # noqa: E402,F401
-
-
 # Every compiled XLA:CPU program holds memory maps (its code and data sections) while JAX's caches
 # keep it alive. One worker runs hundreds of test files' programs: it passed vm.max_map_count
 # (65530) three quarters of the way through the suite, and the next compilation crashed the
@@ -68,9 +71,7 @@ MAX_MAPS = 30_000
 
 
 def _drop_compiled_programs():
-    import gc
-
-    import jax
+    import jax  # (after the XLA flags above are set)
 
     jax.clear_caches()
     gc.collect()
@@ -84,13 +85,13 @@ def _maps() -> int:
         return 0
 
 
-@__import__("pytest").fixture(autouse=True, scope="module")
+@pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs_after_each_file():
     yield
     _drop_compiled_programs()
 
 
-@__import__("pytest").fixture(autouse=True)
+@pytest.fixture(autouse=True)
 def _drop_compiled_programs_when_the_maps_run_high():
     yield
     if _maps() > MAX_MAPS:

@@ -134,10 +134,13 @@ def test_transposed_weight_copies_give_the_same_steps(kind, monkeypatch):
     original = decode_matvec.decode_matvec
     monkeypatch.setattr(decode_matvec, "decode_matvec",
                         lambda *a, **k: layouts.append(k.get("layout", "nk")) or original(*a, **k))
-    for p in (None, prepared):  # every product reads an output-major weight with the copies
+    stored = init_model(dataclasses.replace(cfg, decode_transposed=False), seed=4)
+    for m, p in ((stored, None), (model, prepared)):  # every product reads an output-major weight with the copies
         layouts.clear()
-        jax.make_jaxpr(lambda c: model.decode(tokens[:, 5:6], c, jnp.int32(5), start, prepared=p))(cache)
+        jax.make_jaxpr(lambda c: m.decode(tokens[:, 5:6], c, jnp.int32(5), start, prepared=p))(cache)
         assert ("kn" in layouts) == (p is None), layouts
+    with pytest.raises(ValueError, match="pass the copies of prepare_decode"):  # never silently the stored ones
+        model.decode(tokens[:, 5:6], cache, jnp.int32(5), start)
     step = jax.jit(lambda c, t, i, p: model.decode(t, c, i, start, prepared=p)[:2])
     got = []
     for t in range(5, 9):
@@ -145,7 +148,7 @@ def test_transposed_weight_copies_give_the_same_steps(kind, monkeypatch):
         got.append(logits)
     want, _, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=5)
     np.testing.assert_allclose(jnp.stack(got, 1), want, rtol=1e-4, atol=1e-5)
-    assert init_model(dataclasses.replace(cfg, decode_transposed=False), 0).prepare_decode() is None
+    assert stored.prepare_decode() is None
     assert init_model(dataclasses.replace(cfg, decode_kernels="xla"), 0).prepare_decode() is None
     with pytest.raises(ValueError, match="prepare_decode"):
         model.decode(tokens[:, 5:6], cache, jnp.int32(5), start, prepared={"w_qkv": prepared["w_qkv"]})

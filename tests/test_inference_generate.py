@@ -122,6 +122,10 @@ def test_chunked_decode_equals_step_at_a_time_and_compiles_before_the_clock(chun
         assert got.tokens == want.tokens and got.finish_reasons == want.finish_reasons
         assert got.decode_steps == want.decode_steps
     first = generator.generate(prompts, 5, SamplingConfig(), eos=())
+    # A call may name its own chunk: the reference Generator then compiles that size's program.
+    assert reference.generate(prompts, 5, SamplingConfig(), eos=(), chunk=chunk).tokens == first.tokens
+    with pytest.raises(ValueError, match="chunk .* must be an int >= 1"):
+        reference.generate(prompts, 5, SamplingConfig(), eos=(), chunk=0)
     again = generator.generate(prompts, 5, SamplingConfig(), eos=())
     assert first.compile_s == 0.0 and again.compile_s == 0.0  # compiled by the calls above
     assert generator.traces == {"prefill": 1, "decode": 1}
@@ -140,7 +144,8 @@ def test_a_chunk_ends_on_the_device_once_every_row_made_an_eos():
     settings = (jnp.int32(8), jnp.int32(8))  # the first slot after the prompt bucket, up to 8 steps
     for eos, steps in ((greedy[2], 2), (-1, 8)):  # the 2nd decode step makes greedy[2]; -1 is never made
         (tokens_BxC, n_run, last_B, _), _ = generator._run(
-            "decode", generator._decode_chunk, generator.state, generator.prepared, cache, token_B, *settings, jnp.asarray([False]),
+            "decode", generator._decode_chunk, generator.state, generator.prepared, cache, token_B,
+            jnp.full((1, 8), -1, jnp.int32), *settings, jnp.asarray([False]),
             jnp.asarray([eos], jnp.int32), jnp.asarray([7]), jax.random.key(0), jnp.float32(0), jnp.int32(0),
             jnp.float32(1))
         assert int(n_run) == steps and list(np.asarray(tokens_BxC[0, :2])) == greedy[1:3]

@@ -190,8 +190,9 @@ class ModelConfig:
     decode_kernels: Literal["auto", "pallas", "xla"] = "auto"
     # With the decode kernels: read q/k/v, the attention output projection and W_down from
     # output-major copies ([L, N, K], made once per generator by `Transformer.prepare_decode`)
-    # instead of the stored input-major stacks ([L, K, N]): more memory (those weights twice), the
-    # matrix-vector products' faster layout (docs/model.md, "Decoding one token per step").
+    # instead of the stored input-major stacks ([L, K, N]): those weights held twice, for the layout
+    # whose products ran faster in a step's kernel trace; the whole step's gain is not measured yet
+    # (docs/model.md, "Decoding one token per step"). Callers of `decode` pass the copies.
     decode_transposed: bool = False
 
     def __post_init__(self) -> None:

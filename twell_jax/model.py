@@ -601,6 +601,7 @@ class Transformer(nnx.Module):
             return None
         dt = _dtype(self.compute_dtype)
         attn = self.blocks.attn
+
         def t(w: nnx.Param) -> jax.Array:
             return jnp.swapaxes(w[...].astype(dt), 1, 2)
 
@@ -649,6 +650,10 @@ class Transformer(nnx.Module):
         # The layouts the products read: the stored stacks are input-major ("kn"); prepared copies
         # are output-major ("nk"). The sparse FFN always reads the stored W_down (rows per neuron).
         proj_layout, w_qkv_mv, w_out_mv, w_down_mv, nk = "kn", w_qkv, w_out, w_down, ""
+        if prepared is None and self.decode_transposed:
+            raise ValueError("model.decode_transposed: pass the copies of prepare_decode() to "
+                             "decode(..., prepared=model.prepare_decode()); without them the stored weights would "
+                             "run (model.decode_transposed=false for that)")
         if prepared is not None:
             if set(prepared) != {"w_qkv", "w_out", "w_down"}:
                 raise ValueError(f"prepared must be Transformer.prepare_decode()'s dict, got keys {sorted(prepared)}")

@@ -15,9 +15,10 @@ steps (`Transformer.decode`, LM head included) at batch 1, 8 and 64 after a pref
 `--context` - `--decode-steps` tokens, so the last step attends to `--context` slots. Each variant
 prints its per-layer mean active FFN neurons per token beside its figures. Generate (twell_jax rows
 only, `--generate-tokens`): `Generator.generate` at batch 1, greedy, from a prompt of the same text,
-with 1 and with 16 decode steps per device call: what `twell generate` delivers, host round trips
-included (compilation excluded), beside the device-loop decode rows above. `--xla-option KEY=VALUE`
-adds a second decode row per variant, `VARIANT+xla`, its loop compiled with those XLA options (for
+with each of `--generate-chunks` (default 1 and 16) decode steps per device call: what `twell
+generate` delivers, host round trips included (compilation excluded), beside the device-loop
+decode rows above. `--xla-option KEY=VALUE` adds a second decode row per variant, `VARIANT+xla`,
+its loop compiled with those XLA options (for
 example command buffers over the while loops, which capture the decode steps as CUDA graphs),
 compared with the rows compiled without them. `--transposed-decode-rows` adds `VARIANT+t` decode
 and generate rows of the dense and sparse variants with model.decode_transposed (the decode
@@ -258,21 +259,26 @@ def bench_decode(runner: Runner, n_layers: int, tokens: jax.Array, context: int,
             "l0_per_layer": _l0_list(l0) if runner.telemetry else None}
 
 
-def bench_generate(model: Transformer, cfg: ModelConfig, prompt: list[int], new_tokens: int, chunk: int,
-                   repeats: int = 2) -> dict[str, Any]:
-    """`Generator.generate` end to end at batch 1 (greedy, no EOS: exactly `new_tokens` tokens): what
-    `twell generate` delivers, host round trips included; the best of `repeats` calls after a first
-    one (compilation is reported apart by the Generator, and timed here only as compile_s)."""
-    generator = Generator(LoadedModel(model=model, config=experiment_config_for(cfg), tokenizer=None, step=None),
-                          chunk=chunk)
-    first = generator.generate([prompt], new_tokens, SamplingConfig(), eos=())
-    best = min((generator.generate([prompt], new_tokens, SamplingConfig(), eos=()) for _ in range(repeats)),
-               key=lambda res: res.decode_s / res.decode_steps)
-    if best.tokens != first.tokens:
-        raise AssertionError(f"generation with chunk {chunk} is not deterministic: {first.tokens} vs {best.tokens}")
-    return {"tokens_per_s": best.decode_tokens_per_s(), "ms_per_step": 1e3 * best.decode_s / best.decode_steps,
-            "chunk": chunk, "decode_steps": best.decode_steps, "prefill_s": best.prefill_s,
-            "compile_s": first.compile_s, "tokens": best.tokens[0], "l0_per_layer": None}
+def bench_generate(model: Transformer, cfg: ModelConfig, prompt: list[int], new_tokens: int, chunks: list[int],
+                   repeats: int = 2) -> list[dict[str, Any]]:
+    """`Generator.generate` end to end at batch 1 (greedy, no EOS: exactly `new_tokens` tokens), one
+    row per decode chunk size: what `twell generate` delivers, host round trips included; the
+    best of `repeats` calls after a first one (compilation is reported apart by the Generator, and
+    appears here only as compile_s). One Generator: its prefill program and weight copies serve
+    every chunk size."""
+    generator = Generator(LoadedModel(model=model, config=experiment_config_for(cfg), tokenizer=None, step=None))
+    rows = []
+    for chunk in chunks:
+        first = generator.generate([prompt], new_tokens, SamplingConfig(), eos=(), chunk=chunk)
+        best = min((generator.generate([prompt], new_tokens, SamplingConfig(), eos=(), chunk=chunk)
+                    for _ in range(repeats)), key=lambda res: res.decode_s / res.decode_steps)
+        if best.tokens != first.tokens or (rows and best.tokens[0] != rows[0]["tokens"]):
+            raise AssertionError(f"generation with chunk {chunk} is not deterministic or differs from chunk "
+                                 f"{chunks[0]}'s: {best.tokens[0]}")
+        rows.append({"tokens_per_s": best.decode_tokens_per_s(), "ms_per_step": 1e3 * best.decode_s / best.decode_steps,
+                     "chunk": chunk, "decode_steps": best.decode_steps, "prefill_s": best.prefill_s,
+                     "compile_s": first.compile_s, "tokens": best.tokens[0], "l0_per_layer": None})
+    return rows
 
 
 def parse_xla_options(items: list[str]) -> dict[str, str]:
@@ -359,10 +365,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.decode_batches, args.generate_tokens = "1,2", min(args.generate_tokens, 8)
     backends = [b for b in args.backends.split(",") if b]
     xla_options = parse_xla_options(args.xla_option)
-    try:
-        chunks = sorted({int(c) for c in args.generate_chunks.split(",") if c})
-    except ValueError:
-        chunks = [0]
+    items = [c for c in args.generate_chunks.split(",") if c]
+    chunks = sorted({int(c) for c in items}) if all(c.isdigit() for c in items) else []
     if not chunks or min(chunks) < 1:
         raise SystemExit(f"--generate-chunks {args.generate_chunks!r}: expected integers >= 1, comma-separated")
     batches = [int(b) for b in args.decode_batches.split(",") if b]
@@ -391,9 +395,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     configs = variant_configs(cfg, backends, interpret=args.dry_run, hints=hints)
     if args.xla_decode_row:
         configs["dense-xla"] = dataclasses.replace(configs["dense"], decode_kernels="xla")
-    if args.transposed_decode_rows:  # decode rows only (their prefill is the variant's own)
+    if args.transposed_decode_rows:  # decode and generate rows only (their prefill is their variant's)
         configs.update({f"{name}+t": dataclasses.replace(c, decode_transposed=True) for name, c in list(configs.items())
                         if name == "dense" or name.startswith("twell-")})
+    # In the load dtype, as model_with_params builds them (the generate rows' Generator reads it too).
     configs = {name: dataclasses.replace(c, compute_dtype=args.dtype) for name, c in configs.items()}
     models = {name: model_with_params(c, params, args.dtype) for name, c in configs.items()}
     # plain first: the baseline every other row is compared with.
@@ -421,11 +426,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"{floor / 1e9:.3f} GB; first calls: cache prefill {r['prefill_first_call_s']:.1f}s, "
                   f"decode loop {r['steps_first_call_s']:.1f}s); active/layer {r['l0_per_layer'] or '-'}")
         if args.generate_tokens and name in models:  # plain JAX has no generator: ratios vs dense only
-            for chunk in chunks:
-                r = bench_generate(models[name], configs[name], text[0, :prompt_len].tolist(),
-                                   args.generate_tokens, chunk)
-                rows.append({"variant": name, "phase": f"generate, chunk {chunk}", "batch": 1, **r})
-                print(f"[bench] generate {name} chunk {chunk}: {r['tokens_per_s']:.1f} tokens/s "
+            for r in bench_generate(models[name], configs[name], text[0, :prompt_len].tolist(), args.generate_tokens,
+                                    chunks):
+                rows.append({"variant": name, "phase": f"generate, chunk {r['chunk']}", "batch": 1, **r})
+                print(f"[bench] generate {name} chunk {r['chunk']}: {r['tokens_per_s']:.1f} tokens/s "
                       f"({r['ms_per_step']:.3f} ms/token over {r['decode_steps']} steps; "
                       f"compile {r['compile_s']:.1f}s)")
 

@@ -131,6 +131,12 @@ def _sample(logits_BxV: jax.Array, key: jax.Array, temperature: jax.Array, top_k
     return jax.random.categorical(key, masked_BxV, axis=-1).astype(jnp.int32)
 
 
+def _checked_chunk(chunk: object) -> int:
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk (decode steps per program call) must be an int >= 1, got {chunk!r}")
+    return chunk
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
@@ -144,9 +150,7 @@ class Generator:
         self.cache_len = model_cfg.max_seq_len if cache_len is None else cache_len
         if not 2 <= self.cache_len <= model_cfg.max_seq_len:
             raise ValueError(f"cache_len must be in [2, model.max_seq_len={model_cfg.max_seq_len}], got {cache_len}")
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"chunk (decode steps per program call) must be an int >= 1, got {chunk!r}")
-        self.chunk = chunk
+        self.chunk = _checked_chunk(chunk)  # decode steps per device call, unless a generate call names its own
         self.graphdef, self.state = nnx.split(loaded.model)
         # model.decode_transposed: the decode kernels' output-major weight copies, made once here.
         self.prepared = loaded.model.prepare_decode()
@@ -164,13 +168,14 @@ class Generator:
             return sample_tokens(logits_BxV, jax.random.fold_in(key, 0), temperature, top_k, top_p), cache
 
         def decode_chunk(state: nnx.State, prepared: object, cache: object, token_B: jax.Array,
-                         first_index: jax.Array, n_steps: jax.Array, done_B: jax.Array, eos_E: jax.Array,
-                         start_B: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                         top_p: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, object]:
-            """Up to n_steps (<= chunk) decode steps, the first writing cache slot first_index; stops
+                         tokens_BxC: jax.Array, first_index: jax.Array, n_steps: jax.Array, done_B: jax.Array,
+                         eos_E: jax.Array, start_B: jax.Array, key: jax.Array, temperature: jax.Array,
+                         top_k: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, object]:
+            """Up to n_steps (<= C) decode steps, the first writing cache slot first_index; stops
             after the step in which every row is done (done_B on entry, or an id of eos_E made).
-            Returns the tokens [B, chunk] (column i: step i's; -1 after the last step run), the
-            steps run, the last step's tokens [B] (the next chunk's input) and the cache."""
+            tokens_BxC: all -1, its width C the chunk (one program per chunk size). Returns it with
+            column i holding step i's tokens, the steps run, the last step's tokens [B] (the next
+            chunk's input) and the cache."""
             self.traces["decode"] += 1
             model = nnx.merge(self.graphdef, state)
 
@@ -187,7 +192,6 @@ class Generator:
                 done_B = done_B | jnp.any(token_B[:, None] == eos_E[None, :], axis=1)
                 return i + 1, token_B, cache, done_B, tokens_BxC
 
-            tokens_BxC = jnp.full((token_B.shape[0], self.chunk), -1, jnp.int32)
             n_run, token_B, cache, _, tokens_BxC = jax.lax.while_loop(
                 running, step, (jnp.int32(0), token_B, cache, done_B, tokens_BxC))
             return tokens_BxC, n_run, token_B, cache
@@ -263,8 +267,10 @@ class Generator:
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int = 64,
                  sampling: SamplingConfig = SamplingConfig(), eos: int | Sequence[int] | None = None,
                  stream: StreamFn | None = None, truncate: str = "error",
-                 stop: Sequence[str] = ()) -> GenerationResult:
-        """See `generate` (module level)."""
+                 stop: Sequence[str] = (), chunk: int | None = None) -> GenerationResult:
+        """See `generate` (module level); `chunk`: decode steps per device call for this call
+        (default the Generator's; each size compiles its own decode program)."""
+        chunk = self.chunk if chunk is None else _checked_chunk(chunk)
         ids = self.fit_prompts(self.encode(prompts), max_new_tokens, truncate)
         stop = _stop_strings(stop, self.loaded.tokenizer)
         eos_ids = _eos_set(eos, self.loaded.eos_id)
@@ -308,12 +314,13 @@ class Generator:
 
         take(host_B, last=max_new_tokens == 1)
         steps, decode_compile_s = 0, 0.0
+        empty_BxC = jnp.full((rows, chunk), -1, jnp.int32)
         while steps < max_new_tokens - 1 and not all(done):
-            n_steps = min(self.chunk, max_new_tokens - 1 - steps)
+            n_steps = min(chunk, max_new_tokens - 1 - steps)
             done_B = np.array(done + [True] * (rows - n_rows))  # padding rows never hold a chunk open
             (tokens_BxC, n_run, token_B, cache), seconds = self._run(
-                "decode", self._decode_chunk, self.state, self.prepared, cache, token_B, jnp.int32(bucket + steps),
-                jnp.int32(n_steps), jnp.asarray(done_B), eos_E, start, key, *settings)
+                "decode", self._decode_chunk, self.state, self.prepared, cache, token_B, empty_BxC,
+                jnp.int32(bucket + steps), jnp.int32(n_steps), jnp.asarray(done_B), eos_E, start, key, *settings)
             decode_compile_s += seconds
             host_BxC, n_run = np.asarray(tokens_BxC), int(n_run)
             for i in range(n_run):
