@@ -1,9 +1,10 @@
 """The decode matrix-vector kernel (pallas_kernels/decode_matvec.py) against XLA on the shapes of one
 decode step of the paper's models (d_model 2048, d_ff 5632, vocab 49152): microseconds per call,
 the bandwidth reached (weight bytes / time) and the ratio to XLA's dot of the same operands, over
-a sweep of block sizes (split_k included). Each figure is a call's time inside a device loop of
---iters calls, less the loop's own time per call (a product-free body, measured beside it). The
-best variant per shape is printed last; --out gets every row as JSON.
+a sweep of block sizes (split_k included). Each figure is a call's time in a chain of dependent
+calls over --layers stacked weight copies (more bytes than the L2 cache: each call reads its weights
+from memory, as a decode step's layers do), from the difference of two chain lengths, so the
+program's launch cancels. The best variant per shape is printed last; --out gets every row as JSON.
 
     python experiments/bench_decode_matvec.py --rows 1,8 --out $OUT/bench_decode_matvec.json
     python experiments/bench_decode_matvec.py --dry-run     # tiny shapes on CPU (interpret mode)
@@ -47,25 +48,56 @@ SWEEPS = {layout: [MatvecBlockSizes(block_n=bn, block_k=bk, num_warps=nw, num_st
           for layout, tiles in TILES.items()}
 
 
-def per_call_us(fn, x, w, gate, *, iters: int, min_seconds: float) -> float:
-    """Microseconds per call of fn(x, w, gate) run `iters` times back to back on the device (one
-    program: a loop whose next x depends on the last output, so nothing is hoisted), as a decode
-    step runs its kernels; the host's dispatch of a single call (tens of us) is not timed."""
-    def body(_, carry):
-        x_, acc = carry
-        acc = acc + fn(x_, w, gate)[0, 0].astype(jnp.float32)
-        return x_ + (acc * 0).astype(x_.dtype), acc
+def per_call_us(fn, x, w, gate, *, layers: int, reps: int, min_seconds: float) -> float:
+    """Microseconds per call of fn(x, w, gate, layer) as a decode step runs it: a chain of calls
+    over `layers` distinct weights (the stacks hold more bytes than the GPU's L2 cache, so each call
+    reads its weights from memory, as each layer of a step does), each call's input depending on the
+    last one's output, compiled as one program. The chain is timed at `reps` and at 2 x `reps`
+    passes over the layers and the difference is divided by the extra calls: the program's launch
+    and fixed costs cancel, and no loop construct is timed."""
+    def program(passes: int):
+        def chain(x, w, g):
+            acc = jnp.float32(0)
+            for _ in range(passes):
+                for layer in range(layers):
+                    first = fn(x, w, g, layer)[0, 0].astype(jnp.float32)
+                    acc = acc + first
+                    x = x + (first * 1e-30).astype(x.dtype)  # the next call needs this one's output
+            return acc
+        return jax.jit(chain)
 
-    loop = jax.jit(lambda x, w, g: jax.lax.fori_loop(0, iters, body, (x, jnp.float32(0)))[1])
-    jax.block_until_ready(loop(x, w, gate))
-    calls, start = 0, time.perf_counter()
-    while True:
-        out = loop(x, w, gate)
-        calls += 1
-        if calls >= 3 and time.perf_counter() - start >= min_seconds:
-            break
-    jax.block_until_ready(out)
-    return 1e6 * (time.perf_counter() - start) / (calls * iters)
+    def seconds(run) -> float:  # the best of 3 windows: other work on the machine only adds time
+        jax.block_until_ready(run(x, w, gate))
+        best = float("inf")
+        for _ in range(3):
+            calls, start = 0, time.perf_counter()
+            while True:
+                out = run(x, w, gate)
+                calls += 1
+                if calls >= 3 and time.perf_counter() - start >= min_seconds / 3:
+                    break
+            jax.block_until_ready(out)
+            best = min(best, (time.perf_counter() - start) / calls)
+        return best
+
+    once, twice = seconds(program(reps)), seconds(program(2 * reps))
+    return 1e6 * (twice - once) / (reps * layers)
+
+
+def stacked(key, shape, layers: int, dtype=jnp.bfloat16) -> jax.Array:
+    return jax.random.normal(key, (layers, *shape), dtype)
+
+
+def write_blocks(path: str, rows: list[dict], role_shapes: dict[str, str], m: int) -> list[str]:
+    """Each role's fastest blocks at m rows, as JSON for `bench_inference.py --matvec-blocks`."""
+    roles = {}
+    for role, name in role_shapes.items():
+        cand = [r for r in rows if r.get("shape") == name and r["m"] == m and "us" in r]
+        if cand:
+            b = min(cand, key=lambda r: r["us"])
+            roles[role] = {f: b[f] for f in ("block_n", "block_k", "num_warps", "num_stages", "split_k")}
+    Path(path).write_text(json.dumps({"device": jax.devices()[0].device_kind, "m": m, "roles": roles}, indent=1) + "\n")
+    return sorted(roles)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -74,10 +106,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--shapes", default=",".join(shape[0] for shape in SHAPES),
                         help="which of the shapes to sweep (comma-separated)")
     parser.add_argument("--min-seconds", type=float, default=0.05)
-    parser.add_argument("--iters", type=int, default=100, help="calls per timed program")
+    parser.add_argument("--layers", type=int, default=8,
+                        help="weight copies per stack: their bytes must pass the L2 cache (50 MB on an H100)")
+    parser.add_argument("--reps", type=int, default=4, help="passes over the layers in the shorter timed chain")
     parser.add_argument("--peak-gbs", type=float, default=3350.0, help="HBM bandwidth for the share column")
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--blocks-out", default=None, metavar="FILE",
+                        help="write each role's fastest blocks at the first --rows value as JSON, for "
+                             "`bench_inference.py --matvec-blocks FILE` (the choice measured in a model step)")
     args = parser.parse_args(argv)
     wanted = [name for name in args.shapes.split(",") if name]
     unknown = sorted(set(wanted) - {shape[0] for shape in SHAPES})
@@ -91,51 +128,55 @@ def main(argv: list[str] | None = None) -> list[dict]:
         tiny = [MatvecBlockSizes(block_n=16, block_k=16, num_stages=1, split_k=sk) for sk in (1, 2)]
         sweeps = {"nk": tiny, "kn": tiny}
         role_shapes = {"out": "tiny", "gate_up": "tiny_gated", "qkv": "tiny_parts"}
-        interpret, args.min_seconds, args.iters = True, 0.0, 2
+        interpret, args.min_seconds, args.layers, args.reps = True, 0.0, 2, 1
     rows = []
+    first_m = int(args.rows.split(",")[0])
     key = jax.random.key(0)
     for m in [int(r) for r in args.rows.split(",") if r]:
         for name, n, k, layout, gated, parts in shapes:
             kx, kw, kg = jax.random.split(jax.random.fold_in(key, n * k * parts + m), 3)
             x = jax.random.normal(kx, (m, k), jnp.bfloat16)
             shape = (n, k) if layout == "nk" else (k, n)
-            w = jax.random.normal(kw, shape, jnp.bfloat16)
+            # [L, ...] stacks read at a layer, as the model's decode step reads them
+            w = stacked(kw, shape, args.layers)
             if parts > 1:
-                w = tuple(jax.random.normal(jax.random.fold_in(kw, p), shape, jnp.bfloat16) for p in range(parts))
-            gate = jax.random.normal(kg, shape, jnp.bfloat16) if gated else None
+                w = tuple(stacked(jax.random.fold_in(kw, p), shape, args.layers) for p in range(parts))
+            gate = stacked(kg, shape, args.layers) if gated else None
             nbytes = 2 * n * k * (2 if gated else parts)
             spec = "mk,nk->mn" if layout == "nk" else "mk,kn->mn"
+            # XLA's dot on each layer's weights (a static index of the stack: XLA reads it in place)
             if gated:
-                xla = jax.jit(lambda x, w, g: (jax.nn.relu(jnp.einsum(spec, x, g)) * jnp.einsum(spec, x, w)))
+                xla = lambda x, w, g, i: jax.nn.relu(jnp.einsum(spec, x, g[i])) * jnp.einsum(spec, x, w[i])
             elif parts > 1:
-                xla = jax.jit(lambda x, w, g: jnp.concatenate([jnp.einsum(spec, x, p) for p in w], axis=1))
+                xla = lambda x, w, g, i: jnp.concatenate([jnp.einsum(spec, x, p[i]) for p in w], axis=1)
             else:
-                xla = jax.jit(lambda x, w, g: jnp.einsum(spec, x, w))
-            # The timing loop's own work per call (the dependency on the output), measured with a
-            # product-free body and subtracted from every figure below.
-            loop_us = per_call_us(lambda x, w, g: x[:, :1], x, w, gate, iters=args.iters, min_seconds=args.min_seconds)
-            xla_us = per_call_us(xla, x, w, gate, iters=args.iters, min_seconds=args.min_seconds) - loop_us
-            want = xla(x, w, gate).astype(jnp.float32)
+                xla = lambda x, w, g, i: jnp.einsum(spec, x, w[i])
+            timing = dict(layers=args.layers, reps=args.reps, min_seconds=args.min_seconds)
+            xla_us = per_call_us(xla, x, w, gate, **timing)
+            want = jax.jit(xla, static_argnums=3)(x, w, gate, 1).astype(jnp.float32)
             for sizes in sweeps[layout]:
                 if (gated and sizes.split_k > 1) or (parts > 1 and n % sizes.block_n):
                     continue  # refused by the kernel: a split gate; parts not a multiple of block_n
-                fn = jax.jit(lambda x, w, g, s=sizes: decode_matvec(
-                    x, w, layout=layout, gate=g, activation="relu" if gated else None, block_sizes=s,
-                    interpret=interpret))
+                fn = lambda x, w, g, i, s=sizes: decode_matvec(
+                    x, w, layer=jnp.full((1,), i, jnp.int32), layout=layout, gate=g,
+                    activation="relu" if gated else None, block_sizes=s, interpret=interpret)
                 try:
-                    err = float(jnp.max(jnp.abs(fn(x, w, gate).astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
-                    us = per_call_us(fn, x, w, gate, iters=args.iters, min_seconds=args.min_seconds) - loop_us
+                    got = jax.jit(fn, static_argnums=3)(x, w, gate, 1).astype(jnp.float32)
+                    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+                    us = per_call_us(fn, x, w, gate, **timing)
                 except Exception as exc:  # a variant that does not compile: recorded, not fatal
                     rows.append({"shape": name, "m": m, "sizes": str(sizes), "error": f"{type(exc).__name__}: {exc}"[:300]})
                     continue
                 rows.append({"shape": name, "m": m, "n": n, "k": k, "layout": layout, "gated": gated, "parts": parts,
                              "block_n": sizes.block_n, "block_k": sizes.block_k, "num_warps": sizes.num_warps,
-                             "num_stages": sizes.num_stages, "split_k": sizes.split_k, "loop_us": loop_us, "us": us, "xla_us": xla_us, "vs_xla": xla_us / us,
+                             "num_stages": sizes.num_stages, "split_k": sizes.split_k, "us": us, "xla_us": xla_us, "vs_xla": xla_us / us,
                              "gb_s": nbytes / us / 1e3, "peak_share": nbytes / us / 1e3 / args.peak_gbs,
                              "rel_err_vs_xla": err})
             best = min((r for r in rows if r.get("shape") == name and r["m"] == m and "us" in r), key=lambda r: r["us"])
             print(f"[matvec] m {m} {name}: best bn {best['block_n']} bk {best['block_k']} w{best['num_warps']} "
                   f"s{best['num_stages']} split {best['split_k']} {best['us']:.1f} us ({best['gb_s']:.0f} GB/s) vs XLA {xla_us:.1f} us", flush=True)
+            if args.blocks_out and m == first_m:  # after every shape, as --out
+                write_blocks(args.blocks_out, rows, role_shapes, m)
             if args.out:  # after every shape: a run cut short keeps what it measured
                 Path(args.out).write_text(json.dumps({"device": jax.devices()[0].device_kind, "rows": rows}, indent=1))
     print("\n| m | shape | best blocks | us | GB/s | share of peak | XLA us | vs XLA |\n|---|---|---|---|---|---|---|---|")
@@ -153,6 +194,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 b = min(cand, key=lambda r: r["us"])
                 print(f'    "{role}": MatvecBlockSizes(block_n={b["block_n"]}, block_k={b["block_k"]}, '
                       f'num_warps={b["num_warps"]}, num_stages={b["num_stages"]}, split_k={b["split_k"]}),')
+    if args.blocks_out:
+        print(f"[matvec] wrote {args.blocks_out}: {write_blocks(args.blocks_out, rows, role_shapes, first_m)}")
     return rows
 
 

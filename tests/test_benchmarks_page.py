@@ -39,6 +39,9 @@ def test_paths_and_ratios(tmp_path):
     data = {"rows": [{"v": "a", "k": 29.0, "ms": 2.0}, {"v": "b", "k": 29.0, "ms": 4.0}]}
     assert report.lookup(data, "rows[v=b,k=29].ms") == 4.0
     assert report.lookup(data, "rows[1].v") == "b"
+    # A value may hold ", ": pairs split only at a comma that starts the next key=.
+    phased = {"rows": [{"phase": "generate, chunk 1", "b": 1, "t": 3.0}, {"phase": "generate, chunk 16", "b": 1, "t": 5.0}]}
+    assert report.lookup(phased, "rows[phase=generate, chunk 16,b=1].t") == 5.0
     with pytest.raises(KeyError, match="matches 2 elements"):
         report.lookup(data, "rows[k=29].ms", "row 0")
     with pytest.raises(KeyError, match="no key 'x'"):

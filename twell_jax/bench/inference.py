@@ -20,9 +20,10 @@ generate` delivers, host round trips included (compilation excluded), beside the
 decode rows above. `--xla-option KEY=VALUE` adds a second decode row per variant, `VARIANT+xla`,
 its loop compiled with those XLA options (for
 example command buffers over the while loops, which capture the decode steps as CUDA graphs),
-compared with the rows compiled without them. `--transposed-decode-rows` adds `VARIANT+t` decode
-and generate rows of the dense and sparse variants with model.decode_transposed (the decode
-kernels read output-major copies of q/k/v, the output projection and W_down).
+compared with the rows compiled without them. The model's rows decode with model.decode_transposed
+on (the decode kernels read output-major copies of q/k/v, the output projection and W_down: the
+default), whatever the checkpoint's config says; `--stored-decode-rows` adds `VARIANT+stored`
+decode and generate rows of the dense and sparse variants reading the weights as stored.
 
 Rows: `plain` is the plain-JAX Llama of twell_jax/bench/plain_llama.py (nothing of twell_jax in its
 math) holding the model's weights in the compute dtype: its body for prefill, its KV-cached decode
@@ -50,11 +51,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from twell_jax.bench.kernel_trace import format_profile, kernel_times
 from twell_jax.bench.plain_llama import (reference_body, reference_decode_step, reference_params_from_model,
                                          reference_prefill_cache)
 from twell_jax.config import DEFAULT_DECODE_CHUNK, ModelConfig
 from twell_jax.inference.generate import Generator, SamplingConfig
 from twell_jax.inference.load import LoadedModel, experiment_config_for, load_run, model_with_params, validation_tokens
+from twell_jax.pallas_kernels import decode_matvec
 from twell_jax.model import Transformer, choose_attention, init_cache, init_model, split_model
 from twell_jax.training.checkpoint import checkpoint_dir
 from twell_jax.training.hints import run_hints
@@ -226,9 +229,12 @@ def bench_prefill(runner: Runner, tokens_BxS: jax.Array, sampler: PowerSampler |
 
 
 def bench_decode(runner: Runner, n_layers: int, tokens: jax.Array, context: int, steps: int,
-                 min_seconds: float, compiler_options: dict[str, str] | None = None) -> dict[str, Any]:
+                 min_seconds: float, compiler_options: dict[str, str] | None = None,
+                 trace_top: int = 0) -> dict[str, Any]:
     """KV-cached decode of `steps` tokens per row after prefilling `tokens` [batch, context - steps];
-    `compiler_options`: XLA options of the decode loop's program (e.g. its command buffers)."""
+    `compiler_options`: XLA options of the decode loop's program (e.g. its command buffers);
+    `trace_top` > 0: also profile one decode step (its own program, at the last slot) and keep its
+    `trace_top` largest kernels (`kernel_trace.format_profile`) under "trace"."""
     batch, prefill_len = tokens.shape
     assert prefill_len == context - steps, (tokens.shape, context, steps)
 
@@ -253,10 +259,31 @@ def bench_decode(runner: Runner, n_layers: int, tokens: jax.Array, context: int,
     _, l0 = jax.block_until_ready(step_fn(runner.params, token_B, cache))
     steps_first_s = time.perf_counter() - began
     per_call, calls, _, _ = timed(lambda: step_fn(runner.params, token_B, cache), min_seconds, 2)
+    trace = None
+    if trace_top:
+        one_step = jax.jit(runner.step, compiler_options=compiler_options or None)
+        trace = format_profile(kernel_times(one_step, (runner.params, cache, token_B[:, None], jnp.int32(context - 1)),
+                                            repeats=5), top=trace_top)
     # First calls: each program's compile and one run (the prefill in chunks; the decode steps' loop).
     return {"tokens_per_s": batch * steps / per_call, "ms_per_step": 1e3 * per_call / steps, "calls": calls,
             "prefill_first_call_s": prefill_first_s, "steps_first_call_s": steps_first_s,
-            "l0_per_layer": _l0_list(l0) if runner.telemetry else None}
+            "l0_per_layer": _l0_list(l0) if runner.telemetry else None, **({"trace": trace} if trace else {})}
+
+
+def load_matvec_blocks(path: str) -> dict[str, Any]:
+    """Set decode_matvec.ROLE_BLOCK_SIZES from a `bench_decode_matvec.py --blocks-out` file ({"roles":
+    {role: {block_n, block_k, num_warps, num_stages, split_k}}}) for this process, before any decode
+    program compiles; returns what was set. A role the file does not name keeps its entry."""
+    try:
+        roles = json.loads(Path(path).read_text())["roles"]
+        sizes = {role: decode_matvec.MatvecBlockSizes(**fields) for role, fields in roles.items()}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"--matvec-blocks {path}: expected a bench_decode_matvec --blocks-out file ({exc})")
+    unknown = sorted(set(sizes) - set(decode_matvec.ROLES))
+    if unknown:
+        raise SystemExit(f"--matvec-blocks {path}: unknown roles {unknown}; expected some of {decode_matvec.ROLES}")
+    decode_matvec.ROLE_BLOCK_SIZES.update(sizes)
+    return {role: dataclasses.asdict(s) for role, s in sizes.items()}
 
 
 def bench_generate(model: Transformer, cfg: ModelConfig, prompt: list[int], new_tokens: int, chunks: list[int],
@@ -347,13 +374,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "0 = no generate rows")
     parser.add_argument("--generate-chunks", default=f"1,{DEFAULT_DECODE_CHUNK}",
                         help="the generate rows' decode steps per device call (comma-separated)")
-    parser.add_argument("--transposed-decode-rows", action="store_true",
-                        help="add VARIANT+t for the dense and sparse variants: decode and generate with "
-                             "model.decode_transposed (output-major copies of q/k/v, out and W_down)")
+    parser.add_argument("--stored-decode-rows", action="store_true",
+                        help="add VARIANT+stored for the dense and sparse variants: decode and generate with "
+                             "model.decode_transposed off (the weights as stored, no output-major copies)")
     parser.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
                         help="an XLA option for a second decode row of every variant, named VARIANT+xla (the "
                              "decode loop compiled with it; repeatable), e.g. xla_gpu_enable_command_buffer="
                              "FUSION,CUBLAS,CUSTOM_CALL,WHILE,CONDITIONAL to capture the steps as CUDA graphs")
+    parser.add_argument("--matvec-blocks", default=None, metavar="FILE",
+                        help="decode_matvec block sizes per role for this run, from `bench_decode_matvec.py "
+                             "--blocks-out FILE` (to measure a sweep's choice before it becomes ROLE_BLOCK_SIZES)")
+    parser.add_argument("--trace-decode", type=int, default=0, metavar="TOP",
+                        help="profile one decode step of every decode row at the first batch and print its "
+                             "TOP largest kernels (the step's time line; JSON: the row's 'trace')")
     parser.add_argument("--peak-gbs", type=float, default=3350.0,
                         help="the device's HBM bandwidth for the decode rows' share of the floor (H100 SXM)")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: checks the plumbing")
@@ -370,6 +403,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not chunks or min(chunks) < 1:
         raise SystemExit(f"--generate-chunks {args.generate_chunks!r}: expected integers >= 1, comma-separated")
     batches = [int(b) for b in args.decode_batches.split(",") if b]
+    if args.trace_decode < 0:
+        raise SystemExit(f"--trace-decode {args.trace_decode}: expected a number of kernels >= 0")
+    matvec_blocks = load_matvec_blocks(args.matvec_blocks) if args.matvec_blocks else None
     cfg, params, source_text = load_params(args)
     if args.context > cfg.max_seq_len or args.decode_steps >= args.context:
         raise SystemExit(f"--context {args.context} must be <= model.max_seq_len={cfg.max_seq_len} and > "
@@ -392,12 +428,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         hints = run_hints(checkpoint_dir(args.checkpoint).parent, args.step, n_layers=cfg.n_layers)
     else:
         text = jax.random.randint(jax.random.key(args.seed), (rows_needed, args.context), 0, cfg.vocab_size)
-    configs = variant_configs(cfg, backends, interpret=args.dry_run, hints=hints)
+    configs = variant_configs(dataclasses.replace(cfg, decode_transposed=True), backends, interpret=args.dry_run,
+                              hints=hints)
     if args.xla_decode_row:
         configs["dense-xla"] = dataclasses.replace(configs["dense"], decode_kernels="xla")
-    if args.transposed_decode_rows:  # decode and generate rows only (their prefill is their variant's)
-        configs.update({f"{name}+t": dataclasses.replace(c, decode_transposed=True) for name, c in list(configs.items())
-                        if name == "dense" or name.startswith("twell-")})
+    if args.stored_decode_rows:  # decode and generate rows only (their prefill is their variant's)
+        configs.update({f"{name}+stored": dataclasses.replace(c, decode_transposed=False)
+                        for name, c in list(configs.items()) if name == "dense" or name.startswith("twell-")})
     # In the load dtype, as model_with_params builds them (the generate rows' Generator reads it too).
     configs = {name: dataclasses.replace(c, compute_dtype=args.dtype) for name, c in configs.items()}
     models = {name: model_with_params(c, params, args.dtype) for name, c in configs.items()}
@@ -412,7 +449,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         """The decode rows of a variant (and its +xla rows), then its generate rows."""
         for batch, options in itertools.product(batches, [None, xla_options] if xla_options else [None]):
             r = bench_decode(runner, cfg.n_layers, text[:batch, :args.context - args.decode_steps], args.context,
-                             args.decode_steps, args.min_seconds, options)
+                             args.decode_steps, args.min_seconds, options,
+                             trace_top=args.trace_decode if batch == batches[0] else 0)
             sparse = name.startswith("twell") and r["l0_per_layer"] is not None
             floor = decode_floor_bytes(cfg, batch, args.context, jnp.dtype(args.dtype).itemsize,
                                        r["l0_per_layer"] if sparse else None)
@@ -425,6 +463,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"({r['ms_per_step']:.3f} ms/step, {r['floor_share']:.0%} of the bandwidth floor "
                   f"{floor / 1e9:.3f} GB; first calls: cache prefill {r['prefill_first_call_s']:.1f}s, "
                   f"decode loop {r['steps_first_call_s']:.1f}s); active/layer {r['l0_per_layer'] or '-'}")
+            if "trace" in r:
+                print("\n".join(f"[bench]   {line}" for line in r["trace"]))
         if args.generate_tokens and name in models:  # plain JAX has no generator: ratios vs dense only
             for r in bench_generate(models[name], configs[name], text[0, :prompt_len].tolist(), args.generate_tokens,
                                     chunks):
@@ -434,7 +474,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"compile {r['compile_s']:.1f}s)")
 
     for name, runner in runners.items():
-        if not name.endswith("+t"):  # a +t variant's prefill is its variant's: decode and generate rows only
+        if not name.endswith("+stored"):  # its prefill is its variant's: decode and generate rows only
             r, hidden_BxSxD = bench_prefill(runner, tokens, sampler, args.min_seconds)
             if plain_hidden is None:
                 plain_hidden = hidden_BxSxD.astype(jnp.float32)
@@ -471,7 +511,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{active} | {step} |")
     result = {"source": source_text, "device": device.device_kind, "backend": jax.default_backend(),
               "dtype": args.dtype, "context": args.context, "decode_steps": args.decode_steps,
-              "model": dataclasses.asdict(cfg), "rows": rows, "date": time.strftime("%Y-%m-%d")}
+              "model": dataclasses.asdict(cfg), "rows": rows, "date": time.strftime("%Y-%m-%d"),
+              **({"matvec_blocks": matvec_blocks} if matvec_blocks else {})}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

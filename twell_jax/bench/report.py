@@ -74,7 +74,8 @@ def lookup(data: Any, path: str, where: str = "") -> Any:
             if "=" not in selector or not all(isinstance(item, dict) for item in node):
                 raise KeyError(f"{where}: [{selector}] needs key=value pairs over a list of objects, on the way to "
                                f"{path!r}")
-            wanted = dict(part.split("=", 1) for part in selector.split(","))
+            # pairs split at the commas that start the next key=, so a value may hold ", " ("generate, chunk 16")
+            wanted = dict(part.split("=", 1) for part in re.split(r",(?=\w+=)", selector))
             hits = [item for item in node if all(str(item.get(k)) == v or item.get(k) == _scalar(v)
                                                   for k, v in wanted.items())]
             if len(hits) != 1:
