@@ -81,10 +81,22 @@ DEFAULT_BLOCK_SIZES = MatvecBlockSizes(block_n=32, block_k=256, num_warps=8, num
 # block sizes: q/k/v (three parts, one launch), the attention output projection, the gated
 # gate/up, W_down, the LM head, the sparse layers' gate; and "qkv_nk", "out_nk", "down_nk": the
 # first three read from model.decode_transposed's output-major copies (another layout, other best
-# tiles). All DEFAULT_BLOCK_SIZES until the per-role sweep (`experiments/bench_decode_matvec.py`,
-# whose shapes are these roles; it prints the table's entries) is run on the GPU.
+# tiles). The `nk` roles hold the fastest blocks of `experiments/bench_decode_matvec.py --rows 1
+# --reps 2 --shapes qkv_nk,down_nk,gate_up,out_nk,head,gate --blocks-out FILE` (H100, 2026-11-24:
+# 12.2 / 6.5 / 11.7 us for q/k/v, output and W_down, 19.6 us gate/up, 71.1 us the LM head, 2.0-2.8
+# TB/s; experiments/results/bench_decode_matvec_nk_h100_2026-11-24.json). The `kn` roles
+# (q/k/v, output and W_down as stored, read only with model.decode_transposed off) keep
+# DEFAULT_BLOCK_SIZES: their sweep ran with the old loop timing, whose figures were not usable.
 ROLES = ("qkv", "out", "gate_up", "down", "head", "gate", "qkv_nk", "out_nk", "down_nk")
-ROLE_BLOCK_SIZES: dict[str, MatvecBlockSizes] = {role: DEFAULT_BLOCK_SIZES for role in ROLES}
+ROLE_BLOCK_SIZES: dict[str, MatvecBlockSizes] = {
+    "qkv": DEFAULT_BLOCK_SIZES, "out": DEFAULT_BLOCK_SIZES, "down": DEFAULT_BLOCK_SIZES,
+    "gate_up": MatvecBlockSizes(block_n=32, block_k=128, num_warps=4, num_stages=3, split_k=1),
+    "head": MatvecBlockSizes(block_n=32, block_k=256, num_warps=4, num_stages=3, split_k=1),
+    "gate": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=1),
+    "qkv_nk": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=1),
+    "out_nk": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=4),
+    "down_nk": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=4),
+}
 
 
 def role_block_sizes(role: str) -> MatvecBlockSizes:

@@ -185,8 +185,10 @@ def test_generate_samples_and_stop_strings_as_json(compared, capsys):
     assert report["decode_chunk"] == 16 and report["compile_s"] > 0 and report["decode_tokens_per_s"] > 0
     code, out, _ = _run(argv + ["--decode-chunk", "1"], capsys)  # a device call per token: the same samples
     assert code == 0 and json.loads(out)["prompts"] == report["prompts"]
-    code, out, _ = _run(argv + ["--decode-transposed"], capsys)  # (a CPU: XLA's steps, no copies made)
-    assert code == 0 and json.loads(out)["prompts"] == report["prompts"]
+    assert report["decode_layout"] == "transposed"  # the default of runs made now
+    code, out, _ = _run(argv + ["--decode-layout", "stored"], capsys)  # (a CPU: XLA's steps, no copies made)
+    stored = json.loads(out)
+    assert code == 0 and stored["prompts"] == report["prompts"] and stored["decode_layout"] == "stored"
     stop = free["text"][2:4] if len(free["text"]) >= 4 else free["text"]
     code, out, _ = _run(argv + ["--stop", stop], capsys)
     first = json.loads(out)["prompts"][0]["samples"][0]  # same seed and rows: the same sample, cut at the stop

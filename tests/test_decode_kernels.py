@@ -16,7 +16,8 @@ from twell_jax.model import init_cache, init_model
 
 BASE = ModelConfig(vocab_size=61, d_model=32, n_layers=3, n_heads=2, d_ff=64, max_seq_len=16,
                    compute_dtype="float32", ffn_kind="twell", ffn_backend="pallas", ffn_interpret=True,
-                   decode_kernels="pallas", ffn_op_config={"tile": 16, "slots": 16, "ell_width": 64})
+                   decode_kernels="pallas", ffn_op_config={"tile": 16, "slots": 16, "ell_width": 64},
+                   decode_transposed=False)  # the stored layout; the default, transposed, has its own tests below
 KINDS = {"sparse": {}, "dense_twin": {"ffn_kind": "relu_gated", "ffn_backend": "dense"},
          "swiglu": {"ffn_kind": "swiglu", "ffn_backend": "dense"},
          "relu": {"ffn_kind": "relu", "ffn_backend": "pallas"}}

@@ -305,7 +305,9 @@ def test_the_decode_step_runs_no_finiteness_scan():
                      ffn_op_config={"tile": 16, "slots": 16, "ell_width": 64, "check_finite": True})
     model = init_model(cfg, 0)
     cache = init_cache(cfg, 2, 8)
+    assert cfg.decode_transposed  # the default layout: the step reads prepare_decode's copies
+    prepared = model.prepare_decode()
     jaxpr = jax.make_jaxpr(lambda c: model.decode(jnp.zeros((2, 1), jnp.int32), c, jnp.int32(3),
-                                                  jnp.zeros((2,), jnp.int32)))(cache)
+                                                  jnp.zeros((2,), jnp.int32), prepared=prepared))(cache)
     assert "is_finite" not in str(jaxpr)
     assert "twell_decode_matvec" in str(jaxpr) or "pallas_call" in str(jaxpr)

@@ -141,18 +141,18 @@ def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_inference.py"), "--dry-run",
-                           "--transposed-decode-rows", "--out", str(out)], capture_output=True, text=True, env=env,
+                           "--stored-decode-rows", "--out", str(out)], capture_output=True, text=True, env=env,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     import json
 
     rows = json.loads(out.read_text())["rows"]
-    # +t rows (model.decode_transposed): decode and generate only, the same tokens (on a CPU the
-    # step is XLA's, so no copies are made: the plumbing is what runs here).
-    transposed = [r for r in rows if r["variant"].endswith("+t")]
-    assert {r["variant"] for r in transposed} == {"dense+t", "twell-reference+t"}
+    # +stored rows (model.decode_transposed off): decode and generate only, the same tokens (on a
+    # CPU the step is XLA's, so no copies are made: the plumbing is what runs here).
+    transposed = [r for r in rows if r["variant"].endswith("+stored")]
+    assert {r["variant"] for r in transposed} == {"dense+stored", "twell-reference+stored"}
     assert {r["phase"] for r in transposed} == {"decode", "generate, chunk 1", "generate, chunk 16"}
-    rows = [r for r in rows if not r["variant"].endswith("+t")]
+    rows = [r for r in rows if not r["variant"].endswith("+stored")]
     generate_rows = [r for r in rows if r["phase"].startswith("generate")]
     rows = [r for r in rows if not r["phase"].startswith("generate")]
     assert {(r["phase"], r["batch"]) for r in rows} == {("prefill", 2), ("decode", 1), ("decode", 2)}

@@ -510,9 +510,11 @@ def _parser() -> argparse.ArgumentParser:
     p_gen.add_argument("--decode-chunk", type=int, default=config_lib.DEFAULT_DECODE_CHUNK, metavar="N",
                        help=f"decode steps per device call (default {config_lib.DEFAULT_DECODE_CHUNK}): tokens reach "
                             "the host, and the stream, N at a time; 1 = one call per token")
-    p_gen.add_argument("--decode-transposed", action="store_true",
-                       help="model.decode_transposed: the decode kernels read output-major copies of q/k/v, the "
-                            "attention output and W_down (those weights held twice; a GPU)")
+    p_gen.add_argument("--decode-layout", choices=("transposed", "stored"), default=None,
+                       help="model.decode_transposed for this call: transposed = the decode kernels read "
+                            "output-major copies of q/k/v, the attention output and W_down (faster; those weights "
+                            "held twice), stored = the weights as trained, held once (default: the run's config; "
+                            "runs saved before 2026-11-24 stored, later ones transposed)")
     p_gen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     add_json(p_gen)
 

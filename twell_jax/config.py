@@ -190,10 +190,11 @@ class ModelConfig:
     decode_kernels: Literal["auto", "pallas", "xla"] = "auto"
     # With the decode kernels: read q/k/v, the attention output projection and W_down from
     # output-major copies ([L, N, K], made once per generator by `Transformer.prepare_decode`)
-    # instead of the stored input-major stacks ([L, K, N]): those weights held twice, for the layout
-    # whose products ran faster in a step's kernel trace; the whole step's gain is not measured yet
-    # (docs/model.md, "Decoding one token per step"). Callers of `decode` pass the copies.
-    decode_transposed: bool = False
+    # instead of the stored input-major stacks ([L, K, N]): those weights held twice (0.45 GB at
+    # 0.5b), for a faster step (0.5b, H100, batch 1: 0.686 against 0.876 ms for the dense twin,
+    # 0.636 against 0.821 ms for `twell` auto; BENCHMARKS.md, Decode). false: the weights once.
+    # Callers of `decode` pass the copies.
+    decode_transposed: bool = True
 
     def __post_init__(self) -> None:
         _check_finite("model", self)

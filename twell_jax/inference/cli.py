@@ -71,10 +71,11 @@ def run_generate(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict[str
     if loaded.tokenizer is None:
         raise ValueError(f"{source} has no tokenizer (no tokenizer.json and none rebuildable from its data config): "
                          "text prompts cannot be encoded")
-    if args.decode_transposed:
+    if args.decode_layout is not None:
+        transposed = args.decode_layout == "transposed"
         loaded.config = dataclasses.replace(loaded.config, model=dataclasses.replace(loaded.config.model,
-                                                                                  decode_transposed=True))
-        loaded.model.decode_transposed = True
+                                                                                  decode_transposed=transposed))
+        loaded.model.decode_transposed = transposed
     generator = loaded._generator = Generator(loaded, chunk=args.decode_chunk)
     # Encode and fit every prompt before anything is printed: a bad prompt stops here.
     try:
@@ -115,6 +116,7 @@ def run_generate(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict[str
         for i, (prompt, kept) in enumerate(zip(shown, ids))],
         "compile_s": result.compile_s, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
         "decode_steps": result.decode_steps, "decode_chunk": args.decode_chunk,
+        "decode_layout": "transposed" if loaded.model.decode_transposed else "stored",
         "decode_tokens_per_s": result.decode_tokens_per_s()}
     if args.json:
         out.write(json.dumps(report, indent=2) + "\n")
