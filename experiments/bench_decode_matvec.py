@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             gate = stacked(kg, shape, args.layers) if gated else None
             nbytes = 2 * n * k * (2 if gated else parts)
             spec = "mk,nk->mn" if layout == "nk" else "mk,kn->mn"
-            # XLA's dot on each layer's weights (a static index of the stack: XLA reads it in place)
+            # XLA's dot on each layer's weights (a static index of the stack; were XLA to copy the slice, its
+            # time would include the copy: its 1.7-2.9 TB/s on the H100 says it did not)
             if gated:
                 xla = lambda x, w, g, i: jax.nn.relu(jnp.einsum(spec, x, g[i])) * jnp.einsum(spec, x, w[i])
             elif parts > 1:

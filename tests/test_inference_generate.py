@@ -137,8 +137,9 @@ def test_a_chunk_ends_on_the_device_once_every_row_made_an_eos():
     generator = Generator(_loaded(_model_cfg(n_layers=1)), cache_len=32, chunk=8)
     greedy = generator.generate([[7]], 4, SamplingConfig(), eos=()).tokens[0]
     assert greedy[2] != greedy[1]  # (this model's greedy tokens from [7] do not repeat at once)
-    prefill = generator._run("prefill", generator._prefill, generator.state, jnp.asarray([[0] * 7 + [7]]),
-                             jnp.asarray([7]), jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1))
+    prefill = generator._run("prefill", generator._prefill, generator.state, generator.prepared,
+                             jnp.asarray([[0] * 7 + [7]]), jnp.asarray([7]), jax.random.key(0), jnp.float32(0),
+                             jnp.int32(0), jnp.float32(1))
     (token_B, cache), _ = prefill
     assert int(token_B[0]) == greedy[0]
     settings = (jnp.int32(8), jnp.int32(8))  # the first slot after the prompt bucket, up to 8 steps
@@ -296,6 +297,10 @@ def test_greedy_generation_through_the_decode_kernels_equals_the_full_forward(ki
         assert out == _greedy_by_full_forward(loaded_.model, prompt, 4)
     assert result.decode_steps == 3 and result.decode_s > 0 and result.prefill_s > 0
     assert result.decode_tokens_per_s() == pytest.approx(2 * 3 / result.decode_s)
+    # A cache with room for one prompt token: the prompt's bucket is one token, so the prefill
+    # itself is a one-token kernel step (with the copies when transposed).
+    one = Generator(loaded_, cache_len=8).generate([[5]], 8, SamplingConfig(), eos=())
+    assert one.tokens[0] == _greedy_by_full_forward(loaded_.model, [5], 8)
 
 
 def test_the_decode_step_runs_no_finiteness_scan():

@@ -96,8 +96,9 @@ def test_kv_cached_decode_equals_the_forward(two_plans, layer_scan):
     start = jnp.zeros((2,), jnp.int32)
     logits, cache, _ = model.decode(tokens[:, :5], cache, jnp.int32(0), start, all_logits=True)
     np.testing.assert_allclose(logits, full[:, :5], rtol=1e-4, atol=1e-5)
+    prepared = model.prepare_decode()  # the default layout's output-major copies (decode_transposed)
     for t in range(5, 8):
-        step_logits, cache, aux = model.decode(tokens[:, t:t + 1], cache, jnp.int32(t), start)
+        step_logits, cache, aux = model.decode(tokens[:, t:t + 1], cache, jnp.int32(t), start, prepared=prepared)
         np.testing.assert_allclose(step_logits, full[:, t], rtol=1e-4, atol=1e-5)
     assert isinstance(cache, KVCache) and aux["l0"].shape == (4,)
 

@@ -159,12 +159,14 @@ class Generator:
         model_cfg_ = model_cfg
         cache_len_ = self.cache_len
 
-        def prefill(state: nnx.State, tokens_BxP: jax.Array, start_B: jax.Array, key: jax.Array,
+        def prefill(state: nnx.State, prepared: object, tokens_BxP: jax.Array, start_B: jax.Array, key: jax.Array,
                     temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> tuple[jax.Array, object]:
             self.traces["prefill"] += 1
             model = nnx.merge(self.graphdef, state)
             cache = init_cache(model_cfg_, tokens_BxP.shape[0], cache_len_)
-            logits_BxV, cache, _ = model.decode(tokens_BxP, cache, jnp.int32(0), start_B)
+            # prepared too: a one-token prompt bucket (a cache with room for one prompt token) is a
+            # one-token step, which with model.decode_transposed reads the copies
+            logits_BxV, cache, _ = model.decode(tokens_BxP, cache, jnp.int32(0), start_B, prepared=prepared)
             return sample_tokens(logits_BxV, jax.random.fold_in(key, 0), temperature, top_k, top_p), cache
 
         def decode_chunk(state: nnx.State, prepared: object, cache: object, token_B: jax.Array,
@@ -290,8 +292,8 @@ class Generator:
         eos_E[:len(eos_ids)] = sorted(eos_ids)
         eos_E = jnp.asarray(eos_E)
         began = time.perf_counter()
-        (token_B, cache), compile_s = self._run("prefill", self._prefill, self.state, jnp.asarray(tokens_BxP),
-                                                start, key, *settings)
+        (token_B, cache), compile_s = self._run("prefill", self._prefill, self.state, self.prepared,
+                                                jnp.asarray(tokens_BxP), start, key, *settings)
         host_B = np.asarray(token_B)
         decode_began = time.perf_counter()
         prefill_s = decode_began - began - compile_s
