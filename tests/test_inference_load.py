@@ -141,7 +141,7 @@ def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_inference.py"), "--dry-run",
-                           "--stored-decode-rows", "--out", str(out)], capture_output=True, text=True, env=env,
+                           "--stored-decode-rows", "--trace-decode", "3", "--out", str(out)], capture_output=True, text=True, env=env,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     import json
@@ -152,6 +152,11 @@ def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_
     transposed = [r for r in rows if r["variant"].endswith("+stored")]
     assert {r["variant"] for r in transposed} == {"dense+stored", "twell-reference+stored"}
     assert {r["phase"] for r in transposed} == {"decode", "generate, chunk 1", "generate, chunk 16"}
+    # --trace-decode: every decode row at the first batch carries its step's kernel time line (on a
+    # CPU the profile is empty and says why), the other batches none.
+    traced = {(r["variant"], r["batch"]) for r in rows if "trace" in r}
+    assert traced == {(r["variant"], 1) for r in rows if r["phase"] == "decode"} and len(traced) == 5
+    assert all(r["trace"] and r["trace"][0].startswith("kernel trace") for r in rows if "trace" in r)
     rows = [r for r in rows if not r["variant"].endswith("+stored")]
     generate_rows = [r for r in rows if r["phase"].startswith("generate")]
     rows = [r for r in rows if not r["phase"].startswith("generate")]

@@ -155,3 +155,30 @@ def test_the_matvec_sweep_runs_on_the_cpu(tmp_path, capsys):
     # Each layout sweeps its own tiles: kn wide and short (rows of >= 64 B), nk narrow and long.
     kn = module.SWEEPS["kn"]
     assert all(s.block_n * 2 >= 64 for s in kn) and {1, 4, 8} == {s.split_k for s in kn}
+
+
+def test_matvec_blocks_file_sets_the_roles_and_bad_files_are_refused(tmp_path):
+    """bench_inference --matvec-blocks: a sweep's --blocks-out file sets those roles' blocks for the
+    process (the others keep theirs); a file that is not one, or names an unknown role, is refused
+    with the flag named."""
+    from twell_jax.pallas_kernels import decode_matvec
+
+    saved = dict(decode_matvec.ROLE_BLOCK_SIZES)
+    try:
+        good = tmp_path / "blocks.json"
+        good.write_text(json.dumps({"device": "cpu", "m": 1, "roles": {"qkv_nk": {
+            "block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 1, "split_k": 2}}}))
+        assert bench_inference.load_matvec_blocks(str(good))["qkv_nk"]["split_k"] == 2
+        assert decode_matvec.role_block_sizes("qkv_nk") == decode_matvec.MatvecBlockSizes(
+            block_n=16, block_k=32, num_warps=4, num_stages=1, split_k=2)
+        assert decode_matvec.role_block_sizes("head") == saved["head"]
+        for text, message in (("not json", "expected a bench_decode_matvec --blocks-out file"),
+                              (json.dumps({"roles": {"qkv_nk": {"block_n": 3}}}), "--blocks-out file"),
+                              (json.dumps({"roles": {"nope": saved["head"].__dict__}}), "unknown roles")):
+            bad = tmp_path / "bad.json"
+            bad.write_text(text)
+            with pytest.raises(SystemExit, match=message):
+                bench_inference.load_matvec_blocks(str(bad))
+    finally:
+        decode_matvec.ROLE_BLOCK_SIZES.clear()
+        decode_matvec.ROLE_BLOCK_SIZES.update(saved)
