@@ -128,7 +128,7 @@ def test_chunked_decode_equals_step_at_a_time_and_compiles_before_the_clock(chun
         reference.generate(prompts, 5, SamplingConfig(), eos=(), chunk=0)
     again = generator.generate(prompts, 5, SamplingConfig(), eos=())
     assert first.compile_s == 0.0 and again.compile_s == 0.0  # compiled by the calls above
-    assert generator.traces == {"prefill": 1, "decode": 1}
+    assert generator.traces == {"prefill": 1, "decode": 2}  # one decode program per mode: greedy, sampled
     fresh = Generator(_loaded(_model_cfg(n_layers=1)), cache_len=32, chunk=chunk)
     assert fresh.generate(prompts, 3, SamplingConfig(), eos=()).compile_s > 0
 
@@ -144,13 +144,17 @@ def test_a_chunk_ends_on_the_device_once_every_row_made_an_eos():
     assert int(token_B[0]) == greedy[0]
     settings = (jnp.int32(8), jnp.int32(8))  # the first slot after the prompt bucket, up to 8 steps
     for eos, steps in ((greedy[2], 2), (-1, 8)):  # the 2nd decode step makes greedy[2]; -1 is never made
-        (tokens_BxC, n_run, last_B, _), _ = generator._run(
-            "decode", generator._decode_chunk, generator.state, generator.prepared, cache, token_B,
-            jnp.full((1, 8), -1, jnp.int32), *settings, jnp.asarray([False]),
-            jnp.asarray([eos], jnp.int32), jnp.asarray([7]), jax.random.key(0), jnp.float32(0), jnp.int32(0),
-            jnp.float32(1))
+        args = (generator.state, generator.prepared, cache, token_B, jnp.full((1, 8), -1, jnp.int32), *settings,
+                jnp.asarray([False]), jnp.asarray([eos], jnp.int32), jnp.asarray([7]), jax.random.key(0),
+                jnp.float32(0), jnp.int32(0), jnp.float32(1))
+        (tokens_BxC, n_run, last_B, _), _ = generator._run("decode greedy", generator._decode_chunk[True], *args)
         assert int(n_run) == steps and list(np.asarray(tokens_BxC[0, :2])) == greedy[1:3]
         assert int(last_B[0]) == int(tokens_BxC[0, steps - 1]) and int(tokens_BxC[0, steps:].max(initial=-1)) == -1
+    # The chunk's loop has a trip count known when it is traced (the chunk width), and the greedy
+    # program has no lax.cond: on a GPU, XLA then runs the steps without copying a loop or branch
+    # predicate to the host after each one. The stop is a mask inside the loop (checked above).
+    jaxpr = str(jax.make_jaxpr(generator._decode_chunk[True])(*args))
+    assert "scan[" in jaxpr and " while[" not in jaxpr and " cond[" not in jaxpr
     with pytest.raises(ValueError, match="chunk .* must be an int >= 1"):
         Generator(_loaded(_model_cfg(n_layers=1)), chunk=0)
 
@@ -189,8 +193,9 @@ def test_sampling_is_seeded_and_top_k_one_or_zero_temperature_is_greedy(loaded):
     assert a == b and a != c and a != greedy
     assert generate(loaded, prompts, max_new_tokens=5, temperature=1.5, top_k=1, seed=3, eos=()).tokens == greedy
     assert generate(loaded, prompts, max_new_tokens=5, temperature=1.5, top_p=1e-6, seed=3, eos=()).tokens == greedy
-    # The settings are traced values: all of the above ran on the module's one program per shape.
-    assert loaded._generator.traces["decode"] <= 2  # row buckets 2 and 4 (other tests), never per setting
+    # The settings are traced values: all of the above ran on the module's programs, one per row
+    # bucket (2 and 4, other tests) and mode (greedy, sampled), never one per setting.
+    assert loaded._generator.traces["decode"] <= 4
 
 
 def test_sample_tokens_respects_top_k_and_top_p():

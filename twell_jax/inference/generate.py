@@ -9,8 +9,12 @@ bucket) pair one prefill program. A length bucket that would leave no room in th
 programs traced so far.
 
 Decode steps run in chunks: one program call runs up to `Generator.chunk` steps in a device-side
-loop (each step samples on the device and feeds its token to the next), stopping early once every
-row has produced an EOS token, and hands the chunk's tokens to the host at once. Streaming, stop
+loop (each step samples on the device and feeds its token to the next), and hands the chunk's
+tokens to the host at once. The loop always runs `chunk` iterations: once every row has produced an
+EOS token (or the call's steps are done) the remaining iterations are masked, their results dropped,
+so that the GPU never waits on the host inside a chunk (a loop ended by a device value, or a
+lax.cond, copies its predicate to the host after every step; greedy decoding has its own program
+without the sampling branch for the same reason). Streaming, stop
 strings and the per-row bookkeeping then walk the chunk step by step, exactly as if each step had
 come alone (tokens a row makes after its stop are computed and dropped). One host round trip per
 chunk instead of per token: at decode sizes the per-call dispatch and copy are a large part of a
@@ -27,6 +31,7 @@ exactly what it would alone (tested against the full forward).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -169,7 +174,7 @@ class Generator:
             logits_BxV, cache, _ = model.decode(tokens_BxP, cache, jnp.int32(0), start_B, prepared=prepared)
             return sample_tokens(logits_BxV, jax.random.fold_in(key, 0), temperature, top_k, top_p), cache
 
-        def decode_chunk(state: nnx.State, prepared: object, cache: object, token_B: jax.Array,
+        def decode_chunk(greedy: bool, state: nnx.State, prepared: object, cache: object, token_B: jax.Array,
                          tokens_BxC: jax.Array, first_index: jax.Array, n_steps: jax.Array, done_B: jax.Array,
                          eos_E: jax.Array, start_B: jax.Array, key: jax.Array, temperature: jax.Array,
                          top_k: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, object]:
@@ -177,31 +182,46 @@ class Generator:
             after the step in which every row is done (done_B on entry, or an id of eos_E made).
             tokens_BxC: all -1, its width C the chunk (one program per chunk size). Returns it with
             column i holding step i's tokens, the steps run, the last step's tokens [B] (the next
-            chunk's input) and the cache."""
+            chunk's input) and the cache.
+
+            The loop runs C iterations, a trip count XLA knows, so the GPU runs it without a host
+            round trip per step (a loop ended by a device value, and a lax.cond, each copy their
+            predicate to the host every iteration, so the host could launch a step's kernels only
+            after the last step ended). An iteration after the stop ("dead") still computes a step
+            but changes nothing the caller sees: its token, done flags and column are discarded,
+            and the cache slot it writes lies past every live token (each live step writes its own
+            slot before it attends, so such a slot is rewritten before it is ever visible; at the
+            cache's end the write clamps to the last slot, after the generation's last step).
+            `greedy` (static): argmax, no sampling branch (its lax.cond would cost that round trip)."""
             self.traces["decode"] += 1
             model = nnx.merge(self.graphdef, state)
 
-            def running(carry: tuple) -> jax.Array:
-                i, _, _, done_B, _ = carry
-                return (i < n_steps) & ~jnp.all(done_B)
-
-            def step(carry: tuple) -> tuple:
-                i, token_B, cache, done_B, tokens_BxC = carry
+            def step(i: jax.Array, carry: tuple) -> tuple:
+                n_run, token_B, cache, done_B, tokens_BxC = carry
+                live = (i < n_steps) & ~jnp.all(done_B)  # the while condition of a loop that stopped here
                 index = first_index + i
                 logits_BxV, cache, _ = model.decode(token_B[:, None], cache, index, start_B, prepared=prepared)
-                token_B = sample_tokens(logits_BxV, jax.random.fold_in(key, index), temperature, top_k, top_p)
-                tokens_BxC = jax.lax.dynamic_update_slice(tokens_BxC, token_B[:, None], (jnp.int32(0), i))
-                done_B = done_B | jnp.any(token_B[:, None] == eos_E[None, :], axis=1)
-                return i + 1, token_B, cache, done_B, tokens_BxC
+                if greedy:
+                    new_B = jnp.argmax(logits_BxV.astype(jnp.float32), axis=-1).astype(jnp.int32)
+                else:
+                    new_B = _sample(logits_BxV.astype(jnp.float32), jax.random.fold_in(key, index), temperature,
+                                    top_k, top_p)
+                token_B = jnp.where(live, new_B, token_B)
+                column_Bx1 = jnp.where(live, token_B, -1)[:, None]
+                tokens_BxC = jax.lax.dynamic_update_slice(tokens_BxC, column_Bx1, (jnp.int32(0), i))
+                done_B = done_B | (live & jnp.any(token_B[:, None] == eos_E[None, :], axis=1))
+                return n_run + live.astype(jnp.int32), token_B, cache, done_B, tokens_BxC
 
-            n_run, token_B, cache, _, tokens_BxC = jax.lax.while_loop(
-                running, step, (jnp.int32(0), token_B, cache, done_B, tokens_BxC))
+            n_run, token_B, cache, _, tokens_BxC = jax.lax.fori_loop(
+                0, tokens_BxC.shape[1], step, (jnp.int32(0), token_B, cache, done_B, tokens_BxC))
             return tokens_BxC, n_run, token_B, cache
 
         self._prefill = jax.jit(prefill)
         # The cache is updated in place on accelerators (CPU cannot donate buffers and would warn).
         donate = (2,) if jax.default_backend() != "cpu" else ()
-        self._decode_chunk = jax.jit(decode_chunk, donate_argnums=donate)
+        # One program family per mode: {greedy: fn}, named "decode greedy" / "decode sample" in _run.
+        self._decode_chunk = {greedy: jax.jit(functools.partial(decode_chunk, greedy), donate_argnums=donate)
+                              for greedy in (True, False)}
 
     def _run(self, name: str, fn, *args) -> tuple[object, float]:
         """fn(*args) through an executable compiled ahead for these argument shapes (once per shape
@@ -286,6 +306,7 @@ class Generator:
             start_B[b] = bucket - len(prompt)
         key = jax.random.key(sampling.seed)
         settings = (jnp.float32(sampling.temperature), jnp.int32(sampling.top_k), jnp.float32(sampling.top_p))
+        greedy = sampling.temperature <= 0 or sampling.top_k == 1  # sample_tokens' greedy test, decided here
         start = jnp.asarray(start_B)
         # EOS ids padded to a power of two with -1 (never a token): few distinct program shapes.
         eos_E = np.full((_next_pow2(max(len(eos_ids), 1)),), -1, np.int32)
@@ -321,7 +342,8 @@ class Generator:
             n_steps = min(chunk, max_new_tokens - 1 - steps)
             done_B = np.array(done + [True] * (rows - n_rows))  # padding rows never hold a chunk open
             (tokens_BxC, n_run, token_B, cache), seconds = self._run(
-                "decode", self._decode_chunk, self.state, self.prepared, cache, token_B, empty_BxC,
+                "decode " + ("greedy" if greedy else "sample"), self._decode_chunk[greedy], self.state, self.prepared,
+                cache, token_B, empty_BxC,
                 jnp.int32(bucket + steps), jnp.int32(n_steps), jnp.asarray(done_B), eos_E, start, key, *settings)
             decode_compile_s += seconds
             host_BxC, n_run = np.asarray(tokens_BxC), int(n_run)
