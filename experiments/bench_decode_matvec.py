@@ -88,13 +88,18 @@ def stacked(key, shape, layers: int, dtype=jnp.bfloat16) -> jax.Array:
     return jax.random.normal(key, (layers, *shape), dtype)
 
 
+def fastest(rows: list[dict], name: str, m: int) -> dict | None:
+    """The fastest measured variant of shape `name` at m rows, or None."""
+    cand = [r for r in rows if r.get("shape") == name and r["m"] == m and "us" in r]
+    return min(cand, key=lambda r: r["us"]) if cand else None
+
+
 def write_blocks(path: str, rows: list[dict], role_shapes: dict[str, str], m: int) -> list[str]:
     """Each role's fastest blocks at m rows, as JSON for `bench_inference.py --matvec-blocks`."""
     roles = {}
     for role, name in role_shapes.items():
-        cand = [r for r in rows if r.get("shape") == name and r["m"] == m and "us" in r]
-        if cand:
-            b = min(cand, key=lambda r: r["us"])
+        b = fastest(rows, name, m)
+        if b:
             roles[role] = {f: b[f] for f in ("block_n", "block_k", "num_warps", "num_stages", "split_k")}
     Path(path).write_text(json.dumps({"device": jax.devices()[0].device_kind, "m": m, "roles": roles}, indent=1) + "\n")
     return sorted(roles)
@@ -173,9 +178,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                              "num_stages": sizes.num_stages, "split_k": sizes.split_k, "us": us, "xla_us": xla_us, "vs_xla": xla_us / us,
                              "gb_s": nbytes / us / 1e3, "peak_share": nbytes / us / 1e3 / args.peak_gbs,
                              "rel_err_vs_xla": err})
-            best = min((r for r in rows if r.get("shape") == name and r["m"] == m and "us" in r), key=lambda r: r["us"])
-            print(f"[matvec] m {m} {name}: best bn {best['block_n']} bk {best['block_k']} w{best['num_warps']} "
-                  f"s{best['num_stages']} split {best['split_k']} {best['us']:.1f} us ({best['gb_s']:.0f} GB/s) vs XLA {xla_us:.1f} us", flush=True)
+            best = fastest(rows, name, m)
+            if best is None:  # every variant failed to compile: their errors are in the rows
+                print(f"[matvec] m {m} {name}: no variant ran", flush=True)
+            else:
+                print(f"[matvec] m {m} {name}: best bn {best['block_n']} bk {best['block_k']} w{best['num_warps']} "
+                      f"s{best['num_stages']} split {best['split_k']} {best['us']:.1f} us ({best['gb_s']:.0f} GB/s) vs XLA {xla_us:.1f} us", flush=True)
             if args.blocks_out and m == first_m:  # after every shape, as --out
                 write_blocks(args.blocks_out, rows, role_shapes, m)
             if args.out:  # after every shape: a run cut short keeps what it measured
@@ -183,16 +191,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print("\n| m | shape | best blocks | us | GB/s | share of peak | XLA us | vs XLA |\n|---|---|---|---|---|---|---|---|")
     for m in sorted({r["m"] for r in rows}):
         for name, *_ in shapes:
-            cand = [r for r in rows if r.get("shape") == name and r["m"] == m and "us" in r]
-            if cand:
-                b = min(cand, key=lambda r: r["us"])
+            b = fastest(rows, name, m)
+            if b:
                 print(f"| {m} | {name} | {b['block_n']}/{b['block_k']}/w{b['num_warps']}/s{b['num_stages']}/k{b['split_k']} | "
                       f"{b['us']:.1f} | {b['gb_s']:.0f} | {b['peak_share']:.0%} | {b['xla_us']:.1f} | {b['vs_xla']:.2f}x |")
         print(f"\n# decode_matvec.ROLE_BLOCK_SIZES: each role's fastest blocks at m {m}")
         for role, name in role_shapes.items():
-            cand = [r for r in rows if r.get("shape") == name and r["m"] == m and "us" in r]
-            if cand:
-                b = min(cand, key=lambda r: r["us"])
+            b = fastest(rows, name, m)
+            if b:
                 print(f'    "{role}": MatvecBlockSizes(block_n={b["block_n"]}, block_k={b["block_k"]}, '
                       f'num_warps={b["num_warps"]}, num_stages={b["num_stages"]}, split_k={b["split_k"]}),')
     if args.blocks_out:

@@ -69,6 +69,11 @@ class SamplingConfig:
     top_p: float = 1.0  # nucleus: the smallest most-likely set with probability >= top_p (1 = all)
     seed: int = 0  # PRNG seed of the sampling (same seed, prompts and settings = same output)
 
+    @property
+    def greedy(self) -> bool:
+        """Whether these settings pick the argmax (sample_tokens' test, on the host's values)."""
+        return self.temperature <= 0 or self.top_k == 1
+
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
@@ -109,7 +114,8 @@ def sample_tokens(logits_BxV: jax.Array, key: jax.Array, temperature: jax.Array,
     """Next token per row [B] (int32): argmax when temperature == 0 or top_k == 1, else a sample
     from the temperature-scaled softmax restricted to the top-k tokens, then to the top-p nucleus
     of those. All settings may be traced, so one program serves every setting; a `lax.cond` runs
-    only the argmax for greedy settings (the sort and the sampling are skipped at run time)."""
+    only the argmax for greedy settings (the sort and the sampling are skipped at run time; the same
+    test as `SamplingConfig.greedy`, which the Generator's decode loop decides on the host)."""
     logits_BxV = logits_BxV.astype(jnp.float32)
     return jax.lax.cond((temperature <= 0) | (top_k == 1),
                         lambda: jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32),
@@ -306,7 +312,6 @@ class Generator:
             start_B[b] = bucket - len(prompt)
         key = jax.random.key(sampling.seed)
         settings = (jnp.float32(sampling.temperature), jnp.int32(sampling.top_k), jnp.float32(sampling.top_p))
-        greedy = sampling.temperature <= 0 or sampling.top_k == 1  # sample_tokens' greedy test, decided here
         start = jnp.asarray(start_B)
         # EOS ids padded to a power of two with -1 (never a token): few distinct program shapes.
         eos_E = np.full((_next_pow2(max(len(eos_ids), 1)),), -1, np.int32)
@@ -342,7 +347,7 @@ class Generator:
             n_steps = min(chunk, max_new_tokens - 1 - steps)
             done_B = np.array(done + [True] * (rows - n_rows))  # padding rows never hold a chunk open
             (tokens_BxC, n_run, token_B, cache), seconds = self._run(
-                "decode " + ("greedy" if greedy else "sample"), self._decode_chunk[greedy], self.state, self.prepared,
+                "decode " + ("greedy" if sampling.greedy else "sample"), self._decode_chunk[sampling.greedy], self.state, self.prepared,
                 cache, token_B, empty_BxC,
                 jnp.int32(bucket + steps), jnp.int32(n_steps), jnp.asarray(done_B), eos_E, start, key, *settings)
             decode_compile_s += seconds
