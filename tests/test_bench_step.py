@@ -48,8 +48,39 @@ def test_flops_per_token_matches_the_issue_figure():
     assert 131_700 * bench_step.flops_per_token(cfg, 2048) / 989e12 == pytest.approx(0.46, abs=0.005)
 
 
+def test_a_variant_runs_at_its_own_micro_batch_and_the_best_table_compares_by_tokens(capsys):
+    """What a sparse model's saved memory buys: it may run a larger micro-batch than its twin in the
+    same process; rows are then compared by tokens/s, and each kind's fastest configuration is named."""
+    rows = bench_step.main(["--dry-run", "--config", "micro", "--micro-batch", "2",
+                            "--variants", "relu_gated:none,relu_gated:full:3,twell@dense:none:3"])
+    assert [(r["variant"], r["micro_batch"]) for r in rows] == [
+        ("relu_gated:none", 2), ("relu_gated:full:3", 3), ("twell@dense:none:3", 3)]
+    best = bench_step.best_rows(rows)
+    assert set(best) == {"relu_gated", "twell@dense"} and best["twell@dense"] is rows[2]
+    assert best["relu_gated"]["tokens_per_s"] == max(r["tokens_per_s"] for r in rows[:2])
+    table = capsys.readouterr().out.strip().splitlines()[-4:]
+    assert table[0].startswith("| kind | fastest configuration |")
+    twin_same = next((r for r in rows[:2] if r["remat"] == "none" and r["micro_batch"] == 3), None)
+    assert twin_same is None and "| twell@dense | remat none, micro-batch 3 |" in table[3] and "not run" in table[3]
+    ratio = rows[2]["tokens_per_s"] / best["relu_gated"]["tokens_per_s"]
+    assert f"| {ratio:.3f} |" in table[3]
+
+
+def test_the_best_table_skips_a_failed_row_and_is_left_out_for_one_configuration_per_kind():
+    ok = {"kind": "relu_gated", "backend": None, "remat": "none", "micro_batch": 8, "tokens_per_s": 10.0,
+          "compiled_memory_bytes": 2**30}
+    failed = {"kind": "relu_gated", "backend": None, "remat": "dots", "micro_batch": 16, "error": "OOM"}
+    sparse = dict(ok, kind="twell", backend="auto", tokens_per_s=12.0)
+    assert bench_step.best_rows([ok, failed, sparse]) == {"relu_gated": ok, "twell@auto": sparse}
+    assert "| twell@auto | remat none, micro-batch 8 | 12 | 1.200 | 1.200 | 1.00 |" in bench_step.format_best(
+        [ok, failed, sparse])
+    assert bench_step.format_best([ok, sparse]) == ""
+
+
 @pytest.mark.parametrize("text,match", [("gelu:none", "unknown kind 'gelu'"), ("twell:often", "unknown remat"),
-                                        ("ref:ffn", "reference model takes"), ("", "empty")])
+                                        ("ref:ffn", "reference model takes"), ("", "empty"),
+                                        ("twell:none:0", "must be a positive integer"),
+                                        ("twell:none:x8", "must be a positive integer")])
 def test_bad_variants_are_rejected(text, match):
     with pytest.raises(ValueError, match=match):
         bench_step.parse_variants(text)

@@ -6,9 +6,12 @@
         --variants ref:none,relu_gated:none,twell@pallas:none,twell@auto:none
     python experiments/bench_step.py --dry-run          # tiny shapes on CPU (what the test runs)
 
-A variant is `kind[@backend]:remat` with kind an FFN kind of the model (model.ffn_kind) or `ref` (the
-plain-JAX Llama of twell_jax/bench/plain_llama.py, bf16 parameters), backend an op backend for the kinds
-that run the sparse op (default: the config's), remat a policy of model.remat. One step = jax.grad
+A variant is `kind[@backend]:remat[:micro_batch]` with kind an FFN kind of the model (model.ffn_kind) or
+`ref` (the plain-JAX Llama of twell_jax/bench/plain_llama.py, bf16 parameters), backend an op backend
+for the kinds that run the sparse op (default: the config's), remat a policy of model.remat, and
+micro_batch the variant's sequences per step (default: --micro-batch), so that one process can time a
+sparse model at a larger micro-batch than its twin (what its saved memory buys). Compare such rows by
+tokens/s. The summary printed last names, for each kind, the fastest variant that ran (`best` table). One step = jax.grad
 of CE (+ the L1 penalty for kinds trained with it), plus the AdamW update of the trainer with --optimizer. Without
 --optimizer the step returns the weights unchanged beside their gradients, so every timed step sees
 the same weights (a sparse step's time depends on their values) and the gradient buffer counts in
@@ -66,14 +69,21 @@ DRY_RUN_SETS = ["model.vocab_size=512", "model.d_model=32", "model.n_layers=2", 
 # ----------------------------------------------------------------------------- variants
 
 
-def parse_variants(text: str) -> list[tuple[str, str | None, str]]:
-    """"kind[@backend]:remat,..." -> [(kind, backend or None, remat)], validated (kind: an FFN kind or
-    "ref"; backend: an op backend, only for kinds that run the sparse op)."""
+def parse_variants(text: str) -> list[tuple[str, str | None, str, int | None]]:
+    """"kind[@backend]:remat[:micro_batch],..." -> [(kind, backend or None, remat, micro_batch or None)],
+    validated (kind: an FFN kind or "ref"; backend: an op backend, only for kinds that run the sparse
+    op; micro_batch: a positive integer)."""
     variants = []
     for item in filter(None, (part.strip() for part in text.split(","))):
-        spec, _, remat = item.partition(":")
+        spec, _, rest = item.partition(":")
+        remat, _, batch = rest.partition(":")
         kind, _, backend = spec.partition("@")
         remat = remat or "none"
+        micro_batch = None
+        if batch:
+            if not batch.isdigit() or int(batch) < 1:
+                raise ValueError(f"--variants: the micro-batch of {item!r} must be a positive integer, got {batch!r}")
+            micro_batch = int(batch)
         if kind != "ref" and kind not in FFN_KIND_TABLE:
             raise ValueError(f"--variants: unknown kind {kind!r} in {item!r}; expected 'ref' or one of "
                              f"{', '.join(FFN_KIND_TABLE)}")
@@ -87,14 +97,14 @@ def parse_variants(text: str) -> list[tuple[str, str | None, str]]:
         if remat not in REMAT_POLICIES:
             raise ValueError(f"--variants: unknown remat policy {remat!r} in {item!r}; expected one of "
                              f"{', '.join(REMAT_POLICIES)}")
-        variants.append((kind, backend or None, remat))
+        variants.append((kind, backend or None, remat, micro_batch))
     if not variants:
         raise ValueError("--variants is empty")
     return variants
 
 
-def variant_label(kind: str, backend: str | None, remat: str) -> str:
-    return f"{kind}{'@' + backend if backend else ''}:{remat}"
+def variant_label(kind: str, backend: str | None, remat: str, micro_batch: int | None = None) -> str:
+    return f"{kind}{'@' + backend if backend else ''}:{remat}{f':{micro_batch}' if micro_batch else ''}"
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -189,14 +199,14 @@ trace_top = 16  # kernels listed by --trace
 def run_variant(base: ExperimentConfig, kind: str, backend: str | None, remat: str, micro_batch: int,
                 tokens: jax.Array, *, steps: int, warmup: int, repeats: int, optimizer: bool, peak_flops: float,
                 params: dict[str, Any] | None = None, hints: tuple[float, ...] | None = None,
-                tails: Tails | None = None, trace: int = 0) -> dict[str, Any]:
+                tails: Tails | None = None, trace: int = 0, label_batch: int | None = None) -> dict[str, Any]:
     """Compile, warm up and time one variant on `tokens` [micro_batch, seq + 1]; any failure is
-    returned as {"error": ...}. `params`: trained parameters for the library's model (the `ref`
+    returned as {"error": ...}. `label_batch`: the micro-batch the variant named (in its label). `params`: trained parameters for the library's model (the `ref`
     row always runs its own random init: a dense step's time does not depend on the values)."""
     cfg = variant_config(base, kind, backend, remat, hints, tails)
     seq_len = cfg.seq_len
-    row: dict[str, Any] = {"variant": variant_label(kind, backend, remat), "kind": kind, "backend": backend,
-                           "remat": remat, "micro_batch": micro_batch, "seq_len": seq_len}
+    row: dict[str, Any] = {"variant": variant_label(kind, backend, remat, label_batch), "kind": kind,
+                           "backend": backend, "remat": remat, "micro_batch": micro_batch, "seq_len": seq_len}
     try:
         step, state, row["how"], active = build_step(cfg, kind, optimizer, params)
         if active is not None:
@@ -262,6 +272,43 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def best_rows(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """For each kind[@backend]: its row of the most tokens/s among those that ran (any remat and
+    micro-batch), in the order the kinds first appear."""
+    best: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if "error" in r:
+            continue
+        key = variant_label(r["kind"], r["backend"], "").rstrip(":")
+        if key not in best or r["tokens_per_s"] > best[key]["tokens_per_s"]:
+            best[key] = r
+    return best
+
+
+def format_best(rows: list[dict[str, Any]]) -> str:
+    """The `best` table (printed after the rows where a kind ran in more than one configuration):
+    each kind's fastest configuration, and its tokens/s against the fastest dense twin's
+    (`relu_gated`) and against the twin at the same remat and micro-batch where that ran."""
+    best = best_rows(rows)
+    counts: dict[str, int] = {}
+    for r in rows:
+        key = variant_label(r["kind"], r["backend"], "").rstrip(":")
+        counts[key] = counts.get(key, 0) + 1
+    if all(n < 2 for n in counts.values()):
+        return ""
+    twin = best.get("relu_gated")
+    lines = ["| kind | fastest configuration | tokens/s | vs the twin's fastest | vs the twin, same configuration "
+             "| compiled GiB |", "|---|---|---|---|---|---|"]
+    for key, r in best.items():
+        same = next((t for t in rows if t["kind"] == "relu_gated" and "error" not in t and t["remat"] == r["remat"]
+                     and t["micro_batch"] == r["micro_batch"]), None)
+        vs_best = f"{r['tokens_per_s'] / twin['tokens_per_s']:.3f}" if twin else "n/a"
+        vs_same = f"{r['tokens_per_s'] / same['tokens_per_s']:.3f}" if same else "not run"
+        lines.append(f"| {key} | remat {r['remat']}, micro-batch {r['micro_batch']} | {r['tokens_per_s']:,.0f} | "
+                     f"{vs_best} | {vs_same} | {_gib(r['compiled_memory_bytes'])} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="0.5b", help="preset whose model shapes are used (configs/)")
@@ -312,26 +359,31 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     micro_batch = args.micro_batch or (2 if args.dry_run else base.train.micro_batch)
     if micro_batch < 1:
         parser.error("--micro-batch must be >= 1")
+    # One set of tokens for every variant: a variant of a smaller micro-batch takes its first rows.
+    most = max([micro_batch] + [v[3] for v in variants if v[3]])
     if args.checkpoint:
-        tokens = jnp.asarray(validation_tokens(args.checkpoint, micro_batch))
+        tokens = jnp.asarray(validation_tokens(args.checkpoint, most))
         if tokens.shape[1] != base.seq_len + 1:
             parser.error(f"--set changed the sequence length: the run's validation split holds "
                          f"{tokens.shape[1] - 1}-token sequences")
     else:
-        tokens = jax.random.randint(jax.random.key(1), (micro_batch, base.seq_len + 1), 0, base.model.vocab_size)
+        tokens = jax.random.randint(jax.random.key(1), (most, base.seq_len + 1), 0, base.model.vocab_size)
     device = jax.devices()[0]
+    limit = (device.memory_stats() or {}).get("bytes_limit") if hasattr(device, "memory_stats") else None
     print(f"[bench_step] {source} ({base.model.n_layers} layers, d_model {base.model.d_model}, d_ff "
           f"{base.model.d_ff}, vocab {base.model.vocab_size}, seq {base.seq_len}), micro-batch {micro_batch}, "
-          f"{'grad + AdamW' if args.optimizer else 'grad only'}, on {device.device_kind}; "
+          f"{'grad + AdamW' if args.optimizer else 'grad only'}, on {device.device_kind}"
+          f"{f' ({limit / 2**30:.1f} GiB usable by JAX)' if limit else ''}; "
           f"MFU against {args.peak_flops:.3g} FLOP/s; tokens: "
           f"{'its validation split' if args.checkpoint else 'random ids'}"
           + (f"; 'auto' hints from the run: {', '.join(f'{v:.1f}' for v in hints)}" if hints else "")
           + (f"; tail hints (token-tail / hot-neuron share): {describe_tails(tails)}" if tails else ""), flush=True)
     rows = []
-    for kind, backend, remat in variants:
-        row = run_variant(base, kind, backend, remat, micro_batch, tokens, steps=args.steps, warmup=args.warmup,
-                          repeats=args.repeats, optimizer=args.optimizer, peak_flops=args.peak_flops,
-                          params=params, hints=hints, tails=tails, trace=args.trace)
+    for kind, backend, remat, batch in variants:
+        row = run_variant(base, kind, backend, remat, batch or micro_batch, tokens[:batch or micro_batch],
+                          steps=args.steps, warmup=args.warmup, repeats=args.repeats, optimizer=args.optimizer,
+                          peak_flops=args.peak_flops, params=params, hints=hints, tails=tails, trace=args.trace,
+                          label_batch=batch)
         detail = row.get("error") or (f"{row['ms_per_step']:.2f} ms/step, {row['tokens_per_s']:,.0f} tokens/s, "
                                       f"compiled in {row['compile_s']:.1f} s")
         if row.get("active_per_layer"):
@@ -345,10 +397,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"config": args.config, "source": source, "hints": hints,
                                               "tail_hints": tails, "sets": sets, "micro_batch": micro_batch,
-                                              "device": device.device_kind, "optimizer": args.optimizer,
+                                              "device": device.device_kind, "device_bytes_limit": limit,
+                                              "optimizer": args.optimizer,
                                               "peak_flops": args.peak_flops, "rows": rows}, indent=2))
         print(f"[bench_step] wrote {args.out}")
     print(format_table(rows))
+    best = format_best(rows)
+    if best:
+        print(best)
     return rows
 
 
