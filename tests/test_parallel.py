@@ -2,6 +2,8 @@
 devices (tests/conftest.py sets the XLA flag)."""
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -453,3 +455,37 @@ def test_two_processes_stitch_their_rows_into_one_global_batch(tmp_path):
         assert r["processes"] == 2 and r["devices"] == 4
         assert r["shape"] == [8, 3]
         assert r["total"] == r["want"]
+
+
+# ----------------------------------------------------------------------------- device memory
+
+
+
+def test_claim_device_memory_sets_the_fraction_before_the_backend_starts(monkeypatch):
+    from jax._src import xla_bridge
+
+    for name in (par.MEMORY_FRACTION_VARIABLE, "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    assert par.claim_device_memory() == f"XLA_PYTHON_CLIENT_MEM_FRACTION={par.DEVICE_MEMORY_FRACTION}"
+    assert os.environ[par.MEMORY_FRACTION_VARIABLE] == str(par.DEVICE_MEMORY_FRACTION)
+    with pytest.raises(ValueError, match="fraction must be in"):
+        monkeypatch.delenv(par.MEMORY_FRACTION_VARIABLE)
+        par.claim_device_memory(1.5)
+
+
+def test_claim_device_memory_keeps_the_users_setting_and_a_started_backend(monkeypatch):
+    from jax._src import xla_bridge
+
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.delenv(par.MEMORY_FRACTION_VARIABLE, raising=False)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    assert par.claim_device_memory() == "XLA_PYTHON_CLIENT_PREALLOCATE=false (set by the user)"
+    assert par.MEMORY_FRACTION_VARIABLE not in os.environ
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE")
+    monkeypatch.setenv(par.MEMORY_FRACTION_VARIABLE, "0.5")
+    assert par.claim_device_memory() == "XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 (set by the user)"
+    assert os.environ[par.MEMORY_FRACTION_VARIABLE] == "0.5"
+    monkeypatch.delenv(par.MEMORY_FRACTION_VARIABLE)
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)  # too late: nothing set
+    assert par.claim_device_memory() is None and par.MEMORY_FRACTION_VARIABLE not in os.environ

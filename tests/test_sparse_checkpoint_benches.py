@@ -35,6 +35,9 @@ def test_the_stop_criterion_ends_the_run_checkpointed_and_loadable(sparse_run):
     assert len(reached["val_l0_per_layer"]) == len(reached["train_l0_per_layer"]) == 2
     # The L1 ramp: coefficient at step index 1 of a 2000-step ramp to 5e-3.
     assert reached["l1_coef_reached"] == pytest.approx(5e-3 * 1 / 2000)
+    startup = saved["startup_s"]  # where the start-up went, as the trainer's start-up line says
+    assert {"data", "init", "train step compile"} <= set(startup)
+    assert startup["first step done"] >= startup["data"] + startup["init"] + startup["train step compile"]
     loaded = load_run(out, dtype="float32")
     assert loaded.step == 2 and loaded.config.model.ffn_kind == "twell"
 

@@ -607,6 +607,11 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     name = args.command if args.command != "hf" else f"hf {args.hf_command}"
     result_out = sys.stdout
+    from twell_jax.training import parallel
+
+    # Before any command touches a device: JAX's allocator may use most of each GPU (the presets' measured
+    # configurations need more than JAX's default 75%; the user's own allocator settings stand).
+    parallel.claim_device_memory()
     try:
         # Everything a command prints while it runs is a log line: stderr. Its result goes to stdout.
         with contextlib.redirect_stdout(sys.stderr):

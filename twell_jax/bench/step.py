@@ -49,7 +49,7 @@ from twell_jax.configs import get_config
 from twell_jax import config as config_lib
 from twell_jax.config import FFN_KIND_TABLE, REMAT_POLICIES, ExperimentConfig, ModelConfig
 from twell_jax.training.loss import cross_entropy, total_loss
-from twell_jax.training.metrics import device_peak_memory_bytes
+from twell_jax.training.metrics import device_memory_limit_bytes, device_peak_memory_bytes
 from twell_jax.inference.load import validation_tokens
 from twell_jax.model import apply_model, choose_attention, describe_execution, init_model, split_model
 from twell_jax.ops import BACKENDS
@@ -310,6 +310,9 @@ def format_best(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    from twell_jax.training import parallel
+
+    parallel.claim_device_memory()  # before anything touches a device (the presets need most of a GPU)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="0.5b", help="preset whose model shapes are used (configs/)")
     parser.add_argument("--checkpoint", default=None,
@@ -369,7 +372,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     else:
         tokens = jax.random.randint(jax.random.key(1), (most, base.seq_len + 1), 0, base.model.vocab_size)
     device = jax.devices()[0]
-    limit = (device.memory_stats() or {}).get("bytes_limit") if hasattr(device, "memory_stats") else None
+    limit = device_memory_limit_bytes()
     print(f"[bench_step] {source} ({base.model.n_layers} layers, d_model {base.model.d_model}, d_ff "
           f"{base.model.d_ff}, vocab {base.model.vocab_size}, seq {base.seq_len}), micro-batch {micro_batch}, "
           f"{'grad + AdamW' if args.optimizer else 'grad only'}, on {device.device_kind}"

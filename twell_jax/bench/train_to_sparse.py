@@ -80,6 +80,9 @@ def build_config(args: argparse.Namespace) -> ExperimentConfig:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from twell_jax.training import parallel
+
+    parallel.claim_device_memory()  # before anything touches a device (the presets need most of a GPU)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="0.5b", help="preset (configs/); --dry-run uses micro")
     parser.add_argument("--out", required=True, help="run directory to create (must be empty or absent)")
@@ -113,7 +116,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = build_config(args)
 
     stop = SparseEnough(args.target_active, args.patience)
-    result = Trainer(cfg, args.out, overwrite=args.overwrite, hooks=Hooks(should_stop=stop)).run()
+    trainer = Trainer(cfg, args.out, overwrite=args.overwrite, hooks=Hooks(should_stop=stop))
+    result = trainer.run()
     summary = result.summary
     last = result.last_metrics or {}
     reached = {
@@ -123,6 +127,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "val_loss": summary["val_loss"], "val_l0_per_layer": summary["val_l0_per_layer"],
         "train_l0_per_layer": [float(v) for v in last.get("l0_per_layer", [])],
         "dead_share_per_layer": summary["dead_share_per_layer"], "tokens_per_s": summary["tokens_per_s"],
+        # Where the start-up went (the trainer's start-up line): seconds per phase, and to the first step done.
+        "startup_s": {**{k: round(v, 2) for k, v in trainer.startup.items()},
+                      "first step done": trainer.first_step_done_s and round(trainer.first_step_done_s, 2)},
         # Every 10th step and the last one (once, also when it is a 10th).
         "trajectory": stop.trajectory[:-1:10] + stop.trajectory[-1:],
     }

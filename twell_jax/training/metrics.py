@@ -147,6 +147,16 @@ def _short(value: Any) -> str:
     return str(value)
 
 
+def device_memory_limit_bytes() -> int | None:
+    """Bytes JAX's allocator may use on the first local device (GPU: the memory fraction's share,
+    `parallel.claim_device_memory`), where the backend reports it, else None."""
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats()
+    limit = (stats or {}).get("bytes_limit")
+    return int(limit) if limit is not None else None
+
+
 def device_peak_memory_bytes() -> int | None:
     """Peak bytes in use on the first local device, where the backend reports it (GPU), else None."""
     import jax

@@ -52,7 +52,7 @@ from twell_jax.config import ExperimentConfig
 from twell_jax.data import DataSource, build_experiment_data
 from twell_jax.training.planning import PlanController, abstract_graphdef, measure_activity  # noqa: F401 (re-exported)
 from twell_jax.training.loss import cross_entropy, l1_coefficient, total_loss
-from twell_jax.training.metrics import MetricsSink, check_finite, device_peak_memory_bytes, to_python
+from twell_jax.training.metrics import MetricsSink, check_finite, device_memory_limit_bytes, device_peak_memory_bytes, to_python
 from twell_jax.model import apply_model, describe_execution, init_model, split_model
 from twell_jax.training.optimizer import build_optimizer, learning_rate_schedule
 from twell_jax.training.sparsity import dead_share, init_counters, position_profile, reinit_dead_rows, update_counters
@@ -374,6 +374,7 @@ class Trainer:
                  echo: Callable[[str], None] = print, hooks: Hooks | None = None):
         self._created_at = time.perf_counter()  # the start-up report counts from here
         self.startup: dict[str, float] = {}  # seconds of each start-up phase (`_report_startup`)
+        self.first_step_done_s: float | None = None  # seconds from the creation to the first step done
         self.run_dir = Path(run_dir)
         self.resume, self.resume_step, self.overwrite = resume, resume_step, overwrite
         self.echo = echo
@@ -569,6 +570,7 @@ class Trainer:
         total = time.perf_counter() - self._created_at
         phases = {name: seconds for name, seconds in self.startup.items() if seconds >= 0.05}
         rest = total - sum(self.startup.values())
+        self.first_step_done_s = total
         message("[twell] start-up: " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in phases.items())
                 + f", other {max(rest, 0.0):.1f}s; first step done {total:.1f}s after start")
 
@@ -658,7 +660,9 @@ class Trainer:
                   f"{cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.n_layers} layers, d_model "
                   f"{cfg.model.d_model}, d_ff {cfg.model.d_ff}; L1 coef {cfg.sparsity.l1_coef:g}")
         self.echo(f"[twell] {describe_execution(cfg.model, cfg.seq_len)}")
-        self.echo(f"[twell] devices: {self.num_devices} x {jax.devices()[0].platform}; global batch "
+        limit = device_memory_limit_bytes()
+        usable = f" ({limit / 2**30:.1f} GiB usable each)" if limit else ""
+        self.echo(f"[twell] devices: {self.num_devices} x {jax.devices()[0].platform}{usable}; global batch "
                   f"{tc.global_batch} x {cfg.seq_len} tokens = {tokens_per_step} tokens/step; micro-batch "
                   f"{tc.micro_batch}/device, {self.accum_steps} accumulation step(s)")
 
