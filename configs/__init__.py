@@ -3,7 +3,9 @@
 Each preset module defines `get_config() -> ExperimentConfig`:
 - tiny: CPU smoke run (2 cores, a few minutes): 4 layers, d_model 128, d_ff 512, seq 128, BPE 2048.
 - small: tens of millions of parameters, minutes on one GPU.
-- 0.5b / 1b / 1.5b / 2b: the paper's models ("Sparser, Faster, Lighter Transformer Language Models", section 5).
+- 0.5b / 1b / 1.5b / 2b: the paper's models ("Sparser, Faster, Lighter Transformer Language Models", section 5),
+  sparse; 0.5b-twin / ... / 2b-twin: their dense twins (relu_gated, no L1). Each at the remat policy and
+  micro-batch measured fastest for it on one H100 (configs/paper.py).
 - micro: a few-second model for tests.
 """
 from __future__ import annotations
@@ -13,7 +15,7 @@ import importlib
 from twell_jax.config import ExperimentConfig
 
 _MODULES = {"micro": "micro", "tiny": "tiny", "small": "small",
-            "0.5b": "paper", "1b": "paper", "1.5b": "paper", "2b": "paper"}
+            **{name: "paper" for name in ("0.5b", "1b", "1.5b", "2b", "0.5b-twin", "1b-twin", "1.5b-twin", "2b-twin")}}
 
 
 def list_configs() -> list[str]:

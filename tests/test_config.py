@@ -24,11 +24,30 @@ def test_paper_presets_match_the_paper(name, layers, params_b):
     m = cfg.model
     assert (m.d_model, m.d_ff, m.n_heads, m.vocab_size, m.max_seq_len, m.n_layers) == (2048, 5632, 32, 49152, 2048, layers)
     assert m.num_params() / 1e9 == pytest.approx(params_b, abs=0.01)
-    assert cfg.train.global_batch * cfg.data.seq_len == 1_048_576 and cfg.train.micro_batch == 8
+    assert cfg.train.global_batch * cfg.data.seq_len == 1_048_576 and cfg.train.global_batch % cfg.train.micro_batch == 0
     o = cfg.optim
     assert (o.lr, o.b1, o.b2, o.eps, o.weight_decay, o.warmup_steps, o.clip_norm, o.schedule) == (
         1e-3, 0.9, 0.95, 1e-8, 0.1, 600, 1.0, "cosine")
-    assert cfg.sparsity.l1_coef == 2e-5 and m.compute_dtype == "bfloat16"
+    assert cfg.sparsity.l1_coef == 2e-5 and m.compute_dtype == "bfloat16" and m.ffn_kind == "twell"
+
+
+@pytest.mark.parametrize("size", ["0.5b", "1b", "1.5b", "2b"])
+def test_each_paper_size_has_a_dense_twin_at_its_own_measured_execution(size):
+    """`NAME-twin` trains the same model and tokens as `NAME` with the dense relu_gated FFN and no
+    L1; only the execution (remat, micro-batch: the measured fastest of each, configs/paper.py) and
+    the run's name may differ."""
+    import configs.paper as paper
+
+    sparse, twin = get_config(size), get_config(f"{size}-twin")
+    assert (twin.model.ffn_kind, twin.sparsity.l1_coef) == ("relu_gated", 0.0)
+    assert (sparse.model.remat, sparse.train.micro_batch) == paper.EXECUTION[size]["sparse"]
+    assert (twin.model.remat, twin.train.micro_batch) == paper.EXECUTION[size]["twin"]
+    same = lambda c: dataclasses.replace(  # noqa: E731
+        c, name="", model=dataclasses.replace(c.model, ffn_kind="twell", remat="none"),
+        sparsity=dataclasses.replace(c.sparsity, l1_coef=0.0), train=dataclasses.replace(c.train, micro_batch=1))
+    assert same(sparse) == same(twin)
+    with pytest.raises(ValueError, match="unknown paper preset '3b-twin'"):
+        paper.get_config("3b-twin")
 
 
 def test_unknown_preset():
