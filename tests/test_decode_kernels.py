@@ -1,6 +1,8 @@
 """The decode kernels' one-token step (`Transformer._decode_step_kernels`, model.decode_kernels)
 against the full forward and the XLA decode path: dense, sparse and SwiGLU models, batch 1 and
-left-padded rows, both sides of the device-side dense switch, the stacked weights read in place."""
+left-padded rows, both sides of the device-side dense switch, the stacked weights read in place;
+and the fused decode FFN kernel (hidden + down + residual in one launch, interpret mode) against the
+plain-jnp reference and the unfused kernels."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +15,9 @@ import pytest
 from twell_jax import model as model_lib
 from twell_jax.config import ModelConfig
 from twell_jax.model import init_cache, init_model
+from twell_jax.pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active_reference, sparse_decode_ffn,
+                                                   sparse_decode_ffn_fused, sparse_decode_ffn_reference)
+from oracles import rel_err
 
 BASE = ModelConfig(vocab_size=61, d_model=32, n_layers=3, n_heads=2, d_ff=64, max_seq_len=16,
                    compute_dtype="float32", ffn_kind="twell", ffn_backend="pallas", ffn_interpret=True,
@@ -155,3 +160,161 @@ def test_transposed_weight_copies_give_the_same_steps(kind, monkeypatch):
         model.decode(tokens[:, 5:6], cache, jnp.int32(5), start, prepared={"w_qkv": prepared["w_qkv"]})
     with pytest.raises(ValueError, match="decode_transposed must be true or false"):
         ModelConfig(decode_transposed="yes")
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused decode FFN kernel (sparse_decode_ffn_fused), interpret mode
+# ---------------------------------------------------------------------------------------------
+
+# rel. error (Frobenius) vs the exact rounding of the reference's h . W (+ residual), as
+# tests/test_pallas_decode.py's TOL_REF: fp32 summation order only; bf16 adds a flip of y's one
+# rounding (~1 ulp) where the oracle's float64 sum falls on the other side of a rounding boundary.
+TOL_FUSED = {jnp.float32: 1e-6, jnp.bfloat16: 8e-3}
+# D = 37: 3 column blocks (the last 5 wide) and 3 K steps (the last 5 wide); H = 151: 10 chunks,
+# the last 7 long, when every neuron is active.
+FUSED_SMALL = DecodeBlockSizes(block_n=16, block_k=16, block_h=16, block_d=16, max_block_m=16)
+FUSED_WIDE = DecodeBlockSizes(block_n=16, block_k=32, block_h=32, block_d=32, max_block_m=16)
+
+
+def fused_inputs(dtype, m, pattern="sparse", d=37, h=151, layers=0, seed=0):
+    """x [M, D], g fp32 [M, H], w_up and w_down ([L, H, D] stacks when layers > 0), residual; the
+    gate fires by `pattern`: "sparse" (a random set of 20 neurons, each on a random subset of the
+    tokens), "none", "all" (every neuron on every token) or "one_hot" (neuron H // 2 only)."""
+    rng = np.random.default_rng(seed)
+    magnitude = np.abs(rng.normal(size=(m, h))) + 0.05
+    if pattern == "sparse":
+        on = np.zeros((m, h), bool)
+        hot = rng.choice(h, size=20, replace=False)
+        on[:, hot] = rng.random((m, 20)) < 0.6
+        on[0, hot] = True  # every one of the 20 fires somewhere: n = 20 exactly
+    elif pattern in ("none", "all", "one_hot"):
+        on = np.full((m, h), pattern == "all")
+        on[:, h // 2] = pattern != "none"
+    else:
+        raise ValueError(pattern)
+    g = np.where(on, magnitude, -magnitude).astype(np.float32)
+    shape = (layers, h, d) if layers else (h, d)
+    w_up, w_down = (rng.normal(size=shape) / np.sqrt(d) for _ in range(2))
+    x, residual = rng.normal(size=(m, d)), rng.normal(size=(m, d))
+    return (jnp.asarray(x, dtype), jnp.asarray(g), jnp.asarray(w_up, dtype), jnp.asarray(w_down, dtype),
+            jnp.asarray(residual, dtype))
+
+
+def fused_oracle(x, g, order, n, w_up, w_down, capacity, residual):
+    """The reference's h (rounded where the kernels round it) . W[order_C] + residual in float64,
+    rounded once to x's dtype: what the fused kernel equals up to the fp32 summation order. (The
+    reference's own y is rounded before any residual could be added: two roundings.)"""
+    h_MxC, _ = sparse_decode_ffn_reference(x, g, order, n, w_up, w_down, capacity=capacity)
+    y = np.asarray(h_MxC, np.float64) @ np.asarray(jnp.take(w_down, order[:capacity], axis=0), np.float64)
+    if residual is not None:
+        y = y + np.asarray(residual, np.float64)
+    return jnp.asarray(y.astype(np.float32)).astype(x.dtype)
+
+
+def check_fused(x, g, w_up, w_down, residual, capacity, block_sizes=FUSED_SMALL, n_expected=None):
+    """The fused kernel, with and without the residual, against the oracle and the unfused kernels
+    at the same capacity; returns (y without, y with the residual)."""
+    order, n = compact_active_reference(jnp.any(g > 0, axis=0))
+    if n_expected is not None:
+        assert int(n[0]) == n_expected
+    tol = TOL_FUSED[x.dtype.type]
+    _, y_unfused = sparse_decode_ffn(x, g, order, n, w_up, w_down, capacity=capacity,
+                                     block_sizes=block_sizes, interpret=True)
+    out = []
+    for r in (None, residual):
+        y = sparse_decode_ffn_fused(x, g, order, n, w_up, w_down, capacity=capacity, residual_MxD=r,
+                                    block_sizes=block_sizes, interpret=True)
+        assert y.shape == x.shape and y.dtype == x.dtype
+        want = fused_oracle(x, g, order, n, w_up, w_down, capacity, r)
+        assert rel_err(y, want) <= tol, ("residual" if r is not None else "no residual", rel_err(y, want))
+        unfused = y_unfused if r is None else (y_unfused.astype(jnp.float32) + r).astype(x.dtype)
+        assert rel_err(y, unfused) <= tol
+        if block_sizes.block_h == block_sizes.block_n and (r is None or x.dtype == jnp.float32):
+            # Interpret mode, the same dot shapes in both (u in block_n / block_h neuron chunks)
+            # and the same order: the same bits, which pins h's rounding point (a tolerance does
+            # not see a second bf16 rounding of h). bf16 with a residual rounds y twice unfused.
+            np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(unfused, np.float32))
+        out.append(y)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("m", [1, 3, 17])  # 17 > max_block_m: a second token block with one row
+def test_fused_matches_the_reference_and_the_unfused_kernels(dtype, gated, m):
+    x, g, w_up, w_down, residual = fused_inputs(dtype, m, seed=100 * m + 10 * gated + (dtype == jnp.bfloat16))
+    # capacity 48 >= n = 20: two live chunks of 16 (the second partial), a third never read.
+    check_fused(x, g, w_up if gated else None, w_down, residual, capacity=48, n_expected=20)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("pattern,dtype,capacity,n_expected", [
+    ("none", jnp.bfloat16, 32, 0),
+    ("one_hot", jnp.float32, 32, 1),
+    ("all", jnp.bfloat16, 256, 151),  # every neuron: 10 chunks, the last 7 long
+    ("all", jnp.float32, 32, 151),  # n > capacity: only order[:32] is read
+])
+def test_fused_adversarial_active_sets(gated, pattern, dtype, capacity, n_expected):
+    x, g, w_up, w_down, residual = fused_inputs(dtype, 3, pattern, seed=capacity + gated)
+    y, y_res = check_fused(x, g, w_up if gated else None, w_down, residual, capacity,
+                           n_expected=n_expected)
+    if pattern == "none":  # nothing active: exactly 0, exactly the residual
+        assert not np.any(np.asarray(y, np.float32))
+        np.testing.assert_array_equal(np.asarray(y_res, np.float32), np.asarray(residual, np.float32))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_fused_reads_the_stacked_layer_in_place(gated):
+    x, g, w_up, w_down, residual = fused_inputs(jnp.float32, 17, layers=3, seed=7 + gated)
+    order, n = compact_active_reference(jnp.any(g > 0, axis=0))
+    up = (lambda w: w) if gated else (lambda w: None)  # noqa: E731
+    run = lambda layer, u, w: sparse_decode_ffn_fused(  # noqa: E731
+        x, g, order, n, up(u), w, capacity=64, layer=layer, residual_MxD=residual,
+        block_sizes=FUSED_WIDE, interpret=True)
+    y = run(jnp.asarray([2], jnp.int32), w_up, w_down)
+    want = fused_oracle(x, g, order, n, up(w_up[2]), w_down[2], 64, residual)
+    assert rel_err(y, want) <= TOL_FUSED[jnp.float32]
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(run(None, w_up[2], w_down[2])))
+    assert rel_err(run(jnp.asarray([1], jnp.int32), w_up, w_down), want) > 1e-2  # another layer differs
+
+
+def test_fused_rejects_bad_arguments():
+    x, g, w_up, w_down, residual = fused_inputs(jnp.float32, 3, "none")
+    order, n = compact_active_reference(jnp.any(g > 0, axis=0))
+    call = lambda **kw: sparse_decode_ffn_fused(x, g, order, n, w_up, w_down, capacity=32,  # noqa: E731
+                                                interpret=True, **{"block_sizes": FUSED_SMALL, **kw})
+    with pytest.raises(ValueError, match="residual_MxD"):
+        call(residual_MxD=residual[:2])
+    with pytest.raises(ValueError, match="residual_MxD"):
+        call(residual_MxD=residual[:, :-1])
+    with pytest.raises(ValueError, match="residual_MxD"):
+        call(residual_MxD=residual.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="capacity"):
+        call(residual_MxD=residual, block_sizes=DecodeBlockSizes(block_h=64))  # chunk 64
+    with pytest.raises(ValueError, match="layer"):
+        call(layer=jnp.asarray([0], jnp.int32))  # 2-D weights with a layer
+
+
+def test_fused_kernel_lowers_to_triton_for_cuda(capsys):
+    # As tests/test_pallas_decode.py's lowering test: the Pallas -> Triton IR lowering runs without
+    # a GPU, with the default block sizes at the model's shapes, stacked weights and a residual.
+    from jax import export
+
+    def forward(x, w_up, w_down, residual, layer):
+        g = jnp.einsum("md,hd->mh", x, w_up[0], preferred_element_type=jnp.float32)
+        order, n = compact_active_reference(jnp.sum(g > 0, axis=0, dtype=jnp.int32))
+        return (sparse_decode_ffn_fused(x, g, order, n, w_up, w_down, capacity=5632, layer=layer,
+                                        residual_MxD=residual, debug=True),
+                sparse_decode_ffn_fused(x, g, order, n, None, w_down, capacity=5632, debug=True,
+                                        layer=layer))
+
+    x = jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((2, 5632, 2048), jnp.bfloat16)
+    exported = export.export(jax.jit(forward), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+            x, w, w, x, jax.ShapeDtypeStruct((1,), jnp.int32))
+    assert exported.mlir_module().count("twell_decode_fused") >= 2
+    printed = capsys.readouterr().out
+    # Gated: the active-list loop with the D loop inside; non-gated: the list loop only. No scf.for
+    # in MLIR's generic quoted form (an op that failed verification: mixed bound types did).
+    assert printed.count("scf.for") >= 3 and '"scf.for"' not in printed

@@ -37,7 +37,7 @@ def test_the_stop_criterion_ends_the_run_checkpointed_and_loadable(sparse_run):
     assert reached["l1_coef_reached"] == pytest.approx(5e-3 * 1 / 2000)
     startup = saved["startup_s"]  # where the start-up went, as the trainer's start-up line says
     assert {"data", "init", "train step compile"} <= set(startup)
-    assert startup["first step done"] >= startup["data"] + startup["init"] + startup["train step compile"]
+    assert saved["first_step_done_s"] >= startup["data"] + startup["init"] + startup["train step compile"]
     loaded = load_run(out, dtype="float32")
     assert loaded.step == 2 and loaded.config.model.ffn_kind == "twell"
 

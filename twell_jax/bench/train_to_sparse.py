@@ -129,8 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = build_config(args)
 
     stop = SparseEnough(args.target_active, args.patience)
-    trainer = Trainer(cfg, args.out, overwrite=args.overwrite, hooks=Hooks(should_stop=stop))
-    result = trainer.run()
+    result = Trainer(cfg, args.out, overwrite=args.overwrite, hooks=Hooks(should_stop=stop)).run()
     summary = result.summary
     last = result.last_metrics or {}
     reached = {
@@ -141,8 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "train_l0_per_layer": [float(v) for v in last.get("l0_per_layer", [])],
         "dead_share_per_layer": summary["dead_share_per_layer"], "tokens_per_s": summary["tokens_per_s"],
         # Where the start-up went (the trainer's start-up line): seconds per phase, and to the first step done.
-        "startup_s": {**{k: round(v, 2) for k, v in trainer.startup.items()},
-                      "first step done": trainer.first_step_done_s and round(trainer.first_step_done_s, 2)},
+        "startup_s": summary["startup_s"], "first_step_done_s": summary["first_step_done_s"],
         # Every 10th step and the last one (once, also when it is a 10th).
         "trajectory": stop.trajectory[:-1:10] + stop.trajectory[-1:],
     }

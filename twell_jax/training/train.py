@@ -722,6 +722,7 @@ class Trainer:
             "tokens_per_s": cfg.train.global_batch * cfg.seq_len / median_step if steady else None,
             "peak_memory_bytes": device_peak_memory_bytes(), "compile_time_s": loop.compile_s,
             "startup_s": {name: round(seconds, 3) for name, seconds in self.startup.items()},
+            "first_step_done_s": self.first_step_done_s,
             "step_builds": self.step_builds,
             "auto_hints_per_layer": plan["auto_hints_per_layer"], "ffn_plan_in_use": plan["ffn_plan_in_use"],
             "auto_plan_trials": plan["auto_plan_trials"],
