@@ -17,13 +17,25 @@ are read from HBM once per call, whatever the number of tokens M:
     down             grid (D / block_d, M / block_m): y[:, dblock] = h[:, :n] . W[order[:n], dblock]
                      with a dynamic K loop over ceil(n / block_h) neuron steps. No split over the
                      neurons, so no partial outputs, no reduction pass, no atomics.
+    fused            `sparse_decode_ffn_fused`: hidden and down in ONE launch, grid (D / block_d,
+                     M / block_m); program (j, i) walks the active list in block_h steps and, per
+                     step, computes those neurons' h itself (the U rows . x loop over D in block_k
+                     steps, rounded where `hidden` rounds it) before adding h . W[order, dblock];
+                     an optional residual is added in fp32 before the one rounding of y. It trades
+                     redundant hidden work (each of the D / block_d programs recomputes all of h;
+                     the U rows then come from L2) for one launch fewer and no h round trip
+                     through HBM. Meant for decode's few active neurons, where the two launches
+                     are latency-bound (H100, batch 1, ~30 of 5632 active: 7.2 + 2.1 us per
+                     layer, unfused). It loses with many actives: each program runs
+                     ceil(n / block_h) x ceil(D / block_k) sequential steps that `hidden` spreads
+                     over C / block_n programs.
 
 Rounding follows the op's dense formula (twell_jax/ops/dense.py): g and u in fp32, h rounded once to the
 activation dtype, y accumulated in fp32 and rounded once. Deterministic: every loop has a fixed
 order and nothing is accumulated across programs.
 
 Non-gated FFN: h = round(relu(g[:, order])) (no U rows); the caller builds it and runs `down` only
-(`sparse_decode_ffn` with w_up_HxD=None does that).
+(`sparse_decode_ffn` with w_up_HxD=None does that; the fused kernel gathers it in place).
 
 Capacity: the kernels read only order[:min(n, C)] for a static C (a multiple of
 max(block_n, block_h)); h is [M, C]. Actives beyond C are NOT read here: the caller checks
@@ -216,6 +228,68 @@ def _down_kernel(n_ref, base_ref, order_ref, h_ref, w_down_ref, y_ref, *, d: int
     y_ref[...] = acc_BMxBD.astype(y_ref.dtype)
 
 
+def _fused_kernel(n_ref, base_ref, order_ref, x_ref, g_ref, *refs, m: int, d: int, capacity: int,
+                  block_h: int, block_k: int, n_k: int, gated: bool, has_residual: bool,
+                  precision: lax.Precision) -> None:
+    """Program (j, i): output columns [j*BD, (j+1)*BD) x tokens [i*BM, (i+1)*BM), `hidden` and
+    `down` in one: each step of BH active neurons computes their h itself, then adds h . W.
+    Refs: n [1], base [1], order [>= C], x [M, D], g [M, H] (whole, as `_hidden_kernel`), then
+    w_up [(L*)H, D] (gated only), w_down [(L*)H, D], residual [M, D] (if given), y [BM, BD]."""
+    w_up_ref = refs[0] if gated else None
+    w_down_ref = refs[int(gated)]
+    residual_ref = refs[int(gated) + 1] if has_residual else None
+    y_ref = refs[-1]
+    block_m, block_d = y_ref.shape
+    n = jnp.minimum(jnp.max(n_ref[...]), jnp.int32(capacity)).astype(jnp.int32)
+    base = jnp.max(base_ref[...]).astype(jnp.int32)
+    rows_BM = pl.program_id(1) * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
+    row_ok_BM = rows_BM < m
+    cols_BD = pl.program_id(0) * block_d + lax.broadcasted_iota(jnp.int32, (block_d,), 0)
+    col_ok_BD = cols_BD < d
+    step_BH = lax.broadcasted_iota(jnp.int32, (block_h,), 0)
+    col_BK = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+
+    def h_step(t, acc_BMxBD):
+        j_BH = order_ref[pl.ds(t * block_h, block_h)]
+        live_BH = t * block_h + step_BH < n
+        # Masked lanes (dead entries past n, rows >= M, columns >= D) move no bytes and read as 0.
+        g_BMxBH = plgpu.load(g_ref.at[rows_BM[:, None], j_BH[None, :]],
+                             mask=row_ok_BM[:, None] & live_BH[None, :], other=0.0)
+        act_BMxBH = jnp.maximum(g_BMxBH, 0.0)
+        if gated:
+            def k_step(k, u_BMxBH):
+                cols_BK = k * block_k + col_BK
+                col_ok_BK = cols_BK < d
+                x_BMxBK = plgpu.load(x_ref.at[rows_BM[:, None], cols_BK[None, :]],
+                                     mask=row_ok_BM[:, None] & col_ok_BK[None, :], other=0)
+                u_BHxBK = plgpu.load(w_up_ref.at[(base + j_BH)[:, None], cols_BK[None, :]],
+                                     mask=live_BH[:, None] & col_ok_BK[None, :], other=0)
+                return u_BMxBH + lax.dot_general(x_BMxBK, u_BHxBK, (((1,), (1,)), ((), ())),
+                                                 precision=precision,
+                                                 preferred_element_type=jnp.float32)
+
+            # Every step of the outer loop holds a live neuron: the full D loop, int32 bounds.
+            u_BMxBH = lax.fori_loop(jnp.int32(0), jnp.int32(n_k), k_step,
+                                    jnp.zeros((block_m, block_h), jnp.float32))
+            act_BMxBH = act_BMxBH * u_BMxBH
+        # Rounded once to the activation dtype, as `_hidden_kernel` stores it (0 on dead lanes).
+        h_BMxBH = act_BMxBH.astype(x_ref.dtype)
+        w_BHxBD = plgpu.load(w_down_ref.at[(base + j_BH)[:, None], cols_BD[None, :]],
+                             mask=live_BH[:, None] & col_ok_BD[None, :], other=0)
+        return acc_BMxBD + lax.dot_general(h_BMxBH, w_BHxBD, (((1,), (0,)), ((), ())),
+                                           precision=precision, preferred_element_type=jnp.float32)
+
+    # n >= 0: truncation is the ceiling division. Both bounds int32 (see `_hidden_kernel`).
+    n_steps = lax.div(n + jnp.int32(block_h - 1), jnp.int32(block_h)).astype(jnp.int32)
+    acc_BMxBD = lax.fori_loop(jnp.int32(0), n_steps, h_step,
+                              jnp.zeros((block_m, block_d), jnp.float32))
+    if has_residual:
+        acc_BMxBD = acc_BMxBD + plgpu.load(
+            residual_ref.at[rows_BM[:, None], cols_BD[None, :]],
+            mask=row_ok_BM[:, None] & col_ok_BD[None, :], other=0).astype(jnp.float32)
+    y_ref[...] = acc_BMxBD.astype(y_ref.dtype)
+
+
 def validate_decode_args(x_MxD, g_MxH, order, n_active, w_up_HxD, w_down_HxD, capacity: int,
                          block_sizes: DecodeBlockSizes) -> None:
     """Raise ValueError naming the offending argument."""
@@ -241,6 +315,26 @@ def validate_decode_args(x_MxD, g_MxH, order, n_active, w_up_HxD, w_down_HxD, ca
         raise ValueError(f"n_active must be int32 [1], got {n_active.dtype}{n_active.shape}")
 
 
+def _weights_in_place(x_MxD, g_MxH, order, n_active, w_up_HxD, w_down_HxD, capacity: int,
+                      layer: jax.Array | None, block_sizes: DecodeBlockSizes):
+    """Validate the arguments (ValueError naming the offending one); return (w_up, w_down, base):
+    the weights as [(L*)H, D] and base [1] int32, the row offset of the layer (0 without one).
+    A stack [L, H, D] is flattened, not sliced, so the kernels read the layer's rows in place."""
+    if layer is None:
+        validate_decode_args(x_MxD, g_MxH, order, n_active, w_up_HxD, w_down_HxD, capacity, block_sizes)
+        return w_up_HxD, w_down_HxD, jnp.zeros((1,), jnp.int32)
+    if layer.shape != (1,) or layer.dtype != jnp.int32:
+        raise ValueError(f"layer must be int32 [1], got {layer.dtype}{layer.shape}")
+    if w_down_HxD.ndim != 3 or (w_up_HxD is not None and w_up_HxD.shape != w_down_HxD.shape):
+        raise ValueError(f"with layer, w_up and w_down must be stacks [L, H, D], got "
+                         f"{None if w_up_HxD is None else w_up_HxD.shape} and {w_down_HxD.shape}")
+    one = lambda w: None if w is None else jax.ShapeDtypeStruct(w.shape[1:], w.dtype)  # noqa: E731
+    validate_decode_args(x_MxD, g_MxH, order, n_active, one(w_up_HxD), one(w_down_HxD), capacity,
+                         block_sizes)
+    flat = lambda w: None if w is None else w.reshape(-1, w.shape[-1])  # noqa: E731
+    return flat(w_up_HxD), flat(w_down_HxD), layer * w_down_HxD.shape[1]
+
+
 @functools.partial(jax.jit, static_argnames=("capacity", "block_sizes", "interpret", "debug"))
 def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array, n_active: jax.Array,
                       w_up_HxD: jax.Array | None, w_down_HxD: jax.Array, *,
@@ -256,21 +350,8 @@ def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array, n_ac
     loop over stacked layers: no copy of the layer's rows).
     """
     capacity = order.shape[0] if capacity is None else capacity
-    base = jnp.zeros((1,), jnp.int32)
-    if layer is not None:
-        if layer.shape != (1,) or layer.dtype != jnp.int32:
-            raise ValueError(f"layer must be int32 [1], got {layer.dtype}{layer.shape}")
-        if w_down_HxD.ndim != 3 or (w_up_HxD is not None and w_up_HxD.shape != w_down_HxD.shape):
-            raise ValueError(f"with layer, w_up and w_down must be stacks [L, H, D], got "
-                             f"{None if w_up_HxD is None else w_up_HxD.shape} and {w_down_HxD.shape}")
-        one = lambda w: None if w is None else jax.ShapeDtypeStruct(w.shape[1:], w.dtype)  # noqa: E731
-        validate_decode_args(x_MxD, g_MxH, order, n_active, one(w_up_HxD), one(w_down_HxD), capacity,
-                             block_sizes)
-        base = layer * w_down_HxD.shape[1]
-        flat = lambda w: None if w is None else w.reshape(-1, w.shape[-1])  # noqa: E731
-        w_up_HxD, w_down_HxD = flat(w_up_HxD), flat(w_down_HxD)
-    else:
-        validate_decode_args(x_MxD, g_MxH, order, n_active, w_up_HxD, w_down_HxD, capacity, block_sizes)
+    w_up_HxD, w_down_HxD, base = _weights_in_place(x_MxD, g_MxH, order, n_active, w_up_HxD,
+                                                   w_down_HxD, capacity, layer, block_sizes)
     m, d = x_MxD.shape
     bm = block_sizes.block_m(m)
     m_pad = round_up(m, bm)
@@ -317,6 +398,49 @@ def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array, n_ac
     )(n_active, base, order, h_MpxC, w_down_HxD)
     # Slices of the padded outputs: XLA fuses them into their consumers.
     return h_MpxC[:m], y_MpxDp[:m, :d]
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "block_sizes", "interpret", "debug"))
+def sparse_decode_ffn_fused(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array,
+                            n_active: jax.Array, w_up_HxD: jax.Array | None, w_down_HxD: jax.Array,
+                            *, capacity: int | None = None, layer: jax.Array | None = None,
+                            residual_MxD: jax.Array | None = None,
+                            block_sizes: DecodeBlockSizes = DecodeBlockSizes(),
+                            interpret: bool = False, debug: bool = False) -> jax.Array:
+    """`sparse_decode_ffn`'s y [M, D] (+ residual_MxD, added in fp32 before the one rounding) in
+    one launch, without h in HBM: grid (D / block_d, M / block_m), each program recomputing the
+    h of all the active neurons it needs. Same arguments, same capacity rule; block_h and block_k
+    are the steps over the active list and over D (block_n is not used)."""
+    capacity = order.shape[0] if capacity is None else capacity
+    w_up_HxD, w_down_HxD, base = _weights_in_place(x_MxD, g_MxH, order, n_active, w_up_HxD,
+                                                   w_down_HxD, capacity, layer, block_sizes)
+    if residual_MxD is not None and (residual_MxD.shape != x_MxD.shape
+                                     or residual_MxD.dtype != x_MxD.dtype):
+        raise ValueError(f"residual_MxD must be {x_MxD.dtype}{x_MxD.shape} like x_MxD, got "
+                         f"{residual_MxD.dtype}{residual_MxD.shape}")
+    m, d = x_MxD.shape
+    bm, bd, bk = block_sizes.block_m(m), block_sizes.block_d, block_sizes.block_k
+    m_pad, d_out = round_up(m, bm), round_up(d, bd)
+    operands = [n_active, base, order, x_MxD, g_MxH]
+    operands += [w for w in (w_up_HxD, w_down_HxD, residual_MxD) if w is not None]
+    whole = lambda a: pl.BlockSpec(a.shape, lambda j, i: (0,) * a.ndim)  # noqa: E731
+    # The output is padded to whole blocks (sliced below): an unmasked store per program, so no
+    # masked-off lane can alias a live lane's address.
+    y_MpxDp = pl.pallas_call(
+        functools.partial(_fused_kernel, m=m, d=d, capacity=capacity,
+                          block_h=block_sizes.block_h, block_k=bk, n_k=-(-d // bk),
+                          gated=w_up_HxD is not None, has_residual=residual_MxD is not None,
+                          precision=_dot_precision(x_MxD.dtype)),
+        grid=(d_out // bd, m_pad // bm),
+        in_specs=[whole(a) for a in operands],
+        out_specs=pl.BlockSpec((bm, bd), lambda j, i: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((m_pad, d_out), x_MxD.dtype),
+        compiler_params=compiler_params(block_sizes),
+        interpret=interpret,
+        debug=debug,
+        name="twell_decode_fused",
+    )(*operands)
+    return y_MpxDp[:m, :d]
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "precision"))

@@ -63,16 +63,39 @@ def test_kernel_steps_equal_the_xla_steps_and_the_forward(kind, batch, padded):
             np.testing.assert_allclose(got[row], full[row, 6:], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["sparse", "relu"])
+@pytest.mark.parametrize("batch,padded", [(1, False), (3, True)])
+def test_the_fused_sparse_ffn_step_equals_the_xla_steps(kind, batch, padded, monkeypatch):
+    """model.decode_sparse_ffn="fused": the sparse layers' up and down products and the residual in
+    one launch give the XLA path's logits and the same active counts; the split kernels do not run."""
+    cfg = dataclasses.replace(BASE, decode_sparse_ffn="fused", **KINDS[kind])
+    monkeypatch.setattr("twell_jax.pallas_kernels.twell_decode.sparse_decode_ffn",
+                        lambda *a, **k: pytest.fail("the split kernels ran"))
+    tokens = jax.random.randint(jax.random.key(10 + batch), (batch, 10), 0, cfg.vocab_size)
+    start = jnp.asarray([0, 2, 4][:batch] if padded else [0] * batch, jnp.int32)
+    got, auxes, model = _run(cfg, tokens, start, prompt=6)
+    assert model._decode_with_kernels() and any(model.decode_layer_sparse(batch, jnp.float32))
+    want, want_aux, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=6)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    for a, b in zip(auxes, want_aux):
+        np.testing.assert_allclose(a["l0"], b["l0"], rtol=1e-5)
+    with pytest.raises(ValueError, match="model.decode_sparse_ffn"):
+        ModelConfig(decode_sparse_ffn="one")
+
+
+@pytest.mark.parametrize("sparse_ffn", ["split", "fused"])
 @pytest.mark.parametrize("limit", [0, 10_000])
-def test_both_sides_of_the_dense_switch(monkeypatch, limit):
+def test_both_sides_of_the_dense_switch(monkeypatch, limit, sparse_ffn):
     """Several rows: a union limit of 0 sends every sparse layer to the dense products, a large one
-    keeps the sparse kernels; both give the XLA path's logits."""
+    keeps the sparse kernels; both give the XLA path's logits (the fused kernel with no active
+    neuron passes the residual through)."""
     monkeypatch.setattr(model_lib.planner, "decode_union_limit", lambda *a, **k: limit)
-    tokens = jax.random.randint(jax.random.key(7), (2, 9), 0, BASE.vocab_size)
+    cfg = dataclasses.replace(BASE, decode_sparse_ffn=sparse_ffn)
+    tokens = jax.random.randint(jax.random.key(7), (2, 9), 0, cfg.vocab_size)
     start = jnp.zeros((2,), jnp.int32)
-    got, _, model = _run(BASE, tokens, start, prompt=5)
+    got, _, model = _run(cfg, tokens, start, prompt=5)
     assert all(model.decode_layer_sparse(2, jnp.float32))
-    want, _, _ = _run(dataclasses.replace(BASE, decode_kernels="xla"), tokens, start, prompt=5)
+    want, _, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=5)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 

@@ -141,7 +141,7 @@ def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_inference.py"), "--dry-run",
-                           "--stored-decode-rows", "--trace-decode", "3", "--out", str(out)], capture_output=True, text=True, env=env,
+                           "--stored-decode-rows", "--other-sparse-ffn-rows", "--trace-decode", "3", "--out", str(out)], capture_output=True, text=True, env=env,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     import json
@@ -155,9 +155,15 @@ def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_
     # --trace-decode: every decode row at the first batch carries its step's kernel time line (on a
     # CPU the profile is empty and says why), the other batches none.
     traced = {(r["variant"], r["batch"]) for r in rows if "trace" in r}
-    assert traced == {(r["variant"], 1) for r in rows if r["phase"] == "decode"} and len(traced) == 5
+    assert traced == {(r["variant"], 1) for r in rows if r["phase"] == "decode"} and len(traced) == 6
     assert all(r["trace"] and r["trace"][0].startswith("kernel trace") for r in rows if "trace" in r)
-    rows = [r for r in rows if not r["variant"].endswith("+stored")]
+    # --other-sparse-ffn-rows: the sparse variant with the other model.decode_sparse_ffn (the default
+    # "fused": "+split"), decode and generate only, making the same tokens.
+    fused = [r for r in rows if r["variant"].endswith("+split")]
+    assert {r["variant"] for r in fused} == {"twell-reference+split"}
+    assert {r["phase"] for r in fused} == {"decode", "generate, chunk 1", "generate, chunk 16"}
+    fused_tokens = {tuple(r["tokens"]) for r in fused if "tokens" in r}
+    rows = [r for r in rows if not r["variant"].endswith(("+stored", "+split"))]
     generate_rows = [r for r in rows if r["phase"].startswith("generate")]
     rows = [r for r in rows if not r["phase"].startswith("generate")]
     assert {(r["phase"], r["batch"]) for r in rows} == {("prefill", 2), ("decode", 1), ("decode", 2)}
@@ -172,6 +178,7 @@ def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_
         (v, c) for v in ("dense", "twell-reference") for c in (1, 16)}
     assert len({tuple(r["tokens"]) for r in generate_rows}) == 1
     assert {tuple(r["tokens"]) for r in transposed if "tokens" in r} == {tuple(r["tokens"]) for r in generate_rows}
+    assert fused_tokens == {tuple(r["tokens"]) for r in generate_rows}
     for r in generate_rows:
         assert r["decode_steps"] == 7 and r["tokens_per_s"] > 0 and r["compile_s"] > 0
         assert r["speed_vs_dense"] > 0 and "speed_vs_plain" not in r

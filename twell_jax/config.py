@@ -27,6 +27,14 @@ DECODE_KERNELS: dict[str, str] = {
     "pallas": "the Pallas decode kernels (a GPU, or model.ffn_interpret=true for the interpreter)",
     "xla": "the model's generic XLA path (the layer scan's decode)",
 }
+# How a sparse layer's FFN runs in the decode kernels' step (model.decode_sparse_ffn), after the gate's
+# product and the compaction of the active neurons (pallas_kernels/twell_decode.py).
+DECODE_SPARSE_FFN: dict[str, str] = {
+    "split": "two launches: the active neurons' hidden values into HBM, then the down product; the residual "
+             "added by XLA",
+    "fused": "one launch: each output block recomputes the active neurons' hidden values, the residual added "
+             "in its epilogue",
+}
 # Generation's decode steps per program call (twell_jax/inference/generate.py, `Generator.chunk`;
 # `twell generate --decode-chunk`): tokens reach the host, and a stream, this many at a time; at ~1 ms
 # a step that is ~16 ms between updates, and the host's per-call cost is paid once per 16 tokens.
@@ -195,6 +203,10 @@ class ModelConfig:
     # 0.636 against 0.821 ms for `twell` auto; BENCHMARKS.md, Decode). false: the weights once.
     # Callers of `decode` pass the copies.
     decode_transposed: bool = True
+    # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN). "fused" measured faster on
+    # the H100 (0.5b, batch 1: 0.657 / 0.637 ms against 0.703 / 0.697 for "split" in two runs;
+    # BENCHMARKS.md, Decode).
+    decode_sparse_ffn: Literal["split", "fused"] = "fused"
 
     def __post_init__(self) -> None:
         _check_finite("model", self)
@@ -212,6 +224,7 @@ class ModelConfig:
         _check_choice("model", "attention_impl", self.attention_impl, ATTENTION_IMPLS)
         _check_choice("model", "layer_scan", self.layer_scan, tuple(LAYER_SCANS))
         _check_choice("model", "decode_kernels", self.decode_kernels, tuple(DECODE_KERNELS))
+        _check_choice("model", "decode_sparse_ffn", self.decode_sparse_ffn, tuple(DECODE_SPARSE_FFN))
         if not isinstance(self.decode_transposed, bool):
             raise ValueError(f"model.decode_transposed must be true or false, got {self.decode_transposed!r}")
         if isinstance(self.layer_unroll, bool) or not isinstance(self.layer_unroll, int) or self.layer_unroll < 0:
@@ -537,7 +550,7 @@ RESUMABLE_FIELDS = frozenset({
     "train.auto_trial_steps", "optim.schedule_steps",
     "model.ffn_backend", "model.ffn_op_config", "model.ffn_interpret", "model.ffn_expected_active",
     "model.ffn_expected_tails", "model.remat", "model.attention_impl", "model.decode_kernels",
-    "model.decode_transposed",
+    "model.decode_transposed", "model.decode_sparse_ffn",
     "data.source", "data.cache_dir", "data.progress", "data.num_threads", "data.prefetch", "data.tokenize_workers",
 })
 

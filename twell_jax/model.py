@@ -420,6 +420,7 @@ class Transformer(nnx.Module):
         self.d_model, self.d_ff, self.is_swiglu = cfg.d_model, cfg.d_ff, cfg.ffn_kind == "swiglu"
         self.op_configs = tuple(build_op_config(cfg, layer) for layer in range(cfg.n_layers))
         self.decode_kernels, self.decode_transposed = cfg.decode_kernels, cfg.decode_transposed
+        self.decode_sparse_ffn = cfg.decode_sparse_ffn
         self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
         self.blocks = _stacked_blocks(cfg, rngs.params())
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -614,8 +615,13 @@ class Transformer(nnx.Module):
         if self.is_swiglu:
             return (False,) * self.n_layers
         itemsize = jnp.dtype(dtype).itemsize
-        return tuple(ops.decode_forward_is_sparse(self.gated, self.backend, config, batch, self.d_model, self.d_ff,
-                                                  itemsize, self.interpret) for config in self.op_configs)
+        # Several rows: the step's device-side switch costs the sparse side its own launches; where the
+        # cost model says no union pays for it, "auto" plans the twin's dense products (never slower).
+        switch_never_pays = batch > 1 and self.backend == "auto" and planner.decode_union_limit(
+            batch, self.d_model, self.d_ff, gated=self.gated, itemsize=itemsize, device_switch=True) == 0
+        return tuple(not switch_never_pays and ops.decode_forward_is_sparse(
+            self.gated, self.backend, config, batch, self.d_model, self.d_ff, itemsize, self.interpret)
+            for config in self.op_configs)
 
     def _decode_step_kernels(self, tokens_B: jax.Array, cache: KVCache, cache_index: jax.Array,
                              start_B: jax.Array, prepared: dict[str, Any] | None = None
@@ -627,7 +633,8 @@ class Transformer(nnx.Module):
         dense plans as one launch for norm + gate/up + activation and one for the down projection
         + residual; sparse plans (`decode_layer_sparse`) by the sparse FFN's decode kernels (the
         gate's product, the union of the rows' active neurons compacted on the device, the up/down
-        rows of those only), with, for a batch of several rows, a device-side switch to the dense
+        rows of those only: model.decode_sparse_ffn "split" in two launches, "fused" in one with the
+        residual), with, for a batch of several rows, a device-side switch to the dense
         products when the union exceeds `ops.planner.decode_union_limit` (the decode cost model's
         break-even; no host round trip). The stacked weights are read in place at the layer (no
         per-layer copy); with `prepared` (`prepare_decode`), q/k/v, the output projection and the
@@ -636,7 +643,8 @@ class Transformer(nnx.Module):
         of fp32 sums and the attention's fp32 probabilities (tests/test_decode_kernels.py)."""
         from twell_jax.pallas_kernels.decode_attention import decode_attention
         from twell_jax.pallas_kernels.decode_matvec import decode_matvec, role_block_sizes
-        from twell_jax.pallas_kernels.twell_decode import DecodeBlockSizes, compact_active, sparse_decode_ffn
+        from twell_jax.pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, sparse_decode_ffn,
+                                                           sparse_decode_ffn_fused)
 
         b = tokens_B.shape[0]
         dt = _dtype(self.compute_dtype)
@@ -721,12 +729,18 @@ class Transformer(nnx.Module):
                 order = jnp.pad(order, (0, capacity - order.shape[0]), constant_values=h_dim - 1)
             use_dense = None
             if b > 1:  # the planner's decode cost model: the union above which dense is faster
-                limit = planner.decode_union_limit(b, d, h_dim, gated=gated, itemsize=jnp.dtype(dt).itemsize)
+                limit = planner.decode_union_limit(b, d, h_dim, gated=gated, itemsize=jnp.dtype(dt).itemsize,
+                                                   device_switch=True)
                 use_dense = n_active > limit
             n_sparse = n_active if use_dense is None else jnp.where(use_dense, 0, n_active)
-            _, y = sparse_decode_ffn(xn, g, order, n_sparse, w_up if gated else None, w_down, capacity=capacity,
-                                     layer=li, block_sizes=block_sizes, interpret=interpret)
-            x = x + y
+            if self.decode_sparse_ffn == "fused":  # the residual in the kernel's epilogue (one rounding)
+                x = sparse_decode_ffn_fused(xn, g, order, n_sparse, w_up if gated else None, w_down,
+                                            capacity=capacity, layer=li, residual_MxD=x, block_sizes=block_sizes,
+                                            interpret=interpret)
+            else:
+                _, y = sparse_decode_ffn(xn, g, order, n_sparse, w_up if gated else None, w_down, capacity=capacity,
+                                         layer=li, block_sizes=block_sizes, interpret=interpret)
+                x = x + y
             if use_dense is not None:  # no products when sparse (enable 0): x passes through
                 x = dense_ffn(xn, li, None, x, use_dense.astype(jnp.int32))[0]
             return (x, k_all, v_all), {"l0": jnp.sum(count_H, dtype=jnp.float32) / b}

@@ -23,7 +23,9 @@ example command buffers over the while loops, which capture the decode steps as 
 compared with the rows compiled without them. The model's rows decode with model.decode_transposed
 on (the decode kernels read output-major copies of q/k/v, the output projection and W_down: the
 default), whatever the checkpoint's config says; `--stored-decode-rows` adds `VARIANT+stored`
-decode and generate rows of the dense and sparse variants reading the weights as stored.
+decode and generate rows of the dense and sparse variants reading the weights as stored, and
+`--other-sparse-ffn-rows` adds `VARIANT+fused` (or `+split`) rows of the sparse variants with the other
+model.decode_sparse_ffn (their sparse layers' up and down products in one launch or two).
 
 Rows: `plain` is the plain-JAX Llama of twell_jax/bench/plain_llama.py (nothing of twell_jax in its
 math) holding the model's weights in the compute dtype: its body for prefill, its KV-cached decode
@@ -377,6 +379,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--stored-decode-rows", action="store_true",
                         help="add VARIANT+stored for the dense and sparse variants: decode and generate with "
                              "model.decode_transposed off (the weights as stored, no output-major copies)")
+    parser.add_argument("--other-sparse-ffn-rows", action="store_true",
+                        help="add VARIANT+split or VARIANT+fused for the sparse variants: decode and generate with "
+                             "the other model.decode_sparse_ffn than the config's (the sparse layers' FFN in one "
+                             "launch or two)")
     parser.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
                         help="an XLA option for a second decode row of every variant, named VARIANT+xla (the "
                              "decode loop compiled with it; repeatable), e.g. xla_gpu_enable_command_buffer="
@@ -435,6 +441,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.stored_decode_rows:  # decode and generate rows only (their prefill is their variant's)
         configs.update({f"{name}+stored": dataclasses.replace(c, decode_transposed=False)
                         for name, c in list(configs.items()) if name == "dense" or name.startswith("twell-")})
+    if args.other_sparse_ffn_rows:  # decode and generate rows only, as the stored rows
+        other = {"split": "fused", "fused": "split"}
+        configs.update({f"{name}+{other[c.decode_sparse_ffn]}": dataclasses.replace(
+            c, decode_sparse_ffn=other[c.decode_sparse_ffn]) for name, c in list(configs.items())
+            if name.startswith("twell-") and "+" not in name})
     # In the load dtype, as model_with_params builds them (the generate rows' Generator reads it too).
     configs = {name: dataclasses.replace(c, compute_dtype=args.dtype) for name, c in configs.items()}
     models = {name: model_with_params(c, params, args.dtype) for name, c in configs.items()}
@@ -474,7 +485,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"compile {r['compile_s']:.1f}s)")
 
     for name, runner in runners.items():
-        if not name.endswith("+stored"):  # its prefill is its variant's: decode and generate rows only
+        if not name.endswith(("+stored", "+split", "+fused")):  # its prefill is its variant's: decode rows only
             r, hidden_BxSxD = bench_prefill(runner, tokens, sampler, args.min_seconds)
             if plain_hidden is None:
                 plain_hidden = hidden_BxSxD.astype(jnp.float32)

@@ -101,6 +101,9 @@ class DecodeCosts:
         decode       = one gate GEMM + decode_fixed_us (compaction + 2 Pallas launches + fusions)
                        + union n_rows D itemsize / decode_row_bytes_per_us  (each active row once)
                        + n_rows 2 max(M, 16) union D / decode_flops_per_us  (gather-GEMMs)
+                       [+ decode_switch_us inside the model's decode step at M > 1: the device-side
+                        switch to the dense products, whose launches run (disabled) on the sparse
+                        side too, and the union's reductions]
     union = H (1 - (1 - k/H)^M): the expected union of M tokens with k independent actives each
     (trained models share active neurons across tokens, so this over-estimates: conservative)."""
 
@@ -110,8 +113,10 @@ class DecodeCosts:
     decode_fixed_us: float
     decode_row_bytes_per_us: float
     decode_flops_per_us: float
+    decode_switch_us: float
     dense_fit: Fit
     fit: Fit
+    switch_fit: Fit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,10 +161,18 @@ H100 = DeviceCosts(
     decode=DecodeCosts(
         gemm_launch_us=5.0, hbm_bytes_per_us=3.35e6, gemm_flops_per_us=6.0e8,
         decode_fixed_us=12.0, decode_row_bytes_per_us=2.6e5, decode_flops_per_us=2.0e8,
+        decode_switch_us=12.0,
         dense_fit=Fit("2026-11-22", "NVIDIA H100 80GB HBM3", "issue 13's table (XLA dense FFN, 1..1024 tokens)",
                       "D 2048, H 5632, bf16; within 3% at 1..256 tokens, 6% high at 1024"),
         fit=Fit("2026-11-22", "NVIDIA H100 80GB HBM3", "python experiments/bench_ffn_decode.py",
-                "33.7 / 31.2 / 82.9 us at 1 / 8 / 64 tokens, unions 28 / 205 / 1588")),
+                "33.7 / 31.2 / 82.9 us at 1 / 8 / 64 tokens, unions 28 / 205 / 1588"),
+        switch_fit=Fit("2026-11-24", "NVIDIA H100 80GB HBM3",
+                       "python experiments/bench_inference.py --checkpoint RUN --backends auto --decode-batches 8,1 "
+                       "--trace-decode 30 --other-sparse-ffn-rows",
+                       "0.5b, batch 8, kernel time line per sparse layer: gate 10.3 + compaction 4.9 + hidden 7.9 + "
+                       "down 3.9 + the disabled dense products 6.9 + ~6 of extra fusions = ~40 us against 34.4 for "
+                       "the twin's fused dense products; the op-level model gives ~28 at these unions: the "
+                       "~12 us it misses is this term")),
 )
 
 COST_MODELS: dict[str, DeviceCosts] = {"H100": H100}
@@ -338,22 +351,24 @@ def decode_time_us(m: int, d: int, h: int, expected_active: float, *, gated: boo
 
 
 def _decode_time_at_union(m: int, d: int, h: int, union: float, gated: bool, itemsize: int,
-                          kind: str | None) -> float:
+                          kind: str | None, device_switch: bool = False) -> float:
     c = costs(kind).decode
     n_rows = 2 if gated else 1
-    return (_gemm_us(c, m, d, h, itemsize) + c.decode_fixed_us
+    return (_gemm_us(c, m, d, h, itemsize) + c.decode_fixed_us + (c.decode_switch_us if device_switch else 0.0)
             + union * n_rows * d * itemsize / c.decode_row_bytes_per_us
             + n_rows * 2.0 * max(m, 16) * union * d / c.decode_flops_per_us)
 
 
 def decode_union_limit(m: int, d: int, h: int, *, gated: bool = True, itemsize: int = 2,
-                       kind: str | None = None) -> int:
+                       kind: str | None = None, device_switch: bool = False) -> int:
     """The largest union of active neurons (over a call's m tokens) at which the decode path is
     predicted to beat the dense FFN by DECODE_MARGIN (the same model as `prefer_decode_path`, whose
     time grows linearly in the union), in [0, h]: the device-side switch of the model's decode
-    step (`Transformer._decode_step_kernels`) runs the dense products above it."""
-    fixed = _decode_time_at_union(m, d, h, 0.0, gated, itemsize, kind)
-    per_row = _decode_time_at_union(m, d, h, 1.0, gated, itemsize, kind) - fixed
+    step (`Transformer._decode_step_kernels`) runs the dense products above it. device_switch: price
+    that switch (`decode_switch_us`), as the model's step at m > 1 pays it; 0 = the sparse side
+    never pays, so the model plans the layer dense (`Transformer.decode_layer_sparse`)."""
+    fixed = _decode_time_at_union(m, d, h, 0.0, gated, itemsize, kind, device_switch)
+    per_row = _decode_time_at_union(m, d, h, 1.0, gated, itemsize, kind, device_switch) - fixed
     budget = DECODE_MARGIN * dense_time_us(m, d, h, gated=gated, itemsize=itemsize, kind=kind) - fixed
     return int(min(h, max(0.0, budget / per_row)))
 

@@ -54,9 +54,22 @@ def describe_tails(tails: Tails) -> str:
     return ", ".join(f"{t[0]:.1%}/{t[1]:.1%}" for t in tails)
 
 
+# How far outside [0, 1] a measured share may land by rounding alone: the shares are averages of fp32
+# sums over steps (a `2b` run's mean of shares of 1.0 came out a hair above 1 and its config was refused).
+SHARE_ROUNDING = 1e-4
+
+
+def _share(value: float) -> float:
+    value = float(value)
+    if -SHARE_ROUNDING <= value <= 1.0 + SHARE_ROUNDING:
+        return min(max(value, 0.0), 1.0)
+    return value  # not rounding: left for ModelConfig to refuse with the whole triple named
+
+
 def normalise_tails(tails: Sequence[Sequence[float]]) -> Tails:
-    """Tail hints as a tuple of float triples (from lists, numpy rows, ...)."""
-    return tuple(tuple(float(v) for v in layer) for layer in tails)
+    """Tail hints as a tuple of float triples (from lists, numpy rows, ...), each share within
+    rounding of [0, 1] clipped into it."""
+    return tuple(tuple(_share(v) for v in layer) for layer in tails)
 
 
 def saved_tail_hints(meta: dict[str, Any] | None, n_layers: int) -> Tails | None:
