@@ -25,8 +25,9 @@ are read from HBM once per call, whatever the number of tokens M:
                      redundant hidden work (each of the D / block_d programs recomputes all of h;
                      the U rows then come from L2) for one launch fewer and no h round trip
                      through HBM. Meant for decode's few active neurons, where the two launches
-                     are latency-bound (H100, batch 1, ~30 of 5632 active: 7.2 + 2.1 us per
-                     layer, unfused). It loses with many actives: each program runs
+                     are latency-bound (H100, 0.5b, batch 1: 8.5 us a layer against 7.9 + 2.2 us
+                     for `hidden` and `down` plus the residual's XLA add; the model's step 0.637
+                     against 0.697 ms; BENCHMARKS.md, Decode). It loses with many actives: each program runs
                      ceil(n / block_h) x ceil(D / block_k) sequential steps that `hidden` spreads
                      over C / block_n programs.
 
