@@ -147,8 +147,9 @@ def test_a_chunk_ends_on_the_device_once_every_row_made_an_eos():
         args = (generator.state, generator.prepared, cache, token_B, jnp.full((1, 8), -1, jnp.int32), *settings,
                 jnp.asarray([False]), jnp.asarray([eos], jnp.int32), jnp.asarray([7]), jax.random.key(0),
                 jnp.float32(0), jnp.int32(0), jnp.float32(1))
-        (tokens_BxC, n_run, last_B, _), _ = generator._run("decode greedy", generator._decode_chunk[True], *args)
+        (tokens_BxC, n_run, last_B, _, done_B), _ = generator._run("decode greedy", generator._decode_chunk[True], *args)
         assert int(n_run) == steps and list(np.asarray(tokens_BxC[0, :2])) == greedy[1:3]
+        assert bool(done_B[0]) == (eos != -1)  # the device's done flags, the next chunk's input
         assert int(last_B[0]) == int(tokens_BxC[0, steps - 1]) and int(tokens_BxC[0, steps:].max(initial=-1)) == -1
     # The chunk's loop has a trip count known when it is traced (the chunk width), and the greedy
     # program has no lax.cond: on a GPU, XLA then runs the steps without copying a loop or branch
@@ -321,3 +322,36 @@ def test_the_decode_step_runs_no_finiteness_scan():
                                                   jnp.zeros((2,), jnp.int32), prepared=prepared))(cache)
     assert "is_finite" not in str(jaxpr)
     assert "twell_decode_matvec" in str(jaxpr) or "pallas_call" in str(jaxpr)
+
+
+def test_the_next_chunk_is_dispatched_before_the_host_reads_this_ones_tokens():
+    """Chunks go one ahead: chunk k + 1 is queued (from chunk k's device outputs) before the host
+    waits for and books chunk k's tokens, so the device does not idle while the host works. The
+    tokens are those of one chunk at a time (chunk=1 and chunk=2 agree, EOS included); at most one
+    chunk more than needed is dispatched."""
+    generator = Generator(_loaded(_model_cfg(n_layers=1)), cache_len=32, chunk=2)
+    free = generator.generate([[7]], 9, SamplingConfig(), eos=()).tokens[0]
+    events: list[tuple] = []
+    real_run = generator._run
+
+    def run(name, fn, *args):
+        if name.startswith("decode"):
+            events.append(("dispatch", int(args[5]) - 8))  # decode step of the chunk's first slot
+        return real_run(name, fn, *args)
+
+    generator._run = run
+    streamed = generator.generate([[7]], 9, SamplingConfig(), eos=(),
+                                  stream=lambda row, token, text: events.append(("token", token))).tokens[0]
+    assert streamed == free
+    dispatched = [at for kind, at in events if kind == "dispatch"]
+    assert dispatched == [0, 2, 4, 6]  # 8 decode steps, 2 a chunk: no chunk past the length limit
+    # the first decode token (the second streamed token) reaches the host after chunk 1 was queued
+    second_token = [i for i, e in enumerate(events) if e[0] == "token"][1]
+    assert events.index(("dispatch", 2)) < second_token
+    events.clear()
+    eos = free[3]  # made by decode step 2 (chunk 1): chunk 2 is already queued then, chunk 3 never
+    stopped = generator.generate([[7]], 9, SamplingConfig(), eos=eos).tokens[0]
+    assert stopped == free[:free.index(eos) + 1]
+    assert [at for kind, at in events if kind == "dispatch"] == [0, 2, 4]
+    assert Generator(_loaded(_model_cfg(n_layers=1)), cache_len=32, chunk=1).generate(
+        [[7]], 9, SamplingConfig(), eos=eos).tokens[0] == stopped
