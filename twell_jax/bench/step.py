@@ -11,8 +11,9 @@ A variant is `kind[@backend]:remat[:micro_batch]` with kind an FFN kind of the m
 for the kinds that run the sparse op (default: the config's), remat a policy of model.remat, and
 micro_batch the variant's sequences per step (default: --micro-batch), so that one process can time a
 sparse model at a larger micro-batch than its twin (what its saved memory buys). Compare such rows by
-tokens/s. The summary printed last names, for each kind, the fastest variant that ran (`best` table). One step = jax.grad
-of CE (+ the L1 penalty for kinds trained with it), plus the AdamW update of the trainer with --optimizer. Without
+tokens/s. The summary printed last names, for each kind, the fastest variant that ran (`best` table).
+One step = jax.grad of CE (+ the L1 penalty for kinds trained with it), plus the AdamW update of the
+trainer with --optimizer. Without
 --optimizer the step returns the weights unchanged beside their gradients, so every timed step sees
 the same weights (a sparse step's time depends on their values) and the gradient buffer counts in
 the compiled memory, as it does in training. All steps run on one device, on one micro-batch of random tokens; with `--checkpoint RUN` (a trained run, e.g. from
@@ -201,8 +202,9 @@ def run_variant(base: ExperimentConfig, kind: str, backend: str | None, remat: s
                 params: dict[str, Any] | None = None, hints: tuple[float, ...] | None = None,
                 tails: Tails | None = None, trace: int = 0, label_batch: int | None = None) -> dict[str, Any]:
     """Compile, warm up and time one variant on `tokens` [micro_batch, seq + 1]; any failure is
-    returned as {"error": ...}. `label_batch`: the micro-batch the variant named (in its label). `params`: trained parameters for the library's model (the `ref`
-    row always runs its own random init: a dense step's time does not depend on the values)."""
+    returned as {"error": ...}. `label_batch`: the micro-batch the variant named (in its label).
+    `params`: trained parameters for the library's model (the `ref` row always runs its own random
+    init: a dense step's time does not depend on the values)."""
     cfg = variant_config(base, kind, backend, remat, hints, tails)
     seq_len = cfg.seq_len
     row: dict[str, Any] = {"variant": variant_label(kind, backend, remat, label_batch), "kind": kind,

@@ -108,8 +108,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--minutes", type=float, default=0.0, help="wall-clock limit of the loop (0 = none)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup-steps", type=int, default=100)
-    parser.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: the micro-batch; 8 at the paper's sizes)")
-    parser.add_argument("--micro-batch", type=int, default=None, help="sequences per device (default: the preset's; 8 at the paper's sizes)")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="sequences per step (default: the micro-batch; 8 at the paper's sizes)")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="sequences per device (default: the preset's; 8 at the paper's sizes)")
     parser.add_argument("--data", default="stdlib", help="data.source (default: the Python standard library)")
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.FIELD=VALUE",
                         help="further config overrides, applied last")
