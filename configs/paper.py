@@ -2,8 +2,8 @@
 
 0.5b / 1b / 1.5b / 2b = 8 / 18 / 28 / 38 layers. 1M-token global batch (512 x 2048; the paper's
 micro-batch is 8 per device, ours is measured: below), AdamW lr 1e-3, betas (0.9, 0.95), eps 1e-8,
-weight decay 0.1 (not on norms), 600 warm-up steps then cosine to 0 over 30000 steps, clip 1.0, L1 2e-5 (the paper's recommendation; its run
-configs used 3e-4 for 0.5B/1B/2B), bf16 compute. The data section points at a local fineweb-edu
+weight decay 0.1 (not on norms), 600 warm-up steps then cosine to 0 over 30000 steps, clip 1.0, L1
+2e-5 (the paper's recommendation; its run configs used 3e-4 for 0.5B/1B/2B), bf16 compute. The data section points at a local fineweb-edu
 copy with the SmolLM2 tokenizer; set data.source / data.tokenizer to your paths.
 
 Execution (`EXECUTION`: remat policy and micro-batch per device) is what was measured fastest on one
