@@ -8,6 +8,10 @@ are read from HBM once per call, whatever the number of tokens M:
                      ascending, then the inactive ones) and n [1] int32 = number of actives.
                      One program: in-kernel cumsum, every lane stores to its own distinct slot
                      (a permutation: no mask, no atomics).
+    compact_active_rows  the same from the gate's product g [B, H] itself: the per-neuron count of
+                     rows with g > 0 (the union's flags) and the number of active (row, neuron)
+                     pairs computed in the same one-program kernel (one launch fewer than an XLA
+                     reduction followed by compact_active).
     hidden           grid (C / block_n, M / block_m): program c gathers the U rows of the active
                      neurons order[c*bn : (c+1)*bn] and computes, for all its tokens,
                      u = x U_c^T (tensor-core dot, fp32 accumulation over D in block_k steps) and
@@ -95,12 +99,11 @@ class DecodeBlockSizes:
 # compact_active
 # ----------------------------------------------------------------------------------------------
 
-def _compact_kernel(active_ref, order_ref, n_ref, *, h: int) -> None:
-    """Refs: active [H] (non-zero = active), order [L] int32, n [1] int32. One program."""
+def _store_partition(active_L: jax.Array, order_ref, n_ref, *, h: int) -> None:
+    """The stable partition of active_L (bool [L], False on the padding lanes >= H) into order [L]
+    int32 and n [1] int32; shared by `_compact_kernel` and `_compact_rows_kernel`."""
     length = order_ref.shape[0]
     lane_L = lax.broadcasted_iota(jnp.int32, (length,), 0)
-    # Lanes >= H (padding to a power of two) are inactive; their (masked) addresses are clamped.
-    active_L = plgpu.load(active_ref.at[jnp.minimum(lane_L, h - 1)], mask=lane_L < h, other=0) != 0
     one_L = active_L.astype(jnp.int32)
     n = jnp.sum(one_L)
     active_before_L = jnp.cumsum(one_L) - one_L  # exclusive prefix: actives left of the lane
@@ -112,6 +115,39 @@ def _compact_kernel(active_ref, order_ref, n_ref, *, h: int) -> None:
     # an out-of-range address from them.
     plgpu.store(order_ref.at[slot_L], jnp.minimum(lane_L, h - 1))
     n_ref[...] = jnp.broadcast_to(n, (1,))
+
+
+def _compact_kernel(active_ref, order_ref, n_ref, *, h: int) -> None:
+    """Refs: active [H] (non-zero = active), order [L] int32, n [1] int32. One program."""
+    lane_L = lax.broadcasted_iota(jnp.int32, (order_ref.shape[0],), 0)
+    # Lanes >= H (padding to a power of two) are inactive; their (masked) addresses are clamped.
+    active_L = plgpu.load(active_ref.at[jnp.minimum(lane_L, h - 1)], mask=lane_L < h, other=0) != 0
+    _store_partition(active_L, order_ref, n_ref, h=h)
+
+
+def _compact_rows_kernel(g_ref, order_ref, n_ref, pairs_ref, *, b: int, h: int, block_r: int) -> None:
+    """Refs: g [B, H] f32 (whole), order [L] int32, n [1] int32, pairs [1] int32. One program:
+    count_L = the rows with g > 0 per neuron, accumulated over a static loop of block_r-row loads
+    (rows >= B and lanes >= H masked, read as 0: never > 0); then `compact_active`'s partition of
+    count_L > 0, and pairs = sum(count_L)."""
+    length = order_ref.shape[0]
+    lane_L = lax.broadcasted_iota(jnp.int32, (length,), 0)
+    row_R = lax.broadcasted_iota(jnp.int32, (block_r,), 0)
+    count_L = jnp.zeros((length,), jnp.int32)
+    for first in range(0, b, block_r):
+        rows_R = first + row_R
+        # Masked lanes' addresses are clamped into g (interpret mode gathers them all).
+        g_RxL = plgpu.load(g_ref.at[jnp.minimum(rows_R, b - 1)[:, None], jnp.minimum(lane_L, h - 1)[None, :]],
+                           mask=(rows_R < b)[:, None] & (lane_L < h)[None, :], other=0.0)
+        count_L = count_L + jnp.sum((g_RxL > 0).astype(jnp.int32), axis=0)
+    pairs_ref[...] = jnp.broadcast_to(jnp.sum(count_L), (1,))
+    _store_partition(count_L > 0, order_ref, n_ref, h=h)
+
+
+def _compact_compiler_params(length: int) -> plgpu.CompilerParams:
+    """The compaction kernels' launch: ~16 lanes per thread at H = 5632 (L = 8192), so six live
+    [L] vectors stay in registers."""
+    return plgpu.CompilerParams(num_warps=max(1, min(16, length // 512)), num_stages=1)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "debug"))
@@ -134,9 +170,7 @@ def compact_active(active_H: jax.Array, *, interpret: bool = False,
         in_specs=[pl.BlockSpec((h,), lambda i: (0,))],
         out_specs=[pl.BlockSpec((length,), lambda i: (0,)), pl.BlockSpec((1,), lambda i: (0,))],
         out_shape=[jax.ShapeDtypeStruct((length,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)],
-        # ~16 lanes per thread at H = 5632 (L = 8192): six live [L] vectors stay in registers.
-        compiler_params=plgpu.CompilerParams(num_warps=max(1, min(16, length // 512)),
-                                             num_stages=1),
+        compiler_params=_compact_compiler_params(length),
         interpret=interpret,
         debug=debug,
         name="twell_decode_compact",
@@ -156,6 +190,51 @@ def compact_active_reference(active_H: jax.Array) -> tuple[jax.Array, jax.Array]
     order_L = jnp.zeros((length,), jnp.int32).at[slot_L].set(jnp.minimum(lane_L, h - 1),
                                                               unique_indices=True)
     return order_L, n.reshape(1)
+
+
+def _check_rows_arg(g_BxH: jax.Array) -> None:
+    if g_BxH.ndim != 2 or g_BxH.dtype != jnp.float32 or min(g_BxH.shape) < 1:
+        raise ValueError(f"g_BxH must be float32 [B, H] with B >= 1 and H >= 1, got {g_BxH.dtype}{g_BxH.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "debug"))
+def compact_active_rows(g_BxH: jax.Array, *, interpret: bool = False,
+                        debug: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`compact_active` of the union of the rows' active neurons, from the gate's product itself:
+    (order [L] int32, n [1] int32, pairs [1] int32), L = next_pow2(H); order and n as
+    `compact_active(sum(g_BxH > 0, axis=0))`, pairs = the number of (row, neuron) with g > 0.
+
+    One launch: the per-neuron count over the rows (an XLA reduction with its own launch before)
+    is computed inside the compaction kernel. g_BxH: float32 [B, H], finite (a NaN is not > 0
+    here, but NaN is outside the contract); -0.0 and 0.0 are not active."""
+    _check_rows_arg(g_BxH)
+    b, h = g_BxH.shape
+    length = _next_pow2(h)
+    # Rows per load: ~16 lanes per thread (512 per warp), at least one row, at most B padded.
+    params = _compact_compiler_params(length)
+    block_r = max(1, min(_next_pow2(b), 512 * params.num_warps // length))
+    one = pl.BlockSpec((1,), lambda i: (0,))
+    return pl.pallas_call(
+        functools.partial(_compact_rows_kernel, b=b, h=h, block_r=block_r),
+        grid=(1,),
+        in_specs=[pl.BlockSpec((b, h), lambda i: (0, 0))],
+        out_specs=[pl.BlockSpec((length,), lambda i: (0,)), one, one],
+        out_shape=[jax.ShapeDtypeStruct((length,), jnp.int32)] + [jax.ShapeDtypeStruct((1,), jnp.int32)] * 2,
+        compiler_params=params,
+        interpret=interpret,
+        debug=debug,
+        name="twell_decode_compact_rows",
+    )(g_BxH)
+
+
+@jax.jit
+def compact_active_rows_reference(g_BxH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Plain-jnp `compact_active_rows` (`compact_active_reference` of the per-neuron counts): same
+    outputs."""
+    _check_rows_arg(g_BxH)
+    count_H = jnp.sum(g_BxH > 0, axis=0, dtype=jnp.int32)
+    order_L, n = compact_active_reference(count_H)
+    return order_L, n, jnp.sum(count_H).reshape(1)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The decode kernels' one-token step (`Transformer._decode_step_kernels`, model.decode_kernels)
 against the full forward and the XLA decode path: dense, sparse and SwiGLU models, batch 1 and
 left-padded rows, both sides of the device-side dense switch, the stacked weights read in place;
-and the fused decode FFN kernel (hidden + down + residual in one launch, interpret mode) against the
-plain-jnp reference and the unfused kernels."""
+the fused decode FFN kernel (hidden + down + residual in one launch, interpret mode) against the
+plain-jnp reference and the unfused kernels; and the rows' compaction kernel (`compact_active_rows`: the
+per-neuron count over the rows and the partition in one launch) against its references and in the step."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +16,10 @@ import pytest
 from twell_jax import model as model_lib
 from twell_jax.config import ModelConfig
 from twell_jax.model import init_cache, init_model
-from twell_jax.pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active_reference, sparse_decode_ffn,
-                                                   sparse_decode_ffn_fused, sparse_decode_ffn_reference)
+from twell_jax.pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compact_active_reference,
+                                                   compact_active_rows, compact_active_rows_reference,
+                                                   sparse_decode_ffn, sparse_decode_ffn_fused,
+                                                   sparse_decode_ffn_reference)
 from oracles import rel_err
 
 BASE = ModelConfig(vocab_size=61, d_model=32, n_layers=3, n_heads=2, d_ff=64, max_seq_len=16,
@@ -341,3 +344,153 @@ def test_fused_kernel_lowers_to_triton_for_cuda(capsys):
     # Gated: the active-list loop with the D loop inside; non-gated: the list loop only. No scf.for
     # in MLIR's generic quoted form (an op that failed verification: mixed bound types did).
     assert printed.count("scf.for") >= 3 and '"scf.for"' not in printed
+
+
+# ---------------------------------------------------------------------------------------------
+# the rows' compaction kernel (compact_active_rows), interpret mode
+# ---------------------------------------------------------------------------------------------
+
+ROWS_PATTERNS = ("sparse", "none", "all", "one_hot_last_row", "zeros")
+
+
+def rows_inputs(b, h, pattern, seed=0):
+    """g fp32 [B, H], finite: "sparse" (~8% of the entries > 0, the rest < 0), "none" (all < 0),
+    "all" (all > 0), "one_hot_last_row" (one neuron, in the last row only), "zeros" (0.0 and -0.0
+    everywhere but a tiny positive at (0, H - 1) and a positive in the last row at neuron 0)."""
+    rng = np.random.default_rng(seed)
+    magnitude = np.abs(rng.normal(size=(b, h))) + 0.05
+    if pattern == "sparse":
+        on = rng.random((b, h)) < 0.08
+    elif pattern in ("none", "all", "one_hot_last_row"):
+        on = np.full((b, h), pattern == "all")
+        if pattern == "one_hot_last_row":
+            on[b - 1, (7 * h) // 11] = True
+    elif pattern == "zeros":
+        g = np.where(rng.random((b, h)) < 0.5, np.float32(0.0), np.float32(-0.0))
+        g[0, h - 1], g[b - 1, 0] = 1e-30, 2.0
+        return g.astype(np.float32)
+    else:
+        raise ValueError(pattern)
+    return np.where(on, magnitude, -magnitude).astype(np.float32)
+
+
+# (B, H): H = 1, 37, 64 and 151 load several rows at once (151: 2 rows per load, the last block of
+# B = 3 half masked); H = 600 one row per load (L = 1024, 2 warps); B = 64 the largest decode batch.
+ROWS_SHAPES = [(b, h) for b in (1, 3, 8) for h in (1, 37, 64, 151)] + [(3, 600), (64, 151)]
+
+
+@pytest.mark.parametrize("b,h", ROWS_SHAPES)
+def test_compact_active_rows_equals_its_references(b, h):
+    length = 1 << max(0, (h - 1).bit_length())
+    identity = np.minimum(np.arange(length), h - 1)
+    for i, pattern in enumerate(ROWS_PATTERNS):
+        g_np = rows_inputs(b, h, pattern, seed=1000 * b + h + i)
+        g = jnp.asarray(g_np)
+        order, n, pairs = compact_active_rows(g, interpret=True)
+        assert order.shape == (length,) and n.shape == pairs.shape == (1,), pattern
+        assert order.dtype == n.dtype == pairs.dtype == jnp.int32
+        for want in (compact_active_rows_reference(g),
+                     (*compact_active_reference(jnp.sum(g > 0, axis=0, dtype=jnp.int32)), None)):
+            np.testing.assert_array_equal(np.asarray(order), np.asarray(want[0]), err_msg=pattern)
+            np.testing.assert_array_equal(np.asarray(n), np.asarray(want[1]), err_msg=pattern)
+        active = np.flatnonzero(np.any(g_np > 0, axis=0))
+        assert int(pairs[0]) == int(np.sum(g_np > 0)) == int(compact_active_rows_reference(g)[2][0]), pattern
+        assert int(n[0]) == active.size, pattern
+        np.testing.assert_array_equal(np.asarray(order[:n[0]]), active, err_msg=pattern)  # ascending
+        # A permutation of [0, L) with the padding lanes clamped: every neuron exactly once.
+        np.testing.assert_array_equal(np.sort(np.asarray(order)), identity, err_msg=pattern)
+        if pattern == "none":  # nothing active: the identity partition
+            assert int(pairs[0]) == 0
+            np.testing.assert_array_equal(np.asarray(order), identity)
+        elif pattern == "all":
+            assert int(n[0]) == h and int(pairs[0]) == b * h
+        elif pattern == "one_hot_last_row":
+            assert int(n[0]) == 1 and int(order[0]) == (7 * h) // 11 and int(pairs[0]) == 1
+        elif pattern == "zeros":  # 0.0 and -0.0 are not active
+            assert int(pairs[0]) == (2 if (b, h) != (1, 1) else 1)
+
+
+def test_compact_active_rows_rejects_bad_arguments():
+    g = jnp.ones((3, 37), jnp.float32)
+    for bad in (g[0], g.astype(jnp.int32), g.astype(jnp.bfloat16), g[:0], g[:, :0], g[None]):
+        for fn in (lambda a: compact_active_rows(a, interpret=True), compact_active_rows_reference):
+            with pytest.raises(ValueError, match="g_BxH"):
+                fn(bad)
+
+
+def _pallas_names_and_row_sums(closed_jaxpr, shape):
+    """The names of the pallas_calls in a jaxpr (nested jits, scans and conds included) and the
+    number of reduce_sum equations outside the kernels over an operand of `shape`."""
+    names, sums = [], 0
+
+    def walk(jaxpr):
+        nonlocal sums
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                names.append(eqn.params["name"])
+                continue  # the kernel's own body is not the step's XLA graph
+            if eqn.primitive.name == "reduce_sum" and tuple(eqn.invars[0].aval.shape) == shape:
+                sums += 1
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed_jaxpr.jaxpr)
+    return names, sums
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_sparse_step_compacts_the_rows_in_one_launch(batch):
+    """A sparse layer's step runs `compact_active_rows` (twell_decode_compact_rows): no XLA
+    reduction of the gate's [B, H] signs before the compaction, no `compact_active` launch."""
+    cfg = dataclasses.replace(BASE, n_layers=2)
+    model = init_model(cfg, seed=4)
+    assert model._decode_with_kernels() and all(model.decode_layer_sparse(batch, jnp.float32))
+    cache = init_cache(cfg, batch, 8)
+    tokens = jnp.zeros((batch, 1), jnp.int32)
+    start = jnp.zeros((batch,), jnp.int32)
+    traced = jax.make_jaxpr(lambda c: model.decode(tokens, c, jnp.int32(3), start))(cache)
+    names, sums = _pallas_names_and_row_sums(traced, (batch, cfg.d_ff))
+    assert "twell_decode_compact_rows" in names and "twell_decode_compact" not in names, names
+    assert sums == 0
+    # The check sees the old formula: the XLA count then the compaction kernel.
+    old = jax.make_jaxpr(lambda g: compact_active(jnp.sum(g > 0, axis=0, dtype=jnp.int32), interpret=True))(
+        jnp.zeros((batch, cfg.d_ff), jnp.float32))
+    assert _pallas_names_and_row_sums(old, (batch, cfg.d_ff)) == (["twell_decode_compact"], 1)
+
+
+def test_many_rows_count_in_xla_then_compact_with_the_same_steps(monkeypatch):
+    """Above model.COMPACT_ROWS_IN_KERNEL rows (64 in generation at most), the rows' count runs as an
+    XLA reduction and `compact_active` compacts it (one program reading [B, H] row after row would
+    be slow): the step still equals the XLA path, with the same active counts."""
+    monkeypatch.setattr(model_lib, "COMPACT_ROWS_IN_KERNEL", 2)
+    tokens = jax.random.randint(jax.random.key(3), (3, 9), 0, BASE.vocab_size)
+    start = jnp.asarray([0, 1, 3], jnp.int32)
+    got, auxes, model = _run(BASE, tokens, start, prompt=5)
+    traced = jax.make_jaxpr(lambda c: model.decode(tokens[:, :1], c, jnp.int32(5), start))(init_cache(BASE, 3, 9))
+    names, sums = _pallas_names_and_row_sums(traced, (3, BASE.d_ff))
+    assert "twell_decode_compact" in names and "twell_decode_compact_rows" not in names and sums > 0
+    want, want_aux, _ = _run(dataclasses.replace(BASE, decode_kernels="xla"), tokens, start, prompt=5)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    for a, b in zip(auxes, want_aux):
+        np.testing.assert_allclose(a["l0"], b["l0"], rtol=1e-5)
+
+
+def test_compact_active_rows_lowers_to_triton_for_cuda(capsys):
+    # As test_fused_kernel_lowers_to_triton_for_cuda: the Pallas -> Triton IR lowering without a GPU, at
+    # the model's d_ff and a batch of 8 (one row per load at L = 8192).
+    import re
+
+    from jax import export
+
+    exported = export.export(jax.jit(lambda g: compact_active_rows(g, debug=True)), platforms=["cuda"],
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        jax.ShapeDtypeStruct((8, 5632), jnp.float32))
+    assert "twell_decode_compact_rows" in exported.mlir_module()
+    printed = capsys.readouterr().out
+    assert "module @twell_decode_compact_rows" in printed
+    # MLIR prints an op that fails verification in the generic quoted form; the reductions and the
+    # cumsum's scan print so anyway (as in `compact_active`'s module).
+    assert set(re.findall(r'"(\w+\.\w+)"', printed)) <= {"tt.reduce", "tt.scan"}
