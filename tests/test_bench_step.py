@@ -117,3 +117,9 @@ def test_the_grad_only_step_keeps_the_weights():
         state = jax.jit(step)(state, tokens)
     assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), before, state[0])))
     assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(state[1]))
+
+
+def test_a_bad_variant_on_the_command_line_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_step.main(["--dry-run", "--config", "micro", "--variants", "relu_gated:none,twell:none:0"])
+    assert exc.value.code == 2 and "the micro-batch of 'twell:none:0' must be a positive integer" in capsys.readouterr().err

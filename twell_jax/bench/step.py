@@ -339,7 +339,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny shapes, 1 step x 1 run (checks the script on CPU)")
     args = parser.parse_args(argv)
-    variants = parse_variants(args.variants)
+    try:
+        variants = parse_variants(args.variants)
+    except ValueError as err:  # a usage error: the message names the variant, no traceback
+        parser.error(str(err))
     for name in ("steps", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
