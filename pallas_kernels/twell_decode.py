@@ -241,6 +241,51 @@ def compact_active_rows_reference(g_BxH: jax.Array) -> tuple[jax.Array, jax.Arra
 # hidden and down
 # ----------------------------------------------------------------------------------------------
 
+def _up_product(x_ref, w_up_ref, rows_BM: jax.Array, row_ok_BM: jax.Array, w_rows_BN: jax.Array,
+                live_BN: jax.Array, trips: jax.Array, *, d: int, block_k: int,
+                precision: lax.Precision) -> jax.Array:
+    """u [BM, BN] fp32 = x[rows] . w_up[w_rows]^T, a loop of `trips` (int32) block_k steps over D.
+    Gathers index with two broadcast int arrays (rows x columns): the interpret-mode discharge does
+    not support mixing an int-array index with a slice. Masked lanes (dead neurons, rows >= M,
+    columns >= D) move no bytes, so x and the weights need no padding."""
+    col_BK = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+
+    def k_step(k, acc_BMxBN):
+        cols_BK = k * block_k + col_BK
+        col_ok_BK = cols_BK < d
+        x_BMxBK = plgpu.load(x_ref.at[rows_BM[:, None], cols_BK[None, :]],
+                             mask=row_ok_BM[:, None] & col_ok_BK[None, :], other=0)
+        u_BNxBK = plgpu.load(w_up_ref.at[w_rows_BN[:, None], cols_BK[None, :]],
+                             mask=live_BN[:, None] & col_ok_BK[None, :], other=0)
+        return acc_BMxBN + lax.dot_general(x_BMxBK, u_BNxBK, (((1,), (1,)), ((), ())),
+                                           precision=precision, preferred_element_type=jnp.float32)
+
+    # Both bounds explicitly int32: Triton's scf.for rejects bounds of different types (a weakly
+    # typed Python 0 against a traced bound failed on the H100; interpret mode does not check).
+    return lax.fori_loop(jnp.int32(0), trips.astype(jnp.int32), k_step,
+                         jnp.zeros((rows_BM.shape[0], w_rows_BN.shape[0]), jnp.float32))
+
+
+def _down_steps(h_of_step, w_down_ref, order_ref, n: jax.Array, base: jax.Array, cols_BD: jax.Array, *,
+                d: int, block_m: int, block_h: int, precision: lax.Precision) -> jax.Array:
+    """acc [BM, BD] fp32 = sum over the active list in block_h steps of h . w_down[base + order, cols]:
+    ceil(n / block_h) steps, h_of_step(t, j_BH, live_BH) -> h [BM, BH] in the weights' dtype (0 on
+    dead lanes). No split over the neurons: no partial outputs, no atomics."""
+    step_BH = lax.broadcasted_iota(jnp.int32, (block_h,), 0)
+
+    def h_step(t, acc_BMxBD):
+        j_BH = order_ref[pl.ds(t * block_h, block_h)]
+        live_BH = t * block_h + step_BH < n
+        w_BHxBD = plgpu.load(w_down_ref.at[(base + j_BH)[:, None], cols_BD[None, :]],
+                             mask=live_BH[:, None] & (cols_BD < d)[None, :], other=0)
+        return acc_BMxBD + lax.dot_general(h_of_step(t, j_BH, live_BH), w_BHxBD, (((1,), (0,)), ((), ())),
+                                           precision=precision, preferred_element_type=jnp.float32)
+
+    # n >= 0: truncation is the ceiling division. Both bounds int32 (see `_up_product`).
+    n_steps = lax.div(n + jnp.int32(block_h - 1), jnp.int32(block_h)).astype(jnp.int32)
+    return lax.fori_loop(jnp.int32(0), n_steps, h_step, jnp.zeros((block_m, cols_BD.shape[0]), jnp.float32))
+
+
 def _hidden_kernel(n_ref, base_ref, order_ref, x_ref, g_ref, w_up_ref, h_ref, *, m: int, d: int,
                    capacity: int, block_k: int, n_k: int, precision: lax.Precision) -> None:
     """Program (c, i): neurons order[c*BN : (c+1)*BN] x tokens [i*BM, (i+1)*BM).
@@ -255,27 +300,10 @@ def _hidden_kernel(n_ref, base_ref, order_ref, x_ref, g_ref, w_up_ref, h_ref, *,
     live_BN = chunk * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0) < n
     rows_BM = row_block * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
     row_ok_BM = rows_BM < m
-    col_BK = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-
-    def k_step(k, acc_BMxBN):
-        cols_BK = k * block_k + col_BK
-        col_ok_BK = cols_BK < d
-        # Gathers index with two broadcast int arrays (rows x columns): the interpret-mode
-        # discharge does not support mixing an int-array index with a slice. Masked lanes (dead
-        # neurons, rows >= M, columns >= D) move no bytes, so x and the weights need no padding.
-        x_BMxBK = plgpu.load(x_ref.at[rows_BM[:, None], cols_BK[None, :]],
-                             mask=row_ok_BM[:, None] & col_ok_BK[None, :], other=0)
-        u_BNxBK = plgpu.load(w_up_ref.at[(base + j_BN)[:, None], cols_BK[None, :]],
-                             mask=live_BN[:, None] & col_ok_BK[None, :], other=0)
-        return acc_BMxBN + lax.dot_general(x_BMxBK, u_BNxBK, (((1,), (1,)), ((), ())),
-                                           precision=precision, preferred_element_type=jnp.float32)
-
     # A chunk past the last active neuron runs no K loop (dynamic trip count) and stores zeros.
-    # Both bounds explicitly int32: Triton's scf.for rejects bounds of different types (a weakly
-    # typed Python 0 against a traced bound failed on the H100; interpret mode does not check).
-    n_k_live = jnp.where(chunk * block_n < n, jnp.int32(n_k), jnp.int32(0)).astype(jnp.int32)
-    u_BMxBN = lax.fori_loop(jnp.int32(0), n_k_live, k_step,
-                            jnp.zeros((block_m, block_n), jnp.float32))
+    trips = jnp.where(chunk * block_n < n, jnp.int32(n_k), jnp.int32(0))
+    u_BMxBN = _up_product(x_ref, w_up_ref, rows_BM, row_ok_BM, base + j_BN, live_BN, trips, d=d,
+                          block_k=block_k, precision=precision)
     g_BMxBN = plgpu.load(g_ref.at[rows_BM[:, None], j_BN[None, :]],
                          mask=row_ok_BM[:, None] & live_BN[None, :], other=0.0)
     h_ref[...] = (jnp.maximum(g_BMxBN, 0.0) * u_BMxBN).astype(h_ref.dtype)
@@ -290,21 +318,10 @@ def _down_kernel(n_ref, base_ref, order_ref, h_ref, w_down_ref, y_ref, *, d: int
     n = jnp.minimum(jnp.max(n_ref[...]), jnp.int32(capacity)).astype(jnp.int32)
     base = jnp.max(base_ref[...]).astype(jnp.int32)
     cols_BD = pl.program_id(0) * block_d + lax.broadcasted_iota(jnp.int32, (block_d,), 0)
-    step_BH = lax.broadcasted_iota(jnp.int32, (block_h,), 0)
-
-    def h_step(t, acc_BMxBD):
-        j_BH = order_ref[pl.ds(t * block_h, block_h)]
-        live_BH = t * block_h + step_BH < n
-        h_BMxBH = h_ref[:, pl.ds(t * block_h, block_h)]  # zero past n (written so by `hidden`)
-        w_BHxBD = plgpu.load(w_down_ref.at[(base + j_BH)[:, None], cols_BD[None, :]],
-                             mask=live_BH[:, None] & (cols_BD < d)[None, :], other=0)
-        return acc_BMxBD + lax.dot_general(h_BMxBH, w_BHxBD, (((1,), (0,)), ((), ())),
-                                           precision=precision, preferred_element_type=jnp.float32)
-
-    # n >= 0: truncation is the ceiling division. Both bounds int32 (see `_hidden_kernel`).
-    n_steps = lax.div(n + jnp.int32(block_h - 1), jnp.int32(block_h)).astype(jnp.int32)
-    acc_BMxBD = lax.fori_loop(jnp.int32(0), n_steps, h_step,
-                              jnp.zeros((block_m, block_d), jnp.float32))
+    # h is zero past n (written so by `hidden`).
+    acc_BMxBD = _down_steps(lambda t, j_BH, live_BH: h_ref[:, pl.ds(t * block_h, block_h)], w_down_ref,
+                            order_ref, n, base, cols_BD, d=d, block_m=block_m, block_h=block_h,
+                            precision=precision)
     y_ref[...] = acc_BMxBD.astype(y_ref.dtype)
 
 
@@ -326,43 +343,20 @@ def _fused_kernel(n_ref, base_ref, order_ref, x_ref, g_ref, *refs, m: int, d: in
     row_ok_BM = rows_BM < m
     cols_BD = pl.program_id(0) * block_d + lax.broadcasted_iota(jnp.int32, (block_d,), 0)
     col_ok_BD = cols_BD < d
-    step_BH = lax.broadcasted_iota(jnp.int32, (block_h,), 0)
-    col_BK = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
 
-    def h_step(t, acc_BMxBD):
-        j_BH = order_ref[pl.ds(t * block_h, block_h)]
-        live_BH = t * block_h + step_BH < n
-        # Masked lanes (dead entries past n, rows >= M, columns >= D) move no bytes and read as 0.
+    def h_of_step(t, j_BH, live_BH):
+        # Masked lanes (dead entries past n, rows >= M) read as 0.
         g_BMxBH = plgpu.load(g_ref.at[rows_BM[:, None], j_BH[None, :]],
                              mask=row_ok_BM[:, None] & live_BH[None, :], other=0.0)
         act_BMxBH = jnp.maximum(g_BMxBH, 0.0)
-        if gated:
-            def k_step(k, u_BMxBH):
-                cols_BK = k * block_k + col_BK
-                col_ok_BK = cols_BK < d
-                x_BMxBK = plgpu.load(x_ref.at[rows_BM[:, None], cols_BK[None, :]],
-                                     mask=row_ok_BM[:, None] & col_ok_BK[None, :], other=0)
-                u_BHxBK = plgpu.load(w_up_ref.at[(base + j_BH)[:, None], cols_BK[None, :]],
-                                     mask=live_BH[:, None] & col_ok_BK[None, :], other=0)
-                return u_BMxBH + lax.dot_general(x_BMxBK, u_BHxBK, (((1,), (1,)), ((), ())),
-                                                 precision=precision,
-                                                 preferred_element_type=jnp.float32)
-
-            # Every step of the outer loop holds a live neuron: the full D loop, int32 bounds.
-            u_BMxBH = lax.fori_loop(jnp.int32(0), jnp.int32(n_k), k_step,
-                                    jnp.zeros((block_m, block_h), jnp.float32))
-            act_BMxBH = act_BMxBH * u_BMxBH
+        if gated:  # every step holds a live neuron: the full D loop
+            act_BMxBH = act_BMxBH * _up_product(x_ref, w_up_ref, rows_BM, row_ok_BM, base + j_BH, live_BH,
+                                                jnp.int32(n_k), d=d, block_k=block_k, precision=precision)
         # Rounded once to the activation dtype, as `_hidden_kernel` stores it (0 on dead lanes).
-        h_BMxBH = act_BMxBH.astype(x_ref.dtype)
-        w_BHxBD = plgpu.load(w_down_ref.at[(base + j_BH)[:, None], cols_BD[None, :]],
-                             mask=live_BH[:, None] & col_ok_BD[None, :], other=0)
-        return acc_BMxBD + lax.dot_general(h_BMxBH, w_BHxBD, (((1,), (0,)), ((), ())),
-                                           precision=precision, preferred_element_type=jnp.float32)
+        return act_BMxBH.astype(x_ref.dtype)
 
-    # n >= 0: truncation is the ceiling division. Both bounds int32 (see `_hidden_kernel`).
-    n_steps = lax.div(n + jnp.int32(block_h - 1), jnp.int32(block_h)).astype(jnp.int32)
-    acc_BMxBD = lax.fori_loop(jnp.int32(0), n_steps, h_step,
-                              jnp.zeros((block_m, block_d), jnp.float32))
+    acc_BMxBD = _down_steps(h_of_step, w_down_ref, order_ref, n, base, cols_BD, d=d, block_m=block_m,
+                            block_h=block_h, precision=precision)
     if has_residual:
         acc_BMxBD = acc_BMxBD + plgpu.load(
             residual_ref.at[rows_BM[:, None], cols_BD[None, :]],
