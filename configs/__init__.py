@@ -14,8 +14,9 @@ import importlib
 
 from twell_jax.config import ExperimentConfig
 
-_MODULES = {"micro": "micro", "tiny": "tiny", "small": "small",
-            **{name: "paper" for name in ("0.5b", "1b", "1.5b", "2b", "0.5b-twin", "1b-twin", "1.5b-twin", "2b-twin")}}
+from .paper import names as _paper_names
+
+_MODULES = {"micro": "micro", "tiny": "tiny", "small": "small", **{name: "paper" for name in _paper_names()}}
 
 
 def list_configs() -> list[str]:
