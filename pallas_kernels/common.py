@@ -5,6 +5,7 @@ from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
 
@@ -66,3 +67,23 @@ def validate_packed_operands(x_MxD: jax.Array, values: jax.Array, indices: jax.A
                          f"{values.shape}")
     if indices.shape != values.shape or indices.dtype != jnp.int32:
         raise ValueError(f"indices must be int32 {values.shape}, got {indices.dtype}{indices.shape}")
+
+
+def store_partition(active_L: jax.Array, order_ref, n_ref, *, h: int, first: jax.Array | int = 0) -> None:
+    """Inside a kernel: the stable partition of active_L (bool [L]; False on lanes past the last
+    neuron) into order [L] int32 (the active lanes' neuron ids first + lane ascending, then the
+    inactive ones) and n [1] int32 = the number of active lanes. Lane i is neuron first + i;
+    ids are clamped to h - 1, so padding lanes name a valid row. Shared by the decode compaction
+    kernels (twell_decode.py: one list of all H neurons) and the sparse gate's tile lists
+    (decode_matvec.py: one list per column tile, the TwELL layout of one decode step)."""
+    length = order_ref.shape[0]
+    lane_L = lax.broadcasted_iota(jnp.int32, (length,), 0)
+    one_L = active_L.astype(jnp.int32)
+    n = jnp.sum(one_L)
+    active_before_L = jnp.cumsum(one_L) - one_L  # exclusive prefix: actives left of the lane
+    inactive_before_L = lane_L - active_before_L
+    # A permutation of [0, L): every lane writes a distinct slot, so no mask is needed (a masked
+    # scatter with colliding masked-off lanes can clobber live ones in interpret mode).
+    slot_L = jnp.where(active_L, active_before_L, n + inactive_before_L)
+    plgpu.store(order_ref.at[slot_L], jnp.minimum(first + lane_L, h - 1))
+    n_ref[...] = jnp.broadcast_to(n, (1,))

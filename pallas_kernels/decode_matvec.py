@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .common import check_launch_sizes, compiler_params, is_pow2, next_pow2, round_up
+from .common import check_launch_sizes, compiler_params, is_pow2, next_pow2, round_up, store_partition
 from .twell_pack import _dot_precision
 
 LAYOUTS = ("nk", "kn")
@@ -117,7 +117,7 @@ def _act(v: jax.Array, activation: str | None) -> jax.Array:
 def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, has_norm: bool,
                    has_gate: bool, has_residual: bool, has_enable: bool, n_parts: int, activation: str | None,
                    eps: float, block_k: int, n_k: int, precision: lax.Precision, split_k: int = 1,
-                   n_k_split: int = 0) -> None:
+                   n_k_split: int = 0, tile_lists: bool = False) -> None:
     refs = list(refs)
     layer_ref = refs.pop(0) if has_layer else None
     enable_ref = refs.pop(0) if has_enable else None
@@ -126,7 +126,7 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
     gate_ref = refs.pop(0) if has_gate else None
     scale_ref = refs.pop(0) if has_norm else None
     res_ref = refs.pop(0) if has_residual else None
-    (o_ref,) = refs
+    o_ref, list_refs = refs[0], refs[1:]  # list_refs: ids, count, pairs (tile_lists)
     block_m, block_n = o_ref.shape
     layer = jnp.max(layer_ref[...]).astype(jnp.int32) if has_layer else jnp.int32(0)
     rows_BM = pl.program_id(1) * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
@@ -206,7 +206,14 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
     if has_residual:
         res_BMxBN = plgpu.load(res_ref.at[rows_BM[:, None], cols_BN[None, :]],
                                mask=row_ok_BM[:, None] & col_ok_BN[None, :], other=0)
-    o_ref[...] = _epilogue(accs, dt, activation, res_BMxBN, o_ref.dtype)
+    out_BMxBN = _epilogue(accs, dt, activation, res_BMxBN, o_ref.dtype)
+    o_ref[...] = out_BMxBN
+    if tile_lists:  # this column tile's active neurons, packed (TwELL): module docstring
+        ids_ref, count_ref, pairs_ref = list_refs
+        on_BMxBN = ((out_BMxBN > 0) & row_ok_BM[:, None] & col_ok_BN[None, :]).astype(jnp.int32)
+        pairs_ref[...] = jnp.broadcast_to(jnp.sum(on_BMxBN), (1,))
+        store_partition(jnp.sum(on_BMxBN, axis=0) > 0, ids_ref, count_ref, h=n,
+                        first=pl.program_id(0) * block_n)
 
 
 def _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_dtype,
@@ -255,18 +262,27 @@ def _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "activation", "eps", "out_dtype", "block_sizes",
-                                             "interpret", "debug"))
+                                             "tile_lists", "interpret", "debug"))
 def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, layer: jax.Array | None = None,
                   layout: str = "nk", norm_scale: jax.Array | None = None, eps: float = 1e-6,
                   gate: jax.Array | None = None, activation: str | None = None,
                   residual: jax.Array | None = None, enable: jax.Array | None = None, out_dtype=None,
-                  block_sizes: MatvecBlockSizes | None = None, interpret: bool = False,
-                  debug: bool = False) -> jax.Array:
+                  block_sizes: MatvecBlockSizes | None = None, tile_lists: bool = False,
+                  interpret: bool = False, debug: bool = False) -> jax.Array | tuple[jax.Array, ...]:
     """[M, N] = residual + act(xn . gate) * (xn . w) (module docstring), each part optional;
     xn = RMSNorm(x) with `norm_scale` when given, else x. Output in `out_dtype` (default x's).
     `w` may be a tuple of equal-shaped parts (e.g. (w_q, w_k, w_v)): their outputs side by side,
     [M, parts * N], from one launch. `enable` (int32 [1]): 0 skips the products (the output is the
-    residual, or zeros): a device-side switch, no host round trip."""
+    residual, or zeros): a device-side switch, no host round trip.
+
+    tile_lists=True (the sparse layers' gate in a decode step): returns (out [M, N], ids [T * bn]
+    int32, count [T] int32, pairs [T] int32) for the T = cdiv(N, block_n) column tiles: tile t's
+    neurons with out > 0 in ANY row (the union of the rows' active neurons) are ids[t*bn :
+    t*bn + count[t]], ascending, the rest of its slots its inactive neurons (padding columns
+    clamped to N - 1); pairs[t] = the (row, neuron) pairs with out > 0. Packed in the product's
+    epilogue, per tile (TwELL: no extra launch, no sync between programs); read by
+    twell_decode.sparse_decode_ffn_tiles. Needs one row block (M <= the block sizes' max_block_m),
+    one part, split_k 1, and no gate, activation, residual or enable."""
     block_sizes = block_sizes or DEFAULT_BLOCK_SIZES
     n, k, n_layers = _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_dtype,
                             enable, block_sizes.block_n, block_sizes.split_k)
@@ -274,6 +290,8 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
     m = x_MxK.shape[0]
     bm, bn, bk = block_sizes.block_m(m), block_sizes.block_n, block_sizes.block_k
     m_pad, n_pad = round_up(m, bm), round_up(n * len(parts), bn)
+    if tile_lists:
+        _check_tile_lists(m, bm, len(parts), gate, activation, residual, enable, block_sizes.split_k)
     flat = (n_layers * parts[0].shape[-2], parts[0].shape[-1])  # [L*N, K] or [L*K, N]: a bitcast
     operands = (([layer] if layer is not None else []) + ([enable] if enable is not None else [])
                 + [x_MxK] + [p.reshape(flat) for p in parts])
@@ -305,18 +323,50 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
         )(*operands)
         acc = jnp.sum(partials.reshape(split, m_pad, n_pad), axis=0)[:m, :n * len(parts)]
         return _epilogue((acc,), x_MxK.dtype, activation, residual, out_dtype)
-    out = pl.pallas_call(
-        kernel,
+    out_specs = [pl.BlockSpec((bm, bn), lambda j, i: (i, j))]
+    out_shape = [jax.ShapeDtypeStruct((m_pad, n_pad), jnp.dtype(out_dtype or x_MxK.dtype))]
+    if tile_lists:  # ids [T * bn], count [T], pairs [T]: program j writes tile j's
+        out_specs += [pl.BlockSpec((bn,), lambda j, i: (j,))] + [pl.BlockSpec((1,), lambda j, i: (j,))] * 2
+        out_shape += [jax.ShapeDtypeStruct((n_pad,), jnp.int32)] + [jax.ShapeDtypeStruct((n_pad // bn,), jnp.int32)] * 2
+    outs = pl.pallas_call(
+        functools.partial(kernel, tile_lists=tile_lists),
         grid=(n_pad // bn, m_pad // bm),
         in_specs=whole,
-        out_specs=pl.BlockSpec((bm, bn), lambda j, i: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((m_pad, n_pad), jnp.dtype(out_dtype or x_MxK.dtype)),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=compiler_params(block_sizes),
         interpret=interpret,
         debug=debug,
-        name="twell_decode_matvec",
+        name="twell_decode_gate_lists" if tile_lists else "twell_decode_matvec",
     )(*operands)
-    return out[:m, :n * len(parts)]  # a slice of the padded output: XLA fuses it into the consumer
+    out = outs[0][:m, :n * len(parts)]  # a slice of the padded output: XLA fuses it into the consumer
+    return (out, *outs[1:]) if tile_lists else out
+
+
+def _check_tile_lists(m: int, block_m: int, n_parts: int, gate, activation, residual, enable, split_k: int) -> None:
+    """Raise ValueError unless `decode_matvec(tile_lists=True)` can pack its tiles in one program each."""
+    if m > block_m:
+        raise ValueError(f"tile_lists needs every row in one program: M={m} > the block sizes' max_block_m "
+                         f"({block_m})")
+    unsupported = {"a tuple of parts for w": n_parts > 1, "gate": gate is not None, "activation": activation is not None,
+                   "residual": residual is not None, "enable": enable is not None, "split_k > 1": split_k > 1}
+    named = [what for what, given in unsupported.items() if given]
+    if named:
+        raise ValueError(f"tile_lists cannot be combined with {', '.join(named)}")
+
+
+def tile_lists_reference(out_MxN: jax.Array, tile: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`decode_matvec(tile_lists=True)`'s (ids, count, pairs) from its output [M, N], in jnp: per
+    tile of `tile` columns, the stable partition of the neurons with out > 0 in any row."""
+    m, n = out_MxN.shape
+    n_tiles = -(-n // tile)
+    on_MxTxS = jnp.pad(out_MxN > 0, ((0, 0), (0, n_tiles * tile - n))).reshape(m, n_tiles, tile)
+    active_TxS = jnp.any(on_MxTxS, axis=0)
+    # Stable sort on "inactive": the active lanes first, each group in lane order.
+    perm_TxS = jnp.argsort(~active_TxS, axis=1, stable=True).astype(jnp.int32)
+    ids = jnp.minimum(perm_TxS + jnp.arange(n_tiles, dtype=jnp.int32)[:, None] * tile, n - 1)
+    return (ids.reshape(-1), jnp.sum(active_TxS, axis=1, dtype=jnp.int32),
+            jnp.sum(on_MxTxS, axis=(0, 2), dtype=jnp.int32))
 
 
 def _epilogue(accs: tuple[jax.Array, ...], dt, activation: str | None, residual: jax.Array | None,

@@ -59,7 +59,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .common import (check_launch_sizes, compiler_params, is_pow2 as _is_pow2,
-                                   next_pow2 as _next_pow2, round_up)
+                     next_pow2 as _next_pow2, round_up, store_partition)
 from .twell_pack import _dot_precision
 
 
@@ -99,30 +99,12 @@ class DecodeBlockSizes:
 # compact_active
 # ----------------------------------------------------------------------------------------------
 
-def _store_partition(active_L: jax.Array, order_ref, n_ref, *, h: int) -> None:
-    """The stable partition of active_L (bool [L], False on the padding lanes >= H) into order [L]
-    int32 and n [1] int32; shared by `_compact_kernel` and `_compact_rows_kernel`."""
-    length = order_ref.shape[0]
-    lane_L = lax.broadcasted_iota(jnp.int32, (length,), 0)
-    one_L = active_L.astype(jnp.int32)
-    n = jnp.sum(one_L)
-    active_before_L = jnp.cumsum(one_L) - one_L  # exclusive prefix: actives left of the lane
-    inactive_before_L = lane_L - active_before_L
-    # A permutation of [0, L): every lane writes a distinct slot, so no mask is needed (a masked
-    # scatter with colliding masked-off lanes can clobber live ones in interpret mode).
-    slot_L = jnp.where(active_L, active_before_L, n + inactive_before_L)
-    # Padding lanes land in slots >= H; clamp their value to a valid row so no consumer can form
-    # an out-of-range address from them.
-    plgpu.store(order_ref.at[slot_L], jnp.minimum(lane_L, h - 1))
-    n_ref[...] = jnp.broadcast_to(n, (1,))
-
-
 def _compact_kernel(active_ref, order_ref, n_ref, *, h: int) -> None:
     """Refs: active [H] (non-zero = active), order [L] int32, n [1] int32. One program."""
     lane_L = lax.broadcasted_iota(jnp.int32, (order_ref.shape[0],), 0)
     # Lanes >= H (padding to a power of two) are inactive; their (masked) addresses are clamped.
     active_L = plgpu.load(active_ref.at[jnp.minimum(lane_L, h - 1)], mask=lane_L < h, other=0) != 0
-    _store_partition(active_L, order_ref, n_ref, h=h)
+    store_partition(active_L, order_ref, n_ref, h=h)
 
 
 def _compact_rows_kernel(g_ref, order_ref, n_ref, pairs_ref, *, b: int, h: int, block_r: int) -> None:
@@ -141,7 +123,7 @@ def _compact_rows_kernel(g_ref, order_ref, n_ref, pairs_ref, *, b: int, h: int, 
                            mask=(rows_R < b)[:, None] & (lane_L < h)[None, :], other=0.0)
         count_L = count_L + jnp.sum((g_RxL > 0).astype(jnp.int32), axis=0)
     pairs_ref[...] = jnp.broadcast_to(jnp.sum(count_L), (1,))
-    _store_partition(count_L > 0, order_ref, n_ref, h=h)
+    store_partition(count_L > 0, order_ref, n_ref, h=h)
 
 
 def _compact_compiler_params(length: int) -> plgpu.CompilerParams:
@@ -243,8 +225,11 @@ def compact_active_rows_reference(g_BxH: jax.Array) -> tuple[jax.Array, jax.Arra
 
 def _up_product(x_ref, w_up_ref, rows_BM: jax.Array, row_ok_BM: jax.Array, w_rows_BN: jax.Array,
                 live_BN: jax.Array, trips: jax.Array, *, d: int, block_k: int,
-                precision: lax.Precision) -> jax.Array:
+                precision: lax.Precision, norm: tuple | None = None) -> jax.Array:
     """u [BM, BN] fp32 = x[rows] . w_up[w_rows]^T, a loop of `trips` (int32) block_k steps over D.
+    norm = (inv_rms [BM] fp32, scale_ref [(L*)D] fp32, first int32): each x tile is RMS-normalised
+    on load as decode_matvec's prologue does it (x * inv_rms * scale[first + cols], rounded to x's
+    dtype), so x is the layer's un-normalised input.
     Gathers index with two broadcast int arrays (rows x columns): the interpret-mode discharge does
     not support mixing an int-array index with a slice. Masked lanes (dead neurons, rows >= M,
     columns >= D) move no bytes, so x and the weights need no padding."""
@@ -255,6 +240,10 @@ def _up_product(x_ref, w_up_ref, rows_BM: jax.Array, row_ok_BM: jax.Array, w_row
         col_ok_BK = cols_BK < d
         x_BMxBK = plgpu.load(x_ref.at[rows_BM[:, None], cols_BK[None, :]],
                              mask=row_ok_BM[:, None] & col_ok_BK[None, :], other=0)
+        if norm is not None:
+            inv_rms_BM, scale_ref, first = norm
+            scale_BK = plgpu.load(scale_ref.at[first + cols_BK], mask=col_ok_BK, other=0.0)
+            x_BMxBK = (x_BMxBK.astype(jnp.float32) * inv_rms_BM[:, None] * scale_BK[None, :]).astype(x_ref.dtype)
         u_BNxBK = plgpu.load(w_up_ref.at[w_rows_BN[:, None], cols_BK[None, :]],
                              mask=live_BN[:, None] & col_ok_BK[None, :], other=0)
         return acc_BMxBN + lax.dot_general(x_BMxBK, u_BNxBK, (((1,), (1,)), ((), ())),
@@ -266,15 +255,16 @@ def _up_product(x_ref, w_up_ref, rows_BM: jax.Array, row_ok_BM: jax.Array, w_row
                          jnp.zeros((rows_BM.shape[0], w_rows_BN.shape[0]), jnp.float32))
 
 
-def _down_steps(h_of_step, w_down_ref, order_ref, n: jax.Array, base: jax.Array, cols_BD: jax.Array, *,
+def _down_steps(h_of_step, w_down_ref, ids_of_step, n: jax.Array, base: jax.Array, cols_BD: jax.Array, *,
                 d: int, block_m: int, block_h: int, precision: lax.Precision) -> jax.Array:
-    """acc [BM, BD] fp32 = sum over the active list in block_h steps of h . w_down[base + order, cols]:
-    ceil(n / block_h) steps, h_of_step(t, j_BH, live_BH) -> h [BM, BH] in the weights' dtype (0 on
-    dead lanes). No split over the neurons: no partial outputs, no atomics."""
+    """acc [BM, BD] fp32 = sum over the active list in block_h steps of h . w_down[base + j, cols]:
+    ceil(n / block_h) steps, ids_of_step(t) -> j [BH] (the step's neuron ids, any value on lanes
+    past n), h_of_step(t, j_BH, live_BH) -> h [BM, BH] in the weights' dtype (0 on dead lanes).
+    No split over the neurons: no partial outputs, no atomics."""
     step_BH = lax.broadcasted_iota(jnp.int32, (block_h,), 0)
 
     def h_step(t, acc_BMxBD):
-        j_BH = order_ref[pl.ds(t * block_h, block_h)]
+        j_BH = ids_of_step(t)
         live_BH = t * block_h + step_BH < n
         w_BHxBD = plgpu.load(w_down_ref.at[(base + j_BH)[:, None], cols_BD[None, :]],
                              mask=live_BH[:, None] & (cols_BD < d)[None, :], other=0)
@@ -286,16 +276,16 @@ def _down_steps(h_of_step, w_down_ref, order_ref, n: jax.Array, base: jax.Array,
     return lax.fori_loop(jnp.int32(0), n_steps, h_step, jnp.zeros((block_m, cols_BD.shape[0]), jnp.float32))
 
 
-def _hidden_kernel(n_ref, base_ref, order_ref, x_ref, g_ref, w_up_ref, h_ref, *, m: int, d: int,
+def _hidden_kernel(n_ref, layer_ref, order_ref, x_ref, g_ref, w_up_ref, h_ref, *, m: int, d: int, h: int,
                    capacity: int, block_k: int, n_k: int, precision: lax.Precision) -> None:
     """Program (c, i): neurons order[c*BN : (c+1)*BN] x tokens [i*BM, (i+1)*BM).
-    Refs: n [1], base [1] (the weight rows' offset: layer * H in a stack), order [BN], x [M, D],
-    g [M, H], w_up [(L*)H, D] (the last three whole), h [BM, BN]."""
+    Refs: n [1], layer [1] (the weights' rows start at layer * H in a stack; 0 without one),
+    order [BN], x [M, D], g [M, H], w_up [(L*)H, D] (the last three whole), h [BM, BN]."""
     block_m, block_n = h_ref.shape
     chunk, row_block = pl.program_id(0), pl.program_id(1)
     # Entries past the capacity are never read.
     n = jnp.minimum(jnp.max(n_ref[...]), jnp.int32(capacity)).astype(jnp.int32)
-    base = jnp.max(base_ref[...]).astype(jnp.int32)
+    base = jnp.max(layer_ref[...]).astype(jnp.int32) * h
     j_BN = order_ref[...]
     live_BN = chunk * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0) < n
     rows_BM = row_block * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
@@ -309,40 +299,91 @@ def _hidden_kernel(n_ref, base_ref, order_ref, x_ref, g_ref, w_up_ref, h_ref, *,
     h_ref[...] = (jnp.maximum(g_BMxBN, 0.0) * u_BMxBN).astype(h_ref.dtype)
 
 
-def _down_kernel(n_ref, base_ref, order_ref, h_ref, w_down_ref, y_ref, *, d: int, capacity: int,
+def _down_kernel(n_ref, layer_ref, order_ref, h_ref, w_down_ref, y_ref, *, d: int, h: int, capacity: int,
                  block_h: int, precision: lax.Precision) -> None:
     """Program (j, i): output columns [j*BD, (j+1)*BD) x tokens [i*BM, (i+1)*BM).
-    Refs: n [1], base [1] (as `_hidden_kernel`), order [>= C] (whole), h [BM, C],
+    Refs: n [1], layer [1] (as `_hidden_kernel`), order [>= C] (whole), h [BM, C],
     w_down [(L*)H, D] (whole), y [BM, BD]."""
     block_m, block_d = y_ref.shape
     n = jnp.minimum(jnp.max(n_ref[...]), jnp.int32(capacity)).astype(jnp.int32)
-    base = jnp.max(base_ref[...]).astype(jnp.int32)
+    base = jnp.max(layer_ref[...]).astype(jnp.int32) * h
     cols_BD = pl.program_id(0) * block_d + lax.broadcasted_iota(jnp.int32, (block_d,), 0)
     # h is zero past n (written so by `hidden`).
     acc_BMxBD = _down_steps(lambda t, j_BH, live_BH: h_ref[:, pl.ds(t * block_h, block_h)], w_down_ref,
-                            order_ref, n, base, cols_BD, d=d, block_m=block_m, block_h=block_h,
-                            precision=precision)
+                            lambda t: order_ref[pl.ds(t * block_h, block_h)], n, base, cols_BD, d=d,
+                            block_m=block_m, block_h=block_h, precision=precision)
     y_ref[...] = acc_BMxBD.astype(y_ref.dtype)
 
 
-def _fused_kernel(n_ref, base_ref, order_ref, x_ref, g_ref, *refs, m: int, d: int, capacity: int,
+def _tile_list_reader(count_ref, ids_ref, *, tile: int, block_h: int, limit: int | None):
+    """(n, ids_of_step) over the gate's tile lists (`decode_matvec(tile_lists=True)`: tile t's
+    active neurons are ids[t*tile : t*tile + count[t]]). Their concatenation is the list that
+    `_down_steps` walks: position p lies in the last tile whose first position (an exclusive
+    prefix sum of count, in registers) is <= p. Found per lane by a [BH, T] comparison, so a
+    step reads its BH ids with one gather and no loop over the tiles. n = the list's length, 0
+    above `limit` (the sparse side of the dense switch reads nothing)."""
+    n_tiles = count_ref.shape[0]
+    lane_T = lax.broadcasted_iota(jnp.int32, (_next_pow2(n_tiles),), 0)
+    count_T = plgpu.load(count_ref.at[jnp.minimum(lane_T, n_tiles - 1)], mask=lane_T < n_tiles, other=0)
+    first_T = jnp.cumsum(count_T) - count_T  # padding lanes: the total, never <= a live position
+    n = jnp.sum(count_T).astype(jnp.int32)
+    if limit is not None:
+        n = jnp.where(n > limit, jnp.int32(0), n)
+    step_BH = lax.broadcasted_iota(jnp.int32, (block_h,), 0)
+
+    def ids_of_step(t):
+        p_BH = t * block_h + step_BH
+        before_BHxT = first_T[None, :] <= p_BH[:, None]
+        tile_BH = jnp.sum(before_BHxT.astype(jnp.int32), axis=1) - 1
+        first_BH = jnp.max(jnp.where(before_BHxT, first_T[None, :], 0), axis=1)
+        slot_BH = jnp.clip(tile_BH * tile + p_BH - first_BH, 0, ids_ref.shape[0] - 1)
+        return plgpu.load(ids_ref.at[slot_BH], mask=p_BH < n, other=0)
+
+    return n, ids_of_step
+
+
+def _fused_kernel(n_ref, layer_ref, order_ref, x_ref, g_ref, *refs, m: int, d: int, h: int, capacity: int,
                   block_h: int, block_k: int, n_k: int, gated: bool, has_residual: bool,
-                  precision: lax.Precision) -> None:
+                  precision: lax.Precision, tile: int = 0, has_norm: bool = False, eps: float = 0.0,
+                  limit: int | None = None) -> None:
     """Program (j, i): output columns [j*BD, (j+1)*BD) x tokens [i*BM, (i+1)*BM), `hidden` and
     `down` in one: each step of BH active neurons computes their h itself, then adds h . W.
-    Refs: n [1], base [1], order [>= C], x [M, D], g [M, H] (whole, as `_hidden_kernel`), then
-    w_up [(L*)H, D] (gated only), w_down [(L*)H, D], residual [M, D] (if given), y [BM, BD]."""
-    w_up_ref = refs[0] if gated else None
-    w_down_ref = refs[int(gated)]
-    residual_ref = refs[int(gated) + 1] if has_residual else None
-    y_ref = refs[-1]
+    Refs: n [1], layer [1], order [>= C], x [M, D], g [M, H] (whole, as `_hidden_kernel`), then
+    norm scale [(L*)D] (has_norm), w_up [(L*)H, D] (gated only), w_down [(L*)H, D], residual
+    [M, D] (if given), y [BM, BD]. tile > 0: n is the gate's count [T] and order its ids
+    [T * tile] (`_tile_list_reader`; no capacity: every active neuron is listed)."""
+    refs = list(refs)
+    scale_ref = refs.pop(0) if has_norm else None
+    w_up_ref = refs.pop(0) if gated else None
+    w_down_ref = refs.pop(0)
+    residual_ref = refs.pop(0) if has_residual else None
+    (y_ref,) = refs
     block_m, block_d = y_ref.shape
-    n = jnp.minimum(jnp.max(n_ref[...]), jnp.int32(capacity)).astype(jnp.int32)
-    base = jnp.max(base_ref[...]).astype(jnp.int32)
+    layer = jnp.max(layer_ref[...]).astype(jnp.int32)
+    base = layer * h
+    if tile:
+        n, ids_of_step = _tile_list_reader(n_ref, order_ref, tile=tile, block_h=block_h, limit=limit)
+    else:
+        n = jnp.minimum(jnp.max(n_ref[...]), jnp.int32(capacity)).astype(jnp.int32)
+        ids_of_step = lambda t: order_ref[pl.ds(t * block_h, block_h)]  # noqa: E731
     rows_BM = pl.program_id(1) * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
     row_ok_BM = rows_BM < m
     cols_BD = pl.program_id(0) * block_d + lax.broadcasted_iota(jnp.int32, (block_d,), 0)
     col_ok_BD = cols_BD < d
+    norm = None
+    if has_norm:  # decode_matvec's RMSNorm prologue: the rows' sum of squares, one pass over x (L2)
+        step_BK = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+
+        def ss_step(t, ss_BM):
+            cols_BK = t * block_k + step_BK
+            x_BMxBK = plgpu.load(x_ref.at[rows_BM[:, None], cols_BK[None, :]],
+                                 mask=row_ok_BM[:, None] & (cols_BK < d)[None, :], other=0).astype(jnp.float32)
+            return ss_BM + jnp.sum(x_BMxBK * x_BMxBK, axis=1)
+
+        # No active neuron (or the dense side of the switch): no up product, so no pass.
+        trips = jnp.where(n > 0, jnp.int32(n_k), jnp.int32(0)).astype(jnp.int32)
+        ss_BM = lax.fori_loop(jnp.int32(0), trips, ss_step, jnp.zeros((block_m,), jnp.float32))
+        norm = (lax.rsqrt(ss_BM / d + eps), scale_ref, layer * d)
 
     def h_of_step(t, j_BH, live_BH):
         # Masked lanes (dead entries past n, rows >= M) read as 0.
@@ -351,11 +392,12 @@ def _fused_kernel(n_ref, base_ref, order_ref, x_ref, g_ref, *refs, m: int, d: in
         act_BMxBH = jnp.maximum(g_BMxBH, 0.0)
         if gated:  # every step holds a live neuron: the full D loop
             act_BMxBH = act_BMxBH * _up_product(x_ref, w_up_ref, rows_BM, row_ok_BM, base + j_BH, live_BH,
-                                                jnp.int32(n_k), d=d, block_k=block_k, precision=precision)
+                                                jnp.int32(n_k), d=d, block_k=block_k, precision=precision,
+                                                norm=norm)
         # Rounded once to the activation dtype, as `_hidden_kernel` stores it (0 on dead lanes).
         return act_BMxBH.astype(x_ref.dtype)
 
-    acc_BMxBD = _down_steps(h_of_step, w_down_ref, order_ref, n, base, cols_BD, d=d, block_m=block_m,
+    acc_BMxBD = _down_steps(h_of_step, w_down_ref, ids_of_step, n, base, cols_BD, d=d, block_m=block_m,
                             block_h=block_h, precision=precision)
     if has_residual:
         acc_BMxBD = acc_BMxBD + plgpu.load(
@@ -364,9 +406,9 @@ def _fused_kernel(n_ref, base_ref, order_ref, x_ref, g_ref, *refs, m: int, d: in
     y_ref[...] = acc_BMxBD.astype(y_ref.dtype)
 
 
-def validate_decode_args(x_MxD, g_MxH, order, n_active, w_up_HxD, w_down_HxD, capacity: int,
-                         block_sizes: DecodeBlockSizes) -> None:
-    """Raise ValueError naming the offending argument."""
+def _check_operands(x_MxD, g_MxH, w_up_HxD, w_down_HxD) -> None:
+    """Raise ValueError naming the offending argument (the operands of every decode FFN kernel,
+    one layer's shapes)."""
     if x_MxD.ndim != 2 or x_MxD.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"x_MxD must be float32 or bfloat16 [M, D], got {x_MxD.dtype}{x_MxD.shape}")
     m, d = x_MxD.shape
@@ -379,6 +421,17 @@ def validate_decode_args(x_MxD, g_MxH, order, n_active, w_up_HxD, w_down_HxD, ca
                          f"{w_up_HxD.dtype}{w_up_HxD.shape}")
     if g_MxH.shape != (m, h) or g_MxH.dtype != jnp.float32:
         raise ValueError(f"g_MxH must be float32 [M={m}, H={h}], got {g_MxH.dtype}{g_MxH.shape}")
+
+
+def validate_decode_args(x_MxD, g_MxH, order, n_active, w_up_HxD, w_down_HxD, capacity: int,
+                         block_sizes: DecodeBlockSizes) -> None:
+    """Raise ValueError naming the offending argument."""
+    _check_operands(x_MxD, g_MxH, w_up_HxD, w_down_HxD)
+    _check_list_args(order, n_active, capacity, block_sizes)
+
+
+def _check_list_args(order, n_active, capacity: int, block_sizes: DecodeBlockSizes) -> None:
+    """Raise ValueError naming the offending argument (a compacted list: `compact_active`'s)."""
     if order.ndim != 1 or order.dtype != jnp.int32:
         raise ValueError(f"order must be int32 [L], got {order.dtype}{order.shape}")
     if capacity < 1 or capacity % block_sizes.chunk or capacity > order.shape[0]:
@@ -389,13 +442,13 @@ def validate_decode_args(x_MxD, g_MxH, order, n_active, w_up_HxD, w_down_HxD, ca
         raise ValueError(f"n_active must be int32 [1], got {n_active.dtype}{n_active.shape}")
 
 
-def _weights_in_place(x_MxD, g_MxH, order, n_active, w_up_HxD, w_down_HxD, capacity: int,
-                      layer: jax.Array | None, block_sizes: DecodeBlockSizes):
-    """Validate the arguments (ValueError naming the offending one); return (w_up, w_down, base):
-    the weights as [(L*)H, D] and base [1] int32, the row offset of the layer (0 without one).
-    A stack [L, H, D] is flattened, not sliced, so the kernels read the layer's rows in place."""
+def _weights_in_place(x_MxD, g_MxH, w_up_HxD, w_down_HxD, layer: jax.Array | None):
+    """Validate the operands (ValueError naming the offending one); return (w_up, w_down, layer):
+    the weights as [(L*)H, D] and layer [1] int32 (0 without one; the kernels start at row
+    layer * H). A stack [L, H, D] is flattened, not sliced, so the kernels read the layer's rows
+    in place."""
     if layer is None:
-        validate_decode_args(x_MxD, g_MxH, order, n_active, w_up_HxD, w_down_HxD, capacity, block_sizes)
+        _check_operands(x_MxD, g_MxH, w_up_HxD, w_down_HxD)
         return w_up_HxD, w_down_HxD, jnp.zeros((1,), jnp.int32)
     if layer.shape != (1,) or layer.dtype != jnp.int32:
         raise ValueError(f"layer must be int32 [1], got {layer.dtype}{layer.shape}")
@@ -403,10 +456,15 @@ def _weights_in_place(x_MxD, g_MxH, order, n_active, w_up_HxD, w_down_HxD, capac
         raise ValueError(f"with layer, w_up and w_down must be stacks [L, H, D], got "
                          f"{None if w_up_HxD is None else w_up_HxD.shape} and {w_down_HxD.shape}")
     one = lambda w: None if w is None else jax.ShapeDtypeStruct(w.shape[1:], w.dtype)  # noqa: E731
-    validate_decode_args(x_MxD, g_MxH, order, n_active, one(w_up_HxD), one(w_down_HxD), capacity,
-                         block_sizes)
+    _check_operands(x_MxD, g_MxH, one(w_up_HxD), one(w_down_HxD))
     flat = lambda w: None if w is None else w.reshape(-1, w.shape[-1])  # noqa: E731
-    return flat(w_up_HxD), flat(w_down_HxD), layer * w_down_HxD.shape[1]
+    return flat(w_up_HxD), flat(w_down_HxD), layer
+
+
+def _check_residual(residual_MxD, x_MxD) -> None:
+    if residual_MxD is not None and (residual_MxD.shape != x_MxD.shape or residual_MxD.dtype != x_MxD.dtype):
+        raise ValueError(f"residual_MxD must be {x_MxD.dtype}{x_MxD.shape} like x_MxD, got "
+                         f"{residual_MxD.dtype}{residual_MxD.shape}")
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "block_sizes", "interpret", "debug"))
@@ -424,9 +482,10 @@ def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array, n_ac
     loop over stacked layers: no copy of the layer's rows).
     """
     capacity = order.shape[0] if capacity is None else capacity
-    w_up_HxD, w_down_HxD, base = _weights_in_place(x_MxD, g_MxH, order, n_active, w_up_HxD,
-                                                   w_down_HxD, capacity, layer, block_sizes)
+    w_up_HxD, w_down_HxD, layer = _weights_in_place(x_MxD, g_MxH, w_up_HxD, w_down_HxD, layer)
+    _check_list_args(order, n_active, capacity, block_sizes)
     m, d = x_MxD.shape
+    h = g_MxH.shape[1]
     bm = block_sizes.block_m(m)
     m_pad = round_up(m, bm)
     precision = _dot_precision(x_MxD.dtype)
@@ -434,7 +493,7 @@ def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array, n_ac
     if w_up_HxD is not None:
         bk, bn = block_sizes.block_k, block_sizes.block_n
         h_MpxC = pl.pallas_call(
-            functools.partial(_hidden_kernel, m=m, d=d, capacity=capacity, block_k=bk,
+            functools.partial(_hidden_kernel, m=m, d=d, h=h, capacity=capacity, block_k=bk,
                               n_k=-(-d // bk), precision=precision),
             grid=(capacity // bn, m_pad // bm),
             in_specs=[n_spec, n_spec,
@@ -448,7 +507,7 @@ def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array, n_ac
             interpret=interpret,
             debug=debug,
             name="twell_decode_hidden",
-        )(n_active, base, order, x_MxD, g_MxH, w_up_HxD)
+        )(n_active, layer, order, x_MxD, g_MxH, w_up_HxD)
     else:
         live_C = jnp.arange(capacity) < n_active[0]
         h_MxC = jnp.where(live_C, jax.nn.relu(jnp.take(g_MxH, order[:capacity], axis=1)), 0.0)
@@ -456,7 +515,7 @@ def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array, n_ac
     bd = block_sizes.block_d
     d_out = round_up(d, bd)
     y_MpxDp = pl.pallas_call(
-        functools.partial(_down_kernel, d=d, capacity=capacity, block_h=block_sizes.block_h,
+        functools.partial(_down_kernel, d=d, h=h, capacity=capacity, block_h=block_sizes.block_h,
                           precision=precision),
         grid=(d_out // bd, m_pad // bm),
         in_specs=[n_spec, n_spec,
@@ -469,9 +528,38 @@ def sparse_decode_ffn(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array, n_ac
         interpret=interpret,
         debug=debug,
         name="twell_decode_down",
-    )(n_active, base, order, h_MpxC, w_down_HxD)
+    )(n_active, layer, order, h_MpxC, w_down_HxD)
     # Slices of the padded outputs: XLA fuses them into their consumers.
     return h_MpxC[:m], y_MpxDp[:m, :d]
+
+
+def _launch_fused(lists: tuple[jax.Array, jax.Array], x_MxD, g_MxH, w_up_HxD, w_down_HxD, layer,
+                  residual_MxD, norm_scale, block_sizes: DecodeBlockSizes, interpret: bool, debug: bool,
+                  **kernel_kwargs) -> jax.Array:
+    """The fused kernel's launch, shared by the compacted list (`sparse_decode_ffn_fused`) and the
+    gate's tile lists (`sparse_decode_ffn_tiles`): lists = (n or count, order or ids)."""
+    m, d = x_MxD.shape
+    bm, bd, bk = block_sizes.block_m(m), block_sizes.block_d, block_sizes.block_k
+    m_pad, d_out = round_up(m, bm), round_up(d, bd)
+    operands = [lists[0], layer, lists[1], x_MxD, g_MxH]
+    operands += [w for w in (norm_scale, w_up_HxD, w_down_HxD, residual_MxD) if w is not None]
+    whole = lambda a: pl.BlockSpec(a.shape, lambda j, i: (0,) * a.ndim)  # noqa: E731
+    # The output is padded to whole blocks (sliced below): an unmasked store per program, so no
+    # masked-off lane can alias a live lane's address.
+    y_MpxDp = pl.pallas_call(
+        functools.partial(_fused_kernel, m=m, d=d, h=g_MxH.shape[1], block_h=block_sizes.block_h, block_k=bk,
+                          n_k=-(-d // bk), gated=w_up_HxD is not None, has_residual=residual_MxD is not None,
+                          has_norm=norm_scale is not None, precision=_dot_precision(x_MxD.dtype), **kernel_kwargs),
+        grid=(d_out // bd, m_pad // bm),
+        in_specs=[whole(a) for a in operands],
+        out_specs=pl.BlockSpec((bm, bd), lambda j, i: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((m_pad, d_out), x_MxD.dtype),
+        compiler_params=compiler_params(block_sizes),
+        interpret=interpret,
+        debug=debug,
+        name="twell_decode_tiles" if kernel_kwargs.get("tile") else "twell_decode_fused",
+    )(*operands)
+    return y_MpxDp[:m, :d]
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "block_sizes", "interpret", "debug"))
@@ -486,35 +574,55 @@ def sparse_decode_ffn_fused(x_MxD: jax.Array, g_MxH: jax.Array, order: jax.Array
     h of all the active neurons it needs. Same arguments, same capacity rule; block_h and block_k
     are the steps over the active list and over D (block_n is not used)."""
     capacity = order.shape[0] if capacity is None else capacity
-    w_up_HxD, w_down_HxD, base = _weights_in_place(x_MxD, g_MxH, order, n_active, w_up_HxD,
-                                                   w_down_HxD, capacity, layer, block_sizes)
-    if residual_MxD is not None and (residual_MxD.shape != x_MxD.shape
-                                     or residual_MxD.dtype != x_MxD.dtype):
-        raise ValueError(f"residual_MxD must be {x_MxD.dtype}{x_MxD.shape} like x_MxD, got "
-                         f"{residual_MxD.dtype}{residual_MxD.shape}")
-    m, d = x_MxD.shape
-    bm, bd, bk = block_sizes.block_m(m), block_sizes.block_d, block_sizes.block_k
-    m_pad, d_out = round_up(m, bm), round_up(d, bd)
-    operands = [n_active, base, order, x_MxD, g_MxH]
-    operands += [w for w in (w_up_HxD, w_down_HxD, residual_MxD) if w is not None]
-    whole = lambda a: pl.BlockSpec(a.shape, lambda j, i: (0,) * a.ndim)  # noqa: E731
-    # The output is padded to whole blocks (sliced below): an unmasked store per program, so no
-    # masked-off lane can alias a live lane's address.
-    y_MpxDp = pl.pallas_call(
-        functools.partial(_fused_kernel, m=m, d=d, capacity=capacity,
-                          block_h=block_sizes.block_h, block_k=bk, n_k=-(-d // bk),
-                          gated=w_up_HxD is not None, has_residual=residual_MxD is not None,
-                          precision=_dot_precision(x_MxD.dtype)),
-        grid=(d_out // bd, m_pad // bm),
-        in_specs=[whole(a) for a in operands],
-        out_specs=pl.BlockSpec((bm, bd), lambda j, i: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((m_pad, d_out), x_MxD.dtype),
-        compiler_params=compiler_params(block_sizes),
-        interpret=interpret,
-        debug=debug,
-        name="twell_decode_fused",
-    )(*operands)
-    return y_MpxDp[:m, :d]
+    w_up_HxD, w_down_HxD, layer = _weights_in_place(x_MxD, g_MxH, w_up_HxD, w_down_HxD, layer)
+    _check_list_args(order, n_active, capacity, block_sizes)
+    _check_residual(residual_MxD, x_MxD)
+    return _launch_fused((n_active, order), x_MxD, g_MxH, w_up_HxD, w_down_HxD, layer, residual_MxD, None,
+                         block_sizes, interpret, debug, capacity=capacity)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "limit", "block_sizes", "interpret", "debug"))
+def sparse_decode_ffn_tiles(x_MxD: jax.Array, g_MxH: jax.Array, ids: jax.Array, count: jax.Array,
+                            w_up_HxD: jax.Array | None, w_down_HxD: jax.Array, *,
+                            layer: jax.Array | None = None, norm_scale: jax.Array | None = None,
+                            eps: float = 1e-6, residual_MxD: jax.Array | None = None,
+                            limit: int | None = None, block_sizes: DecodeBlockSizes = DecodeBlockSizes(),
+                            interpret: bool = False, debug: bool = False) -> jax.Array:
+    """`sparse_decode_ffn_fused` over the gate's tile lists instead of a compacted list: ids
+    [T * S] int32 and count [T] int32 of `decode_matvec(..., tile_lists=True)` (tile t's active
+    neurons are ids[t*S : t*S + count[t]], ascending). The kernel walks the tiles' lists in
+    order, which lists the active neurons ascending as `compact_active` does, so the sums run
+    in the same order and no compaction launch is needed (TwELL in a decode step: the gate's
+    epilogue packs, the fused up/down kernel reads the packs). Every active neuron is listed:
+    no capacity.
+
+    x_MxD is the layer's input: with norm_scale (fp32 [D], or [L, D] with layer) the up product
+    reads RMSNorm(x) * scale, normalised on load as decode_matvec's prologue does (no normalised
+    copy of x is made); without it, x itself (non-gated FFNs read no x). limit (static): a
+    union of more than `limit` neurons reads none (y = residual, or zeros): the sparse side of a
+    device-side switch to the dense products."""
+    w_up_HxD, w_down_HxD, layer = _weights_in_place(x_MxD, g_MxH, w_up_HxD, w_down_HxD, layer)
+    h, d = g_MxH.shape[1], x_MxD.shape[1]
+    if count.ndim != 1 or count.dtype != jnp.int32 or count.shape[0] < 1:
+        raise ValueError(f"count must be int32 [T] (decode_matvec's tile_lists), got {count.dtype}{count.shape}")
+    n_tiles = count.shape[0]
+    tile = ids.shape[0] // n_tiles if ids.ndim == 1 else 0
+    if (ids.ndim != 1 or ids.dtype != jnp.int32 or tile < 1 or tile * n_tiles != ids.shape[0]
+            or not (n_tiles - 1) * tile < h <= n_tiles * tile):
+        raise ValueError(f"ids must be int32 [T * S] covering H={h} neurons in T={n_tiles} tiles of S "
+                         f"(decode_matvec's tile_lists), got {ids.dtype}{ids.shape}")
+    if norm_scale is not None:
+        if w_up_HxD is None:
+            raise ValueError("norm_scale needs w_up_HxD: only the gated FFN's up product reads x")
+        want = (d,) if layer is None or norm_scale.ndim == 1 else (w_down_HxD.shape[0] // h, d)
+        if norm_scale.shape != want or norm_scale.dtype != jnp.float32:
+            raise ValueError(f"norm_scale must be float32 {want}, got {norm_scale.dtype}{norm_scale.shape}")
+        norm_scale = norm_scale.reshape(-1)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise ValueError(f"limit must be None or an int >= 0, got {limit!r}")
+    _check_residual(residual_MxD, x_MxD)
+    return _launch_fused((count, ids), x_MxD, g_MxH, w_up_HxD, w_down_HxD, layer, residual_MxD, norm_scale,
+                         block_sizes, interpret, debug, capacity=0, tile=tile, eps=float(eps), limit=limit)
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "precision"))

@@ -1,0 +1,283 @@
+"""TwELL in a decode step (interpret mode): the sparse gate's tile lists
+(`decode_matvec(..., tile_lists=True)`: each column tile's active neurons packed in the product's
+epilogue) against `tile_lists_reference`, and the fused up/down kernel that reads them
+(`sparse_decode_ffn_tiles`: the norm on load, the residual, the dense switch's limit) against the
+compacted-list kernel and the plain-jnp oracle; then the model's step with
+model.decode_sparse_ffn="tiles" against the XLA path, with its launches counted."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from twell_jax.model import init_cache, init_model
+from twell_jax.pallas_kernels import decode_matvec as matvec_lib
+from twell_jax.pallas_kernels.decode_matvec import (MatvecBlockSizes, decode_matvec, decode_matvec_reference,
+                                                    tile_lists_reference)
+from twell_jax.pallas_kernels.twell_decode import (compact_active_reference, sparse_decode_ffn_fused,
+                                                   sparse_decode_ffn_tiles)
+from test_decode_kernels import (BASE, FUSED_SMALL, FUSED_WIDE, TOL_FUSED, _pallas_names_and_row_sums, _run,
+                                 fused_inputs, fused_oracle)
+from oracles import rel_err
+
+GATE = MatvecBlockSizes(block_n=16, block_k=16)  # tiles of 16 columns; K steps of 16
+PATTERNS = ("sparse", "none", "all", "one_hot_last_row", "first_row_dense")
+
+
+def gate_inputs(m, n, k, pattern, seed=0):
+    """x [M, K], w [N, K] fp32 whose product g = x . w^T fires by `pattern`: g[r, j] ~ bias_j +
+    a_j * sign_r (column 0 of x is 1, column 1 the row's sign, the rest small noise). "sparse":
+    ~10% of the neurons on every row, ~10% on the rows of sign +1 only; "none"; "all";
+    "one_hot_last_row": neuron 7n // 11 on the last row only; "first_row_dense": every neuron on
+    row 0 (a dense first token), none elsewhere."""
+    rng = np.random.default_rng(seed)
+    sign = np.where(np.arange(m) % 2 == 0, -1.0, 1.0)
+    if pattern in ("one_hot_last_row", "first_row_dense"):
+        sign = -np.ones(m)
+        sign[m - 1 if pattern == "one_hot_last_row" else 0] = 1.0
+    x = np.concatenate([np.ones((m, 1)), sign[:, None], 0.01 * rng.normal(size=(m, k - 2))], axis=1)
+    bias, slope = np.full(n, -10.0), np.zeros(n)
+    if pattern == "sparse":
+        draw = rng.random(n)
+        bias[draw < 0.1] = 10.0
+        bias[(draw >= 0.1) & (draw < 0.2)], slope[(draw >= 0.1) & (draw < 0.2)] = 0.0, 5.0
+    elif pattern == "all":
+        bias[:] = 10.0
+    elif pattern == "one_hot_last_row":
+        bias[(7 * n) // 11], slope[(7 * n) // 11] = 0.0, 5.0
+    elif pattern == "first_row_dense":
+        bias[:], slope[:] = 0.0, 5.0
+    elif pattern != "none":
+        raise ValueError(pattern)
+    w = np.concatenate([bias[:, None], slope[:, None], 0.01 * rng.normal(size=(n, k - 2))], axis=1)
+    return jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)
+
+
+@pytest.mark.parametrize("m,n", [(1, 37), (3, 64), (8, 151), (16, 40)])
+def test_gate_tile_lists_equal_their_reference(m, n):
+    for i, pattern in enumerate(PATTERNS):
+        x, w = gate_inputs(m, n, 40, pattern, seed=100 * m + n + i)
+        out, ids, count, pairs = decode_matvec(x, w, out_dtype=jnp.float32, block_sizes=GATE, tile_lists=True,
+                                               interpret=True)
+        n_tiles = -(-n // 16)
+        assert ids.shape == (16 * n_tiles,) and count.shape == pairs.shape == (n_tiles,), pattern
+        assert ids.dtype == count.dtype == pairs.dtype == jnp.int32
+        # The product itself is the plain kernel's (the lists are an epilogue).
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(
+            decode_matvec(x, w, out_dtype=jnp.float32, block_sizes=GATE, interpret=True)))
+        for got, want in zip((ids, count, pairs), tile_lists_reference(out, 16)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=pattern)
+        on = np.asarray(out) > 0
+        union = np.flatnonzero(np.any(on, axis=0))
+        listed = np.concatenate([np.asarray(ids[t * 16: t * 16 + int(count[t])]) for t in range(n_tiles)])
+        np.testing.assert_array_equal(listed, union, err_msg=pattern)  # every active neuron, ascending
+        assert int(np.sum(pairs)) == int(np.sum(on)), pattern
+        # Each tile's slots are a permutation of its neurons (padding columns clamped to N - 1).
+        for t in range(n_tiles):
+            want_slots = np.minimum(np.arange(t * 16, t * 16 + 16), n - 1)
+            np.testing.assert_array_equal(np.sort(np.asarray(ids[t * 16: t * 16 + 16])), want_slots)
+        expected_union = {"none": 0, "all": n, "one_hot_last_row": 1, "first_row_dense": n}.get(pattern)
+        if expected_union is not None:
+            assert union.size == expected_union, pattern
+        if pattern == "first_row_dense":
+            assert int(np.sum(pairs)) == n  # row 0 only
+
+
+def test_gate_tile_lists_with_the_norm_and_a_stacked_layer():
+    """The sparse layer's gate as the model calls it: RMSNorm prologue, stacked weights read in place."""
+    x, w = gate_inputs(3, 37, 40, "sparse", seed=5)
+    stack = jnp.stack([w * 0.5, w, -w])
+    scale = jnp.abs(jax.random.normal(jax.random.key(1), (3, 40))) + 0.5
+    layer = jnp.asarray([1], jnp.int32)
+    out, ids, count, pairs = decode_matvec(x, stack, layer=layer, norm_scale=scale, out_dtype=jnp.float32,
+                                           block_sizes=GATE, tile_lists=True, interpret=True)
+    want = decode_matvec_reference(x, stack, layer=layer, norm_scale=scale, out_dtype=jnp.float32)
+    assert rel_err(out, want) <= 1e-6
+    for got, ref in zip((ids, count, pairs), tile_lists_reference(out, 16)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    assert int(jnp.sum(count)) > 0
+
+
+def test_gate_tile_lists_reject_what_they_cannot_pack():
+    x, w = gate_inputs(3, 37, 40, "sparse")
+    call = lambda xx=x, **kw: decode_matvec(xx, w, out_dtype=jnp.float32, tile_lists=True, interpret=True,  # noqa: E731
+                                            **{"block_sizes": GATE, **kw})
+    with pytest.raises(ValueError, match="every row in one program"):
+        call(jnp.tile(x, (6, 1)))  # 18 rows > max_block_m 16
+    with pytest.raises(ValueError, match="activation"):
+        call(activation="relu")
+    with pytest.raises(ValueError, match="residual"):
+        call(residual=jnp.zeros((3, 37), jnp.float32))
+    with pytest.raises(ValueError, match="split_k"):
+        call(block_sizes=MatvecBlockSizes(block_n=16, block_k=16, split_k=2))
+
+
+def _lists(g, tile):
+    return tile_lists_reference(g, tile)[:2]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("m,pattern", [(1, "sparse"), (3, "sparse"), (17, "sparse"), (3, "none"), (3, "one_hot"),
+                                       (3, "all")])
+def test_tiles_kernel_equals_the_compacted_list_kernel(dtype, gated, m, pattern):
+    """The same neurons in the same (ascending) order: the same sums as `sparse_decode_ffn_fused`,
+    bit for bit in interpret mode, for tiles of 16 and of 64 (151 neurons: 10 and 3 tiles)."""
+    x, g, w_up, w_down, residual = fused_inputs(dtype, m, pattern, seed=m + 10 * gated)
+    order, n = compact_active_reference(jnp.any(g > 0, axis=0))
+    up = w_up if gated else None
+    for sizes in (FUSED_SMALL, FUSED_WIDE):
+        want = sparse_decode_ffn_fused(x, g, order, n, up, w_down, capacity=160, residual_MxD=residual,
+                                       block_sizes=sizes, interpret=True)
+        oracle = fused_oracle(x, g, order, n, up, w_down, 160, residual)
+        for tile in (16, 64):
+            ids, count = _lists(g, tile)
+            y = sparse_decode_ffn_tiles(x, g, ids, count, up, w_down, residual_MxD=residual, block_sizes=sizes,
+                                        interpret=True)
+            assert y.shape == x.shape and y.dtype == x.dtype
+            np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
+            assert rel_err(y, oracle) <= TOL_FUSED[dtype]
+    if pattern == "none":  # nothing active: exactly the residual
+        np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(residual, np.float32))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_tiles_kernel_limit_is_the_sparse_side_of_the_switch(gated):
+    x, g, w_up, w_down, residual = fused_inputs(jnp.float32, 3, "sparse", seed=11)  # a union of 20
+    ids, count = _lists(g, 16)
+    up = w_up if gated else None
+    run = lambda limit: sparse_decode_ffn_tiles(x, g, ids, count, up, w_down, residual_MxD=residual,  # noqa: E731
+                                                limit=limit, block_sizes=FUSED_SMALL, interpret=True)
+    np.testing.assert_array_equal(np.asarray(run(19)), np.asarray(residual))  # 20 > 19: nothing read
+    np.testing.assert_array_equal(np.asarray(run(20)), np.asarray(run(None)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tiles_kernel_normalises_x_on_load_at_a_stacked_layer(dtype):
+    """x un-normalised + the layer's norm scale: what the kernel computes from RMSNorm(x) itself."""
+    x, g, w_up, w_down, residual = fused_inputs(dtype, 3, "sparse", layers=3, seed=21)
+    x = (x.astype(jnp.float32) * 7.0).astype(dtype)
+    scale = jnp.abs(jax.random.normal(jax.random.key(2), (3, x.shape[1]))) + 0.5
+    layer = jnp.asarray([2], jnp.int32)
+    ids, count = _lists(g, 16)
+    y = sparse_decode_ffn_tiles(x, g, ids, count, w_up, w_down, layer=layer, norm_scale=scale, eps=1e-5,
+                                residual_MxD=residual, block_sizes=FUSED_WIDE, interpret=True)
+    x32 = x.astype(jnp.float32)
+    xn = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=1, keepdims=True) + 1e-5) * scale[2]).astype(dtype)
+    order, n = compact_active_reference(jnp.any(g > 0, axis=0))
+    want = fused_oracle(xn, g, order, n, w_up[2], w_down[2], 160, residual)
+    assert rel_err(y, want) <= TOL_FUSED[dtype]
+    # Normalising is not a no-op here (x is 7x its normalised size): the un-normalised x differs.
+    assert rel_err(fused_oracle(x, g, order, n, w_up[2], w_down[2], 160, residual), want) > 1e-2
+
+
+def test_tiles_kernel_rejects_bad_arguments():
+    x, g, w_up, w_down, residual = fused_inputs(jnp.float32, 3, "sparse")
+    ids, count = _lists(g, 16)
+    call = lambda **kw: sparse_decode_ffn_tiles(**{"x_MxD": x, "g_MxH": g, "ids": ids, "count": count,  # noqa: E731
+                                                   "w_up_HxD": w_up, "w_down_HxD": w_down, "interpret": True,
+                                                   "block_sizes": FUSED_SMALL, **kw})
+    with pytest.raises(ValueError, match="count"):
+        call(count=count.astype(jnp.float32))
+    with pytest.raises(ValueError, match="ids"):
+        call(ids=ids[:-1])
+    with pytest.raises(ValueError, match="ids"):
+        call(ids=ids[:32], count=count[:2])  # 2 tiles of 16 cannot cover 151 neurons
+    with pytest.raises(ValueError, match="norm_scale needs w_up_HxD"):
+        call(w_up_HxD=None, norm_scale=jnp.ones((37,), jnp.float32))
+    with pytest.raises(ValueError, match="norm_scale"):
+        call(norm_scale=jnp.ones((36,), jnp.float32))
+    with pytest.raises(ValueError, match="limit"):
+        call(limit=-1)
+    with pytest.raises(ValueError, match="residual_MxD"):
+        call(residual_MxD=residual[:2])
+
+
+def test_tiles_kernels_lower_to_triton_for_cuda(capsys):
+    # As the other decode kernels' lowering tests: the Pallas -> Triton IR lowering runs without a
+    # GPU, at the model's shapes (the gate role's blocks, stacked weights, the norm and a residual).
+    from jax import export
+
+    def forward(x, w_gate, w_up, w_down, scale, layer):
+        g, ids, count, _ = decode_matvec(x, w_gate, layer=layer, norm_scale=scale, out_dtype=jnp.float32,
+                                         block_sizes=matvec_lib.role_block_sizes("gate"), tile_lists=True,
+                                         debug=True)
+        return sparse_decode_ffn_tiles(x, g, ids, count, w_up, w_down, layer=layer, norm_scale=scale,
+                                       residual_MxD=x, limit=300, debug=True)
+
+    x = jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((2, 5632, 2048), jnp.bfloat16)
+    exported = export.export(jax.jit(forward), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+            x, w, w, w, jax.ShapeDtypeStruct((2, 2048), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.int32))
+    module = exported.mlir_module()
+    assert "twell_decode_gate_lists" in module and "twell_decode_tiles" in module
+    printed = capsys.readouterr().out
+    assert '"scf.for"' not in printed  # no op that failed verification (mixed loop-bound types did)
+
+
+# ---------------------------------------------------------------------------------------------
+# the model's step
+# ---------------------------------------------------------------------------------------------
+
+def _outside_kernels(closed_jaxpr) -> set[str]:
+    """The primitive names of the step's XLA graph (pallas_call bodies excluded)."""
+    names: set[str] = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            names.add(eqn.primitive.name)
+            if eqn.primitive.name == "pallas_call":
+                continue
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed_jaxpr.jaxpr)
+    return names
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_tiles_step_has_no_compaction_and_no_xla_norm(batch, monkeypatch):
+    """A sparse layer's FFN is two launches (the gate with its lists, the tiles kernel): no
+    compaction kernel, no XLA reduction of the gate's signs, no RMSNorm in XLA (the fused path's
+    step has one: the check can fail). With tiles of 16 (4 per layer) the step equals the XLA path."""
+    monkeypatch.setitem(matvec_lib.ROLE_BLOCK_SIZES, "gate", GATE)
+    cfg = dataclasses.replace(BASE, n_layers=2, decode_sparse_ffn="tiles")
+    model = init_model(cfg, seed=4)
+    assert all(model.decode_layer_sparse(batch, jnp.float32))
+    tokens, start = jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch,), jnp.int32)
+    step = lambda m: jax.make_jaxpr(lambda c: m.decode(tokens, c, jnp.int32(3), start))(  # noqa: E731
+        init_cache(cfg, batch, 8))
+    traced = step(model)
+    names, sums = _pallas_names_and_row_sums(traced, (batch, cfg.d_ff))
+    assert names.count("twell_decode_gate_lists") == names.count("twell_decode_tiles") == 1, names  # one scan
+    assert not any(name.startswith("twell_decode_compact") for name in names) and sums == 0, names
+    assert "rsqrt" not in _outside_kernels(traced)
+    fused = step(init_model(dataclasses.replace(cfg, decode_sparse_ffn="fused"), seed=4))
+    assert "rsqrt" in _outside_kernels(fused)
+
+    tokens = jax.random.randint(jax.random.key(30 + batch), (batch, 10), 0, cfg.vocab_size)
+    start = jnp.asarray([0, 2, 5][:batch], jnp.int32)
+    got, auxes, _ = _run(cfg, tokens, start, prompt=6)
+    want, want_aux, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=6)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    for a, b in zip(auxes, want_aux):
+        np.testing.assert_allclose(a["l0"], b["l0"], rtol=1e-5)
+
+
+def test_more_rows_than_the_gate_block_run_the_fused_path():
+    """17 rows do not fit one program of the gate's lists (max_block_m 16): the step compacts and
+    runs the fused kernel instead."""
+    cfg = dataclasses.replace(BASE, n_layers=2, decode_sparse_ffn="tiles")
+    model = init_model(cfg, seed=4)
+    assert all(model.decode_layer_sparse(17, jnp.float32))
+    tokens, start = jnp.zeros((17, 1), jnp.int32), jnp.zeros((17,), jnp.int32)
+    traced = jax.make_jaxpr(lambda c: model.decode(tokens, c, jnp.int32(3), start))(init_cache(cfg, 17, 8))
+    names, _ = _pallas_names_and_row_sums(traced, (17, cfg.d_ff))
+    assert "twell_decode_fused" in names and "twell_decode_gate_lists" not in names, names
