@@ -66,12 +66,14 @@ def test_kernel_steps_equal_the_xla_steps_and_the_forward(kind, batch, padded):
             np.testing.assert_allclose(got[row], full[row, 6:], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("sparse_ffn", ["fused", "tiles"])
 @pytest.mark.parametrize("kind", ["sparse", "relu"])
 @pytest.mark.parametrize("batch,padded", [(1, False), (3, True)])
-def test_the_fused_sparse_ffn_step_equals_the_xla_steps(kind, batch, padded, monkeypatch):
-    """model.decode_sparse_ffn="fused": the sparse layers' up and down products and the residual in
-    one launch give the XLA path's logits and the same active counts; the split kernels do not run."""
-    cfg = dataclasses.replace(BASE, decode_sparse_ffn="fused", **KINDS[kind])
+def test_the_fused_sparse_ffn_step_equals_the_xla_steps(kind, batch, padded, sparse_ffn, monkeypatch):
+    """model.decode_sparse_ffn="fused" and "tiles": the sparse layers' up and down products and the
+    residual in one launch give the XLA path's logits and the same active counts; the split kernels
+    do not run."""
+    cfg = dataclasses.replace(BASE, decode_sparse_ffn=sparse_ffn, **KINDS[kind])
     monkeypatch.setattr("twell_jax.pallas_kernels.twell_decode.sparse_decode_ffn",
                         lambda *a, **k: pytest.fail("the split kernels ran"))
     tokens = jax.random.randint(jax.random.key(10 + batch), (batch, 10), 0, cfg.vocab_size)
@@ -86,7 +88,7 @@ def test_the_fused_sparse_ffn_step_equals_the_xla_steps(kind, batch, padded, mon
         ModelConfig(decode_sparse_ffn="one")
 
 
-@pytest.mark.parametrize("sparse_ffn", ["split", "fused"])
+@pytest.mark.parametrize("sparse_ffn", ["split", "fused", "tiles"])
 @pytest.mark.parametrize("limit", [0, 10_000])
 def test_both_sides_of_the_dense_switch(monkeypatch, limit, sparse_ffn):
     """Several rows: a union limit of 0 sends every sparse layer to the dense products, a large one
@@ -443,9 +445,10 @@ def _pallas_names_and_row_sums(closed_jaxpr, shape):
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_the_sparse_step_compacts_the_rows_in_one_launch(batch):
-    """A sparse layer's step runs `compact_active_rows` (twell_decode_compact_rows): no XLA
-    reduction of the gate's [B, H] signs before the compaction, no `compact_active` launch."""
-    cfg = dataclasses.replace(BASE, n_layers=2)
+    """model.decode_sparse_ffn="fused": a sparse layer's step runs `compact_active_rows`
+    (twell_decode_compact_rows): no XLA reduction of the gate's [B, H] signs before the compaction,
+    no `compact_active` launch."""
+    cfg = dataclasses.replace(BASE, n_layers=2, decode_sparse_ffn="fused")
     model = init_model(cfg, seed=4)
     assert model._decode_with_kernels() and all(model.decode_layer_sparse(batch, jnp.float32))
     cache = init_cache(cfg, batch, 8)
@@ -466,13 +469,14 @@ def test_many_rows_count_in_xla_then_compact_with_the_same_steps(monkeypatch):
     XLA reduction and `compact_active` compacts it (one program reading [B, H] row after row would
     be slow): the step still equals the XLA path, with the same active counts."""
     monkeypatch.setattr(model_lib, "COMPACT_ROWS_IN_KERNEL", 2)
-    tokens = jax.random.randint(jax.random.key(3), (3, 9), 0, BASE.vocab_size)
+    cfg = dataclasses.replace(BASE, decode_sparse_ffn="fused")
+    tokens = jax.random.randint(jax.random.key(3), (3, 9), 0, cfg.vocab_size)
     start = jnp.asarray([0, 1, 3], jnp.int32)
-    got, auxes, model = _run(BASE, tokens, start, prompt=5)
-    traced = jax.make_jaxpr(lambda c: model.decode(tokens[:, :1], c, jnp.int32(5), start))(init_cache(BASE, 3, 9))
-    names, sums = _pallas_names_and_row_sums(traced, (3, BASE.d_ff))
+    got, auxes, model = _run(cfg, tokens, start, prompt=5)
+    traced = jax.make_jaxpr(lambda c: model.decode(tokens[:, :1], c, jnp.int32(5), start))(init_cache(cfg, 3, 9))
+    names, sums = _pallas_names_and_row_sums(traced, (3, cfg.d_ff))
     assert "twell_decode_compact" in names and "twell_decode_compact_rows" not in names and sums > 0
-    want, want_aux, _ = _run(dataclasses.replace(BASE, decode_kernels="xla"), tokens, start, prompt=5)
+    want, want_aux, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=5)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     for a, b in zip(auxes, want_aux):
         np.testing.assert_allclose(a["l0"], b["l0"], rtol=1e-5)

@@ -141,7 +141,7 @@ def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_inference.py"), "--dry-run",
-                           "--stored-decode-rows", "--other-sparse-ffn-rows", "--trace-decode", "3", "--out", str(out)], capture_output=True, text=True, env=env,
+                           "--stored-decode-rows", "--sparse-ffn-rows", "tiles,split", "--trace-decode", "3", "--out", str(out)], capture_output=True, text=True, env=env,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     import json
@@ -157,8 +157,9 @@ def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_
     traced = {(r["variant"], r["batch"]) for r in rows if "trace" in r}
     assert traced == {(r["variant"], 1) for r in rows if r["phase"] == "decode"} and len(traced) == 6
     assert all(r["trace"] and r["trace"][0].startswith("kernel trace") for r in rows if "trace" in r)
-    # --other-sparse-ffn-rows: the sparse variant with the other model.decode_sparse_ffn (the default
-    # "fused": "+split"), decode and generate only, making the same tokens.
+    # --sparse-ffn-rows: the sparse variant with each named model.decode_sparse_ffn but the default
+    # ("tiles": only "+split"), decode and generate only, making the same tokens.
+    assert not any(r["variant"].endswith("+tiles") for r in rows)
     fused = [r for r in rows if r["variant"].endswith("+split")]
     assert {r["variant"] for r in fused} == {"twell-reference+split"}
     assert {r["phase"] for r in fused} == {"decode", "generate, chunk 1", "generate, chunk 16"}
@@ -189,3 +190,10 @@ def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_
     assert prefill["dense"]["hidden_rel_diff_vs_plain"] < 1e-5
     assert prefill["twell-reference"]["hidden_rel_diff_vs_plain"] < 1e-5
     assert "| prefill | 2 | plain |" in proc.stdout and "| vs plain |" in proc.stdout
+
+
+def test_bench_inference_refuses_an_unknown_sparse_ffn_row():
+    from twell_jax.bench import inference as bench_inference
+
+    with pytest.raises(SystemExit, match="--sparse-ffn-rows 'tiles,bogus'"):
+        bench_inference.main(["--dry-run", "--sparse-ffn-rows", "tiles,bogus"])

@@ -28,12 +28,16 @@ DECODE_KERNELS: dict[str, str] = {
     "xla": "the model's generic XLA path (the layer scan's decode)",
 }
 # How a sparse layer's FFN runs in the decode kernels' step (model.decode_sparse_ffn), after the gate's
-# product and the compaction of the active neurons (pallas_kernels/twell_decode.py).
+# product (pallas_kernels/twell_decode.py, decode_matvec.py).
 DECODE_SPARSE_FFN: dict[str, str] = {
-    "split": "two launches: the active neurons' hidden values into HBM, then the down product; the residual "
-             "added by XLA",
-    "fused": "one launch: each output block recomputes the active neurons' hidden values, the residual added "
-             "in its epilogue",
+    "tiles": "the gate's product packs each column tile's active neurons in its epilogue (TwELL) and one "
+             "launch reads those lists for the up and down products, the norm on load and the residual in its "
+             "epilogue: two launches a layer, no compaction (a step of more rows than the gate's max_block_m, "
+             "16, runs 'fused')",
+    "fused": "the active neurons compacted into one list (one launch), then one launch: each output block "
+             "recomputes the active neurons' hidden values, the residual added in its epilogue",
+    "split": "the compaction, then two launches: the active neurons' hidden values into HBM, then the down "
+             "product; the residual added by XLA",
 }
 # Generation's decode steps per program call (twell_jax/inference/generate.py, `Generator.chunk`;
 # `twell generate --decode-chunk`): tokens reach the host, and a stream, this many at a time; at ~1 ms
@@ -203,10 +207,11 @@ class ModelConfig:
     # 0.636 against 0.821 ms for `twell` auto; BENCHMARKS.md, Decode). false: the weights once.
     # Callers of `decode` pass the copies.
     decode_transposed: bool = True
-    # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN). "fused" measured faster on
-    # the H100 (0.5b, batch 1: 0.657 / 0.637 ms against 0.703 / 0.697 for "split" in two runs;
+    # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN). "tiles" runs "fused"'s
+    # kernel without its compaction launch and the norm's XLA fusion; "fused" measured faster than
+    # "split" on the H100 (0.5b, batch 1: 0.657 / 0.637 ms against 0.703 / 0.697 in two runs;
     # BENCHMARKS.md, Decode).
-    decode_sparse_ffn: Literal["split", "fused"] = "fused"
+    decode_sparse_ffn: Literal["tiles", "fused", "split"] = "tiles"
 
     def __post_init__(self) -> None:
         _check_finite("model", self)

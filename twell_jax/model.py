@@ -644,7 +644,8 @@ class Transformer(nnx.Module):
         from twell_jax.pallas_kernels.decode_attention import decode_attention
         from twell_jax.pallas_kernels.decode_matvec import decode_matvec, role_block_sizes
         from twell_jax.pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compact_active_rows,
-                                                           sparse_decode_ffn, sparse_decode_ffn_fused)
+                                                           sparse_decode_ffn, sparse_decode_ffn_fused,
+                                                           sparse_decode_ffn_tiles)
 
         b = tokens_B.shape[0]
         dt = _dtype(self.compute_dtype)
@@ -718,6 +719,22 @@ class Transformer(nnx.Module):
             if not sparse:
                 x, h = dense_ffn(x, li, n2_LxD, x)
                 return (x, k_all, v_all), {"l0": jnp.sum(h != 0, dtype=jnp.float32) / b}
+            block_sizes = (op_config.decode_block_sizes if op_config is not None else None) or DecodeBlockSizes()
+            limit = None
+            if b > 1:  # the planner's decode cost model: the union above which dense is faster
+                limit = planner.decode_union_limit(b, d, h_dim, gated=gated, itemsize=jnp.dtype(dt).itemsize,
+                                                   device_switch=True)
+            if self.decode_sparse_ffn == "tiles" and b <= role_block_sizes("gate").block_m(b):
+                # TwELL: the gate's epilogue packs each column tile's active neurons (the rows' union);
+                # one launch reads those lists, normalises x on load and adds the residual.
+                g, ids, count, pairs_T = mv(x, w_gate if gated else w_up, role="gate", layer=li, norm_scale=n2_LxD,
+                                            out_dtype=jnp.float32, tile_lists=True)
+                y = sparse_decode_ffn_tiles(x, g, ids, count, w_up if gated else None, w_down, layer=li,
+                                            norm_scale=n2_LxD if gated else None, eps=eps, residual_MxD=x,
+                                            limit=limit, block_sizes=block_sizes, interpret=interpret)
+                if limit is not None:  # above the limit the sparse kernel passed x through: the dense products
+                    y = dense_ffn(x, li, n2_LxD, y, (jnp.sum(count) > limit).astype(jnp.int32)[None])[0]
+                return (y, k_all, v_all), {"l0": jnp.sum(pairs_T).astype(jnp.float32) / b}
             scale = jax.lax.dynamic_index_in_dim(n2_LxD, layer, keepdims=False)
             xn = RMSNorm.normalize(x, scale, eps)
             g = mv(xn, w_gate if gated else w_up, role="gate", layer=li, out_dtype=jnp.float32)  # [B, H]
@@ -727,17 +744,12 @@ class Transformer(nnx.Module):
                 count_H = jnp.sum(g > 0, axis=0, dtype=jnp.int32)
                 order, n_active = compact_active(count_H, interpret=interpret)
                 pairs = jnp.sum(count_H, keepdims=True)
-            block_sizes = (op_config.decode_block_sizes if op_config is not None else None) or DecodeBlockSizes()
             capacity = -(-h_dim // block_sizes.chunk) * block_sizes.chunk
             if capacity > order.shape[0]:  # tiny d_ff: the list is shorter than one kernel chunk
                 order = jnp.pad(order, (0, capacity - order.shape[0]), constant_values=h_dim - 1)
-            use_dense = None
-            if b > 1:  # the planner's decode cost model: the union above which dense is faster
-                limit = planner.decode_union_limit(b, d, h_dim, gated=gated, itemsize=jnp.dtype(dt).itemsize,
-                                                   device_switch=True)
-                use_dense = n_active > limit
+            use_dense = None if limit is None else n_active > limit
             n_sparse = n_active if use_dense is None else jnp.where(use_dense, 0, n_active)
-            if self.decode_sparse_ffn == "fused":  # the residual in the kernel's epilogue (one rounding)
+            if self.decode_sparse_ffn != "split":  # "fused" ("tiles" above 16 rows): the residual in the epilogue
                 x = sparse_decode_ffn_fused(xn, g, order, n_sparse, w_up if gated else None, w_down,
                                             capacity=capacity, layer=li, residual_MxD=x, block_sizes=block_sizes,
                                             interpret=interpret)

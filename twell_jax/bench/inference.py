@@ -24,8 +24,9 @@ compared with the rows compiled without them. The model's rows decode with model
 on (the decode kernels read output-major copies of q/k/v, the output projection and W_down: the
 default), whatever the checkpoint's config says; `--stored-decode-rows` adds `VARIANT+stored`
 decode and generate rows of the dense and sparse variants reading the weights as stored, and
-`--other-sparse-ffn-rows` adds `VARIANT+fused` (or `+split`) rows of the sparse variants with the other
-model.decode_sparse_ffn (their sparse layers' up and down products in one launch or two).
+`--sparse-ffn-rows fused,split` adds `VARIANT+fused` and `VARIANT+split` rows of the sparse variants with
+that model.decode_sparse_ffn (config.DECODE_SPARSE_FFN: the gate's tile lists read by one launch, a
+compaction then one launch, or a compaction then two), each name other than the config's.
 
 Rows: `plain` is the plain-JAX Llama of twell_jax/bench/plain_llama.py (nothing of twell_jax in its
 math) holding the model's weights in the compute dtype: its body for prefill, its KV-cached decode
@@ -56,7 +57,9 @@ from flax import nnx
 from twell_jax.bench.kernel_trace import format_profile, kernel_times
 from twell_jax.bench.plain_llama import (reference_body, reference_decode_step, reference_params_from_model,
                                          reference_prefill_cache)
-from twell_jax.config import DEFAULT_DECODE_CHUNK, ModelConfig
+from twell_jax.config import DECODE_SPARSE_FFN, DEFAULT_DECODE_CHUNK, ModelConfig
+
+DEFAULT_SPARSE_FFN = ModelConfig.__dataclass_fields__["decode_sparse_ffn"].default
 from twell_jax.inference.generate import Generator, SamplingConfig
 from twell_jax.inference.load import LoadedModel, experiment_config_for, load_run, model_with_params, validation_tokens
 from twell_jax.pallas_kernels import decode_matvec
@@ -379,10 +382,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--stored-decode-rows", action="store_true",
                         help="add VARIANT+stored for the dense and sparse variants: decode and generate with "
                              "model.decode_transposed off (the weights as stored, no output-major copies)")
-    parser.add_argument("--other-sparse-ffn-rows", action="store_true",
-                        help="add VARIANT+split or VARIANT+fused for the sparse variants: decode and generate with "
-                             "the other model.decode_sparse_ffn than the config's (the sparse layers' FFN in one "
-                             "launch or two)")
+    parser.add_argument("--sparse-ffn-rows", default="", metavar="NAMES",
+                        help="comma-separated model.decode_sparse_ffn values (" + ", ".join(DECODE_SPARSE_FFN)
+                             + "): add VARIANT+NAME for the sparse variants, decode and generate with that "
+                             "value (each name other than the config's)")
     parser.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
                         help="an XLA option for a second decode row of every variant, named VARIANT+xla (the "
                              "decode loop compiled with it; repeatable), e.g. xla_gpu_enable_command_buffer="
@@ -409,6 +412,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not chunks or min(chunks) < 1:
         raise SystemExit(f"--generate-chunks {args.generate_chunks!r}: expected integers >= 1, comma-separated")
     batches = [int(b) for b in args.decode_batches.split(",") if b]
+    sparse_ffn_rows = [v for v in args.sparse_ffn_rows.split(",") if v]
+    if any(v not in DECODE_SPARSE_FFN for v in sparse_ffn_rows):
+        raise SystemExit(f"--sparse-ffn-rows {args.sparse_ffn_rows!r}: expected names among "
+                         f"{', '.join(DECODE_SPARSE_FFN)}, comma-separated")
     if args.trace_decode < 0:
         raise SystemExit(f"--trace-decode {args.trace_decode}: expected a number of kernels >= 0")
     matvec_blocks = load_matvec_blocks(args.matvec_blocks) if args.matvec_blocks else None
@@ -434,18 +441,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         hints = run_hints(checkpoint_dir(args.checkpoint).parent, args.step, n_layers=cfg.n_layers)
     else:
         text = jax.random.randint(jax.random.key(args.seed), (rows_needed, args.context), 0, cfg.vocab_size)
-    configs = variant_configs(dataclasses.replace(cfg, decode_transposed=True), backends, interpret=args.dry_run,
-                              hints=hints)
+    # The library's decode execution, whatever the run's config says (runs saved before a change of
+    # default carry the old value): the transposed copies and the default sparse FFN step.
+    configs = variant_configs(dataclasses.replace(cfg, decode_transposed=True,
+                                                  decode_sparse_ffn=DEFAULT_SPARSE_FFN),
+                              backends, interpret=args.dry_run, hints=hints)
     if args.xla_decode_row:
         configs["dense-xla"] = dataclasses.replace(configs["dense"], decode_kernels="xla")
     if args.stored_decode_rows:  # decode and generate rows only (their prefill is their variant's)
         configs.update({f"{name}+stored": dataclasses.replace(c, decode_transposed=False)
                         for name, c in list(configs.items()) if name == "dense" or name.startswith("twell-")})
-    if args.other_sparse_ffn_rows:  # decode and generate rows only, as the stored rows
-        other = {"split": "fused", "fused": "split"}
-        configs.update({f"{name}+{other[c.decode_sparse_ffn]}": dataclasses.replace(
-            c, decode_sparse_ffn=other[c.decode_sparse_ffn]) for name, c in list(configs.items())
-            if name.startswith("twell-") and "+" not in name})
+    for value in sparse_ffn_rows:  # decode and generate rows only, as the stored rows
+        configs.update({f"{name}+{value}": dataclasses.replace(c, decode_sparse_ffn=value)
+                        for name, c in list(configs.items())
+                        if name.startswith("twell-") and "+" not in name and c.decode_sparse_ffn != value})
     # In the load dtype, as model_with_params builds them (the generate rows' Generator reads it too).
     configs = {name: dataclasses.replace(c, compute_dtype=args.dtype) for name, c in configs.items()}
     models = {name: model_with_params(c, params, args.dtype) for name, c in configs.items()}
