@@ -4,8 +4,8 @@ to judge the difference by: the dense run again with half the micro-batch (same 
 gradient-accumulation / reduction order) and with another data-order seed.
 
     PYTHONPATH=. python experiments/backend_equivalence.py --steps 300 --l1 2e-4 --set train.global_batch=64
-    # from a trained-sparse run's parameters, so that the kernels run from the first step:
-    PYTHONPATH=. python experiments/backend_equivalence.py --init-run runs/0.5b-sparse --steps 200 --l1 5e-3 \
+    # from a trained-sparse run's parameters, so that the kernels run in its sparse layers from the first step:
+    PYTHONPATH=. python experiments/backend_equivalence.py --init-run runs/0.5b-sparse --steps 200 --l1 5e-4 \
         --set train.global_batch=32 train.micro_batch=8
     # CPU smoke run:
     PYTHONPATH=. python experiments/backend_equivalence.py --config micro --steps 4 --data synthetic \
@@ -18,8 +18,9 @@ the trained run RUN (a run directory of `twell train` or experiments/train_to_sp
 newest intact checkpoint) instead, each with a fresh optimizer state and the same seed, data and
 L1 as the others. RUN's model must have the study's architecture (--config and --set; the error
 names each field that differs). The data then default to RUN's corpus (--data) read with RUN's
-saved tokenizer (the token ids its embedding was trained on). Give an --l1 that keeps RUN sparse
-(about the coefficient it ended its training at).
+saved tokenizer (the token ids its embedding was trained on). Give an --l1 that keeps RUN sparse:
+about the coefficient it ended its training at (the `0.5b` checkpoint of train_to_sparse.py
+reached 4.35e-4 at step 175: experiments/results/train_to_sparse_0.5b_h100_2026-11-24.json).
 
 The runs are a `twell compare` plan (twell_jax/compare.py) in --out, which records RUN: a call cut
 short (SIGTERM, `timeout`) keeps its finished runs and the next call with the same --out continues
