@@ -4,20 +4,36 @@ to judge the difference by: the dense run again with half the micro-batch (same 
 gradient-accumulation / reduction order) and with another data-order seed.
 
     PYTHONPATH=. python experiments/backend_equivalence.py --steps 300 --l1 2e-4 --set train.global_batch=64
+    # from a trained-sparse run's parameters, so that the kernels run in its sparse layers from the first step:
+    PYTHONPATH=. python experiments/backend_equivalence.py --init-run runs/0.5b-sparse --steps 200 --l1 5e-4 \
+        --set train.global_batch=32 train.micro_batch=8
     # CPU smoke run:
     PYTHONPATH=. python experiments/backend_equivalence.py --config micro --steps 4 --data synthetic \
         --set model.ffn_interpret=true
 
-The runs are a `twell compare` plan (twell_jax/compare.py) in --out: a call cut short (SIGTERM,
-`timeout`) keeps its finished runs and the next call with the same --out continues the
-interrupted one from its checkpoint. Prints one table, per pair and over the common steps: the
-max |loss difference|, the max |CE difference|, the max |difference| of the mean active count
-per token (layer mean, and its relative value); then the same curves smoothed by a 20-step moving
-average (--window), whose mean and max |difference| are not dominated by one batch's noise; and,
-for the pallas run, the share of layer calls (layer x micro-batch x step) in which the op took its
-exact dense fallback (a high share means the kernels did not run yet: raise --l1 or the steps).
-Writes $OUT/backend_equivalence.json (with every run's loss and active curves at every 5th step)
-and $OUT/backend_equivalence.png (the curves); the runs stay in --out, one checkpoint each.
+From an initialisation every layer is dense, and the op takes its exact dense fallback while a
+layer has more active neurons than the kernels' capacity: the pallas run's kernels only run once
+the L1 has made the layers sparse. `--init-run RUN` starts all four runs from the parameters of
+the trained run RUN (a run directory of `twell train` or experiments/train_to_sparse.py: its
+newest intact checkpoint) instead, each with a fresh optimizer state and the same seed, data and
+L1 as the others. RUN's model must have the study's architecture (--config and --set; the error
+names each field that differs). The data then default to RUN's corpus (--data) read with RUN's
+saved tokenizer (the token ids its embedding was trained on). Give an --l1 that keeps RUN sparse:
+about the coefficient it ended its training at (the `0.5b` checkpoint of train_to_sparse.py
+reached 4.35e-4 at step 175: experiments/results/train_to_sparse_0.5b_h100_2026-11-24.json).
+
+The runs are a `twell compare` plan (twell_jax/compare.py) in --out, which records RUN: a call cut
+short (SIGTERM, `timeout`) keeps its finished runs and the next call with the same --out continues
+the interrupted one from its own checkpoint (--init-run may be left out there). Prints one table,
+per pair and over the common steps: the max |loss difference|, the max |CE difference|, the max
+|difference| of the mean active count per token (layer mean, and its relative value); then the
+same curves smoothed by a 20-step moving average (--window), whose mean and max |difference| are
+not dominated by one batch's noise; and, for the pallas run, the share of layer calls (layer x
+micro-batch x step) in which the op took its exact dense fallback (a high share means the kernels
+did not run yet: start from a sparse --init-run, or raise --l1 or the steps). Writes
+$OUT/backend_equivalence.json (with `init_run`, RUN's absolute path or null, and every run's loss
+and active curves at every 5th step) and $OUT/backend_equivalence.png (the curves); the runs stay
+in --out, one checkpoint each.
 
     # the figures again from finished runs (a directory holding the plan and <run>/metrics.jsonl):
     PYTHONPATH=. python experiments/backend_equivalence.py --out runs/backend_equivalence --report-only
@@ -35,6 +51,7 @@ import numpy as np
 from twell_jax.configs import get_config
 from twell_jax import compare as compare_lib
 from twell_jax import config as config_lib
+from twell_jax.training import checkpoint as ckpt_lib
 
 WINDOW = 20  # steps per moving average of the smoothed comparison
 CURVE_EVERY = 5  # the JSON keeps every run's curves at every CURVE_EVERY-th step
@@ -43,11 +60,13 @@ PAIRS = (("pallas", "dense", "sparse kernels vs dense"),
          ("dense-data-seed", "dense", "noise: data order"))
 
 
-def plan(cfg: config_lib.ExperimentConfig) -> list[compare_lib.StudyRun]:
-    """The four runs: twell with backend dense / pallas, then the two noise runs of the dense one."""
+def plan(cfg: config_lib.ExperimentConfig, init_run: str | None = None) -> list[compare_lib.StudyRun]:
+    """The four runs: twell with backend dense / pallas, then the two noise runs of the dense one;
+    each starts from the parameters of the trained run `init_run` (an absolute path), or from the
+    init when None."""
     def variant(name: str, **sections) -> compare_lib.StudyRun:
         replaced = {k: dataclasses.replace(getattr(cfg, k), **v) for k, v in sections.items()}
-        return compare_lib.StudyRun(name, dataclasses.replace(cfg, name=f"{cfg.name}-{name}", **replaced))
+        return compare_lib.StudyRun(name, dataclasses.replace(cfg, name=f"{cfg.name}-{name}", **replaced), init_run)
 
     half = max(1, cfg.train.micro_batch // 2)
     if half == cfg.train.micro_batch:
@@ -161,7 +180,8 @@ def report(out: Path, runs: list[compare_lib.StudyRun] | None = None, *, window:
     smoothed_noise = {q: max(r[f"smoothed_max_abs_{q}_diff"] for r in rows[1:]) for q in ("loss", "active")}
     cfg = by_key["dense"].cfg
     pallas = by_key["pallas"]
-    return {"config": cfg.name.removesuffix("-dense"), "steps": cfg.train.steps, "l1_coef": cfg.sparsity.l1_coef,
+    return {"config": cfg.name.removesuffix("-dense"), "init_run": by_key["dense"].init_run,
+            "steps": cfg.train.steps, "l1_coef": cfg.sparsity.l1_coef,
             "data": cfg.data.source, "global_batch": cfg.train.global_batch, "seq_len": cfg.seq_len,
             "smoothing_window": min(r["smoothing_window"] for r in rows), "pairs": rows,
             "pallas_dense_fallback_share": fallback_share(
@@ -213,7 +233,8 @@ def plot(result: dict, path: Path) -> None:
     for ax in (ax_loss, ax_active):
         ax.set_xlabel(f"optimizer step (every {result['curves_every']}th)")
         ax.legend(fontsize=8)
-    fig.suptitle(f"{result['config']}: pallas vs dense backend, and the two noise runs "
+    start = "an init" if result["init_run"] is None else Path(result["init_run"]).name
+    fig.suptitle(f"{result['config']} from {start}: pallas vs dense backend, and the two noise runs "
                  f"(L1 {result['l1_coef']:g}, global batch {result['global_batch']} x {result['seq_len']})",
                  fontsize=10)
     fig.tight_layout()
@@ -221,13 +242,27 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def init_run_tokenizer(init_run: str, data: str) -> str:
+    """The tokenizer.json saved with the trained run `init_run`: the token ids its embedding was
+    trained on, which the study's text (`data`) must be read with."""
+    path = ckpt_lib.saved_tokenizer(init_run)
+    if path is None:
+        raise ValueError(f"--init-run {init_run}: the run saved no {ckpt_lib.TOKENIZER_FILE} (trained on synthetic "
+                         f"tokens?), so its embedding fits no tokenizer of --data {data}; use --data synthetic")
+    return str(path.absolute())
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="0.5b")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--l1", type=float, default=None, help="sparsity.l1_coef (default: the config's)")
-    parser.add_argument("--data", default="stdlib",
-                        help="data.source (default stdlib: a BPE of the model's vocabulary, built once and cached)")
+    parser.add_argument("--data", default=None,
+                        help="data.source (default: --init-run's, read with its tokenizer; without --init-run "
+                             "stdlib, with a BPE of the model's vocabulary built once and cached)")
+    parser.add_argument("--init-run", default=None, metavar="RUN",
+                        help="start every run from the parameters of this trained run directory (its newest "
+                             "checkpoint; a fresh optimizer state); default: the config's initialisation")
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.FIELD=VALUE")
     parser.add_argument("--out", default="runs/backend_equivalence",
                         help="directory of the runs (not under $OUT: 0.5b checkpoints are GBs)")
@@ -239,22 +274,36 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--window must be >= 1")
     out_root = Path(os.environ.get("OUT", "."))
     out = Path(args.out)
+    resume = (out / compare_lib.PLAN_FILE).is_file()
     if args.report_only:
-        if not (out / compare_lib.PLAN_FILE).is_file():
+        if not resume:
             parser.error(f"--report-only: {out} holds no {compare_lib.PLAN_FILE}")
+        if args.init_run is not None:
+            parser.error("--init-run: not with --report-only (the plan in --out records what the runs started from)")
         runs = None
     else:
+        # The run directory's absolute path (also when given as RUN/checkpoints): what the plan records.
+        init_run = None if args.init_run is None else str(ckpt_lib.checkpoint_dir(args.init_run).parent)
+        if resume:  # continuing a study: it starts from what its plan recorded
+            planned = compare_lib.load_plan(out)[0][0].init_run
+            if args.init_run is not None and init_run != planned:
+                parser.error(f"--init-run {args.init_run}: the study in {out} started from "
+                             f"{planned or 'an initialisation (no --init-run)'}; leave --init-run out to continue it")
+            init_run = planned
+        init_cfg = None if init_run is None else compare_lib.init_run_config(init_run)
+        data = args.data or (init_cfg.data.source if init_cfg is not None else "stdlib")
         cfg = get_config(args.config)
         base = [f"train.steps={args.steps}", "train.log_every=1", "train.eval_every=0",
                 "train.checkpoint_every=100", "train.keep_checkpoints=1", "train.eval_batches=2",
                 "train.eval_batch_size=8", "train.progress_bar=false", "model.ffn_kind=twell",
-                f"data.source={args.data}"]
-        if args.data != "synthetic":
-            base += ["data.tokenizer=bpe", f"data.vocab_size={cfg.model.vocab_size}", "data.val_fraction=0.02"]
+                f"data.source={data}"]
+        if data != "synthetic":
+            tokenizer = "bpe" if init_run is None else init_run_tokenizer(init_run, data)
+            base += [f"data.tokenizer={tokenizer}", f"data.vocab_size={cfg.model.vocab_size}", "data.val_fraction=0.02"]
         if args.l1 is not None:
             base.append(f"sparsity.l1_coef={args.l1}")
-        runs = plan(config_lib.apply_overrides(cfg, base + args.set))
-        compare_lib.run_study(runs, out, resume=(out / compare_lib.PLAN_FILE).is_file())
+        runs = plan(config_lib.apply_overrides(cfg, base + args.set), init_run)
+        compare_lib.run_study(runs, out, resume=resume)
     result = report(out, runs, window=args.window)
     print_report(result)
     out_root.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -182,3 +183,115 @@ def test_report_only_recomputes_from_saved_metrics(script, tmp_path, monkeypatch
     assert saved["final_val_loss"]["dense"] == pytest.approx(3.0)
     with pytest.raises(SystemExit):  # no plan there
         script.main(["--out", str(tmp_path / "out"), "--report-only"])
+
+
+# ---------------------------------------------------------------------------------------------
+# --init-run: the four runs start from a trained run's parameters
+# ---------------------------------------------------------------------------------------------
+
+FIRST_LOSS_RTOL = 1e-5  # float32; the pallas run differs from the dense formula in summation order only
+
+
+def _first_step_loss(cfg: config_lib.ExperimentConfig, params) -> float:
+    """The training loss the run of `cfg` logs at step 1 if it starts from `params`: the loss of
+    its first batch before the update (through the dense backend: the same function as every other)."""
+    import jax
+    import jax.numpy as jnp
+
+    from twell_jax.data import build_experiment_data
+    from twell_jax.training import parallel
+    from twell_jax.training.loss import l1_coefficient
+    from twell_jax.training.planning import abstract_graphdef
+    from twell_jax.training.sparsity import init_counters
+    from twell_jax.training.train import accumulate_gradients
+
+    cfg = config_lib.apply_overrides(cfg, ["model.ffn_backend=dense"])
+    tokens = jnp.asarray(next(build_experiment_data(cfg).train_iter)["tokens"])
+    with jax.set_mesh(parallel.make_mesh(1)):
+        _, _, per_micro = accumulate_gradients(
+            cfg, abstract_graphdef(cfg.model, cfg.train.seed), params, tokens, init_counters(cfg.model),
+            l1_coefficient(cfg.sparsity, jnp.int32(0)), cfg.train.global_batch // cfg.train.micro_batch)
+    return float(jnp.mean(per_micro["loss"]))
+
+
+@pytest.fixture(scope="module")
+def init_study(script, tmp_path_factory):
+    """A micro run trained for 4 steps on text (the stdlib, its BPE), then the study with --init-run
+    on it (2 steps a run; the data default to the run's corpus and saved tokenizer)."""
+    root = tmp_path_factory.mktemp("init_run")
+    cache = f"data.cache_dir={tmp_path_factory.getbasetemp() / 'twell_data_cache'}"
+    trained = root / "trained"
+    train(config_lib.apply_overrides(get_config("micro"), ["train.steps=4", "optim.lr=1e-2", cache]), trained,
+          echo=lambda _: None)
+    argv = ["--config", "micro", "--steps", "2", "--init-run", str(trained), "--out", str(root / "study"),
+            "--set", "model.ffn_interpret=true", cache]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OUT", str(root / "out"))
+        result = script.main(argv)
+    return root, trained, argv, result
+
+
+def test_init_run_starts_every_run_from_the_trained_parameters(init_study):
+    from twell_jax.model import init_model, split_model
+    from twell_jax.training import checkpoint as ckpt_lib
+
+    root, trained, _, result = init_study
+    runs, _ = compare_lib.load_plan(root / "study")
+    assert [r.init_run for r in runs] == [str(trained.absolute())] * 4  # the plan records the init run
+    assert result["init_run"] == str(trained.absolute())
+    assert json.loads((root / "out" / "backend_equivalence.json").read_text())["init_run"] == result["init_run"]
+    params, _, step = ckpt_lib.restore_params(trained)
+    assert step == 4
+    for run in runs:
+        # The run's corpus, read with its tokenizer: the token ids its embedding was trained on.
+        assert (run.cfg.data.source, run.cfg.data.tokenizer) == ("stdlib", str(trained.absolute() / "tokenizer.json"))
+        logged = json.loads((root / "study" / run.key / "metrics.jsonl").read_text().splitlines()[0])
+        assert logged["step"] == 1
+        fresh = _first_step_loss(run.cfg, split_model(init_model(run.cfg.model, run.cfg.train.seed))[1])
+        started = _first_step_loss(run.cfg, params)
+        # The first logged loss is the trained parameters' on that batch, not an initialisation's.
+        assert logged["loss"] == pytest.approx(started, rel=FIRST_LOSS_RTOL), run.key
+        assert abs(started - fresh) > 1000 * FIRST_LOSS_RTOL * abs(fresh), run.key
+
+
+def test_init_run_is_kept_on_resume_and_report_only(script, init_study, monkeypatch, capsys):
+    root, trained, argv, result = init_study
+    monkeypatch.setenv("OUT", str(root / "again"))
+    without = [a for a in argv if a not in ("--init-run", str(trained))]
+    # Every run finished: continuing without --init-run keeps the plan's, trains nothing, reports the same.
+    assert script.main(without)["init_run"] == result["init_run"]
+    assert script.main(["--out", str(root / "study"), "--report-only"])["init_run"] == result["init_run"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # another init run for the same study
+        script.main(without + ["--init-run", str(root / "other_run")])
+    assert f"the study in {root / 'study'} started from {trained.absolute()}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        script.main(["--out", str(root / "study"), "--report-only", "--init-run", str(trained)])
+    # A run continued (here: one step more) restores its own checkpoint, not the init run's parameters.
+    longer = list(without)
+    longer[longer.index("--steps") + 1] = "3"
+    longer += ["--set", "optim.schedule_steps=3"]
+    assert script.main(longer)["steps"] == 3
+    printed = capsys.readouterr().out
+    assert printed.count("(resuming from its checkpoint)") == 4 and "starts from the parameters" not in printed
+    for key in ("dense", "pallas", "dense-half-micro-batch", "dense-data-seed"):
+        records = [json.loads(line) for line in (root / "study" / key / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records if "ce" in r] == [1, 2, 3]
+
+
+def test_init_run_of_another_model_is_refused(script, init_study, tmp_path, monkeypatch):
+    _, trained, _, _ = init_study
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    out = tmp_path / "study"
+    with pytest.raises(ValueError, match=rf"--init-run {re.escape(str(trained))}: .*model.d_ff: the run has 64, "
+                                         "the study 128"):
+        script.main(["--config", "micro", "--steps", "2", "--init-run", str(trained), "--out", str(out),
+                     "--set", "model.d_ff=128"])
+    assert not out.exists()  # refused before the plan was written
+    swiglu = config_lib.apply_overrides(get_config("micro"), ["model.ffn_kind=swiglu", "sparsity.l1_coef=0"])
+    with pytest.raises(ValueError, match="model.ffn_kind: the run has 'twell', the study 'swiglu'"):
+        compare_lib.check_init_run(trained, swiglu)
+    relu_gated = config_lib.apply_overrides(get_config("micro"), ["model.ffn_kind=relu_gated", "sparsity.l1_coef=0"])
+    compare_lib.check_init_run(trained, relu_gated)  # the same layout and activation: fits
+    with pytest.raises(ValueError, match="--init-run .*: no checkpoint there"):
+        script.main(["--config", "micro", "--init-run", str(tmp_path / "nothing"), "--out", str(out)])

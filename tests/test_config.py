@@ -50,6 +50,30 @@ def test_each_paper_size_has_a_dense_twin_at_its_own_measured_execution(size):
         paper.get_config("3b-twin")
 
 
+def test_medium_preset_is_a_compute_optimal_124m_model():
+    """`medium` (configs/medium.py): 100M-150M parameters, counted by the config's helper and on the
+    model itself (its abstract parameters), trained on 20 tokens per parameter in ~0.5M-token steps;
+    and a run of it passes the trainer's own checks (op config, schedule, batch layout)."""
+    from twell_jax.cli import _param_count
+    from twell_jax.training import parallel
+    from twell_jax.training.train import checked_run_config
+
+    cfg = get_config("medium")
+    m = cfg.model
+    assert (m.d_model, m.n_layers, m.n_heads, m.d_ff, m.vocab_size, m.max_seq_len) == (768, 12, 12, 2112, 49152, 2048)
+    assert m.d_ff / m.d_model == 5632 / 2048 and m.d_ff % 64 == 0  # the paper's ratio
+    params = m.num_params()
+    assert params == _param_count(m) == 124_472_064  # the count the docstring states
+    assert 100e6 <= params <= 150e6
+    tokens_per_step = cfg.train.global_batch * cfg.seq_len
+    assert tokens_per_step == 524_288
+    assert cfg.train.steps * tokens_per_step / params == pytest.approx(20, abs=0.05)  # compute-optimal
+    assert (m.ffn_kind, m.ffn_backend, m.compute_dtype) == ("twell", "auto", "bfloat16")
+    assert cfg.sparsity.l1_coef == 3e-3 and cfg.data.vocab_size == m.vocab_size
+    checked_run_config(cfg, None, resume=False, overwrite=False)
+    assert parallel.check_batch_layout(cfg.train.global_batch, cfg.train.micro_batch, 1) == 16
+
+
 def test_unknown_preset():
     with pytest.raises(ValueError, match="unknown config 'nope'"):
         get_config("nope")

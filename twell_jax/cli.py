@@ -34,9 +34,6 @@ from twell_jax import config as config_lib
 EXIT_ERROR = 2
 EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}  # 128 + the signal number, as a shell reports it
 
-# Model fields an imported checkpoint's weights fix (a --set may not change them).
-ARCHITECTURE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "rope_theta", "norm_eps")
-
 EXAMPLES = {
     "train": """examples:
   twell train --config tiny                                   # -> runs/tiny-<timestamp>/
@@ -163,11 +160,12 @@ def _with_imported_model(cfg: config_lib.ExperimentConfig, imported: Any, overri
                          flag: str) -> config_lib.ExperimentConfig:
     """`cfg` with the imported checkpoint's architecture (its weights fix it) and tokenizer."""
     model = imported.config.model
-    changed = sorted(f"model.{f}" for f in ARCHITECTURE_FIELDS
+    architecture = config_lib.ARCHITECTURE_FIELDS  # the weights fix these: a --set may not change them
+    changed = sorted(f"model.{f}" for f in architecture
                      if f"model.{f}" in _override_keys(overrides) and getattr(cfg.model, f) != getattr(model, f))
     if changed:
         raise ValueError(f"--set {', '.join(changed)}: {flag} fixes these (the checkpoint's weights have its "
-                         f"shapes: {', '.join(f'{f}={getattr(model, f)}' for f in ARCHITECTURE_FIELDS)})")
+                         f"shapes: {', '.join(f'{f}={getattr(model, f)}' for f in architecture)})")
     keep_seq = "model.max_seq_len" in _override_keys(overrides)
     kind = model.ffn_kind
     if "model.ffn_kind" in _override_keys(overrides) and cfg.model.ffn_kind != kind:
@@ -179,7 +177,7 @@ def _with_imported_model(cfg: config_lib.ExperimentConfig, imported: Any, overri
             raise ValueError(f"--set model.ffn_kind={cfg.model.ffn_kind}: {flag}'s checkpoint has the activation "
                              f"{_KIND_TO_ACT[kind]!r}, so the FFN kind is one of {allowed}")
         kind = cfg.model.ffn_kind
-    new_model = dataclasses.replace(cfg.model, **{f: getattr(model, f) for f in ARCHITECTURE_FIELDS},
+    new_model = dataclasses.replace(cfg.model, **{f: getattr(model, f) for f in architecture},
                                     ffn_kind=kind,
                                     max_seq_len=cfg.model.max_seq_len if keep_seq else model.max_seq_len)
     data = cfg.data
@@ -259,8 +257,9 @@ def _train(args: argparse.Namespace, result_out: TextIO) -> None:
         result = train(cfg, out, resume=args.resume, resume_step=args.step, overwrite=args.overwrite)
     else:
         from twell_jax.model import split_model
+        from twell_jax.training.train import InitFromParams
 
-        result = train(cfg, out, trainer_cls=_init_from_trainer(), init_params=split_model(imported.model)[1],
+        result = train(cfg, out, trainer_cls=InitFromParams, init_params=split_model(imported.model)[1],
                        overwrite=args.overwrite)
     summary = {k: result.summary[k] for k in ("val_loss", "val_perplexity", "val_l0_mean", "val_sparsity",
                                               "tokens_per_s")}
@@ -268,26 +267,6 @@ def _train(args: argparse.Namespace, result_out: TextIO) -> None:
     _emit(result_out, args, summary, lambda: (
         f"{result.run_dir}: validation loss {summary['val_loss']:.4f}, perplexity {summary['val_perplexity']:.2f}, "
         f"{summary['val_l0_mean']:.1f} active FFN neurons/token ({100 * summary['val_sparsity']:.1f}% zero)"))
-
-
-def _init_from_trainer() -> type:
-    """A Trainer whose new run starts from given parameters (an imported model) instead of an init."""
-    import jax
-
-    from twell_jax.training.train import Trainer
-
-    class InitFromParams(Trainer):
-        def __init__(self, *args: Any, init_params: Any, **kwargs: Any):
-            self._init_params = init_params
-            super().__init__(*args, **kwargs)
-
-        def init_state(self) -> Any:
-            state = super().init_state()  # optimizer moments start at zero whatever the parameters
-            params = jax.tree.map(lambda have, want: jax.numpy.asarray(have, want.dtype),
-                                  self._init_params, state["params"])
-            return {**state, "params": jax.device_put(params, self.state_shardings["params"])}
-
-    return InitFromParams
 
 
 def _dry_run(args: argparse.Namespace, cfg: config_lib.ExperimentConfig, target: Path | None, out: TextIO) -> None:

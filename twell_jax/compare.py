@@ -12,6 +12,9 @@ profile, averaged over the last quarter of the logged steps), the dead-neuron sh
 recognisably a comparison) and one run directory per run. An interrupted study (SIGTERM, a crash,
 a time limit) continues with `twell compare --out DIR --resume`: finished runs are kept, an
 interrupted one resumes from its newest checkpoint, the rest start.
+
+A run of a plan may start from a trained run's parameters instead of an initialisation
+(`StudyRun.init_run`, recorded in the plan; experiments/backend_equivalence.py's --init-run).
 """
 from __future__ import annotations
 
@@ -37,10 +40,15 @@ POSITION_TAIL = 0.25  # the per-position profile averages the last quarter of th
 
 @dataclasses.dataclass(frozen=True)
 class StudyRun:
-    """One run of the study: its directory name under out_dir and its full config."""
+    """One run of the study: its directory name under out_dir, its full config and what it starts from."""
 
     key: str
     cfg: ExperimentConfig
+    # A trained run directory (absolute path): the run starts from the parameters of its newest
+    # intact checkpoint, with a fresh optimizer state, instead of the init of `cfg.train.seed`
+    # (`check_init_run` says which runs fit). Only when it starts: a resumed run continues from
+    # its own checkpoint. None: the init.
+    init_run: str | None = None
 
 
 def l1_key(l1: float, reinit: bool) -> str:
@@ -91,7 +99,7 @@ def study_runs(cfg: ExperimentConfig, *, l1_values: list[float] | None = None, d
 
 def _plan_dict(runs: list[StudyRun], options: dict[str, Any]) -> dict[str, Any]:
     return {"version": PLAN_VERSION, "options": options,
-            "runs": [{"key": r.key, "config": config_lib.to_dict(r.cfg)} for r in runs]}
+            "runs": [{"key": r.key, "config": config_lib.to_dict(r.cfg), "init_run": r.init_run} for r in runs]}
 
 
 def check_out_dir(out_dir: Path, *, resume: bool) -> None:
@@ -125,7 +133,10 @@ def load_plan(out_dir: Path) -> tuple[list[StudyRun], dict[str, Any]]:
     if version != PLAN_VERSION:
         raise ValueError(f"{path}: version {version!r}, expected {PLAN_VERSION}")
     try:
-        return [StudyRun(r["key"], config_lib.from_dict(r["config"])) for r in plan["runs"]], plan["options"]
+        runs = [StudyRun(r["key"], config_lib.from_dict(r["config"]), r.get("init_run")) for r in plan["runs"]]
+        if any(r.init_run is not None and not isinstance(r.init_run, str) for r in runs):
+            raise TypeError("init_run must be a path or null")
+        return runs, plan["options"]
     except (KeyError, TypeError, ValueError) as err:  # a damaged or hand-edited plan
         raise ValueError(f"{path}: not a valid comparison plan ({type(err).__name__}: {err})") from None
 
@@ -146,7 +157,7 @@ def resumed_runs(out_dir: Path, overrides: list[str], options: dict[str, Any]) -
     if fixed:
         raise ValueError(f"--set {', '.join(fixed)}: cannot change when resuming a comparison (every run must "
                          "train as planned); fields that may change: " + ", ".join(sorted(config_lib.RESUMABLE_FIELDS)))
-    return [StudyRun(r.key, config_lib.apply_overrides(r.cfg, overrides)) for r in runs]
+    return [dataclasses.replace(r, cfg=config_lib.apply_overrides(r.cfg, overrides)) for r in runs]
 
 
 def _run_state(run_dir: Path, cfg: ExperimentConfig) -> str:
@@ -161,6 +172,33 @@ def _run_state(run_dir: Path, cfg: ExperimentConfig) -> str:
     return "new"
 
 
+def init_run_config(init_run: str | Path) -> ExperimentConfig:
+    """The saved config of the trained run `init_run` (a run directory of `twell train` holding a
+    checkpoint); errors name --init-run."""
+    from twell_jax.training import checkpoint as ckpt_lib
+
+    if not ckpt_lib.has_steps(ckpt_lib.checkpoint_dir(init_run)):
+        raise ValueError(f"--init-run {init_run}: no checkpoint there (expected the directory of a trained run, "
+                         f"with {ckpt_lib.CHECKPOINT_SUBDIR}/<step>/)")
+    return ckpt_lib.load_run_config(ckpt_lib.checkpoint_dir(init_run).parent)
+
+
+def check_init_run(init_run: str | Path, cfg: ExperimentConfig) -> None:
+    """Raise ValueError, naming --init-run and every field that differs, unless the parameters of
+    the trained run `init_run` fit `cfg`'s model: the same architecture (config.ARCHITECTURE_FIELDS)
+    and an FFN of the same layout and activation (gated or not, ReLU or SiLU: `twell` can start
+    from a `relu_gated` run, not from a `swiglu` one)."""
+    have, want = init_run_config(init_run).model, cfg.model
+    differ = [(f"model.{f}", getattr(have, f), getattr(want, f)) for f in config_lib.ARCHITECTURE_FIELDS
+              if getattr(have, f) != getattr(want, f)]
+    if (have.kind.gated, have.kind.relu) != (want.kind.gated, want.kind.relu):
+        differ.append(("model.ffn_kind", have.ffn_kind, want.ffn_kind))
+    if differ:
+        raise ValueError(f"--init-run {init_run}: its model does not fit the study's ("
+                         + "; ".join(f"{name}: the run has {old!r}, the study {new!r}" for name, old, new in differ)
+                         + ")")
+
+
 # ----------------------------------------------------------------------------- the study
 
 
@@ -168,19 +206,24 @@ def run_study(runs: list[StudyRun], out_dir: str | Path, *, resume: bool = False
               options: dict[str, Any] | None = None, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Train every run of the plan under `out_dir/<key>` (keeping finished ones when `resume`),
     then write compare.json, compare.md and compare.png into `out_dir`; returns the report.
-    `options`: the study options recorded in the plan (what --resume checks against)."""
-    from twell_jax.training.train import Trainer, TrainingInterrupted
+    `options`: the study options recorded in the plan (what --resume checks against). A run that
+    starts (not one resumed) from a trained run's parameters (`init_run`) is checked to fit it
+    before anything trains."""
+    from twell_jax.training.train import TrainingInterrupted
 
     out_dir = Path(out_dir)
     check_out_dir(out_dir, resume=resume)
+    states = [_run_state(out_dir / run.key, run.cfg) if resume else "new" for run in runs]
+    for run, state in zip(runs, states):
+        if run.init_run is not None and state == "new":
+            check_init_run(run.init_run, run.cfg)
     if not resume:
         out_dir.mkdir(parents=True, exist_ok=True)
         from twell_jax.training.checkpoint import atomic_write_text
 
         atomic_write_text(out_dir / PLAN_FILE, json.dumps(_plan_dict(runs, options or {}), indent=1))
-    for i, run in enumerate(runs, 1):
+    for i, (run, state) in enumerate(zip(runs, states), 1):
         run_dir = out_dir / run.key
-        state = _run_state(run_dir, run.cfg) if resume else "new"
         what = f"{run.cfg.model.ffn_kind}, L1 {run.cfg.sparsity.l1_coef:g}" + (
             ", re-initialising dead neurons" if run.cfg.sparsity.reinit_dead else "")
         if state == "done":
@@ -190,15 +233,30 @@ def run_study(runs: list[StudyRun], out_dir: str | Path, *, resume: bool = False
              + (" (resuming from its checkpoint)" if state == "resume" else ""))
         start = time.perf_counter()
         try:
-            # "new" in an existing directory: a run killed before its first checkpoint; start it again.
-            Trainer(run.cfg, run_dir, resume=state == "resume", overwrite=resume and state == "new",
-                    echo=echo).run()
+            _trainer(run, run_dir, state, study_resumed=resume, echo=echo).run()
         except TrainingInterrupted as err:  # the message names the command that continues the study
             err.args = (f"{err.signal_name} received: run {run.key} stopped after step {err.step}; continue the "
                         f"comparison with: twell compare --out {out_dir} --resume",)
             raise
         echo(f"[twell] compare: {run.key} trained in {time.perf_counter() - start:.0f}s")
     return write_report(runs, out_dir, echo=echo)
+
+
+def _trainer(run: StudyRun, run_dir: Path, state: str, *, study_resumed: bool,
+             echo: Callable[[str], None]) -> Any:
+    """The Trainer of one run in `state` ("resume": from its own checkpoint; "new": from
+    `run.init_run`'s parameters when it has one, else from the init)."""
+    from twell_jax.training import checkpoint as ckpt_lib
+    from twell_jax.training.train import InitFromParams, Trainer
+
+    # "new" in an existing directory: a run killed before its first checkpoint; start it again.
+    common = dict(resume=state == "resume", overwrite=study_resumed and state == "new", echo=echo)
+    if run.init_run is None or state == "resume":
+        return Trainer(run.cfg, run_dir, **common)
+    params, _, step = ckpt_lib.restore_params(run.init_run, warn=echo)
+    echo(f"[twell] compare: {run.key} starts from the parameters of {run.init_run} (step {step}) with a fresh "
+         "optimizer state")
+    return InitFromParams(run.cfg, run_dir, init_params=params, **common)  # its state takes them over
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:

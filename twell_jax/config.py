@@ -276,6 +276,12 @@ class ModelConfig:
         return self.vocab_size * self.d_model + self.n_layers * per_layer + self.d_model
 
 
+# Model fields that trained weights fix: their shapes, and what the same shapes compute (RoPE base,
+# norm epsilon). An imported checkpoint sets them (`twell train --init-from`); parameters from
+# another run start a run only of the same values (`compare.check_init_run`).
+ARCHITECTURE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "rope_theta", "norm_eps")
+
+
 @dataclass(frozen=True)
 class OptimConfig:
     """AdamW with global-norm clipping and a warm-up + cosine (or constant) learning-rate schedule."""

@@ -731,6 +731,28 @@ class Trainer:
         }
 
 
+class InitFromParams(Trainer):
+    """A Trainer whose new run starts from given parameters (an imported model's: `twell train
+    --init-from`; a trained run's: `compare.StudyRun.init_run`) instead of an initialisation; the
+    optimizer state, the step and the dead-neuron counters start fresh as in any new run.
+
+    `init_params`: the plain dict of `model.split_model` for `cfg.model`, in any dtype (cast to the
+    state's). They start a new run only: a resumed run continues from its own checkpoint.
+    """
+
+    def __init__(self, *args: Any, init_params: Any, **kwargs: Any):
+        if kwargs.get("resume"):
+            raise ValueError("init_params start a new run; resume=True continues one from its checkpoint")
+        self._init_params = init_params
+        super().__init__(*args, **kwargs)
+
+    def init_state(self) -> TrainState:
+        state = super().init_state()  # optimizer moments start at zero whatever the parameters
+        params = jax.tree.map(lambda have, want: jnp.asarray(have, want.dtype), self._init_params, state["params"])
+        self._init_params = None  # the run's state holds them now: no second copy for the whole run
+        return {**state, "params": jax.device_put(params, self.state_shardings["params"])}
+
+
 @dataclasses.dataclass
 class _Loop:
     """The training loop's running state (one `Trainer.run`)."""
