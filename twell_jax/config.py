@@ -31,9 +31,9 @@ DECODE_KERNELS: dict[str, str] = {
 # product (pallas_kernels/twell_decode.py, decode_matvec.py).
 DECODE_SPARSE_FFN: dict[str, str] = {
     "tiles": "the gate's product packs each column tile's active neurons in its epilogue (TwELL) and one "
-             "launch reads those lists for the up and down products, the norm on load and the residual in its "
-             "epilogue: two launches a layer, no compaction (a step of more rows than the gate's max_block_m, "
-             "16, runs 'fused')",
+             "launch reads those lists for the up and down products, the residual in its epilogue: two launches "
+             "a layer after the norm, no compaction (a step of more rows than the gate's max_block_m, 16, runs "
+             "'fused')",
     "fused": "the active neurons compacted into one list (one launch), then one launch: each output block "
              "recomputes the active neurons' hidden values, the residual added in its epilogue",
     "split": "the compaction, then two launches: the active neurons' hidden values into HBM, then the down "
@@ -208,7 +208,7 @@ class ModelConfig:
     # Callers of `decode` pass the copies.
     decode_transposed: bool = True
     # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN). "tiles" runs "fused"'s
-    # kernel without its compaction launch and the norm's XLA fusion; "fused" measured faster than
+    # kernel without its compaction launch; "fused" measured faster than
     # "split" on the H100 (0.5b, batch 1: 0.657 / 0.637 ms against 0.703 / 0.697 in two runs;
     # BENCHMARKS.md, Decode).
     decode_sparse_ffn: Literal["tiles", "fused", "split"] = "tiles"

@@ -1,0 +1,205 @@
+"""A sparse layer's FFN in a one-token decode step, each way the model's step can run it, kernel by
+kernel: where the microseconds of `model.decode_sparse_ffn` "tiles" and "fused" go, against the
+dense twin's two launches. Every figure is microseconds per layer of a lax.scan over --layers
+stacked weight copies (more bytes than the L2 cache, as a decode step reads its layers), walked
+--reps times in one scan, the scan's time divided by its steps (the program's own launch, ~0.1 ms,
+shared by layers x reps steps: ~1 us a step at the defaults, the same in every row).
+
+Rows (bf16, D and H of the paper's models; --active neurons fire on every row, so the rows' union
+is that many):
+    dense            the twin: norm + gate/up + ReLU gating (one launch), W_down^T + residual (one)
+    fused            XLA's RMSNorm, the gate's product, `compact_active_rows`, the fused kernel
+    tiles            the gate's product with the norm prologue and its tile lists, the tiles
+                     kernel normalising x on load (the model's default)
+    tiles_xla_norm   XLA's RMSNorm, the gate's product with its tile lists, the tiles kernel on xn
+and the pieces alone: the XLA norm, the gate's product (plain, +norm, +lists, +norm+lists), the
+compaction, the fused kernel, the tiles kernel (with and without its norm).
+
+    python experiments/bench_decode_ffn_step.py --rows 1,8 --active 16,64,256 --out $OUT/ffn_step.json
+    python experiments/bench_decode_ffn_step.py --dry-run     # tiny shapes on CPU (interpret mode)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from twell_jax.bench.ffn import bench_interleaved  # noqa: E402
+from twell_jax.pallas_kernels.decode_matvec import decode_matvec, role_block_sizes  # noqa: E402
+from twell_jax.pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active_rows,  # noqa: E402
+                                                   sparse_decode_ffn_fused, sparse_decode_ffn_tiles)
+
+EPS = 1e-6
+
+
+def make_layers(key, layers: int, rows: int, d: int, h: int, active: int, dtype):
+    """x [rows, D] and stacked weights whose gate fires exactly on neurons [0, active) of every row
+    (their gate rows point along x, the others against it, with a wide margin); W_down small, so
+    the residual stream the scan carries keeps that pattern."""
+    k = jax.random.split(key, 5)
+    x = jax.random.normal(k[0], (1, d), jnp.float32)
+    x = jnp.broadcast_to(x, (rows, d)) + 0.01 * jax.random.normal(k[1], (rows, d))
+    direction = x[0] / jnp.linalg.norm(x[0])
+    sign = jnp.where(jnp.arange(h) < active, 1.0, -1.0)[:, None]
+    w_gate = 0.02 * jax.random.normal(k[2], (layers, h, d)) + 0.5 * sign * direction[None, None, :]
+    w_up = 0.02 * jax.random.normal(k[3], (layers, h, d))
+    w_down = 1e-3 * jax.random.normal(k[4], (layers, h, d))
+    cast = lambda a: a.astype(dtype)  # noqa: E731
+    return (cast(x), cast(w_gate), cast(w_up), cast(w_down), cast(jnp.swapaxes(w_down, 1, 2)),
+            jnp.ones((layers, d), jnp.float32))
+
+
+def variants(interpret: bool, sizes: DecodeBlockSizes) -> dict:
+    """name -> fn(x, w_gate, w_up, w_down, w_down_t, scale, layer) -> the next x [rows, D]."""
+    def mv(x, w, role, **kw):
+        return decode_matvec(x, w, eps=EPS, block_sizes=role_block_sizes(role), interpret=interpret, **kw)
+
+    def norm(x, scale, layer):
+        x32 = x.astype(jnp.float32)
+        return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=1, keepdims=True) + EPS) * scale[layer[0]]).astype(x.dtype)
+
+    def dense(x, wg, wu, wd, wdt, scale, layer):
+        h = mv(x, wu, "gate_up", layer=layer, norm_scale=scale, gate=wg, activation="relu")
+        return mv(h, wdt, "down_nk", layer=layer, residual=x)
+
+    def fused(x, wg, wu, wd, wdt, scale, layer):
+        xn = norm(x, scale, layer)
+        g = mv(xn, wg, "gate", layer=layer, out_dtype=jnp.float32)
+        order, n, _ = compact_active_rows(g, interpret=interpret)
+        return sparse_decode_ffn_fused(xn, g, order, n, wu, wd, capacity=order.shape[0], layer=layer,
+                                       residual_MxD=x, block_sizes=sizes, interpret=interpret)
+
+    def tiles(x, wg, wu, wd, wdt, scale, layer):
+        g, ids, count, _ = mv(x, wg, "gate", layer=layer, norm_scale=scale, out_dtype=jnp.float32, tile_lists=True)
+        return sparse_decode_ffn_tiles(x, g, ids, count, wu, wd, layer=layer, norm_scale=scale, eps=EPS,
+                                       residual_MxD=x, block_sizes=sizes, interpret=interpret)
+
+    def tiles_xla_norm(x, wg, wu, wd, wdt, scale, layer):
+        xn = norm(x, scale, layer)
+        g, ids, count, _ = mv(xn, wg, "gate", layer=layer, out_dtype=jnp.float32, tile_lists=True)
+        return sparse_decode_ffn_tiles(xn, g, ids, count, wu, wd, layer=layer, residual_MxD=x, block_sizes=sizes,
+                                       interpret=interpret)
+
+    # The pieces: each returns x unchanged after its own work (a data dependency on its output,
+    # so nothing is dead code; the pieces' inputs are made from x where they need g or lists).
+    def keep(x, out):
+        return x + 0 * jax.tree.leaves(out)[0].reshape(-1)[:1].astype(x.dtype)
+
+    def piece_norm(x, wg, wu, wd, wdt, scale, layer):
+        return keep(x, norm(x, scale, layer))
+
+    def gate_piece(with_norm, lists):
+        def fn(x, wg, wu, wd, wdt, scale, layer):
+            kw = {"norm_scale": scale} if with_norm else {}
+            return keep(x, mv(x, wg, "gate", layer=layer, out_dtype=jnp.float32, tile_lists=lists, **kw))
+        return fn
+
+    return {"dense": dense, "fused": fused, "tiles": tiles, "tiles_xla_norm": tiles_xla_norm,
+            "piece: XLA norm": piece_norm, "piece: gate": gate_piece(False, False),
+            "piece: gate +norm": gate_piece(True, False), "piece: gate +lists": gate_piece(False, True),
+            "piece: gate +norm +lists": gate_piece(True, True)}
+
+
+def kernel_pieces(interpret: bool, sizes: DecodeBlockSizes) -> dict:
+    """The FFN kernels alone, on a gate product and lists made once outside the timed scan."""
+    def compaction(x, g, order, n, ids, count, wu, wd, scale, layer):
+        return x + 0 * compact_active_rows(g, interpret=interpret)[1][0].astype(x.dtype)
+
+    def fused_kernel(x, g, order, n, ids, count, wu, wd, scale, layer):
+        return sparse_decode_ffn_fused(x, g, order, n, wu, wd, capacity=order.shape[0], layer=layer, residual_MxD=x,
+                                       block_sizes=sizes, interpret=interpret)
+
+    def tiles_kernel(with_norm):
+        def fn(x, g, order, n, ids, count, wu, wd, scale, layer):
+            kw = {"norm_scale": scale, "eps": EPS} if with_norm else {}
+            return sparse_decode_ffn_tiles(x, g, ids, count, wu, wd, layer=layer, residual_MxD=x, block_sizes=sizes,
+                                           interpret=interpret, **kw)
+        return fn
+
+    return {"piece: compaction": compaction, "piece: fused kernel": fused_kernel,
+            "piece: tiles kernel": tiles_kernel(False), "piece: tiles kernel +norm": tiles_kernel(True)}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,8", help="decode rows (batch), comma-separated (at most 16: the tiles path)")
+    parser.add_argument("--active", default="16,64,256", help="active neurons per row (and union), comma-separated")
+    parser.add_argument("--layers", type=int, default=8, help="stacked weight copies the scan walks")
+    parser.add_argument("--d", type=int, default=2048)
+    parser.add_argument("--h", type=int, default=5632)
+    parser.add_argument("--reps", type=int, default=16, help="walks over the stacked layers per timed call")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (interpret mode): the plumbing")
+    parser.add_argument("--out", default=None, help="write every row as JSON here")
+    args = parser.parse_args(argv)
+    try:
+        rows_list = [int(r) for r in args.rows.split(",") if r]
+        actives = [int(a) for a in args.active.split(",") if a]
+    except ValueError:
+        raise SystemExit(f"--rows {args.rows!r} / --active {args.active!r}: expected integers, comma-separated")
+    if args.dry_run:
+        args.d, args.h, args.layers, args.repeats, args.reps = 64, 96, 2, 1, 1
+        rows_list, actives = [1, 3], [4]
+    if not rows_list or min(rows_list) < 1 or max(rows_list) > 16 or not actives or min(actives) < 0 \
+            or max(actives) > args.h or args.layers < 1 or args.reps < 1:
+        raise SystemExit(f"--rows must be in [1, 16], --active in [0, --h={args.h}], --layers >= 1; got "
+                         f"{args.rows!r}, {args.active!r}, {args.layers}")
+    interpret = args.dry_run
+    sizes = DecodeBlockSizes()
+    dtype = jnp.float32 if interpret else jnp.bfloat16
+    layer_ids = jnp.tile(jnp.arange(args.layers, dtype=jnp.int32), args.reps)
+    steps = args.layers * args.reps
+    results = []
+    print(f"[bench] {jax.devices()[0].device_kind}; D {args.d}, H {args.h}, {args.layers} layers, {dtype.__name__}")
+    for rows in rows_list:
+        for active in actives:
+            x, wg, wu, wd, wdt, scale = make_layers(jax.random.key(rows * 1000 + active), args.layers, rows, args.d,
+                                                    args.h, active, dtype)
+
+            def scan_of(fn):
+                def run(x, wg, wu, wd, wdt, scale):
+                    return jax.lax.scan(lambda c, li: (fn(c, wg, wu, wd, wdt, scale, li[None]), None), x, layer_ids)[0]
+                return jax.jit(run)
+
+            fns = {name: scan_of(fn) for name, fn in variants(interpret, sizes).items()}
+            # The kernels alone read a gate product and lists made once (layer 0's, on x).
+            g, ids, count, _ = decode_matvec(x, wg, layer=jnp.zeros((1,), jnp.int32), norm_scale=scale, eps=EPS,
+                                             out_dtype=jnp.float32, block_sizes=role_block_sizes("gate"),
+                                             tile_lists=True, interpret=interpret)
+            order, n, _ = compact_active_rows(g, interpret=interpret)
+            union = int(n[0])
+            pieces = kernel_pieces(interpret, sizes)
+
+            def scan_piece(fn):
+                def run(x, wg, wu, wd, wdt, scale):
+                    body = lambda c, li: (fn(c, g, order, n, ids, count, wu, wd, scale, li[None]), None)  # noqa: E731
+                    return jax.lax.scan(body, x, layer_ids)[0]
+                return jax.jit(run)
+
+            fns.update({name: scan_piece(fn) for name, fn in pieces.items()})
+            times = bench_interleaved(fns, [(x, wg, wu, wd, wdt, scale)], repeats=args.repeats)
+            for name, ms in times.items():
+                us = 1e3 * ms / steps
+                results.append({"rows": rows, "active": active, "union": union, "variant": name, "us_per_layer": us})
+                print(f"[bench] rows {rows:2d} active {active:4d} (union {union:4d}) {name:28s} {us:8.2f} us/layer")
+            dense_us = 1e3 * times["dense"] / steps
+            for name in ("fused", "tiles", "tiles_xla_norm"):
+                results[-len(times) + list(times).index(name)]["vs_dense"] = dense_us / (1e3 * times[name] / steps)
+    print("\n| rows | active | variant | us/layer | vs dense |\n|---|---|---|---|---|")
+    for r in results:
+        ratio = f"{r['vs_dense']:.3f}x" if "vs_dense" in r else ""
+        print(f"| {r['rows']} | {r['active']} | {r['variant']} | {r['us_per_layer']:.2f} | {ratio} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": jax.devices()[0].device_kind, "d": args.d, "h": args.h,
+                                              "layers": args.layers, "reps": args.reps, "rows": results}, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
