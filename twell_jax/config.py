@@ -207,11 +207,12 @@ class ModelConfig:
     # 0.636 against 0.821 ms for `twell` auto; BENCHMARKS.md, Decode). false: the weights once.
     # Callers of `decode` pass the copies.
     decode_transposed: bool = True
-    # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN). "tiles" runs "fused"'s
-    # kernel without its compaction launch; "fused" measured faster than
-    # "split" on the H100 (0.5b, batch 1: 0.657 / 0.637 ms against 0.703 / 0.697 in two runs;
-    # BENCHMARKS.md, Decode).
-    decode_sparse_ffn: Literal["tiles", "fused", "split"] = "tiles"
+    # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN). "fused" is the fastest
+    # measured on the H100 (0.5b, batch 1; BENCHMARKS.md, Decode): 0.640 ms/step against 0.695 for
+    # "tiles" and 0.708 for "split" in one process. "tiles" has one launch a layer fewer and the
+    # same kernel time, but its device loop ran slower with XLA's command buffers (with them off it
+    # is the fastest of the three: docs/model.md).
+    decode_sparse_ffn: Literal["tiles", "fused", "split"] = "fused"
 
     def __post_init__(self) -> None:
         _check_finite("model", self)

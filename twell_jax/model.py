@@ -781,8 +781,9 @@ class Transformer(nnx.Module):
 
 # Rows of a decode step up to which a sparse layer counts its rows' active neurons inside the
 # compaction kernel (`compact_active_rows`: one program, so one load of [rows, H] after another);
-# above it XLA reduces over the rows first. Not timed on the GPU yet: one row saves the reduction's
-# launch (~2.8 us a layer on an H100); the bound keeps a 64-row step off a one-program read.
+# above it XLA reduces over the rows first. On an H100 at one row it takes 4.8 us a layer where the
+# reduction (2.8 us) and `compact_active` (5.1 us) took 7.9 (BENCHMARKS.md, Decode); the bound keeps a
+# 64-row step off a one-program read.
 COMPACT_ROWS_IN_KERNEL = 8
 
 

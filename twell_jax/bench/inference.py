@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"compile {r['compile_s']:.1f}s)")
 
     for name, runner in runners.items():
-        if not name.endswith(("+stored", "+split", "+fused")):  # its prefill is its variant's: decode rows only
+        if not name.endswith(("+stored", *(f"+{v}" for v in DECODE_SPARSE_FFN))):  # decode rows only: its prefill is its variant's
             r, hidden_BxSxD = bench_prefill(runner, tokens, sampler, args.min_seconds)
             if plain_hidden is None:
                 plain_hidden = hidden_BxSxD.astype(jnp.float32)
