@@ -262,3 +262,28 @@ def test_more_rows_than_the_gate_block_run_the_fused_path():
     traced = jax.make_jaxpr(lambda c: model.decode(tokens, c, jnp.int32(3), start))(init_cache(cfg, 17, 8))
     names, _ = _pallas_names_and_row_sums(traced, (17, cfg.d_ff))
     assert "twell_decode_fused" in names and "twell_decode_gate_lists" not in names, names
+
+
+def test_bench_decode_ffn_step_dry_run(tmp_path):
+    """experiments/bench_decode_ffn_step.py's plumbing at tiny shapes (interpret mode): every variant
+    and piece timed at each (rows, active), the three sparse ways with a ratio to the twin's; bad
+    arguments refused before anything runs."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "bench_decode_ffn_step.py"
+    spec = importlib.util.spec_from_file_location("bench_decode_ffn_step", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "step.json"
+    rows = bench.main(["--dry-run", "--out", str(out)])
+    variants = {"dense", "fused", "tiles", "tiles_xla_norm", "piece: XLA norm", "piece: gate", "piece: gate +norm",
+                "piece: gate +lists", "piece: gate +norm +lists", "piece: compaction", "piece: fused kernel",
+                "piece: tiles kernel", "piece: tiles kernel +norm"}
+    assert {(r["rows"], r["variant"]) for r in rows} == {(b, v) for b in (1, 3) for v in variants}
+    assert all(r["us_per_layer"] > 0 and r["union"] == 4 for r in rows)  # 4 neurons fire on every row
+    assert {r["variant"] for r in rows if "vs_dense" in r} == {"fused", "tiles", "tiles_xla_norm"}
+    assert json.loads(out.read_text())["rows"] == rows
+    with pytest.raises(SystemExit, match="--rows must be in"):
+        bench.main(["--rows", "17"])
