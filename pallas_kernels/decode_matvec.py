@@ -26,6 +26,10 @@ of rows [i*bm, (i+1)*bm); it loops over K in block_k steps (a tensor-core dot of
 [bk, bn], fp32 accumulation; bm >= 16 is the dot's minimum, rows >= M are masked lanes that move no
 bytes). The norm's sum of squares is a first pass over the program's x rows (x is KBs: L2-resident).
 No operand is padded; nothing is accumulated across programs (deterministic).
+
+tile_lists=True (the sparse layers' gate): the epilogue also packs, per column tile, the neurons
+with out > 0 in any row as ids and a count (`tile_lists_reference`), the TwELL layout of one
+decode step, which twell_decode.sparse_decode_ffn_tiles reads instead of a compacted list.
 """
 from __future__ import annotations
 

@@ -21,6 +21,11 @@ are read from HBM once per call, whatever the number of tokens M:
     down             grid (D / block_d, M / block_m): y[:, dblock] = h[:, :n] . W[order[:n], dblock]
                      with a dynamic K loop over ceil(n / block_h) neuron steps. No split over the
                      neurons, so no partial outputs, no reduction pass, no atomics.
+    tiles            `sparse_decode_ffn_tiles`: the fused kernel over the sparse gate's tile lists
+                     (decode_matvec.py, tile_lists=True: each column tile's active neurons packed in
+                     the gate product's epilogue, TwELL) instead of `compact_active`'s one list; each
+                     step of block_h list positions finds its tiles from an in-register prefix sum of
+                     the tiles' counts. No compaction launch; x may be normalised on load.
     fused            `sparse_decode_ffn_fused`: hidden and down in ONE launch, grid (D / block_d,
                      M / block_m); program (j, i) walks the active list in block_h steps and, per
                      step, computes those neurons' h itself (the U rows . x loop over D in block_k
@@ -614,7 +619,7 @@ def sparse_decode_ffn_tiles(x_MxD: jax.Array, g_MxH: jax.Array, ids: jax.Array, 
     if norm_scale is not None:
         if w_up_HxD is None:
             raise ValueError("norm_scale needs w_up_HxD: only the gated FFN's up product reads x")
-        want = (d,) if layer is None or norm_scale.ndim == 1 else (w_down_HxD.shape[0] // h, d)
+        want = (d,) if layer is None else (w_down_HxD.shape[0] // h, d)  # a stack's scales with its weights
         if norm_scale.shape != want or norm_scale.dtype != jnp.float32:
             raise ValueError(f"norm_scale must be float32 {want}, got {norm_scale.dtype}{norm_scale.shape}")
         norm_scale = norm_scale.reshape(-1)

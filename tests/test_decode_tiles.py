@@ -190,6 +190,9 @@ def test_tiles_kernel_rejects_bad_arguments():
         call(w_up_HxD=None, norm_scale=jnp.ones((37,), jnp.float32))
     with pytest.raises(ValueError, match="norm_scale"):
         call(norm_scale=jnp.ones((36,), jnp.float32))
+    with pytest.raises(ValueError, match=r"norm_scale must be float32 \(3, 37\)"):  # a stack's scales: [L, D]
+        call(w_up_HxD=jnp.stack([w_up] * 3), w_down_HxD=jnp.stack([w_down] * 3), layer=jnp.asarray([1], jnp.int32),
+             norm_scale=jnp.ones((37,), jnp.float32))
     with pytest.raises(ValueError, match="limit"):
         call(limit=-1)
     with pytest.raises(ValueError, match="residual_MxD"):
