@@ -9,6 +9,8 @@ Rows (bf16, D and H of the paper's models; --active neurons fire on every row, s
 is that many):
     dense            the twin: norm + gate/up + ReLU gating (one launch), W_down^T + residual (one)
     fused            XLA's RMSNorm, the gate's product, `compact_active_rows`, the fused kernel
+    split            the same up to the compaction, then `hidden` and `down` (two launches) and
+                     the residual add in XLA
     tiles            the gate's product with the norm prologue and its tile lists, the tiles
                      kernel normalising x on load (the model's default)
     tiles_xla_norm   XLA's RMSNorm, the gate's product with its tile lists, the tiles kernel on xn
@@ -33,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from twell_jax.bench.ffn import bench_interleaved  # noqa: E402
 from twell_jax.pallas_kernels.decode_matvec import decode_matvec, role_block_sizes  # noqa: E402
 from twell_jax.pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active_rows,  # noqa: E402
-                                                   sparse_decode_ffn_fused, sparse_decode_ffn_tiles)
+                                                   sparse_decode_ffn, sparse_decode_ffn_fused,
+                                                   sparse_decode_ffn_tiles)
 
 EPS = 1e-6
 
@@ -75,6 +78,14 @@ def variants(interpret: bool, sizes: DecodeBlockSizes) -> dict:
         return sparse_decode_ffn_fused(xn, g, order, n, wu, wd, capacity=order.shape[0], layer=layer,
                                        residual_MxD=x, block_sizes=sizes, interpret=interpret)
 
+    def split(x, wg, wu, wd, wdt, scale, layer):
+        xn = norm(x, scale, layer)
+        g = mv(xn, wg, "gate", layer=layer, out_dtype=jnp.float32)
+        order, n, _ = compact_active_rows(g, interpret=interpret)
+        _, y = sparse_decode_ffn(xn, g, order, n, wu, wd, capacity=order.shape[0], layer=layer, block_sizes=sizes,
+                                 interpret=interpret)
+        return x + y
+
     def tiles(x, wg, wu, wd, wdt, scale, layer):
         g, ids, count, _ = mv(x, wg, "gate", layer=layer, norm_scale=scale, out_dtype=jnp.float32, tile_lists=True)
         return sparse_decode_ffn_tiles(x, g, ids, count, wu, wd, layer=layer, norm_scale=scale, eps=EPS,
@@ -100,7 +111,7 @@ def variants(interpret: bool, sizes: DecodeBlockSizes) -> dict:
             return keep(x, mv(x, wg, "gate", layer=layer, out_dtype=jnp.float32, tile_lists=lists, **kw))
         return fn
 
-    return {"dense": dense, "fused": fused, "tiles": tiles, "tiles_xla_norm": tiles_xla_norm,
+    return {"dense": dense, "fused": fused, "split": split, "tiles": tiles, "tiles_xla_norm": tiles_xla_norm,
             "piece: XLA norm": piece_norm, "piece: gate": gate_piece(False, False),
             "piece: gate +norm": gate_piece(True, False), "piece: gate +lists": gate_piece(False, True),
             "piece: gate +norm +lists": gate_piece(True, True)}
@@ -130,6 +141,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,8", help="decode rows (batch), comma-separated (at most 16: the tiles path)")
     parser.add_argument("--active", default="16,64,256", help="active neurons per row (and union), comma-separated")
+    parser.add_argument("--no-pieces", action="store_true", help="the whole ways only, not each piece alone")
     parser.add_argument("--layers", type=int, default=8, help="stacked weight copies the scan walks")
     parser.add_argument("--d", type=int, default=2048)
     parser.add_argument("--h", type=int, default=5632)
@@ -167,7 +179,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     return jax.lax.scan(lambda c, li: (fn(c, wg, wu, wd, wdt, scale, li[None]), None), x, layer_ids)[0]
                 return jax.jit(run)
 
-            fns = {name: scan_of(fn) for name, fn in variants(interpret, sizes).items()}
+            fns = {name: scan_of(fn) for name, fn in variants(interpret, sizes).items()
+                   if not (args.no_pieces and name.startswith("piece"))}
             # The kernels alone read a gate product and lists made once (layer 0's, on x).
             g, ids, count, _ = decode_matvec(x, wg, layer=jnp.zeros((1,), jnp.int32), norm_scale=scale, eps=EPS,
                                              out_dtype=jnp.float32, block_sizes=role_block_sizes("gate"),
@@ -182,14 +195,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     return jax.lax.scan(body, x, layer_ids)[0]
                 return jax.jit(run)
 
-            fns.update({name: scan_piece(fn) for name, fn in pieces.items()})
+            if not args.no_pieces:
+                fns.update({name: scan_piece(fn) for name, fn in pieces.items()})
             times = bench_interleaved(fns, [(x, wg, wu, wd, wdt, scale)], repeats=args.repeats)
             for name, ms in times.items():
                 us = 1e3 * ms / steps
                 results.append({"rows": rows, "active": active, "union": union, "variant": name, "us_per_layer": us})
                 print(f"[bench] rows {rows:2d} active {active:4d} (union {union:4d}) {name:28s} {us:8.2f} us/layer")
             dense_us = 1e3 * times["dense"] / steps
-            for name in ("fused", "tiles", "tiles_xla_norm"):
+            for name in ("fused", "split", "tiles", "tiles_xla_norm"):
                 results[-len(times) + list(times).index(name)]["vs_dense"] = dense_us / (1e3 * times[name] / steps)
     print("\n| rows | active | variant | us/layer | vs dense |\n|---|---|---|---|---|")
     for r in results:

@@ -141,7 +141,7 @@ def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_inference.py"), "--dry-run",
-                           "--stored-decode-rows", "--sparse-ffn-rows", "fused,tiles", "--trace-decode", "3", "--out", str(out)], capture_output=True, text=True, env=env,
+                           "--stored-decode-rows", "--sparse-ffn-rows", "auto,tiles", "--trace-decode", "3", "--out", str(out)], capture_output=True, text=True, env=env,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     import json
@@ -158,8 +158,8 @@ def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_
     assert traced == {(r["variant"], 1) for r in rows if r["phase"] == "decode"} and len(traced) == 6
     assert all(r["trace"] and r["trace"][0].startswith("kernel trace") for r in rows if "trace" in r)
     # --sparse-ffn-rows: the sparse variant with each named model.decode_sparse_ffn but the default
-    # ("fused": only "+tiles"), decode and generate only (no prefill row), making the same tokens.
-    assert not any(r["variant"].endswith("+fused") for r in rows)
+    # ("auto": only "+tiles"), decode and generate only (no prefill row), making the same tokens.
+    assert not any(r["variant"].endswith("+auto") for r in rows)
     fused = [r for r in rows if r["variant"].endswith("+tiles")]
     assert {r["variant"] for r in fused} == {"twell-reference+tiles"}
     assert {r["phase"] for r in fused} == {"decode", "generate, chunk 1", "generate, chunk 16"}

@@ -30,6 +30,8 @@ DECODE_KERNELS: dict[str, str] = {
 # How a sparse layer's FFN runs in the decode kernels' step (model.decode_sparse_ffn), after the gate's
 # product (pallas_kernels/twell_decode.py, decode_matvec.py).
 DECODE_SPARSE_FFN: dict[str, str] = {
+    "auto": "per sparse layer, 'fused' where the union of the step's rows' active neurons expected from the "
+            "layer's activity hint is small (ops.planner.decode_sparse_way: at most 48 on the H100), else 'split'",
     "tiles": "the gate's product packs each column tile's active neurons in its epilogue (TwELL) and one "
              "launch reads those lists for the up and down products, the residual in its epilogue: two launches "
              "a layer after the norm, no compaction (a step of more rows than the gate's max_block_m, 16, runs "
@@ -207,12 +209,13 @@ class ModelConfig:
     # 0.636 against 0.821 ms for `twell` auto; BENCHMARKS.md, Decode). false: the weights once.
     # Callers of `decode` pass the copies.
     decode_transposed: bool = True
-    # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN). "fused" is the fastest
-    # measured on the H100 (0.5b, batch 1; BENCHMARKS.md, Decode): 0.640 ms/step against 0.695 for
-    # "tiles" and 0.708 for "split" in one process. "tiles" has one launch a layer fewer and the
-    # same kernel time, but its device loop ran slower with XLA's command buffers (with them off it
-    # is the fastest of the three: docs/model.md).
-    decode_sparse_ffn: Literal["tiles", "fused", "split"] = "fused"
+    # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN). "fused" was the fastest
+    # for the whole step on the H100 (0.5b, batch 1; BENCHMARKS.md, Decode): 0.640 ms/step against
+    # 0.695 for "tiles" and 0.708 for "split" in one process; but per layer it loses to "split" above
+    # ~49 active neurons (its every program walks them all), so "auto" picks per layer. "tiles" has
+    # one launch a layer fewer and the same kernel time, but its device loop ran slower with XLA's
+    # command buffers (with them off it is the fastest of the three: docs/model.md).
+    decode_sparse_ffn: Literal["auto", "tiles", "fused", "split"] = "auto"
 
     def __post_init__(self) -> None:
         _check_finite("model", self)

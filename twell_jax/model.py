@@ -612,16 +612,34 @@ class Transformer(nnx.Module):
     def decode_layer_sparse(self, batch: int, dtype: Any) -> tuple[bool, ...]:
         """Per layer, whether a one-token decode step of `batch` rows runs the sparse FFN's decode
         kernels (its op plan is a sparse forward) or the fused dense products."""
+        return tuple(way != "dense" for way in self.decode_layer_ways(batch, dtype))
+
+    def decode_layer_ways(self, batch: int, dtype: Any) -> tuple[str, ...]:
+        """Per layer, how a one-token decode step of `batch` rows runs its FFN: "dense" (the fused
+        dense products) or the sparse kernels of model.decode_sparse_ffn, "auto" resolved per layer
+        by `planner.decode_sparse_way` from the layer's activity hint ("fused" or "split"); "tiles"
+        needs every row in one program of the gate and runs "fused" for more rows."""
         if self.is_swiglu:
-            return (False,) * self.n_layers
+            return ("dense",) * self.n_layers
         itemsize = jnp.dtype(dtype).itemsize
         # Several rows: the step's device-side switch costs the sparse side its own launches; where the
         # cost model says no union pays for it, "auto" plans the twin's dense products (never slower).
         switch_never_pays = batch > 1 and self.backend == "auto" and planner.decode_union_limit(
             batch, self.d_model, self.d_ff, gated=self.gated, itemsize=itemsize, device_switch=True) == 0
-        return tuple(not switch_never_pays and ops.decode_forward_is_sparse(
+        sparse = tuple(not switch_never_pays and ops.decode_forward_is_sparse(
             self.gated, self.backend, config, batch, self.d_model, self.d_ff, itemsize, self.interpret)
             for config in self.op_configs)
+        from twell_jax.pallas_kernels.decode_matvec import role_block_sizes
+
+        def way(config: Any) -> str:
+            if self.decode_sparse_ffn == "auto":
+                expected = None if config is None else config.expected_active_per_token
+                return planner.decode_sparse_way(batch, expected, self.d_ff)
+            if self.decode_sparse_ffn == "tiles" and batch > role_block_sizes("gate").block_m(batch):
+                return "fused"
+            return self.decode_sparse_ffn
+
+        return tuple(way(config) if is_sparse else "dense" for is_sparse, config in zip(sparse, self.op_configs))
 
     def _decode_step_kernels(self, tokens_B: jax.Array, cache: KVCache, cache_index: jax.Array,
                              start_B: jax.Array, prepared: dict[str, Any] | None = None
@@ -631,10 +649,11 @@ class Transformer(nnx.Module):
         (XLA); the attention by `decode_attention`, over the stacked caches in place and only the
         visible slots; the output projection with the residual add in its epilogue; then the FFN:
         dense plans as one launch for norm + gate/up + activation and one for the down projection
-        + residual; sparse plans (`decode_layer_sparse`) by the sparse FFN's decode kernels (the
+        + residual; sparse plans (`decode_layer_ways`) by the sparse FFN's decode kernels (the
         gate's product, the union of the rows' active neurons compacted on the device, the up/down
-        rows of those only: model.decode_sparse_ffn "split" in two launches, "fused" in one with the
-        residual), with, for a batch of several rows, a device-side switch to the dense
+        rows of those only: "split" in two launches, "fused" in one with the residual, per layer by
+        model.decode_sparse_ffn; "tiles": the gate's tile lists, no compaction), with, for a batch
+        of several rows, a device-side switch to the dense
         products when the union exceeds `ops.planner.decode_union_limit` (the decode cost model's
         break-even; no host round trip). The stacked weights are read in place at the layer (no
         per-layer copy); with `prepared` (`prepare_decode`), q/k/v, the output projection and the
@@ -693,7 +712,7 @@ class Transformer(nnx.Module):
             return mv(h, w_down_mv, role="down" + nk, layer=li, layout=proj_layout, residual=residual,
                       enable=enable), h
 
-        def layer_step(carry: Any, layer: jax.Array, sparse: bool, op_config: Any) -> tuple[Any, Aux]:
+        def layer_step(carry: Any, layer: jax.Array, way: str, op_config: Any) -> tuple[Any, Aux]:
             x, k_all, v_all = carry
             li = layer[None]
             if prepared is not None or d % role_block_sizes("qkv").block_n == 0:  # one launch for q, k, v
@@ -716,7 +735,7 @@ class Transformer(nnx.Module):
                     jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False).astype(dt),
                     mask=decode_mask(index_1, start_B, k_all.shape[2])[:, None], implementation="xla")[:, 0]
             x = mv(o.astype(dt).reshape(b, d), w_out_mv, role="out" + nk, layer=li, layout=proj_layout, residual=x)
-            if not sparse:
+            if way == "dense":
                 x, h = dense_ffn(x, li, n2_LxD, x)
                 return (x, k_all, v_all), {"l0": jnp.sum(h != 0, dtype=jnp.float32) / b}
             block_sizes = (op_config.decode_block_sizes if op_config is not None else None) or DecodeBlockSizes()
@@ -728,7 +747,7 @@ class Transformer(nnx.Module):
             # that read xn (experiments/bench_decode_ffn_step.py: "tiles_xla_norm" against "tiles").
             scale = jax.lax.dynamic_index_in_dim(n2_LxD, layer, keepdims=False)
             xn = RMSNorm.normalize(x, scale, eps)
-            if self.decode_sparse_ffn == "tiles" and b <= role_block_sizes("gate").block_m(b):
+            if way == "tiles":
                 # TwELL: the gate's epilogue packs each column tile's active neurons (the rows' union);
                 # one launch reads those lists and adds the residual.
                 g, ids, count, pairs_T = mv(xn, w_gate if gated else w_up, role="gate", layer=li,
@@ -750,7 +769,7 @@ class Transformer(nnx.Module):
                 order = jnp.pad(order, (0, capacity - order.shape[0]), constant_values=h_dim - 1)
             use_dense = None if limit is None else n_active > limit
             n_sparse = n_active if use_dense is None else jnp.where(use_dense, 0, n_active)
-            if self.decode_sparse_ffn != "split":  # "fused" ("tiles" above 16 rows): the residual in the epilogue
+            if way == "fused":  # the residual in the kernel's epilogue (one rounding)
                 x = sparse_decode_ffn_fused(xn, g, order, n_sparse, w_up if gated else None, w_down,
                                             capacity=capacity, layer=li, residual_MxD=x, block_sizes=block_sizes,
                                             interpret=interpret)
@@ -762,13 +781,13 @@ class Transformer(nnx.Module):
                 x = dense_ffn(xn, li, None, x, use_dense.astype(jnp.int32))[0]
             return (x, k_all, v_all), {"l0": pairs[0].astype(jnp.float32) / b}
 
-        sparse_L = self.decode_layer_sparse(b, dt)
+        ways_L = self.decode_layer_ways(b, dt)
         carry, auxes, first = (x_BxD, cache.k_LxBxTxNxK, cache.v_LxBxTxNxK), [], 0
         while first < self.n_layers:  # one scan per run of layers with the same kind of FFN step
             end = first + 1
-            while end < self.n_layers and sparse_L[end] == sparse_L[first]:
+            while end < self.n_layers and ways_L[end] == ways_L[first]:
                 end += 1
-            step = functools.partial(layer_step, sparse=sparse_L[first], op_config=self.op_configs[first])
+            step = functools.partial(layer_step, way=ways_L[first], op_config=self.op_configs[first])
             carry, aux = jax.lax.scan(lambda c, layer: step(c, layer), carry, jnp.arange(first, end, dtype=jnp.int32))
             auxes.append(aux)
             first = end

@@ -117,6 +117,11 @@ class DecodeCosts:
     dense_fit: Fit
     fit: Fit
     switch_fit: Fit
+    # The model's decode step (model.decode_sparse_ffn "auto"): the largest union of active neurons
+    # at which the fused up/down kernel (every program walks all of them) beats `hidden` + `down`
+    # (which spread them over programs), and the fit it comes from.
+    decode_fused_max_union: float = 48.0
+    fused_fit: Fit | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +177,13 @@ H100 = DeviceCosts(
                        "0.5b, batch 8, kernel time line per sparse layer: gate 10.3 + compaction 4.9 + hidden 7.9 + "
                        "down 3.9 + the disabled dense products 6.9 + ~6 of extra fusions = ~40 us against 34.4 for "
                        "the twin's fused dense products; the op-level model gives ~28 at these unions: the "
-                       "~12 us it misses is this term")),
+                       "~12 us it misses is this term"),
+        decode_fused_max_union=48.0,
+        fused_fit=Fit("2026-11-24", "NVIDIA H100 80GB HBM3",
+                      "python experiments/bench_decode_ffn_step.py --rows 1 --active 8,32,96,160,256,512 --no-pieces",
+                      "a sparse layer's decode FFN per layer of a scan, 1 row: fused 29.7 / 31.0 / 44.9 / 58.4 / "
+                      "78.8 / 133.2 us at 8 / 32 / 96 / 160 / 256 / 512 active (~24.6 + 0.21 n from 32 on), split "
+                      "33.9 / 34.8 / 37.1 / 38.8 / 41.7 / 48.6 (~33.6 + 0.03 n): equal at n ~ 49; the twin 40.0-40.7")),
 )
 
 COST_MODELS: dict[str, DeviceCosts] = {"H100": H100}
@@ -371,6 +382,18 @@ def decode_union_limit(m: int, d: int, h: int, *, gated: bool = True, itemsize: 
     per_row = _decode_time_at_union(m, d, h, 1.0, gated, itemsize, kind, device_switch) - fixed
     budget = DECODE_MARGIN * dense_time_us(m, d, h, gated=gated, itemsize=itemsize, kind=kind) - fixed
     return int(min(h, max(0.0, budget / per_row)))
+
+
+def decode_sparse_way(m: int, expected_active: float | None, h: int, *, kind: str | None = None) -> str:
+    """The sparse FFN kernels of one layer in the model's decode step (model.decode_sparse_ffn
+    "auto"): "fused" (one launch; every program walks all the active neurons) where the expected
+    union of the step's m rows (`expected_union` of the layer's activity hint) is at most the
+    device's `decode_fused_max_union`, else "split" (`hidden` spreads them over programs, then
+    `down`). No hint: "fused"."""
+    if expected_active is None:
+        return "fused"
+    union = expected_union(m, expected_active, h)
+    return "fused" if union <= costs(kind).decode.decode_fused_max_union else "split"
 
 
 def prefer_decode_path(m: int, d: int, h: int, expected_active: float | None, gated: bool, *,
