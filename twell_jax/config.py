@@ -209,12 +209,12 @@ class ModelConfig:
     # 0.636 against 0.821 ms for `twell` auto; BENCHMARKS.md, Decode). false: the weights once.
     # Callers of `decode` pass the copies.
     decode_transposed: bool = True
-    # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN). "fused" was the fastest
-    # for the whole step on the H100 (0.5b, batch 1; BENCHMARKS.md, Decode): 0.640 ms/step against
-    # 0.695 for "tiles" and 0.708 for "split" in one process; but per layer it loses to "split" above
-    # ~49 active neurons (its every program walks them all), so "auto" picks per layer. "tiles" has
-    # one launch a layer fewer and the same kernel time, but its device loop ran slower with XLA's
-    # command buffers (with them off it is the fastest of the three: docs/model.md).
+    # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN), measured on the H100
+    # (0.5b, batch 1; BENCHMARKS.md, Decode): "auto" 0.612 ms/step against 0.627 for every layer
+    # "fused" in one process; in another, "fused" 0.640 against 0.695 for "tiles" and 0.708 for
+    # "split". "fused" loses to "split" in a layer above ~49 active neurons (its every program walks
+    # them all), hence "auto". "tiles" has one launch a layer fewer and the same kernel time, but its
+    # device loop ran slower with XLA's command buffers (with them off, faster: docs/model.md).
     decode_sparse_ffn: Literal["auto", "tiles", "fused", "split"] = "auto"
 
     def __post_init__(self) -> None:
