@@ -7,6 +7,9 @@ shared by layers x reps steps: ~1 us a step at the defaults, the same in every r
 
 Rows (bf16, D and H of the paper's models; --active neurons fire on every row, so the rows' union
 is that many):
+    plain            plain JAX: the norm, the three products and the residual as jnp ops, each
+                     layer's weights its own arrays (no slice of a stack), the layers unrolled in
+                     the scan's body: what `vs plain` divides by
     dense            the twin: norm + gate/up + ReLU gating (one launch), W_down^T + residual (one)
     fused            XLA's RMSNorm, the gate's product, `compact_active_rows`, the fused kernel
     split            the same up to the compaction, then `hidden` and `down` (two launches) and
@@ -39,6 +42,7 @@ from twell_jax.pallas_kernels.twell_decode import (DecodeBlockSizes, compact_act
                                                    sparse_decode_ffn_tiles)
 
 EPS = 1e-6
+WAYS = ("dense", "fused", "split", "tiles", "tiles_xla_norm")  # whole FFN steps (the rest: pieces)
 
 
 def make_layers(key, layers: int, rows: int, d: int, h: int, active: int, dtype):
@@ -56,6 +60,25 @@ def make_layers(key, layers: int, rows: int, d: int, h: int, active: int, dtype)
     cast = lambda a: a.astype(dtype)  # noqa: E731
     return (cast(x), cast(w_gate), cast(w_up), cast(w_down), cast(jnp.swapaxes(w_down, 1, 2)),
             jnp.ones((layers, d), jnp.float32))
+
+
+def plain_scan(layers: int, reps: int):
+    """Plain JAX's dense FFN over per-layer weight arrays: jit(x, wg, wu, wd, scale) with tuples of
+    layers arrays [H, D] (scale [D]); the layers unrolled inside a scan of `reps` steps."""
+    def layer(x, wg, wu, wd, scale):
+        x32 = x.astype(jnp.float32)
+        xn = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=1, keepdims=True) + EPS) * scale).astype(x.dtype)
+        h = jax.nn.relu(jnp.einsum("md,hd->mh", xn, wg)) * jnp.einsum("md,hd->mh", xn, wu)
+        return x + jnp.einsum("mh,hd->md", h, wd)
+
+    def run(x, wg, wu, wd, scale):
+        def body(c, _):
+            for i in range(layers):
+                c = layer(c, wg[i], wu[i], wd[i], scale[i])
+            return c, None
+        return jax.lax.scan(body, x, None, length=reps)[0]
+
+    return jax.jit(run)
 
 
 def variants(interpret: bool, sizes: DecodeBlockSizes) -> dict:
@@ -197,18 +220,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
             if not args.no_pieces:
                 fns.update({name: scan_piece(fn) for name, fn in pieces.items()})
+            # Plain JAX reads each layer's weights as its own arrays (split once, outside the timing).
+            split_layers = [tuple(a[i] for i in range(args.layers)) for a in (wg, wu, wd, scale)]
+            plain = plain_scan(args.layers, args.reps)
+            fns = {"plain": lambda *_: plain(x, *split_layers), **fns}
             times = bench_interleaved(fns, [(x, wg, wu, wd, wdt, scale)], repeats=args.repeats)
-            for name, ms in times.items():
-                us = 1e3 * ms / steps
-                results.append({"rows": rows, "active": active, "union": union, "variant": name, "us_per_layer": us})
-                print(f"[bench] rows {rows:2d} active {active:4d} (union {union:4d}) {name:28s} {us:8.2f} us/layer")
-            dense_us = 1e3 * times["dense"] / steps
-            for name in ("fused", "split", "tiles", "tiles_xla_norm"):
-                results[-len(times) + list(times).index(name)]["vs_dense"] = dense_us / (1e3 * times[name] / steps)
-    print("\n| rows | active | variant | us/layer | vs dense |\n|---|---|---|---|---|")
+            us = {name: 1e3 * ms / steps for name, ms in times.items()}
+            for name, value in us.items():
+                row = {"rows": rows, "active": active, "union": union, "variant": name, "us_per_layer": value}
+                if name in WAYS:  # the whole ways against the twin's and plain JAX's
+                    row.update(vs_dense=us["dense"] / value, vs_plain=us["plain"] / value)
+                results.append(row)
+                print(f"[bench] rows {rows:2d} active {active:4d} (union {union:4d}) {name:28s} {value:8.2f} us/layer")
+    print("\n| rows | active | variant | us/layer | vs dense | vs plain |\n|---|---|---|---|---|---|")
     for r in results:
-        ratio = f"{r['vs_dense']:.3f}x" if "vs_dense" in r else ""
-        print(f"| {r['rows']} | {r['active']} | {r['variant']} | {r['us_per_layer']:.2f} | {ratio} |")
+        ratios = [f"{r[k]:.3f}x" if k in r else "" for k in ("vs_dense", "vs_plain")]
+        print(f"| {r['rows']} | {r['active']} | {r['variant']} | {r['us_per_layer']:.2f} | {ratios[0]} | {ratios[1]} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"device": jax.devices()[0].device_kind, "d": args.d, "h": args.h,
                                               "layers": args.layers, "reps": args.reps, "rows": results}, indent=1))

@@ -281,12 +281,13 @@ def test_bench_decode_ffn_step_dry_run(tmp_path):
     spec.loader.exec_module(bench)
     out = tmp_path / "step.json"
     rows = bench.main(["--dry-run", "--out", str(out)])
-    variants = {"dense", "fused", "split", "tiles", "tiles_xla_norm", "piece: XLA norm", "piece: gate", "piece: gate +norm",
+    variants = {"plain", "dense", "fused", "split", "tiles", "tiles_xla_norm", "piece: XLA norm", "piece: gate", "piece: gate +norm",
                 "piece: gate +lists", "piece: gate +norm +lists", "piece: compaction", "piece: fused kernel",
                 "piece: tiles kernel", "piece: tiles kernel +norm"}
     assert {(r["rows"], r["variant"]) for r in rows} == {(b, v) for b in (1, 3) for v in variants}
     assert all(r["us_per_layer"] > 0 and r["union"] == 4 for r in rows)  # 4 neurons fire on every row
-    assert {r["variant"] for r in rows if "vs_dense" in r} == {"fused", "split", "tiles", "tiles_xla_norm"}
+    ways = {"dense", "fused", "split", "tiles", "tiles_xla_norm"}  # against the twin and plain JAX
+    assert {r["variant"] for r in rows if "vs_dense" in r} == {r["variant"] for r in rows if "vs_plain" in r} == ways
     assert json.loads(out.read_text())["rows"] == rows
     with pytest.raises(SystemExit, match="--rows must be in"):
         bench.main(["--rows", "17"])

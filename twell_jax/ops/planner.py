@@ -120,8 +120,8 @@ class DecodeCosts:
     # The model's decode step (model.decode_sparse_ffn "auto"): the largest union of active neurons
     # at which the fused up/down kernel (every program walks all of them) beats `hidden` + `down`
     # (which spread them over programs), and the fit it comes from.
-    decode_fused_max_union: float = 48.0
-    fused_fit: Fit | None = None
+    decode_fused_max_union: float
+    fused_fit: Fit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,10 +180,12 @@ H100 = DeviceCosts(
                        "~12 us it misses is this term"),
         decode_fused_max_union=48.0,
         fused_fit=Fit("2026-11-24", "NVIDIA H100 80GB HBM3",
-                      "python experiments/bench_decode_ffn_step.py --rows 1 --active 8,32,96,160,256,512 --no-pieces",
-                      "a sparse layer's decode FFN per layer of a scan, 1 row: fused 29.7 / 31.0 / 44.9 / 58.4 / "
-                      "78.8 / 133.2 us at 8 / 32 / 96 / 160 / 256 / 512 active (~24.6 + 0.21 n from 32 on), split "
-                      "33.9 / 34.8 / 37.1 / 38.8 / 41.7 / 48.6 (~33.6 + 0.03 n): equal at n ~ 49; the twin 40.0-40.7")),
+                      "python experiments/bench_decode_ffn_step.py --rows 1 --active 8,16,32,64,96,160,256,512 "
+                      "--no-pieces --repeats 9",
+                      "a sparse layer's decode FFN per layer of a scan, 1 row: fused 30.1 / 31.0 / 38.0 / 44.9 / 58.8 / "
+                      "79.9 / 136.0 us at 8 / 32 / 64 / 96 / 160 / 256 / 512 active (~0.22 us per neuron from 32 on), "
+                      "split 34.4 / 34.9 / 36.2 / 36.6 / 38.7 / 41.7 / 48.6 (~0.03): equal at n ~ 50; the twin "
+                      "39.9-40.7")),
 )
 
 COST_MODELS: dict[str, DeviceCosts] = {"H100": H100}
