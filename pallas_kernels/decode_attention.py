@@ -53,17 +53,64 @@ class AttentionBlockSizes:
         return max(1, min(-(-self.target_programs // (batch * heads)), blocks))
 
 
-def _attention_kernel(layer_ref, index_ref, start_ref, q_ref, k_ref, v_ref, acc_ref, stats_ref, *,
-                      batch: int, length: int, heads: int, head_dim: int, splits: int, block_t: int,
-                      scale: float) -> None:
+def _rotated(ref, row, cols_K, cos_K, sin_K, half: int):
+    """RoPE of the [K] vector at `row` of `ref` (fp32): x cos - x[j + K/2] sin for j < K/2,
+    x cos + x[j - K/2] sin above (the model's `rope`, non-interleaved), from two loads."""
+    x_K = plgpu.load(ref.at[jnp.full(cols_K.shape, row, jnp.int32), cols_K]).astype(jnp.float32)
+    partner_K = jnp.where(cols_K < half, cols_K + half, cols_K - half)
+    xp_K = plgpu.load(ref.at[jnp.full(cols_K.shape, row, jnp.int32), partner_K]).astype(jnp.float32)
+    return x_K * cos_K + jnp.where(cols_K < half, -xp_K, xp_K) * sin_K
+
+
+def _attention_kernel(*refs, batch: int, length: int, heads: int, head_dim: int, splits: int, block_t: int,
+                      scale: float, fused_qkv: bool) -> None:
+    """Without `fused_qkv`: refs = (layer, index, start, q, k, v, acc, stats). With it: refs =
+    (layer, index, start, qkv, cos, sin, k, v, acc, stats, k_out, v_out): q and the new key get
+    RoPE here, rounded as the model rounds them; the program whose share of the slots holds
+    `index` writes the new key and value to the caches (aliased: k_out is k) and takes them from
+    registers, every program skips that slot in its loads (nothing reads what this launch writes)."""
+    if fused_qkv:
+        (layer_ref, index_ref, start_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, acc_ref, stats_ref,
+         k_out_ref, v_out_ref) = refs
+    else:
+        layer_ref, index_ref, start_ref, q_ref, k_ref, v_ref, acc_ref, stats_ref = refs
     b, n, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = jnp.max(layer_ref[...]).astype(jnp.int32)
     index = jnp.max(index_ref[...]).astype(jnp.int32)
     start_b = jnp.max(plgpu.load(start_ref.at[jnp.full((2,), b, jnp.int32)])).astype(jnp.int32)  # a 2-lane gather
     cols_K = lax.broadcasted_iota(jnp.int32, (head_dim,), 0)
-    q_K = plgpu.load(q_ref.at[jnp.full((head_dim,), b * heads + n, jnp.int32), cols_K]).astype(jnp.float32)
     share = -(-length // splits)
     begin = s * share
+    m0, l0, acc0_K = jnp.float32(NEG), jnp.float32(0.0), jnp.zeros((head_dim,), jnp.float32)
+    owner = None
+    if fused_qkv:
+        index = jnp.minimum(index, length - 1)  # where XLA's cache write would clamp it
+        half = head_dim // 2
+        freq_K = jnp.where(cols_K < half, cols_K, cols_K - half)
+        cos_K = plgpu.load(cos_ref.at[jnp.full((head_dim,), b, jnp.int32), freq_K])
+        sin_K = plgpu.load(sin_ref.at[jnp.full((head_dim,), b, jnp.int32), freq_K])
+        qkv_dtype, cache_dtype = qkv_ref.dtype, k_ref.dtype
+        q_K = _rotated(qkv_ref, (b * 3 + 0) * heads + n, cols_K, cos_K, sin_K, half)
+        q_K = q_K.astype(qkv_dtype).astype(cache_dtype).astype(jnp.float32)
+        k_new_K = _rotated(qkv_ref, (b * 3 + 1) * heads + n, cols_K, cos_K, sin_K, half)
+        k_new_K = k_new_K.astype(qkv_dtype).astype(cache_dtype)
+        v_new_K = plgpu.load(qkv_ref.at[jnp.full((head_dim,), (b * 3 + 2) * heads + n, jnp.int32),
+                                        cols_K]).astype(cache_dtype)
+        owner = (index >= begin) & (index < begin + share)
+        new_row = ((layer * batch + b) * length + index) * heads + n
+
+        @pl.when(owner)
+        def _write():
+            plgpu.store(k_out_ref.at[jnp.full((head_dim,), new_row, jnp.int32), cols_K], k_new_K)
+            plgpu.store(v_out_ref.at[jnp.full((head_dim,), new_row, jnp.int32), cols_K], v_new_K)
+
+        # The owner starts its online softmax from the new slot (always visible).
+        s_new = jnp.sum(q_K * k_new_K.astype(jnp.float32)) * scale
+        m0 = jnp.where(owner, s_new, m0)
+        l0 = jnp.where(owner, jnp.float32(1.0), l0)
+        acc0_K = jnp.where(owner, v_new_K.astype(jnp.float32), acc0_K)
+    else:
+        q_K = plgpu.load(q_ref.at[jnp.full((head_dim,), b * heads + n, jnp.int32), cols_K]).astype(jnp.float32)
     # Slots before start[b] are never visible except `index` itself, which the last block holds.
     first = jnp.maximum(begin, jnp.minimum(start_b, index))
     first = (first // block_t) * block_t
@@ -76,6 +123,8 @@ def _attention_kernel(layer_ref, index_ref, start_ref, q_ref, k_ref, v_ref, acc_
         m, l, acc_K = carry
         t_T = first + i * block_t + step_T
         vis_T = (t_T >= begin) & (t_T < end) & ((t_T >= start_b) | (t_T == index))
+        if fused_qkv:  # the new slot comes from registers (m0, l0, acc0)
+            vis_T = vis_T & (t_T != index)
         rows_T = (row_base + jnp.minimum(t_T, length - 1)) * heads + n
         k_TxK = plgpu.load(k_ref.at[rows_T[:, None], cols_K[None, :]], mask=vis_T[:, None], other=0)
         v_TxK = plgpu.load(v_ref.at[rows_T[:, None], cols_K[None, :]], mask=vis_T[:, None], other=0)
@@ -86,8 +135,7 @@ def _attention_kernel(layer_ref, index_ref, start_ref, q_ref, k_ref, v_ref, acc_
         acc_K = acc_K * alpha + jnp.sum(p_T[:, None] * v_TxK.astype(jnp.float32), axis=0)
         return m_new, l * alpha + jnp.sum(p_T), acc_K
 
-    m, l, acc_K = lax.fori_loop(jnp.int32(0), trips, t_step,
-                                (jnp.float32(NEG), jnp.float32(0.0), jnp.zeros((head_dim,), jnp.float32)))
+    m, l, acc_K = lax.fori_loop(jnp.int32(0), trips, t_step, (m0, l0, acc0_K))
     row = (b * heads + n) * splits + s
     plgpu.store(acc_ref.at[jnp.full((head_dim,), row, jnp.int32), cols_K], acc_K)
     two = lax.broadcasted_iota(jnp.int32, (2,), 0)
@@ -120,7 +168,7 @@ def decode_attention(q_BxNxK: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     splits = block_sizes.splits(b, n, length)
     flat = (n_layers * b * length * n, k)
     kernel = functools.partial(_attention_kernel, batch=b, length=length, heads=n, head_dim=k, splits=splits,
-                               block_t=block_sizes.block_t, scale=1.0 / float(k) ** 0.5)
+                               block_t=block_sizes.block_t, scale=1.0 / float(k) ** 0.5, fused_qkv=False)
     operands = (layer, index, start_B, q_BxNxK.reshape(b * n, k), k_cache.reshape(flat), v_cache.reshape(flat))
     whole = [pl.BlockSpec(op.shape, lambda i, j, s, nd=op.ndim: (0,) * nd) for op in operands]
     rows = b * n * splits
@@ -136,6 +184,85 @@ def decode_attention(q_BxNxK: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         name="twell_decode_attention",
     )(*operands)
     return combine(acc.reshape(b, n, splits, k), stats.reshape(b, n, splits, 2)).astype(q_BxNxK.dtype)
+
+
+def _check_qkv(qkv_BxP, cos_BxH, sin_BxH, k_cache, v_cache, layer, index, start_B) -> None:
+    _, b, _, n, k = k_cache.shape
+    _check(jnp.zeros((b, n, k), k_cache.dtype), k_cache, v_cache, layer, index, start_B)
+    if qkv_BxP.shape != (b, 3 * n * k):
+        raise ValueError(f"qkv must be [B={b}, 3 * N * K={3 * n * k}] (q, k, v side by side, heads inside each), "
+                         f"got {qkv_BxP.shape}")
+    for name, table in (("cos", cos_BxH), ("sin", sin_BxH)):
+        if table.shape != (b, k // 2) or table.dtype != jnp.float32:
+            raise ValueError(f"{name} must be float32 [B={b}, K/2={k // 2}] (model.rope_tables), got "
+                             f"{table.dtype}{table.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "debug"))
+def decode_attention_qkv(qkv_BxP: jax.Array, cos_BxH: jax.Array, sin_BxH: jax.Array, k_cache: jax.Array,
+                         v_cache: jax.Array, layer: jax.Array, index: jax.Array, start_B: jax.Array, *,
+                         block_sizes: AttentionBlockSizes = AttentionBlockSizes(), interpret: bool = False,
+                         debug: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A decode step's attention from the q/k/v projection's output in one launch: RoPE of the new
+    query and key (`cos`/`sin` [B, K/2] of each row's position, `model.rope_tables`), the new key
+    and value written at slot `index` of layer `layer` of the [L, B, T, N, K] caches (in place:
+    the caches are aliased to the outputs; an index past the end writes the last slot, as XLA's
+    clamped update would), and `decode_attention` of the new query over the visible slots, the new
+    one included. `qkv_BxP`: [B, 3 * N * K], q, k, v side by side. Returns (out [B, N, K] in
+    qkv's dtype, k_cache, v_cache) = `decode_attention_qkv_reference`'s up to fp32 sum order.
+    Replaces RoPE, two cache writes and the casts between the projection and the attention
+    (each its own XLA launch) by nothing: the attention's programs do them."""
+    _check_qkv(qkv_BxP, cos_BxH, sin_BxH, k_cache, v_cache, layer, index, start_B)
+    n_layers, b, length, n, k = k_cache.shape
+    splits = block_sizes.splits(b, n, length)
+    flat = (n_layers * b * length * n, k)
+    kernel = functools.partial(_attention_kernel, batch=b, length=length, heads=n, head_dim=k, splits=splits,
+                               block_t=block_sizes.block_t, scale=1.0 / float(k) ** 0.5, fused_qkv=True)
+    operands = (layer, index, start_B, qkv_BxP.reshape(b * 3 * n, k), cos_BxH, sin_BxH, k_cache.reshape(flat),
+                v_cache.reshape(flat))
+    whole = [pl.BlockSpec(op.shape, lambda i, j, s, nd=op.ndim: (0,) * nd) for op in operands]
+    rows = b * n * splits
+    cache_spec = pl.BlockSpec(flat, lambda i, j, s: (0, 0))
+    acc, stats, k_flat, v_flat = pl.pallas_call(
+        kernel,
+        grid=(b, n, splits),
+        in_specs=whole,
+        out_specs=[pl.BlockSpec((rows, k), lambda i, j, s: (0, 0)), pl.BlockSpec((rows, 2), lambda i, j, s: (0, 0)),
+                   cache_spec, cache_spec],
+        out_shape=[jax.ShapeDtypeStruct((rows, k), jnp.float32), jax.ShapeDtypeStruct((rows, 2), jnp.float32),
+                   jax.ShapeDtypeStruct(flat, k_cache.dtype), jax.ShapeDtypeStruct(flat, v_cache.dtype)],
+        input_output_aliases={6: 2, 7: 3},
+        compiler_params=compiler_params(block_sizes),
+        interpret=interpret,
+        debug=debug,
+        name="twell_decode_attention_qkv",
+    )(*operands)
+    out = combine(acc.reshape(b, n, splits, k), stats.reshape(b, n, splits, 2))
+    out = out.astype(k_cache.dtype).astype(qkv_BxP.dtype)  # as the model's path: the cache dtype, then its own
+    return out, k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape)
+
+
+def decode_attention_qkv_reference(qkv_BxP: jax.Array, cos_BxH: jax.Array, sin_BxH: jax.Array, k_cache: jax.Array,
+                                   v_cache: jax.Array, layer: jax.Array, index: jax.Array,
+                                   start_B: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`decode_attention_qkv` in jnp, step by step as the model's XLA decode runs it: RoPE
+    (rounded to qkv's dtype), the cache writes, `decode_attention_reference`."""
+    _check_qkv(qkv_BxP, cos_BxH, sin_BxH, k_cache, v_cache, layer, index, start_B)
+    _, b, _, n, k = k_cache.shape
+    q, k_new, v_new = (qkv_BxP.reshape(b, 3, n, k)[:, part] for part in range(3))
+    half = k // 2
+    cos, sin = cos_BxH[:, None, :], sin_BxH[:, None, :]
+
+    def rotate(x):
+        x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+    start = (layer[0], 0, index[0], 0, 0)
+    k_cache = lax.dynamic_update_slice(k_cache, rotate(k_new)[None, :, None].astype(k_cache.dtype), start)
+    v_cache = lax.dynamic_update_slice(v_cache, v_new[None, :, None].astype(v_cache.dtype), start)
+    index = jnp.minimum(index, k_cache.shape[2] - 1)
+    out = decode_attention_reference(rotate(q).astype(k_cache.dtype), k_cache, v_cache, layer, index, start_B)
+    return out.astype(qkv_BxP.dtype), k_cache, v_cache
 
 
 def combine(acc_BxNxSxK: jax.Array, stats_BxNxSx2: jax.Array) -> jax.Array:
