@@ -527,3 +527,27 @@ def test_auto_picks_fused_or_split_per_layer_by_the_expected_union():
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     for a, b in zip(auxes, want_aux):
         np.testing.assert_allclose(a["l0"], b["l0"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["sparse", "dense_twin"])
+def test_the_decode_layers_unrolled_or_in_a_loop_give_the_same_steps(kind):
+    """model.decode_layer_unroll: 0 (the default) runs every layer with a constant index and no
+    loop; 1 a loop over the layers; 2 two layers per iteration (3 layers: a remainder). The
+    same logits, cache and active counts each way."""
+    tokens = jax.random.randint(jax.random.key(7), (3, 9), 0, BASE.vocab_size)
+    start = jnp.asarray([0, 1, 3], jnp.int32)
+    results = {}
+    for unroll in (0, 1, 2):
+        cfg = dataclasses.replace(BASE, decode_layer_unroll=unroll, **KINDS[kind])
+        model = init_model(cfg, seed=4)
+        cache = init_cache(cfg, 3, 9)
+        _, cache, _ = model.decode(tokens[:, :5], cache, jnp.int32(0), start)
+        jaxpr = jax.make_jaxpr(lambda c: model.decode(tokens[:, 5:6], c, jnp.int32(5), start))(cache)
+        top = {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}  # the kernels' own loops are inside their calls
+        assert ("scan" in top) == (unroll != 0), (unroll, top)
+        results[unroll] = model.decode(tokens[:, 5:6], cache, jnp.int32(5), start)
+    for unroll in (1, 2):
+        for got, want in zip(jax.tree.leaves(results[unroll]), jax.tree.leaves(results[0])):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=f"decode_layer_unroll={unroll}")
+    with pytest.raises(ValueError, match="model.decode_layer_unroll must be an int >= 0"):
+        dataclasses.replace(BASE, decode_layer_unroll=-1)

@@ -241,7 +241,8 @@ def test_the_tiles_step_has_no_compaction(batch, monkeypatch):
         init_cache(cfg, batch, 8))
     traced = step(model)
     names, sums = _pallas_names_and_row_sums(traced, (batch, cfg.d_ff))
-    assert names.count("twell_decode_gate_lists") == names.count("twell_decode_tiles") == 1, names  # one scan
+    # The layers unrolled (model.decode_layer_unroll 0): a launch of each a layer.
+    assert names.count("twell_decode_gate_lists") == names.count("twell_decode_tiles") == cfg.n_layers, names
     assert not any(name.startswith("twell_decode_compact") for name in names) and sums == 0, names
     fused = step(init_model(dataclasses.replace(cfg, decode_sparse_ffn="fused"), seed=4))
     assert "twell_decode_compact_rows" in _pallas_names_and_row_sums(fused, (batch, cfg.d_ff))[0]

@@ -216,6 +216,11 @@ class ModelConfig:
     # them all), hence "auto". "tiles" has one launch a layer fewer and the same kernel time, but its
     # device loop ran slower with XLA's command buffers (with them off, faster: docs/model.md).
     decode_sparse_ffn: Literal["auto", "tiles", "fused", "split"] = "auto"
+    # Layers per iteration of the decode kernels' layer loop, as model.layer_unroll for the other
+    # programs: 0 = every layer unrolled (no loop: each layer's index a constant, no per-iteration
+    # copies; the step compiles in time linear in depth, seconds at the presets' depths); 1 = a loop
+    # over the layers (per run of layers with the same FFN way); n > 1 = n layers per iteration.
+    decode_layer_unroll: int = 0
 
     def __post_init__(self) -> None:
         _check_finite("model", self)
@@ -236,8 +241,10 @@ class ModelConfig:
         _check_choice("model", "decode_sparse_ffn", self.decode_sparse_ffn, tuple(DECODE_SPARSE_FFN))
         if not isinstance(self.decode_transposed, bool):
             raise ValueError(f"model.decode_transposed must be true or false, got {self.decode_transposed!r}")
-        if isinstance(self.layer_unroll, bool) or not isinstance(self.layer_unroll, int) or self.layer_unroll < 0:
-            raise ValueError(f"model.layer_unroll must be an int >= 0 (0 = every layer), got {self.layer_unroll!r}")
+        for field in ("layer_unroll", "decode_layer_unroll"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"model.{field} must be an int >= 0 (0 = every layer), got {value!r}")
         if isinstance(self.remat, bool):  # configs saved before remat became a policy
             object.__setattr__(self, "remat", "full" if self.remat else "none")
         _check_choice("model", "remat", self.remat, tuple(REMAT_POLICIES))
@@ -565,7 +572,7 @@ RESUMABLE_FIELDS = frozenset({
     "train.auto_trial_steps", "optim.schedule_steps",
     "model.ffn_backend", "model.ffn_op_config", "model.ffn_interpret", "model.ffn_expected_active",
     "model.ffn_expected_tails", "model.remat", "model.attention_impl", "model.decode_kernels",
-    "model.decode_transposed", "model.decode_sparse_ffn",
+    "model.decode_transposed", "model.decode_sparse_ffn", "model.decode_layer_unroll",
     "data.source", "data.cache_dir", "data.progress", "data.num_threads", "data.prefetch", "data.tokenize_workers",
 })
 

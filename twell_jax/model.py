@@ -87,18 +87,24 @@ class RMSNorm(nnx.Module):
         return (x32 * inv_rms * scale).astype(x.dtype)
 
 
+def rope_tables(positions_BxS: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [B, S, K/2] fp32 of RoPE's angles at `positions_BxS` (`rope`; the decode step
+    makes them once for every layer's attention kernel)."""
+    half = head_dim // 2
+    inv_freq_K2 = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angle_BxSxK2 = positions_BxS.astype(jnp.float32)[..., None] * inv_freq_K2
+    return jnp.cos(angle_BxSxK2), jnp.sin(angle_BxSxK2)
+
+
 def rope(x_BxSxNxK: jax.Array, theta: float, positions_BxS: jax.Array | None = None) -> jax.Array:
     """Rotary position embedding, non-interleaved: rotates the pairs (x[i], x[i + K/2]).
 
     Token s of row b sits at position `positions_BxS[b, s]` (default: s, the same for every row)."""
     seq_len, head_dim = x_BxSxNxK.shape[1], x_BxSxNxK.shape[-1]
     half = head_dim // 2
-    inv_freq_K2 = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
     if positions_BxS is None:
         positions_BxS = jnp.arange(seq_len)[None, :]
-    angle_BxSxK2 = positions_BxS.astype(jnp.float32)[..., None] * inv_freq_K2
-    cos = jnp.cos(angle_BxSxK2)[:, :, None, :]
-    sin = jnp.sin(angle_BxSxK2)[:, :, None, :]
+    cos, sin = (t[:, :, None, :] for t in rope_tables(positions_BxS, head_dim, theta))
     x32 = x_BxSxNxK.astype(jnp.float32)
     x1, x2 = x32[..., :half], x32[..., half:]
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -420,7 +426,7 @@ class Transformer(nnx.Module):
         self.d_model, self.d_ff, self.is_swiglu = cfg.d_model, cfg.d_ff, cfg.ffn_kind == "swiglu"
         self.op_configs = tuple(build_op_config(cfg, layer) for layer in range(cfg.n_layers))
         self.decode_kernels, self.decode_transposed = cfg.decode_kernels, cfg.decode_transposed
-        self.decode_sparse_ffn = cfg.decode_sparse_ffn
+        self.decode_sparse_ffn, self.decode_layer_unroll = cfg.decode_sparse_ffn, cfg.decode_layer_unroll
         self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
         self.blocks = _stacked_blocks(cfg, rngs.params())
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -645,9 +651,9 @@ class Transformer(nnx.Module):
                              start_B: jax.Array, prepared: dict[str, Any] | None = None
                              ) -> tuple[jax.Array, KVCache, Aux]:
         """`decode` of one token per row by the decode kernels, per layer: the attention norm and
-        the q/k/v projections in one `decode_matvec` launch; RoPE and the in-place cache write
-        (XLA); the attention by `decode_attention`, over the stacked caches in place and only the
-        visible slots; the output projection with the residual add in its epilogue; then the FFN:
+        the q/k/v projections in one `decode_matvec` launch; RoPE, the in-place cache writes and the
+        attention in one launch (`decode_attention_qkv`, over the stacked caches in place and only
+        the visible slots; RoPE's angles made once per step); the output projection with the residual add in its epilogue; then the FFN:
         dense plans as one launch for norm + gate/up + activation and one for the down projection
         + residual; sparse plans (`decode_layer_ways`) by the sparse FFN's decode kernels (the
         gate's product, the union of the rows' active neurons compacted on the device, the up/down
@@ -660,7 +666,7 @@ class Transformer(nnx.Module):
         dense W_down are read from its output-major copies instead. The LM head: the final norm and
         the tied embedding's product in one launch. Same roundings as the XLA path up to the order
         of fp32 sums and the attention's fp32 probabilities (tests/test_decode_kernels.py)."""
-        from twell_jax.pallas_kernels.decode_attention import decode_attention
+        from twell_jax.pallas_kernels.decode_attention import decode_attention_qkv
         from twell_jax.pallas_kernels.decode_matvec import decode_matvec, role_block_sizes
         from twell_jax.pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compact_active_rows,
                                                            sparse_decode_ffn, sparse_decode_ffn_fused,
@@ -700,6 +706,7 @@ class Transformer(nnx.Module):
         embed_VxD = self.embed[...].astype(dt)
         x_BxD = jnp.take(embed_VxD, tokens_B, axis=0)
         positions_Bx1 = jnp.maximum(cache_index - start_B, 0)[:, None]
+        cos_Bx1xH, sin_Bx1xH = rope_tables(positions_Bx1, head_dim, theta)  # every layer's: made once a step
         index_1 = jnp.reshape(cache_index, (1,)).astype(jnp.int32)
         start_i32 = start_B.astype(jnp.int32)
 
@@ -720,16 +727,17 @@ class Transformer(nnx.Module):
             else:
                 qkv = jnp.concatenate([mv(x, w, role="qkv" + nk, layer=li, layout=proj_layout, norm_scale=n1_LxD)
                                        for w in w_qkv_mv], axis=1)
-            qkv = qkv.reshape(b, 1, 3, n_heads, head_dim)
-            q = rope(qkv[:, :, 0], theta, positions_Bx1)
-            k = rope(qkv[:, :, 1], theta, positions_Bx1)
-            start = (layer, 0, cache_index, 0, 0)
-            k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
-            v_all = jax.lax.dynamic_update_slice(v_all, qkv[:, :, 2][None].astype(v_all.dtype), start)
-            if head_dim & (head_dim - 1) == 0:  # a power of two: the kernel reads the caches in place
-                o = decode_attention(q[:, 0].astype(k_all.dtype), k_all, v_all, li, index_1, start_i32,
-                                     interpret=interpret)
-            else:  # XLA's masked attention over the layer's cache (read out of the stack as a copy)
+            if head_dim & (head_dim - 1) == 0:  # a power of two: RoPE, the cache writes (in place) and the
+                # attention over the caches read in place, in one launch
+                o, k_all, v_all = decode_attention_qkv(qkv, cos_Bx1xH[:, 0], sin_Bx1xH[:, 0], k_all, v_all, li,
+                                                       index_1, start_i32, interpret=interpret)
+            else:  # RoPE and the cache writes in XLA, its masked attention over the layer's cache (a copy)
+                qkv = qkv.reshape(b, 1, 3, n_heads, head_dim)
+                q = rope(qkv[:, :, 0], theta, positions_Bx1)
+                k = rope(qkv[:, :, 1], theta, positions_Bx1)
+                start = (layer, 0, cache_index, 0, 0)
+                k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
+                v_all = jax.lax.dynamic_update_slice(v_all, qkv[:, :, 2][None].astype(v_all.dtype), start)
                 o = jax.nn.dot_product_attention(
                     q, jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False).astype(dt),
                     jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False).astype(dt),
@@ -788,8 +796,15 @@ class Transformer(nnx.Module):
             while end < self.n_layers and ways_L[end] == ways_L[first]:
                 end += 1
             step = functools.partial(layer_step, way=ways_L[first], op_config=self.op_configs[first])
-            carry, aux = jax.lax.scan(lambda c, layer: step(c, layer), carry, jnp.arange(first, end, dtype=jnp.int32))
-            auxes.append(aux)
+            unroll = self.decode_layer_unroll or end - first
+            if unroll >= end - first:  # no loop: each layer's index a constant (no per-iteration copies)
+                for layer in range(first, end):
+                    carry, aux = step(carry, jnp.int32(layer))
+                    auxes.append(jax.tree.map(lambda a: a[None], aux))
+            else:
+                carry, aux = jax.lax.scan(lambda c, layer: step(c, layer), carry,
+                                          jnp.arange(first, end, dtype=jnp.int32), unroll=unroll)
+                auxes.append(aux)
             first = end
         x_BxD, k_all, v_all = carry
         logits_BxV = mv(x_BxD, embed_VxD, role="head", norm_scale=self.final_norm.scale[...].astype(jnp.float32),
