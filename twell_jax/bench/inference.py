@@ -23,7 +23,9 @@ example command buffers over the while loops, which capture the decode steps as 
 compared with the rows compiled without them. The model's rows decode with model.decode_transposed
 on (the decode kernels read output-major copies of q/k/v, the output projection and W_down: the
 default), whatever the checkpoint's config says; `--stored-decode-rows` adds `VARIANT+stored`
-decode and generate rows of the dense and sparse variants reading the weights as stored, and
+decode and generate rows of the dense and sparse variants reading the weights as stored,
+`--loop-decode-rows` adds `VARIANT+loop` rows with the decode kernels' layers in a loop
+(model.decode_layer_unroll=1; the default unrolls them), and
 `--sparse-ffn-rows fused,split` adds `VARIANT+fused` and `VARIANT+split` rows of the sparse variants with
 that model.decode_sparse_ffn (config.DECODE_SPARSE_FFN: the gate's tile lists read by one launch, a
 compaction then one launch, or a compaction then two), each name other than the config's.
@@ -60,6 +62,7 @@ from twell_jax.bench.plain_llama import (reference_body, reference_decode_step, 
 from twell_jax.config import DECODE_SPARSE_FFN, DEFAULT_DECODE_CHUNK, ModelConfig
 
 DEFAULT_SPARSE_FFN = ModelConfig.__dataclass_fields__["decode_sparse_ffn"].default
+DEFAULT_LAYER_UNROLL = ModelConfig.__dataclass_fields__["decode_layer_unroll"].default
 from twell_jax.inference.generate import Generator, SamplingConfig
 from twell_jax.inference.load import LoadedModel, experiment_config_for, load_run, model_with_params, validation_tokens
 from twell_jax.pallas_kernels import decode_matvec
@@ -243,30 +246,35 @@ def bench_decode(runner: Runner, n_layers: int, tokens: jax.Array, context: int,
     batch, prefill_len = tokens.shape
     assert prefill_len == context - steps, (tokens.shape, context, steps)
 
-    def run_steps(params: Any, token_B: jax.Array, cache: Any) -> tuple[jax.Array, jax.Array]:
+    def run_steps(params: Any, token_B: jax.Array, cache: Any, telemetry: bool) -> tuple[jax.Array, jax.Array]:
         # `steps` greedy decode steps in one program (a fori_loop): host dispatch is not what we time.
+        # The timed program returns the tokens only, as generation's (the Generator drops the
+        # active counts, so XLA does not compute them); the counts come from one more call of
+        # the same loop with them (`telemetry`).
         def one(i: jax.Array, carry: tuple) -> tuple:
             token, cache_, l0 = carry
             logits, cache_, l0_step = runner.step(params, cache_, token[:, None], prefill_len + i)
-            if l0_step is not None:
+            if l0_step is not None and telemetry:
                 l0 = l0 + l0_step / steps
             return jnp.argmax(logits, -1).astype(jnp.int32), cache_, l0
 
         token_B, _, l0 = jax.lax.fori_loop(0, steps, one, (token_B, cache, jnp.zeros((n_layers,))))
-        return token_B, l0
+        return token_B, l0 if telemetry else None
 
     began = time.perf_counter()
     logits_BxV, cache = jax.block_until_ready(jax.jit(runner.prefill, static_argnums=2)(runner.params, tokens, context))
     prefill_first_s = time.perf_counter() - began
     token_B = jnp.argmax(logits_BxV, -1).astype(jnp.int32)
-    step_fn = jax.jit(run_steps, compiler_options=compiler_options or None)
+    step_fn = jax.jit(run_steps, static_argnums=3, compiler_options=compiler_options or None)
     began = time.perf_counter()
-    _, l0 = jax.block_until_ready(step_fn(runner.params, token_B, cache))
+    jax.block_until_ready(step_fn(runner.params, token_B, cache, False))
     steps_first_s = time.perf_counter() - began
-    per_call, calls, _, _ = timed(lambda: step_fn(runner.params, token_B, cache), min_seconds, 2)
+    per_call, calls, _, _ = timed(lambda: step_fn(runner.params, token_B, cache, False), min_seconds, 2)
+    l0 = step_fn(runner.params, token_B, cache, True)[1] if runner.telemetry else None
     trace = None
     if trace_top:
-        one_step = jax.jit(runner.step, compiler_options=compiler_options or None)
+        one_step = jax.jit(lambda *args: runner.step(*args)[:2],  # as the timed loop: no active counts
+                           compiler_options=compiler_options or None)
         trace = format_profile(kernel_times(one_step, (runner.params, cache, token_B[:, None], jnp.int32(context - 1)),
                                             repeats=5), top=trace_top)
     # First calls: each program's compile and one run (the prefill in chunks; the decode steps' loop).
@@ -382,6 +390,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--stored-decode-rows", action="store_true",
                         help="add VARIANT+stored for the dense and sparse variants: decode and generate with "
                              "model.decode_transposed off (the weights as stored, no output-major copies)")
+    parser.add_argument("--loop-decode-rows", action="store_true",
+                        help="add VARIANT+loop for the dense and sparse variants: decode and generate with "
+                             "model.decode_layer_unroll=1 (the decode kernels' layers in a loop, not unrolled)")
     parser.add_argument("--sparse-ffn-rows", default="", metavar="NAMES",
                         help="comma-separated model.decode_sparse_ffn values (" + ", ".join(DECODE_SPARSE_FFN)
                              + "): add VARIANT+NAME for the sparse variants, decode and generate with that "
@@ -443,13 +454,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         text = jax.random.randint(jax.random.key(args.seed), (rows_needed, args.context), 0, cfg.vocab_size)
     # The library's decode execution, whatever the run's config says (runs saved before a change of
     # default carry the old value): the transposed copies and the default sparse FFN step.
-    configs = variant_configs(dataclasses.replace(cfg, decode_transposed=True,
-                                                  decode_sparse_ffn=DEFAULT_SPARSE_FFN),
+    configs = variant_configs(dataclasses.replace(cfg, decode_transposed=True, decode_sparse_ffn=DEFAULT_SPARSE_FFN,
+                                                  decode_layer_unroll=DEFAULT_LAYER_UNROLL),
                               backends, interpret=args.dry_run, hints=hints)
     if args.xla_decode_row:
         configs["dense-xla"] = dataclasses.replace(configs["dense"], decode_kernels="xla")
     if args.stored_decode_rows:  # decode and generate rows only (their prefill is their variant's)
         configs.update({f"{name}+stored": dataclasses.replace(c, decode_transposed=False)
+                        for name, c in list(configs.items()) if name == "dense" or name.startswith("twell-")})
+    if args.loop_decode_rows:
+        configs.update({f"{name}+loop": dataclasses.replace(c, decode_layer_unroll=1)
                         for name, c in list(configs.items()) if name == "dense" or name.startswith("twell-")})
     for value in sparse_ffn_rows:  # decode and generate rows only, as the stored rows
         configs.update({f"{name}+{value}": dataclasses.replace(c, decode_sparse_ffn=value)
@@ -494,7 +508,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"compile {r['compile_s']:.1f}s)")
 
     for name, runner in runners.items():
-        if not name.endswith(("+stored", *(f"+{v}" for v in DECODE_SPARSE_FFN))):  # decode rows only: its prefill is its variant's
+        if not name.endswith(("+stored", "+loop", *(f"+{v}" for v in DECODE_SPARSE_FFN))):  # decode rows only: its prefill is its variant's
             r, hidden_BxSxD = bench_prefill(runner, tokens, sampler, args.min_seconds)
             if plain_hidden is None:
                 plain_hidden = hidden_BxSxD.astype(jnp.float32)
