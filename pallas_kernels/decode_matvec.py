@@ -25,7 +25,9 @@ Grid (cdiv(N, block_n), cdiv(M, block_m)): program (j, i) owns output columns [j
 of rows [i*bm, (i+1)*bm); it loops over K in block_k steps (a tensor-core dot of [bm, bk] x
 [bk, bn], fp32 accumulation; bm >= 16 is the dot's minimum, rows >= M are masked lanes that move no
 bytes). The norm's sum of squares is a first pass over the program's x rows (x is KBs: L2-resident).
-No operand is padded; nothing is accumulated across programs (deterministic).
+No operand is padded, nor the output: it is exactly [M, N], stored with a row and column mask
+(a padded output's slice feeding the next kernel would be a copy launch of its own: XLA cannot
+fuse a slice into a custom call). Nothing is accumulated across programs (deterministic).
 
 tile_lists=True (the sparse layers' gate): the epilogue also packs, per column tile, the neurons
 with out > 0 in any row as ids and a count (`tile_lists_reference`), the TwELL layout of one
@@ -120,8 +122,8 @@ def _act(v: jax.Array, activation: str | None) -> jax.Array:
 
 def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, has_norm: bool,
                    has_gate: bool, has_residual: bool, has_enable: bool, n_parts: int, activation: str | None,
-                   eps: float, block_k: int, n_k: int, precision: lax.Precision, split_k: int = 1,
-                   n_k_split: int = 0, tile_lists: bool = False) -> None:
+                   eps: float, block_m: int, block_n: int, block_k: int, n_k: int, precision: lax.Precision,
+                   split_k: int = 1, n_k_split: int = 0, tile_lists: bool = False) -> None:
     refs = list(refs)
     layer_ref = refs.pop(0) if has_layer else None
     enable_ref = refs.pop(0) if has_enable else None
@@ -131,12 +133,14 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
     scale_ref = refs.pop(0) if has_norm else None
     res_ref = refs.pop(0) if has_residual else None
     o_ref, list_refs = refs[0], refs[1:]  # list_refs: ids, count, pairs (tile_lists)
-    block_m, block_n = o_ref.shape
     layer = jnp.max(layer_ref[...]).astype(jnp.int32) if has_layer else jnp.int32(0)
     rows_BM = pl.program_id(1) * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
     row_ok_BM = rows_BM < m
     cols_BN = pl.program_id(0) * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
     col_ok_BN = cols_BN < n * n_parts
+    # The output is exactly [m, n * n_parts] (split: [S * m, ...]), stored with a mask: no padded
+    # rows for XLA to slice off (a slice feeding another kernel is a copy launch of its own).
+    out_cols_BN, out_ok_BMxBN = cols_BN, row_ok_BM[:, None] & col_ok_BN[None, :]
     # Several parts (w = (w_q, w_k, w_v)): output columns [p*n, (p+1)*n) are part p's; a program's
     # columns lie in one part (n % block_n == 0), whose loads are the only live ones (masked-off
     # loads move no bytes).
@@ -203,7 +207,8 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
         trips = jnp.where(jnp.max(enable_ref[...]) != 0, trips, jnp.int32(0)).astype(jnp.int32)
     accs = lax.fori_loop(jnp.int32(0), trips, k_step, (zeros, zeros) if has_gate else (zeros,))
     if split_k > 1:  # the raw fp32 partial: summed and finished in XLA (`_epilogue`)
-        o_ref[...] = accs[0]
+        plgpu.store(o_ref.at[(pl.program_id(2) * m + rows_BM)[:, None], out_cols_BN[None, :]], accs[0],
+                    mask=out_ok_BMxBN)
         return
     dt = x_ref.dtype
     res_BMxBN = None
@@ -211,7 +216,7 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
         res_BMxBN = plgpu.load(res_ref.at[rows_BM[:, None], cols_BN[None, :]],
                                mask=row_ok_BM[:, None] & col_ok_BN[None, :], other=0)
     out_BMxBN = _epilogue(accs, dt, activation, res_BMxBN, o_ref.dtype)
-    o_ref[...] = out_BMxBN
+    plgpu.store(o_ref.at[rows_BM[:, None], out_cols_BN[None, :]], out_BMxBN, mask=out_ok_BMxBN)
     if tile_lists:  # this column tile's active neurons, packed (TwELL): module docstring
         ids_ref, count_ref, pairs_ref = list_refs
         on_BMxBN = ((out_BMxBN > 0) & row_ok_BM[:, None] & col_ok_BN[None, :]).astype(jnp.int32)
@@ -310,25 +315,26 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
     kernel = functools.partial(
         _matvec_kernel, m=m, n=n, k=k, layout=layout, has_layer=layer is not None,
         has_norm=norm_scale is not None, has_gate=gate is not None, has_residual=residual is not None,
-        has_enable=enable is not None, n_parts=len(parts), activation=activation, eps=float(eps), block_k=bk,
-        n_k=n_k, precision=_dot_precision(x_MxK.dtype), split_k=split, n_k_split=-(-n_k // split))
-    if split > 1:  # fp32 partials [S * m_pad, n_pad]: split s owns rows [s * m_pad, (s + 1) * m_pad)
-        m_blocks = m_pad // bm
+        has_enable=enable is not None, n_parts=len(parts), activation=activation, eps=float(eps), block_m=bm,
+        block_n=bn, block_k=bk, n_k=n_k, precision=_dot_precision(x_MxK.dtype), split_k=split,
+        n_k_split=-(-n_k // split))
+    n_out = n * len(parts)
+    if split > 1:  # fp32 partials [S * m, n_out]: split s owns rows [s * m, (s + 1) * m)
         partials = pl.pallas_call(
             kernel,
-            grid=(n_pad // bn, m_blocks, split),
+            grid=(n_pad // bn, m_pad // bm, split),
             in_specs=whole,
-            out_specs=pl.BlockSpec((bm, bn), lambda j, i, s: (s * m_blocks + i, j)),
-            out_shape=jax.ShapeDtypeStruct((split * m_pad, n_pad), jnp.float32),
+            out_specs=pl.BlockSpec((split * m, n_out), lambda j, i, s: (0, 0)),
+            out_shape=jax.ShapeDtypeStruct((split * m, n_out), jnp.float32),
             compiler_params=compiler_params(block_sizes),
             interpret=interpret,
             debug=debug,
             name="twell_decode_matvec_split",
         )(*operands)
-        acc = jnp.sum(partials.reshape(split, m_pad, n_pad), axis=0)[:m, :n * len(parts)]
+        acc = jnp.sum(partials.reshape(split, m, n_out), axis=0)
         return _epilogue((acc,), x_MxK.dtype, activation, residual, out_dtype)
-    out_specs = [pl.BlockSpec((bm, bn), lambda j, i: (i, j))]
-    out_shape = [jax.ShapeDtypeStruct((m_pad, n_pad), jnp.dtype(out_dtype or x_MxK.dtype))]
+    out_specs = [pl.BlockSpec((m, n_out), lambda j, i: (0, 0))]
+    out_shape = [jax.ShapeDtypeStruct((m, n_out), jnp.dtype(out_dtype or x_MxK.dtype))]
     if tile_lists:  # ids [T * bn], count [T], pairs [T]: program j writes tile j's
         out_specs += [pl.BlockSpec((bn,), lambda j, i: (j,))] + [pl.BlockSpec((1,), lambda j, i: (j,))] * 2
         out_shape += [jax.ShapeDtypeStruct((n_pad,), jnp.int32)] + [jax.ShapeDtypeStruct((n_pad // bn,), jnp.int32)] * 2
@@ -343,8 +349,7 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
         debug=debug,
         name="twell_decode_gate_lists" if tile_lists else "twell_decode_matvec",
     )(*operands)
-    out = outs[0][:m, :n * len(parts)]  # a slice of the padded output: XLA fuses it into the consumer
-    return (out, *outs[1:]) if tile_lists else out
+    return tuple(outs) if tile_lists else outs[0]
 
 
 def _check_tile_lists(m: int, block_m: int, n_parts: int, gate, activation, residual, enable, split_k: int) -> None:
