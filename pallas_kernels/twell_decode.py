@@ -350,12 +350,12 @@ def _tile_list_reader(count_ref, ids_ref, *, tile: int, block_h: int, limit: int
 def _fused_kernel(n_ref, layer_ref, order_ref, x_ref, g_ref, *refs, m: int, d: int, h: int, capacity: int,
                   block_h: int, block_k: int, n_k: int, gated: bool, has_residual: bool,
                   precision: lax.Precision, tile: int = 0, has_norm: bool = False, eps: float = 0.0,
-                  limit: int | None = None) -> None:
+                  limit: int | None = None, block_m: int = 16, block_d: int = 128) -> None:
     """Program (j, i): output columns [j*BD, (j+1)*BD) x tokens [i*BM, (i+1)*BM), `hidden` and
     `down` in one: each step of BH active neurons computes their h itself, then adds h . W.
     Refs: n [1], layer [1], order [>= C], x [M, D], g [M, H] (whole, as `_hidden_kernel`), then
     norm scale [(L*)D] (has_norm), w_up [(L*)H, D] (gated only), w_down [(L*)H, D], residual
-    [M, D] (if given), y [BM, BD]. tile > 0: n is the gate's count [T] and order its ids
+    [M, D] (if given), y [M, D] (whole: a masked store of the program's block). tile > 0: n is the gate's count [T] and order its ids
     [T * tile] (`_tile_list_reader`; no capacity: every active neuron is listed)."""
     refs = list(refs)
     scale_ref = refs.pop(0) if has_norm else None
@@ -363,7 +363,6 @@ def _fused_kernel(n_ref, layer_ref, order_ref, x_ref, g_ref, *refs, m: int, d: i
     w_down_ref = refs.pop(0)
     residual_ref = refs.pop(0) if has_residual else None
     (y_ref,) = refs
-    block_m, block_d = y_ref.shape
     layer = jnp.max(layer_ref[...]).astype(jnp.int32)
     base = layer * h
     if tile:
@@ -408,7 +407,8 @@ def _fused_kernel(n_ref, layer_ref, order_ref, x_ref, g_ref, *refs, m: int, d: i
         acc_BMxBD = acc_BMxBD + plgpu.load(
             residual_ref.at[rows_BM[:, None], cols_BD[None, :]],
             mask=row_ok_BM[:, None] & col_ok_BD[None, :], other=0).astype(jnp.float32)
-    y_ref[...] = acc_BMxBD.astype(y_ref.dtype)
+    plgpu.store(y_ref.at[rows_BM[:, None], cols_BD[None, :]], acc_BMxBD.astype(y_ref.dtype),
+                mask=row_ok_BM[:, None] & col_ok_BD[None, :])
 
 
 def _check_operands(x_MxD, g_MxH, w_up_HxD, w_down_HxD) -> None:
@@ -549,22 +549,23 @@ def _launch_fused(lists: tuple[jax.Array, jax.Array], x_MxD, g_MxH, w_up_HxD, w_
     operands = [lists[0], layer, lists[1], x_MxD, g_MxH]
     operands += [w for w in (norm_scale, w_up_HxD, w_down_HxD, residual_MxD) if w is not None]
     whole = lambda a: pl.BlockSpec(a.shape, lambda j, i: (0,) * a.ndim)  # noqa: E731
-    # The output is padded to whole blocks (sliced below): an unmasked store per program, so no
-    # masked-off lane can alias a live lane's address.
-    y_MpxDp = pl.pallas_call(
+    # The output is exactly [M, D], each program's block stored with a mask (rows >= M and columns
+    # >= D past its end: distinct addresses, no live lane's): a padded output's slice feeding the
+    # next layer's kernel would be a copy launch of its own.
+    return pl.pallas_call(
         functools.partial(_fused_kernel, m=m, d=d, h=g_MxH.shape[1], block_h=block_sizes.block_h, block_k=bk,
                           n_k=-(-d // bk), gated=w_up_HxD is not None, has_residual=residual_MxD is not None,
-                          has_norm=norm_scale is not None, precision=_dot_precision(x_MxD.dtype), **kernel_kwargs),
+                          has_norm=norm_scale is not None, precision=_dot_precision(x_MxD.dtype), block_m=bm,
+                          block_d=bd, **kernel_kwargs),
         grid=(d_out // bd, m_pad // bm),
         in_specs=[whole(a) for a in operands],
-        out_specs=pl.BlockSpec((bm, bd), lambda j, i: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((m_pad, d_out), x_MxD.dtype),
+        out_specs=whole(x_MxD),
+        out_shape=jax.ShapeDtypeStruct((m, d), x_MxD.dtype),
         compiler_params=compiler_params(block_sizes),
         interpret=interpret,
         debug=debug,
         name="twell_decode_tiles" if kernel_kwargs.get("tile") else "twell_decode_fused",
     )(*operands)
-    return y_MpxDp[:m, :d]
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "block_sizes", "interpret", "debug"))
