@@ -73,6 +73,21 @@ def test_parse_trace_aggregates_gpu_stream_kernels_only():
     assert KernelProfile.from_json(p.to_json()) == p
 
 
+def test_figures_per_unit_of_a_call():
+    """units_per_call (a device loop's decode steps): every per-call figure divided by it, the
+    table labelled per step; shares unchanged."""
+    per_call, per_step = parse_trace(gpu_trace(), repeats=2), parse_trace(gpu_trace(), repeats=2, units_per_call=4)
+    assert per_step.units_per_call == 4 and per_step.repeats == 2
+    for field in ("span_ms", "kernel_ms", "busy_ms"):
+        assert getattr(per_step, field) == pytest.approx(getattr(per_call, field) / 4)
+    for a, b in zip(per_call.kernels, per_step.kernels):
+        assert (b.calls, b.ms, b.share) == pytest.approx((a.calls / 4, a.ms / 4, a.share))
+    assert "over 2 calls of 4 steps: span 0.150 ms/step" in format_profile(per_step)[0]
+    assert KernelProfile.from_json(per_step.to_json()) == per_step
+    with pytest.raises(ValueError, match="units_per_call must be an int >= 1"):
+        parse_trace(gpu_trace(), 2, units_per_call=0)
+
+
 def test_parse_trace_without_gpu_kernels_says_why():
     host_only = {"traceEvents": [_meta(HOST, "/host:CPU"), _meta(HOST, "python", 1),
                                  _x(HOST, 1, 0.0, 10.0, "PjitFunction(step)")]}

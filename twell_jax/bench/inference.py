@@ -241,8 +241,9 @@ def bench_decode(runner: Runner, n_layers: int, tokens: jax.Array, context: int,
                  trace_top: int = 0) -> dict[str, Any]:
     """KV-cached decode of `steps` tokens per row after prefilling `tokens` [batch, context - steps];
     `compiler_options`: XLA options of the decode loop's program (e.g. its command buffers);
-    `trace_top` > 0: also profile one decode step (its own program, at the last slot) and keep its
-    `trace_top` largest kernels (`kernel_trace.format_profile`) under "trace"."""
+    `trace_top` > 0: also profile two calls of the timed loop program and keep its `trace_top`
+    largest kernels per step (`kernel_trace.format_profile`) under "trace": the time line as the
+    loop runs it (its span per step against its busy time shows the gaps between launches)."""
     batch, prefill_len = tokens.shape
     assert prefill_len == context - steps, (tokens.shape, context, steps)
 
@@ -273,10 +274,8 @@ def bench_decode(runner: Runner, n_layers: int, tokens: jax.Array, context: int,
     l0 = step_fn(runner.params, token_B, cache, True)[1] if runner.telemetry else None
     trace = None
     if trace_top:
-        one_step = jax.jit(lambda *args: runner.step(*args)[:2],  # as the timed loop: no active counts
-                           compiler_options=compiler_options or None)
-        trace = format_profile(kernel_times(one_step, (runner.params, cache, token_B[:, None], jnp.int32(context - 1)),
-                                            repeats=5), top=trace_top)
+        trace = format_profile(kernel_times(lambda: step_fn(runner.params, token_B, cache, False), (), repeats=2,
+                                            units_per_call=steps), top=trace_top)
     # First calls: each program's compile and one run (the prefill in chunks; the decode steps' loop).
     return {"tokens_per_s": batch * steps / per_call, "ms_per_step": 1e3 * per_call / steps, "calls": calls,
             "prefill_first_call_s": prefill_first_s, "steps_first_call_s": steps_first_s,
@@ -405,8 +404,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="decode_matvec block sizes per role for this run, from `bench_decode_matvec.py "
                              "--blocks-out FILE` (to measure a sweep's choice before it becomes ROLE_BLOCK_SIZES)")
     parser.add_argument("--trace-decode", type=int, default=0, metavar="TOP",
-                        help="profile one decode step of every decode row at the first batch and print its "
-                             "TOP largest kernels (the step's time line; JSON: the row's 'trace')")
+                        help="profile the timed decode loop of every decode row at the first batch and print "
+                             "its TOP largest kernels per step (the step's time line; JSON: the row's 'trace')")
     parser.add_argument("--peak-gbs", type=float, default=3350.0,
                         help="the device's HBM bandwidth for the decode rows' share of the floor (H100 SXM)")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: checks the plumbing")

@@ -61,10 +61,15 @@ class KernelProfile:
     busy_ms: float = 0.0  # union of the kernel intervals / repeats (GPU busy on any stream)
     gpu_processes: tuple[str, ...] = ()  # the GPU process names the kernels came from
     reason: str = ""  # why `kernels` is empty ("" when it is not)
+    # Every per-call figure above is per unit when a call runs several (a device loop of decode
+    # steps: figures per step); 1 = per call.
+    units_per_call: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.repeats, int) or self.repeats < 1:
-            raise ValueError(f"KernelProfile.repeats must be an int >= 1, got {self.repeats!r}")
+        for field in ("repeats", "units_per_call"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"KernelProfile.{field} must be an int >= 1, got {value!r}")
         if not self.kernels and not self.reason:
             raise ValueError("KernelProfile without kernels needs a reason")
 
@@ -108,12 +113,14 @@ def _names(events: Sequence[dict], kind: str) -> dict:
     return out
 
 
-def parse_trace(trace_json: dict, repeats: int) -> KernelProfile:
-    """The KernelProfile of a Chrome-trace dict ({"traceEvents": [...]}) holding `repeats` calls."""
+def parse_trace(trace_json: dict, repeats: int, units_per_call: int = 1) -> KernelProfile:
+    """The KernelProfile of a Chrome-trace dict ({"traceEvents": [...]}) holding `repeats` calls,
+    its figures per unit of `units_per_call` per call (KernelProfile.units_per_call)."""
     if not isinstance(trace_json, dict) or not isinstance(trace_json.get("traceEvents"), list):
         raise ValueError("trace_json must be a dict with a 'traceEvents' list (the profiler's trace.json)")
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    for name, value in (("repeats", repeats), ("units_per_call", units_per_call)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     events = trace_json["traceEvents"]
     processes = _names(events, "process_name")
     threads = _names(events, "thread_name")
@@ -148,16 +155,19 @@ def parse_trace(trace_json: dict, repeats: int) -> KernelProfile:
             cur_end = max(cur_end, end)
     busy += cur_end - cur_start
     total = sum(dur for _, dur in per_name.values())
-    per_call_ms = 1e-3 / repeats
-    stats = tuple(sorted((KernelStat(name, n / repeats, dur * per_call_ms, dur / total if total else 0.0)
+    units = repeats * units_per_call
+    per_unit_ms = 1e-3 / units
+    stats = tuple(sorted((KernelStat(name, n / units, dur * per_unit_ms, dur / total if total else 0.0)
                           for name, (n, dur) in per_name.items()), key=lambda s: (-s.ms, s.name)))
     span = max(end for _, end in intervals) - intervals[0][0]
-    return KernelProfile(repeats, stats, span_ms=span * per_call_ms, kernel_ms=total * per_call_ms,
-                         busy_ms=busy * per_call_ms, gpu_processes=gpu_names)
+    return KernelProfile(repeats, stats, span_ms=span * per_unit_ms, kernel_ms=total * per_unit_ms,
+                         busy_ms=busy * per_unit_ms, gpu_processes=gpu_names, units_per_call=units_per_call)
 
 
-def kernel_times(fn: Callable[..., Any], args: Sequence[Any], *, repeats: int = 5) -> KernelProfile:
-    """Profile `repeats` back-to-back calls fn(*args) (after one warm-up call outside the trace)."""
+def kernel_times(fn: Callable[..., Any], args: Sequence[Any], *, repeats: int = 5,
+                 units_per_call: int = 1) -> KernelProfile:
+    """Profile `repeats` back-to-back calls fn(*args) (after one warm-up call outside the trace);
+    figures per unit when each call runs `units_per_call` (a device loop's steps)."""
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     jax.block_until_ready(fn(*args))
@@ -171,7 +181,7 @@ def kernel_times(fn: Callable[..., Any], args: Sequence[Any], *, repeats: int = 
     if trace_json is None:
         return KernelProfile(repeats, reason="no GPU events: the profiler wrote neither a *.trace.json.gz "
                                              "nor a *.xplane.pb")
-    return parse_trace(trace_json, repeats)
+    return parse_trace(trace_json, repeats, units_per_call)
 
 
 def read_profile_dir(log_dir: Path) -> dict | None:
@@ -207,7 +217,9 @@ def format_profile(profile: KernelProfile, top: int = 12) -> list[str]:
     """A short table: the `top` kernels by time (name, launches, ms, share per program call)."""
     if not profile.kernels:
         return [f"kernel trace: {profile.reason}"]
-    lines = [f"kernel trace over {profile.repeats} calls: span {profile.span_ms:.3f} ms/call, "
+    unit = "call" if profile.units_per_call == 1 else "step"
+    over = f"{profile.repeats} calls" + ("" if unit == "call" else f" of {profile.units_per_call} steps")
+    lines = [f"kernel trace over {over}: span {profile.span_ms:.3f} ms/{unit}, "
              f"kernels {profile.kernel_ms:.3f} ms, busy {profile.busy_ms:.3f} ms, "
              f"{len(profile.kernels)} kernel names",
              f"{'kernel':<44} {'calls':>6} {'ms':>8} {'share':>6}"]
