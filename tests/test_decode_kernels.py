@@ -500,11 +500,12 @@ def test_compact_active_rows_lowers_to_triton_for_cuda(capsys):
     assert set(re.findall(r'"(\w+\.\w+)"', printed)) <= {"tt.reduce", "tt.scan"}
 
 
-def test_auto_picks_fused_or_split_per_layer_by_the_expected_union():
-    """model.decode_sparse_ffn="auto" (the default): per sparse layer, the fused kernel where the
-    union expected from the layer's activity hint is small, `hidden` + `down` where it is not (the
-    fused kernel's every program walks all the active neurons: planner.decode_sparse_way); the
-    step runs both and equals the XLA path."""
+def test_auto_picks_one_launch_or_split_per_layer_by_the_expected_union():
+    """model.decode_sparse_ffn="auto" (the default): per sparse layer, one launch walking the
+    active neurons where the union expected from the layer's activity hint is small (the gate's
+    tile lists, "tiles", where the gate's program holds every row; else the compacted list,
+    "fused"), `hidden` + `down` where it is not (that launch's every program walks all the active
+    neurons: planner.decode_sparse_way); the step runs both and equals the XLA path."""
     from twell_jax.ops import planner
 
     assert planner.decode_sparse_way(1, None, 5632) == "fused"  # no hint
@@ -513,12 +514,16 @@ def test_auto_picks_fused_or_split_per_layer_by_the_expected_union():
     assert planner.decode_sparse_way(8, 10.0, 5632) == "split"  # a union of ~80 over 8 rows
     cfg = dataclasses.replace(BASE, decode_sparse_ffn="auto", ffn_expected_active=(4.0, 60.0, 4.0))
     model = init_model(cfg, seed=4)
-    assert model.decode_layer_ways(1, jnp.float32) == ("fused", "split", "fused")
+    assert model.decode_layer_ways(1, jnp.float32) == ("tiles", "split", "tiles")
+    # More rows than the gate's program holds (16): the compacted list for the small unions.
+    few = init_model(dataclasses.replace(cfg, ffn_expected_active=(0.2, 60.0, 0.2)), seed=4)
+    assert few.decode_layer_ways(17, jnp.float32) == ("fused", "split", "fused")
     tokens, start = jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32)
     traced = jax.make_jaxpr(lambda c: model.decode(tokens, c, jnp.int32(3), start))(init_cache(cfg, 1, 8))
     names, _ = _pallas_names_and_row_sums(traced, (1, cfg.d_ff))
-    # Three scans (fused, split, fused): the fused kernel in two, `hidden` in one.
-    assert names.count("twell_decode_fused") == 2 and names.count("twell_decode_hidden") == 1, names
+    # The layers unrolled: the tiles kernel in two, `hidden` in one, no compaction.
+    assert names.count("twell_decode_tiles") == 2 and names.count("twell_decode_hidden") == 1, names
+    assert names.count("twell_decode_compact_rows") == 1, names
     forced = init_model(dataclasses.replace(cfg, decode_sparse_ffn="fused"), seed=4)
     assert forced.decode_layer_ways(1, jnp.float32) == ("fused",) * 3
     tokens = jax.random.randint(jax.random.key(12), (1, 10), 0, cfg.vocab_size)

@@ -30,8 +30,9 @@ DECODE_KERNELS: dict[str, str] = {
 # How a sparse layer's FFN runs in the decode kernels' step (model.decode_sparse_ffn), after the gate's
 # product (pallas_kernels/twell_decode.py, decode_matvec.py).
 DECODE_SPARSE_FFN: dict[str, str] = {
-    "auto": "per sparse layer, 'fused' where the union of the step's rows' active neurons expected from the "
-            "layer's activity hint is small (ops.planner.decode_sparse_way: at most 48 on the H100), else 'split'",
+    "auto": "per sparse layer, one launch walking the active neurons where the union of the step's rows' active "
+            "neurons expected from the layer's activity hint is small (ops.planner.decode_sparse_way: at most 48 "
+            "on the H100): 'tiles' where the gate's program holds every row (16), else 'fused'; else 'split'",
     "tiles": "the gate's product packs each column tile's active neurons in its epilogue (TwELL) and one "
              "launch reads those lists for the up and down products, the residual in its epilogue: two launches "
              "a layer after the norm, no compaction (a step of more rows than the gate's max_block_m, 16, runs "

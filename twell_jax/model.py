@@ -623,8 +623,10 @@ class Transformer(nnx.Module):
     def decode_layer_ways(self, batch: int, dtype: Any) -> tuple[str, ...]:
         """Per layer, how a one-token decode step of `batch` rows runs its FFN: "dense" (the fused
         dense products) or the sparse kernels of model.decode_sparse_ffn, "auto" resolved per layer
-        by `planner.decode_sparse_way` from the layer's activity hint ("fused" or "split"); "tiles"
-        needs every row in one program of the gate and runs "fused" for more rows."""
+        by `planner.decode_sparse_way` from the layer's activity hint (one launch walking every
+        active neuron, "tiles" where the gate's program holds every row, else "fused"; or
+        "split"); "tiles" needs every row in one program of the gate and runs "fused" for more
+        rows."""
         if self.is_swiglu:
             return ("dense",) * self.n_layers
         itemsize = jnp.dtype(dtype).itemsize
@@ -637,11 +639,16 @@ class Transformer(nnx.Module):
             for config in self.op_configs)
         from twell_jax.pallas_kernels.decode_matvec import role_block_sizes
 
+        tiles_fit = batch <= role_block_sizes("gate").block_m(batch)  # every row in one program of the gate
+
         def way(config: Any) -> str:
             if self.decode_sparse_ffn == "auto":
                 expected = None if config is None else config.expected_active_per_token
-                return planner.decode_sparse_way(batch, expected, self.d_ff)
-            if self.decode_sparse_ffn == "tiles" and batch > role_block_sizes("gate").block_m(batch):
+                chosen = planner.decode_sparse_way(batch, expected, self.d_ff)
+                # One launch walking every active neuron: from the gate's tile lists where they hold
+                # the rows (no compaction launch: 0.516 against 0.531 ms/step, BENCHMARKS.md, Decode).
+                return "tiles" if chosen == "fused" and tiles_fit else chosen
+            if self.decode_sparse_ffn == "tiles" and not tiles_fit:
                 return "fused"
             return self.decode_sparse_ffn
 
