@@ -12,6 +12,7 @@ program's launch cancels. The best variant per shape is printed last; --out gets
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -100,7 +101,8 @@ def write_blocks(path: str, rows: list[dict], role_shapes: dict[str, str], m: in
     for role, name in role_shapes.items():
         b = fastest(rows, name, m)
         if b:
-            roles[role] = {f: b[f] for f in ("block_n", "block_k", "num_warps", "num_stages", "split_k")}
+            roles[role] = {f: b[f] for f in ("block_n", "block_k", "num_warps", "num_stages", "split_k",
+                                             "programs_n")}
     Path(path).write_text(json.dumps({"device": jax.devices()[0].device_kind, "m": m, "roles": roles}, indent=1) + "\n")
     return sorted(roles)
 
@@ -115,6 +117,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="weight copies per stack: their bytes must pass the L2 cache (50 MB on an H100)")
     parser.add_argument("--reps", type=int, default=4, help="passes over the layers in the shorter timed chain")
     parser.add_argument("--peak-gbs", type=float, default=3350.0, help="HBM bandwidth for the share column")
+    parser.add_argument("--programs", default="0", metavar="P,...",
+                        help="MatvecBlockSizes.programs_n values swept with every block (0 = one program per "
+                             "block_n columns; e.g. 132,264 on an H100: one or two programs per SM)")
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--blocks-out", default=None, metavar="FILE",
@@ -125,12 +130,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     unknown = sorted(set(wanted) - {shape[0] for shape in SHAPES})
     if unknown:
         parser.error(f"--shapes: unknown {unknown}; expected some of {[shape[0] for shape in SHAPES]}")
-    shapes, sweeps, interpret = [shape for shape in SHAPES if shape[0] in wanted], SWEEPS, False
+    try:
+        programs = [int(p) for p in args.programs.split(",") if p]
+    except ValueError:
+        programs = []
+    if not programs or min(programs) < 0:
+        parser.error(f"--programs {args.programs!r}: expected integers >= 0, comma-separated")
+    sweeps = {layout: [dataclasses.replace(sizes, programs_n=p) for sizes in variants for p in programs]
+              for layout, variants in SWEEPS.items()}
+    shapes, interpret = [shape for shape in SHAPES if shape[0] in wanted], False
     role_shapes = ROLE_SHAPES
     if args.dry_run:
         shapes = (("tiny", 40, 48, "kn", False, 1), ("tiny_gated", 40, 48, "nk", True, 1),
                   ("tiny_parts", 32, 48, "kn", False, 3))
-        tiny = [MatvecBlockSizes(block_n=16, block_k=16, num_stages=1, split_k=sk) for sk in (1, 2)]
+        tiny = [MatvecBlockSizes(block_n=16, block_k=16, num_stages=1, split_k=sk, programs_n=p)
+                for sk in (1, 2) for p in (0, 3)]
         sweeps = {"nk": tiny, "kn": tiny}
         role_shapes = {"out": "tiny", "gate_up": "tiny_gated", "qkv": "tiny_parts"}
         interpret, args.min_seconds, args.layers, args.reps = True, 0.0, 2, 1
@@ -161,8 +175,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             xla_us = per_call_us(xla, x, w, gate, **timing)
             want = jax.jit(xla, static_argnums=3)(x, w, gate, 1).astype(jnp.float32)
             for sizes in sweeps[layout]:
-                if (gated and sizes.split_k > 1) or (parts > 1 and n % sizes.block_n):
-                    continue  # refused by the kernel: a split gate; parts not a multiple of block_n
+                if (gated and sizes.split_k > 1) or (parts > 1 and (n % sizes.block_n or sizes.programs_n)) or (
+                        sizes.programs_n and -(-n * parts // sizes.programs_n) > sizes.block_n):
+                    continue  # refused by the kernel: a split gate; parts not a multiple of block_n or
+                    # with programs_n; more columns a program than block_n
                 fn = lambda x, w, g, i, s=sizes: decode_matvec(
                     x, w, layer=jnp.full((1,), i, jnp.int32), layout=layout, gate=g,
                     activation="relu" if gated else None, block_sizes=s, interpret=interpret)
@@ -175,7 +191,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     continue
                 rows.append({"shape": name, "m": m, "n": n, "k": k, "layout": layout, "gated": gated, "parts": parts,
                              "block_n": sizes.block_n, "block_k": sizes.block_k, "num_warps": sizes.num_warps,
-                             "num_stages": sizes.num_stages, "split_k": sizes.split_k, "us": us, "xla_us": xla_us, "vs_xla": xla_us / us,
+                             "num_stages": sizes.num_stages, "split_k": sizes.split_k,
+                             "programs_n": sizes.programs_n, "us": us, "xla_us": xla_us, "vs_xla": xla_us / us,
                              "gb_s": nbytes / us / 1e3, "peak_share": nbytes / us / 1e3 / args.peak_gbs,
                              "rel_err_vs_xla": err})
             best = fastest(rows, name, m)
@@ -183,7 +200,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(f"[matvec] m {m} {name}: no variant ran", flush=True)
             else:
                 print(f"[matvec] m {m} {name}: best bn {best['block_n']} bk {best['block_k']} w{best['num_warps']} "
-                      f"s{best['num_stages']} split {best['split_k']} {best['us']:.1f} us ({best['gb_s']:.0f} GB/s) vs XLA {xla_us:.1f} us", flush=True)
+                      f"s{best['num_stages']} split {best['split_k']} programs {best['programs_n']} {best['us']:.1f} us ({best['gb_s']:.0f} GB/s) vs XLA {xla_us:.1f} us", flush=True)
             if args.blocks_out and m == first_m:  # after every shape, as --out
                 write_blocks(args.blocks_out, rows, role_shapes, m)
             if args.out:  # after every shape: a run cut short keeps what it measured
@@ -193,14 +210,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for name, *_ in shapes:
             b = fastest(rows, name, m)
             if b:
-                print(f"| {m} | {name} | {b['block_n']}/{b['block_k']}/w{b['num_warps']}/s{b['num_stages']}/k{b['split_k']} | "
+                print(f"| {m} | {name} | {b['block_n']}/{b['block_k']}/w{b['num_warps']}/s{b['num_stages']}/k{b['split_k']}/p{b['programs_n']} | "
                       f"{b['us']:.1f} | {b['gb_s']:.0f} | {b['peak_share']:.0%} | {b['xla_us']:.1f} | {b['vs_xla']:.2f}x |")
         print(f"\n# decode_matvec.ROLE_BLOCK_SIZES: each role's fastest blocks at m {m}")
         for role, name in role_shapes.items():
             b = fastest(rows, name, m)
             if b:
                 print(f'    "{role}": MatvecBlockSizes(block_n={b["block_n"]}, block_k={b["block_k"]}, '
-                      f'num_warps={b["num_warps"]}, num_stages={b["num_stages"]}, split_k={b["split_k"]}),')
+                      f'num_warps={b["num_warps"]}, num_stages={b["num_stages"]}, split_k={b["split_k"]}, '
+                      f'programs_n={b["programs_n"]}),')
     if args.blocks_out:
         print(f"[matvec] wrote {args.blocks_out}: {write_blocks(args.blocks_out, rows, role_shapes, first_m)}")
     return rows

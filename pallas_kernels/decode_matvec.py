@@ -22,7 +22,8 @@ to the kernel, so no layer's weights are copied out of it (XLA's slice of a scan
 a GEMM is a copy: 0.34-0.37 ms of a 1.5-1.7 ms step of the 0.5b model, BENCHMARKS.md, Decode).
 
 Grid (cdiv(N, block_n), cdiv(M, block_m)): program (j, i) owns output columns [j*bn, (j+1)*bn)
-of rows [i*bm, (i+1)*bm); it loops over K in block_k steps (a tensor-core dot of [bm, bk] x
+of rows [i*bm, (i+1)*bm) (with MatvecBlockSizes.programs_n, exactly that many column programs of
+W = cdiv(N, programs_n) <= bn columns each: [j*W, (j+1)*W), the other lanes masked); it loops over K in block_k steps (a tensor-core dot of [bm, bk] x
 [bk, bn], fp32 accumulation; bm >= 16 is the dot's minimum, rows >= M are masked lanes that move no
 bytes). The norm's sum of squares is a first pass over the program's x rows (x is KBs: L2-resident).
 No operand is padded, nor the output: it is exactly [M, N], stored with a row and column mask
@@ -64,6 +65,12 @@ class MatvecBlockSizes:
     # N: 2048 columns in blocks of 32 are 64 programs on 132 SMs); their fp32 partials are summed
     # and the epilogue applied in XLA (one small fusion). Not with a gate.
     split_k: int = 1
+    # > 0: exactly this many column programs, each owning ceil(N / programs_n) <= block_n
+    # consecutive columns (its block's other lanes masked: they move no bytes), so a launch fills
+    # the SMs evenly (5632 columns in blocks of 32 are 176 programs on 132 SMs: 44 SMs run two
+    # and the others idle half the time; 264 programs of 22 columns run two on every SM). 0:
+    # ceil(N / block_n) programs of block_n columns. One weight part only (no q/k/v triple).
+    programs_n: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "max_block_m"):
@@ -72,10 +79,24 @@ class MatvecBlockSizes:
                 raise ValueError(f"MatvecBlockSizes.{name} must be a power of two >= 16, got {value!r}")
         if isinstance(self.split_k, bool) or not isinstance(self.split_k, int) or self.split_k < 1:
             raise ValueError(f"MatvecBlockSizes.split_k must be an int >= 1, got {self.split_k!r}")
+        if isinstance(self.programs_n, bool) or not isinstance(self.programs_n, int) or self.programs_n < 0:
+            raise ValueError(f"MatvecBlockSizes.programs_n must be an int >= 0 (0 = one program per block_n "
+                             f"columns), got {self.programs_n!r}")
         check_launch_sizes(self)
 
     def block_m(self, m: int) -> int:
         return max(16, min(self.max_block_m, next_pow2(m)))
+
+    def columns(self, n: int) -> tuple[int, int]:
+        """(column programs, columns each owns) for an output of n columns; ValueError when
+        programs_n asks for more than block_n columns a program."""
+        if not self.programs_n:
+            return -(-n // self.block_n), self.block_n
+        width = -(-n // self.programs_n)
+        if width > self.block_n:
+            raise ValueError(f"MatvecBlockSizes.programs_n={self.programs_n} gives {width} columns a program for "
+                             f"N={n}, more than block_n={self.block_n}")
+        return -(-n // width), width
 
 
 # What a call without block_sizes uses: among the variants of `experiments/bench_decode_matvec.py
@@ -123,7 +144,7 @@ def _act(v: jax.Array, activation: str | None) -> jax.Array:
 def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, has_norm: bool,
                    has_gate: bool, has_residual: bool, has_enable: bool, n_parts: int, activation: str | None,
                    eps: float, block_m: int, block_n: int, block_k: int, n_k: int, precision: lax.Precision,
-                   split_k: int = 1, n_k_split: int = 0, tile_lists: bool = False) -> None:
+                   split_k: int = 1, n_k_split: int = 0, tile_lists: bool = False, width: int = 0) -> None:
     refs = list(refs)
     layer_ref = refs.pop(0) if has_layer else None
     enable_ref = refs.pop(0) if has_enable else None
@@ -136,15 +157,17 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
     layer = jnp.max(layer_ref[...]).astype(jnp.int32) if has_layer else jnp.int32(0)
     rows_BM = pl.program_id(1) * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
     row_ok_BM = rows_BM < m
-    cols_BN = pl.program_id(0) * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
-    col_ok_BN = cols_BN < n * n_parts
+    width = width or block_n  # columns this program owns (MatvecBlockSizes.columns)
+    lane_BN = lax.broadcasted_iota(jnp.int32, (block_n,), 0)
+    cols_BN = pl.program_id(0) * width + lane_BN
+    col_ok_BN = (cols_BN < n * n_parts) & (lane_BN < width)
     # The output is exactly [m, n * n_parts] (split: [S * m, ...]), stored with a mask: no padded
     # rows for XLA to slice off (a slice feeding another kernel is a copy launch of its own).
     out_cols_BN, out_ok_BMxBN = cols_BN, row_ok_BM[:, None] & col_ok_BN[None, :]
     # Several parts (w = (w_q, w_k, w_v)): output columns [p*n, (p+1)*n) are part p's; a program's
     # columns lie in one part (n % block_n == 0), whose loads are the only live ones (masked-off
     # loads move no bytes).
-    part = (pl.program_id(0) * block_n) // n
+    part = (pl.program_id(0) * width) // n
     cols_BN = cols_BN - part * n
     col_ok_BN = col_ok_BN & (cols_BN < n)
     step_BK = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
@@ -222,7 +245,7 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
         on_BMxBN = ((out_BMxBN > 0) & row_ok_BM[:, None] & col_ok_BN[None, :]).astype(jnp.int32)
         pairs_ref[...] = jnp.broadcast_to(jnp.sum(on_BMxBN), (1,))
         store_partition(jnp.sum(on_BMxBN, axis=0) > 0, ids_ref, count_ref, h=n,
-                        first=pl.program_id(0) * block_n)
+                        first=pl.program_id(0) * width)
 
 
 def _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_dtype,
@@ -285,10 +308,11 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
     residual, or zeros): a device-side switch, no host round trip.
 
     tile_lists=True (the sparse layers' gate in a decode step): returns (out [M, N], ids [T * bn]
-    int32, count [T] int32, pairs [T] int32) for the T = cdiv(N, block_n) column tiles: tile t's
-    neurons with out > 0 in ANY row (the union of the rows' active neurons) are ids[t*bn :
-    t*bn + count[t]], ascending, the rest of its slots its inactive neurons (padding columns
-    clamped to N - 1); pairs[t] = the (row, neuron) pairs with out > 0. Packed in the product's
+    int32, count [T] int32, pairs [T] int32) for the T column programs (`MatvecBlockSizes.columns`:
+    tile t = its W columns, W = block_n unless programs_n says fewer): tile t's neurons with
+    out > 0 in ANY row (the union of the rows' active neurons) are ids[t*bn : t*bn + count[t]],
+    ascending, the rest of its bn slots the lanes after them (ids clamped to N - 1); pairs[t] =
+    the (row, neuron) pairs with out > 0. Packed in the product's
     epilogue, per tile (TwELL: no extra launch, no sync between programs); read by
     twell_decode.sparse_decode_ffn_tiles. Needs one row block (M <= the block sizes' max_block_m),
     one part, split_k 1, and no gate, activation, residual or enable."""
@@ -298,7 +322,11 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
     parts = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     m = x_MxK.shape[0]
     bm, bn, bk = block_sizes.block_m(m), block_sizes.block_n, block_sizes.block_k
-    m_pad, n_pad = round_up(m, bm), round_up(n * len(parts), bn)
+    m_pad = round_up(m, bm)
+    if block_sizes.programs_n and len(parts) > 1:
+        raise ValueError(f"MatvecBlockSizes.programs_n={block_sizes.programs_n} needs one weight part (a "
+                         f"program's columns in one part), got {len(parts)}")
+    programs, width = block_sizes.columns(n * len(parts))
     if tile_lists:
         _check_tile_lists(m, bm, len(parts), gate, activation, residual, enable, block_sizes.split_k)
     flat = (n_layers * parts[0].shape[-2], parts[0].shape[-1])  # [L*N, K] or [L*K, N]: a bitcast
@@ -317,12 +345,12 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
         has_norm=norm_scale is not None, has_gate=gate is not None, has_residual=residual is not None,
         has_enable=enable is not None, n_parts=len(parts), activation=activation, eps=float(eps), block_m=bm,
         block_n=bn, block_k=bk, n_k=n_k, precision=_dot_precision(x_MxK.dtype), split_k=split,
-        n_k_split=-(-n_k // split))
+        n_k_split=-(-n_k // split), width=width)
     n_out = n * len(parts)
     if split > 1:  # fp32 partials [S * m, n_out]: split s owns rows [s * m, (s + 1) * m)
         partials = pl.pallas_call(
             kernel,
-            grid=(n_pad // bn, m_pad // bm, split),
+            grid=(programs, m_pad // bm, split),
             in_specs=whole,
             out_specs=pl.BlockSpec((split * m, n_out), lambda j, i, s: (0, 0)),
             out_shape=jax.ShapeDtypeStruct((split * m, n_out), jnp.float32),
@@ -337,10 +365,11 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
     out_shape = [jax.ShapeDtypeStruct((m, n_out), jnp.dtype(out_dtype or x_MxK.dtype))]
     if tile_lists:  # ids [T * bn], count [T], pairs [T]: program j writes tile j's
         out_specs += [pl.BlockSpec((bn,), lambda j, i: (j,))] + [pl.BlockSpec((1,), lambda j, i: (j,))] * 2
-        out_shape += [jax.ShapeDtypeStruct((n_pad,), jnp.int32)] + [jax.ShapeDtypeStruct((n_pad // bn,), jnp.int32)] * 2
+        out_shape += [jax.ShapeDtypeStruct((programs * bn,), jnp.int32)] + [
+            jax.ShapeDtypeStruct((programs,), jnp.int32)] * 2
     outs = pl.pallas_call(
         functools.partial(kernel, tile_lists=tile_lists),
-        grid=(n_pad // bn, m_pad // bm),
+        grid=(programs, m_pad // bm),
         in_specs=whole,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -364,16 +393,20 @@ def _check_tile_lists(m: int, block_m: int, n_parts: int, gate, activation, resi
         raise ValueError(f"tile_lists cannot be combined with {', '.join(named)}")
 
 
-def tile_lists_reference(out_MxN: jax.Array, tile: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def tile_lists_reference(out_MxN: jax.Array, tile: int, width: int | None = None
+                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`decode_matvec(tile_lists=True)`'s (ids, count, pairs) from its output [M, N], in jnp: per
-    tile of `tile` columns, the stable partition of the neurons with out > 0 in any row."""
+    tile of `width` columns (default `tile`: MatvecBlockSizes.columns) in `tile` slots, the stable
+    partition of the neurons with out > 0 in any row."""
     m, n = out_MxN.shape
-    n_tiles = -(-n // tile)
-    on_MxTxS = jnp.pad(out_MxN > 0, ((0, 0), (0, n_tiles * tile - n))).reshape(m, n_tiles, tile)
+    width = width or tile
+    n_tiles = -(-n // width)
+    on_MxTxW = jnp.pad(out_MxN > 0, ((0, 0), (0, n_tiles * width - n))).reshape(m, n_tiles, width)
+    on_MxTxS = jnp.pad(on_MxTxW, ((0, 0), (0, 0), (0, tile - width)))  # lanes past the width: off
     active_TxS = jnp.any(on_MxTxS, axis=0)
     # Stable sort on "inactive": the active lanes first, each group in lane order.
     perm_TxS = jnp.argsort(~active_TxS, axis=1, stable=True).astype(jnp.int32)
-    ids = jnp.minimum(perm_TxS + jnp.arange(n_tiles, dtype=jnp.int32)[:, None] * tile, n - 1)
+    ids = jnp.minimum(perm_TxS + jnp.arange(n_tiles, dtype=jnp.int32)[:, None] * width, n - 1)
     return (ids.reshape(-1), jnp.sum(active_TxS, axis=1, dtype=jnp.int32),
             jnp.sum(on_MxTxS, axis=(0, 2), dtype=jnp.int32))
 

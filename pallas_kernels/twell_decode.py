@@ -614,8 +614,8 @@ def sparse_decode_ffn_tiles(x_MxD: jax.Array, g_MxH: jax.Array, ids: jax.Array, 
     n_tiles = count.shape[0]
     tile = ids.shape[0] // n_tiles if ids.ndim == 1 else 0
     if (ids.ndim != 1 or ids.dtype != jnp.int32 or tile < 1 or tile * n_tiles != ids.shape[0]
-            or not (n_tiles - 1) * tile < h <= n_tiles * tile):
-        raise ValueError(f"ids must be int32 [T * S] covering H={h} neurons in T={n_tiles} tiles of S "
+            or not h <= n_tiles * tile):
+        raise ValueError(f"ids must be int32 [T * S] covering H={h} neurons in T={n_tiles} tiles of S slots "
                          f"(decode_matvec's tile_lists), got {ids.dtype}{ids.shape}")
     if norm_scale is not None:
         if w_up_HxD is None:

@@ -158,3 +158,37 @@ def test_every_decode_role_has_block_sizes():
     assert all(isinstance(role_block_sizes(role), MatvecBlockSizes) for role in ROLES)
     with pytest.raises(ValueError, match="role"):
         role_block_sizes("lm_head")
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("m,n,programs", [(1, 40, 3), (17, 33, 4), (3, 64, 5)])
+def test_balanced_column_programs_match_the_reference(layout, m, n, programs):
+    """MatvecBlockSizes.programs_n: exactly `programs` column programs of ceil(n / programs) <=
+    block_n columns (the block's other lanes masked), with and without split_k, every option."""
+    x, w, gate, scale, res = _inputs(jnp.float32, m, n, 40, layers=2, seed=m * n)
+    if layout == "kn":
+        w, gate = jnp.swapaxes(w, 1, 2), jnp.swapaxes(gate, 1, 2)
+    layer = jnp.asarray([1], jnp.int32)
+    for split in (1, 2):
+        sizes = MatvecBlockSizes(block_n=16, block_k=16, num_warps=1, num_stages=1, split_k=split,
+                                 programs_n=programs)
+        assert sizes.columns(n) == (-(-n // -(-n // programs)), -(-n // programs))
+        cases = [dict(norm_scale=scale, residual=res), dict(activation="relu")]
+        if split == 1:
+            cases.append(dict(norm_scale=scale, gate=gate, activation="relu"))
+        for kwargs in cases:
+            got = decode_matvec(x, w, layer=layer, layout=layout, block_sizes=sizes, interpret=True, **kwargs)
+            want = decode_matvec_reference(x, w, layer=layer, layout=layout, **kwargs)
+            assert got.shape == (m, n), kwargs
+            assert _rel(got, want) <= TOL[jnp.float32], (split, kwargs, _rel(got, want))
+
+
+def test_balanced_column_programs_refuse_what_they_cannot_hold():
+    x, w, *_ = _inputs(jnp.float32, 1, 40, 16)
+    with pytest.raises(ValueError, match="programs_n=2 gives 20 columns a program for N=40, more than block_n=16"):
+        decode_matvec(x, w, block_sizes=MatvecBlockSizes(block_n=16, block_k=16, programs_n=2), interpret=True)
+    x, w, *_ = _inputs(jnp.float32, 1, 32, 16)
+    with pytest.raises(ValueError, match="needs one weight part"):
+        decode_matvec(x, (w, w), block_sizes=MatvecBlockSizes(block_n=16, block_k=16, programs_n=5), interpret=True)
+    with pytest.raises(ValueError, match="programs_n must be an int >= 0"):
+        MatvecBlockSizes(programs_n=-1)

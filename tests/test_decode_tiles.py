@@ -86,6 +86,29 @@ def test_gate_tile_lists_equal_their_reference(m, n):
             assert int(np.sum(pairs)) == n  # row 0 only
 
 
+@pytest.mark.parametrize("m,n,programs", [(1, 151, 13), (3, 64, 5), (16, 40, 3)])
+def test_gate_tile_lists_of_balanced_programs(m, n, programs):
+    """MatvecBlockSizes.programs_n: `programs` tiles of ceil(n / programs) <= 16 columns each in 16
+    slots (the lanes past the width off): the same product, lists equal to the reference of that
+    width, every active neuron listed once, ascending."""
+    balanced = dataclasses.replace(GATE, programs_n=programs)
+    width = -(-n // programs)
+    n_tiles = -(-n // width)
+    for i, pattern in enumerate(PATTERNS):
+        x, w = gate_inputs(m, n, 40, pattern, seed=7 * m + n + i)
+        out, ids, count, pairs = decode_matvec(x, w, out_dtype=jnp.float32, block_sizes=balanced, tile_lists=True,
+                                               interpret=True)
+        assert ids.shape == (16 * n_tiles,) and count.shape == pairs.shape == (n_tiles,), pattern
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(
+            decode_matvec(x, w, out_dtype=jnp.float32, block_sizes=GATE, interpret=True)))
+        for got, want in zip((ids, count, pairs), tile_lists_reference(out, 16, width)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=pattern)
+        on = np.asarray(out) > 0
+        listed = np.concatenate([np.asarray(ids[t * 16: t * 16 + int(count[t])]) for t in range(n_tiles)])
+        np.testing.assert_array_equal(listed, np.flatnonzero(np.any(on, axis=0)), err_msg=pattern)
+        assert int(np.sum(pairs)) == int(np.sum(on)), pattern
+
+
 def test_gate_tile_lists_with_the_norm_and_a_stacked_layer():
     """The sparse layer's gate as the model calls it: RMSNorm prologue, stacked weights read in place."""
     x, w = gate_inputs(3, 37, 40, "sparse", seed=5)
@@ -115,8 +138,8 @@ def test_gate_tile_lists_reject_what_they_cannot_pack():
         call(block_sizes=MatvecBlockSizes(block_n=16, block_k=16, split_k=2))
 
 
-def _lists(g, tile):
-    return tile_lists_reference(g, tile)[:2]
+def _lists(g, tile, width=None):
+    return tile_lists_reference(g, tile, width)[:2]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -125,7 +148,8 @@ def _lists(g, tile):
                                        (3, "all")])
 def test_tiles_kernel_equals_the_compacted_list_kernel(dtype, gated, m, pattern):
     """The same neurons in the same (ascending) order: the same sums as `sparse_decode_ffn_fused`,
-    bit for bit in interpret mode, for tiles of 16 and of 64 (151 neurons: 10 and 3 tiles)."""
+    bit for bit in interpret mode, for tiles of 16 and of 64 slots (151 neurons: 10 and 3 tiles),
+    and tiles narrower than their slots (MatvecBlockSizes.programs_n: 12 of 16, 47 of 64)."""
     x, g, w_up, w_down, residual = fused_inputs(dtype, m, pattern, seed=m + 10 * gated)
     order, n = compact_active_reference(jnp.any(g > 0, axis=0))
     up = w_up if gated else None
@@ -133,8 +157,8 @@ def test_tiles_kernel_equals_the_compacted_list_kernel(dtype, gated, m, pattern)
         want = sparse_decode_ffn_fused(x, g, order, n, up, w_down, capacity=160, residual_MxD=residual,
                                        block_sizes=sizes, interpret=True)
         oracle = fused_oracle(x, g, order, n, up, w_down, 160, residual)
-        for tile in (16, 64):
-            ids, count = _lists(g, tile)
+        for tile, width in ((16, 16), (64, 64), (16, 12), (64, 47)):
+            ids, count = _lists(g, tile, width)
             y = sparse_decode_ffn_tiles(x, g, ids, count, up, w_down, residual_MxD=residual, block_sizes=sizes,
                                         interpret=True)
             assert y.shape == x.shape and y.dtype == x.dtype
