@@ -15,6 +15,14 @@ Grid (B, N, S): program (b, n, s) runs an online softmax (fp32) over its share o
 (acc [K] unnormalised, max, sum); `combine` merges the S partials per (b, n) in XLA (a few KB).
 S spreads a small batch over the SMs (S = 1 at large batches). A program with no visible slot
 writes max -1e30, sum 0 and contributes nothing. Deterministic: fixed orders, no atomics.
+
+`decode_attention_qkv` is the model's decode step (`Transformer._decode_step_kernels`): it takes the
+q/k/v product's output [B, 3 * N * K] and each row's RoPE angles, and every program applies RoPE
+to its head's query (and key) as it loads them, rounded as the model rounds them; the program whose
+share of the slots holds the new slot `index` writes the new key and value into the caches (aliased
+to the outputs: in place) and starts its online softmax from them in registers, and every program
+skips slot `index` in its loads, so no program reads what the launch writes. This replaces RoPE,
+two cache writes and their casts, each an XLA launch a layer.
 """
 from __future__ import annotations
 

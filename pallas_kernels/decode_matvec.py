@@ -114,6 +114,8 @@ DEFAULT_BLOCK_SIZES = MatvecBlockSizes(block_n=32, block_k=256, num_warps=8, num
 # TB/s; experiments/results/bench_decode_matvec_nk_h100_2026-11-24.json). The `kn` roles
 # (q/k/v, output and W_down as stored, read only with model.decode_transposed off) keep
 # DEFAULT_BLOCK_SIZES: their sweep ran with the old loop timing, whose figures were not usable.
+# programs_n (an even load on the SMs) swept for q/k/v, gate/up and the gate (`--programs 0,132,264`,
+# H100, 2026-11-24): within 1% of these blocks alone, and no faster in the model's step; not used.
 ROLES = ("qkv", "out", "gate_up", "down", "head", "gate", "qkv_nk", "out_nk", "down_nk")
 ROLE_BLOCK_SIZES: dict[str, MatvecBlockSizes] = {
     "qkv": DEFAULT_BLOCK_SIZES, "out": DEFAULT_BLOCK_SIZES, "down": DEFAULT_BLOCK_SIZES,

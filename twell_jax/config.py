@@ -211,11 +211,9 @@ class ModelConfig:
     # Callers of `decode` pass the copies.
     decode_transposed: bool = True
     # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN), measured on the H100
-    # (0.5b, batch 1; BENCHMARKS.md, Decode): "auto" 0.612 ms/step against 0.627 for every layer
-    # "fused" in one process; in another, "fused" 0.640 against 0.695 for "tiles" and 0.708 for
-    # "split". "fused" loses to "split" in a layer above ~49 active neurons (its every program walks
-    # them all), hence "auto". "tiles" has one launch a layer fewer and the same kernel time, but its
-    # device loop ran slower with XLA's command buffers (with them off, faster: docs/model.md).
+    # (0.5b, batch 1, one process; BENCHMARKS.md, Decode): "auto" 0.505 ms/step, every layer "tiles"
+    # 0.507, "fused" 0.524, "split" 0.551. The one-launch ways lose to "split" in a layer above ~49
+    # active neurons (their every program walks them all), hence "auto".
     decode_sparse_ffn: Literal["auto", "tiles", "fused", "split"] = "auto"
     # Layers per iteration of the decode kernels' layer loop, as model.layer_unroll for the other
     # programs: 0 = every layer unrolled (no loop: each layer's index a constant, no per-iteration
