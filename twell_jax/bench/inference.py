@@ -299,12 +299,14 @@ def load_matvec_blocks(path: str) -> dict[str, Any]:
 
 
 def bench_generate(model: Transformer, cfg: ModelConfig, prompt: list[int], new_tokens: int, chunks: list[int],
-                   repeats: int = 2) -> list[dict[str, Any]]:
+                   repeats: int = 2, trace_top: int = 0) -> list[dict[str, Any]]:
     """`Generator.generate` end to end at batch 1 (greedy, no EOS: exactly `new_tokens` tokens), one
     row per decode chunk size: what `twell generate` delivers, host round trips included; the
     best of `repeats` calls after a first one (compilation is reported apart by the Generator, and
     appears here only as compile_s). One Generator: its prefill program and weight copies serve
-    every chunk size."""
+    every chunk size. `trace_top` > 0: also profile two calls and keep the `trace_top` largest
+    kernels per decode step under "trace" (the prefill's kernels are in it, spread over the steps:
+    a span per step well above the busy time means the device waited on the host)."""
     generator = Generator(LoadedModel(model=model, config=experiment_config_for(cfg), tokenizer=None, step=None))
     rows = []
     for chunk in chunks:
@@ -317,6 +319,12 @@ def bench_generate(model: Transformer, cfg: ModelConfig, prompt: list[int], new_
         rows.append({"tokens_per_s": best.decode_tokens_per_s(), "ms_per_step": 1e3 * best.decode_s / best.decode_steps,
                      "chunk": chunk, "decode_steps": best.decode_steps, "prefill_s": best.prefill_s,
                      "compile_s": first.compile_s, "tokens": best.tokens[0], "l0_per_layer": None})
+        if trace_top:
+            profile = kernel_times(lambda c=chunk: generator.generate([prompt], new_tokens, SamplingConfig(), eos=(),
+                                                                      chunk=c), (), repeats=2,
+                                   units_per_call=best.decode_steps)
+            rows[-1].update(trace=format_profile(profile, top=trace_top), trace_span_ms_per_step=profile.span_ms,
+                            trace_busy_ms_per_step=profile.busy_ms, trace_kernel_ms_per_step=profile.kernel_ms)
     return rows
 
 
@@ -404,8 +412,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="decode_matvec block sizes per role for this run, from `bench_decode_matvec.py "
                              "--blocks-out FILE` (to measure a sweep's choice before it becomes ROLE_BLOCK_SIZES)")
     parser.add_argument("--trace-decode", type=int, default=0, metavar="TOP",
-                        help="profile the timed decode loop of every decode row at the first batch and print "
-                             "its TOP largest kernels per step (the step's time line; JSON: the row's 'trace')")
+                        help="profile the timed decode loop of every decode row at the first batch, and two "
+                             "calls of every generate row, and print the TOP largest kernels per step (the "
+                             "step's time line; JSON: the row's 'trace')")
     parser.add_argument("--peak-gbs", type=float, default=3350.0,
                         help="the device's HBM bandwidth for the decode rows' share of the floor (H100 SXM)")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: checks the plumbing")
@@ -500,11 +509,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print("\n".join(f"[bench]   {line}" for line in r["trace"]))
         if args.generate_tokens and name in models:  # plain JAX has no generator: ratios vs dense only
             for r in bench_generate(models[name], configs[name], text[0, :prompt_len].tolist(), args.generate_tokens,
-                                    chunks):
+                                    chunks, trace_top=args.trace_decode):
                 rows.append({"variant": name, "phase": f"generate, chunk {r['chunk']}", "batch": 1, **r})
                 print(f"[bench] generate {name} chunk {r['chunk']}: {r['tokens_per_s']:.1f} tokens/s "
                       f"({r['ms_per_step']:.3f} ms/token over {r['decode_steps']} steps; "
                       f"compile {r['compile_s']:.1f}s)")
+                if "trace" in r:
+                    print("\n".join(f"[bench]   {line}" for line in r["trace"]))
 
     for name, runner in runners.items():
         if not name.endswith(("+stored", "+loop", *(f"+{v}" for v in DECODE_SPARSE_FFN))):  # decode rows only: its prefill is its variant's
