@@ -116,6 +116,8 @@ DEFAULT_BLOCK_SIZES = MatvecBlockSizes(block_n=32, block_k=256, num_warps=8, num
 # DEFAULT_BLOCK_SIZES: their sweep ran with the old loop timing, whose figures were not usable.
 # programs_n (an even load on the SMs) swept for q/k/v, gate/up and the gate (`--programs 0,132,264`,
 # H100, 2026-11-24): within 1% of these blocks alone, and no faster in the model's step; not used.
+# K elements a step of the norm prologue's sum-of-squares pass loads per row (at most).
+NORM_BLOCK_K = 512
 ROLES = ("qkv", "out", "gate_up", "down", "head", "gate", "qkv_nk", "out_nk", "down_nk")
 ROLE_BLOCK_SIZES: dict[str, MatvecBlockSizes] = {
     "qkv": DEFAULT_BLOCK_SIZES, "out": DEFAULT_BLOCK_SIZES, "down": DEFAULT_BLOCK_SIZES,
@@ -184,11 +186,18 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
 
     inv_rms_BM = None
     if has_norm:
-        def ss_step(t, ss_BM):
-            x_BMxBK = load_x(t)[0].astype(jnp.float32)
-            return ss_BM + jnp.sum(x_BMxBK * x_BMxBK, axis=1)
+        # The sum of squares in steps of its own, wider than the dot's: this pass is dependent
+        # latency before the first weight load (x is L2-resident), so fewer, larger loads.
+        ss_bk = min(next_pow2(k), NORM_BLOCK_K)
+        ss_step_SK = lax.broadcasted_iota(jnp.int32, (ss_bk,), 0)
 
-        ss_BM = lax.fori_loop(jnp.int32(0), jnp.int32(n_k), ss_step, jnp.zeros((block_m,), jnp.float32))
+        def ss_step(t, ss_BM):
+            ks_SK = t * ss_bk + ss_step_SK
+            x_BMxSK = plgpu.load(x_ref.at[rows_BM[:, None], ks_SK[None, :]],
+                                 mask=row_ok_BM[:, None] & (ks_SK < k)[None, :], other=0).astype(jnp.float32)
+            return ss_BM + jnp.sum(x_BMxSK * x_BMxSK, axis=1)
+
+        ss_BM = lax.fori_loop(jnp.int32(0), jnp.int32(-(-k // ss_bk)), ss_step, jnp.zeros((block_m,), jnp.float32))
         inv_rms_BM = lax.rsqrt(ss_BM / k + eps)
 
     def load_w(ref, ks_BK: jax.Array, k_ok_BK: jax.Array, live=True) -> jax.Array:

@@ -192,3 +192,19 @@ def test_balanced_column_programs_refuse_what_they_cannot_hold():
         decode_matvec(x, (w, w), block_sizes=MatvecBlockSizes(block_n=16, block_k=16, programs_n=5), interpret=True)
     with pytest.raises(ValueError, match="programs_n must be an int >= 0"):
         MatvecBlockSizes(programs_n=-1)
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_the_norm_prologue_over_several_of_its_steps(layout):
+    """K = 1100: the sum-of-squares pass runs three steps of NORM_BLOCK_K (the last partial)."""
+    from twell_jax.pallas_kernels.decode_matvec import NORM_BLOCK_K
+
+    assert -(-1100 // NORM_BLOCK_K) == 3
+    x, w, gate, scale, res = _inputs(jnp.float32, 3, 24, 1100, seed=11)
+    if layout == "kn":
+        w, gate = w.T, gate.T
+    sizes = MatvecBlockSizes(block_n=16, block_k=128, num_warps=1, num_stages=1)
+    for kwargs in (dict(norm_scale=scale), dict(norm_scale=scale, gate=gate, activation="relu")):
+        got = decode_matvec(x, w, layout=layout, block_sizes=sizes, interpret=True, **kwargs)
+        want = decode_matvec_reference(x, w, layout=layout, **kwargs)
+        assert _rel(got, want) <= TOL[jnp.float32], (kwargs, _rel(got, want))

@@ -141,7 +141,8 @@ def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_inference.py"), "--dry-run",
-                           "--stored-decode-rows", "--sparse-ffn-rows", "auto,tiles", "--trace-decode", "3", "--out", str(out)], capture_output=True, text=True, env=env,
+                           "--stored-decode-rows", "--loop-decode-rows", "--sparse-ffn-rows", "auto,tiles", "--trace-decode",
+                           "3", "--out", str(out)], capture_output=True, text=True, env=env,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     import json
@@ -152,10 +153,16 @@ def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_
     transposed = [r for r in rows if r["variant"].endswith("+stored")]
     assert {r["variant"] for r in transposed} == {"dense+stored", "twell-reference+stored"}
     assert {r["phase"] for r in transposed} == {"decode", "generate, chunk 1", "generate, chunk 16"}
-    # --trace-decode: every decode row at the first batch carries its step's kernel time line (on a
-    # CPU the profile is empty and says why), the other batches none.
-    traced = {(r["variant"], r["batch"]) for r in rows if "trace" in r}
-    assert traced == {(r["variant"], 1) for r in rows if r["phase"] == "decode"} and len(traced) == 6
+    # --loop-decode-rows: the dense and sparse variants with their decode layers in a loop
+    # (model.decode_layer_unroll=1), decode and generate only, the same tokens.
+    looped = [r for r in rows if r["variant"].endswith("+loop")]
+    assert {r["variant"] for r in looped} == {"dense+loop", "twell-reference+loop"}
+    assert {r["phase"] for r in looped} == {"decode", "generate, chunk 1", "generate, chunk 16"}
+    # --trace-decode: every decode row at the first batch carries its loop's kernel time line, and
+    # every generate row its calls' (on a CPU the profile is empty and says why), the other batches none.
+    traced = {(r["variant"], r["batch"]) for r in rows if "trace" in r and r["phase"] == "decode"}
+    assert traced == {(r["variant"], 1) for r in rows if r["phase"] == "decode"} and len(traced) == 8
+    assert all("trace" in r for r in rows if r["phase"].startswith("generate"))
     assert all(r["trace"] and r["trace"][0].startswith("kernel trace") for r in rows if "trace" in r)
     # --sparse-ffn-rows: the sparse variant with each named model.decode_sparse_ffn but the default
     # ("auto": only "+tiles"), decode and generate only (no prefill row), making the same tokens.
@@ -164,7 +171,8 @@ def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_
     assert {r["variant"] for r in fused} == {"twell-reference+tiles"}
     assert {r["phase"] for r in fused} == {"decode", "generate, chunk 1", "generate, chunk 16"}
     fused_tokens = {tuple(r["tokens"]) for r in fused if "tokens" in r}
-    rows = [r for r in rows if not r["variant"].endswith(("+stored", "+tiles"))]
+    assert {tuple(r["tokens"]) for r in looped if "tokens" in r} == fused_tokens
+    rows = [r for r in rows if not r["variant"].endswith(("+stored", "+tiles", "+loop"))]
     generate_rows = [r for r in rows if r["phase"].startswith("generate")]
     rows = [r for r in rows if not r["phase"].startswith("generate")]
     assert {(r["phase"], r["batch"]) for r in rows} == {("prefill", 2), ("decode", 1), ("decode", 2)}

@@ -471,8 +471,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         configs.update({f"{name}+stored": dataclasses.replace(c, decode_transposed=False)
                         for name, c in list(configs.items()) if name == "dense" or name.startswith("twell-")})
     if args.loop_decode_rows:
-        configs.update({f"{name}+loop": dataclasses.replace(c, decode_layer_unroll=1)
-                        for name, c in list(configs.items()) if name == "dense" or name.startswith("twell-")})
+        configs.update({f"{name}+loop": dataclasses.replace(c, decode_layer_unroll=1) for name, c in list(configs.items())
+                        if (name == "dense" or name.startswith("twell-")) and "+" not in name})
     for value in sparse_ffn_rows:  # decode and generate rows only, as the stored rows
         configs.update({f"{name}+{value}": dataclasses.replace(c, decode_sparse_ffn=value)
                         for name, c in list(configs.items())
