@@ -211,8 +211,8 @@ class ModelConfig:
     # Callers of `decode` pass the copies.
     decode_transposed: bool = True
     # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN), measured on the H100
-    # (0.5b, batch 1, one process; BENCHMARKS.md, Decode): "auto" 0.505 ms/step, every layer "tiles"
-    # 0.507, "fused" 0.524, "split" 0.551. The one-launch ways lose to "split" in a layer above ~49
+    # (0.5b, batch 1, one process; BENCHMARKS.md, Decode): "auto" 0.513 ms/step, every layer "tiles"
+    # 0.530, "fused" 0.538, "split" 0.564. The one-launch ways lose to "split" in a layer above ~49
     # active neurons (their every program walks them all), hence "auto".
     decode_sparse_ffn: Literal["auto", "tiles", "fused", "split"] = "auto"
     # Layers per iteration of the decode kernels' layer loop, as model.layer_unroll for the other

@@ -646,7 +646,7 @@ class Transformer(nnx.Module):
                 expected = None if config is None else config.expected_active_per_token
                 chosen = planner.decode_sparse_way(batch, expected, self.d_ff)
                 # One launch walking every active neuron: from the gate's tile lists where they hold
-                # the rows (no compaction launch: 0.516 against 0.531 ms/step, BENCHMARKS.md, Decode).
+                # the rows (no compaction launch: 0.530 against 0.538 ms/step, BENCHMARKS.md, Decode).
                 return "tiles" if chosen == "fused" and tiles_fit else chosen
             if self.decode_sparse_ffn == "tiles" and not tiles_fit:
                 return "fused"
