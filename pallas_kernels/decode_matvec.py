@@ -23,9 +23,10 @@ a GEMM is a copy: 0.34-0.37 ms of a 1.5-1.7 ms step of the 0.5b model, BENCHMARK
 
 Grid (cdiv(N, block_n), cdiv(M, block_m)): program (j, i) owns output columns [j*bn, (j+1)*bn)
 of rows [i*bm, (i+1)*bm) (with MatvecBlockSizes.programs_n, exactly that many column programs of
-W = cdiv(N, programs_n) <= bn columns each: [j*W, (j+1)*W), the other lanes masked); it loops over K in block_k steps (a tensor-core dot of [bm, bk] x
-[bk, bn], fp32 accumulation; bm >= 16 is the dot's minimum, rows >= M are masked lanes that move no
-bytes). The norm's sum of squares is a first pass over the program's x rows (x is KBs: L2-resident).
+W = cdiv(N, programs_n) <= bn columns each: [j*W, (j+1)*W), the other lanes masked); it loops
+over K in block_k steps (a tensor-core dot of [bm, bk] x [bk, bn], fp32 accumulation; bm >= 16
+is the dot's minimum, rows >= M are masked lanes that move no bytes). The norm's sum of squares is
+a first pass over the program's x rows (x is KBs: L2-resident), in steps of NORM_BLOCK_K.
 No operand is padded, nor the output: it is exactly [M, N], stored with a row and column mask
 (a padded output's slice feeding the next kernel would be a copy launch of its own: XLA cannot
 fuse a slice into a custom call). Nothing is accumulated across programs (deterministic).

@@ -355,8 +355,9 @@ def _fused_kernel(n_ref, layer_ref, order_ref, x_ref, g_ref, *refs, m: int, d: i
     `down` in one: each step of BH active neurons computes their h itself, then adds h . W.
     Refs: n [1], layer [1], order [>= C], x [M, D], g [M, H] (whole, as `_hidden_kernel`), then
     norm scale [(L*)D] (has_norm), w_up [(L*)H, D] (gated only), w_down [(L*)H, D], residual
-    [M, D] (if given), y [M, D] (whole: a masked store of the program's block). tile > 0: n is the gate's count [T] and order its ids
-    [T * tile] (`_tile_list_reader`; no capacity: every active neuron is listed)."""
+    [M, D] (if given), y [M, D] (whole: a masked store of the program's block). tile > 0: n is
+    the gate's count [T] and order its ids [T * tile] (`_tile_list_reader`; no capacity: every
+    active neuron is listed)."""
     refs = list(refs)
     scale_ref = refs.pop(0) if has_norm else None
     w_up_ref = refs.pop(0) if gated else None

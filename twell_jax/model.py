@@ -660,7 +660,8 @@ class Transformer(nnx.Module):
         """`decode` of one token per row by the decode kernels, per layer: the attention norm and
         the q/k/v projections in one `decode_matvec` launch; RoPE, the in-place cache writes and the
         attention in one launch (`decode_attention_qkv`, over the stacked caches in place and only
-        the visible slots; RoPE's angles made once per step); the output projection with the residual add in its epilogue; then the FFN:
+        the visible slots; RoPE's angles made once per step); the output projection with the
+        residual add in its epilogue; then the FFN:
         dense plans as one launch for norm + gate/up + activation and one for the down projection
         + residual; sparse plans (`decode_layer_ways`) by the sparse FFN's decode kernels (the
         gate's product, the union of the rows' active neurons compacted on the device, the up/down
