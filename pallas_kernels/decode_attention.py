@@ -196,7 +196,7 @@ def decode_attention(q_BxNxK: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 
 def _check_qkv(qkv_BxP, cos_BxH, sin_BxH, k_cache, v_cache, layer, index, start_B) -> None:
     _, b, _, n, k = k_cache.shape
-    _check(jnp.zeros((b, n, k), k_cache.dtype), k_cache, v_cache, layer, index, start_B)
+    _check(jax.ShapeDtypeStruct((b, n, k), k_cache.dtype), k_cache, v_cache, layer, index, start_B)
     if qkv_BxP.shape != (b, 3 * n * k):
         raise ValueError(f"qkv must be [B={b}, 3 * N * K={3 * n * k}] (q, k, v side by side, heads inside each), "
                          f"got {qkv_BxP.shape}")
