@@ -434,3 +434,13 @@ def test_several_decode_rows_plan_the_twins_products_where_the_switch_never_pays
     assert model.decode_layer_sparse(8, jnp.bfloat16) == (False, False)
     forced = nnx.eval_shape(lambda: init_model(dataclasses.replace(cfg, ffn_backend="pallas"), 0))
     assert forced.decode_layer_sparse(8, jnp.bfloat16) == (True, True)  # a backend the user forced stands
+    # Where some union pays (64 rows), a layer whose hint makes the expected union larger than the
+    # switch's limit plans the dense products too (the switch would fall back on most steps, after
+    # reading the gate's weights once more); a sparser one keeps the sparse kernels behind the switch.
+    limit = planner.decode_union_limit(64, d, h, device_switch=True)
+    mixed = nnx.eval_shape(lambda: init_model(dataclasses.replace(cfg, ffn_expected_active=(5.0, 0.5)), 0))
+    assert planner.expected_union(64, 0.5, h) <= limit < planner.expected_union(64, 5.0, h)
+    # (the op's own plan, which prices no switch, would run the first layer sparse)
+    assert ops.decode_forward_is_sparse(True, "auto", mixed.op_configs[0], 64, d, h, 2)
+    assert mixed.decode_layer_sparse(64, jnp.bfloat16) == (False, True)
+    assert mixed.decode_layer_sparse(1, jnp.bfloat16) == (True, True)

@@ -630,11 +630,23 @@ class Transformer(nnx.Module):
         if self.is_swiglu:
             return ("dense",) * self.n_layers
         itemsize = jnp.dtype(dtype).itemsize
-        # Several rows: the step's device-side switch costs the sparse side its own launches; where the
-        # cost model says no union pays for it, "auto" plans the twin's dense products (never slower).
-        switch_never_pays = batch > 1 and self.backend == "auto" and planner.decode_union_limit(
-            batch, self.d_model, self.d_ff, gated=self.gated, itemsize=itemsize, device_switch=True) == 0
-        sparse = tuple(not switch_never_pays and ops.decode_forward_is_sparse(
+        # Several rows: the step's device-side switch costs the sparse side its own launches, and above
+        # its union limit the dense side reads the gate's weights a second time. "auto" plans a
+        # layer's dense products statically (the twin's: never slower) where the cost model finds no
+        # union that pays for the switch, or where the union expected from the layer's hint is
+        # above that limit (the switch would fall back on most steps).
+        limit = None
+        if batch > 1 and self.backend == "auto":
+            limit = planner.decode_union_limit(batch, self.d_model, self.d_ff, gated=self.gated, itemsize=itemsize,
+                                               device_switch=True)
+
+        def below_limit(config: Any) -> bool:
+            if limit is None:
+                return True
+            expected = None if config is None else config.expected_active_per_token
+            return limit > 0 and (expected is None or planner.expected_union(batch, expected, self.d_ff) <= limit)
+
+        sparse = tuple(below_limit(config) and ops.decode_forward_is_sparse(
             self.gated, self.backend, config, batch, self.d_model, self.d_ff, itemsize, self.interpret)
             for config in self.op_configs)
         from twell_jax.pallas_kernels.decode_matvec import role_block_sizes
