@@ -90,7 +90,6 @@ def _attention_kernel(*refs, batch: int, length: int, heads: int, head_dim: int,
     share = -(-length // splits)
     begin = s * share
     m0, l0, acc0_K = jnp.float32(NEG), jnp.float32(0.0), jnp.zeros((head_dim,), jnp.float32)
-    owner = None
     if fused_qkv:
         index = jnp.minimum(index, length - 1)  # where XLA's cache write would clamp it
         half = head_dim // 2
