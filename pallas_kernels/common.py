@@ -87,3 +87,28 @@ def store_partition(active_L: jax.Array, order_ref, n_ref, *, h: int, first: jax
     slot_L = jnp.where(active_L, active_before_L, n + inactive_before_L)
     plgpu.store(order_ref.at[slot_L], jnp.minimum(first + lane_L, h - 1))
     n_ref[...] = jnp.broadcast_to(n, (1,))
+
+
+# K elements a step of a norm prologue's sum-of-squares pass loads per row (at most): the pass is
+# dependent latency before a kernel's first weight load (x is L2-resident), so few, wide loads.
+NORM_BLOCK_K = 512
+
+
+def rows_inv_rms(x_ref, rows_BM: jax.Array, row_ok_BM: jax.Array, *, k: int, eps: float,
+                 live: jax.Array | bool = True) -> jax.Array:
+    """Inside a kernel: rsqrt(mean(x[r]^2) + eps) of the rows `rows_BM` of x [M, k] (RMSNorm's
+    scale, fp32 [BM]; rows off `row_ok_BM` read as 0), from one pass in steps of up to
+    NORM_BLOCK_K. `live` False (traced): no pass, the result then unused. The RMSNorm prologue
+    of decode_matvec and of the sparse decode FFN kernels (twell_decode.py)."""
+    step = min(next_pow2(k), NORM_BLOCK_K)
+    lane_S = lax.broadcasted_iota(jnp.int32, (step,), 0)
+
+    def ss_step(t, ss_BM):
+        ks_S = t * step + lane_S
+        x_BMxS = plgpu.load(x_ref.at[rows_BM[:, None], ks_S[None, :]],
+                            mask=row_ok_BM[:, None] & (ks_S < k)[None, :], other=0).astype(jnp.float32)
+        return ss_BM + jnp.sum(x_BMxS * x_BMxS, axis=1)
+
+    trips = jnp.where(live, jnp.int32(-(-k // step)), jnp.int32(0)).astype(jnp.int32)
+    ss_BM = lax.fori_loop(jnp.int32(0), trips, ss_step, jnp.zeros(rows_BM.shape, jnp.float32))
+    return lax.rsqrt(ss_BM / k + eps)

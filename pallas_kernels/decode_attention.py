@@ -1,11 +1,13 @@
-"""Decode attention over a stacked KV cache (Pallas, Triton backend): one new query per row and head
-against the cached keys/values of one layer, read in place.
+"""Decode attention over a stacked KV cache (Pallas, Triton backend), the model's decode step
+(`Transformer._decode_step_kernels`): from the q/k/v product's output, RoPE of the new query and
+key, their writes into the caches and one new query per row and head against the cached keys and
+values of one layer, in one launch, the caches read and written in place.
 
-The model's caches are [L, B, T, N, K] arrays carried through the decode loop over the stacked
-layers. XLA's attention reads layer l's [B, T, N, K] out of them as a copy inside the loop (at
-batch 8 and 64 that copy cost more than the attention itself: BENCHMARKS.md, Decode); this kernel
-takes the whole caches and the traced `layer` and reads the slots it needs where they are, and it
-reads only the slots a row can see (up to the newest one), not the whole cache length.
+The model's caches are [L, B, T, N, K] arrays carried through the decode step's layers. XLA's
+attention reads layer l's [B, T, N, K] out of them as a copy (at batch 8 and 64 that copy cost
+more than the attention itself: BENCHMARKS.md, Decode); this kernel takes the whole caches and the
+`layer` and reads the slots it needs where they are, and only the slots a row can see (up to the
+newest one), not the whole cache length.
 
     visible(b, t) = t <= index and (t >= start[b] or t == index)     (the model's decode mask)
     out[b, n]     = softmax_t(q[b, n] . k[l, b, t, n] / sqrt(K)) . v[l, b, t, n]   over visible t
@@ -16,13 +18,12 @@ Grid (B, N, S): program (b, n, s) runs an online softmax (fp32) over its share o
 S spreads a small batch over the SMs (S = 1 at large batches). A program with no visible slot
 writes max -1e30, sum 0 and contributes nothing. Deterministic: fixed orders, no atomics.
 
-`decode_attention_qkv` is the model's decode step (`Transformer._decode_step_kernels`): it takes the
-q/k/v product's output [B, 3 * N * K] and each row's RoPE angles, and every program applies RoPE
-to its head's query (and key) as it loads them, rounded as the model rounds them; the program whose
-share of the slots holds the new slot `index` writes the new key and value into the caches (aliased
-to the outputs: in place) and starts its online softmax from them in registers, and every program
-skips slot `index` in its loads, so no program reads what the launch writes. This replaces RoPE,
-two cache writes and their casts, each an XLA launch a layer.
+Every program applies RoPE to its head's query (and the new key) as it loads them from the q/k/v
+output [B, 3 * N * K], rounded as the model rounds them; the program whose share of the slots holds
+the new slot `index` writes the new key and value into the caches (aliased to the outputs: in
+place) and starts its online softmax from them in registers, and every program skips slot `index`
+in its loads, so no program reads what the launch writes. This replaces RoPE, two cache writes and
+their casts, each an XLA launch a layer.
 """
 from __future__ import annotations
 
@@ -70,54 +71,44 @@ def _rotated(ref, row, cols_K, cos_K, sin_K, half: int):
     return x_K * cos_K + jnp.where(cols_K < half, -xp_K, xp_K) * sin_K
 
 
-def _attention_kernel(*refs, batch: int, length: int, heads: int, head_dim: int, splits: int, block_t: int,
-                      scale: float, fused_qkv: bool) -> None:
-    """Without `fused_qkv`: refs = (layer, index, start, q, k, v, acc, stats). With it: refs =
-    (layer, index, start, qkv, cos, sin, k, v, acc, stats, k_out, v_out): q and the new key get
-    RoPE here, rounded as the model rounds them; the program whose share of the slots holds
-    `index` writes the new key and value to the caches (aliased: k_out is k) and takes them from
-    registers, every program skips that slot in its loads (nothing reads what this launch writes)."""
-    if fused_qkv:
-        (layer_ref, index_ref, start_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, acc_ref, stats_ref,
-         k_out_ref, v_out_ref) = refs
-    else:
-        layer_ref, index_ref, start_ref, q_ref, k_ref, v_ref, acc_ref, stats_ref = refs
+def _attention_kernel(layer_ref, index_ref, start_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, acc_ref, stats_ref,
+                      k_out_ref, v_out_ref, *, batch: int, length: int, heads: int, head_dim: int, splits: int,
+                      block_t: int, scale: float) -> None:
+    """q and the new key get RoPE here, rounded as the model rounds them; the program whose share
+    of the slots holds `index` writes the new key and value to the caches (aliased: k_out is k) and
+    takes them from registers, every program skips that slot in its loads (nothing reads what this
+    launch writes)."""
     b, n, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = jnp.max(layer_ref[...]).astype(jnp.int32)
-    index = jnp.max(index_ref[...]).astype(jnp.int32)
+    index = jnp.minimum(jnp.max(index_ref[...]), length - 1).astype(jnp.int32)  # where XLA's write would clamp
     start_b = jnp.max(plgpu.load(start_ref.at[jnp.full((2,), b, jnp.int32)])).astype(jnp.int32)  # a 2-lane gather
     cols_K = lax.broadcasted_iota(jnp.int32, (head_dim,), 0)
     share = -(-length // splits)
     begin = s * share
-    m0, l0, acc0_K = jnp.float32(NEG), jnp.float32(0.0), jnp.zeros((head_dim,), jnp.float32)
-    if fused_qkv:
-        index = jnp.minimum(index, length - 1)  # where XLA's cache write would clamp it
-        half = head_dim // 2
-        freq_K = jnp.where(cols_K < half, cols_K, cols_K - half)
-        cos_K = plgpu.load(cos_ref.at[jnp.full((head_dim,), b, jnp.int32), freq_K])
-        sin_K = plgpu.load(sin_ref.at[jnp.full((head_dim,), b, jnp.int32), freq_K])
-        qkv_dtype, cache_dtype = qkv_ref.dtype, k_ref.dtype
-        q_K = _rotated(qkv_ref, (b * 3 + 0) * heads + n, cols_K, cos_K, sin_K, half)
-        q_K = q_K.astype(qkv_dtype).astype(cache_dtype).astype(jnp.float32)
-        k_new_K = _rotated(qkv_ref, (b * 3 + 1) * heads + n, cols_K, cos_K, sin_K, half)
-        k_new_K = k_new_K.astype(qkv_dtype).astype(cache_dtype)
-        v_new_K = plgpu.load(qkv_ref.at[jnp.full((head_dim,), (b * 3 + 2) * heads + n, jnp.int32),
-                                        cols_K]).astype(cache_dtype)
-        owner = (index >= begin) & (index < begin + share)
-        new_row = ((layer * batch + b) * length + index) * heads + n
+    half = head_dim // 2
+    freq_K = jnp.where(cols_K < half, cols_K, cols_K - half)
+    cos_K = plgpu.load(cos_ref.at[jnp.full((head_dim,), b, jnp.int32), freq_K])
+    sin_K = plgpu.load(sin_ref.at[jnp.full((head_dim,), b, jnp.int32), freq_K])
+    qkv_dtype, cache_dtype = qkv_ref.dtype, k_ref.dtype
+    q_K = _rotated(qkv_ref, (b * 3 + 0) * heads + n, cols_K, cos_K, sin_K, half)
+    q_K = q_K.astype(qkv_dtype).astype(cache_dtype).astype(jnp.float32)
+    k_new_K = _rotated(qkv_ref, (b * 3 + 1) * heads + n, cols_K, cos_K, sin_K, half)
+    k_new_K = k_new_K.astype(qkv_dtype).astype(cache_dtype)
+    v_new_K = plgpu.load(qkv_ref.at[jnp.full((head_dim,), (b * 3 + 2) * heads + n, jnp.int32),
+                                    cols_K]).astype(cache_dtype)
+    owner = (index >= begin) & (index < begin + share)
+    new_row = ((layer * batch + b) * length + index) * heads + n
 
-        @pl.when(owner)
-        def _write():
-            plgpu.store(k_out_ref.at[jnp.full((head_dim,), new_row, jnp.int32), cols_K], k_new_K)
-            plgpu.store(v_out_ref.at[jnp.full((head_dim,), new_row, jnp.int32), cols_K], v_new_K)
+    @pl.when(owner)
+    def _write():
+        plgpu.store(k_out_ref.at[jnp.full((head_dim,), new_row, jnp.int32), cols_K], k_new_K)
+        plgpu.store(v_out_ref.at[jnp.full((head_dim,), new_row, jnp.int32), cols_K], v_new_K)
 
-        # The owner starts its online softmax from the new slot (always visible).
-        s_new = jnp.sum(q_K * k_new_K.astype(jnp.float32)) * scale
-        m0 = jnp.where(owner, s_new, m0)
-        l0 = jnp.where(owner, jnp.float32(1.0), l0)
-        acc0_K = jnp.where(owner, v_new_K.astype(jnp.float32), acc0_K)
-    else:
-        q_K = plgpu.load(q_ref.at[jnp.full((head_dim,), b * heads + n, jnp.int32), cols_K]).astype(jnp.float32)
+    # The owner starts its online softmax from the new slot (always visible), the others from nothing.
+    s_new = jnp.sum(q_K * k_new_K.astype(jnp.float32)) * scale
+    m0 = jnp.where(owner, s_new, jnp.float32(NEG))
+    l0 = jnp.where(owner, jnp.float32(1.0), jnp.float32(0.0))
+    acc0_K = jnp.where(owner, v_new_K.astype(jnp.float32), jnp.zeros((head_dim,), jnp.float32))
     # Slots before start[b] are never visible except `index` itself, which the last block holds.
     first = jnp.maximum(begin, jnp.minimum(start_b, index))
     first = (first // block_t) * block_t
@@ -129,9 +120,8 @@ def _attention_kernel(*refs, batch: int, length: int, heads: int, head_dim: int,
     def t_step(i, carry):
         m, l, acc_K = carry
         t_T = first + i * block_t + step_T
-        vis_T = (t_T >= begin) & (t_T < end) & ((t_T >= start_b) | (t_T == index))
-        if fused_qkv:  # the new slot comes from registers (m0, l0, acc0)
-            vis_T = vis_T & (t_T != index)
+        # The new slot is visible but comes from registers (m0, l0, acc0), not the cache.
+        vis_T = (t_T >= begin) & (t_T < end) & (t_T >= start_b) & (t_T != index)
         rows_T = (row_base + jnp.minimum(t_T, length - 1)) * heads + n
         k_TxK = plgpu.load(k_ref.at[rows_T[:, None], cols_K[None, :]], mask=vis_T[:, None], other=0)
         v_TxK = plgpu.load(v_ref.at[rows_T[:, None], cols_K[None, :]], mask=vis_T[:, None], other=0)
@@ -163,36 +153,6 @@ def _check(q_BxNxK, k_cache, v_cache, layer, index, start_B) -> None:
             raise ValueError(f"{name} must be int32 {list(shape)}, got {value.dtype}{value.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "debug"))
-def decode_attention(q_BxNxK: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
-                     index: jax.Array, start_B: jax.Array, *,
-                     block_sizes: AttentionBlockSizes = AttentionBlockSizes(), interpret: bool = False,
-                     debug: bool = False) -> jax.Array:
-    """[B, N, K] attention output (q's dtype) of one new query per row and head over layer `layer`
-    of the [L, B, T, N, K] caches: slots t <= index visible, from start_B[b] on (and `index`)."""
-    _check(q_BxNxK, k_cache, v_cache, layer, index, start_B)
-    n_layers, b, length, n, k = k_cache.shape
-    splits = block_sizes.splits(b, n, length)
-    flat = (n_layers * b * length * n, k)
-    kernel = functools.partial(_attention_kernel, batch=b, length=length, heads=n, head_dim=k, splits=splits,
-                               block_t=block_sizes.block_t, scale=1.0 / float(k) ** 0.5, fused_qkv=False)
-    operands = (layer, index, start_B, q_BxNxK.reshape(b * n, k), k_cache.reshape(flat), v_cache.reshape(flat))
-    whole = [pl.BlockSpec(op.shape, lambda i, j, s, nd=op.ndim: (0,) * nd) for op in operands]
-    rows = b * n * splits
-    acc, stats = pl.pallas_call(
-        kernel,
-        grid=(b, n, splits),
-        in_specs=whole,
-        out_specs=[pl.BlockSpec((rows, k), lambda i, j, s: (0, 0)), pl.BlockSpec((rows, 2), lambda i, j, s: (0, 0))],
-        out_shape=[jax.ShapeDtypeStruct((rows, k), jnp.float32), jax.ShapeDtypeStruct((rows, 2), jnp.float32)],
-        compiler_params=compiler_params(block_sizes),
-        interpret=interpret,
-        debug=debug,
-        name="twell_decode_attention",
-    )(*operands)
-    return combine(acc.reshape(b, n, splits, k), stats.reshape(b, n, splits, 2)).astype(q_BxNxK.dtype)
-
-
 def _check_qkv(qkv_BxP, cos_BxH, sin_BxH, k_cache, v_cache, layer, index, start_B) -> None:
     _, b, _, n, k = k_cache.shape
     _check(jax.ShapeDtypeStruct((b, n, k), k_cache.dtype), k_cache, v_cache, layer, index, start_B)
@@ -214,8 +174,8 @@ def decode_attention_qkv(qkv_BxP: jax.Array, cos_BxH: jax.Array, sin_BxH: jax.Ar
     query and key (`cos`/`sin` [B, K/2] of each row's position, `model.rope_tables`), the new key
     and value written at slot `index` of layer `layer` of the [L, B, T, N, K] caches (in place:
     the caches are aliased to the outputs; an index past the end writes the last slot, as XLA's
-    clamped update would), and `decode_attention` of the new query over the visible slots, the new
-    one included. `qkv_BxP`: [B, 3 * N * K], q, k, v side by side. Returns (out [B, N, K] in
+    clamped update would), and the attention of the new query over the visible slots (module
+    docstring), the new one included. `qkv_BxP`: [B, 3 * N * K], q, k, v side by side. Returns (out [B, N, K] in
     qkv's dtype, k_cache, v_cache) = `decode_attention_qkv_reference`'s up to fp32 sum order.
     Replaces RoPE, two cache writes and the casts between the projection and the attention
     (each its own XLA launch) by nothing: the attention's programs do them."""
@@ -224,7 +184,7 @@ def decode_attention_qkv(qkv_BxP: jax.Array, cos_BxH: jax.Array, sin_BxH: jax.Ar
     splits = block_sizes.splits(b, n, length)
     flat = (n_layers * b * length * n, k)
     kernel = functools.partial(_attention_kernel, batch=b, length=length, heads=n, head_dim=k, splits=splits,
-                               block_t=block_sizes.block_t, scale=1.0 / float(k) ** 0.5, fused_qkv=True)
+                               block_t=block_sizes.block_t, scale=1.0 / float(k) ** 0.5)
     operands = (layer, index, start_B, qkv_BxP.reshape(b * 3 * n, k), cos_BxH, sin_BxH, k_cache.reshape(flat),
                 v_cache.reshape(flat))
     whole = [pl.BlockSpec(op.shape, lambda i, j, s, nd=op.ndim: (0,) * nd) for op in operands]

@@ -46,7 +46,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .common import check_launch_sizes, compiler_params, is_pow2, next_pow2, round_up, store_partition
+from .common import (NORM_BLOCK_K, check_launch_sizes, compiler_params, is_pow2, next_pow2,  # noqa: F401
+                     round_up, rows_inv_rms, store_partition)
 from .twell_pack import _dot_precision
 
 LAYOUTS = ("nk", "kn")
@@ -117,8 +118,6 @@ DEFAULT_BLOCK_SIZES = MatvecBlockSizes(block_n=32, block_k=256, num_warps=8, num
 # DEFAULT_BLOCK_SIZES: their sweep ran with the old loop timing, whose figures were not usable.
 # programs_n (an even load on the SMs) swept for q/k/v, gate/up and the gate (`--programs 0,132,264`,
 # H100, 2026-11-24): within 1% of these blocks alone, and no faster in the model's step; not used.
-# K elements a step of the norm prologue's sum-of-squares pass loads per row (at most).
-NORM_BLOCK_K = 512
 ROLES = ("qkv", "out", "gate_up", "down", "head", "gate", "qkv_nk", "out_nk", "down_nk")
 ROLE_BLOCK_SIZES: dict[str, MatvecBlockSizes] = {
     "qkv": DEFAULT_BLOCK_SIZES, "out": DEFAULT_BLOCK_SIZES, "down": DEFAULT_BLOCK_SIZES,
@@ -186,20 +185,8 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
         return x_BMxBK, ks_BK, k_ok_BK
 
     inv_rms_BM = None
-    if has_norm:
-        # The sum of squares in steps of its own, wider than the dot's: this pass is dependent
-        # latency before the first weight load (x is L2-resident), so fewer, larger loads.
-        ss_bk = min(next_pow2(k), NORM_BLOCK_K)
-        ss_step_SK = lax.broadcasted_iota(jnp.int32, (ss_bk,), 0)
-
-        def ss_step(t, ss_BM):
-            ks_SK = t * ss_bk + ss_step_SK
-            x_BMxSK = plgpu.load(x_ref.at[rows_BM[:, None], ks_SK[None, :]],
-                                 mask=row_ok_BM[:, None] & (ks_SK < k)[None, :], other=0).astype(jnp.float32)
-            return ss_BM + jnp.sum(x_BMxSK * x_BMxSK, axis=1)
-
-        ss_BM = lax.fori_loop(jnp.int32(0), jnp.int32(-(-k // ss_bk)), ss_step, jnp.zeros((block_m,), jnp.float32))
-        inv_rms_BM = lax.rsqrt(ss_BM / k + eps)
+    if has_norm:  # in steps of its own, wider than the dot's (common.rows_inv_rms)
+        inv_rms_BM = rows_inv_rms(x_ref, rows_BM, row_ok_BM, k=k, eps=eps)
 
     def load_w(ref, ks_BK: jax.Array, k_ok_BK: jax.Array, live=True) -> jax.Array:
         cols_ok_BN = col_ok_BN & live

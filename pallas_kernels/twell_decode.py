@@ -63,7 +63,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .common import (check_launch_sizes, compiler_params, is_pow2 as _is_pow2,
+from .common import (check_launch_sizes, compiler_params, is_pow2 as _is_pow2, rows_inv_rms,
                      next_pow2 as _next_pow2, round_up, store_partition)
 from .twell_pack import _dot_precision
 
@@ -376,19 +376,9 @@ def _fused_kernel(n_ref, layer_ref, order_ref, x_ref, g_ref, *refs, m: int, d: i
     cols_BD = pl.program_id(0) * block_d + lax.broadcasted_iota(jnp.int32, (block_d,), 0)
     col_ok_BD = cols_BD < d
     norm = None
-    if has_norm:  # decode_matvec's RMSNorm prologue: the rows' sum of squares, one pass over x (L2)
-        step_BK = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-
-        def ss_step(t, ss_BM):
-            cols_BK = t * block_k + step_BK
-            x_BMxBK = plgpu.load(x_ref.at[rows_BM[:, None], cols_BK[None, :]],
-                                 mask=row_ok_BM[:, None] & (cols_BK < d)[None, :], other=0).astype(jnp.float32)
-            return ss_BM + jnp.sum(x_BMxBK * x_BMxBK, axis=1)
-
-        # No active neuron (or the dense side of the switch): no up product, so no pass.
-        trips = jnp.where(n > 0, jnp.int32(n_k), jnp.int32(0)).astype(jnp.int32)
-        ss_BM = lax.fori_loop(jnp.int32(0), trips, ss_step, jnp.zeros((block_m,), jnp.float32))
-        norm = (lax.rsqrt(ss_BM / d + eps), scale_ref, layer * d)
+    if has_norm:  # decode_matvec's RMSNorm prologue (common.rows_inv_rms); no active neuron (or the
+        # dense side of the switch): no up product, so no pass
+        norm = (rows_inv_rms(x_ref, rows_BM, row_ok_BM, k=d, eps=eps, live=n > 0), scale_ref, layer * d)
 
     def h_of_step(t, j_BH, live_BH):
         # Masked lanes (dead entries past n, rows >= M) read as 0.

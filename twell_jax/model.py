@@ -381,7 +381,7 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: str | jnp.dtype
 def decode_mask(slot_S: jax.Array, start_B: jax.Array, length: int) -> jax.Array:
     """[B, S, T] which cache slots the queries written at `slot_S` see: causal over the slots, and
     no padding slot (before start_B[b]) as a key; a padding query sees itself only, so that its
-    softmax is never empty (its output is never used). `decode_attention` applies the same rule."""
+    softmax is never empty (its output is never used). `decode_attention_qkv` applies the same rule."""
     slot_T = jnp.arange(length)
     return (slot_T[None, None, :] <= slot_S[None, :, None]) & (
         (slot_T[None, None, :] >= start_B[:, None, None]) | (slot_T[None, None, :] == slot_S[None, :, None]))
