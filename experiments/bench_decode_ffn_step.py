@@ -1,5 +1,5 @@
 """A sparse layer's FFN in a one-token decode step, each way the model's step can run it, kernel by
-kernel: where the microseconds of `model.decode_sparse_ffn` "tiles" and "fused" go, against the
+kernel: where the microseconds of `model.decode_sparse_ffn` "packed", "tiles" and "fused" go, against the
 dense twin's two launches. Every figure is microseconds per layer of a lax.scan over --layers
 stacked weight copies (more bytes than the L2 cache, as a decode step reads its layers), walked
 --reps times in one scan, the scan's time divided by its steps (the program's own launch, ~0.1 ms,
@@ -19,8 +19,12 @@ is that many):
     tiles            the gate's product with the norm prologue and its tile lists, the tiles
                      kernel normalising x on load (the model's default)
     tiles_xla_norm   XLA's RMSNorm, the gate's product with its tile lists, the tiles kernel on xn
-and the pieces alone: the XLA norm, the gate's product (plain, +norm, +lists, +norm+lists), the
-compaction, the fused kernel, the tiles kernel (with and without its norm).
+    packed           the gate's product with the norm prologue, its tile lists and the listed
+                     neurons' hidden values (their up product in the same launch), then the down
+                     kernel over the packed values with the residual
+and the pieces alone: the XLA norm, the gate's product (plain, +norm, +lists, +norm+lists,
++norm+values), the compaction, the fused kernel, the tiles kernel (with and without its norm),
+the packed values' down kernel.
 
     python experiments/bench_decode_ffn_step.py --rows 1,8 --active 16,64,256 --out $OUT/ffn_step.json
     python experiments/bench_decode_ffn_step.py --dry-run     # tiny shapes on CPU (interpret mode)
@@ -40,11 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from twell_jax.bench.ffn import bench_interleaved  # noqa: E402
 from twell_jax.pallas_kernels.decode_matvec import decode_matvec, role_block_sizes  # noqa: E402
 from twell_jax.pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active_rows,  # noqa: E402
-                                                   sparse_decode_ffn, sparse_decode_ffn_fused,
-                                                   sparse_decode_ffn_tiles)
+                                                   sparse_decode_down_tiles, sparse_decode_ffn,
+                                                   sparse_decode_ffn_fused, sparse_decode_ffn_tiles)
 
 EPS = 1e-6
-WAYS = ("dense", "fused", "split", "tiles", "tiles_xla_norm")  # whole FFN steps (the rest: pieces)
+WAYS = ("dense", "fused", "split", "tiles", "tiles_xla_norm", "packed")  # whole FFN steps (the rest: pieces)
 
 
 def make_layers(key, layers: int, rows: int, d: int, h: int, active: int, dtype):
@@ -122,6 +126,12 @@ def variants(interpret: bool, sizes: DecodeBlockSizes) -> dict:
         return sparse_decode_ffn_tiles(xn, g, ids, count, wu, wd, layer=layer, residual_MxD=x, block_sizes=sizes,
                                        interpret=interpret)
 
+    def packed(x, wg, wu, wd, wdt, scale, layer):
+        _, ids, count, _, values = mv(x, wg, "gate", layer=layer, norm_scale=scale, out_dtype=jnp.float32,
+                                      tile_lists=True, tile_values=True, up=wu)
+        return sparse_decode_down_tiles(values, ids, count, wd, layer=layer, residual_MxD=x, block_sizes=sizes,
+                                        interpret=interpret)
+
     # The pieces: each returns x unchanged after its own work (a data dependency on its output,
     # so nothing is dead code; the pieces' inputs are made from x where they need g or lists).
     def keep(x, out):
@@ -130,36 +140,44 @@ def variants(interpret: bool, sizes: DecodeBlockSizes) -> dict:
     def piece_norm(x, wg, wu, wd, wdt, scale, layer):
         return keep(x, norm(x, scale, layer))
 
-    def gate_piece(with_norm, lists):
+    def gate_piece(with_norm, lists, values=False):
         def fn(x, wg, wu, wd, wdt, scale, layer):
             kw = {"norm_scale": scale} if with_norm else {}
+            if values:
+                kw.update(tile_values=True, up=wu)
             return keep(x, mv(x, wg, "gate", layer=layer, out_dtype=jnp.float32, tile_lists=lists, **kw))
         return fn
 
     return {"dense": dense, "fused": fused, "split": split, "tiles": tiles, "tiles_xla_norm": tiles_xla_norm,
-            "piece: XLA norm": piece_norm, "piece: gate": gate_piece(False, False),
+            "packed": packed, "piece: XLA norm": piece_norm, "piece: gate": gate_piece(False, False),
             "piece: gate +norm": gate_piece(True, False), "piece: gate +lists": gate_piece(False, True),
-            "piece: gate +norm +lists": gate_piece(True, True)}
+            "piece: gate +norm +lists": gate_piece(True, True),
+            "piece: gate +norm +values": gate_piece(True, True, values=True)}
 
 
 def kernel_pieces(interpret: bool, sizes: DecodeBlockSizes) -> dict:
-    """The FFN kernels alone, on a gate product and lists made once outside the timed scan."""
-    def compaction(x, g, order, n, ids, count, wu, wd, scale, layer):
+    """The FFN kernels alone, on a gate product, lists and values made once outside the timed scan."""
+    def compaction(x, g, order, n, ids, count, values, wu, wd, scale, layer):
         return x + 0 * compact_active_rows(g, interpret=interpret)[1][0].astype(x.dtype)
 
-    def fused_kernel(x, g, order, n, ids, count, wu, wd, scale, layer):
+    def fused_kernel(x, g, order, n, ids, count, values, wu, wd, scale, layer):
         return sparse_decode_ffn_fused(x, g, order, n, wu, wd, capacity=order.shape[0], layer=layer, residual_MxD=x,
                                        block_sizes=sizes, interpret=interpret)
 
     def tiles_kernel(with_norm):
-        def fn(x, g, order, n, ids, count, wu, wd, scale, layer):
+        def fn(x, g, order, n, ids, count, values, wu, wd, scale, layer):
             kw = {"norm_scale": scale, "eps": EPS} if with_norm else {}
             return sparse_decode_ffn_tiles(x, g, ids, count, wu, wd, layer=layer, residual_MxD=x, block_sizes=sizes,
                                            interpret=interpret, **kw)
         return fn
 
+    def down_tiles_kernel(x, g, order, n, ids, count, values, wu, wd, scale, layer):
+        return sparse_decode_down_tiles(values, ids, count, wd, layer=layer, residual_MxD=x, block_sizes=sizes,
+                                        interpret=interpret)
+
     return {"piece: compaction": compaction, "piece: fused kernel": fused_kernel,
-            "piece: tiles kernel": tiles_kernel(False), "piece: tiles kernel +norm": tiles_kernel(True)}
+            "piece: tiles kernel": tiles_kernel(False), "piece: tiles kernel +norm": tiles_kernel(True),
+            "piece: down tiles kernel": down_tiles_kernel}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -206,17 +224,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
             fns = {name: scan_of(fn) for name, fn in variants(interpret, sizes).items()
                    if not (args.no_pieces and name.startswith("piece"))}
-            # The kernels alone read a gate product and lists made once (layer 0's, on x).
-            g, ids, count, _ = decode_matvec(x, wg, layer=jnp.zeros((1,), jnp.int32), norm_scale=scale, eps=EPS,
-                                             out_dtype=jnp.float32, block_sizes=role_block_sizes("gate"),
-                                             tile_lists=True, interpret=interpret)
+            # The kernels alone read a gate product, lists and values made once (layer 0's, on x).
+            g, ids, count, _, values = decode_matvec(
+                x, wg, layer=jnp.zeros((1,), jnp.int32), norm_scale=scale, eps=EPS, out_dtype=jnp.float32,
+                block_sizes=role_block_sizes("gate"), tile_lists=True, tile_values=True,
+                up=wu, interpret=interpret)
             order, n, _ = compact_active_rows(g, interpret=interpret)
             union = int(n[0])
             pieces = kernel_pieces(interpret, sizes)
 
             def scan_piece(fn):
                 def run(x, wg, wu, wd, wdt, scale):
-                    body = lambda c, li: (fn(c, g, order, n, ids, count, wu, wd, scale, li[None]), None)  # noqa: E731
+                    body = lambda c, li: (fn(c, g, order, n, ids, count, values, wu, wd, scale, li[None]),  # noqa: E731
+                                          None)
                     return jax.lax.scan(body, x, layer_ids)[0]
                 return jax.jit(run)
 

@@ -47,10 +47,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .common import (NORM_BLOCK_K, check_launch_sizes, compiler_params, is_pow2, next_pow2,  # noqa: F401
-                     round_up, rows_inv_rms, store_partition)
+                     partition_slots, round_up, rows_inv_rms, store_partition)
 from .twell_pack import _dot_precision
 
 LAYOUTS = ("nk", "kn")
+# tile_values: a tile's active neurons per step of the hidden values' epilogue (each step holds their
+# up rows whole in registers: 4 x 2048 fp32 at the 0.5b model's width).
+VALUES_CHUNK = 4
 ACTIVATIONS = (None, "relu", "silu")
 
 
@@ -148,16 +151,18 @@ def _act(v: jax.Array, activation: str | None) -> jax.Array:
 def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, has_norm: bool,
                    has_gate: bool, has_residual: bool, has_enable: bool, n_parts: int, activation: str | None,
                    eps: float, block_m: int, block_n: int, block_k: int, n_k: int, precision: lax.Precision,
-                   split_k: int = 1, n_k_split: int = 0, tile_lists: bool = False, width: int = 0) -> None:
+                   split_k: int = 1, n_k_split: int = 0, tile_lists: bool = False, width: int = 0,
+                   tile_values: bool = False, has_up: bool = False) -> None:
     refs = list(refs)
     layer_ref = refs.pop(0) if has_layer else None
     enable_ref = refs.pop(0) if has_enable else None
     x_ref = refs.pop(0)
     w_refs = [refs.pop(0) for _ in range(n_parts)]
     gate_ref = refs.pop(0) if has_gate else None
+    up_ref = refs.pop(0) if has_up else None
     scale_ref = refs.pop(0) if has_norm else None
     res_ref = refs.pop(0) if has_residual else None
-    o_ref, list_refs = refs[0], refs[1:]  # list_refs: ids, count, pairs (tile_lists)
+    o_ref, list_refs = refs[0], refs[1:]  # list_refs: ids, count, pairs (tile_lists), values (tile_values)
     layer = jnp.max(layer_ref[...]).astype(jnp.int32) if has_layer else jnp.int32(0)
     rows_BM = pl.program_id(1) * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
     row_ok_BM = rows_BM < m
@@ -202,12 +207,15 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
 
     k_first = pl.program_id(2) * n_k_split if split_k > 1 else jnp.int32(0)
 
-    def k_step(i, accs):
-        t = k_first + i
+    def load_xn(t: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         x_BMxBK, ks_BK, k_ok_BK = load_x(t)
         if has_norm:
             scale_BK = plgpu.load(scale_ref.at[layer * k + ks_BK], mask=k_ok_BK, other=0.0)
             x_BMxBK = (x_BMxBK.astype(jnp.float32) * inv_rms_BM[:, None] * scale_BK[None, :]).astype(x_ref.dtype)
+        return x_BMxBK, ks_BK, k_ok_BK
+
+    def k_step(i, accs):
+        x_BMxBK, ks_BK, k_ok_BK = load_xn(k_first + i)
         if n_parts == 1:
             w_tile = load_w(w_refs[0], ks_BK, k_ok_BK)
         else:  # one live part: the others' lanes are all masked (zeros, no traffic)
@@ -239,12 +247,61 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
                                mask=row_ok_BM[:, None] & col_ok_BN[None, :], other=0)
     out_BMxBN = _epilogue(accs, dt, activation, res_BMxBN, o_ref.dtype)
     plgpu.store(o_ref.at[rows_BM[:, None], out_cols_BN[None, :]], out_BMxBN, mask=out_ok_BMxBN)
-    if tile_lists:  # this column tile's active neurons, packed (TwELL): module docstring
-        ids_ref, count_ref, pairs_ref = list_refs
-        on_BMxBN = ((out_BMxBN > 0) & row_ok_BM[:, None] & col_ok_BN[None, :]).astype(jnp.int32)
-        pairs_ref[...] = jnp.broadcast_to(jnp.sum(on_BMxBN), (1,))
-        store_partition(jnp.sum(on_BMxBN, axis=0) > 0, ids_ref, count_ref, h=n,
-                        first=pl.program_id(0) * width)
+    if not tile_lists:
+        return
+    # This column tile's active neurons, packed (TwELL): module docstring.
+    ids_ref, count_ref, pairs_ref = list_refs[:3]
+    on_BMxBN = ((out_BMxBN > 0) & row_ok_BM[:, None] & col_ok_BN[None, :]).astype(jnp.int32)
+    pairs_ref[...] = jnp.broadcast_to(jnp.sum(on_BMxBN), (1,))
+    active_BN = jnp.sum(on_BMxBN, axis=0) > 0
+    store_partition(active_BN, ids_ref, count_ref, h=n, first=pl.program_id(0) * width)
+    if not tile_values:
+        return
+    # Each listed neuron's hidden value beside its id: h = round(relu(g) * u), u = xn . up[neuron]
+    # (fp32, unrounded: `twell_decode`'s hidden kernel's formula), or round(relu(g)) without up.
+    # The tile's active neurons in slot order, VALUES_CHUNK at a time (ceil(count / chunk) steps,
+    # usually 0 or 1 in a decode step): their up rows are read whole in one load (every byte in
+    # flight at once: the chain of dependent loads after the gate's K loop is the cost here) and
+    # each row's u is an fp32 multiply-and-sum with that row of xn (no tensor-core dot: its 16-wide
+    # minimum would hold 16 rows of up in registers for one or two live ones).
+    slot_BN, n_active = partition_slots(active_BN)
+    act_BMxBN = jnp.maximum(out_BMxBN.astype(jnp.float32), 0.0)
+    lane_S = lax.broadcasted_iota(jnp.int32, (VALUES_CHUNK,), 0)
+    row_BM = lax.broadcasted_iota(jnp.int32, (block_m,), 0)
+    k_pad = next_pow2(k)
+    ks_K = lax.broadcasted_iota(jnp.int32, (k_pad,), 0)
+    k_ok_K = ks_K < k
+    first, slot_base = pl.program_id(0) * width, pl.program_id(0) * block_n  # outside the loop (interpret mode)
+    row_first = pl.program_id(1) * block_m
+    xn_rows = []  # each live row of xn, fp32 [K] (x is L2-resident), loaded once for every chunk
+    if has_up:
+        scale_K = plgpu.load(scale_ref.at[layer * k + ks_K], mask=k_ok_K, other=0.0) if has_norm else None
+        for r in range(min(m, block_m)):
+            x_K = plgpu.load(x_ref.at[row_first + r, ks_K], mask=k_ok_K, other=0)
+            if has_norm:
+                inv_rms = jnp.sum(jnp.where(row_BM == r, inv_rms_BM, 0.0))
+                x_K = (x_K.astype(jnp.float32) * inv_rms * scale_K).astype(dt)
+            xn_rows.append(x_K.astype(jnp.float32))
+
+    def chunk_step(c, carry):
+        slots_S = c * VALUES_CHUNK + lane_S
+        live_S = slots_S < n_active
+        pick_BNxS = slot_BN[:, None] == slots_S[None, :]
+        if has_up:
+            neuron_S = first + jnp.sum(jnp.where(pick_BNxS, lane_BN[:, None], 0), axis=0)
+            up_SxK = plgpu.load(up_ref.at[(layer * n + neuron_S)[:, None], ks_K[None, :]],
+                                mask=live_S[:, None] & k_ok_K[None, :], other=0).astype(jnp.float32)
+        for r in range(min(m, block_m)):
+            act_BN = jnp.sum(jnp.where((row_BM == r)[:, None], act_BMxBN, 0.0), axis=0)  # row r of relu(g)
+            h_S = jnp.sum(jnp.where(pick_BNxS, act_BN[:, None], 0.0), axis=0)  # gathered into slot order
+            if has_up:
+                h_S = h_S * jnp.sum(up_SxK * xn_rows[r][None, :], axis=1)
+            # Live slots only (the masked lanes' slots are distinct from them).
+            plgpu.store(list_refs[3].at[row_first + r, slot_base + slots_S], h_S.astype(dt), mask=live_S)
+        return carry
+
+    n_chunks = lax.div(n_active + jnp.int32(VALUES_CHUNK - 1), jnp.int32(VALUES_CHUNK)).astype(jnp.int32)
+    lax.fori_loop(jnp.int32(0), n_chunks, chunk_step, jnp.int32(0))
 
 
 def _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_dtype,
@@ -293,12 +350,13 @@ def _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "activation", "eps", "out_dtype", "block_sizes",
-                                             "tile_lists", "interpret", "debug"))
+                                             "tile_lists", "tile_values", "interpret", "debug"))
 def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, layer: jax.Array | None = None,
                   layout: str = "nk", norm_scale: jax.Array | None = None, eps: float = 1e-6,
                   gate: jax.Array | None = None, activation: str | None = None,
                   residual: jax.Array | None = None, enable: jax.Array | None = None, out_dtype=None,
                   block_sizes: MatvecBlockSizes | None = None, tile_lists: bool = False,
+                  tile_values: bool = False, up: jax.Array | None = None,
                   interpret: bool = False, debug: bool = False) -> jax.Array | tuple[jax.Array, ...]:
     """[M, N] = residual + act(xn . gate) * (xn . w) (module docstring), each part optional;
     xn = RMSNorm(x) with `norm_scale` when given, else x. Output in `out_dtype` (default x's).
@@ -314,7 +372,14 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
     the (row, neuron) pairs with out > 0. Packed in the product's
     epilogue, per tile (TwELL: no extra launch, no sync between programs); read by
     twell_decode.sparse_decode_ffn_tiles. Needs one row block (M <= the block sizes' max_block_m),
-    one part, split_k 1, and no gate, activation, residual or enable."""
+    one part, split_k 1, and no gate, activation, residual or enable.
+
+    tile_values=True (with tile_lists; the sparse FFN's gate and up products in one launch): a fifth
+    output, values [M, T * bn] in x's dtype, each listed neuron's hidden value at its id's slot,
+    h = round(relu(out) * (xn . up[neuron])) with the up product in fp32 (`up`: the gated FFN's
+    W_up, shaped as w, layout "nk"), or round(relu(out)) without `up`; the slots after count[t]
+    are not written (no reader reads them). A tile with active neurons reads only their up rows,
+    whole, VALUES_CHUNK at a time; the rows are an unrolled loop (M <= max_block_m). Read by twell_decode.sparse_decode_down_tiles."""
     block_sizes = block_sizes or DEFAULT_BLOCK_SIZES
     n, k, n_layers = _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_dtype,
                             enable, block_sizes.block_n, block_sizes.split_k)
@@ -328,11 +393,20 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
     programs, width = block_sizes.columns(n * len(parts))
     if tile_lists:
         _check_tile_lists(m, bm, len(parts), gate, activation, residual, enable, block_sizes.split_k)
+    if tile_values and not tile_lists:
+        raise ValueError("tile_values needs tile_lists=True (the values are packed beside the tile lists' ids)")
+    if up is not None and (not tile_values or up.shape != parts[0].shape or up.dtype != parts[0].dtype
+                           or layout != "nk"):
+        raise ValueError(f"up must be {parts[0].dtype}{parts[0].shape} like w (layout 'nk': a row per neuron), with "
+                         f"tile_values=True; got {up.dtype}{up.shape} with tile_values={tile_values}, layout "
+                         f"{layout!r}")
     flat = (n_layers * parts[0].shape[-2], parts[0].shape[-1])  # [L*N, K] or [L*K, N]: a bitcast
     operands = (([layer] if layer is not None else []) + ([enable] if enable is not None else [])
                 + [x_MxK] + [p.reshape(flat) for p in parts])
     if gate is not None:
         operands.append(gate.reshape(flat))
+    if up is not None:
+        operands.append(up.reshape(flat))
     if norm_scale is not None:
         operands.append(norm_scale.reshape(-1))
     if residual is not None:
@@ -344,7 +418,7 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
         has_norm=norm_scale is not None, has_gate=gate is not None, has_residual=residual is not None,
         has_enable=enable is not None, n_parts=len(parts), activation=activation, eps=float(eps), block_m=bm,
         block_n=bn, block_k=bk, n_k=n_k, precision=_dot_precision(x_MxK.dtype), split_k=split,
-        n_k_split=-(-n_k // split), width=width)
+        n_k_split=-(-n_k // split), width=width, has_up=up is not None)
     n_out = n * len(parts)
     if split > 1:  # fp32 partials [S * m, n_out]: split s owns rows [s * m, (s + 1) * m)
         partials = pl.pallas_call(
@@ -366,8 +440,11 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
         out_specs += [pl.BlockSpec((bn,), lambda j, i: (j,))] + [pl.BlockSpec((1,), lambda j, i: (j,))] * 2
         out_shape += [jax.ShapeDtypeStruct((programs * bn,), jnp.int32)] + [
             jax.ShapeDtypeStruct((programs,), jnp.int32)] * 2
+    if tile_values:  # values [M, T * bn]: whole (program j stores its tile's slots, a masked row block)
+        out_specs.append(pl.BlockSpec((m, programs * bn), lambda j, i: (0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((m, programs * bn), x_MxK.dtype))
     outs = pl.pallas_call(
-        functools.partial(kernel, tile_lists=tile_lists),
+        functools.partial(kernel, tile_lists=tile_lists, tile_values=tile_values),
         grid=(programs, m_pad // bm),
         in_specs=whole,
         out_specs=out_specs,
@@ -375,7 +452,8 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
         compiler_params=compiler_params(block_sizes),
         interpret=interpret,
         debug=debug,
-        name="twell_decode_gate_lists" if tile_lists else "twell_decode_matvec",
+        name=("twell_decode_gate_values" if tile_values else "twell_decode_gate_lists") if tile_lists
+        else "twell_decode_matvec",
     )(*operands)
     return tuple(outs) if tile_lists else outs[0]
 
@@ -408,6 +486,23 @@ def tile_lists_reference(out_MxN: jax.Array, tile: int, width: int | None = None
     ids = jnp.minimum(perm_TxS + jnp.arange(n_tiles, dtype=jnp.int32)[:, None] * width, n - 1)
     return (ids.reshape(-1), jnp.sum(active_TxS, axis=1, dtype=jnp.int32),
             jnp.sum(on_MxTxS, axis=(0, 2), dtype=jnp.int32))
+
+
+def tile_values_reference(out_MxN: jax.Array, ids: jax.Array, count: jax.Array, xn_MxK: jax.Array,
+                          up_NxK: jax.Array | None) -> jax.Array:
+    """`decode_matvec(tile_lists=True, tile_values=True)`'s values [M, T * S] in jnp, from its output
+    out [M, N] and lists (ids [T * S], count [T]): at a listed slot, round(relu(out[:, id]) *
+    (xn . up[id])) with the product in fp32 (or round(relu(out[:, id])) without up_NxK); 0 after a
+    tile's count (slots the kernel does not write). xn_MxK: x as the kernel reads it (normalised when it has a norm prologue), in the
+    values' dtype; up_NxK: one layer's W_up ([N, K], "nk")."""
+    n_tiles = count.shape[0]
+    tile = ids.shape[0] // n_tiles
+    live = (jnp.arange(ids.shape[0]) % tile) < jnp.repeat(count, tile)
+    act = jnp.maximum(jnp.take(out_MxN.astype(jnp.float32), ids, axis=1), 0.0)
+    if up_NxK is not None:
+        act = act * jnp.einsum("mk,sk->ms", xn_MxK.astype(jnp.float32), jnp.take(up_NxK, ids, axis=0).astype(jnp.float32),
+                               precision=lax.Precision.HIGHEST)
+    return jnp.where(live[None, :], act, 0.0).astype(xn_MxK.dtype)
 
 
 def _epilogue(accs: tuple[jax.Array, ...], dt, activation: str | None, residual: jax.Array | None,

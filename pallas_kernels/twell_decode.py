@@ -320,6 +320,18 @@ def _down_kernel(n_ref, layer_ref, order_ref, h_ref, w_down_ref, y_ref, *, d: in
     y_ref[...] = acc_BMxBD.astype(y_ref.dtype)
 
 
+def _store_output(acc_BMxBD: jax.Array, residual_ref, y_ref, rows_BM: jax.Array, row_ok_BM: jax.Array,
+                  cols_BD: jax.Array, col_ok_BD: jax.Array) -> None:
+    """y[rows, cols] = round(acc + residual) (the residual, when given, added in fp32 before the one
+    rounding), a masked store into the whole [M, D] output (rows >= M and columns >= D lie past
+    its end: no live lane's address)."""
+    mask = row_ok_BM[:, None] & col_ok_BD[None, :]
+    if residual_ref is not None:
+        acc_BMxBD = acc_BMxBD + plgpu.load(residual_ref.at[rows_BM[:, None], cols_BD[None, :]], mask=mask,
+                                           other=0).astype(jnp.float32)
+    plgpu.store(y_ref.at[rows_BM[:, None], cols_BD[None, :]], acc_BMxBD.astype(y_ref.dtype), mask=mask)
+
+
 def _tile_list_reader(count_ref, ids_ref, *, tile: int, block_h: int, limit: int | None):
     """(n, ids_of_step) over the gate's tile lists (`decode_matvec(tile_lists=True)`: tile t's
     active neurons are ids[t*tile : t*tile + count[t]]). Their concatenation is the list that
@@ -336,14 +348,18 @@ def _tile_list_reader(count_ref, ids_ref, *, tile: int, block_h: int, limit: int
         n = jnp.where(n > limit, jnp.int32(0), n)
     step_BH = lax.broadcasted_iota(jnp.int32, (block_h,), 0)
 
-    def ids_of_step(t):
+    def slots_of_step(t):  # (the step's slots in ids [BH], live [BH])
         p_BH = t * block_h + step_BH
         before_BHxT = first_T[None, :] <= p_BH[:, None]
         tile_BH = jnp.sum(before_BHxT.astype(jnp.int32), axis=1) - 1
         first_BH = jnp.max(jnp.where(before_BHxT, first_T[None, :], 0), axis=1)
-        slot_BH = jnp.clip(tile_BH * tile + p_BH - first_BH, 0, ids_ref.shape[0] - 1)
-        return plgpu.load(ids_ref.at[slot_BH], mask=p_BH < n, other=0)
+        return jnp.clip(tile_BH * tile + p_BH - first_BH, 0, ids_ref.shape[0] - 1), p_BH < n
 
+    def ids_of_step(t):
+        slot_BH, live_BH = slots_of_step(t)
+        return plgpu.load(ids_ref.at[slot_BH], mask=live_BH, other=0)
+
+    ids_of_step.slots = slots_of_step  # the values kernel reads its values at the same slots
     return n, ids_of_step
 
 
@@ -394,12 +410,34 @@ def _fused_kernel(n_ref, layer_ref, order_ref, x_ref, g_ref, *refs, m: int, d: i
 
     acc_BMxBD = _down_steps(h_of_step, w_down_ref, ids_of_step, n, base, cols_BD, d=d, block_m=block_m,
                             block_h=block_h, precision=precision)
-    if has_residual:
-        acc_BMxBD = acc_BMxBD + plgpu.load(
-            residual_ref.at[rows_BM[:, None], cols_BD[None, :]],
-            mask=row_ok_BM[:, None] & col_ok_BD[None, :], other=0).astype(jnp.float32)
-    plgpu.store(y_ref.at[rows_BM[:, None], cols_BD[None, :]], acc_BMxBD.astype(y_ref.dtype),
-                mask=row_ok_BM[:, None] & col_ok_BD[None, :])
+    _store_output(acc_BMxBD, residual_ref, y_ref, rows_BM, row_ok_BM, cols_BD, col_ok_BD)
+
+
+def _values_down_kernel(count_ref, layer_ref, ids_ref, values_ref, w_down_ref, *refs, m: int, d: int, h: int,
+                        block_h: int, has_residual: bool, precision: lax.Precision, tile: int,
+                        limit: int | None, block_m: int, block_d: int) -> None:
+    """Program (j, i): output columns [j*BD, (j+1)*BD) x rows [i*BM, (i+1)*BM) of
+    y = residual + values . W_down[ids] over the tile lists (`_tile_list_reader`): each step of BH
+    listed neurons loads their hidden values from their slots (no up product: the gate's launch
+    made them) and adds h . W. Refs: count [T], layer [1], ids [T * S], values [M, T * S],
+    w_down [(L*)H, D], residual [M, D] (if given), y [M, D] (whole: a masked store)."""
+    residual_ref = refs[0] if has_residual else None
+    y_ref = refs[-1]
+    base = jnp.max(layer_ref[...]).astype(jnp.int32) * h
+    n, ids_of_step = _tile_list_reader(count_ref, ids_ref, tile=tile, block_h=block_h, limit=limit)
+    rows_BM = pl.program_id(1) * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
+    row_ok_BM = rows_BM < m
+    cols_BD = pl.program_id(0) * block_d + lax.broadcasted_iota(jnp.int32, (block_d,), 0)
+    col_ok_BD = cols_BD < d
+
+    def h_of_step(t, j_BH, live_BH):
+        slot_BH, _ = ids_of_step.slots(t)
+        return plgpu.load(values_ref.at[rows_BM[:, None], slot_BH[None, :]],
+                          mask=row_ok_BM[:, None] & live_BH[None, :], other=0)
+
+    acc_BMxBD = _down_steps(h_of_step, w_down_ref, ids_of_step, n, base, cols_BD, d=d, block_m=block_m,
+                            block_h=block_h, precision=precision)
+    _store_output(acc_BMxBD, residual_ref, y_ref, rows_BM, row_ok_BM, cols_BD, col_ok_BD)
 
 
 def _check_operands(x_MxD, g_MxH, w_up_HxD, w_down_HxD) -> None:
@@ -436,6 +474,23 @@ def _check_list_args(order, n_active, capacity: int, block_sizes: DecodeBlockSiz
                          f"{capacity}")
     if n_active.shape != (1,) or n_active.dtype != jnp.int32:
         raise ValueError(f"n_active must be int32 [1], got {n_active.dtype}{n_active.shape}")
+
+
+def _check_tile_list_args(ids: jax.Array, count: jax.Array, h: int, limit: int | None) -> int:
+    """The slots per tile S of the gate's tile lists (ids [T * S], count [T] of
+    `decode_matvec(..., tile_lists=True)` over H neurons), after raising ValueError naming a bad
+    argument (`limit` included: None or an int >= 0)."""
+    if count.ndim != 1 or count.dtype != jnp.int32 or count.shape[0] < 1:
+        raise ValueError(f"count must be int32 [T] (decode_matvec's tile_lists), got {count.dtype}{count.shape}")
+    n_tiles = count.shape[0]
+    tile = ids.shape[0] // n_tiles if ids.ndim == 1 else 0
+    if (ids.ndim != 1 or ids.dtype != jnp.int32 or tile < 1 or tile * n_tiles != ids.shape[0]
+            or not h <= n_tiles * tile):
+        raise ValueError(f"ids must be int32 [T * S] covering H={h} neurons in T={n_tiles} tiles of S slots "
+                         f"(decode_matvec's tile_lists), got {ids.dtype}{ids.shape}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise ValueError(f"limit must be None or an int >= 0, got {limit!r}")
+    return tile
 
 
 def _weights_in_place(x_MxD, g_MxH, w_up_HxD, w_down_HxD, layer: jax.Array | None):
@@ -600,14 +655,7 @@ def sparse_decode_ffn_tiles(x_MxD: jax.Array, g_MxH: jax.Array, ids: jax.Array, 
     device-side switch to the dense products."""
     w_up_HxD, w_down_HxD, layer = _weights_in_place(x_MxD, g_MxH, w_up_HxD, w_down_HxD, layer)
     h, d = g_MxH.shape[1], x_MxD.shape[1]
-    if count.ndim != 1 or count.dtype != jnp.int32 or count.shape[0] < 1:
-        raise ValueError(f"count must be int32 [T] (decode_matvec's tile_lists), got {count.dtype}{count.shape}")
-    n_tiles = count.shape[0]
-    tile = ids.shape[0] // n_tiles if ids.ndim == 1 else 0
-    if (ids.ndim != 1 or ids.dtype != jnp.int32 or tile < 1 or tile * n_tiles != ids.shape[0]
-            or not h <= n_tiles * tile):
-        raise ValueError(f"ids must be int32 [T * S] covering H={h} neurons in T={n_tiles} tiles of S slots "
-                         f"(decode_matvec's tile_lists), got {ids.dtype}{ids.shape}")
+    tile = _check_tile_list_args(ids, count, h, limit)
     if norm_scale is not None:
         if w_up_HxD is None:
             raise ValueError("norm_scale needs w_up_HxD: only the gated FFN's up product reads x")
@@ -615,11 +663,59 @@ def sparse_decode_ffn_tiles(x_MxD: jax.Array, g_MxH: jax.Array, ids: jax.Array, 
         if norm_scale.shape != want or norm_scale.dtype != jnp.float32:
             raise ValueError(f"norm_scale must be float32 {want}, got {norm_scale.dtype}{norm_scale.shape}")
         norm_scale = norm_scale.reshape(-1)
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-        raise ValueError(f"limit must be None or an int >= 0, got {limit!r}")
     _check_residual(residual_MxD, x_MxD)
     return _launch_fused((count, ids), x_MxD, g_MxH, w_up_HxD, w_down_HxD, layer, residual_MxD, norm_scale,
                          block_sizes, interpret, debug, capacity=0, tile=tile, eps=float(eps), limit=limit)
+
+
+@functools.partial(jax.jit, static_argnames=("limit", "block_sizes", "interpret", "debug"))
+def sparse_decode_down_tiles(values: jax.Array, ids: jax.Array, count: jax.Array, w_down_HxD: jax.Array, *,
+                             layer: jax.Array | None = None, residual_MxD: jax.Array | None = None,
+                             limit: int | None = None, block_sizes: DecodeBlockSizes = DecodeBlockSizes(),
+                             interpret: bool = False, debug: bool = False) -> jax.Array:
+    """y [M, D] = residual + sum over the listed neurons j of values[:, slot(j)] . W_down[j], the
+    down product of the gate's packed tiles (`decode_matvec(..., tile_lists=True,
+    tile_values=True)`: ids [T * S] int32, count [T] int32 and the hidden values [M, T * S] beside
+    them, so no up product here), fp32 accumulation in `sparse_decode_ffn_tiles`'s order
+    (ascending neurons, block_h at a time), the residual added before the one rounding. One launch,
+    grid (D / block_d, M / block_m); `layer` (int32 [1]) reads a stack [L, H, D] in place; limit
+    (static): a union of more than `limit` neurons reads none (y = residual, or zeros), the sparse
+    side of a device-side switch to the dense products. y is in the values' dtype."""
+    if values.ndim != 2 or values.dtype not in (jnp.float32, jnp.bfloat16) or values.shape[1] != ids.shape[0]:
+        raise ValueError(f"values must be float32 or bfloat16 [M, T * S = len(ids) = {ids.shape[0]}], got "
+                         f"{values.dtype}{values.shape}")
+    m = values.shape[0]
+    stacked = layer is not None
+    if stacked and (layer.shape != (1,) or layer.dtype != jnp.int32):
+        raise ValueError(f"layer must be int32 [1], got {layer.dtype}{layer.shape}")
+    if w_down_HxD.ndim != (3 if stacked else 2) or w_down_HxD.dtype != values.dtype:
+        raise ValueError(f"w_down_HxD must be {values.dtype} (the values' dtype) "
+                         f"{'[L, H, D] with layer' if stacked else '[H, D] without layer'}, got "
+                         f"{w_down_HxD.dtype}{w_down_HxD.shape}")
+    if not stacked:
+        layer = jnp.zeros((1,), jnp.int32)
+    h, d = w_down_HxD.shape[-2:]
+    tile = _check_tile_list_args(ids, count, h, limit)
+    if residual_MxD is not None and (residual_MxD.shape != (m, d) or residual_MxD.dtype != values.dtype):
+        raise ValueError(f"residual_MxD must be {values.dtype}[M={m}, D={d}], got "
+                         f"{residual_MxD.dtype}{residual_MxD.shape}")
+    w_down = w_down_HxD.reshape(-1, d)
+    bm, bd = block_sizes.block_m(m), block_sizes.block_d
+    operands = [count, layer, ids, values, w_down] + ([residual_MxD] if residual_MxD is not None else [])
+    whole = lambda a: pl.BlockSpec(a.shape, lambda j, i: (0,) * a.ndim)  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_values_down_kernel, m=m, d=d, h=h, block_h=block_sizes.block_h,
+                          has_residual=residual_MxD is not None, precision=_dot_precision(values.dtype), tile=tile,
+                          limit=limit, block_m=bm, block_d=bd),
+        grid=(round_up(d, bd) // bd, round_up(m, bm) // bm),
+        in_specs=[whole(a) for a in operands],
+        out_specs=pl.BlockSpec((m, d), lambda j, i: (0, 0)),
+        out_shape=jax.ShapeDtypeStruct((m, d), values.dtype),
+        compiler_params=compiler_params(block_sizes),
+        interpret=interpret,
+        debug=debug,
+        name="twell_decode_down_tiles",
+    )(*operands)
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "precision"))

@@ -66,12 +66,12 @@ def test_kernel_steps_equal_the_xla_steps_and_the_forward(kind, batch, padded):
             np.testing.assert_allclose(got[row], full[row, 6:], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("sparse_ffn", ["fused", "tiles"])
+@pytest.mark.parametrize("sparse_ffn", ["fused", "tiles", "packed"])
 @pytest.mark.parametrize("kind", ["sparse", "relu"])
 @pytest.mark.parametrize("batch,padded", [(1, False), (3, True)])
 def test_the_fused_sparse_ffn_step_equals_the_xla_steps(kind, batch, padded, sparse_ffn, monkeypatch):
-    """model.decode_sparse_ffn="fused" and "tiles": the sparse layers' up and down products and the
-    residual in one launch give the XLA path's logits and the same active counts; the split kernels
+    """model.decode_sparse_ffn="fused", "tiles" and "packed": the sparse layers' up and down products
+    (packed: the up product in the gate's launch) and the residual give the XLA path's logits and the same active counts; the split kernels
     do not run."""
     cfg = dataclasses.replace(BASE, decode_sparse_ffn=sparse_ffn, **KINDS[kind])
     monkeypatch.setattr("twell_jax.pallas_kernels.twell_decode.sparse_decode_ffn",
@@ -88,7 +88,7 @@ def test_the_fused_sparse_ffn_step_equals_the_xla_steps(kind, batch, padded, spa
         ModelConfig(decode_sparse_ffn="one")
 
 
-@pytest.mark.parametrize("sparse_ffn", ["split", "fused", "tiles"])
+@pytest.mark.parametrize("sparse_ffn", ["split", "fused", "tiles", "packed"])
 @pytest.mark.parametrize("limit", [0, 10_000])
 def test_both_sides_of_the_dense_switch(monkeypatch, limit, sparse_ffn):
     """Several rows: a union limit of 0 sends every sparse layer to the dense products, a large one
@@ -503,8 +503,8 @@ def test_compact_active_rows_lowers_to_triton_for_cuda(capsys):
 def test_auto_picks_one_launch_or_split_per_layer_by_the_expected_union():
     """model.decode_sparse_ffn="auto" (the default): per sparse layer, one launch walking the
     active neurons where the union expected from the layer's activity hint is small (the gate's
-    tile lists, "tiles", where the gate's program holds every row; else the compacted list,
-    "fused"), `hidden` + `down` where it is not (that launch's every program walks all the active
+    tile lists with their values, "packed", at one row; the lists alone, "tiles", where the gate's
+    program holds every row; else the compacted list, "fused"), `hidden` + `down` where it is not (that launch's every program walks all the active
     neurons: planner.decode_sparse_way); the step runs both and equals the XLA path."""
     from twell_jax.ops import planner
 
@@ -514,16 +514,17 @@ def test_auto_picks_one_launch_or_split_per_layer_by_the_expected_union():
     assert planner.decode_sparse_way(8, 10.0, 5632) == "split"  # a union of ~80 over 8 rows
     cfg = dataclasses.replace(BASE, decode_sparse_ffn="auto", ffn_expected_active=(4.0, 60.0, 4.0))
     model = init_model(cfg, seed=4)
-    assert model.decode_layer_ways(1, jnp.float32) == ("tiles", "split", "tiles")
+    assert model.decode_layer_ways(1, jnp.float32) == ("packed", "split", "packed")
+    assert model.decode_layer_ways(2, jnp.float32) == ("tiles", "split", "tiles")
     # More rows than the gate's program holds (16): the compacted list for the small unions.
     few = init_model(dataclasses.replace(cfg, ffn_expected_active=(0.2, 60.0, 0.2)), seed=4)
     assert few.decode_layer_ways(17, jnp.float32) == ("fused", "split", "fused")
     tokens, start = jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32)
     traced = jax.make_jaxpr(lambda c: model.decode(tokens, c, jnp.int32(3), start))(init_cache(cfg, 1, 8))
     names, _ = _pallas_names_and_row_sums(traced, (1, cfg.d_ff))
-    # The layers unrolled: the tiles kernel in two, `hidden` in one, no compaction.
-    assert names.count("twell_decode_tiles") == 2 and names.count("twell_decode_hidden") == 1, names
-    assert names.count("twell_decode_compact_rows") == 1, names
+    # The layers unrolled: the packed values' down kernel in two, `hidden` in one (after its compaction).
+    assert names.count("twell_decode_down_tiles") == 2 and names.count("twell_decode_hidden") == 1, names
+    assert names.count("twell_decode_compact_rows") == 1 and "twell_decode_tiles" not in names, names
     forced = init_model(dataclasses.replace(cfg, decode_sparse_ffn="fused"), seed=4)
     assert forced.decode_layer_ways(1, jnp.float32) == ("fused",) * 3
     tokens = jax.random.randint(jax.random.key(12), (1, 10), 0, cfg.vocab_size)

@@ -1,9 +1,11 @@
 """TwELL in a decode step (interpret mode): the sparse gate's tile lists
 (`decode_matvec(..., tile_lists=True)`: each column tile's active neurons packed in the product's
-epilogue) against `tile_lists_reference`, and the fused up/down kernel that reads them
-(`sparse_decode_ffn_tiles`: the norm on load, the residual, the dense switch's limit) against the
-compacted-list kernel and the plain-jnp oracle; then the model's step with
-model.decode_sparse_ffn="tiles" against the XLA path, with its launches counted."""
+epilogue) against `tile_lists_reference`, with their hidden values (tile_values=True: the up
+product of the listed neurons in the same launch) against `tile_values_reference`; the fused
+up/down kernel that reads the lists (`sparse_decode_ffn_tiles`: the norm on load, the residual, the
+dense switch's limit) and the down kernel that reads the values (`sparse_decode_down_tiles`)
+against the compacted-list kernel and the plain-jnp oracle; then the model's step with
+model.decode_sparse_ffn="tiles" and "packed" against the XLA path, with its launches counted."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,9 +18,9 @@ import pytest
 from twell_jax.model import init_cache, init_model
 from twell_jax.pallas_kernels import decode_matvec as matvec_lib
 from twell_jax.pallas_kernels.decode_matvec import (MatvecBlockSizes, decode_matvec, decode_matvec_reference,
-                                                    tile_lists_reference)
-from twell_jax.pallas_kernels.twell_decode import (compact_active_reference, sparse_decode_ffn_fused,
-                                                   sparse_decode_ffn_tiles)
+                                                    tile_lists_reference, tile_values_reference)
+from twell_jax.pallas_kernels.twell_decode import (compact_active_reference, sparse_decode_down_tiles,
+                                                   sparse_decode_ffn_fused, sparse_decode_ffn_tiles)
 from test_decode_kernels import (BASE, FUSED_SMALL, FUSED_WIDE, TOL_FUSED, _pallas_names_and_row_sums, _run,
                                  fused_inputs, fused_oracle)
 from oracles import rel_err
@@ -138,6 +140,160 @@ def test_gate_tile_lists_reject_what_they_cannot_pack():
         call(block_sizes=MatvecBlockSizes(block_n=16, block_k=16, split_k=2))
 
 
+TOL_VALUES = {jnp.float32: 1e-5, jnp.bfloat16: 8e-3}  # the up product's fp32 sum order, then one rounding
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("m,n", [(1, 37), (3, 64), (16, 40)])
+def test_gate_tile_values_equal_their_reference(dtype, gated, m, n):
+    """tile_values=True: the same product and lists as tile_lists alone, and each listed neuron's
+    hidden value at its id's slot (round(relu(g) * u), u = x . up[id]; round(relu(g)) without up);
+    every pattern, a dense first row (all 16 slots of a tile: one chunk) and one hot neuron
+    included; tiles of 64 slots, up to four chunks of 16, below."""
+    for i, pattern in enumerate(PATTERNS):
+        x, w = (a.astype(dtype) for a in gate_inputs(m, n, 40, pattern, seed=31 * m + n + i))
+        up = jax.random.normal(jax.random.key(m + i), (n, 40), dtype) if gated else None
+        out, ids, count, pairs, values = decode_matvec(x, w, out_dtype=jnp.float32, block_sizes=GATE, tile_lists=True,
+                                                       tile_values=True, up=up, interpret=True)
+        assert values.shape == (m, ids.shape[0]) and values.dtype == dtype, pattern
+        plain = decode_matvec(x, w, out_dtype=jnp.float32, block_sizes=GATE, tile_lists=True, interpret=True)
+        for got, want in zip((out, ids, count, pairs), plain):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=pattern)
+        live = _live_slots(ids, count)  # the slots after a tile's count are not written
+        want = tile_values_reference(out, ids, count, x, up)
+        assert rel_err(values[:, live], want[:, live]) <= TOL_VALUES[dtype], pattern
+        if pattern in ("sparse", "all", "first_row_dense"):  # the values are not all zero: the check can fail
+            assert np.any(np.asarray(values, np.float32)[:, live] != 0), pattern
+
+
+def _live_slots(ids, count):
+    tile = ids.shape[0] // count.shape[0]
+    return np.flatnonzero((np.arange(ids.shape[0]) % tile) < np.repeat(np.asarray(count), tile))
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_gate_tile_values_of_wide_tiles(pattern):
+    """Tiles of 64 slots (the model's gate): a tile's 0 to 64 active neurons in chunks of 16, the
+    last one partial (151 neurons: tiles of 64, 64 and 23 columns)."""
+    wide = MatvecBlockSizes(block_n=64, block_k=16)
+    x, w = gate_inputs(3, 151, 40, pattern, seed=8)
+    up = jax.random.normal(jax.random.key(9), (151, 40))
+    out, ids, count, _, values = decode_matvec(x, w, out_dtype=jnp.float32, block_sizes=wide, tile_lists=True,
+                                               tile_values=True, up=up, interpret=True)
+    live = _live_slots(ids, count)
+    want = tile_values_reference(out, ids, count, x, up)
+    assert rel_err(values[:, live], want[:, live]) <= TOL_VALUES[jnp.float32]
+    if pattern in ("all", "first_row_dense"):
+        assert list(np.asarray(count)) == [64, 64, 23]
+
+
+def test_gate_tile_values_with_the_norm_and_a_stacked_layer():
+    """As the model's packed way calls it: the RMSNorm prologue feeds the up product too, and the
+    up rows are read in place at the layer of a stack."""
+    x, w = gate_inputs(3, 37, 40, "sparse", seed=6)
+    x = x * 5.0
+    stack = jnp.stack([w * 0.5, w, -w])
+    up = jax.random.normal(jax.random.key(3), (3, 37, 40))
+    scale = jnp.abs(jax.random.normal(jax.random.key(1), (3, 40))) + 0.5
+    layer = jnp.asarray([1], jnp.int32)
+    out, ids, count, _, values = decode_matvec(x, stack, layer=layer, norm_scale=scale, eps=1e-5,
+                                               out_dtype=jnp.float32, block_sizes=GATE, tile_lists=True,
+                                               tile_values=True, up=up, interpret=True)
+    xn = x * jax.lax.rsqrt(jnp.mean(x * x, axis=1, keepdims=True) + 1e-5) * scale[1]
+    want = tile_values_reference(out, ids, count, xn, up[1])
+    live = _live_slots(ids, count)
+    assert live.size > 0 and rel_err(values[:, live], want[:, live]) <= TOL_VALUES[jnp.float32]
+    assert rel_err(tile_values_reference(out, ids, count, x, up[1]), want) > 1e-2  # the norm is not a no-op
+    assert rel_err(tile_values_reference(out, ids, count, xn, up[0]), want) > 1e-2  # nor the layer
+
+
+def test_gate_tile_values_reject_bad_arguments():
+    x, w = gate_inputs(3, 37, 40, "sparse")
+    call = lambda **kw: decode_matvec(x, w, out_dtype=jnp.float32, block_sizes=GATE, interpret=True, **kw)  # noqa: E731
+    with pytest.raises(ValueError, match="tile_values needs tile_lists"):
+        call(tile_values=True)
+    with pytest.raises(ValueError, match="up must be"):
+        call(tile_lists=True, tile_values=True, up=w[:, :39])
+    with pytest.raises(ValueError, match="up must be"):
+        call(tile_lists=True, up=w)  # up without tile_values would be ignored
+    with pytest.raises(ValueError, match="layout 'nk'"):
+        decode_matvec(x, w.T, layout="kn", tile_lists=True, tile_values=True, up=w.T, block_sizes=GATE,
+                      interpret=True)
+
+
+def _values_of(x, g, up, tile):
+    ids, count = tile_lists_reference(g, tile)[:2]
+    return tile_values_reference(g, ids, count, x, up), ids, count
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("m,pattern", [(1, "sparse"), (3, "sparse"), (17, "sparse"), (3, "none"), (3, "one_hot"),
+                                       (3, "all")])
+def test_down_tiles_kernel_equals_the_oracle(dtype, gated, m, pattern):
+    """The packed values' down kernel: residual + values . W_down[ids] over the tile lists equals
+    the fused kernels' oracle (the same neurons' h, then W_down) and the tiles kernel that makes h
+    itself, for tiles of 16 and 64 slots and both block sizes; nothing active: the residual."""
+    x, g, w_up, w_down, residual = fused_inputs(dtype, m, pattern, seed=m + 10 * gated + 3)
+    up = w_up if gated else None
+    order, n = compact_active_reference(jnp.any(g > 0, axis=0))
+    oracle = fused_oracle(x, g, order, n, up, w_down, 160, residual)
+    for sizes in (FUSED_SMALL, FUSED_WIDE):
+        for tile in (16, 64):
+            values, ids, count = _values_of(x, g, up, tile)
+            y = sparse_decode_down_tiles(values, ids, count, w_down, residual_MxD=residual, block_sizes=sizes,
+                                         interpret=True)
+            assert y.shape == x.shape and y.dtype == x.dtype
+            assert rel_err(y, oracle) <= TOL_FUSED[dtype], (sizes, tile)
+            tiles = sparse_decode_ffn_tiles(x, g, ids, count, up, w_down, residual_MxD=residual, block_sizes=sizes,
+                                            interpret=True)
+            assert rel_err(y, tiles) <= TOL_FUSED[dtype], (sizes, tile)
+    if pattern == "none":
+        np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(residual, np.float32))
+    else:  # the products are not a no-op
+        assert rel_err(oracle, residual) > 1e-2
+    no_residual = sparse_decode_down_tiles(values, ids, count, w_down, block_sizes=FUSED_SMALL, interpret=True)
+    assert rel_err(no_residual, fused_oracle(x, g, order, n, up, w_down, 160, None)) <= TOL_FUSED[dtype]
+
+
+def test_down_tiles_kernel_at_a_stacked_layer_and_its_limit():
+    x, g, w_up, w_down, residual = fused_inputs(jnp.float32, 3, "sparse", layers=3, seed=12)  # a union of 20
+    values, ids, count = _values_of(x, g, w_up[2], 16)
+    layer = jnp.asarray([2], jnp.int32)
+    run = lambda limit, li=layer: sparse_decode_down_tiles(values, ids, count, w_down, layer=li,  # noqa: E731
+                                                           residual_MxD=residual, limit=limit,
+                                                           block_sizes=FUSED_SMALL, interpret=True)
+    order, n = compact_active_reference(jnp.any(g > 0, axis=0))
+    assert rel_err(run(None), fused_oracle(x, g, order, n, w_up[2], w_down[2], 160, residual)) <= 1e-6
+    assert rel_err(run(None, jnp.asarray([0], jnp.int32)), run(None)) > 1e-2  # another layer's rows
+    np.testing.assert_array_equal(np.asarray(run(19)), np.asarray(residual))  # 20 > 19: nothing read
+    np.testing.assert_array_equal(np.asarray(run(20)), np.asarray(run(None)))
+
+
+def test_down_tiles_kernel_rejects_bad_arguments():
+    x, g, w_up, w_down, residual = fused_inputs(jnp.float32, 3, "sparse")
+    values, ids, count = _values_of(x, g, w_up, 16)
+    call = lambda **kw: sparse_decode_down_tiles(**{"values": values, "ids": ids, "count": count,  # noqa: E731
+                                                    "w_down_HxD": w_down, "interpret": True, **kw})
+    with pytest.raises(ValueError, match="values must be"):
+        call(values=values[:, :-1])
+    with pytest.raises(ValueError, match="w_down_HxD must be"):
+        call(w_down_HxD=w_down.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"w_down_HxD must be .*\[L, H, D\] with layer"):
+        call(layer=jnp.asarray([0], jnp.int32))
+    with pytest.raises(ValueError, match="layer must be"):
+        call(w_down_HxD=jnp.stack([w_down] * 2), layer=jnp.asarray(0, jnp.int32))
+    with pytest.raises(ValueError, match="count"):
+        call(count=count.astype(jnp.float32))
+    with pytest.raises(ValueError, match="ids"):
+        call(ids=ids[:32], count=count[:2], values=values[:, :32])
+    with pytest.raises(ValueError, match="limit"):
+        call(limit=-1)
+    with pytest.raises(ValueError, match="residual_MxD"):
+        call(residual_MxD=residual[:2])
+
+
 def _lists(g, tile, width=None):
     return tile_lists_reference(g, tile, width)[:2]
 
@@ -232,8 +388,13 @@ def test_tiles_kernels_lower_to_triton_for_cuda(capsys):
         g, ids, count, _ = decode_matvec(x, w_gate, layer=layer, norm_scale=scale, out_dtype=jnp.float32,
                                          block_sizes=matvec_lib.role_block_sizes("gate"), tile_lists=True,
                                          debug=True)
-        return sparse_decode_ffn_tiles(x, g, ids, count, w_up, w_down, layer=layer, norm_scale=scale,
-                                       residual_MxD=x, limit=300, debug=True)
+        y = sparse_decode_ffn_tiles(x, g, ids, count, w_up, w_down, layer=layer, norm_scale=scale,
+                                    residual_MxD=x, limit=300, debug=True)
+        _, ids, count, _, values = decode_matvec(y, w_gate, layer=layer, norm_scale=scale, out_dtype=jnp.float32,
+                                                 block_sizes=matvec_lib.role_block_sizes("gate"), tile_lists=True,
+                                                 tile_values=True, up=w_up, debug=True)
+        return sparse_decode_down_tiles(values, ids, count, w_down, layer=layer, residual_MxD=y, limit=300,
+                                        debug=True)
 
     x = jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((2, 5632, 2048), jnp.bfloat16)
@@ -241,7 +402,8 @@ def test_tiles_kernels_lower_to_triton_for_cuda(capsys):
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
             x, w, w, w, jax.ShapeDtypeStruct((2, 2048), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.int32))
     module = exported.mlir_module()
-    assert "twell_decode_gate_lists" in module and "twell_decode_tiles" in module
+    for name in ("twell_decode_gate_lists", "twell_decode_tiles", "twell_decode_gate_values", "twell_decode_down_tiles"):
+        assert name in module, name
     printed = capsys.readouterr().out
     assert '"scf.for"' not in printed  # no op that failed verification (mixed loop-bound types did)
 
@@ -250,14 +412,16 @@ def test_tiles_kernels_lower_to_triton_for_cuda(capsys):
 # the model's step
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("way", ["tiles", "packed"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_the_tiles_step_has_no_compaction(batch, monkeypatch):
-    """A sparse layer's FFN is two launches (the gate with its lists, the tiles kernel) after the
-    norm: no compaction kernel, no XLA reduction of the gate's signs (the fused path's step has
-    its compaction: the check can fail). With tiles of 16 (4 per layer) the step equals the XLA
-    path."""
+def test_the_tiles_step_has_no_compaction(batch, way, monkeypatch):
+    """A sparse layer's FFN is two launches ("tiles": the gate with its lists, the tiles kernel,
+    after the norm; "packed": the gate with its lists and values, the norm in its prologue, then
+    the down kernel): no compaction kernel, no XLA reduction of the gate's signs (the fused path's
+    step has its compaction: the check can fail). With tiles of 16 (4 per layer) the step equals
+    the XLA path."""
     monkeypatch.setitem(matvec_lib.ROLE_BLOCK_SIZES, "gate", GATE)
-    cfg = dataclasses.replace(BASE, n_layers=2, decode_sparse_ffn="tiles")
+    cfg = dataclasses.replace(BASE, n_layers=2, decode_sparse_ffn=way)
     model = init_model(cfg, seed=4)
     assert all(model.decode_layer_sparse(batch, jnp.float32))
     tokens, start = jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch,), jnp.int32)
@@ -266,7 +430,9 @@ def test_the_tiles_step_has_no_compaction(batch, monkeypatch):
     traced = step(model)
     names, sums = _pallas_names_and_row_sums(traced, (batch, cfg.d_ff))
     # The layers unrolled (model.decode_layer_unroll 0): a launch of each a layer.
-    assert names.count("twell_decode_gate_lists") == names.count("twell_decode_tiles") == cfg.n_layers, names
+    kernels = ("twell_decode_gate_lists", "twell_decode_tiles") if way == "tiles" else (
+        "twell_decode_gate_values", "twell_decode_down_tiles")
+    assert names.count(kernels[0]) == names.count(kernels[1]) == cfg.n_layers, names
     assert not any(name.startswith("twell_decode_compact") for name in names) and sums == 0, names
     fused = step(init_model(dataclasses.replace(cfg, decode_sparse_ffn="fused"), seed=4))
     assert "twell_decode_compact_rows" in _pallas_names_and_row_sums(fused, (batch, cfg.d_ff))[0]
@@ -306,12 +472,13 @@ def test_bench_decode_ffn_step_dry_run(tmp_path):
     spec.loader.exec_module(bench)
     out = tmp_path / "step.json"
     rows = bench.main(["--dry-run", "--out", str(out)])
-    variants = {"plain", "dense", "fused", "split", "tiles", "tiles_xla_norm", "piece: XLA norm", "piece: gate", "piece: gate +norm",
-                "piece: gate +lists", "piece: gate +norm +lists", "piece: compaction", "piece: fused kernel",
-                "piece: tiles kernel", "piece: tiles kernel +norm"}
+    variants = {"plain", "dense", "fused", "split", "tiles", "tiles_xla_norm", "packed", "piece: XLA norm",
+                "piece: gate", "piece: gate +norm", "piece: gate +lists", "piece: gate +norm +lists",
+                "piece: gate +norm +values", "piece: compaction", "piece: fused kernel", "piece: tiles kernel",
+                "piece: tiles kernel +norm", "piece: down tiles kernel"}
     assert {(r["rows"], r["variant"]) for r in rows} == {(b, v) for b in (1, 3) for v in variants}
     assert all(r["us_per_layer"] > 0 and r["union"] == 4 for r in rows)  # 4 neurons fire on every row
-    ways = {"dense", "fused", "split", "tiles", "tiles_xla_norm"}  # against the twin and plain JAX
+    ways = {"dense", "fused", "split", "tiles", "tiles_xla_norm", "packed"}  # against the twin and plain JAX
     assert {r["variant"] for r in rows if "vs_dense" in r} == {r["variant"] for r in rows if "vs_plain" in r} == ways
     assert json.loads(out.read_text())["rows"] == rows
     with pytest.raises(SystemExit, match="--rows must be in"):

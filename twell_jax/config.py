@@ -37,6 +37,10 @@ DECODE_SPARSE_FFN: dict[str, str] = {
              "launch reads those lists for the up and down products, the residual in its epilogue: two launches "
              "a layer after the norm, no compaction (a step of more rows than the gate's max_block_m, 16, runs "
              "'fused')",
+    "packed": "as 'tiles', and the gate's launch (the norm in its prologue) also computes each listed neuron's "
+              "hidden value (the up product of the tile's active neurons only) and packs it beside the id (TwELL "
+              "values and indices); one launch reads them for the down product, the residual in its epilogue: two "
+              "launches a layer, no norm launch (more rows than the gate's max_block_m, 16: 'fused')",
     "fused": "the active neurons compacted into one list (one launch), then one launch: each output block "
              "recomputes the active neurons' hidden values, the residual added in its epilogue",
     "split": "the compaction, then two launches: the active neurons' hidden values into HBM, then the down "
@@ -214,7 +218,7 @@ class ModelConfig:
     # (0.5b, batch 1, one process; BENCHMARKS.md, Decode): "auto" 0.513 ms/step, every layer "tiles"
     # 0.530, "fused" 0.538, "split" 0.564. The one-launch ways lose to "split" in a layer above ~49
     # active neurons (their every program walks them all), hence "auto".
-    decode_sparse_ffn: Literal["auto", "tiles", "fused", "split"] = "auto"
+    decode_sparse_ffn: Literal["auto", "tiles", "packed", "fused", "split"] = "auto"
     # Layers per iteration of the decode kernels' layer loop, as model.layer_unroll for the other
     # programs: 0 = every layer unrolled (no loop: each layer's index a constant, no per-iteration
     # copies; the step compiles in time linear in depth, seconds at the presets' depths); 1 = a loop

@@ -624,9 +624,9 @@ class Transformer(nnx.Module):
         """Per layer, how a one-token decode step of `batch` rows runs its FFN: "dense" (the fused
         dense products) or the sparse kernels of model.decode_sparse_ffn, "auto" resolved per layer
         by `planner.decode_sparse_way` from the layer's activity hint (one launch walking every
-        active neuron, "tiles" where the gate's program holds every row, else "fused"; or
-        "split"); "tiles" needs every row in one program of the gate and runs "fused" for more
-        rows."""
+        active neuron: "packed" at one row, "tiles" where the gate's program holds every row, else
+        "fused"; or "split"); "tiles" and "packed" need every row in one program of the gate and
+        run "fused" for more rows."""
         if self.is_swiglu:
             return ("dense",) * self.n_layers
         itemsize = jnp.dtype(dtype).itemsize
@@ -657,10 +657,13 @@ class Transformer(nnx.Module):
             if self.decode_sparse_ffn == "auto":
                 expected = None if config is None else config.expected_active_per_token
                 chosen = planner.decode_sparse_way(batch, expected, self.d_ff)
-                # One launch walking every active neuron: from the gate's tile lists where they hold
-                # the rows (no compaction launch: 0.530 against 0.538 ms/step, BENCHMARKS.md, Decode).
-                return "tiles" if chosen == "fused" and tiles_fit else chosen
-            if self.decode_sparse_ffn == "tiles" and not tiles_fit:
+                if chosen != "fused" or not tiles_fit:
+                    return chosen
+                # One launch walking every active neuron from the gate's tile lists where they hold the
+                # rows (no compaction launch: 0.530 against 0.538 ms/step); at up to PACKED_MAX_ROWS
+                # rows with the hidden values packed in the gate's launch (BENCHMARKS.md, Decode).
+                return "packed" if batch <= PACKED_MAX_ROWS else "tiles"
+            if self.decode_sparse_ffn in ("tiles", "packed") and not tiles_fit:
                 return "fused"
             return self.decode_sparse_ffn
 
@@ -689,8 +692,8 @@ class Transformer(nnx.Module):
         from twell_jax.pallas_kernels.decode_attention import decode_attention_qkv
         from twell_jax.pallas_kernels.decode_matvec import decode_matvec, role_block_sizes
         from twell_jax.pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compact_active_rows,
-                                                           sparse_decode_ffn, sparse_decode_ffn_fused,
-                                                           sparse_decode_ffn_tiles)
+                                                           sparse_decode_down_tiles, sparse_decode_ffn,
+                                                           sparse_decode_ffn_fused, sparse_decode_ffn_tiles)
 
         b = tokens_B.shape[0]
         dt = _dtype(self.compute_dtype)
@@ -771,6 +774,18 @@ class Transformer(nnx.Module):
             if b > 1:  # the planner's decode cost model: the union above which dense is faster
                 limit = planner.decode_union_limit(b, d, h_dim, gated=gated, itemsize=jnp.dtype(dt).itemsize,
                                                    device_switch=True)
+            if way == "packed":
+                # TwELL with its values: the gate's launch (the norm in its prologue) packs each column
+                # tile's active neurons and their hidden values (the up product of those neurons only);
+                # one launch reads them for the down product and adds the residual.
+                _, ids, count, pairs_T, values = mv(x, w_gate if gated else w_up, role="gate", layer=li,
+                                                    norm_scale=n2_LxD, out_dtype=jnp.float32, tile_lists=True,
+                                                    tile_values=True, up=w_up if gated else None)
+                y = sparse_decode_down_tiles(values, ids, count, w_down, layer=li, residual_MxD=x, limit=limit,
+                                             block_sizes=block_sizes, interpret=interpret)
+                if limit is not None:  # above the limit the sparse kernel passed x through: the dense products
+                    y = dense_ffn(x, li, n2_LxD, y, (jnp.sum(count) > limit).astype(jnp.int32)[None])[0]
+                return (y, k_all, v_all), {"l0": jnp.sum(pairs_T).astype(jnp.float32) / b}
             # The norm in XLA: one small fusion, faster than a norm prologue in each of the two kernels
             # that read xn (experiments/bench_decode_ffn_step.py: "tiles_xla_norm" against "tiles").
             scale = jax.lax.dynamic_index_in_dim(n2_LxD, layer, keepdims=False)
@@ -832,6 +847,12 @@ class Transformer(nnx.Module):
         aux = jax.tree.map(lambda *parts: jnp.concatenate(parts), *auxes)
         return logits_BxV, KVCache(k_all, v_all), aux
 
+
+# Rows of a decode step up to which model.decode_sparse_ffn "auto" takes "packed" where it would take
+# "tiles": the gate's values epilogue runs its rows one after another (an unrolled loop). On the H100
+# (0.5b, one process): at 1 row the step took 0.472 against 0.510 ms/step with "tiles"; at 8 rows
+# and 16 active neurons a layer's FFN took 36.7 against 30.1 us (experiments/bench_decode_ffn_step.py).
+PACKED_MAX_ROWS = 1
 
 # Rows of a decode step up to which a sparse layer counts its rows' active neurons inside the
 # compaction kernel (`compact_active_rows`: one program, so one load of [rows, H] after another);
