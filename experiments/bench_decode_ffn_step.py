@@ -8,7 +8,7 @@ step now unrolls its layers (`model.decode_layer_unroll`), so a scan step here a
 per-iteration cost, the same in every row but `plain`, whose layers are unrolled in one step.
 
 Rows (bf16, D and H of the paper's models; --active neurons fire on every row, so the rows' union
-is that many):
+is that many; --placement: the first neurons, or spread over the gate's column tiles):
     plain            plain JAX: the norm, the three products and the residual as jnp ops, each
                      layer's weights its own arrays (no slice of a stack), the layers unrolled in
                      the scan's body: what `vs plain` divides by
@@ -51,15 +51,27 @@ EPS = 1e-6
 WAYS = ("dense", "fused", "split", "tiles", "tiles_xla_norm", "packed")  # whole FFN steps (the rest: pieces)
 
 
-def make_layers(key, layers: int, rows: int, d: int, h: int, active: int, dtype):
-    """x [rows, D] and stacked weights whose gate fires exactly on neurons [0, active) of every row
+PLACEMENTS = ("first", "spread")
+
+
+def active_neurons(h: int, active: int, placement: str) -> jax.Array:
+    """The neurons that fire: "first" = [0, active) (a few column tiles full: the worst case of the
+    packed values, whose tiles walk their own active neurons a few at a time); "spread" = every
+    (h / active)-th neuron (one or two a tile, as a trained model's are scattered)."""
+    if placement == "first":
+        return jnp.arange(h) < active
+    return jnp.zeros((h,), bool).at[(jnp.arange(active) * h) // max(active, 1)].set(active > 0)
+
+
+def make_layers(key, layers: int, rows: int, d: int, h: int, active: int, dtype, placement: str = "first"):
+    """x [rows, D] and stacked weights whose gate fires exactly on `active_neurons` of every row
     (their gate rows point along x, the others against it, with a wide margin); W_down small, so
     the residual stream the scan carries keeps that pattern."""
     k = jax.random.split(key, 5)
     x = jax.random.normal(k[0], (1, d), jnp.float32)
     x = jnp.broadcast_to(x, (rows, d)) + 0.01 * jax.random.normal(k[1], (rows, d))
     direction = x[0] / jnp.linalg.norm(x[0])
-    sign = jnp.where(jnp.arange(h) < active, 1.0, -1.0)[:, None]
+    sign = jnp.where(active_neurons(h, active, placement), 1.0, -1.0)[:, None]
     w_gate = 0.02 * jax.random.normal(k[2], (layers, h, d)) + 0.5 * sign * direction[None, None, :]
     w_up = 0.02 * jax.random.normal(k[3], (layers, h, d))
     w_down = 1e-3 * jax.random.normal(k[4], (layers, h, d))
@@ -185,6 +197,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--rows", default="1,8", help="decode rows (batch), comma-separated (at most 16: the tiles path)")
     parser.add_argument("--active", default="16,64,256", help="active neurons per row (and union), comma-separated")
     parser.add_argument("--no-pieces", action="store_true", help="the whole ways only, not each piece alone")
+    parser.add_argument("--placement", default="first", choices=PLACEMENTS,
+                        help="which neurons fire: the first --active ('first') or spread over the column tiles")
     parser.add_argument("--layers", type=int, default=8, help="stacked weight copies the scan walks")
     parser.add_argument("--d", type=int, default=2048)
     parser.add_argument("--h", type=int, default=5632)
@@ -215,7 +229,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for rows in rows_list:
         for active in actives:
             x, wg, wu, wd, wdt, scale = make_layers(jax.random.key(rows * 1000 + active), args.layers, rows, args.d,
-                                                    args.h, active, dtype)
+                                                    args.h, active, dtype, args.placement)
 
             def scan_of(fn):
                 def run(x, wg, wu, wd, wdt, scale):
@@ -249,7 +263,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             times = bench_interleaved(fns, [(x, wg, wu, wd, wdt, scale)], repeats=args.repeats)
             us = {name: 1e3 * ms / steps for name, ms in times.items()}
             for name, value in us.items():
-                row = {"rows": rows, "active": active, "union": union, "variant": name, "us_per_layer": value}
+                row = {"rows": rows, "active": active, "placement": args.placement, "union": union, "variant": name,
+                       "us_per_layer": value}
                 if name in WAYS:  # the whole ways against the twin's and plain JAX's
                     row.update(vs_dense=us["dense"] / value, vs_plain=us["plain"] / value)
                 results.append(row)

@@ -483,3 +483,10 @@ def test_bench_decode_ffn_step_dry_run(tmp_path):
     assert json.loads(out.read_text())["rows"] == rows
     with pytest.raises(SystemExit, match="--rows must be in"):
         bench.main(["--rows", "17"])
+    # --placement spread: the same ways, the active neurons one a column tile
+    spread = bench.main(["--dry-run", "--no-pieces", "--placement", "spread"])
+    assert {r["variant"] for r in spread} == {"plain"} | ways and {r["placement"] for r in spread} == {"spread"}
+    import numpy as np
+    on = np.flatnonzero(np.asarray(bench.active_neurons(5632, 88, "spread")))
+    assert on.size == 88 and np.bincount(on // 64).max() == 1  # one a tile of 64
+    assert np.asarray(bench.active_neurons(5632, 88, "first")).nonzero()[0].max() == 87

@@ -623,10 +623,10 @@ class Transformer(nnx.Module):
     def decode_layer_ways(self, batch: int, dtype: Any) -> tuple[str, ...]:
         """Per layer, how a one-token decode step of `batch` rows runs its FFN: "dense" (the fused
         dense products) or the sparse kernels of model.decode_sparse_ffn, "auto" resolved per layer
-        by `planner.decode_sparse_way` from the layer's activity hint (one launch walking every
-        active neuron: "packed" at one row, "tiles" where the gate's program holds every row, else
-        "fused"; or "split"); "tiles" and "packed" need every row in one program of the gate and
-        run "fused" for more rows."""
+        "packed" at up to PACKED_MAX_ROWS rows, else by `planner.decode_sparse_way` from the
+        layer's activity hint (one launch walking every active neuron: "tiles" where the gate's
+        program holds every row, else "fused"; or "split"); "tiles" and "packed" need every row in
+        one program of the gate and run "fused" for more rows."""
         if self.is_swiglu:
             return ("dense",) * self.n_layers
         itemsize = jnp.dtype(dtype).itemsize
@@ -655,14 +655,13 @@ class Transformer(nnx.Module):
 
         def way(config: Any) -> str:
             if self.decode_sparse_ffn == "auto":
+                if batch <= PACKED_MAX_ROWS:  # each tile makes its own neurons' values: no union limit
+                    return "packed"
                 expected = None if config is None else config.expected_active_per_token
                 chosen = planner.decode_sparse_way(batch, expected, self.d_ff)
-                if chosen != "fused" or not tiles_fit:
-                    return chosen
-                # One launch walking every active neuron from the gate's tile lists where they hold the
-                # rows (no compaction launch: 0.530 against 0.538 ms/step); at up to PACKED_MAX_ROWS
-                # rows with the hidden values packed in the gate's launch (BENCHMARKS.md, Decode).
-                return "packed" if batch <= PACKED_MAX_ROWS else "tiles"
+                # One launch walking every active neuron: from the gate's tile lists where they hold the
+                # rows (no compaction launch: 0.530 against 0.538 ms/step, BENCHMARKS.md, Decode).
+                return "tiles" if chosen == "fused" and tiles_fit else chosen
             if self.decode_sparse_ffn in ("tiles", "packed") and not tiles_fit:
                 return "fused"
             return self.decode_sparse_ffn
@@ -848,10 +847,15 @@ class Transformer(nnx.Module):
         return logits_BxV, KVCache(k_all, v_all), aux
 
 
-# Rows of a decode step up to which model.decode_sparse_ffn "auto" takes "packed" where it would take
-# "tiles": the gate's values epilogue runs its rows one after another (an unrolled loop). On the H100
-# (0.5b, one process): at 1 row the step took 0.472 against 0.510 ms/step with "tiles"; at 8 rows
-# and 16 active neurons a layer's FFN took 36.7 against 30.1 us (experiments/bench_decode_ffn_step.py).
+# Rows of a decode step up to which model.decode_sparse_ffn "auto" runs every sparse layer "packed",
+# whatever its expected union: each column tile makes its own active neurons' values (no program
+# walks them all, as "tiles" and "fused" do), and the down kernel's steps are cheap. The gate's values
+# epilogue runs its rows one after another (an unrolled loop), so more rows lose. On the H100 (0.5b;
+# BENCHMARKS.md, Decode): at 1 row the model's step took 0.468 ms with every sparse layer "packed"
+# against 0.479 with the layer of ~100 active neurons "split"; one layer's FFN at 1 row with its active
+# neurons spread took 22.5 / 27.8 / 34.8 us at 16 / 96 / 192 of them, against "split"'s 33.1 / 35.4 /
+# 38.7 and the twin's 38; at 8 rows and 16 active neurons 36.7 against "tiles"'s 30.1
+# (experiments/bench_decode_ffn_step.py).
 PACKED_MAX_ROWS = 1
 
 # Rows of a decode step up to which a sparse layer counts its rows' active neurons inside the
