@@ -34,6 +34,9 @@ fuse a slice into a custom call). Nothing is accumulated across programs (determ
 tile_lists=True (the sparse layers' gate): the epilogue also packs, per column tile, the neurons
 with out > 0 in any row as ids and a count (`tile_lists_reference`), the TwELL layout of one
 decode step, which twell_decode.sparse_decode_ffn_tiles reads instead of a compacted list.
+tile_values=True (with up=W_up) also packs each listed neuron's hidden value beside its id, from
+that neuron's W_up row alone (a second, short phase after the K loop in the tiles that have active
+neurons), which twell_decode.sparse_decode_down_tiles reads for the down product.
 """
 from __future__ import annotations
 

@@ -30,9 +30,10 @@ DECODE_KERNELS: dict[str, str] = {
 # How a sparse layer's FFN runs in the decode kernels' step (model.decode_sparse_ffn), after the gate's
 # product (pallas_kernels/twell_decode.py, decode_matvec.py).
 DECODE_SPARSE_FFN: dict[str, str] = {
-    "auto": "per sparse layer, one launch walking the active neurons where the union of the step's rows' active "
-            "neurons expected from the layer's activity hint is small (ops.planner.decode_sparse_way: at most 48 "
-            "on the H100): 'tiles' where the gate's program holds every row (16), else 'fused'; else 'split'",
+    "auto": "at one row (model.PACKED_MAX_ROWS) every sparse layer 'packed'; at more rows, per sparse layer, one "
+            "launch walking the active neurons where the union of the step's rows' active neurons expected from "
+            "the layer's activity hint is small (ops.planner.decode_sparse_way: at most 48 on the H100): 'tiles' "
+            "where the gate's program holds every row (16), else 'fused'; else 'split'",
     "tiles": "the gate's product packs each column tile's active neurons in its epilogue (TwELL) and one "
              "launch reads those lists for the up and down products, the residual in its epilogue: two launches "
              "a layer after the norm, no compaction (a step of more rows than the gate's max_block_m, 16, runs "
@@ -215,9 +216,10 @@ class ModelConfig:
     # Callers of `decode` pass the copies.
     decode_transposed: bool = True
     # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN), measured on the H100
-    # (0.5b, batch 1, one process; BENCHMARKS.md, Decode): "auto" 0.513 ms/step, every layer "tiles"
-    # 0.530, "fused" 0.538, "split" 0.564. The one-launch ways lose to "split" in a layer above ~49
-    # active neurons (their every program walks them all), hence "auto".
+    # (0.5b, batch 1; BENCHMARKS.md, Decode): "auto" (every sparse layer "packed") 0.472 ms/step against
+    # 0.526 with every layer "tiles" in one process; in an earlier build "tiles" 0.530, "fused" 0.538,
+    # "split" 0.564. "tiles" and "fused" lose to "split" in a layer above ~49 active neurons (their every
+    # program walks them all); "packed" does not (each column tile makes its own neurons' values).
     decode_sparse_ffn: Literal["auto", "tiles", "packed", "fused", "split"] = "auto"
     # Layers per iteration of the decode kernels' layer loop, as model.layer_unroll for the other
     # programs: 0 = every layer unrolled (no loop: each layer's index a constant, no per-iteration
