@@ -54,9 +54,14 @@ from .common import (NORM_BLOCK_K, check_launch_sizes, compiler_params, is_pow2,
 from .twell_pack import _dot_precision
 
 LAYOUTS = ("nk", "kn")
-# tile_values: a tile's active neurons per step of the hidden values' epilogue (each step holds their
-# up rows whole in registers: 4 x 2048 fp32 at the 0.5b model's width).
-VALUES_CHUNK = 4
+# tile_values: the elements of W_up a step of the hidden values' epilogue holds in registers (fp32):
+# values_chunk(K) active neurons' rows whole, 4 at the 0.5b model's width (2048), fewer when wider.
+VALUES_STEP_ELEMENTS = 8192
+
+
+def values_chunk(k: int) -> int:
+    """Active neurons per step of the tile values' epilogue at width K: a power of two in [1, 4]."""
+    return max(1, min(4, VALUES_STEP_ELEMENTS // next_pow2(k)))
 ACTIVATIONS = (None, "relu", "silu")
 
 
@@ -210,15 +215,12 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
 
     k_first = pl.program_id(2) * n_k_split if split_k > 1 else jnp.int32(0)
 
-    def load_xn(t: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def k_step(i, accs):
+        t = k_first + i
         x_BMxBK, ks_BK, k_ok_BK = load_x(t)
         if has_norm:
             scale_BK = plgpu.load(scale_ref.at[layer * k + ks_BK], mask=k_ok_BK, other=0.0)
             x_BMxBK = (x_BMxBK.astype(jnp.float32) * inv_rms_BM[:, None] * scale_BK[None, :]).astype(x_ref.dtype)
-        return x_BMxBK, ks_BK, k_ok_BK
-
-    def k_step(i, accs):
-        x_BMxBK, ks_BK, k_ok_BK = load_xn(k_first + i)
         if n_parts == 1:
             w_tile = load_w(w_refs[0], ks_BK, k_ok_BK)
         else:  # one live part: the others' lanes are all masked (zeros, no traffic)
@@ -262,14 +264,15 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
         return
     # Each listed neuron's hidden value beside its id: h = round(relu(g) * u), u = xn . up[neuron]
     # (fp32, unrounded: `twell_decode`'s hidden kernel's formula), or round(relu(g)) without up.
-    # The tile's active neurons in slot order, VALUES_CHUNK at a time (ceil(count / chunk) steps,
+    # The tile's active neurons in slot order, `values_chunk` at a time (ceil(count / chunk) steps,
     # usually 0 or 1 in a decode step): their up rows are read whole in one load (every byte in
     # flight at once: the chain of dependent loads after the gate's K loop is the cost here) and
     # each row's u is an fp32 multiply-and-sum with that row of xn (no tensor-core dot: its 16-wide
     # minimum would hold 16 rows of up in registers for one or two live ones).
     slot_BN, n_active = partition_slots(active_BN)
     act_BMxBN = jnp.maximum(out_BMxBN.astype(jnp.float32), 0.0)
-    lane_S = lax.broadcasted_iota(jnp.int32, (VALUES_CHUNK,), 0)
+    chunk = values_chunk(k)
+    lane_S = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
     row_BM = lax.broadcasted_iota(jnp.int32, (block_m,), 0)
     k_pad = next_pow2(k)
     ks_K = lax.broadcasted_iota(jnp.int32, (k_pad,), 0)
@@ -287,7 +290,7 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
             xn_rows.append(x_K.astype(jnp.float32))
 
     def chunk_step(c, carry):
-        slots_S = c * VALUES_CHUNK + lane_S
+        slots_S = c * chunk + lane_S
         live_S = slots_S < n_active
         pick_BNxS = slot_BN[:, None] == slots_S[None, :]
         if has_up:
@@ -303,7 +306,7 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
             plgpu.store(list_refs[3].at[row_first + r, slot_base + slots_S], h_S.astype(dt), mask=live_S)
         return carry
 
-    n_chunks = lax.div(n_active + jnp.int32(VALUES_CHUNK - 1), jnp.int32(VALUES_CHUNK)).astype(jnp.int32)
+    n_chunks = lax.div(n_active + jnp.int32(chunk - 1), jnp.int32(chunk)).astype(jnp.int32)
     lax.fori_loop(jnp.int32(0), n_chunks, chunk_step, jnp.int32(0))
 
 
@@ -382,7 +385,8 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
     h = round(relu(out) * (xn . up[neuron])) with the up product in fp32 (`up`: the gated FFN's
     W_up, shaped as w, layout "nk"), or round(relu(out)) without `up`; the slots after count[t]
     are not written (no reader reads them). A tile with active neurons reads only their up rows,
-    whole, VALUES_CHUNK at a time; the rows are an unrolled loop (M <= max_block_m). Read by twell_decode.sparse_decode_down_tiles."""
+    whole, `values_chunk(K)` at a time; its rows are an unrolled loop (M <= max_block_m), so it is
+    meant for a few rows. Read by twell_decode.sparse_decode_down_tiles."""
     block_sizes = block_sizes or DEFAULT_BLOCK_SIZES
     n, k, n_layers = _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_dtype,
                             enable, block_sizes.block_n, block_sizes.split_k)

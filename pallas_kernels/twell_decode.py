@@ -339,12 +339,13 @@ def _store_output(acc_BMxBD: jax.Array, residual_ref, y_ref, rows_BM: jax.Array,
 
 
 def _tile_list_reader(count_ref, ids_ref, *, tile: int, block_h: int, limit: int | None):
-    """(n, ids_of_step) over the gate's tile lists (`decode_matvec(tile_lists=True)`: tile t's
+    """(n, ids_of_step, slots_of_step) over the gate's tile lists (`decode_matvec(tile_lists=True)`: tile t's
     active neurons are ids[t*tile : t*tile + count[t]]). Their concatenation is the list that
     `_down_steps` walks: position p lies in the last tile whose first position (an exclusive
     prefix sum of count, in registers) is <= p. Found per lane by a [BH, T] comparison, so a
-    step reads its BH ids with one gather and no loop over the tiles. n = the list's length, 0
-    above `limit` (the sparse side of the dense switch reads nothing)."""
+    step reads its BH ids with one gather and no loop over the tiles (slots_of_step(t): those
+    positions' slots in ids, and which are live: where packed values lie beside them). n = the
+    list's length, 0 above `limit` (the sparse side of the dense switch reads nothing)."""
     n_tiles = count_ref.shape[0]
     lane_T = lax.broadcasted_iota(jnp.int32, (_next_pow2(n_tiles),), 0)
     count_T = plgpu.load(count_ref.at[jnp.minimum(lane_T, n_tiles - 1)], mask=lane_T < n_tiles, other=0)
@@ -365,8 +366,7 @@ def _tile_list_reader(count_ref, ids_ref, *, tile: int, block_h: int, limit: int
         slot_BH, live_BH = slots_of_step(t)
         return plgpu.load(ids_ref.at[slot_BH], mask=live_BH, other=0)
 
-    ids_of_step.slots = slots_of_step  # the values kernel reads its values at the same slots
-    return n, ids_of_step
+    return n, ids_of_step, slots_of_step
 
 
 def _fused_kernel(n_ref, layer_ref, order_ref, x_ref, g_ref, *refs, m: int, d: int, h: int, capacity: int,
@@ -389,7 +389,7 @@ def _fused_kernel(n_ref, layer_ref, order_ref, x_ref, g_ref, *refs, m: int, d: i
     layer = jnp.max(layer_ref[...]).astype(jnp.int32)
     base = layer * h
     if tile:
-        n, ids_of_step = _tile_list_reader(n_ref, order_ref, tile=tile, block_h=block_h, limit=limit)
+        n, ids_of_step, _ = _tile_list_reader(n_ref, order_ref, tile=tile, block_h=block_h, limit=limit)
     else:
         n = jnp.minimum(jnp.max(n_ref[...]), jnp.int32(capacity)).astype(jnp.int32)
         ids_of_step = lambda t: order_ref[pl.ds(t * block_h, block_h)]  # noqa: E731
@@ -430,14 +430,14 @@ def _values_down_kernel(count_ref, layer_ref, ids_ref, values_ref, w_down_ref, *
     residual_ref = refs[0] if has_residual else None
     y_ref = refs[-1]
     base = jnp.max(layer_ref[...]).astype(jnp.int32) * h
-    n, ids_of_step = _tile_list_reader(count_ref, ids_ref, tile=tile, block_h=block_h, limit=limit)
+    n, ids_of_step, slots_of_step = _tile_list_reader(count_ref, ids_ref, tile=tile, block_h=block_h, limit=limit)
     rows_BM = pl.program_id(1) * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
     row_ok_BM = rows_BM < m
     cols_BD = pl.program_id(0) * block_d + lax.broadcasted_iota(jnp.int32, (block_d,), 0)
     col_ok_BD = cols_BD < d
 
     def h_of_step(t, j_BH, live_BH):
-        slot_BH, _ = ids_of_step.slots(t)
+        slot_BH, _ = slots_of_step(t)  # the values lie beside the ids
         return plgpu.load(values_ref.at[rows_BM[:, None], slot_BH[None, :]],
                           mask=row_ok_BM[:, None] & live_BH[None, :], other=0)
 

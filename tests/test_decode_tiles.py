@@ -188,6 +188,25 @@ def test_gate_tile_values_of_wide_tiles(pattern):
         assert list(np.asarray(count)) == [64, 64, 23]
 
 
+@pytest.mark.parametrize("elements", [64, 128])
+def test_gate_tile_values_in_narrower_steps(elements, monkeypatch):
+    """A wider model takes fewer active neurons a step (values_chunk: 1 and 2 here at K = 44 -> 64):
+    the same values, over tiles with many active neurons (a dense first row: 16 a tile). Shapes of
+    this test only (the chunk is read when the kernel is traced: no cached trace may answer)."""
+    assert matvec_lib.values_chunk(2048) == 4 and matvec_lib.values_chunk(2560) == 2  # the defaults
+    monkeypatch.setattr(matvec_lib, "VALUES_STEP_ELEMENTS", elements)
+    assert matvec_lib.values_chunk(44) == elements // 64
+    n = 29 + elements // 64
+    for pattern in ("first_row_dense", "sparse"):
+        x, w = gate_inputs(3, n, 44, pattern, seed=elements)
+        up = jax.random.normal(jax.random.key(elements), (n, 44))
+        out, ids, count, _, values = decode_matvec(x, w, out_dtype=jnp.float32, block_sizes=GATE, tile_lists=True,
+                                                   tile_values=True, up=up, interpret=True)
+        live = _live_slots(ids, count)
+        want = tile_values_reference(out, ids, count, x, up)
+        assert rel_err(values[:, live], want[:, live]) <= TOL_VALUES[jnp.float32], pattern
+
+
 def test_gate_tile_values_with_the_norm_and_a_stacked_layer():
     """As the model's packed way calls it: the RMSNorm prologue feeds the up product too, and the
     up rows are read in place at the layer of a stack."""
