@@ -149,8 +149,8 @@ TOL_VALUES = {jnp.float32: 1e-5, jnp.bfloat16: 8e-3}  # the up product's fp32 su
 def test_gate_tile_values_equal_their_reference(dtype, gated, m, n):
     """tile_values=True: the same product and lists as tile_lists alone, and each listed neuron's
     hidden value at its id's slot (round(relu(g) * u), u = x . up[id]; round(relu(g)) without up);
-    every pattern, a dense first row (all 16 slots of a tile: one chunk) and one hot neuron
-    included; tiles of 64 slots, up to four chunks of 16, below."""
+    every pattern, a dense first row (all 16 slots of a tile: four steps of 4) and one hot neuron
+    included; tiles of 64 slots below."""
     for i, pattern in enumerate(PATTERNS):
         x, w = (a.astype(dtype) for a in gate_inputs(m, n, 40, pattern, seed=31 * m + n + i))
         up = jax.random.normal(jax.random.key(m + i), (n, 40), dtype) if gated else None
@@ -174,7 +174,7 @@ def _live_slots(ids, count):
 
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_gate_tile_values_of_wide_tiles(pattern):
-    """Tiles of 64 slots (the model's gate): a tile's 0 to 64 active neurons in chunks of 16, the
+    """Tiles of 64 slots (the model's gate): a tile's 0 to 64 active neurons in steps of 4, the
     last one partial (151 neurons: tiles of 64, 64 and 23 columns)."""
     wide = MatvecBlockSizes(block_n=64, block_k=16)
     x, w = gate_inputs(3, 151, 40, pattern, seed=8)
