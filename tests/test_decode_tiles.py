@@ -109,6 +109,13 @@ def test_gate_tile_lists_of_balanced_programs(m, n, programs):
         listed = np.concatenate([np.asarray(ids[t * 16: t * 16 + int(count[t])]) for t in range(n_tiles)])
         np.testing.assert_array_equal(listed, np.flatnonzero(np.any(on, axis=0)), err_msg=pattern)
         assert int(np.sum(pairs)) == int(np.sum(on)), pattern
+        if m == 3:  # the values of tiles narrower than their slots: each at its id's slot
+            up = jax.random.normal(jax.random.key(i), (n, 40))
+            *_, values = decode_matvec(x, w, out_dtype=jnp.float32, block_sizes=balanced, tile_lists=True,
+                                       tile_values=True, up=up, interpret=True)
+            live = _live_slots(ids, count)
+            want = tile_values_reference(out, ids, count, x, up)
+            assert rel_err(values[:, live], want[:, live]) <= TOL_VALUES[jnp.float32], pattern
 
 
 def test_gate_tile_lists_with_the_norm_and_a_stacked_layer():
