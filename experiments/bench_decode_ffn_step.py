@@ -17,11 +17,13 @@ is that many; --placement: the first neurons, or spread over the gate's column t
     split            the same up to the compaction, then `hidden` and `down` (two launches) and
                      the residual add in XLA
     tiles            the gate's product with the norm prologue and its tile lists, the tiles
-                     kernel normalising x on load (the model's default)
+                     kernel normalising x on load
     tiles_xla_norm   XLA's RMSNorm, the gate's product with its tile lists, the tiles kernel on xn
+                     (the model's "tiles")
     packed           the gate's product with the norm prologue, its tile lists and the listed
                      neurons' hidden values (their up product in the same launch), then the down
-                     kernel over the packed values with the residual
+                     kernel over the packed values with the residual (the model's "packed", what
+                     "auto" runs at one row)
 and the pieces alone: the XLA norm, the gate's product (plain, +norm, +lists, +norm+lists,
 +norm+values), the compaction, the fused kernel, the tiles kernel (with and without its norm),
 the packed values' down kernel.

@@ -69,30 +69,28 @@ def validate_packed_operands(x_MxD: jax.Array, values: jax.Array, indices: jax.A
         raise ValueError(f"indices must be int32 {values.shape}, got {indices.dtype}{indices.shape}")
 
 
-def store_partition(active_L: jax.Array, order_ref, n_ref, *, h: int, first: jax.Array | int = 0) -> None:
+def store_partition(active_L: jax.Array, order_ref, n_ref, *, h: int,
+                    first: jax.Array | int = 0) -> tuple[jax.Array, jax.Array]:
     """Inside a kernel: the stable partition of active_L (bool [L]; False on lanes past the last
     neuron) into order [L] int32 (the active lanes' neuron ids first + lane ascending, then the
     inactive ones) and n [1] int32 = the number of active lanes. Lane i is neuron first + i;
     ids are clamped to h - 1, so padding lanes name a valid row. Shared by the decode compaction
     kernels (twell_decode.py: one list of all H neurons) and the sparse gate's tile lists
-    (decode_matvec.py: one list per column tile, the TwELL layout of one decode step)."""
-    lane_L = lax.broadcasted_iota(jnp.int32, (order_ref.shape[0],), 0)
-    slot_L, n = partition_slots(active_L)
-    # A permutation of [0, L): every lane writes a distinct slot, so no mask is needed (a masked
-    # scatter with colliding masked-off lanes can clobber live ones in interpret mode).
-    plgpu.store(order_ref.at[slot_L], jnp.minimum(first + lane_L, h - 1))
-    n_ref[...] = jnp.broadcast_to(n, (1,))
-
-
-def partition_slots(active_L: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Inside a kernel: (slot_L int32, n) of `store_partition`'s stable partition: lane i goes to
-    slot_L[i] (the active lanes to [0, n) in lane order, the others after them; a permutation of
-    [0, L)), n = the number of active lanes. Also where a value of lane i is packed beside its id."""
-    lane_L = lax.broadcasted_iota(jnp.int32, active_L.shape, 0)
+    (decode_matvec.py: one list per column tile, the TwELL layout of one decode step).
+    Returns (slot_L int32, n): lane i went to slot_L[i], where a value of lane i packed beside
+    its id goes (decode_matvec's tile values)."""
+    length = order_ref.shape[0]
+    lane_L = lax.broadcasted_iota(jnp.int32, (length,), 0)
     one_L = active_L.astype(jnp.int32)
     n = jnp.sum(one_L)
     active_before_L = jnp.cumsum(one_L) - one_L  # exclusive prefix: actives left of the lane
-    return jnp.where(active_L, active_before_L, n + lane_L - active_before_L), n
+    inactive_before_L = lane_L - active_before_L
+    # A permutation of [0, L): every lane writes a distinct slot, so no mask is needed (a masked
+    # scatter with colliding masked-off lanes can clobber live ones in interpret mode).
+    slot_L = jnp.where(active_L, active_before_L, n + inactive_before_L)
+    plgpu.store(order_ref.at[slot_L], jnp.minimum(first + lane_L, h - 1))
+    n_ref[...] = jnp.broadcast_to(n, (1,))
+    return slot_L, n
 
 
 # K elements a step of a norm prologue's sum-of-squares pass loads per row (at most): the pass is

@@ -50,10 +50,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .common import (NORM_BLOCK_K, check_launch_sizes, compiler_params, is_pow2, next_pow2,  # noqa: F401
-                     partition_slots, round_up, rows_inv_rms, store_partition)
+                     round_up, rows_inv_rms, store_partition)
 from .twell_pack import _dot_precision
 
 LAYOUTS = ("nk", "kn")
+ACTIVATIONS = (None, "relu", "silu")
 # tile_values: the elements of W_up a step of the hidden values' epilogue holds in registers (fp32):
 # values_chunk(K) active neurons' rows whole, 4 at the 0.5b model's width (2048), fewer when wider.
 VALUES_STEP_ELEMENTS = 8192
@@ -62,7 +63,6 @@ VALUES_STEP_ELEMENTS = 8192
 def values_chunk(k: int) -> int:
     """Active neurons per step of the tile values' epilogue at width K: a power of two in [1, 4]."""
     return max(1, min(4, VALUES_STEP_ELEMENTS // next_pow2(k)))
-ACTIVATIONS = (None, "relu", "silu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,7 +259,7 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
     on_BMxBN = ((out_BMxBN > 0) & row_ok_BM[:, None] & col_ok_BN[None, :]).astype(jnp.int32)
     pairs_ref[...] = jnp.broadcast_to(jnp.sum(on_BMxBN), (1,))
     active_BN = jnp.sum(on_BMxBN, axis=0) > 0
-    store_partition(active_BN, ids_ref, count_ref, h=n, first=pl.program_id(0) * width)
+    slot_BN, n_active = store_partition(active_BN, ids_ref, count_ref, h=n, first=pl.program_id(0) * width)
     if not tile_values:
         return
     # Each listed neuron's hidden value beside its id: h = round(relu(g) * u), u = xn . up[neuron]
@@ -269,17 +269,15 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
     # flight at once: the chain of dependent loads after the gate's K loop is the cost here) and
     # each row's u is an fp32 multiply-and-sum with that row of xn (no tensor-core dot: its 16-wide
     # minimum would hold 16 rows of up in registers for one or two live ones).
-    slot_BN, n_active = partition_slots(active_BN)
     act_BMxBN = jnp.maximum(out_BMxBN.astype(jnp.float32), 0.0)
     chunk = values_chunk(k)
     lane_S = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
     row_BM = lax.broadcasted_iota(jnp.int32, (block_m,), 0)
-    k_pad = next_pow2(k)
-    ks_K = lax.broadcasted_iota(jnp.int32, (k_pad,), 0)
+    ks_K = lax.broadcasted_iota(jnp.int32, (next_pow2(k),), 0)
     k_ok_K = ks_K < k
     first, slot_base = pl.program_id(0) * width, pl.program_id(0) * block_n  # outside the loop (interpret mode)
     row_first = pl.program_id(1) * block_m
-    xn_rows = []  # each live row of xn, fp32 [K] (x is L2-resident), loaded once for every chunk
+    xn_rows = []  # each live row of xn, fp32 [K] (x is L2-resident), loaded once for every step
     if has_up:
         scale_K = plgpu.load(scale_ref.at[layer * k + ks_K], mask=k_ok_K, other=0.0) if has_norm else None
         for r in range(min(m, block_m)):
@@ -500,8 +498,8 @@ def tile_values_reference(out_MxN: jax.Array, ids: jax.Array, count: jax.Array, 
     """`decode_matvec(tile_lists=True, tile_values=True)`'s values [M, T * S] in jnp, from its output
     out [M, N] and lists (ids [T * S], count [T]): at a listed slot, round(relu(out[:, id]) *
     (xn . up[id])) with the product in fp32 (or round(relu(out[:, id])) without up_NxK); 0 after a
-    tile's count (slots the kernel does not write). xn_MxK: x as the kernel reads it (normalised when it has a norm prologue), in the
-    values' dtype; up_NxK: one layer's W_up ([N, K], "nk")."""
+    tile's count (slots the kernel does not write). xn_MxK: x as the kernel reads it (normalised
+    when it has a norm prologue), in the values' dtype; up_NxK: one layer's W_up ([N, K], "nk")."""
     n_tiles = count.shape[0]
     tile = ids.shape[0] // n_tiles
     live = (jnp.arange(ids.shape[0]) % tile) < jnp.repeat(count, tile)

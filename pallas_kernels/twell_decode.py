@@ -326,6 +326,14 @@ def _down_kernel(n_ref, layer_ref, order_ref, h_ref, w_down_ref, y_ref, *, d: in
     y_ref[...] = acc_BMxBD.astype(y_ref.dtype)
 
 
+def _output_block(m: int, d: int, block_m: int, block_d: int) -> tuple[jax.Array, ...]:
+    """Program (j, i)'s rows [i*BM, (i+1)*BM) and output columns [j*BD, (j+1)*BD) of y [M, D], each
+    with its in-bounds mask: (rows_BM, row_ok_BM, cols_BD, col_ok_BD)."""
+    rows_BM = pl.program_id(1) * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
+    cols_BD = pl.program_id(0) * block_d + lax.broadcasted_iota(jnp.int32, (block_d,), 0)
+    return rows_BM, rows_BM < m, cols_BD, cols_BD < d
+
+
 def _store_output(acc_BMxBD: jax.Array, residual_ref, y_ref, rows_BM: jax.Array, row_ok_BM: jax.Array,
                   cols_BD: jax.Array, col_ok_BD: jax.Array) -> None:
     """y[rows, cols] = round(acc + residual) (the residual, when given, added in fp32 before the one
@@ -393,10 +401,7 @@ def _fused_kernel(n_ref, layer_ref, order_ref, x_ref, g_ref, *refs, m: int, d: i
     else:
         n = jnp.minimum(jnp.max(n_ref[...]), jnp.int32(capacity)).astype(jnp.int32)
         ids_of_step = lambda t: order_ref[pl.ds(t * block_h, block_h)]  # noqa: E731
-    rows_BM = pl.program_id(1) * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
-    row_ok_BM = rows_BM < m
-    cols_BD = pl.program_id(0) * block_d + lax.broadcasted_iota(jnp.int32, (block_d,), 0)
-    col_ok_BD = cols_BD < d
+    rows_BM, row_ok_BM, cols_BD, col_ok_BD = _output_block(m, d, block_m, block_d)
     norm = None
     if has_norm:  # decode_matvec's RMSNorm prologue (common.rows_inv_rms); no active neuron (or the
         # dense side of the switch): no up product, so no pass
@@ -431,10 +436,7 @@ def _values_down_kernel(count_ref, layer_ref, ids_ref, values_ref, w_down_ref, *
     y_ref = refs[-1]
     base = jnp.max(layer_ref[...]).astype(jnp.int32) * h
     n, ids_of_step, slots_of_step = _tile_list_reader(count_ref, ids_ref, tile=tile, block_h=block_h, limit=limit)
-    rows_BM = pl.program_id(1) * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
-    row_ok_BM = rows_BM < m
-    cols_BD = pl.program_id(0) * block_d + lax.broadcasted_iota(jnp.int32, (block_d,), 0)
-    col_ok_BD = cols_BD < d
+    rows_BM, row_ok_BM, cols_BD, col_ok_BD = _output_block(m, d, block_m, block_d)
 
     def h_of_step(t, j_BH, live_BH):
         slot_BH, _ = slots_of_step(t)  # the values lie beside the ids

@@ -455,6 +455,9 @@ def test_the_tiles_step_has_no_compaction(batch, way, monkeypatch):
         init_cache(cfg, batch, 8))
     traced = step(model)
     names, sums = _pallas_names_and_row_sums(traced, (batch, cfg.d_ff))
+    # The FFN norm: one XLA reduction a layer for "tiles", none for "packed" (the gate's prologue).
+    norms = _pallas_names_and_row_sums(traced, (batch, cfg.d_model))[1]
+    assert norms == (cfg.n_layers if way == "tiles" else 0), norms
     # The layers unrolled (model.decode_layer_unroll 0): a launch of each a layer.
     kernels = ("twell_decode_gate_lists", "twell_decode_tiles") if way == "tiles" else (
         "twell_decode_gate_values", "twell_decode_down_tiles")
@@ -512,7 +515,6 @@ def test_bench_decode_ffn_step_dry_run(tmp_path):
     # --placement spread: the same ways, the active neurons one a column tile
     spread = bench.main(["--dry-run", "--no-pieces", "--placement", "spread"])
     assert {r["variant"] for r in spread} == {"plain"} | ways and {r["placement"] for r in spread} == {"spread"}
-    import numpy as np
     on = np.flatnonzero(np.asarray(bench.active_neurons(5632, 88, "spread")))
     assert on.size == 88 and np.bincount(on // 64).max() == 1  # one a tile of 64
     assert np.asarray(bench.active_neurons(5632, 88, "first")).nonzero()[0].max() == 87

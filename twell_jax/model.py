@@ -773,32 +773,31 @@ class Transformer(nnx.Module):
             if b > 1:  # the planner's decode cost model: the union above which dense is faster
                 limit = planner.decode_union_limit(b, d, h_dim, gated=gated, itemsize=jnp.dtype(dt).itemsize,
                                                    device_switch=True)
-            if way == "packed":
-                # TwELL with its values: the gate's launch (the norm in its prologue) packs each column
-                # tile's active neurons and their hidden values (the up product of those neurons only);
-                # one launch reads them for the down product and adds the residual.
-                _, ids, count, pairs_T, values = mv(x, w_gate if gated else w_up, role="gate", layer=li,
-                                                    norm_scale=n2_LxD, out_dtype=jnp.float32, tile_lists=True,
-                                                    tile_values=True, up=w_up if gated else None)
-                y = sparse_decode_down_tiles(values, ids, count, w_down, layer=li, residual_MxD=x, limit=limit,
-                                             block_sizes=block_sizes, interpret=interpret)
+            # The norm in XLA where two kernels read xn: one small fusion, faster than a norm prologue in
+            # each (experiments/bench_decode_ffn_step.py: "tiles_xla_norm" against "tiles").
+            scale = jax.lax.dynamic_index_in_dim(n2_LxD, layer, keepdims=False)
+            if way in ("tiles", "packed"):
+                # TwELL: the gate's epilogue packs each column tile's active neurons (the rows' union);
+                # "packed" also their hidden values (the up product of those neurons only, the norm in
+                # the gate's prologue), read by the down kernel; "tiles" the lists only, read by one
+                # kernel for the up and down products. Either adds the residual.
+                if way == "packed":
+                    _, ids, count, pairs_T, values = mv(x, w_gate if gated else w_up, role="gate", layer=li,
+                                                        norm_scale=n2_LxD, out_dtype=jnp.float32, tile_lists=True,
+                                                        tile_values=True, up=w_up if gated else None)
+                    y = sparse_decode_down_tiles(values, ids, count, w_down, layer=li, residual_MxD=x, limit=limit,
+                                                 block_sizes=block_sizes, interpret=interpret)
+                else:
+                    xn = RMSNorm.normalize(x, scale, eps)
+                    g, ids, count, pairs_T = mv(xn, w_gate if gated else w_up, role="gate", layer=li,
+                                                out_dtype=jnp.float32, tile_lists=True)
+                    y = sparse_decode_ffn_tiles(xn, g, ids, count, w_up if gated else None, w_down, layer=li,
+                                                residual_MxD=x, limit=limit, block_sizes=block_sizes,
+                                                interpret=interpret)
                 if limit is not None:  # above the limit the sparse kernel passed x through: the dense products
                     y = dense_ffn(x, li, n2_LxD, y, (jnp.sum(count) > limit).astype(jnp.int32)[None])[0]
                 return (y, k_all, v_all), {"l0": jnp.sum(pairs_T).astype(jnp.float32) / b}
-            # The norm in XLA: one small fusion, faster than a norm prologue in each of the two kernels
-            # that read xn (experiments/bench_decode_ffn_step.py: "tiles_xla_norm" against "tiles").
-            scale = jax.lax.dynamic_index_in_dim(n2_LxD, layer, keepdims=False)
             xn = RMSNorm.normalize(x, scale, eps)
-            if way == "tiles":
-                # TwELL: the gate's epilogue packs each column tile's active neurons (the rows' union);
-                # one launch reads those lists and adds the residual.
-                g, ids, count, pairs_T = mv(xn, w_gate if gated else w_up, role="gate", layer=li,
-                                            out_dtype=jnp.float32, tile_lists=True)
-                y = sparse_decode_ffn_tiles(xn, g, ids, count, w_up if gated else None, w_down, layer=li,
-                                            residual_MxD=x, limit=limit, block_sizes=block_sizes, interpret=interpret)
-                if limit is not None:  # above the limit the sparse kernel passed x through: the dense products
-                    y = dense_ffn(xn, li, None, y, (jnp.sum(count) > limit).astype(jnp.int32)[None])[0]
-                return (y, k_all, v_all), {"l0": jnp.sum(pairs_T).astype(jnp.float32) / b}
             g = mv(xn, w_gate if gated else w_up, role="gate", layer=li, out_dtype=jnp.float32)  # [B, H]
             if b <= COMPACT_ROWS_IN_KERNEL:  # the rows' union counted inside the compaction: one launch
                 order, n_active, pairs = compact_active_rows(g, interpret=interpret)
