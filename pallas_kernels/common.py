@@ -96,14 +96,37 @@ def store_partition(active_L: jax.Array, order_ref, n_ref, *, h: int,
 # K elements a step of a norm prologue's sum-of-squares pass loads per row (at most): the pass is
 # dependent latency before a kernel's first weight load (x is L2-resident), so few, wide loads.
 NORM_BLOCK_K = 512
+# Live rows of a program up to which the prologue loads each row whole, one load a row with no loop
+# (its latency once), instead of the pass in NORM_BLOCK_K steps over the program's row block. On the
+# H100 (`decode_matvec`, the 0.5b shapes, 1 row; .scratch measurements of 2026-11-25 in
+# BENCHMARKS.md, Decode): q/k/v 12.7 us against 14.2 (11.9 without a norm), the twin's gate/up 20.0
+# against 23.1, the LM head 71.4 against 79.3; at 8 rows mixed (q/k/v 15.2 against 14.8, gate/up 23.0
+# against 24.3), so only a program of one live row takes it.
+NORM_ROWWISE_MAX_ROWS = 1
 
 
 def rows_inv_rms(x_ref, rows_BM: jax.Array, row_ok_BM: jax.Array, *, k: int, eps: float,
-                 live: jax.Array | bool = True) -> jax.Array:
+                 live: jax.Array | bool = True, rows: int | None = None) -> jax.Array:
     """Inside a kernel: rsqrt(mean(x[r]^2) + eps) of the rows `rows_BM` of x [M, k] (RMSNorm's
-    scale, fp32 [BM]; rows off `row_ok_BM` read as 0), from one pass in steps of up to
-    NORM_BLOCK_K. `live` False (traced): no pass, the result then unused. The RMSNorm prologue
-    of decode_matvec and of the sparse decode FFN kernels (twell_decode.py)."""
+    scale, fp32 [BM]; rows off `row_ok_BM` read as 0). `rows` (static): at most this many of the
+    block's rows are live, the first ones (min(M, BM) for a program of BM rows; None = BM): up to
+    NORM_ROWWISE_MAX_ROWS, each row whole in one load; else one pass over the block in steps of up
+    to NORM_BLOCK_K. `live` False (traced): no bytes read, the result then unused. The RMSNorm
+    prologue of decode_matvec and of the sparse decode FFN kernels (twell_decode.py)."""
+    block = rows_BM.shape[0]
+    rows = block if rows is None else min(rows, block)
+    if rows <= NORM_ROWWISE_MAX_ROWS:
+        lane_K = lax.broadcasted_iota(jnp.int32, (next_pow2(k),), 0)
+        row_BM = lax.broadcasted_iota(jnp.int32, (block,), 0)
+        ok_BM = (row_ok_BM & live).astype(jnp.int32)
+        inv_BM = jnp.zeros((block,), jnp.float32)
+        for r in range(rows):
+            row = jnp.sum(jnp.where(row_BM == r, rows_BM, 0))
+            ok = jnp.sum(jnp.where(row_BM == r, ok_BM, 0)) > 0
+            x_K = plgpu.load(x_ref.at[jnp.where(ok, row, 0), lane_K], mask=(lane_K < k) & ok,
+                             other=0).astype(jnp.float32)
+            inv_BM = jnp.where(row_BM == r, lax.rsqrt(jnp.sum(x_K * x_K) / k + eps), inv_BM)
+        return inv_BM
     step = min(next_pow2(k), NORM_BLOCK_K)
     lane_S = lax.broadcasted_iota(jnp.int32, (step,), 0)
 

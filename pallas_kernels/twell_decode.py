@@ -405,7 +405,8 @@ def _fused_kernel(n_ref, layer_ref, order_ref, x_ref, g_ref, *refs, m: int, d: i
     norm = None
     if has_norm:  # decode_matvec's RMSNorm prologue (common.rows_inv_rms); no active neuron (or the
         # dense side of the switch): no up product, so no pass
-        norm = (rows_inv_rms(x_ref, rows_BM, row_ok_BM, k=d, eps=eps, live=n > 0), scale_ref, layer * d)
+        norm = (rows_inv_rms(x_ref, rows_BM, row_ok_BM, k=d, eps=eps, live=n > 0,
+                              rows=min(m, block_m)), scale_ref, layer * d)
 
     def h_of_step(t, j_BH, live_BH):
         # Masked lanes (dead entries past n, rows >= M) read as 0.
