@@ -37,8 +37,9 @@ SHAPES = (("qkv", 2048, 2048, "kn", False, 3), ("qkv_one", 6144, 2048, "kn", Fal
           ("down", 2048, 5632, "kn", False, 1), ("down_nk", 2048, 5632, "nk", False, 1),
           ("head", 49152, 2048, "nk", False, 1), ("gate", 5632, 2048, "nk", False, 1),
           ("qkv_nk", 6144, 2048, "nk", False, 1), ("out_nk", 2048, 2048, "nk", False, 1))
-# The shape that measures each of decode_matvec.ROLES: the shape of the role's name.
-ROLE_SHAPES = {role: role for role in ROLES}
+# The shape that measures each of decode_matvec.ROLES: the shape of the role's name ("down_nk_switch":
+# W_down transposed, as "down_nk").
+ROLE_SHAPES = {role: role.removesuffix("_switch") for role in ROLES}
 # (block_n, block_k) per layout. A "kn" tile [bk, bn] reads bk rows of bn contiguous elements: wide
 # and short tiles (rows of 64-512 B), with split_k for programs when N / block_n is small. An "nk"
 # tile [bn, bk] reads bn rows of bk contiguous elements: narrow and long ones.

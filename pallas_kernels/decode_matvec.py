@@ -129,7 +129,10 @@ DEFAULT_BLOCK_SIZES = MatvecBlockSizes(block_n=32, block_k=256, num_warps=8, num
 # DEFAULT_BLOCK_SIZES: their sweep ran with the old loop timing, whose figures were not usable.
 # programs_n (an even load on the SMs) swept for q/k/v, gate/up and the gate (`--programs 0,132,264`,
 # H100, 2026-11-24): within 1% of these blocks alone, and no faster in the model's step; not used.
-ROLES = ("qkv", "out", "gate_up", "down", "head", "gate", "qkv_nk", "out_nk", "down_nk")
+# "down_nk_switch": W_down in the device switch's dense side (a sparse layer's step at several rows),
+# disabled on most steps: one launch (no split-K partials summed in XLA, a launch of its own even
+# when disabled), 128 column programs.
+ROLES = ("qkv", "out", "gate_up", "down", "head", "gate", "qkv_nk", "out_nk", "down_nk", "down_nk_switch")
 ROLE_BLOCK_SIZES: dict[str, MatvecBlockSizes] = {
     "qkv": DEFAULT_BLOCK_SIZES, "out": DEFAULT_BLOCK_SIZES, "down": DEFAULT_BLOCK_SIZES,
     "gate_up": MatvecBlockSizes(block_n=32, block_k=128, num_warps=4, num_stages=3, split_k=1),
@@ -138,6 +141,7 @@ ROLE_BLOCK_SIZES: dict[str, MatvecBlockSizes] = {
     "qkv_nk": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=1),
     "out_nk": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=4),
     "down_nk": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=4),
+    "down_nk_switch": MatvecBlockSizes(block_n=16, block_k=256, num_warps=4, num_stages=3, split_k=1),
 }
 
 
@@ -160,7 +164,7 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
                    has_gate: bool, has_residual: bool, has_enable: bool, n_parts: int, activation: str | None,
                    eps: float, block_m: int, block_n: int, block_k: int, n_k: int, precision: lax.Precision,
                    split_k: int = 1, n_k_split: int = 0, tile_lists: bool = False, width: int = 0,
-                   tile_values: bool = False, has_up: bool = False) -> None:
+                   tile_values: bool = False, has_up: bool = False, enable_above: int = 0) -> None:
     refs = list(refs)
     layer_ref = refs.pop(0) if has_layer else None
     enable_ref = refs.pop(0) if has_enable else None
@@ -172,6 +176,12 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
     res_ref = refs.pop(0) if has_residual else None
     o_ref, list_refs = refs[0], refs[1:]  # list_refs: ids, count, pairs (tile_lists), values (tile_values)
     layer = jnp.max(layer_ref[...]).astype(jnp.int32) if has_layer else jnp.int32(0)
+    enabled = True
+    if has_enable:  # the device-side switch (decode_matvec's docstring): sum(enable) > enable_above
+        n_enable = enable_ref.shape[0]
+        lane_E = lax.broadcasted_iota(jnp.int32, (next_pow2(n_enable),), 0)
+        enable_E = plgpu.load(enable_ref.at[jnp.minimum(lane_E, n_enable - 1)], mask=lane_E < n_enable, other=0)
+        enabled = jnp.sum(enable_E) > enable_above
     rows_BM = pl.program_id(1) * block_m + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
     row_ok_BM = rows_BM < m
     width = width or block_n  # columns this program owns (MatvecBlockSizes.columns)
@@ -199,7 +209,7 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
 
     inv_rms_BM = None
     if has_norm:  # in steps of its own, wider than the dot's (common.rows_inv_rms)
-        inv_rms_BM = rows_inv_rms(x_ref, rows_BM, row_ok_BM, k=k, eps=eps)
+        inv_rms_BM = rows_inv_rms(x_ref, rows_BM, row_ok_BM, k=k, eps=eps, live=enabled, rows=min(m, block_m))
 
     def load_w(ref, ks_BK: jax.Array, k_ok_BK: jax.Array, live=True) -> jax.Array:
         cols_ok_BN = col_ok_BN & live
@@ -233,13 +243,14 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
         return acc_BMxBN, accs[1] + dot(x_BMxBK, load_w(gate_ref, ks_BK, k_ok_BK))
 
     zeros = jnp.zeros((block_m, block_n), jnp.float32)
-    # enable = 0: no K loop (the output is the residual, or zeros): the device-side switch between
-    # this dense product and a sparse one without a host round trip. Both loop bounds int32.
+    # Disabled: no K loop and no norm pass (the output is the residual, or zeros): the device-side
+    # switch between this dense product and a sparse one without a host round trip. Both loop
+    # bounds int32.
     trips = jnp.int32(n_k)
     if split_k > 1:  # this program's share of the K blocks
         trips = jnp.clip(jnp.int32(n_k) - k_first, 0, n_k_split).astype(jnp.int32)
     if has_enable:
-        trips = jnp.where(jnp.max(enable_ref[...]) != 0, trips, jnp.int32(0)).astype(jnp.int32)
+        trips = jnp.where(enabled, trips, jnp.int32(0)).astype(jnp.int32)
     accs = lax.fori_loop(jnp.int32(0), trips, k_step, (zeros, zeros) if has_gate else (zeros,))
     if split_k > 1:  # the raw fp32 partial: summed and finished in XLA (`_epilogue`)
         plgpu.store(o_ref.at[(pl.program_id(2) * m + rows_BM)[:, None], out_cols_BN[None, :]], accs[0],
@@ -309,7 +320,7 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
 
 
 def _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_dtype,
-           enable=None, block_n: int | None = None, split_k: int = 1) -> tuple[int, int, int]:
+           enable=None, block_n: int | None = None, split_k: int = 1, enable_above: int = 0) -> tuple[int, int, int]:
     """(N of one part, K, L) after raising ValueError naming the offending argument; `w` is one
     weight or a tuple of parts of one shape (their outputs side by side)."""
     parts = tuple(w) if isinstance(w, (tuple, list)) else (w,)
@@ -320,8 +331,10 @@ def _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_
         raise ValueError("gate needs a single w (not parts)")
     if gate is not None and split_k > 1:
         raise ValueError("a gate cannot be used with MatvecBlockSizes.split_k > 1")
-    if enable is not None and (enable.shape != (1,) or enable.dtype != jnp.int32):
-        raise ValueError(f"enable must be int32 [1], got {enable.dtype}{enable.shape}")
+    if enable is not None and (enable.ndim != 1 or enable.shape[0] < 1 or enable.dtype != jnp.int32):
+        raise ValueError(f"enable must be int32 [E] (E >= 1), got {enable.dtype}{enable.shape}")
+    if isinstance(enable_above, bool) or not isinstance(enable_above, int) or enable_above < 0:
+        raise ValueError(f"enable_above must be an int >= 0, got {enable_above!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if activation not in ACTIVATIONS:
@@ -354,19 +367,22 @@ def _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "activation", "eps", "out_dtype", "block_sizes",
-                                             "tile_lists", "tile_values", "interpret", "debug"))
+                                             "tile_lists", "tile_values", "enable_above", "interpret", "debug"))
 def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, layer: jax.Array | None = None,
                   layout: str = "nk", norm_scale: jax.Array | None = None, eps: float = 1e-6,
                   gate: jax.Array | None = None, activation: str | None = None,
-                  residual: jax.Array | None = None, enable: jax.Array | None = None, out_dtype=None,
-                  block_sizes: MatvecBlockSizes | None = None, tile_lists: bool = False,
+                  residual: jax.Array | None = None, enable: jax.Array | None = None, enable_above: int = 0,
+                  out_dtype=None, block_sizes: MatvecBlockSizes | None = None, tile_lists: bool = False,
                   tile_values: bool = False, up: jax.Array | None = None,
                   interpret: bool = False, debug: bool = False) -> jax.Array | tuple[jax.Array, ...]:
     """[M, N] = residual + act(xn . gate) * (xn . w) (module docstring), each part optional;
     xn = RMSNorm(x) with `norm_scale` when given, else x. Output in `out_dtype` (default x's).
     `w` may be a tuple of equal-shaped parts (e.g. (w_q, w_k, w_v)): their outputs side by side,
-    [M, parts * N], from one launch. `enable` (int32 [1]): 0 skips the products (the output is the
-    residual, or zeros): a device-side switch, no host round trip.
+    [M, parts * N], from one launch. `enable` (int32 [E]): the products run only when
+    sum(enable) > `enable_above` (static, default 0: a flag [1] of 0 or 1), else the output is the
+    residual, or zeros, and neither the weights nor x are read: a device-side switch, no host
+    round trip (e.g. enable = a sparse gate's per-tile counts, enable_above = the union above
+    which the dense products run).
 
     tile_lists=True (the sparse layers' gate in a decode step): returns (out [M, N], ids [T * bn]
     int32, count [T] int32, pairs [T] int32) for the T column programs (`MatvecBlockSizes.columns`:
@@ -387,7 +403,7 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
     meant for a few rows. Read by twell_decode.sparse_decode_down_tiles."""
     block_sizes = block_sizes or DEFAULT_BLOCK_SIZES
     n, k, n_layers = _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_dtype,
-                            enable, block_sizes.block_n, block_sizes.split_k)
+                            enable, block_sizes.block_n, block_sizes.split_k, enable_above)
     parts = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     m = x_MxK.shape[0]
     bm, bn, bk = block_sizes.block_m(m), block_sizes.block_n, block_sizes.block_k
@@ -423,7 +439,7 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
         has_norm=norm_scale is not None, has_gate=gate is not None, has_residual=residual is not None,
         has_enable=enable is not None, n_parts=len(parts), activation=activation, eps=float(eps), block_m=bm,
         block_n=bn, block_k=bk, n_k=n_k, precision=_dot_precision(x_MxK.dtype), split_k=split,
-        n_k_split=-(-n_k // split), width=width, has_up=up is not None)
+        n_k_split=-(-n_k // split), width=width, has_up=up is not None, enable_above=enable_above)
     n_out = n * len(parts)
     if split > 1:  # fp32 partials [S * m, n_out]: split s owns rows [s * m, (s + 1) * m)
         partials = pl.pallas_call(
@@ -530,14 +546,15 @@ def decode_matvec_reference(x_MxK: jax.Array, w: jax.Array, *, layer: jax.Array 
                             layout: str = "nk", norm_scale: jax.Array | None = None, eps: float = 1e-6,
                             gate: jax.Array | None = None, activation: str | None = None,
                             residual: jax.Array | None = None, enable: jax.Array | None = None,
-                            out_dtype=None) -> jax.Array:
+                            enable_above: int = 0, out_dtype=None) -> jax.Array:
     """The same in jnp, with the model's roundings (the kernel's oracle)."""
-    _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_dtype, enable)
+    _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_dtype, enable,
+           enable_above=enable_above)
     if isinstance(w, (tuple, list)):
         return jnp.concatenate([decode_matvec_reference(
             x_MxK, p, layer=layer, layout=layout, norm_scale=norm_scale, eps=eps, activation=activation,
             residual=None if residual is None else jnp.split(residual, len(w), axis=1)[i], enable=enable,
-            out_dtype=out_dtype) for i, p in enumerate(w)], axis=1)
+            enable_above=enable_above, out_dtype=out_dtype) for i, p in enumerate(w)], axis=1)
     dt = x_MxK.dtype
     if layer is not None:
         w = w[layer[0]]
@@ -551,7 +568,7 @@ def decode_matvec_reference(x_MxK: jax.Array, w: jax.Array, *, layer: jax.Array 
     def mm(weight: jax.Array) -> jax.Array:
         spec = "mk,nk->mn" if layout == "nk" else "mk,kn->mn"
         product = jnp.einsum(spec, x, weight, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
-        return product if enable is None else jnp.where(enable[0] != 0, product, 0.0)
+        return product if enable is None else jnp.where(jnp.sum(enable) > enable_above, product, 0.0)
 
     accs = (mm(w),) if gate is None else (mm(w), mm(gate))
     return _epilogue(accs, dt, activation, residual, out_dtype)

@@ -444,3 +444,55 @@ def test_several_decode_rows_plan_the_twins_products_where_the_switch_never_pays
     assert ops.decode_forward_is_sparse(True, "auto", mixed.op_configs[0], 64, d, h, 2)
     assert mixed.decode_layer_sparse(64, jnp.bfloat16) == (False, True)
     assert mixed.decode_layer_sparse(1, jnp.bfloat16) == (True, True)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_the_packed_union_limit_is_packeds_break_even(m):
+    """decode_union_limit(way="packed"): below it "packed" (with its switch) beats dense by the
+    margin, above it not; it shrinks as the rows grow (the values epilogue runs them one after
+    another), and a union up to packed_free_union costs the same as none."""
+    d, h = 2048, 5632
+    c = planner.costs().decode
+    limit = planner.decode_union_limit(m, d, h, device_switch=True, way="packed")
+    dense = planner.DECODE_MARGIN * planner.dense_time_us(m, d, h, gated=True)
+    assert c.packed_free_union < limit < h
+    assert planner.packed_time_us(m, d, h, limit, device_switch=True) <= dense
+    assert planner.packed_time_us(m, d, h, limit + 1, device_switch=True) > dense
+    assert planner.packed_time_us(m, d, h, 0.0) == planner.packed_time_us(m, d, h, c.packed_free_union)
+    assert (planner.packed_time_us(m, d, h, 50.0, device_switch=True)
+            == pytest.approx(planner.packed_time_us(m, d, h, 50.0) + c.packed_switch_us))
+    if m > 1:
+        assert limit < planner.decode_union_limit(m // 2, d, h, device_switch=True, way="packed")
+    # The plain (not gated) FFN reads no W_up rows: each neuron above the free union costs half.
+    def slope(gated):
+        return (planner.packed_time_us(m, d, h, 200.0, gated=gated)
+                - planner.packed_time_us(m, d, h, 100.0, gated=gated))
+    assert slope(False) == pytest.approx(slope(True) / 2)
+    # No budget at all (a tiny FFN, whose fixed costs exceed the dense time): 0, the dense products.
+    assert planner.decode_union_limit(m, 64, 128, device_switch=True, way="packed") == 0
+
+
+def test_a_few_rows_plan_packed_where_its_expected_union_is_within_its_limit(monkeypatch):
+    """"auto" at 2 to model.PACKED_MAX_ROWS rows runs a sparse layer "packed" where the union
+    expected from its hint is within packed's own limit (its cost model, not the older ways',
+    which no union pays at these rows), the twin's products where it is not; above
+    PACKED_MAX_ROWS the other ways' plans (here: dense, the switch never pays)."""
+    from flax import nnx
+
+    from twell_jax import model as model_lib
+    from twell_jax.config import ModelConfig
+    from twell_jax.ops import backends
+
+    d, h = 2048, 5632
+    monkeypatch.setattr(backends, "gpu_available", lambda: True)
+    cfg = ModelConfig(vocab_size=256, d_model=d, n_layers=3, n_heads=32, d_ff=h, max_seq_len=32, ffn_kind="twell",
+                      ffn_backend="auto", ffn_expected_active=(10.0, 60.0, 146.0), compute_dtype="bfloat16",
+                      ffn_op_config={"check_finite": False})
+    model = nnx.eval_shape(lambda: init_model(cfg, 0))
+    limit4 = planner.decode_union_limit(4, d, h, device_switch=True, way="packed")
+    assert model.decode_union_limit(4, "packed", 2) == limit4
+    assert planner.expected_union(4, 10.0, h) <= limit4 < planner.expected_union(4, 60.0, h)
+    assert model.decode_layer_ways(1, jnp.bfloat16) == ("packed",) * 3
+    assert model.decode_layer_ways(4, jnp.bfloat16) == ("packed", "dense", "dense")
+    assert model_lib.PACKED_MAX_ROWS == 4
+    assert model.decode_layer_ways(5, jnp.bfloat16) == ("dense",) * 3

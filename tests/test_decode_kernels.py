@@ -504,9 +504,9 @@ def test_auto_picks_one_launch_or_split_per_layer_by_the_expected_union():
     """model.decode_sparse_ffn="auto" (the default): per sparse layer, one launch walking the
     active neurons where the union expected from the layer's activity hint is small (the gate's
     tile lists alone, "tiles", where the gate's program holds every row; else the compacted list,
-    "fused"), `hidden` + `down` where it is not; at one row every sparse layer "packed" (the tiles
-    make their own neurons' values: no union limit) (that launch's every program walks all the active
-    neurons: planner.decode_sparse_way); the step runs both and equals the XLA path."""
+    "fused"), `hidden` + `down` where it is not (that launch's every program walks all the active
+    neurons: planner.decode_sparse_way); up to model.PACKED_MAX_ROWS rows every sparse layer
+    "packed" (the tiles make their own neurons' values); the step runs both and equals the XLA path."""
     from twell_jax.ops import planner
 
     assert planner.decode_sparse_way(1, None, 5632) == "fused"  # no hint
@@ -515,8 +515,10 @@ def test_auto_picks_one_launch_or_split_per_layer_by_the_expected_union():
     assert planner.decode_sparse_way(8, 10.0, 5632) == "split"  # a union of ~80 over 8 rows
     cfg = dataclasses.replace(BASE, decode_sparse_ffn="auto", ffn_expected_active=(4.0, 60.0, 4.0))
     model = init_model(cfg, seed=4)
-    assert model.decode_layer_ways(1, jnp.float32) == ("packed",) * 3  # one row: every sparse layer
-    assert model.decode_layer_ways(2, jnp.float32) == ("tiles", "split", "tiles")
+    assert model_lib.PACKED_MAX_ROWS == 4
+    for rows in (1, 2, 4):  # (a backend the user forced: no union limit)
+        assert model.decode_layer_ways(rows, jnp.float32) == ("packed",) * 3
+    assert model.decode_layer_ways(5, jnp.float32) == ("tiles", "split", "tiles")
     # More rows than the gate's program holds (16): the compacted list for the small unions.
     few = init_model(dataclasses.replace(cfg, ffn_expected_active=(0.2, 60.0, 0.2)), seed=4)
     assert few.decode_layer_ways(17, jnp.float32) == ("fused", "split", "fused")
@@ -526,10 +528,10 @@ def test_auto_picks_one_launch_or_split_per_layer_by_the_expected_union():
     # The layers unrolled: the packed values' down kernel in each, no compaction.
     assert names.count("twell_decode_down_tiles") == 3 and "twell_decode_hidden" not in names, names
     assert not any(n.startswith("twell_decode_compact") for n in names) and "twell_decode_tiles" not in names, names
-    tokens2, start2 = jnp.zeros((2, 1), jnp.int32), jnp.zeros((2,), jnp.int32)
-    traced2 = jax.make_jaxpr(lambda c: model.decode(tokens2, c, jnp.int32(3), start2))(init_cache(cfg, 2, 8))
-    names2, _ = _pallas_names_and_row_sums(traced2, (2, cfg.d_ff))
-    # Two rows: the tiles kernel in two layers, `hidden` in one (after its compaction).
+    tokens2, start2 = jnp.zeros((5, 1), jnp.int32), jnp.zeros((5,), jnp.int32)
+    traced2 = jax.make_jaxpr(lambda c: model.decode(tokens2, c, jnp.int32(3), start2))(init_cache(cfg, 5, 8))
+    names2, _ = _pallas_names_and_row_sums(traced2, (5, cfg.d_ff))
+    # Five rows: the tiles kernel in two layers, `hidden` in one (after its compaction).
     assert names2.count("twell_decode_tiles") == 2 and names2.count("twell_decode_hidden") == 1, names2
     forced = init_model(dataclasses.replace(cfg, decode_sparse_ffn="fused"), seed=4)
     assert forced.decode_layer_ways(1, jnp.float32) == ("fused",) * 3

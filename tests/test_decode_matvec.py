@@ -129,6 +129,32 @@ def test_parts_side_by_side_and_the_enable_switch(layout):
                       layout=layout, block_sizes=SMALL)
 
 
+@pytest.mark.parametrize("m", [1, 3])
+def test_the_switch_reads_a_sparse_gates_counts(m):
+    """enable = per-tile counts [T], enable_above = a union limit: the products (with the norm and
+    a gate) run only when the counts sum above it, else the output is the residual exactly; the
+    reference agrees on both sides, and a bad enable or enable_above is named."""
+    x, w, gate, scale, res = _inputs(jnp.float32, m, 40, 70, layers=2, seed=21 + m)
+    layer = jnp.asarray([1], jnp.int32)
+    count = jnp.asarray([3, 0, 5, 1, 2], jnp.int32)  # 11 neurons over five tiles
+    for above, on in ((10, True), (11, False), (0, True)):
+        kwargs = dict(layer=layer, norm_scale=scale, gate=gate, activation="relu", residual=res, enable=count,
+                      enable_above=above)
+        got = decode_matvec(x, w, block_sizes=SMALL, interpret=True, **kwargs)
+        want = decode_matvec_reference(x, w, **kwargs)
+        assert _rel(got, want) <= TOL[jnp.float32], above
+        if on:
+            assert _rel(got, res) > 0.01
+        else:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(res))
+    for bad, match in ((dict(enable=count.astype(jnp.float32)), "enable must be int32"),
+                       (dict(enable=count.reshape(5, 1)), "enable must be int32"),
+                       (dict(enable=count, enable_above=-1), "enable_above"),
+                       (dict(enable=count, enable_above=2.5), "enable_above")):
+        with pytest.raises(ValueError, match=match):
+            decode_matvec(x, w, layer=layer, block_sizes=SMALL, interpret=True, **bad)
+
+
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 @pytest.mark.parametrize("split", [2, 3, 8])
 def test_split_k_matches_the_unsplit_product(layout, split):
@@ -195,12 +221,15 @@ def test_balanced_column_programs_refuse_what_they_cannot_hold():
 
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])
-def test_the_norm_prologue_over_several_of_its_steps(layout):
-    """K = 1100: the sum-of-squares pass runs three steps of NORM_BLOCK_K (the last partial)."""
+@pytest.mark.parametrize("m", [1, 3])
+def test_the_norm_prologue_over_several_of_its_steps(layout, m):
+    """K = 1100: at 3 rows the sum-of-squares pass runs three steps of NORM_BLOCK_K (the last
+    partial); at 1 row (common.NORM_ROWWISE_MAX_ROWS) the row is one masked load of 2048 lanes."""
+    from twell_jax.pallas_kernels.common import NORM_ROWWISE_MAX_ROWS
     from twell_jax.pallas_kernels.decode_matvec import NORM_BLOCK_K
 
-    assert -(-1100 // NORM_BLOCK_K) == 3
-    x, w, gate, scale, res = _inputs(jnp.float32, 3, 24, 1100, seed=11)
+    assert -(-1100 // NORM_BLOCK_K) == 3 and (m <= NORM_ROWWISE_MAX_ROWS) == (m == 1)
+    x, w, gate, scale, res = _inputs(jnp.float32, m, 24, 1100, seed=11 + m)
     if layout == "kn":
         w, gate = w.T, gate.T
     sizes = MatvecBlockSizes(block_n=16, block_k=128, num_warps=1, num_stages=1)

@@ -30,7 +30,8 @@ DECODE_KERNELS: dict[str, str] = {
 # How a sparse layer's FFN runs in the decode kernels' step (model.decode_sparse_ffn), after the gate's
 # product (pallas_kernels/twell_decode.py, decode_matvec.py).
 DECODE_SPARSE_FFN: dict[str, str] = {
-    "auto": "at one row (model.PACKED_MAX_ROWS) every sparse layer 'packed'; at more rows, per sparse layer, one "
+    "auto": "up to model.PACKED_MAX_ROWS rows (4) every sparse layer 'packed' (at more than one row only where "
+            "its expected union is within packed's limit, else dense); at more rows, per sparse layer, one "
             "launch walking the active neurons where the union of the step's rows' active neurons expected from "
             "the layer's activity hint is small (ops.planner.decode_sparse_way: at most 48 on the H100): 'tiles' "
             "where the gate's program holds every row (16), else 'fused'; else 'split'",

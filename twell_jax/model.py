@@ -629,33 +629,13 @@ class Transformer(nnx.Module):
         one program of the gate and run "fused" for more rows."""
         if self.is_swiglu:
             return ("dense",) * self.n_layers
-        itemsize = jnp.dtype(dtype).itemsize
-        # Several rows: the step's device-side switch costs the sparse side its own launches, and above
-        # its union limit the dense side reads the gate's weights a second time. "auto" plans a
-        # layer's dense products statically (the twin's: never slower) where the cost model finds no
-        # union that pays for the switch, or where the union expected from the layer's hint is
-        # above that limit (the switch would fall back on most steps).
-        limit = None
-        if batch > 1 and self.backend == "auto":
-            limit = planner.decode_union_limit(batch, self.d_model, self.d_ff, gated=self.gated, itemsize=itemsize,
-                                               device_switch=True)
-
-        def below_limit(config: Any) -> bool:
-            if limit is None:
-                return True
-            expected = None if config is None else config.expected_active_per_token
-            return limit > 0 and (expected is None or planner.expected_union(batch, expected, self.d_ff) <= limit)
-
-        sparse = tuple(below_limit(config) and ops.decode_forward_is_sparse(
-            self.gated, self.backend, config, batch, self.d_model, self.d_ff, itemsize, self.interpret)
-            for config in self.op_configs)
         from twell_jax.pallas_kernels.decode_matvec import role_block_sizes
 
         tiles_fit = batch <= role_block_sizes("gate").block_m(batch)  # every row in one program of the gate
 
         def way(config: Any) -> str:
             if self.decode_sparse_ffn == "auto":
-                if batch <= PACKED_MAX_ROWS:  # each tile makes its own neurons' values: no union limit
+                if batch <= PACKED_MAX_ROWS:  # each tile makes its own neurons' values
                     return "packed"
                 expected = None if config is None else config.expected_active_per_token
                 chosen = planner.decode_sparse_way(batch, expected, self.d_ff)
@@ -666,7 +646,32 @@ class Transformer(nnx.Module):
                 return "fused"
             return self.decode_sparse_ffn
 
-        return tuple(way(config) if is_sparse else "dense" for is_sparse, config in zip(sparse, self.op_configs))
+        itemsize = jnp.dtype(dtype).itemsize
+        ways = tuple(way(config) for config in self.op_configs)
+
+        # Several rows: the step's device-side switch costs the sparse side its own launches, and above
+        # its union limit the dense side reads the gate's weights a second time. "auto" plans a
+        # layer's dense products statically (the twin's: never slower) where the cost model of its
+        # way finds no union that pays for the switch, or where the union expected from the layer's
+        # hint is above that limit (the switch would fall back on most steps).
+        def sparse(config: Any, chosen: str) -> bool:
+            if not ops.decode_forward_is_sparse(self.gated, self.backend, config, batch, self.d_model, self.d_ff,
+                                                itemsize, self.interpret):
+                return False
+            if batch == 1 or self.backend != "auto":
+                return True
+            limit = self.decode_union_limit(batch, chosen, itemsize)
+            expected = None if config is None else config.expected_active_per_token
+            return limit > 0 and (expected is None or planner.expected_union(batch, expected, self.d_ff) <= limit)
+
+        return tuple(chosen if sparse(config, chosen) else "dense" for config, chosen in zip(self.op_configs, ways))
+
+    def decode_union_limit(self, batch: int, way: str, itemsize: int) -> int:
+        """The union of a step's rows' active neurons above which a sparse layer of this `way` runs
+        the dense products (the device switch of a step of several rows): `planner.decode_union_limit`
+        with the switch priced, "packed" by its own cost model."""
+        return planner.decode_union_limit(batch, self.d_model, self.d_ff, gated=self.gated, itemsize=itemsize,
+                                          device_switch=True, way="packed" if way == "packed" else None)
 
     def _decode_step_kernels(self, tokens_B: jax.Array, cache: KVCache, cache_index: jax.Array,
                              start_B: jax.Array, prepared: dict[str, Any] | None = None
@@ -733,13 +738,17 @@ class Transformer(nnx.Module):
         start_i32 = start_B.astype(jnp.int32)
 
         def dense_ffn(x: jax.Array, li: jax.Array, norm: jax.Array | None, residual: jax.Array,
-                      enable: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                      enable: jax.Array | None = None, enable_above: int = 0) -> tuple[jax.Array, jax.Array]:
+            # enable (the device switch's dense side): both launches run only when sum(enable) >
+            # enable_above, else neither reads a weight (nor x for the norm); its W_down in one launch
+            # ("down_nk_switch": no split-K epilogue launch in XLA on the steps it is disabled).
+            switch = {} if enable is None else {"enable": enable, "enable_above": enable_above}
             if gated:
-                h = mv(x, w_up, role="gate_up", layer=li, norm_scale=norm, gate=w_gate, activation=act, enable=enable)
+                h = mv(x, w_up, role="gate_up", layer=li, norm_scale=norm, gate=w_gate, activation=act, **switch)
             else:
-                h = mv(x, w_up, role="gate_up", layer=li, norm_scale=norm, activation="relu", enable=enable)
-            return mv(h, w_down_mv, role="down" + nk, layer=li, layout=proj_layout, residual=residual,
-                      enable=enable), h
+                h = mv(x, w_up, role="gate_up", layer=li, norm_scale=norm, activation="relu", **switch)
+            down_role = "down" + nk + ("_switch" if nk and enable is not None else "")
+            return mv(h, w_down_mv, role=down_role, layer=li, layout=proj_layout, residual=residual, **switch), h
 
         def layer_step(carry: Any, layer: jax.Array, way: str, op_config: Any) -> tuple[Any, Aux]:
             x, k_all, v_all = carry
@@ -771,8 +780,7 @@ class Transformer(nnx.Module):
             block_sizes = (op_config.decode_block_sizes if op_config is not None else None) or DecodeBlockSizes()
             limit = None
             if b > 1:  # the planner's decode cost model: the union above which dense is faster
-                limit = planner.decode_union_limit(b, d, h_dim, gated=gated, itemsize=jnp.dtype(dt).itemsize,
-                                                   device_switch=True)
+                limit = self.decode_union_limit(b, way, jnp.dtype(dt).itemsize)
             # The norm in XLA where two kernels read xn: one small fusion, faster than a norm prologue in
             # each (experiments/bench_decode_ffn_step.py: "tiles_xla_norm" against "tiles").
             scale = jax.lax.dynamic_index_in_dim(n2_LxD, layer, keepdims=False)
@@ -795,7 +803,7 @@ class Transformer(nnx.Module):
                                                 residual_MxD=x, limit=limit, block_sizes=block_sizes,
                                                 interpret=interpret)
                 if limit is not None:  # above the limit the sparse kernel passed x through: the dense products
-                    y = dense_ffn(x, li, n2_LxD, y, (jnp.sum(count) > limit).astype(jnp.int32)[None])[0]
+                    y = dense_ffn(x, li, n2_LxD, y, count, limit)[0]  # (the switch read from the counts in-kernel)
                 return (y, k_all, v_all), {"l0": jnp.sum(pairs_T).astype(jnp.float32) / b}
             xn = RMSNorm.normalize(x, scale, eps)
             g = mv(xn, w_gate if gated else w_up, role="gate", layer=li, out_dtype=jnp.float32)  # [B, H]
@@ -818,8 +826,8 @@ class Transformer(nnx.Module):
                 _, y = sparse_decode_ffn(xn, g, order, n_sparse, w_up if gated else None, w_down, capacity=capacity,
                                          layer=li, block_sizes=block_sizes, interpret=interpret)
                 x = x + y
-            if use_dense is not None:  # no products when sparse (enable 0): x passes through
-                x = dense_ffn(xn, li, None, x, use_dense.astype(jnp.int32))[0]
+            if use_dense is not None:  # no products when sparse (n_active <= limit): x passes through
+                x = dense_ffn(xn, li, None, x, n_active.astype(jnp.int32), limit)[0]
             return (x, k_all, v_all), {"l0": pairs[0].astype(jnp.float32) / b}
 
         ways_L = self.decode_layer_ways(b, dt)
@@ -846,16 +854,20 @@ class Transformer(nnx.Module):
         return logits_BxV, KVCache(k_all, v_all), aux
 
 
-# Rows of a decode step up to which model.decode_sparse_ffn "auto" runs every sparse layer "packed",
-# whatever its expected union: each column tile makes its own active neurons' values (no program
-# walks them all, as "tiles" and "fused" do), and the down kernel's steps are cheap. The gate's values
-# epilogue runs its rows one after another (an unrolled loop), so more rows lose. On the H100 (0.5b;
-# BENCHMARKS.md, Decode): at 1 row the model's step took 0.468 ms with every sparse layer "packed"
-# against 0.479 with the layer of ~100 active neurons "split"; one layer's FFN at 1 row with its active
-# neurons spread took 22.5 / 27.8 / 34.8 us at 16 / 96 / 192 of them, against "split"'s 33.1 / 35.4 /
-# 38.7 and the twin's 38; at 8 rows and 16 active neurons 36.7 against "tiles"'s 30.1
-# (experiments/bench_decode_ffn_step.py).
-PACKED_MAX_ROWS = 1
+# Rows of a decode step up to which model.decode_sparse_ffn "auto" runs its sparse layers "packed"
+# (each column tile makes its own active neurons' values: no program walks them all, as "tiles" and
+# "fused" do, and the down kernel's steps are cheap): every one at 1 row; at more, those whose
+# expected union is within "packed"'s own limit (`Transformer.decode_union_limit`), with the device
+# switch to the dense products above it. The gate's values epilogue runs its rows one after another
+# (an unrolled loop), so its cost grows with the rows. On the H100 (0.5b; BENCHMARKS.md, Decode): one
+# layer's FFN with its active neurons spread (experiments/bench_decode_ffn_step.py, a scan step) took
+# 22.5 / 27.8 / 34.8 us at 1 row and 16 / 96 / 192 of them against "split"'s 33.1 / 35.4 / 38.7 and the
+# twin's 38; 24.0 / 23.7 / 31.6 at 2 rows, 25.8 / 26.1 / 33.8 at 4 and 28.0 / 27.9 / 35.3 at 8 at unions
+# 8 / 32 / 128, against the twin's 39-40. The model's step at 4 rows: 0.735 ms against the twin's
+# 0.763 (1.039x); at 8 rows the packed layers' kernels took 18 us a step less than the twin's, but
+# their switch's short launches left 20 us of launch gaps: 0.971 against 0.969 ms (0.998x), so 8
+# rows keep the batch plans of the other ways (the twin's products on these checkpoints).
+PACKED_MAX_ROWS = 4
 
 # Rows of a decode step up to which a sparse layer counts its rows' active neurons inside the
 # compaction kernel (`compact_active_rows`: one program, so one load of [rows, H] after another);

@@ -499,12 +499,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             r["floor_bytes"] = floor
             r["floor_share"] = floor / (args.peak_gbs * 1e9) / (r["ms_per_step"] / 1e3)
             label = name if options is None else f"{name}+xla"
+            if name in models:  # how each layer's FFN ran in the step (Transformer.decode_layer_ways)
+                r["ffn_ways"] = list(models[name].decode_layer_ways(batch, jnp.dtype(args.dtype)))
             rows.append({"variant": label, "phase": "decode", "batch": batch, **r,
                          **({} if options is None else {"xla_options": options})})
             print(f"[bench] decode  {label} batch {batch}: {r['tokens_per_s']:.1f} tokens/s "
                   f"({r['ms_per_step']:.3f} ms/step, {r['floor_share']:.0%} of the bandwidth floor "
                   f"{floor / 1e9:.3f} GB; first calls: cache prefill {r['prefill_first_call_s']:.1f}s, "
-                  f"decode loop {r['steps_first_call_s']:.1f}s); active/layer {r['l0_per_layer'] or '-'}")
+                  f"decode loop {r['steps_first_call_s']:.1f}s); active/layer {r['l0_per_layer'] or '-'}"
+                  + (f"; FFN ways {','.join(r['ffn_ways'])}" if "ffn_ways" in r else ""))
             if "trace" in r:
                 print("\n".join(f"[bench]   {line}" for line in r["trace"]))
         if args.generate_tokens and name in models:  # plain JAX has no generator: ratios vs dense only

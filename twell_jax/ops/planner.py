@@ -122,6 +122,18 @@ class DecodeCosts:
     # (which spread them over programs), and the fit it comes from.
     decode_fused_max_union: float
     fused_fit: Fit
+    # "packed" (the gate's launch packs each tile's active neurons with their hidden values, then one
+    # launch adds their W_down rows and the residual):
+    #   packed = one gate GEMM + packed_fixed_us + packed_row_us M
+    #            + max(union - packed_free_union, 0) 2 D itemsize / packed_neuron_bytes_per_us
+    #            [+ packed_switch_us at M > 1: the device switch's dense launches, disabled]
+    # (a union up to packed_free_union costs no more than one neuron a tile: one step of values).
+    packed_fixed_us: float
+    packed_row_us: float
+    packed_free_union: float
+    packed_neuron_bytes_per_us: float
+    packed_switch_us: float
+    packed_fit: Fit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +197,17 @@ H100 = DeviceCosts(
                       "a sparse layer's decode FFN per layer of a scan, 1 row: fused 30.1 / 31.0 / 38.0 / 44.9 / 58.8 / "
                       "79.9 / 136.0 us at 8 / 32 / 64 / 96 / 160 / 256 / 512 active (~0.22 us per neuron from 32 on), "
                       "split 34.4 / 34.9 / 36.2 / 36.6 / 38.7 / 41.7 / 48.6 (~0.03): equal at n ~ 50; the twin "
-                      "39.9-40.7")),
+                      "39.9-40.7"),
+        packed_fixed_us=6.7, packed_row_us=0.7, packed_free_union=32.0, packed_neuron_bytes_per_us=1.0e5,
+        packed_switch_us=3.5,
+        packed_fit=Fit("2026-11-25", "NVIDIA H100 80GB HBM3",
+                       "python experiments/bench_decode_ffn_step.py --rows 2,4,8 --active 8,32,128 --placement spread "
+                       "--no-pieces --repeats 7; the model's step at 1 row (bench_inference --trace-decode)",
+                       "D 2048, H 5632, bf16, active neurons spread over the tiles: packed 24.0 / 23.7 / 31.6 us at "
+                       "2 rows and unions 8 / 32 / 128, 25.8 / 26.1 / 33.8 at 4, 28.0 / 27.9 / 35.3 at 8 (a scan "
+                       "step: ~3.5 us above the model's unrolled step, whose 1-row packed FFN took 19.3: gate and "
+                       "values 14.5 + down 4.8): ~0.7 us a row, ~0.08 us a neuron above 32; packed_switch_us: the "
+                       "disabled dense launches' estimate (two launches without a norm pass or a split-K epilogue)")),
 )
 
 COST_MODELS: dict[str, DeviceCosts] = {"H100": H100}
@@ -372,14 +394,37 @@ def _decode_time_at_union(m: int, d: int, h: int, union: float, gated: bool, ite
             + n_rows * 2.0 * max(m, 16) * union * d / c.decode_flops_per_us)
 
 
+def packed_time_us(m: int, d: int, h: int, union: float, *, gated: bool = True, itemsize: int = 2,
+                   kind: str | None = None, device_switch: bool = False) -> float:
+    """Predicted time of one layer's "packed" decode FFN (`DecodeCosts`) at `union` active neurons
+    over the step's m rows (a neuron's W_up and W_down rows; W_down's only when not gated);
+    device_switch: with the switch's disabled dense launches (m > 1)."""
+    c = costs(kind).decode
+    neuron_bytes = (2 if gated else 1) * d * itemsize
+    return (_gemm_us(c, m, d, h, itemsize) + c.packed_fixed_us + c.packed_row_us * m
+            + max(union - c.packed_free_union, 0.0) * neuron_bytes / c.packed_neuron_bytes_per_us
+            + (c.packed_switch_us if device_switch else 0.0))
+
+
 def decode_union_limit(m: int, d: int, h: int, *, gated: bool = True, itemsize: int = 2,
-                       kind: str | None = None, device_switch: bool = False) -> int:
+                       kind: str | None = None, device_switch: bool = False, way: str | None = None) -> int:
     """The largest union of active neurons (over a call's m tokens) at which the decode path is
     predicted to beat the dense FFN by DECODE_MARGIN (the same model as `prefer_decode_path`, whose
     time grows linearly in the union), in [0, h]: the device-side switch of the model's decode
     step (`Transformer._decode_step_kernels`) runs the dense products above it. device_switch: price
     that switch (`decode_switch_us`), as the model's step at m > 1 pays it; 0 = the sparse side
-    never pays, so the model plans the layer dense (`Transformer.decode_layer_sparse`)."""
+    never pays, so the model plans the layer dense (`Transformer.decode_layer_sparse`).
+    way "packed": the same for model.decode_sparse_ffn "packed" (`packed_time_us`, its own switch
+    cost `packed_switch_us`); other ways (None, "fused", "split", "tiles"): the decode model above."""
+    if way == "packed":
+        c = costs(kind).decode
+        budget = (DECODE_MARGIN * dense_time_us(m, d, h, gated=gated, itemsize=itemsize, kind=kind)
+                  - packed_time_us(m, d, h, 0.0, gated=gated, itemsize=itemsize, kind=kind,
+                                   device_switch=device_switch))
+        if budget < 0:
+            return 0
+        neuron_bytes = (2 if gated else 1) * d * itemsize
+        return int(min(h, c.packed_free_union + budget * c.packed_neuron_bytes_per_us / neuron_bytes))
     fixed = _decode_time_at_union(m, d, h, 0.0, gated, itemsize, kind, device_switch)
     per_row = _decode_time_at_union(m, d, h, 1.0, gated, itemsize, kind, device_switch) - fixed
     budget = DECODE_MARGIN * dense_time_us(m, d, h, gated=gated, itemsize=itemsize, kind=kind) - fixed
