@@ -470,6 +470,8 @@ def test_the_packed_union_limit_is_packeds_break_even(m):
     assert slope(False) == pytest.approx(slope(True) / 2)
     # No budget at all (a tiny FFN, whose fixed costs exceed the dense time): 0, the dense products.
     assert planner.decode_union_limit(m, 64, 128, device_switch=True, way="packed") == 0
+    with pytest.raises(ValueError, match="way must be"):
+        planner.decode_union_limit(m, d, h, way="packd")
 
 
 def test_a_few_rows_plan_packed_where_its_expected_union_is_within_its_limit(monkeypatch):

@@ -207,7 +207,9 @@ H100 = DeviceCosts(
                        "2 rows and unions 8 / 32 / 128, 25.8 / 26.1 / 33.8 at 4, 28.0 / 27.9 / 35.3 at 8 (a scan "
                        "step: ~3.5 us above the model's unrolled step, whose 1-row packed FFN took 19.3: gate and "
                        "values 14.5 + down 4.8): ~0.7 us a row, ~0.08 us a neuron above 32; packed_switch_us: the "
-                       "disabled dense launches' estimate (two launches without a norm pass or a split-K epilogue)")),
+                       "switch's disabled gate/up and W_down launches timed alone at 1 row, 4.0 us in a chain whose "
+                       "own XLA add per call is ~1 us (as bench_decode_matvec.py times a call); 4.5 us at 8 rows "
+                       "in the model's kernel time line")),
 )
 
 COST_MODELS: dict[str, DeviceCosts] = {"H100": H100}
@@ -416,6 +418,8 @@ def decode_union_limit(m: int, d: int, h: int, *, gated: bool = True, itemsize: 
     never pays, so the model plans the layer dense (`Transformer.decode_layer_sparse`).
     way "packed": the same for model.decode_sparse_ffn "packed" (`packed_time_us`, its own switch
     cost `packed_switch_us`); other ways (None, "fused", "split", "tiles"): the decode model above."""
+    if way not in (None, "fused", "split", "tiles", "packed"):
+        raise ValueError(f"way must be None or one of 'fused', 'split', 'tiles', 'packed', got {way!r}")
     if way == "packed":
         c = costs(kind).decode
         budget = (DECODE_MARGIN * dense_time_us(m, d, h, gated=gated, itemsize=itemsize, kind=kind)
