@@ -565,3 +565,55 @@ def test_the_decode_layers_unrolled_or_in_a_loop_give_the_same_steps(kind):
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=f"decode_layer_unroll={unroll}")
     with pytest.raises(ValueError, match="model.decode_layer_unroll must be an int >= 0"):
         dataclasses.replace(BASE, decode_layer_unroll=-1)
+
+
+def test_the_prepared_step_converts_no_norm_scale():
+    """`prepare_decode` holds the norm scales in fp32 (as the kernels read them): a step given the
+    copies of a model whose weights are bf16 (as `inference.load_run` loads them) converts no [L, D]
+    or [D] scale outside the kernels (each was an XLA launch of its own every step); without the
+    copies the step converts them itself, and both give the same logits."""
+    from flax import nnx
+
+    cfg = dataclasses.replace(BASE, compute_dtype="bfloat16", decode_transposed=True)
+    model = init_model(cfg, seed=4)
+    nnx.update(model, jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a,
+                                   nnx.state(model)))
+    assert model.final_norm.scale[...].dtype == jnp.bfloat16
+    prepared = model.prepare_decode()
+    assert {k: (v.dtype, v.shape) for k, v in prepared.items() if k.endswith("norm")} == {
+        "attn_norm": (jnp.float32, (cfg.n_layers, cfg.d_model)), "ffn_norm": (jnp.float32, (cfg.n_layers, cfg.d_model)),
+        "final_norm": (jnp.float32, (cfg.d_model,))}
+    tokens, start = jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32)
+    scale_shapes = {(cfg.n_layers, cfg.d_model), (cfg.d_model,)}
+
+    def scale_converts(prepared_or_none):
+        traced = jax.make_jaxpr(lambda c, p: model.decode(tokens, c, jnp.int32(3), start, prepared=p))(
+            init_cache(cfg, 1, 8), prepared_or_none)
+        found = []
+
+        def walk(jaxpr):
+            for eqn in jaxpr.eqns:
+                if eqn.primitive.name == "pallas_call":
+                    continue
+                if (eqn.primitive.name == "convert_element_type" and eqn.invars[0].aval.dtype == jnp.bfloat16
+                        and tuple(eqn.invars[0].aval.shape) in scale_shapes):
+                    found.append(tuple(eqn.invars[0].aval.shape))
+                for value in eqn.params.values():
+                    for sub in value if isinstance(value, (tuple, list)) else (value,):
+                        inner = getattr(sub, "jaxpr", sub)
+                        if hasattr(inner, "eqns"):
+                            walk(inner)
+
+        walk(traced.jaxpr)
+        return found
+
+    assert model._decode_with_kernels() and scale_converts(prepared) == []
+    stored = dataclasses.replace(cfg, decode_transposed=False)
+    plain = init_model(stored, seed=4)
+    nnx.update(plain, nnx.state(model))
+    got, _, _ = model.decode(tokens, init_cache(cfg, 1, 8), jnp.int32(0), start, prepared=prepared)
+    want, _, _ = plain.decode(tokens, init_cache(cfg, 1, 8), jnp.int32(0), start)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="prepare_decode"):
+        model.decode(tokens, init_cache(cfg, 1, 8), jnp.int32(0), start,
+                     prepared={k: v for k, v in prepared.items() if k != "final_norm"})

@@ -601,9 +601,11 @@ class Transformer(nnx.Module):
         """Output-major copies ([L, N, K], compute dtype) of the weights that a one-token decode step
         reads input-major, for `decode(..., prepared=)`, when model.decode_transposed and the
         decode kernels run; else None: "w_qkv" [L, 3D, D] (q, k, v side by side: one weight, so one
-        launch without the three-part masking), "w_out" [L, D, D], "w_down" [L, D, H]. Made once
-        per set of weights (a Generator makes them at its start): the copies cost those weights'
-        memory a second time."""
+        launch without the three-part masking), "w_out" [L, D, D], "w_down" [L, D, H]; and the norm
+        scales in fp32, as the kernels read them: "attn_norm" and "ffn_norm" [L, D], "final_norm"
+        [D] (converted here once: in the step each convert was an XLA launch of its own every step,
+        three a step, which a decode loop does not hoist). Made once per set of weights (a Generator
+        makes them at its start): the copies cost those weights' memory a second time."""
         if not (self.decode_transposed and self._decode_with_kernels()):
             return None
         dt = _dtype(self.compute_dtype)
@@ -613,7 +615,13 @@ class Transformer(nnx.Module):
             return jnp.swapaxes(w[...].astype(dt), 1, 2)
 
         return {"w_qkv": jnp.concatenate([t(attn.w_q), t(attn.w_k), t(attn.w_v)], axis=1), "w_out": t(attn.w_out),
-                "w_down": t(self.blocks.ffn.w_down)}
+                "w_down": t(self.blocks.ffn.w_down), **self._norm_scales_fp32()}
+
+    def _norm_scales_fp32(self) -> dict[str, jax.Array]:
+        """The decode kernels' norm scales: {"attn_norm", "ffn_norm": [L, D], "final_norm": [D]}, fp32."""
+        return {name: norm.scale[...].astype(jnp.float32) for name, norm in
+                (("attn_norm", self.blocks.attn_norm), ("ffn_norm", self.blocks.ffn_norm),
+                 ("final_norm", self.final_norm))}
 
     def decode_layer_sparse(self, batch: int, dtype: Any) -> tuple[bool, ...]:
         """Per layer, whether a one-token decode step of `batch` rows runs the sparse FFN's decode
@@ -702,7 +710,7 @@ class Transformer(nnx.Module):
         b = tokens_B.shape[0]
         dt = _dtype(self.compute_dtype)
         interpret, gated, h_dim, d = self.interpret, self.gated, self.d_ff, self.d_model
-        blocks, attn, ffn = self.blocks, self.blocks.attn, self.blocks.ffn
+        attn, ffn = self.blocks.attn, self.blocks.ffn
         n_heads, head_dim = attn.n_heads, attn.head_dim
         w_qkv = tuple(w[...].astype(dt) for w in (attn.w_q, attn.w_k, attn.w_v))  # [L, D, D]: no-op casts when
         w_out = attn.w_out[...].astype(dt)  # the weights are loaded in the compute dtype (inference.load_run)
@@ -715,13 +723,14 @@ class Transformer(nnx.Module):
             raise ValueError("model.decode_transposed: pass the copies of prepare_decode() to "
                              "decode(..., prepared=model.prepare_decode()); without them the stored weights would "
                              "run (model.decode_transposed=false for that)")
+        scales = self._norm_scales_fp32() if prepared is None else prepared
         if prepared is not None:
-            if set(prepared) != {"w_qkv", "w_out", "w_down"}:
+            if set(prepared) != {"w_qkv", "w_out", "w_down", "attn_norm", "ffn_norm", "final_norm"}:
                 raise ValueError(f"prepared must be Transformer.prepare_decode()'s dict, got keys {sorted(prepared)}")
             proj_layout, nk = "nk", "_nk"  # the roles of these products in that layout
             w_qkv_mv = prepared["w_qkv"].astype(dt)  # one [L, 3D, D] weight: q, k, v in one part
             w_out_mv, w_down_mv = prepared["w_out"].astype(dt), prepared["w_down"].astype(dt)
-        n1_LxD, n2_LxD = (n.scale[...].astype(jnp.float32) for n in (blocks.attn_norm, blocks.ffn_norm))
+        n1_LxD, n2_LxD = scales["attn_norm"], scales["ffn_norm"]
         act = "silu" if self.is_swiglu else "relu"
         eps, theta = self.final_norm.eps, attn.rope_theta  # every norm has the model's norm_eps
 
@@ -848,7 +857,7 @@ class Transformer(nnx.Module):
                 auxes.append(aux)
             first = end
         x_BxD, k_all, v_all = carry
-        logits_BxV = mv(x_BxD, embed_VxD, role="head", norm_scale=self.final_norm.scale[...].astype(jnp.float32),
+        logits_BxV = mv(x_BxD, embed_VxD, role="head", norm_scale=scales["final_norm"],
                         out_dtype=jnp.float32)
         aux = jax.tree.map(lambda *parts: jnp.concatenate(parts), *auxes)
         return logits_BxV, KVCache(k_all, v_all), aux
