@@ -424,23 +424,29 @@ def _pallas_names_and_row_sums(closed_jaxpr, shape):
     """The names of the pallas_calls in a jaxpr (nested jits, scans and conds included) and the
     number of reduce_sum equations outside the kernels over an operand of `shape`."""
     names, sums = [], 0
+    for eqn in _step_eqns(closed_jaxpr):
+        if eqn.primitive.name == "pallas_call":
+            names.append(eqn.params["name"])
+        elif eqn.primitive.name == "reduce_sum" and tuple(eqn.invars[0].aval.shape) == shape:
+            sums += 1
+    return names, sums
 
+
+def _step_eqns(closed_jaxpr):
+    """Every equation of a jaxpr, nested jits, scans and conds included, but not the bodies of its
+    pallas_calls (a kernel's body is not the step's XLA graph; the pallas_call itself is yielded)."""
     def walk(jaxpr):
-        nonlocal sums
         for eqn in jaxpr.eqns:
+            yield eqn
             if eqn.primitive.name == "pallas_call":
-                names.append(eqn.params["name"])
-                continue  # the kernel's own body is not the step's XLA graph
-            if eqn.primitive.name == "reduce_sum" and tuple(eqn.invars[0].aval.shape) == shape:
-                sums += 1
+                continue
             for value in eqn.params.values():
                 for sub in value if isinstance(value, (tuple, list)) else (value,):
                     inner = getattr(sub, "jaxpr", sub)
                     if hasattr(inner, "eqns"):
-                        walk(inner)
+                        yield from walk(inner)
 
-    walk(closed_jaxpr.jaxpr)
-    return names, sums
+    return list(walk(closed_jaxpr.jaxpr))
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -570,14 +576,20 @@ def test_the_decode_layers_unrolled_or_in_a_loop_give_the_same_steps(kind):
 def test_the_prepared_step_converts_no_norm_scale():
     """`prepare_decode` holds the norm scales in fp32 (as the kernels read them): a step given the
     copies of a model whose weights are bf16 (as `inference.load_run` loads them) converts no [L, D]
-    or [D] scale outside the kernels (each was an XLA launch of its own every step); without the
-    copies the step converts them itself, and both give the same logits."""
+    or [D] scale outside the kernels (each was an XLA launch of its own every step); the stored
+    layout's step (no copies) still converts them itself, and both give the same logits up to their
+    products' fp32 sum order."""
     from flax import nnx
 
     cfg = dataclasses.replace(BASE, compute_dtype="bfloat16", decode_transposed=True)
-    model = init_model(cfg, seed=4)
-    nnx.update(model, jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a,
-                                   nnx.state(model)))
+
+    def bf16_model(config):
+        model = init_model(config, seed=4)
+        nnx.update(model, jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a,
+                                       nnx.state(model)))
+        return model
+
+    model, stored = bf16_model(cfg), bf16_model(dataclasses.replace(cfg, decode_transposed=False))
     assert model.final_norm.scale[...].dtype == jnp.bfloat16
     prepared = model.prepare_decode()
     assert {k: (v.dtype, v.shape) for k, v in prepared.items() if k.endswith("norm")} == {
@@ -586,33 +598,16 @@ def test_the_prepared_step_converts_no_norm_scale():
     tokens, start = jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32)
     scale_shapes = {(cfg.n_layers, cfg.d_model), (cfg.d_model,)}
 
-    def scale_converts(prepared_or_none):
-        traced = jax.make_jaxpr(lambda c, p: model.decode(tokens, c, jnp.int32(3), start, prepared=p))(
-            init_cache(cfg, 1, 8), prepared_or_none)
-        found = []
+    def scale_converts(m, p):
+        traced = jax.make_jaxpr(lambda c: m.decode(tokens, c, jnp.int32(3), start, prepared=p))(init_cache(cfg, 1, 8))
+        return sorted(tuple(e.invars[0].aval.shape) for e in _step_eqns(traced)
+                      if e.primitive.name == "convert_element_type" and e.invars[0].aval.dtype == jnp.bfloat16
+                      and tuple(e.invars[0].aval.shape) in scale_shapes)
 
-        def walk(jaxpr):
-            for eqn in jaxpr.eqns:
-                if eqn.primitive.name == "pallas_call":
-                    continue
-                if (eqn.primitive.name == "convert_element_type" and eqn.invars[0].aval.dtype == jnp.bfloat16
-                        and tuple(eqn.invars[0].aval.shape) in scale_shapes):
-                    found.append(tuple(eqn.invars[0].aval.shape))
-                for value in eqn.params.values():
-                    for sub in value if isinstance(value, (tuple, list)) else (value,):
-                        inner = getattr(sub, "jaxpr", sub)
-                        if hasattr(inner, "eqns"):
-                            walk(inner)
-
-        walk(traced.jaxpr)
-        return found
-
-    assert model._decode_with_kernels() and scale_converts(prepared) == []
-    stored = dataclasses.replace(cfg, decode_transposed=False)
-    plain = init_model(stored, seed=4)
-    nnx.update(plain, nnx.state(model))
+    assert model._decode_with_kernels() and scale_converts(model, prepared) == []
+    assert scale_converts(stored, None) == sorted([(cfg.n_layers, cfg.d_model)] * 2 + [(cfg.d_model,)])
     got, _, _ = model.decode(tokens, init_cache(cfg, 1, 8), jnp.int32(0), start, prepared=prepared)
-    want, _, _ = plain.decode(tokens, init_cache(cfg, 1, 8), jnp.int32(0), start)
+    want, _, _ = stored.decode(tokens, init_cache(cfg, 1, 8), jnp.int32(0), start)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match="prepare_decode"):
         model.decode(tokens, init_cache(cfg, 1, 8), jnp.int32(0), start,

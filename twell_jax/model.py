@@ -634,7 +634,9 @@ class Transformer(nnx.Module):
         "packed" at up to PACKED_MAX_ROWS rows, else by `planner.decode_sparse_way` from the
         layer's activity hint (one launch walking every active neuron: "tiles" where the gate's
         program holds every row, else "fused"; or "split"); "tiles" and "packed" need every row in
-        one program of the gate and run "fused" for more rows."""
+        one program of the gate and run "fused" for more rows. At more than one row (backend
+        "auto") a sparse layer runs "dense" where its way's union limit (`decode_union_limit`) is 0
+        or below the union expected from its hint."""
         if self.is_swiglu:
             return ("dense",) * self.n_layers
         from twell_jax.pallas_kernels.decode_matvec import role_block_sizes
