@@ -26,6 +26,7 @@ and add an entry.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Hashable
 
@@ -420,15 +421,14 @@ def decode_union_limit(m: int, d: int, h: int, *, gated: bool = True, itemsize: 
     cost `packed_switch_us`); other ways (None, "fused", "split", "tiles"): the decode model above."""
     if way not in (None, "fused", "split", "tiles", "packed"):
         raise ValueError(f"way must be None or one of 'fused', 'split', 'tiles', 'packed', got {way!r}")
-    if way == "packed":
-        c = costs(kind).decode
-        budget = (DECODE_MARGIN * dense_time_us(m, d, h, gated=gated, itemsize=itemsize, kind=kind)
-                  - packed_time_us(m, d, h, 0.0, gated=gated, itemsize=itemsize, kind=kind,
-                                   device_switch=device_switch))
+    if way == "packed":  # flat up to packed_free_union, then linear in the union
+        free = costs(kind).decode.packed_free_union
+        time = functools.partial(packed_time_us, m, d, h, gated=gated, itemsize=itemsize, kind=kind,
+                                 device_switch=device_switch)
+        budget = DECODE_MARGIN * dense_time_us(m, d, h, gated=gated, itemsize=itemsize, kind=kind) - time(free)
         if budget < 0:
             return 0
-        neuron_bytes = (2 if gated else 1) * d * itemsize
-        return int(min(h, c.packed_free_union + budget * c.packed_neuron_bytes_per_us / neuron_bytes))
+        return int(min(h, free + budget / (time(free + 1.0) - time(free))))
     fixed = _decode_time_at_union(m, d, h, 0.0, gated, itemsize, kind, device_switch)
     per_row = _decode_time_at_union(m, d, h, 1.0, gated, itemsize, kind, device_switch) - fixed
     budget = DECODE_MARGIN * dense_time_us(m, d, h, gated=gated, itemsize=itemsize, kind=kind) - fixed
