@@ -29,12 +29,15 @@ and the pieces alone: the XLA norm, the gate's product (plain, +norm, +lists, +n
 the packed values' down kernel.
 
     python experiments/bench_decode_ffn_step.py --rows 1,8 --active 16,64,256 --out $OUT/ffn_step.json
+    python experiments/bench_decode_ffn_step.py --rows 1 --active 32 --placement spread --no-pieces \
+        --gate-blocks 64x256w4s3,32x256w4s3,64x128w4s3p132 --out $OUT/gate_blocks.json   # the gate's blocks
     python experiments/bench_decode_ffn_step.py --dry-run     # tiny shapes on CPU (interpret mode)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -44,7 +47,8 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from twell_jax.bench.ffn import bench_interleaved  # noqa: E402
-from twell_jax.pallas_kernels.decode_matvec import decode_matvec, role_block_sizes  # noqa: E402
+from twell_jax.pallas_kernels.decode_matvec import (MatvecBlockSizes, decode_matvec, gate_role,  # noqa: E402
+                                                    role_block_sizes)
 from twell_jax.pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active_rows,  # noqa: E402
                                                    sparse_decode_down_tiles, sparse_decode_ffn,
                                                    sparse_decode_ffn_fused, sparse_decode_ffn_tiles)
@@ -101,10 +105,33 @@ def plain_scan(layers: int, reps: int):
     return jax.jit(run)
 
 
-def variants(interpret: bool, sizes: DecodeBlockSizes) -> dict:
-    """name -> fn(x, w_gate, w_up, w_down, w_down_t, scale, layer) -> the next x [rows, D]."""
+def parse_gate_blocks(spec: str) -> list[MatvecBlockSizes]:
+    """--gate-blocks "BNxBKwWsS[pP],...": the sparse gate's block sizes to sweep (block_n x block_k,
+    num_warps, num_stages, programs_n; split_k 1, as tile lists need)."""
+    out = []
+    for item in filter(None, spec.split(",")):
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(?:p(\d+))?", item)
+        if not m:
+            raise SystemExit(f"--gate-blocks {item!r}: expected BNxBKwWsS[pP], e.g. 64x256w4s3 or 64x256w4s3p132")
+        bn, bk, nw, ns, pn = (int(g) if g else 0 for g in m.groups())
+        try:
+            out.append(MatvecBlockSizes(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, split_k=1, programs_n=pn))
+        except ValueError as exc:
+            raise SystemExit(f"--gate-blocks {item!r}: {exc}")
+    return out
+
+
+def gate_blocks_label(b: MatvecBlockSizes) -> str:
+    return f"{b.block_n}x{b.block_k}w{b.num_warps}s{b.num_stages}" + (f"p{b.programs_n}" if b.programs_n else "")
+
+
+def variants(interpret: bool, sizes: DecodeBlockSizes, gate_blocks: MatvecBlockSizes | None = None) -> dict:
+    """name -> fn(x, w_gate, w_up, w_down, w_down_t, scale, layer) -> the next x [rows, D];
+    gate_blocks: the sparse gate's block sizes instead of its role's."""
     def mv(x, w, role, **kw):
-        return decode_matvec(x, w, eps=EPS, block_sizes=role_block_sizes(role), interpret=interpret, **kw)
+        blocks = gate_blocks if role == "gate" and gate_blocks is not None else role_block_sizes(
+            gate_role(x.shape[0]) if role == "gate" else role)
+        return decode_matvec(x, w, eps=EPS, block_sizes=blocks, interpret=interpret, **kw)
 
     def norm(x, scale, layer):
         x32 = x.astype(jnp.float32)
@@ -206,9 +233,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--h", type=int, default=5632)
     parser.add_argument("--reps", type=int, default=16, help="walks over the stacked layers per timed call")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--gate-blocks", default="", metavar="BNxBKwWsS[pP],...",
+                        help="also the packed way (and its gate alone) with each of these block sizes for the "
+                             "sparse gate (e.g. 64x256w4s3,32x256w4s3p264): a sweep of the role 'gate'")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (interpret mode): the plumbing")
     parser.add_argument("--out", default=None, help="write every row as JSON here")
     args = parser.parse_args(argv)
+    gate_sweep = parse_gate_blocks(args.gate_blocks)
     try:
         rows_list = [int(r) for r in args.rows.split(",") if r]
         actives = [int(a) for a in args.active.split(",") if a]
@@ -221,6 +252,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             or max(actives) > args.h or args.layers < 1 or args.reps < 1:
         raise SystemExit(f"--rows must be in [1, 16], --active in [0, --h={args.h}], --layers >= 1; got "
                          f"{args.rows!r}, {args.active!r}, {args.layers}")
+    for blocks in gate_sweep:  # what the kernel would refuse mid-run, refused before anything runs
+        try:
+            blocks.columns(args.h)
+        except ValueError as exc:
+            raise SystemExit(f"--gate-blocks {gate_blocks_label(blocks)}: {exc}")
     interpret = args.dry_run
     sizes = DecodeBlockSizes()
     dtype = jnp.float32 if interpret else jnp.bfloat16
@@ -240,10 +276,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
             fns = {name: scan_of(fn) for name, fn in variants(interpret, sizes).items()
                    if not (args.no_pieces and name.startswith("piece"))}
+            for blocks in gate_sweep:  # the packed way and its gate alone, per gate block sizes
+                swept = variants(interpret, sizes, blocks)
+                label = gate_blocks_label(blocks)
+                fns[f"packed gate {label}"] = scan_of(swept["packed"])
+                fns[f"piece: gate +norm +values {label}"] = scan_of(swept["piece: gate +norm +values"])
             # The kernels alone read a gate product, lists and values made once (layer 0's, on x).
             g, ids, count, _, values = decode_matvec(
                 x, wg, layer=jnp.zeros((1,), jnp.int32), norm_scale=scale, eps=EPS, out_dtype=jnp.float32,
-                block_sizes=role_block_sizes("gate"), tile_lists=True, tile_values=True,
+                block_sizes=role_block_sizes(gate_role(rows)), tile_lists=True, tile_values=True,
                 up=wu, interpret=interpret)
             order, n, _ = compact_active_rows(g, interpret=interpret)
             union = int(n[0])
@@ -267,7 +308,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for name, value in us.items():
                 row = {"rows": rows, "active": active, "placement": args.placement, "union": union, "variant": name,
                        "us_per_layer": value}
-                if name in WAYS:  # the whole ways against the twin's and plain JAX's
+                if name in WAYS or name.startswith("packed gate"):  # whole ways against the twin's and plain JAX's
                     row.update(vs_dense=us["dense"] / value, vs_plain=us["plain"] / value)
                 results.append(row)
                 print(f"[bench] rows {rows:2d} active {active:4d} (union {union:4d}) {name:28s} {value:8.2f} us/layer")

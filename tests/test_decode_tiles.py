@@ -446,7 +446,8 @@ def test_the_tiles_step_has_no_compaction(batch, way, monkeypatch):
     the down kernel): no compaction kernel, no XLA reduction of the gate's signs (the fused path's
     step has its compaction: the check can fail). With tiles of 16 (4 per layer) the step equals
     the XLA path."""
-    monkeypatch.setitem(matvec_lib.ROLE_BLOCK_SIZES, "gate", GATE)
+    for role in ("gate", "gate_few_rows"):  # the gate's role at 3 rows and at 1 (matvec_lib.gate_role)
+        monkeypatch.setitem(matvec_lib.ROLE_BLOCK_SIZES, role, GATE)
     cfg = dataclasses.replace(BASE, n_layers=2, decode_sparse_ffn=way)
     model = init_model(cfg, seed=4)
     assert all(model.decode_layer_sparse(batch, jnp.float32))
@@ -473,6 +474,32 @@ def test_the_tiles_step_has_no_compaction(batch, way, monkeypatch):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     for a, b in zip(auxes, want_aux):
         np.testing.assert_allclose(a["l0"], b["l0"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_the_sparse_gate_role_follows_the_rows(batch, monkeypatch):
+    """The sparse gate runs as role "gate_few_rows" (its deeper K pipeline) up to GATE_FEW_ROWS rows
+    and as "gate" above: the step asks for exactly that role's blocks (recorded at trace time)."""
+    asked = []
+    real = matvec_lib.role_block_sizes
+
+    def record(role):
+        asked.append(role)
+        return real(role)
+
+    monkeypatch.setattr(matvec_lib, "role_block_sizes", record)
+    cfg = dataclasses.replace(BASE, n_layers=2, decode_sparse_ffn="packed")
+    model = init_model(cfg, seed=4)
+    tokens, start = jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch,), jnp.int32)
+    jax.make_jaxpr(lambda c: model.decode(tokens, c, jnp.int32(3), start))(init_cache(cfg, batch, 8))
+    want = "gate_few_rows" if batch <= matvec_lib.GATE_FEW_ROWS else "gate"
+    assert matvec_lib.gate_role(batch) == want
+    assert asked.count(want) == cfg.n_layers + 1, asked  # each layer's product, and the ways' row fit
+    assert ({"gate", "gate_few_rows"} - {want}).isdisjoint(asked), asked
+    # The two roles share the tiles and rows (the lists' layout, `decode_layer_ways`' row fit).
+    few, many = real("gate_few_rows"), real("gate")
+    assert (few.block_n, few.block_k, few.max_block_m, few.split_k) == (many.block_n, many.block_k,
+                                                                        many.max_block_m, many.split_k)
 
 
 def test_more_rows_than_the_gate_block_run_the_fused_path():
@@ -515,6 +542,17 @@ def test_bench_decode_ffn_step_dry_run(tmp_path):
     # --placement spread: the same ways, the active neurons one a column tile
     spread = bench.main(["--dry-run", "--no-pieces", "--placement", "spread"])
     assert {r["variant"] for r in spread} == {"plain"} | ways and {r["placement"] for r in spread} == {"spread"}
+    # --gate-blocks: the packed way and its gate alone per block sizes of the sparse gate
+    swept = bench.main(["--dry-run", "--no-pieces", "--gate-blocks", "16x16w4s3,16x32w4s2p8"])
+    labels = {r["variant"] for r in swept} - {"plain"} - ways
+    assert labels == {f"{kind} {b}" for kind in ("packed gate", "piece: gate +norm +values")
+                      for b in ("16x16w4s3", "16x32w4s2p8")}, labels
+    assert all("vs_dense" in r for r in swept if r["variant"].startswith("packed gate"))
+    assert [gate_blocks.num_stages for gate_blocks in bench.parse_gate_blocks("64x256w4s3,64x256w4s4p132")] == [3, 4]
+    with pytest.raises(SystemExit, match="expected BNxBKwWsS"):
+        bench.main(["--dry-run", "--gate-blocks", "64x256"])
+    with pytest.raises(SystemExit, match="programs_n"):  # the kernel's own check, named with the item
+        bench.main(["--dry-run", "--gate-blocks", "16x16w4s3p2"])
     on = np.flatnonzero(np.asarray(bench.active_neurons(5632, 88, "spread")))
     assert on.size == 88 and np.bincount(on // 64).max() == 1  # one a tile of 64
     assert np.asarray(bench.active_neurons(5632, 88, "first")).nonzero()[0].max() == 87
