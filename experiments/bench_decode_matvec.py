@@ -24,7 +24,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from twell_jax.pallas_kernels.decode_matvec import ROLES, MatvecBlockSizes, decode_matvec  # noqa: E402
+from twell_jax.pallas_kernels.decode_matvec import (ROLE_BLOCK_SIZES, ROLES, MatvecBlockSizes,  # noqa: E402
+                                                    decode_matvec)
 
 # (name, N, K, layout, gated, parts): the products of a decode step, as the model calls them
 # (`Transformer._decode_step_kernels`; its roles are `decode_matvec.ROLES`): q/k/v as three parts of
@@ -38,8 +39,8 @@ SHAPES = (("qkv", 2048, 2048, "kn", False, 3), ("qkv_one", 6144, 2048, "kn", Fal
           ("head", 49152, 2048, "nk", False, 1), ("gate", 5632, 2048, "nk", False, 1),
           ("qkv_nk", 6144, 2048, "nk", False, 1), ("out_nk", 2048, 2048, "nk", False, 1))
 # The shape that measures each of decode_matvec.ROLES: the shape of the role's name ("down_nk_switch":
-# W_down transposed, as "down_nk").
-ROLE_SHAPES = {role: role.removesuffix("_switch") for role in ROLES}
+# W_down transposed, as "down_nk"; "gate_few_rows": the gate).
+ROLE_SHAPES = {role: role.removesuffix("_switch").removesuffix("_few_rows") for role in ROLES}
 # (block_n, block_k) per layout. A "kn" tile [bk, bn] reads bk rows of bn contiguous elements: wide
 # and short tiles (rows of 64-512 B), with split_k for programs when N / block_n is small. An "nk"
 # tile [bn, bk] reads bn rows of bk contiguous elements: narrow and long ones.
@@ -121,6 +122,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--programs", default="0", metavar="P,...",
                         help="MatvecBlockSizes.programs_n values swept with every block (0 = one program per "
                              "block_n columns; e.g. 132,264 on an H100: one or two programs per SM)")
+    parser.add_argument("--stages", default="3", metavar="S,...",
+                        help="num_stages values swept with every block (software-pipelining depth)")
+    parser.add_argument("--role-blocks-only", action="store_true",
+                        help="sweep only each shape's roles' current blocks (decode_matvec.ROLE_BLOCK_SIZES) over "
+                             "--stages and --programs, not the block sizes")
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--blocks-out", default=None, metavar="FILE",
@@ -137,18 +143,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
         programs = []
     if not programs or min(programs) < 0:
         parser.error(f"--programs {args.programs!r}: expected integers >= 0, comma-separated")
-    sweeps = {layout: [dataclasses.replace(sizes, programs_n=p) for sizes in variants for p in programs]
-              for layout, variants in SWEEPS.items()}
+    try:
+        stages = [int(v) for v in args.stages.split(",") if v]
+    except ValueError:
+        stages = []
+    if not stages or not all(1 <= v <= 8 for v in stages):
+        parser.error(f"--stages {args.stages!r}: expected integers in [1, 8], comma-separated")
+    sweeps = dict(SWEEPS)
     shapes, interpret = [shape for shape in SHAPES if shape[0] in wanted], False
     role_shapes = ROLE_SHAPES
     if args.dry_run:
         shapes = (("tiny", 40, 48, "kn", False, 1), ("tiny_gated", 40, 48, "nk", True, 1),
                   ("tiny_parts", 32, 48, "kn", False, 3))
-        tiny = [MatvecBlockSizes(block_n=16, block_k=16, num_stages=1, split_k=sk, programs_n=p)
-                for sk in (1, 2) for p in (0, 3)]
-        sweeps = {"nk": tiny, "kn": tiny}
+        tiny = [MatvecBlockSizes(block_n=16, block_k=16, num_stages=1, split_k=sk) for sk in (1, 2)]
+        sweeps, programs = {"nk": tiny, "kn": tiny}, sorted(set(programs) | {0, 3})
         role_shapes = {"out": "tiny", "gate_up": "tiny_gated", "qkv": "tiny_parts"}
         interpret, args.min_seconds, args.layers, args.reps = True, 0.0, 2, 1
+        stages = stages if args.stages != "3" else [1]  # the dry run's default: one stage
+    sweeps = {layout: [dataclasses.replace(sizes, programs_n=p, num_stages=st) for sizes in variants
+                       for p in programs for st in stages]
+              for layout, variants in sweeps.items()}
     rows = []
     first_m = int(args.rows.split(",")[0])
     key = jax.random.key(0)
@@ -175,7 +189,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             timing = dict(layers=args.layers, reps=args.reps, min_seconds=args.min_seconds)
             xla_us = per_call_us(xla, x, w, gate, **timing)
             want = jax.jit(xla, static_argnums=3)(x, w, gate, 1).astype(jnp.float32)
-            for sizes in sweeps[layout]:
+            sweep = sweeps[layout]
+            if args.role_blocks_only:  # this shape's roles' blocks, at each --stages and --programs
+                current = {ROLE_BLOCK_SIZES[role] for role, shape in role_shapes.items() if shape == name}
+                sweep = list(dict.fromkeys(dataclasses.replace(c, num_stages=st, programs_n=p) for c in current
+                                           for st in stages for p in programs))
+            for sizes in sweep:
                 if (gated and sizes.split_k > 1) or (parts > 1 and (n % sizes.block_n or sizes.programs_n)) or (
                         sizes.programs_n and -(-n * parts // sizes.programs_n) > sizes.block_n):
                     continue  # refused by the kernel: a split gate; parts not a multiple of block_n or

@@ -3,6 +3,7 @@
 asserted."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -155,6 +156,19 @@ def test_the_matvec_sweep_runs_on_the_cpu(tmp_path, capsys):
     assert all("error" not in r for r in rows) and json.loads((tmp_path / "m.json").read_text())["rows"]
     with pytest.raises(SystemExit):  # argparse's error: the unknown shape is named on stderr
         module.main(["--dry-run", "--shapes", "qkv,nope"])
+    # --stages multiplies the sweep; --role-blocks-only sweeps each shape's roles' own blocks at them.
+    staged = module.main(["--dry-run", "--rows", "1", "--stages", "1,2"])
+    assert {r["num_stages"] for r in staged if "us" in r} == {1, 2}
+    only = module.main(["--dry-run", "--rows", "1", "--stages", "2,3", "--role-blocks-only"])
+    # (the dry run sweeps programs_n 0 and 3; q/k/v's parts refuse programs_n)
+    want = {(shape, dataclasses.replace(module.ROLE_BLOCK_SIZES[role], num_stages=st, programs_n=p))
+            for role, shape in (("out", "tiny"), ("gate_up", "tiny_gated"), ("qkv", "tiny_parts")) for st in (2, 3)
+            for p in (0, 3) if not (p and shape == "tiny_parts")}
+    got = {(r["shape"], module.MatvecBlockSizes(**{f: r[f] for f in ("block_n", "block_k", "num_warps", "num_stages",
+                                                                    "split_k", "programs_n")})) for r in only if "us" in r}
+    assert got == want, got ^ want
+    with pytest.raises(SystemExit):  # argparse's error names --stages
+        module.main(["--dry-run", "--stages", "0"])
     # Each layout sweeps its own tiles: kn wide and short (rows of >= 64 B), nk narrow and long.
     kn = module.SWEEPS["kn"]
     assert all(s.block_n * 2 >= 64 for s in kn) and {1, 4, 8} == {s.split_k for s in kn}
