@@ -129,20 +129,42 @@ DEFAULT_BLOCK_SIZES = MatvecBlockSizes(block_n=32, block_k=256, num_warps=8, num
 # DEFAULT_BLOCK_SIZES: their sweep ran with the old loop timing, whose figures were not usable.
 # programs_n (an even load on the SMs) swept for q/k/v, gate/up and the gate (`--programs 0,132,264`,
 # H100, 2026-11-24): within 1% of these blocks alone, and no faster in the model's step; not used.
+# num_stages (the K loop's software-pipelining depth; those sweeps held it at 3) swept at these blocks
+# (`--role-blocks-only --stages 2,3,4,5 --rows 1,4`, H100, 2026-11-25,
+# experiments/results/bench_decode_matvec_stages_h100_2026-11-25.json): 4 stages for q/k/v (11.6
+# against 12.0 us at 1 row), the output projection (6.2 against 6.4; 5.3 against 6.4 at 4 rows), gate/up
+# (19.3 against 19.5) and W_down in the switch (13.8 against 15.9); W_down and the LM head within
+# noise of 3, kept. The sparse gate: `GATE_FEW_ROWS`.
 # "down_nk_switch": W_down in the device switch's dense side (a sparse layer's step at several rows),
 # disabled on most steps: one launch (no split-K partials summed in XLA, a launch of its own even
 # when disabled), 128 column programs.
-ROLES = ("qkv", "out", "gate_up", "down", "head", "gate", "qkv_nk", "out_nk", "down_nk", "down_nk_switch")
+ROLES = ("qkv", "out", "gate_up", "down", "head", "gate", "gate_few_rows", "qkv_nk", "out_nk", "down_nk",
+         "down_nk_switch")
 ROLE_BLOCK_SIZES: dict[str, MatvecBlockSizes] = {
     "qkv": DEFAULT_BLOCK_SIZES, "out": DEFAULT_BLOCK_SIZES, "down": DEFAULT_BLOCK_SIZES,
-    "gate_up": MatvecBlockSizes(block_n=32, block_k=128, num_warps=4, num_stages=3, split_k=1),
+    "gate_up": MatvecBlockSizes(block_n=32, block_k=128, num_warps=4, num_stages=4, split_k=1),
     "head": MatvecBlockSizes(block_n=32, block_k=256, num_warps=4, num_stages=3, split_k=1),
     "gate": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=1),
-    "qkv_nk": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=1),
-    "out_nk": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=4),
+    "gate_few_rows": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=1),
+    "qkv_nk": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=1),
+    "out_nk": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=4),
     "down_nk": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=4),
-    "down_nk_switch": MatvecBlockSizes(block_n=16, block_k=256, num_warps=4, num_stages=3, split_k=1),
+    "down_nk_switch": MatvecBlockSizes(block_n=16, block_k=256, num_warps=4, num_stages=4, split_k=1),
 }
+
+
+# Rows of a decode step up to which the sparse gate runs as role "gate_few_rows" (`gate_role`): its
+# K loop one stage deeper. With the tile values' epilogue (`packed`; H100, 2026-11-25,
+# experiments/bench_decode_ffn_step.py --gate-blocks, 32 and 96 active neurons spread): 4 stages
+# took 0.5-0.8 us a layer less than 3 at 1 and 2 rows; in the model's step at 4 rows they took 25 us a
+# step more (0.770 against 0.745 ms: the epilogue's four unrolled rows and the deeper pipeline
+# compete for registers). BENCHMARKS.md, Decode.
+GATE_FEW_ROWS = 2
+
+
+def gate_role(rows: int) -> str:
+    """The sparse gate's role at a decode step of `rows` rows."""
+    return "gate_few_rows" if rows <= GATE_FEW_ROWS else "gate"
 
 
 def role_block_sizes(role: str) -> MatvecBlockSizes:

@@ -639,9 +639,9 @@ class Transformer(nnx.Module):
         or below the union expected from its hint."""
         if self.is_swiglu:
             return ("dense",) * self.n_layers
-        from twell_jax.pallas_kernels.decode_matvec import role_block_sizes
+        from twell_jax.pallas_kernels.decode_matvec import gate_role, role_block_sizes
 
-        tiles_fit = batch <= role_block_sizes("gate").block_m(batch)  # every row in one program of the gate
+        tiles_fit = batch <= role_block_sizes(gate_role(batch)).block_m(batch)  # every row in one gate program
 
         def way(config: Any) -> str:
             if self.decode_sparse_ffn == "auto":
@@ -704,7 +704,7 @@ class Transformer(nnx.Module):
         the tied embedding's product in one launch. Same roundings as the XLA path up to the order
         of fp32 sums and the attention's fp32 probabilities (tests/test_decode_kernels.py)."""
         from twell_jax.pallas_kernels.decode_attention import decode_attention_qkv
-        from twell_jax.pallas_kernels.decode_matvec import decode_matvec, role_block_sizes
+        from twell_jax.pallas_kernels.decode_matvec import decode_matvec, gate_role, role_block_sizes
         from twell_jax.pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compact_active_rows,
                                                            sparse_decode_down_tiles, sparse_decode_ffn,
                                                            sparse_decode_ffn_fused, sparse_decode_ffn_tiles)
@@ -801,14 +801,14 @@ class Transformer(nnx.Module):
                 # the gate's prologue), read by the down kernel; "tiles" the lists only, read by one
                 # kernel for the up and down products. Either adds the residual.
                 if way == "packed":
-                    _, ids, count, pairs_T, values = mv(x, w_gate if gated else w_up, role="gate", layer=li,
+                    _, ids, count, pairs_T, values = mv(x, w_gate if gated else w_up, role=gate_role(b), layer=li,
                                                         norm_scale=n2_LxD, out_dtype=jnp.float32, tile_lists=True,
                                                         tile_values=True, up=w_up if gated else None)
                     y = sparse_decode_down_tiles(values, ids, count, w_down, layer=li, residual_MxD=x, limit=limit,
                                                  block_sizes=block_sizes, interpret=interpret)
                 else:
                     xn = RMSNorm.normalize(x, scale, eps)
-                    g, ids, count, pairs_T = mv(xn, w_gate if gated else w_up, role="gate", layer=li,
+                    g, ids, count, pairs_T = mv(xn, w_gate if gated else w_up, role=gate_role(b), layer=li,
                                                 out_dtype=jnp.float32, tile_lists=True)
                     y = sparse_decode_ffn_tiles(xn, g, ids, count, w_up if gated else None, w_down, layer=li,
                                                 residual_MxD=x, limit=limit, block_sizes=block_sizes,
@@ -817,7 +817,7 @@ class Transformer(nnx.Module):
                     y = dense_ffn(x, li, n2_LxD, y, count, limit)[0]  # (the switch read from the counts in-kernel)
                 return (y, k_all, v_all), {"l0": jnp.sum(pairs_T).astype(jnp.float32) / b}
             xn = RMSNorm.normalize(x, scale, eps)
-            g = mv(xn, w_gate if gated else w_up, role="gate", layer=li, out_dtype=jnp.float32)  # [B, H]
+            g = mv(xn, w_gate if gated else w_up, role=gate_role(b), layer=li, out_dtype=jnp.float32)  # [B, H]
             if b <= COMPACT_ROWS_IN_KERNEL:  # the rows' union counted inside the compaction: one launch
                 order, n_active, pairs = compact_active_rows(g, interpret=interpret)
             else:  # many rows: XLA's parallel reduction, then the compaction (one program reads [B, H] slowly)
