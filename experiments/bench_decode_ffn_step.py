@@ -235,7 +235,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--gate-blocks", default="", metavar="BNxBKwWsS[pP],...",
                         help="also the packed way (and its gate alone) with each of these block sizes for the "
-                             "sparse gate (e.g. 64x256w4s3,32x256w4s3p264): a sweep of the role 'gate'")
+                             "sparse gate (e.g. 64x256w4s3,32x256w4s3p264) in place of its role's "
+                             "(decode_matvec.gate_role: 'gate_few_rows' up to GATE_FEW_ROWS rows, else 'gate')")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (interpret mode): the plumbing")
     parser.add_argument("--out", default=None, help="write every row as JSON here")
     args = parser.parse_args(argv)

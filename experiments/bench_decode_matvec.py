@@ -122,8 +122,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--programs", default="0", metavar="P,...",
                         help="MatvecBlockSizes.programs_n values swept with every block (0 = one program per "
                              "block_n columns; e.g. 132,264 on an H100: one or two programs per SM)")
-    parser.add_argument("--stages", default="3", metavar="S,...",
-                        help="num_stages values swept with every block (software-pipelining depth)")
+    parser.add_argument("--stages", default=None, metavar="S,...",
+                        help="num_stages values swept with every block (software-pipelining depth; default 3, "
+                             "1 in the dry run)")
     parser.add_argument("--role-blocks-only", action="store_true",
                         help="sweep only each shape's roles' current blocks (decode_matvec.ROLE_BLOCK_SIZES) over "
                              "--stages and --programs, not the block sizes")
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not programs or min(programs) < 0:
         parser.error(f"--programs {args.programs!r}: expected integers >= 0, comma-separated")
     try:
-        stages = [int(v) for v in args.stages.split(",") if v]
+        stages = [int(v) for v in (args.stages or ("1" if args.dry_run else "3")).split(",") if v]
     except ValueError:
         stages = []
     if not stages or not all(1 <= v <= 8 for v in stages):
@@ -159,7 +160,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         sweeps, programs = {"nk": tiny, "kn": tiny}, sorted(set(programs) | {0, 3})
         role_shapes = {"out": "tiny", "gate_up": "tiny_gated", "qkv": "tiny_parts"}
         interpret, args.min_seconds, args.layers, args.reps = True, 0.0, 2, 1
-        stages = stages if args.stages != "3" else [1]  # the dry run's default: one stage
     sweeps = {layout: [dataclasses.replace(sizes, programs_n=p, num_stages=st) for sizes in variants
                        for p in programs for st in stages]
               for layout, variants in sweeps.items()}

@@ -219,7 +219,8 @@ class ModelConfig:
     # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN), measured on the H100
     # (0.5b, batch 1; BENCHMARKS.md, Decode): "auto" (every sparse layer "packed") 0.472 ms/step against
     # 0.526 with every layer "tiles" in one process (before the one-row norm prologue and the fp32 norm
-    # scales: "auto" 0.437-0.443 since, on fresh checkpoints); in an earlier build "tiles" 0.530, "fused" 0.538, "split" 0.564.
+    # scales: "auto" 0.436-0.443 since, on fresh checkpoints); in an earlier build "tiles" 0.530,
+    # "fused" 0.538, "split" 0.564.
     # "tiles" and "fused" lose to "split" in a layer above ~49 active neurons (their every program
     # walks them all); "packed" does not (each column tile makes its own neurons' values).
     decode_sparse_ffn: Literal["auto", "tiles", "packed", "fused", "split"] = "auto"
