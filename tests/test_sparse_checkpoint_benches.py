@@ -123,6 +123,29 @@ def test_bench_inference_decode_rows_give_the_floor_share_and_the_xla_row(sparse
     assert all(r["first_call_s"] > 0 for r in result["rows"] if r["phase"] == "prefill")
 
 
+def test_the_decode_check_compares_the_kernels_with_the_xla_path_and_stops_a_wrong_run(sparse_run, tmp_path):
+    """--check-decode: every variant's decode kernels (interpreted here) against the XLA path,
+    teacher-forced at each decode batch, before anything is timed; a difference above
+    --check-tolerance stops the run naming the variant and batch, and writes nothing."""
+    out = sparse_run[0]
+    result = bench_inference.main(["--dry-run", "--checkpoint", str(out), "--check-decode", "4", "--generate-tokens", "0",
+                                   "--decode-batches", "1,2"])
+    checks = result["decode_checks"]
+    assert {(c["variant"], c["batch"]) for c in checks} == {(v, b) for v in ("dense", "twell-reference") for b in (1, 2)}
+    for check in checks:
+        assert check["steps"] == 4 and check["kernels"] and len(check["ffn_ways"]) == 2
+        assert 0 < check["max_rel_logit_diff"] < 1e-5 and check["greedy_agree"] == 1.0  # float32: rounding only
+    target = tmp_path / "never.json"
+    with pytest.raises(SystemExit, match="dense at batch 1 is .* above --check-tolerance 1e-12"):
+        bench_inference.main(["--dry-run", "--checkpoint", str(out), "--check-decode", "4", "--generate-tokens", "0",
+                              "--check-tolerance", "1e-12",
+                              "--out", str(target)])
+    assert not target.exists()
+    for bad in (["--check-decode", "-1"], ["--check-decode", "40"], ["--check-tolerance", "0", "--check-decode", "2"]):
+        with pytest.raises(SystemExit, match="--check-decode"):
+            bench_inference.main(["--dry-run", "--checkpoint", str(out), "--generate-tokens", "0", *bad])
+
+
 def test_the_decode_floor_counts_every_weight_once_and_the_sparse_rows_union():
     from twell_jax.config import ModelConfig
 

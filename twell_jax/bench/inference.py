@@ -24,6 +24,9 @@ compared with the rows compiled without them. The model's rows decode with model
 on (the decode kernels read output-major copies of q/k/v, the output projection and W_down: the
 default), whatever the checkpoint's config says; `--stored-decode-rows` adds `VARIANT+stored`
 decode and generate rows of the dense and sparse variants reading the weights as stored,
+`--check-decode STEPS` first checks each variant's decode steps against the XLA path of the same
+weights (teacher-forced, every decode batch; the run stops before timing when one is past
+`--check-tolerance`),
 `--loop-decode-rows` adds `VARIANT+loop` rows with the decode kernels' layers in a loop
 (model.decode_layer_unroll=1; the default unrolls them), and
 `--sparse-ffn-rows fused,split` adds `VARIANT+fused` and `VARIANT+split` rows of the sparse variants with
@@ -172,6 +175,27 @@ def model_runner(model: Transformer, cfg: ModelConfig) -> Runner:
                   telemetry=True)
 
 
+def check_decode(checked: Runner, reference: Runner, text_BxS: jax.Array, prompt: int) -> dict[str, Any]:
+    """The decode steps of `checked` (as the decode rows run them) against `reference` (the same
+    weights through the XLA path), teacher-forced: both prefill text[:, :prompt], then step through
+    the rest of text one token at a time, each fed the text's token (not its own). Returns the
+    largest |logit difference| over the steps relative to the largest |reference logit|, and the
+    share of (row, step) pairs whose greedy tokens agree."""
+    length = text_BxS.shape[1]
+    logits = []
+    for runner in (checked, reference):
+        _, cache = jax.jit(runner.prefill, static_argnums=2)(runner.params, text_BxS[:, :prompt], length)
+        step = jax.jit(runner.step)
+        out = []
+        for slot in range(prompt, length):
+            logits_BxV, cache, _ = step(runner.params, cache, text_BxS[:, slot:slot + 1], jnp.int32(slot))
+            out.append(np.asarray(logits_BxV, np.float32))
+        logits.append(np.stack(out, 1))
+    got, want = logits
+    return {"steps": length - prompt, "max_rel_logit_diff": float(np.max(np.abs(got - want)) / np.max(np.abs(want))),
+            "greedy_agree": float(np.mean(np.argmax(got, -1) == np.argmax(want, -1)))}
+
+
 def plain_runner(cfg: ModelConfig, params: dict[str, Any], dtype: str, context: int) -> Runner:
     """The plain-JAX Llama (twell_jax/bench/plain_llama.py) over the model's `params` cast to `dtype`.
     Prefill attention is the implementation the model picks at `context` tokens (cuDNN on an
@@ -280,6 +304,40 @@ def bench_decode(runner: Runner, n_layers: int, tokens: jax.Array, context: int,
     return {"tokens_per_s": batch * steps / per_call, "ms_per_step": 1e3 * per_call / steps, "calls": calls,
             "prefill_first_call_s": prefill_first_s, "steps_first_call_s": steps_first_s,
             "l0_per_layer": _l0_list(l0) if runner.telemetry else None, **({"trace": trace} if trace else {})}
+
+
+CHECK_PROMPT = 32  # --check-decode: prompt tokens before the checked steps (at most half the context)
+
+
+def run_decode_checks(args: argparse.Namespace, configs: dict[str, ModelConfig], models: dict[str, Transformer],
+                      params: dict[str, Any], text: jax.Array, batches: list[int], cfg: ModelConfig) -> list[dict]:
+    """--check-decode: `check_decode` of every model variant at every batch; SystemExit naming the
+    variant and batch where the difference passes --check-tolerance (nothing timed or written)."""
+    prompt = min(CHECK_PROMPT, text.shape[1] // 2)
+    if prompt + args.check_decode > text.shape[1]:
+        raise SystemExit(f"--check-decode {args.check_decode}: {prompt} prompt tokens plus the checked steps must fit "
+                         f"--context {text.shape[1]}")
+    checks = []
+    for name, model in models.items():
+        checked_cfg = configs[name]
+        if args.dry_run:  # the kernels on a CPU: interpreted
+            checked_cfg = dataclasses.replace(checked_cfg, decode_kernels="pallas", ffn_interpret=True)
+            model = model_with_params(checked_cfg, params, args.dtype)
+        reference = model_with_params(dataclasses.replace(configs[name], decode_kernels="xla"), params, args.dtype)
+        for batch in batches:
+            r = check_decode(model_runner(model, cfg), model_runner(reference, cfg),
+                             text[:batch, :prompt + args.check_decode], prompt)
+            r.update(variant=name, batch=batch, kernels=model._decode_with_kernels(),
+                     ffn_ways=list(model.decode_layer_ways(batch, jnp.dtype(args.dtype))))
+            checks.append(r)
+            print(f"[bench] check   {name} batch {batch}: max logit difference {r['max_rel_logit_diff']:.3%} of the "
+                  f"largest logit, greedy tokens {r['greedy_agree']:.1%} alike over {r['steps']} steps "
+                  f"({'decode kernels' if r['kernels'] else 'the XLA path itself'}; FFN ways "
+                  f"{','.join(r['ffn_ways'])})", flush=True)
+            if not r["max_rel_logit_diff"] <= args.check_tolerance:
+                raise SystemExit(f"--check-decode: {name} at batch {batch} is {r['max_rel_logit_diff']:.3g} of the largest "
+                                 f"logit from the XLA path, above --check-tolerance {args.check_tolerance:g}")
+    return checks
 
 
 def load_matvec_blocks(path: str) -> dict[str, Any]:
@@ -417,9 +475,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "step's time line; JSON: the row's 'trace')")
     parser.add_argument("--peak-gbs", type=float, default=3350.0,
                         help="the device's HBM bandwidth for the decode rows' share of the floor (H100 SXM)")
+    parser.add_argument("--check-decode", type=int, default=0, metavar="STEPS",
+                        help="before timing: each model variant's decode steps at every --decode-batches size "
+                             "against the same weights through the XLA path (model.decode_kernels=xla), "
+                             "teacher-forced over STEPS tokens of the text after a prompt of 32 (at most half "
+                             "--context); the largest "
+                             "logit difference and the greedy agreement are printed and kept under "
+                             "'decode_checks'; a difference above --check-tolerance stops the run before "
+                             "anything is timed or written (the dry run checks the kernels in interpret mode)")
+    parser.add_argument("--check-tolerance", type=float, default=0.02,
+                        help="the largest |logit difference| / max |logit| --check-decode accepts")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: checks the plumbing")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    if args.check_decode < 0 or not args.check_tolerance > 0:
+        raise SystemExit(f"--check-decode {args.check_decode} must be >= 0 (steps; 0: no check) and "
+                         f"--check-tolerance {args.check_tolerance} > 0")
     if args.dry_run:
         args.backends, args.dtype = "reference", "float32"  # the sparse algorithm on a CPU
         args.prefill_batch, args.context, args.decode_steps, args.min_seconds = 2, 32, 4, 0.0
@@ -480,6 +551,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # In the load dtype, as model_with_params builds them (the generate rows' Generator reads it too).
     configs = {name: dataclasses.replace(c, compute_dtype=args.dtype) for name, c in configs.items()}
     models = {name: model_with_params(c, params, args.dtype) for name, c in configs.items()}
+    checks = run_decode_checks(args, configs, models, params, text, batches, cfg) if args.check_decode else []
     # plain first: the baseline every other row is compared with.
     runners = {"plain": plain_runner(cfg, params, args.dtype, args.context),
                **{name: model_runner(model, cfg) for name, model in models.items()}}
@@ -559,6 +631,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {"source": source_text, "device": device.device_kind, "backend": jax.default_backend(),
               "dtype": args.dtype, "context": args.context, "decode_steps": args.decode_steps,
               "model": dataclasses.asdict(cfg), "rows": rows, "date": time.strftime("%Y-%m-%d"),
+              **({"decode_checks": checks} if checks else {}),
               **({"matvec_blocks": matvec_blocks} if matvec_blocks else {})}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
