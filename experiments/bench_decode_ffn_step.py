@@ -129,8 +129,10 @@ def variants(interpret: bool, sizes: DecodeBlockSizes, gate_blocks: MatvecBlockS
     """name -> fn(x, w_gate, w_up, w_down, w_down_t, scale, layer) -> the next x [rows, D];
     gate_blocks: the sparse gate's block sizes instead of its role's."""
     def mv(x, w, role, **kw):
-        blocks = gate_blocks if role == "gate" and gate_blocks is not None else role_block_sizes(
-            gate_role(x.shape[0]) if role == "gate" else role)
+        if role == "gate":  # the sparse gate: the swept blocks, or its role at these rows
+            blocks = gate_blocks or role_block_sizes(gate_role(x.shape[0]))
+        else:
+            blocks = role_block_sizes(role)
         return decode_matvec(x, w, eps=EPS, block_sizes=blocks, interpret=interpret, **kw)
 
     def norm(x, scale, layer):

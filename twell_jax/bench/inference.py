@@ -324,9 +324,9 @@ def run_decode_checks(args: argparse.Namespace, configs: dict[str, ModelConfig],
             checked_cfg = dataclasses.replace(checked_cfg, decode_kernels="pallas", ffn_interpret=True)
             model = model_with_params(checked_cfg, params, args.dtype)
         reference = model_with_params(dataclasses.replace(configs[name], decode_kernels="xla"), params, args.dtype)
+        checked, against = model_runner(model, cfg), model_runner(reference, cfg)  # (weight copies made once)
         for batch in batches:
-            r = check_decode(model_runner(model, cfg), model_runner(reference, cfg),
-                             text[:batch, :prompt + args.check_decode], prompt)
+            r = check_decode(checked, against, text[:batch, :prompt + args.check_decode], prompt)
             r.update(variant=name, batch=batch, kernels=model._decode_with_kernels(),
                      ffn_ways=list(model.decode_layer_ways(batch, jnp.dtype(args.dtype))))
             checks.append(r)
