@@ -1,5 +1,5 @@
 """A sparse layer's FFN in a one-token decode step, each way the model's step can run it, kernel by
-kernel: where the microseconds of `model.decode_sparse_ffn` "packed", "tiles" and "fused" go, against the
+kernel: where the microseconds of `model.decode_sparse_ffn` "packed_down", "packed", "tiles" and "fused" go, against the
 dense twin's two launches. Every figure is microseconds per layer of a lax.scan over --layers
 stacked weight copies (more bytes than the L2 cache, as a decode step reads its layers), walked
 --reps times in one scan, the scan's time divided by its steps (the program's own launch, ~0.1 ms,
@@ -23,7 +23,11 @@ is that many; --placement: the first neurons, or spread over the gate's column t
     packed           the gate's product with the norm prologue, its tile lists and the listed
                      neurons' hidden values (their up product in the same launch), then the down
                      kernel over the packed values with the residual (the model's "packed", what
-                     "auto" runs at one row)
+                     "auto" runs at 2 to 4 rows)
+    packed_down      "packed" in one launch: the gate's launch also adds the listed neurons' W_down
+                     rows into each tile's partial and sums the tiles' partials with the residual
+                     after a grid barrier (the model's "packed_down", what "auto" runs at one row;
+                     each scan step hands the barrier's counters to the next)
 and the pieces alone: the XLA norm, the gate's product (plain, +norm, +lists, +norm+lists,
 +norm+values), the compaction, the fused kernel, the tiles kernel (with and without its norm),
 the packed values' down kernel.
@@ -54,7 +58,8 @@ from twell_jax.pallas_kernels.twell_decode import (DecodeBlockSizes, compact_act
                                                    sparse_decode_ffn_fused, sparse_decode_ffn_tiles)
 
 EPS = 1e-6
-WAYS = ("dense", "fused", "split", "tiles", "tiles_xla_norm", "packed")  # whole FFN steps (the rest: pieces)
+WAYS = ("dense", "fused", "split", "tiles", "tiles_xla_norm", "packed", "packed_down")  # whole FFN steps (the rest:
+# pieces)
 
 
 PLACEMENTS = ("first", "spread")
@@ -175,6 +180,13 @@ def variants(interpret: bool, sizes: DecodeBlockSizes, gate_blocks: MatvecBlockS
         return sparse_decode_down_tiles(values, ids, count, wd, layer=layer, residual_MxD=x, block_sizes=sizes,
                                         interpret=interpret)
 
+    def packed_down(x, wg, wu, wd, wdt, scale, layer, sync):  # -> (y, the counters for the next layer)
+        outs = mv(x, wg, "gate", layer=layer, norm_scale=scale, out_dtype=jnp.float32, tile_lists=True,
+                  tile_values=True, up=wu, down=wd, down_residual=x, sync=sync)
+        return outs[5], outs[6]
+
+    packed_down.counters = True  # threads the barrier's counters through the scan (`scan_of`)
+
     # The pieces: each returns x unchanged after its own work (a data dependency on its output,
     # so nothing is dead code; the pieces' inputs are made from x where they need g or lists).
     def keep(x, out):
@@ -192,8 +204,8 @@ def variants(interpret: bool, sizes: DecodeBlockSizes, gate_blocks: MatvecBlockS
         return fn
 
     return {"dense": dense, "fused": fused, "split": split, "tiles": tiles, "tiles_xla_norm": tiles_xla_norm,
-            "packed": packed, "piece: XLA norm": piece_norm, "piece: gate": gate_piece(False, False),
-            "piece: gate +norm": gate_piece(True, False), "piece: gate +lists": gate_piece(False, True),
+            "packed": packed, "packed_down": packed_down, "piece: XLA norm": piece_norm,
+            "piece: gate": gate_piece(False, False), "piece: gate +norm": gate_piece(True, False), "piece: gate +lists": gate_piece(False, True),
             "piece: gate +norm +lists": gate_piece(True, True),
             "piece: gate +norm +values": gate_piece(True, True, values=True)}
 
@@ -274,6 +286,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
             def scan_of(fn):
                 def run(x, wg, wu, wd, wdt, scale):
+                    if getattr(fn, "counters", False):  # carry (x, counters): zeros once a call, then shared
+                        body = lambda c, li: (fn(c[0], wg, wu, wd, wdt, scale, li[None], c[1]), None)  # noqa: E731
+                        return jax.lax.scan(body, (x, jnp.zeros((args.layers,), jnp.int32)), layer_ids)[0][0]
                     return jax.lax.scan(lambda c, li: (fn(c, wg, wu, wd, wdt, scale, li[None]), None), x, layer_ids)[0]
                 return jax.jit(run)
 

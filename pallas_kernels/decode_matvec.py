@@ -29,7 +29,8 @@ is the dot's minimum, rows >= M are masked lanes that move no bytes). The norm's
 a first pass over the program's x rows (x is KBs: L2-resident), in steps of NORM_BLOCK_K.
 No operand is padded, nor the output: it is exactly [M, N], stored with a row and column mask
 (a padded output's slice feeding the next kernel would be a copy launch of its own: XLA cannot
-fuse a slice into a custom call). Nothing is accumulated across programs (deterministic).
+fuse a slice into a custom call). Nothing is accumulated across programs (deterministic; the
+down product's tile partials below are summed in one fixed order).
 
 tile_lists=True (the sparse layers' gate): the epilogue also packs, per column tile, the neurons
 with out > 0 in any row as ids and a count (`tile_lists_reference`), the TwELL layout of one
@@ -37,6 +38,12 @@ decode step, which twell_decode.sparse_decode_ffn_tiles reads instead of a compa
 tile_values=True (with up=W_up) also packs each listed neuron's hidden value beside its id, from
 that neuron's W_up row alone (a second, short phase after the K loop in the tiles that have active
 neurons), which twell_decode.sparse_decode_down_tiles reads for the down product.
+down=W_down (one row, model.decode_sparse_ffn "packed_down") makes that down product in the same
+launch: each tile adds its neurons' W_down rows (read with their W_up rows) into an fp32 partial
+of its own, then, after a grid barrier (an acquire-release arrival count and a spin; only where the
+GPU holds every program at once, `_grid_is_resident`), every program sums all the tiles' partials,
+in one fixed order, for a block of the output columns and adds the residual. The partials are
+written once and summed once, so the result is still deterministic; no value is summed by atomics.
 """
 from __future__ import annotations
 
@@ -186,7 +193,8 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
                    has_gate: bool, has_residual: bool, has_enable: bool, n_parts: int, activation: str | None,
                    eps: float, block_m: int, block_n: int, block_k: int, n_k: int, precision: lax.Precision,
                    split_k: int = 1, n_k_split: int = 0, tile_lists: bool = False, width: int = 0,
-                   tile_values: bool = False, has_up: bool = False, enable_above: int = 0) -> None:
+                   tile_values: bool = False, has_up: bool = False, enable_above: int = 0,
+                   down: str | None = None, has_down_residual: bool = False, programs: int = 0) -> None:
     refs = list(refs)
     layer_ref = refs.pop(0) if has_layer else None
     enable_ref = refs.pop(0) if has_enable else None
@@ -194,9 +202,15 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
     w_refs = [refs.pop(0) for _ in range(n_parts)]
     gate_ref = refs.pop(0) if has_gate else None
     up_ref = refs.pop(0) if has_up else None
+    down_ref = refs.pop(0) if down else None
     scale_ref = refs.pop(0) if has_norm else None
     res_ref = refs.pop(0) if has_residual else None
-    o_ref, list_refs = refs[0], refs[1:]  # list_refs: ids, count, pairs (tile_lists), values (tile_values)
+    down_res_ref = refs.pop(0) if has_down_residual else None
+    if down == "barrier":
+        refs.pop(0)  # the arrival counters' input: aliased to the last output
+    # list_refs: ids, count, pairs (tile_lists), values (tile_values), partials (down), y and the
+    # counters (down "barrier")
+    o_ref, list_refs = refs[0], refs[1:]
     layer = jnp.max(layer_ref[...]).astype(jnp.int32) if has_layer else jnp.int32(0)
     enabled = True
     if has_enable:  # the device-side switch (decode_matvec's docstring): sum(enable) > enable_above
@@ -310,6 +324,7 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
     k_ok_K = ks_K < k
     first, slot_base = pl.program_id(0) * width, pl.program_id(0) * block_n  # outside the loop (interpret mode)
     row_first = pl.program_id(1) * block_m
+    part_first = pl.program_id(0) * m  # this tile's rows of the down product's partials
     xn_rows = []  # each live row of xn, fp32 [K] (x is L2-resident), loaded once for every step
     if has_up:
         scale_K = plgpu.load(scale_ref.at[layer * k + ks_K], mask=k_ok_K, other=0.0) if has_norm else None
@@ -324,10 +339,14 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
         slots_S = c * chunk + lane_S
         live_S = slots_S < n_active
         pick_BNxS = slot_BN[:, None] == slots_S[None, :]
+        neuron_S = first + jnp.sum(jnp.where(pick_BNxS, lane_BN[:, None], 0), axis=0)
+        rows_SxK = (layer * n + neuron_S)[:, None], ks_K[None, :]
         if has_up:
-            neuron_S = first + jnp.sum(jnp.where(pick_BNxS, lane_BN[:, None], 0), axis=0)
-            up_SxK = plgpu.load(up_ref.at[(layer * n + neuron_S)[:, None], ks_K[None, :]],
-                                mask=live_S[:, None] & k_ok_K[None, :], other=0).astype(jnp.float32)
+            up_SxK = plgpu.load(up_ref.at[rows_SxK], mask=live_S[:, None] & k_ok_K[None, :],
+                                other=0).astype(jnp.float32)
+        if down:  # their W_down rows, in the same wave of loads as their up rows
+            down_SxK = plgpu.load(down_ref.at[rows_SxK], mask=live_S[:, None] & k_ok_K[None, :],
+                                  other=0).astype(jnp.float32)
         for r in range(min(m, block_m)):
             act_BN = jnp.sum(jnp.where((row_BM == r)[:, None], act_BMxBN, 0.0), axis=0)  # row r of relu(g)
             h_S = jnp.sum(jnp.where(pick_BNxS, act_BN[:, None], 0.0), axis=0)  # gathered into slot order
@@ -335,10 +354,72 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
                 h_S = h_S * jnp.sum(up_SxK * xn_rows[r][None, :], axis=1)
             # Live slots only (the masked lanes' slots are distinct from them).
             plgpu.store(list_refs[3].at[row_first + r, slot_base + slots_S], h_S.astype(dt), mask=live_S)
+            if down:  # the tile's partial down product of row r: sum over its neurons of round(h) * W_down
+                # (dead slots add 0), accumulated over the steps in its own row of the partials
+                part_K = jnp.sum(h_S.astype(dt).astype(jnp.float32)[:, None] * down_SxK, axis=0)
+                at = list_refs[4].at[part_first + r, ks_K]
+                part_K = part_K + plgpu.load(at, mask=jnp.broadcast_to(c > 0, ks_K.shape), other=0.0)
+                plgpu.store(at, part_K)  # [T * M, next_pow2(K)]: no lane past its row
         return carry
 
     n_chunks = lax.div(n_active + jnp.int32(chunk - 1), jnp.int32(chunk)).astype(jnp.int32)
     lax.fori_loop(jnp.int32(0), n_chunks, chunk_step, jnp.int32(0))
+    if not down:
+        return
+    # A tile without active neurons stores a zero partial: the sum reads every tile's without first
+    # reading the counts (one dependent load fewer after the barrier).
+    zeros_K, none_K = jnp.zeros(ks_K.shape, jnp.float32), jnp.broadcast_to(n_active == 0, ks_K.shape)
+    for r in range(min(m, block_m)):
+        plgpu.store(list_refs[4].at[part_first + r, ks_K], zeros_K, mask=none_K)
+    if down != "barrier":
+        return
+    # Grid barrier (every program resident: `_grid_is_resident`): the CTA's stores done, one
+    # arrival at this layer's counter (acquire-release, GPU scope), then a spin until every program
+    # of this launch has arrived (the last to arrive does not wait); after it every tile's partials
+    # are visible to every program. The counter starts at a multiple of the launch's programs and
+    # ends at the next one, so launches one after another may share it (no reset between them).
+    sync_ref = list_refs[-1]
+    slot = layer if has_layer else jnp.int32(0)
+    plgpu.debug_barrier()
+    before = plgpu.atomic_add(sync_ref, (slot,), jnp.int32(1))
+    target = (lax.div(before, jnp.int32(programs)) + 1) * programs
+    lax.while_loop(lambda seen: seen < target,
+                   lambda seen: plgpu.atomic_add(sync_ref, (slot,), jnp.int32(0)), before + 1)
+    plgpu.debug_barrier()
+    down_residual = down_res_ref if has_down_residual else None
+    _sum_tile_partials(list_refs[4], down_residual, list_refs[5], m=m, k=k, n_tiles=programs,
+                       block=_sum_block(k, programs))
+
+
+def _sum_block(k: int, programs: int) -> int:
+    """Output columns per program of the partials' sum: a power of two >= 16, `programs` of them
+    covering K (the programs past K's last block store nothing)."""
+    return max(16, next_pow2(-(-k // programs)))
+
+
+def _sum_tile_partials(part_ref, res_ref, y_ref, *, m: int, k: int, n_tiles: int, block: int) -> None:
+    """Inside a kernel, program j: y[:, cols] = round(residual + sum over the tiles of their partial
+    down products) for columns [j*block, (j+1)*block) (fp32 sum over the tiles in one fixed order:
+    deterministic). Refs: partials [T * M, >= K] fp32 (tile t's row r at t * M + r; zeros for a
+    tile without active neurons), residual [M, K] or None, y [M, K]."""
+    lane_T = lax.broadcasted_iota(jnp.int32, (next_pow2(n_tiles),), 0)
+    live_T = lane_T < n_tiles
+    cols_B = pl.program_id(0) * block + lax.broadcasted_iota(jnp.int32, (block,), 0)
+    col_ok_B = cols_B < k
+    for r in range(m):
+        part_TxB = plgpu.load(part_ref.at[(lane_T * m + r)[:, None], cols_B[None, :]],
+                              mask=live_T[:, None] & col_ok_B[None, :], other=0.0)
+        y_B = jnp.sum(part_TxB, axis=0)
+        if res_ref is not None:
+            y_B = y_B + plgpu.load(res_ref.at[r, cols_B], mask=col_ok_B, other=0).astype(jnp.float32)
+        plgpu.store(y_ref.at[r, cols_B], y_B.astype(y_ref.dtype), mask=col_ok_B)
+
+
+def _sum_partials_kernel(part_ref, *refs, m: int, k: int, n_tiles: int, block: int, has_residual: bool) -> None:
+    """The partials' sum as a launch of its own (the down product's second launch where no grid
+    barrier runs: interpret mode, or more programs than the device holds at once)."""
+    _sum_tile_partials(part_ref, refs[0] if has_residual else None, refs[-1], m=m, k=k, n_tiles=n_tiles,
+                       block=block)
 
 
 def _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_dtype,
@@ -395,7 +476,8 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
                   gate: jax.Array | None = None, activation: str | None = None,
                   residual: jax.Array | None = None, enable: jax.Array | None = None, enable_above: int = 0,
                   out_dtype=None, block_sizes: MatvecBlockSizes | None = None, tile_lists: bool = False,
-                  tile_values: bool = False, up: jax.Array | None = None,
+                  tile_values: bool = False, up: jax.Array | None = None, down: jax.Array | None = None,
+                  down_residual: jax.Array | None = None, sync: jax.Array | None = None,
                   interpret: bool = False, debug: bool = False) -> jax.Array | tuple[jax.Array, ...]:
     """[M, N] = residual + act(xn . gate) * (xn . w) (module docstring), each part optional;
     xn = RMSNorm(x) with `norm_scale` when given, else x. Output in `out_dtype` (default x's).
@@ -422,7 +504,19 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
     W_up, shaped as w, layout "nk"), or round(relu(out)) without `up`; the slots after count[t]
     are not written (no reader reads them). A tile with active neurons reads only their up rows,
     whole, `values_chunk(K)` at a time; its rows are an unrolled loop (M <= max_block_m), so it is
-    meant for a few rows. Read by twell_decode.sparse_decode_down_tiles."""
+    meant for a few rows. Read by twell_decode.sparse_decode_down_tiles.
+
+    down=W_down (with tile_values; shaped as w, a row per neuron): the down product in the same
+    launch, a sixth output y [M, K] = round(down_residual + sum over the listed neurons j of
+    values[:, slot(j)] . W_down[j]) in x's dtype: each tile adds its active neurons' W_down rows
+    (read with their up rows) into an fp32 partial of its own, and the tiles' partials are summed
+    in one fixed order (deterministic, no atomic sums) by every program for a block of y's columns
+    after a grid barrier, where `sync` (the arrival counters: int32 [L] with `layer`, else [1], the
+    layer's at a multiple of the launch's programs, e.g. zeros; each launch adds that many, so
+    calls one after another may share them; returned as a seventh output, to pass to the next
+    call) is given, the device is a GPU and every program of the launch is resident at once
+    (`_grid_is_resident`); else by a second launch, and `sync` is returned as given. The sparse
+    FFN of a one-row decode step in one launch ("packed_down")."""
     block_sizes = block_sizes or DEFAULT_BLOCK_SIZES
     n, k, n_layers = _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_dtype,
                             enable, block_sizes.block_n, block_sizes.split_k, enable_above)
@@ -438,11 +532,22 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
         _check_tile_lists(m, bm, len(parts), gate, activation, residual, enable, block_sizes.split_k)
     if tile_values and not tile_lists:
         raise ValueError("tile_values needs tile_lists=True (the values are packed beside the tile lists' ids)")
-    if up is not None and (not tile_values or up.shape != parts[0].shape or up.dtype != parts[0].dtype
-                           or layout != "nk"):
-        raise ValueError(f"up must be {parts[0].dtype}{parts[0].shape} like w (layout 'nk': a row per neuron), with "
-                         f"tile_values=True; got {up.dtype}{up.shape} with tile_values={tile_values}, layout "
-                         f"{layout!r}")
+    for name, rows in (("up", up), ("down", down)):
+        if rows is not None and (not tile_values or rows.shape != parts[0].shape or rows.dtype != parts[0].dtype
+                                 or layout != "nk"):
+            raise ValueError(f"{name} must be {parts[0].dtype}{parts[0].shape} like w (layout 'nk': a row per "
+                             f"neuron), with tile_values=True; got {rows.dtype}{rows.shape} with "
+                             f"tile_values={tile_values}, layout {layout!r}")
+    if down is None and (down_residual is not None or sync is not None):
+        raise ValueError("down_residual and sync belong to the down product: pass down=W_down")
+    if down_residual is not None and (down_residual.shape != (m, k) or down_residual.dtype != x_MxK.dtype):
+        raise ValueError(f"down_residual must be {x_MxK.dtype}[M={m}, K={k}], got "
+                         f"{down_residual.dtype}{down_residual.shape}")
+    want_sync = (n_layers if layer is not None else 1,)
+    if sync is not None and (sync.shape != want_sync or sync.dtype != jnp.int32):
+        raise ValueError(f"sync must be int32 {want_sync} (one arrival counter per layer, e.g. zeros), got "
+                         f"{sync.dtype}{sync.shape}")
+    barrier = sync is not None and not interpret and _grid_is_resident(programs * (m_pad // bm))
     flat = (n_layers * parts[0].shape[-2], parts[0].shape[-1])  # [L*N, K] or [L*K, N]: a bitcast
     operands = (([layer] if layer is not None else []) + ([enable] if enable is not None else [])
                 + [x_MxK] + [p.reshape(flat) for p in parts])
@@ -450,10 +555,16 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
         operands.append(gate.reshape(flat))
     if up is not None:
         operands.append(up.reshape(flat))
+    if down is not None:
+        operands.append(down.reshape(flat))
     if norm_scale is not None:
         operands.append(norm_scale.reshape(-1))
     if residual is not None:
         operands.append(residual)
+    if down_residual is not None:
+        operands.append(down_residual)
+    if barrier:
+        operands.append(sync)
     whole = [pl.BlockSpec(op.shape, lambda *_, nd=op.ndim: (0,) * nd) for op in operands]
     n_k, split = -(-k // bk), block_sizes.split_k
     kernel = functools.partial(
@@ -461,7 +572,9 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
         has_norm=norm_scale is not None, has_gate=gate is not None, has_residual=residual is not None,
         has_enable=enable is not None, n_parts=len(parts), activation=activation, eps=float(eps), block_m=bm,
         block_n=bn, block_k=bk, n_k=n_k, precision=_dot_precision(x_MxK.dtype), split_k=split,
-        n_k_split=-(-n_k // split), width=width, has_up=up is not None, enable_above=enable_above)
+        n_k_split=-(-n_k // split), width=width, has_up=up is not None, enable_above=enable_above,
+        down=None if down is None else "barrier" if barrier else "partials",
+        has_down_residual=down_residual is not None, programs=programs * (m_pad // bm))
     n_out = n * len(parts)
     if split > 1:  # fp32 partials [S * m, n_out]: split s owns rows [s * m, (s + 1) * m)
         partials = pl.pallas_call(
@@ -479,26 +592,68 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
         return _epilogue((acc,), x_MxK.dtype, activation, residual, out_dtype)
     out_specs = [pl.BlockSpec((m, n_out), lambda j, i: (0, 0))]
     out_shape = [jax.ShapeDtypeStruct((m, n_out), jnp.dtype(out_dtype or x_MxK.dtype))]
+    whole_out = lambda shape, dtype: (pl.BlockSpec(shape, lambda j, i: (0,) * len(shape)),  # noqa: E731
+                                      jax.ShapeDtypeStruct(shape, dtype))
     if tile_lists:  # ids [T * bn], count [T], pairs [T]: program j writes tile j's
         out_specs += [pl.BlockSpec((bn,), lambda j, i: (j,))] + [pl.BlockSpec((1,), lambda j, i: (j,))] * 2
         out_shape += [jax.ShapeDtypeStruct((programs * bn,), jnp.int32)] + [
             jax.ShapeDtypeStruct((programs,), jnp.int32)] * 2
-    if tile_values:  # values [M, T * bn]: whole (program j stores its tile's slots, a masked row block)
-        out_specs.append(pl.BlockSpec((m, programs * bn), lambda j, i: (0, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((m, programs * bn), x_MxK.dtype))
+    extra = []  # (spec, shape) of each output after the lists, all whole
+    if tile_values:  # values [M, T * bn] (program j stores its tile's slots, a masked row block)
+        extra.append(whole_out((m, programs * bn), x_MxK.dtype))
+    if down is not None:  # the down product's partials [T * M, next_pow2(K)] fp32 (tile t's rows at t * M)
+        extra.append(whole_out((programs * m, next_pow2(k)), jnp.float32))
+    if barrier:  # y [M, K] and the counters
+        extra += [whole_out((m, k), x_MxK.dtype), whole_out(sync.shape, jnp.int32)]
+    out_specs += [spec for spec, _ in extra]
+    out_shape += [shape for _, shape in extra]
     outs = pl.pallas_call(
         functools.partial(kernel, tile_lists=tile_lists, tile_values=tile_values),
         grid=(programs, m_pad // bm),
         in_specs=whole,
         out_specs=out_specs,
         out_shape=out_shape,
+        # The counters updated in place (their input is the last operand, their output the last)
+        input_output_aliases={len(operands) - 1: len(out_shape) - 1} if barrier else {},
         compiler_params=compiler_params(block_sizes),
         interpret=interpret,
         debug=debug,
-        name=("twell_decode_gate_values" if tile_values else "twell_decode_gate_lists") if tile_lists
-        else "twell_decode_matvec",
+        name=("twell_decode_gate_down" if down is not None else "twell_decode_gate_values" if tile_values
+              else "twell_decode_gate_lists") if tile_lists else "twell_decode_matvec",
     )(*operands)
-    return tuple(outs) if tile_lists else outs[0]
+    if not tile_lists:
+        return outs[0]
+    if down is None:
+        return tuple(outs)
+    if barrier:  # (out, ids, count, pairs, values, y, sync): the partials stay inside
+        return tuple(outs[:5]) + tuple(outs[6:])
+    block = _sum_block(k, 64)  # the partials' sum in a second launch: 64 programs
+    sum_operands = [outs[5]] + ([down_residual] if down_residual is not None else [])
+    y = pl.pallas_call(
+        functools.partial(_sum_partials_kernel, m=m, k=k, n_tiles=programs, block=block,
+                          has_residual=down_residual is not None),
+        grid=(-(-k // block),),
+        in_specs=[pl.BlockSpec(a.shape, lambda j, nd=a.ndim: (0,) * nd) for a in sum_operands],
+        out_specs=pl.BlockSpec((m, k), lambda j: (0, 0)),
+        out_shape=jax.ShapeDtypeStruct((m, k), x_MxK.dtype),
+        compiler_params=compiler_params(DEFAULT_BLOCK_SIZES),
+        interpret=interpret,
+        debug=debug,
+        name="twell_decode_down_partials",
+    )(*sum_operands)
+    return tuple(outs[:5]) + (y,) + ((sync,) if sync is not None else ())
+
+
+def _grid_is_resident(programs: int) -> bool:
+    """Whether a launch of `programs` programs has every one resident at once on this process's
+    device, so a grid barrier cannot wait on a program that never starts: a GPU with at least
+    that many SMs (each SM holds at least one program of any launch; a kernel running beside it
+    only delays the programs whose SMs it holds, as it ends on its own). Read at trace time."""
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return device.platform == "gpu" and 0 < programs <= int(getattr(device, "core_count", 0) or 0)
 
 
 def _check_tile_lists(m: int, block_m: int, n_parts: int, gate, activation, residual, enable, split_k: int) -> None:

@@ -66,13 +66,14 @@ def test_kernel_steps_equal_the_xla_steps_and_the_forward(kind, batch, padded):
             np.testing.assert_allclose(got[row], full[row, 6:], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("sparse_ffn", ["fused", "tiles", "packed"])
+@pytest.mark.parametrize("sparse_ffn", ["fused", "tiles", "packed", "packed_down"])
 @pytest.mark.parametrize("kind", ["sparse", "relu"])
 @pytest.mark.parametrize("batch,padded", [(1, False), (3, True)])
 def test_the_fused_sparse_ffn_step_equals_the_xla_steps(kind, batch, padded, sparse_ffn, monkeypatch):
-    """model.decode_sparse_ffn="fused", "tiles" and "packed": the sparse layers' up and down products
-    (packed: the up product in the gate's launch) and the residual give the XLA path's logits and the same active counts; the split kernels
-    do not run."""
+    """model.decode_sparse_ffn="fused", "tiles", "packed" and "packed_down": the sparse layers' up and
+    down products (packed: the up product in the gate's launch; packed_down at one row: the down
+    product too, "packed" at more) and the residual give the XLA path's logits and the same active
+    counts; the split kernels do not run."""
     cfg = dataclasses.replace(BASE, decode_sparse_ffn=sparse_ffn, **KINDS[kind])
     monkeypatch.setattr("twell_jax.pallas_kernels.twell_decode.sparse_decode_ffn",
                         lambda *a, **k: pytest.fail("the split kernels ran"))
@@ -512,7 +513,8 @@ def test_auto_picks_one_launch_or_split_per_layer_by_the_expected_union():
     tile lists alone, "tiles", where the gate's program holds every row; else the compacted list,
     "fused"), `hidden` + `down` where it is not (that launch's every program walks all the active
     neurons: planner.decode_sparse_way); up to model.PACKED_MAX_ROWS rows every sparse layer
-    "packed" (the tiles make their own neurons' values); the step runs both and equals the XLA path."""
+    "packed" (the tiles make their own neurons' values), at one row "packed_down" (their down
+    product too, in the same launch); the step runs both and equals the XLA path."""
     from twell_jax.ops import planner
 
     assert planner.decode_sparse_way(1, None, 5632) == "fused"  # no hint
@@ -522,7 +524,8 @@ def test_auto_picks_one_launch_or_split_per_layer_by_the_expected_union():
     cfg = dataclasses.replace(BASE, decode_sparse_ffn="auto", ffn_expected_active=(4.0, 60.0, 4.0))
     model = init_model(cfg, seed=4)
     assert model_lib.PACKED_MAX_ROWS == 4
-    for rows in (1, 2, 4):  # (a backend the user forced: no union limit)
+    assert model.decode_layer_ways(1, jnp.float32) == ("packed_down",) * 3
+    for rows in (2, 4):  # (a backend the user forced: no union limit)
         assert model.decode_layer_ways(rows, jnp.float32) == ("packed",) * 3
     assert model.decode_layer_ways(5, jnp.float32) == ("tiles", "split", "tiles")
     # More rows than the gate's program holds (16): the compacted list for the small unions.
@@ -531,8 +534,10 @@ def test_auto_picks_one_launch_or_split_per_layer_by_the_expected_union():
     tokens, start = jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32)
     traced = jax.make_jaxpr(lambda c: model.decode(tokens, c, jnp.int32(3), start))(init_cache(cfg, 1, 8))
     names, _ = _pallas_names_and_row_sums(traced, (1, cfg.d_ff))
-    # The layers unrolled: the packed values' down kernel in each, no compaction.
-    assert names.count("twell_decode_down_tiles") == 3 and "twell_decode_hidden" not in names, names
+    # The layers unrolled: the gate with the down product in each (in interpret mode its partials
+    # summed by a second launch), no separate down kernel, no compaction.
+    assert names.count("twell_decode_gate_down") == names.count("twell_decode_down_partials") == 3, names
+    assert "twell_decode_down_tiles" not in names and "twell_decode_hidden" not in names, names
     assert not any(n.startswith("twell_decode_compact") for n in names) and "twell_decode_tiles" not in names, names
     tokens2, start2 = jnp.zeros((5, 1), jnp.int32), jnp.zeros((5,), jnp.int32)
     traced2 = jax.make_jaxpr(lambda c: model.decode(tokens2, c, jnp.int32(3), start2))(init_cache(cfg, 5, 8))

@@ -22,7 +22,7 @@ from twell_jax.pallas_kernels.decode_matvec import (MatvecBlockSizes, decode_mat
 from twell_jax.pallas_kernels.twell_decode import (compact_active_reference, sparse_decode_down_tiles,
                                                    sparse_decode_ffn_fused, sparse_decode_ffn_tiles)
 from test_decode_kernels import (BASE, FUSED_SMALL, FUSED_WIDE, TOL_FUSED, _pallas_names_and_row_sums, _run,
-                                 fused_inputs, fused_oracle)
+                                 _step_eqns, fused_inputs, fused_oracle)
 from oracles import rel_err
 
 GATE = MatvecBlockSizes(block_n=16, block_k=16)  # tiles of 16 columns; K steps of 16
@@ -248,6 +248,113 @@ def test_gate_tile_values_reject_bad_arguments():
                       interpret=True)
 
 
+def _down_oracle(x, out, ids, count, up, down, residual):
+    """The down product of the gate's lists in float64: residual + sum over the listed neurons of
+    their reference hidden values (rounded as the kernel stores them) . W_down[id], rounded once."""
+    values = np.asarray(tile_values_reference(out, ids, count, x, up), np.float64)  # 0 past each count
+    y = values @ np.asarray(jnp.take(down, ids, axis=0), np.float64)
+    if residual is not None:
+        y = y + np.asarray(residual, np.float64)
+    return jnp.asarray(y.astype(np.float32)).astype(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("m,n,block_n", [(1, 37, 16), (3, 64, 16), (2, 151, 64)])
+def test_gate_down_product_equals_its_oracle(dtype, gated, m, n, block_n):
+    """down=W_down: the gate's launch also makes y = residual + values . W_down[ids] (each tile's
+    fp32 partial, the tiles' partials summed; in interpret mode by a second launch), the lists and
+    values unchanged; every pattern (a dense first row: 16 or 64 active neurons a tile, several
+    steps of the values' epilogue adding into one partial), with and without the residual; nothing
+    active: exactly the residual."""
+    sizes = MatvecBlockSizes(block_n=block_n, block_k=16)
+    for i, pattern in enumerate(PATTERNS):
+        x, w = (a.astype(dtype) for a in gate_inputs(m, n, 40, pattern, seed=7 * m + n + i))
+        up = jax.random.normal(jax.random.key(m + i), (n, 40), dtype) if gated else None
+        down = jax.random.normal(jax.random.key(50 + i), (n, 40), dtype)
+        residual = jax.random.normal(jax.random.key(90 + i), (m, 40), dtype)
+        call = lambda **kw: decode_matvec(x, w, out_dtype=jnp.float32, block_sizes=sizes, tile_lists=True,  # noqa: E731
+                                          tile_values=True, up=up, interpret=True, **kw)
+        outs = call(down=down, down_residual=residual)
+        assert len(outs) == 6 and outs[5].shape == (m, 40) and outs[5].dtype == dtype, pattern
+        for got, want in zip(outs[:4], call()[:4]):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=pattern)
+        out, ids, count = outs[:3]
+        want = _down_oracle(x, out, ids, count, up, down, residual)
+        assert rel_err(outs[5], want) <= TOL_FUSED[dtype], pattern
+        alone = call(down=down)[5]
+        assert rel_err(alone, _down_oracle(x, out, ids, count, up, down, None)) <= TOL_FUSED[dtype], pattern
+        if int(jnp.sum(count)) == 0:  # "none" (and a row of "sparse" that drew no neuron)
+            np.testing.assert_array_equal(np.asarray(outs[5], np.float32), np.asarray(residual, np.float32))
+            np.testing.assert_array_equal(np.asarray(alone, np.float32), 0.0)
+        else:  # the product is not a no-op
+            assert rel_err(want, residual) > 1e-2, pattern
+        assert pattern in ("none", "sparse") or int(jnp.sum(count)) > 0, pattern
+
+
+def test_gate_down_product_with_the_norm_a_stacked_layer_and_counters():
+    """As the model's "packed_down" calls it: the norm prologue, the up and W_down rows read in
+    place at the layer of a stack, and the barrier's counters (int32 [L]), which interpret mode
+    (a second launch, no barrier) returns as given."""
+    x, w = gate_inputs(3, 37, 40, "sparse", seed=6)
+    x = x * 5.0
+    stack = jnp.stack([w * 0.5, w, -w])
+    up = jax.random.normal(jax.random.key(3), (3, 37, 40))
+    down = jax.random.normal(jax.random.key(4), (3, 37, 40))
+    scale = jnp.abs(jax.random.normal(jax.random.key(1), (3, 40))) + 0.5
+    sync = jnp.asarray([5, 6, 7], jnp.int32)
+    outs = decode_matvec(x, stack, layer=jnp.asarray([1], jnp.int32), norm_scale=scale, eps=1e-5,
+                         out_dtype=jnp.float32, block_sizes=GATE, tile_lists=True, tile_values=True, up=up,
+                         down=down, down_residual=x, sync=sync, interpret=True)
+    assert len(outs) == 7
+    np.testing.assert_array_equal(np.asarray(outs[6]), np.asarray(sync))
+    xn = x * jax.lax.rsqrt(jnp.mean(x * x, axis=1, keepdims=True) + 1e-5) * scale[1]
+    out, ids, count = outs[:3]
+    want = _down_oracle(xn, out, ids, count, up[1], down[1], x)
+    assert int(jnp.sum(count)) > 0 and rel_err(outs[5], want) <= 1e-5
+    assert rel_err(_down_oracle(xn, out, ids, count, up[1], down[0], x), want) > 1e-2  # the layer's W_down
+
+
+def test_gate_down_product_rejects_bad_arguments():
+    x, w = gate_inputs(3, 37, 40, "sparse")
+    call = lambda **kw: decode_matvec(x, w, out_dtype=jnp.float32, block_sizes=GATE, tile_lists=True,  # noqa: E731
+                                      interpret=True, **kw)
+    with pytest.raises(ValueError, match="down must be"):
+        call(down=w)  # without tile_values
+    with pytest.raises(ValueError, match="down must be"):
+        call(tile_values=True, down=w[:, :39])
+    with pytest.raises(ValueError, match="pass down=W_down"):
+        call(tile_values=True, down_residual=x)
+    with pytest.raises(ValueError, match="pass down=W_down"):
+        call(tile_values=True, sync=jnp.zeros((1,), jnp.int32))
+    with pytest.raises(ValueError, match="down_residual must be"):
+        call(tile_values=True, down=w, down_residual=x[:2])
+    with pytest.raises(ValueError, match="sync must be int32"):
+        call(tile_values=True, down=w, sync=jnp.zeros((1,), jnp.float32))
+    with pytest.raises(ValueError, match=r"sync must be int32 \(3,\)"):  # one counter per layer of a stack
+        decode_matvec(x, jnp.stack([w] * 3), layer=jnp.asarray([0], jnp.int32), out_dtype=jnp.float32,
+                      block_sizes=GATE, tile_lists=True, tile_values=True, down=jnp.stack([w] * 3),
+                      sync=jnp.zeros((1,), jnp.int32), interpret=True)
+
+
+class _FakeDevice:
+    def __init__(self, platform, core_count=None):
+        self.platform = platform
+        if core_count is not None:
+            self.core_count = core_count
+
+
+def test_the_grid_barrier_runs_only_where_every_program_is_resident(monkeypatch):
+    """`_grid_is_resident`: a GPU with at least as many SMs as the launch has programs; never the
+    CPU, nor a device that does not say how many SMs it has."""
+    assert not matvec_lib._grid_is_resident(88)  # this machine: the CPU
+    for device, programs, want in [(_FakeDevice("gpu", 132), 88, True), (_FakeDevice("gpu", 132), 132, True),
+                                   (_FakeDevice("gpu", 132), 133, False), (_FakeDevice("gpu"), 8, False),
+                                   (_FakeDevice("cpu", 132), 8, False)]:
+        monkeypatch.setattr(jax, "devices", lambda *a, device=device: [device])
+        assert matvec_lib._grid_is_resident(programs) == want, (vars(device), programs)
+
+
 def _values_of(x, g, up, tile):
     ids, count = tile_lists_reference(g, tile)[:2]
     return tile_values_reference(g, ids, count, x, up), ids, count
@@ -434,6 +541,34 @@ def test_tiles_kernels_lower_to_triton_for_cuda(capsys):
     assert '"scf.for"' not in printed  # no op that failed verification (mixed loop-bound types did)
 
 
+@pytest.mark.parametrize("resident", [True, False])
+def test_gate_down_lowers_to_triton_for_cuda_with_and_without_the_barrier(resident, monkeypatch, capsys):
+    """At the model's shapes (88 tiles of the gate at one row): where every program is resident, one
+    launch whose Triton IR holds the grid barrier (a CTA barrier, the acquire-release arrival and
+    its spin loop) and no second launch; else the partials' sum as a launch of its own."""
+    from jax import export
+
+    monkeypatch.setattr(matvec_lib, "_grid_is_resident", lambda programs: resident and programs == 88)
+    decode_matvec.clear_cache()  # the residency is read at trace time: no trace of the other case may answer
+
+    def forward(x, w, up, down, scale, layer, sync):
+        return decode_matvec(x, w, layer=layer, norm_scale=scale, out_dtype=jnp.float32,
+                             block_sizes=matvec_lib.role_block_sizes(matvec_lib.gate_role(1)), tile_lists=True,
+                             tile_values=True, up=up, down=down, down_residual=x, sync=sync, debug=True)
+
+    w = jax.ShapeDtypeStruct((2, 5632, 2048), jnp.bfloat16)
+    exported = export.export(jax.jit(forward), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+            jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16), w, w, w, jax.ShapeDtypeStruct((2, 2048), jnp.float32),
+            jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32))
+    decode_matvec.clear_cache()
+    module, printed = exported.mlir_module(), capsys.readouterr().out
+    assert "twell_decode_gate_down" in module
+    assert ("twell_decode_down_partials" in module) == (not resident)
+    barrier = ("gpu.barrier", "tt.atomic_rmw add, acq_rel, gpu", "scf.while")
+    assert all(op in printed for op in barrier) == resident, [op in printed for op in barrier]
+
+
 # ---------------------------------------------------------------------------------------------
 # the model's step
 # ---------------------------------------------------------------------------------------------
@@ -471,6 +606,55 @@ def test_the_tiles_step_has_no_compaction(batch, way, monkeypatch):
     start = jnp.asarray([0, 2, 5][:batch], jnp.int32)
     got, auxes, _ = _run(cfg, tokens, start, prompt=6)
     want, want_aux, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=6)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    for a, b in zip(auxes, want_aux):
+        np.testing.assert_allclose(a["l0"], b["l0"], rtol=1e-5)
+
+
+def test_the_packed_down_step_is_one_gate_launch_a_layer(monkeypatch):
+    """model.decode_sparse_ffn="packed_down" at one row: a sparse layer's FFN is the gate's launch
+    alone (the norm in its prologue, the lists, the values, the down product and the residual). On
+    a GPU that holds every program (patched; the step traced, not run) there is no other launch,
+    and each layer's launch updates the step's arrival counters (zeros, int32 [L]) in place and
+    hands them to the next; in interpret mode a second launch sums the partials. Equal to the XLA
+    path; at 3 rows it runs "packed" (no device switch to the dense products)."""
+    from twell_jax import model as model_lib
+
+    for role in ("gate", "gate_few_rows"):
+        monkeypatch.setitem(matvec_lib.ROLE_BLOCK_SIZES, role, GATE)
+    cfg = dataclasses.replace(BASE, n_layers=2, decode_sparse_ffn="packed_down")
+    model = init_model(cfg, seed=4)
+    assert model.decode_layer_ways(1, jnp.float32) == ("packed_down",) * 2
+    assert model.decode_layer_ways(3, jnp.float32) == ("packed",) * 2
+    tokens, start = jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32)
+
+    def launches(m, primitives=("pallas_call",)):
+        traced = jax.make_jaxpr(lambda c: m.decode(tokens, c, jnp.int32(3), start))(init_cache(cfg, 1, 8))
+        return [eqn for eqn in _step_eqns(traced) if eqn.primitive.name in primitives]
+
+    names = [eqn.params["name"] for eqn in launches(model)]
+    assert names.count("twell_decode_gate_down") == names.count("twell_decode_down_partials") == 2, names
+    assert not {"twell_decode_gate_values", "twell_decode_down_tiles"} & set(names), names
+    monkeypatch.setattr(model_lib, "gpu_available", lambda: True)
+    monkeypatch.setattr(matvec_lib, "_grid_is_resident", lambda programs: True)
+    decode_matvec.clear_cache()  # read at trace time (and cleared again below: no later trace may reuse it)
+    on_gpu = init_model(dataclasses.replace(cfg, ffn_interpret=False), seed=4)
+    gates = [eqn for eqn in launches(on_gpu) if eqn.params["name"] == "twell_decode_gate_down"]
+    assert len(gates) == 2 and "twell_decode_down_partials" not in [eqn.params["name"] for eqn in launches(on_gpu)]
+    for gate in gates:  # the counters (the last operand) updated in place: the last output
+        assert dict(gate.params["input_output_aliases"]) == {len(gate.invars) - 1: len(gate.outvars) - 1}
+        assert gate.invars[-1].aval.shape == (cfg.n_layers,) and gate.invars[-1].aval.dtype == jnp.int32
+    calls = [eqn for eqn in launches(on_gpu, ("jit", "pjit"))  # the nested jits ("pjit": older JAX's name)
+             if eqn.params["name"] == "decode_matvec" and len(eqn.outvars) == 7]  # with down= and sync=
+    assert len(calls) == 2 and any(v is calls[0].outvars[-1] for v in calls[1].invars)  # one's counters, the next's
+    monkeypatch.undo()
+    decode_matvec.clear_cache()
+    for role in ("gate", "gate_few_rows"):
+        monkeypatch.setitem(matvec_lib.ROLE_BLOCK_SIZES, role, GATE)
+    tokens = jax.random.randint(jax.random.key(31), (1, 10), 0, cfg.vocab_size)
+    got, auxes, _ = _run(cfg, tokens, jnp.zeros((1,), jnp.int32), prompt=6)
+    want, want_aux, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, jnp.zeros((1,), jnp.int32),
+                             prompt=6)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     for a, b in zip(auxes, want_aux):
         np.testing.assert_allclose(a["l0"], b["l0"], rtol=1e-5)
@@ -516,7 +700,7 @@ def test_more_rows_than_the_gate_block_run_the_fused_path():
 
 def test_bench_decode_ffn_step_dry_run(tmp_path):
     """experiments/bench_decode_ffn_step.py's plumbing at tiny shapes (interpret mode): every variant
-    and piece timed at each (rows, active), the three sparse ways with a ratio to the twin's; bad
+    and piece timed at each (rows, active), the sparse ways with a ratio to the twin's; bad
     arguments refused before anything runs."""
     import importlib.util
     import json
@@ -528,13 +712,14 @@ def test_bench_decode_ffn_step_dry_run(tmp_path):
     spec.loader.exec_module(bench)
     out = tmp_path / "step.json"
     rows = bench.main(["--dry-run", "--out", str(out)])
-    variants = {"plain", "dense", "fused", "split", "tiles", "tiles_xla_norm", "packed", "piece: XLA norm",
+    variants = {"plain", "dense", "fused", "split", "tiles", "tiles_xla_norm", "packed", "packed_down",
+                "piece: XLA norm",
                 "piece: gate", "piece: gate +norm", "piece: gate +lists", "piece: gate +norm +lists",
                 "piece: gate +norm +values", "piece: compaction", "piece: fused kernel", "piece: tiles kernel",
                 "piece: tiles kernel +norm", "piece: down tiles kernel"}
     assert {(r["rows"], r["variant"]) for r in rows} == {(b, v) for b in (1, 3) for v in variants}
     assert all(r["us_per_layer"] > 0 and r["union"] == 4 for r in rows)  # 4 neurons fire on every row
-    ways = {"dense", "fused", "split", "tiles", "tiles_xla_norm", "packed"}  # against the twin and plain JAX
+    ways = {"dense", "fused", "split", "tiles", "tiles_xla_norm", "packed", "packed_down"}  # vs the twin, plain JAX
     assert {r["variant"] for r in rows if "vs_dense" in r} == {r["variant"] for r in rows if "vs_plain" in r} == ways
     assert json.loads(out.read_text())["rows"] == rows
     with pytest.raises(SystemExit, match="--rows must be in"):

@@ -30,8 +30,8 @@ DECODE_KERNELS: dict[str, str] = {
 # How a sparse layer's FFN runs in the decode kernels' step (model.decode_sparse_ffn), after the gate's
 # product (pallas_kernels/twell_decode.py, decode_matvec.py).
 DECODE_SPARSE_FFN: dict[str, str] = {
-    "auto": "up to model.PACKED_MAX_ROWS rows (4) every sparse layer 'packed' (at more than one row only where "
-            "its expected union is within packed's limit, else dense); at more rows, per sparse layer, one "
+    "auto": "at one row every sparse layer 'packed_down'; at 2 to model.PACKED_MAX_ROWS rows (4) 'packed' where "
+            "its expected union is within packed's limit, else dense; at more rows, per sparse layer, one "
             "launch walking the active neurons where the union of the step's rows' active neurons expected from "
             "the layer's activity hint is small (ops.planner.decode_sparse_way: at most 48 on the H100): 'tiles' "
             "where the gate's program holds every row (16), else 'fused'; else 'split'",
@@ -43,6 +43,11 @@ DECODE_SPARSE_FFN: dict[str, str] = {
               "hidden value (the up product of the tile's active neurons only) and packs it beside the id (TwELL "
               "values and indices); one launch reads them for the down product, the residual in its epilogue: two "
               "launches a layer, no norm launch (more rows than the gate's max_block_m, 16: 'fused')",
+    "packed_down": "as 'packed' at one row, and the gate's launch also makes the down product and the residual: "
+                   "each column tile adds its active neurons' W_down rows into an fp32 partial of its own, and after "
+                   "a grid barrier each program sums every tile's partials for a block of the output, in one fixed "
+                   "order: one launch a layer, deterministic (a second launch sums them where the GPU cannot hold "
+                   "every program at once, and in interpret mode); more rows run 'packed'",
     "fused": "the active neurons compacted into one list (one launch), then one launch: each output block "
              "recomputes the active neurons' hidden values, the residual added in its epilogue",
     "split": "the compaction, then two launches: the active neurons' hidden values into HBM, then the down "
@@ -217,13 +222,13 @@ class ModelConfig:
     # Callers of `decode` pass the copies.
     decode_transposed: bool = True
     # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN), measured on the H100
-    # (0.5b, batch 1; BENCHMARKS.md, Decode): "auto" (every sparse layer "packed") 0.472 ms/step against
-    # 0.526 with every layer "tiles" in one process (before the one-row norm prologue and the fp32 norm
-    # scales: "auto" 0.436-0.443 since, on fresh checkpoints); in an earlier build "tiles" 0.530,
-    # "fused" 0.538, "split" 0.564.
+    # (0.5b, batch 1; BENCHMARKS.md, Decode): every sparse layer "packed_down" 0.442 ms/step against
+    # 0.454 "packed" in one process and 0.422 against 0.453 in another (1b: 0.892 against 0.923);
+    # earlier, "packed" 0.472 against 0.526 with every layer "tiles" in one process; in an earlier
+    # build "tiles" 0.530, "fused" 0.538, "split" 0.564.
     # "tiles" and "fused" lose to "split" in a layer above ~49 active neurons (their every program
     # walks them all); "packed" does not (each column tile makes its own neurons' values).
-    decode_sparse_ffn: Literal["auto", "tiles", "packed", "fused", "split"] = "auto"
+    decode_sparse_ffn: Literal["auto", "tiles", "packed", "packed_down", "fused", "split"] = "auto"
     # Layers per iteration of the decode kernels' layer loop, as model.layer_unroll for the other
     # programs: 0 = every layer unrolled (no loop: each layer's index a constant, no per-iteration
     # copies; the step compiles in time linear in depth, seconds at the presets' depths); 1 = a loop

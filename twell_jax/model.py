@@ -645,15 +645,17 @@ class Transformer(nnx.Module):
 
         def way(config: Any) -> str:
             if self.decode_sparse_ffn == "auto":
-                if batch <= PACKED_MAX_ROWS:  # each tile makes its own neurons' values
-                    return "packed"
+                if batch <= PACKED_MAX_ROWS:  # each tile makes its own neurons' values (one row: and
+                    return "packed_down" if batch == 1 else "packed"  # their down product, one launch)
                 expected = None if config is None else config.expected_active_per_token
                 chosen = planner.decode_sparse_way(batch, expected, self.d_ff)
                 # One launch walking every active neuron: from the gate's tile lists where they hold the
                 # rows (no compaction launch: 0.530 against 0.538 ms/step, BENCHMARKS.md, Decode).
                 return "tiles" if chosen == "fused" and tiles_fit else chosen
-            if self.decode_sparse_ffn in ("tiles", "packed") and not tiles_fit:
+            if self.decode_sparse_ffn in ("tiles", "packed", "packed_down") and not tiles_fit:
                 return "fused"
+            if self.decode_sparse_ffn == "packed_down" and batch > 1:  # no device switch to dense
+                return "packed"
             return self.decode_sparse_ffn
 
         itemsize = jnp.dtype(dtype).itemsize
@@ -762,7 +764,7 @@ class Transformer(nnx.Module):
             return mv(h, w_down_mv, role=down_role, layer=li, layout=proj_layout, residual=residual, **switch), h
 
         def layer_step(carry: Any, layer: jax.Array, way: str, op_config: Any) -> tuple[Any, Aux]:
-            x, k_all, v_all = carry
+            x, k_all, v_all, sync = carry
             li = layer[None]
             if prepared is not None or d % role_block_sizes("qkv").block_n == 0:  # one launch for q, k, v
                 qkv = mv(x, w_qkv_mv, role="qkv" + nk, layer=li, layout=proj_layout, norm_scale=n1_LxD)
@@ -787,7 +789,7 @@ class Transformer(nnx.Module):
             x = mv(o.astype(dt).reshape(b, d), w_out_mv, role="out" + nk, layer=li, layout=proj_layout, residual=x)
             if way == "dense":
                 x, h = dense_ffn(x, li, n2_LxD, x)
-                return (x, k_all, v_all), {"l0": jnp.sum(h != 0, dtype=jnp.float32) / b}
+                return (x, k_all, v_all, sync), {"l0": jnp.sum(h != 0, dtype=jnp.float32) / b}
             block_sizes = (op_config.decode_block_sizes if op_config is not None else None) or DecodeBlockSizes()
             limit = None
             if b > 1:  # the planner's decode cost model: the union above which dense is faster
@@ -795,6 +797,12 @@ class Transformer(nnx.Module):
             # The norm in XLA where two kernels read xn: one small fusion, faster than a norm prologue in
             # each (experiments/bench_decode_ffn_step.py: "tiles_xla_norm" against "tiles").
             scale = jax.lax.dynamic_index_in_dim(n2_LxD, layer, keepdims=False)
+            if way == "packed_down":  # one row: the gate's launch makes the values and the down product
+                # (+ the residual) too, its tiles' partials summed after a grid barrier (counters: sync)
+                outs = mv(x, w_gate if gated else w_up, role=gate_role(b), layer=li, norm_scale=n2_LxD,
+                          out_dtype=jnp.float32, tile_lists=True, tile_values=True, up=w_up if gated else None,
+                          down=w_down, down_residual=x, sync=sync)
+                return (outs[5], k_all, v_all, outs[6]), {"l0": jnp.sum(outs[3]).astype(jnp.float32) / b}
             if way in ("tiles", "packed"):
                 # TwELL: the gate's epilogue packs each column tile's active neurons (the rows' union);
                 # "packed" also their hidden values (the up product of those neurons only, the norm in
@@ -815,7 +823,7 @@ class Transformer(nnx.Module):
                                                 interpret=interpret)
                 if limit is not None:  # above the limit the sparse kernel passed x through: the dense products
                     y = dense_ffn(x, li, n2_LxD, y, count, limit)[0]  # (the switch read from the counts in-kernel)
-                return (y, k_all, v_all), {"l0": jnp.sum(pairs_T).astype(jnp.float32) / b}
+                return (y, k_all, v_all, sync), {"l0": jnp.sum(pairs_T).astype(jnp.float32) / b}
             xn = RMSNorm.normalize(x, scale, eps)
             g = mv(xn, w_gate if gated else w_up, role=gate_role(b), layer=li, out_dtype=jnp.float32)  # [B, H]
             if b <= COMPACT_ROWS_IN_KERNEL:  # the rows' union counted inside the compaction: one launch
@@ -839,10 +847,12 @@ class Transformer(nnx.Module):
                 x = x + y
             if use_dense is not None:  # no products when sparse (n_active <= limit): x passes through
                 x = dense_ffn(xn, li, None, x, n_active.astype(jnp.int32), limit)[0]
-            return (x, k_all, v_all), {"l0": pairs[0].astype(jnp.float32) / b}
+            return (x, k_all, v_all, sync), {"l0": pairs[0].astype(jnp.float32) / b}
 
         ways_L = self.decode_layer_ways(b, dt)
-        carry, auxes, first = (x_BxD, cache.k_LxBxTxNxK, cache.v_LxBxTxNxK), [], 0
+        # "packed_down"'s arrival counters for its grid barriers: one per layer, zero at each step
+        sync = jnp.zeros((self.n_layers,), jnp.int32) if "packed_down" in ways_L else None
+        carry, auxes, first = (x_BxD, cache.k_LxBxTxNxK, cache.v_LxBxTxNxK, sync), [], 0
         while first < self.n_layers:  # one scan per run of layers with the same kind of FFN step
             end = first + 1
             while end < self.n_layers and ways_L[end] == ways_L[first]:
@@ -858,7 +868,7 @@ class Transformer(nnx.Module):
                                           jnp.arange(first, end, dtype=jnp.int32), unroll=unroll)
                 auxes.append(aux)
             first = end
-        x_BxD, k_all, v_all = carry
+        x_BxD, k_all, v_all, _ = carry
         logits_BxV = mv(x_BxD, embed_VxD, role="head", norm_scale=scales["final_norm"],
                         out_dtype=jnp.float32)
         aux = jax.tree.map(lambda *parts: jnp.concatenate(parts), *auxes)
