@@ -194,7 +194,8 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
                    eps: float, block_m: int, block_n: int, block_k: int, n_k: int, precision: lax.Precision,
                    split_k: int = 1, n_k_split: int = 0, tile_lists: bool = False, width: int = 0,
                    tile_values: bool = False, has_up: bool = False, enable_above: int = 0,
-                   down: str | None = None, has_down_residual: bool = False, programs: int = 0) -> None:
+                   down: str | None = None, has_down_residual: bool = False, programs: int = 0,
+                   down_limit: int | None = None) -> None:
     refs = list(refs)
     layer_ref = refs.pop(0) if has_layer else None
     enable_ref = refs.pop(0) if has_enable else None
@@ -306,7 +307,11 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
     on_BMxBN = ((out_BMxBN > 0) & row_ok_BM[:, None] & col_ok_BN[None, :]).astype(jnp.int32)
     pairs_ref[...] = jnp.broadcast_to(jnp.sum(on_BMxBN), (1,))
     active_BN = jnp.sum(on_BMxBN, axis=0) > 0
-    slot_BN, n_active = store_partition(active_BN, ids_ref, count_ref, h=n, first=pl.program_id(0) * width)
+    # With the down product count is whole (its sum read after the barrier, against down_limit).
+    slot_BN, n_active = store_partition(active_BN, ids_ref, None if down else count_ref, h=n,
+                                        first=pl.program_id(0) * width)
+    if down:
+        plgpu.store(count_ref.at[jnp.full((1,), pl.program_id(0), jnp.int32)], jnp.broadcast_to(n_active, (1,)))
     if not tile_values:
         return
     # Each listed neuron's hidden value beside its id: h = round(relu(g) * u), u = xn . up[neuron]
@@ -387,8 +392,8 @@ def _matvec_kernel(*refs, m: int, n: int, k: int, layout: str, has_layer: bool, 
                    lambda seen: plgpu.atomic_add(sync_ref, (slot,), jnp.int32(0)), before + 1)
     plgpu.debug_barrier()
     down_residual = down_res_ref if has_down_residual else None
-    _sum_tile_partials(list_refs[4], down_residual, list_refs[5], m=m, k=k, n_tiles=programs,
-                       block=_sum_block(k, programs))
+    _sum_tile_partials(count_ref, list_refs[4], down_residual, list_refs[5], m=m, k=k, n_tiles=programs,
+                       block=_sum_block(k, programs), limit=down_limit)
 
 
 def _sum_block(k: int, programs: int) -> int:
@@ -397,13 +402,19 @@ def _sum_block(k: int, programs: int) -> int:
     return max(16, next_pow2(-(-k // programs)))
 
 
-def _sum_tile_partials(part_ref, res_ref, y_ref, *, m: int, k: int, n_tiles: int, block: int) -> None:
+def _sum_tile_partials(count_ref, part_ref, res_ref, y_ref, *, m: int, k: int, n_tiles: int, block: int,
+                       limit: int | None = None) -> None:
     """Inside a kernel, program j: y[:, cols] = round(residual + sum over the tiles of their partial
     down products) for columns [j*block, (j+1)*block) (fp32 sum over the tiles in one fixed order:
-    deterministic). Refs: partials [T * M, >= K] fp32 (tile t's row r at t * M + r; zeros for a
-    tile without active neurons), residual [M, K] or None, y [M, K]."""
+    deterministic). Refs: count [T] (read only with a limit), partials [T * M, >= K] fp32 (tile t's
+    row r at t * M + r; zeros for a tile without active neurons), residual [M, K] or None, y [M, K].
+    limit: a union (sum of the counts) above it reads no partial, y = the residual (or zeros): the
+    sparse side of the device switch to the dense products."""
     lane_T = lax.broadcasted_iota(jnp.int32, (next_pow2(n_tiles),), 0)
     live_T = lane_T < n_tiles
+    if limit is not None:
+        count_T = plgpu.load(count_ref.at[jnp.minimum(lane_T, n_tiles - 1)], mask=live_T, other=0)
+        live_T = live_T & (jnp.sum(count_T) <= limit)
     cols_B = pl.program_id(0) * block + lax.broadcasted_iota(jnp.int32, (block,), 0)
     col_ok_B = cols_B < k
     for r in range(m):
@@ -415,11 +426,12 @@ def _sum_tile_partials(part_ref, res_ref, y_ref, *, m: int, k: int, n_tiles: int
         plgpu.store(y_ref.at[r, cols_B], y_B.astype(y_ref.dtype), mask=col_ok_B)
 
 
-def _sum_partials_kernel(part_ref, *refs, m: int, k: int, n_tiles: int, block: int, has_residual: bool) -> None:
+def _sum_partials_kernel(count_ref, part_ref, *refs, m: int, k: int, n_tiles: int, block: int,
+                         has_residual: bool, limit: int | None) -> None:
     """The partials' sum as a launch of its own (the down product's second launch where no grid
     barrier runs: interpret mode, or more programs than the device holds at once)."""
-    _sum_tile_partials(part_ref, refs[0] if has_residual else None, refs[-1], m=m, k=k, n_tiles=n_tiles,
-                       block=block)
+    _sum_tile_partials(count_ref, part_ref, refs[0] if has_residual else None, refs[-1], m=m, k=k, n_tiles=n_tiles,
+                       block=block, limit=limit)
 
 
 def _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_dtype,
@@ -470,15 +482,17 @@ def _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "activation", "eps", "out_dtype", "block_sizes",
-                                             "tile_lists", "tile_values", "enable_above", "interpret", "debug"))
+                                             "tile_lists", "tile_values", "enable_above", "down_limit", "interpret",
+                                             "debug"))
 def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, layer: jax.Array | None = None,
                   layout: str = "nk", norm_scale: jax.Array | None = None, eps: float = 1e-6,
                   gate: jax.Array | None = None, activation: str | None = None,
                   residual: jax.Array | None = None, enable: jax.Array | None = None, enable_above: int = 0,
                   out_dtype=None, block_sizes: MatvecBlockSizes | None = None, tile_lists: bool = False,
                   tile_values: bool = False, up: jax.Array | None = None, down: jax.Array | None = None,
-                  down_residual: jax.Array | None = None, sync: jax.Array | None = None,
-                  interpret: bool = False, debug: bool = False) -> jax.Array | tuple[jax.Array, ...]:
+                  down_residual: jax.Array | None = None, down_limit: int | None = None,
+                  sync: jax.Array | None = None, interpret: bool = False,
+                  debug: bool = False) -> jax.Array | tuple[jax.Array, ...]:
     """[M, N] = residual + act(xn . gate) * (xn . w) (module docstring), each part optional;
     xn = RMSNorm(x) with `norm_scale` when given, else x. Output in `out_dtype` (default x's).
     `w` may be a tuple of equal-shaped parts (e.g. (w_q, w_k, w_v)): their outputs side by side,
@@ -515,8 +529,10 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
     layer's at a multiple of the launch's programs, e.g. zeros; each launch adds that many, so
     calls one after another may share them; returned as a seventh output, to pass to the next
     call) is given, the device is a GPU and every program of the launch is resident at once
-    (`_grid_is_resident`); else by a second launch, and `sync` is returned as given. The sparse
-    FFN of a one-row decode step in one launch ("packed_down")."""
+    (`_grid_is_resident`); else by a second launch, and `sync` is returned as given. down_limit
+    (static): a union (sum of count) above it reads no partial, y = down_residual (or zeros), the
+    sparse side of a device switch to the dense products (`enable=count, enable_above=limit` on
+    their launches). The sparse FFN of a decode step of a few rows in one launch ("packed_down")."""
     block_sizes = block_sizes or DEFAULT_BLOCK_SIZES
     n, k, n_layers = _check(x_MxK, w, layer, layout, norm_scale, gate, activation, residual, out_dtype,
                             enable, block_sizes.block_n, block_sizes.split_k, enable_above)
@@ -538,8 +554,10 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
             raise ValueError(f"{name} must be {parts[0].dtype}{parts[0].shape} like w (layout 'nk': a row per "
                              f"neuron), with tile_values=True; got {rows.dtype}{rows.shape} with "
                              f"tile_values={tile_values}, layout {layout!r}")
-    if down is None and (down_residual is not None or sync is not None):
-        raise ValueError("down_residual and sync belong to the down product: pass down=W_down")
+    if down is None and (down_residual is not None or sync is not None or down_limit is not None):
+        raise ValueError("down_residual, down_limit and sync belong to the down product: pass down=W_down")
+    if down_limit is not None and (isinstance(down_limit, bool) or not isinstance(down_limit, int) or down_limit < 0):
+        raise ValueError(f"down_limit must be an int >= 0 or None, got {down_limit!r}")
     if down_residual is not None and (down_residual.shape != (m, k) or down_residual.dtype != x_MxK.dtype):
         raise ValueError(f"down_residual must be {x_MxK.dtype}[M={m}, K={k}], got "
                          f"{down_residual.dtype}{down_residual.shape}")
@@ -574,7 +592,7 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
         block_n=bn, block_k=bk, n_k=n_k, precision=_dot_precision(x_MxK.dtype), split_k=split,
         n_k_split=-(-n_k // split), width=width, has_up=up is not None, enable_above=enable_above,
         down=None if down is None else "barrier" if barrier else "partials",
-        has_down_residual=down_residual is not None, programs=programs * (m_pad // bm))
+        has_down_residual=down_residual is not None, programs=programs * (m_pad // bm), down_limit=down_limit)
     n_out = n * len(parts)
     if split > 1:  # fp32 partials [S * m, n_out]: split s owns rows [s * m, (s + 1) * m)
         partials = pl.pallas_call(
@@ -594,8 +612,11 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
     out_shape = [jax.ShapeDtypeStruct((m, n_out), jnp.dtype(out_dtype or x_MxK.dtype))]
     whole_out = lambda shape, dtype: (pl.BlockSpec(shape, lambda j, i: (0,) * len(shape)),  # noqa: E731
                                       jax.ShapeDtypeStruct(shape, dtype))
-    if tile_lists:  # ids [T * bn], count [T], pairs [T]: program j writes tile j's
-        out_specs += [pl.BlockSpec((bn,), lambda j, i: (j,))] + [pl.BlockSpec((1,), lambda j, i: (j,))] * 2
+    if tile_lists:  # ids [T * bn], count [T], pairs [T]: program j writes tile j's (count whole with down=)
+        count_spec = pl.BlockSpec((1,), lambda j, i: (j,))
+        if down is not None:
+            count_spec = whole_out((programs,), jnp.int32)[0]
+        out_specs += [pl.BlockSpec((bn,), lambda j, i: (j,)), count_spec, pl.BlockSpec((1,), lambda j, i: (j,))]
         out_shape += [jax.ShapeDtypeStruct((programs * bn,), jnp.int32)] + [
             jax.ShapeDtypeStruct((programs,), jnp.int32)] * 2
     extra = []  # (spec, shape) of each output after the lists, all whole
@@ -628,10 +649,10 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
     if barrier:  # (out, ids, count, pairs, values, y, sync): the partials stay inside
         return tuple(outs[:5]) + tuple(outs[6:])
     block = _sum_block(k, 64)  # the partials' sum in a second launch: 64 programs
-    sum_operands = [outs[5]] + ([down_residual] if down_residual is not None else [])
+    sum_operands = [outs[2], outs[5]] + ([down_residual] if down_residual is not None else [])
     y = pl.pallas_call(
         functools.partial(_sum_partials_kernel, m=m, k=k, n_tiles=programs, block=block,
-                          has_residual=down_residual is not None),
+                          has_residual=down_residual is not None, limit=down_limit),
         grid=(-(-k // block),),
         in_specs=[pl.BlockSpec(a.shape, lambda j, nd=a.ndim: (0,) * nd) for a in sum_operands],
         out_specs=pl.BlockSpec((m, k), lambda j: (0, 0)),

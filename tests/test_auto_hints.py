@@ -492,9 +492,13 @@ def test_a_few_rows_plan_packed_where_its_expected_union_is_within_its_limit(mon
                       ffn_op_config={"check_finite": False})
     model = nnx.eval_shape(lambda: init_model(cfg, 0))
     limit4 = planner.decode_union_limit(4, d, h, device_switch=True, way="packed")
-    assert model.decode_union_limit(4, "packed", 2) == limit4
+    assert model.decode_union_limit(4, "packed", 2) == model.decode_union_limit(4, "packed_down", 2) == limit4
     assert planner.expected_union(4, 10.0, h) <= limit4 < planner.expected_union(4, 60.0, h)
     assert model.decode_layer_ways(1, jnp.bfloat16) == ("packed_down",) * 3  # one row: no union limit
+    limit2 = planner.decode_union_limit(2, d, h, device_switch=True, way="packed")
+    assert model.decode_union_limit(2, "packed_down", 2) == limit2  # "packed_down" (2 rows) shares the limit
+    assert planner.expected_union(2, 60.0, h) <= limit2 < planner.expected_union(2, 146.0, h)
+    assert model.decode_layer_ways(2, jnp.bfloat16) == ("packed_down", "packed_down", "dense")
     assert model.decode_layer_ways(4, jnp.bfloat16) == ("packed", "dense", "dense")
     assert model_lib.PACKED_MAX_ROWS == 4
     assert model.decode_layer_ways(5, jnp.bfloat16) == ("dense",) * 3

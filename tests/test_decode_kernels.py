@@ -71,9 +71,9 @@ def test_kernel_steps_equal_the_xla_steps_and_the_forward(kind, batch, padded):
 @pytest.mark.parametrize("batch,padded", [(1, False), (3, True)])
 def test_the_fused_sparse_ffn_step_equals_the_xla_steps(kind, batch, padded, sparse_ffn, monkeypatch):
     """model.decode_sparse_ffn="fused", "tiles", "packed" and "packed_down": the sparse layers' up and
-    down products (packed: the up product in the gate's launch; packed_down at one row: the down
-    product too, "packed" at more) and the residual give the XLA path's logits and the same active
-    counts; the split kernels do not run."""
+    down products (packed: the up product in the gate's launch; packed_down: the down product too)
+    and the residual give the XLA path's logits and the same active counts; the split kernels do
+    not run."""
     cfg = dataclasses.replace(BASE, decode_sparse_ffn=sparse_ffn, **KINDS[kind])
     monkeypatch.setattr("twell_jax.pallas_kernels.twell_decode.sparse_decode_ffn",
                         lambda *a, **k: pytest.fail("the split kernels ran"))
@@ -89,7 +89,7 @@ def test_the_fused_sparse_ffn_step_equals_the_xla_steps(kind, batch, padded, spa
         ModelConfig(decode_sparse_ffn="one")
 
 
-@pytest.mark.parametrize("sparse_ffn", ["split", "fused", "tiles", "packed"])
+@pytest.mark.parametrize("sparse_ffn", ["split", "fused", "tiles", "packed", "packed_down"])
 @pytest.mark.parametrize("limit", [0, 10_000])
 def test_both_sides_of_the_dense_switch(monkeypatch, limit, sparse_ffn):
     """Several rows: a union limit of 0 sends every sparse layer to the dense products, a large one
@@ -513,8 +513,9 @@ def test_auto_picks_one_launch_or_split_per_layer_by_the_expected_union():
     tile lists alone, "tiles", where the gate's program holds every row; else the compacted list,
     "fused"), `hidden` + `down` where it is not (that launch's every program walks all the active
     neurons: planner.decode_sparse_way); up to model.PACKED_MAX_ROWS rows every sparse layer
-    "packed" (the tiles make their own neurons' values), at one row "packed_down" (their down
-    product too, in the same launch); the step runs both and equals the XLA path."""
+    "packed" (the tiles make their own neurons' values), up to model.PACKED_DOWN_MAX_ROWS rows
+    "packed_down" (their down product too, in the same launch); the step runs both and equals the
+    XLA path."""
     from twell_jax.ops import planner
 
     assert planner.decode_sparse_way(1, None, 5632) == "fused"  # no hint
@@ -524,9 +525,9 @@ def test_auto_picks_one_launch_or_split_per_layer_by_the_expected_union():
     cfg = dataclasses.replace(BASE, decode_sparse_ffn="auto", ffn_expected_active=(4.0, 60.0, 4.0))
     model = init_model(cfg, seed=4)
     assert model_lib.PACKED_MAX_ROWS == 4
-    assert model.decode_layer_ways(1, jnp.float32) == ("packed_down",) * 3
-    for rows in (2, 4):  # (a backend the user forced: no union limit)
-        assert model.decode_layer_ways(rows, jnp.float32) == ("packed",) * 3
+    assert model_lib.PACKED_DOWN_MAX_ROWS == 2
+    for rows in (1, 2, 3, 4):  # (a backend the user forced: no union limit)
+        assert model.decode_layer_ways(rows, jnp.float32) == ("packed_down" if rows <= 2 else "packed",) * 3
     assert model.decode_layer_ways(5, jnp.float32) == ("tiles", "split", "tiles")
     # More rows than the gate's program holds (16): the compacted list for the small unions.
     few = init_model(dataclasses.replace(cfg, ffn_expected_active=(0.2, 60.0, 0.2)), seed=4)

@@ -294,8 +294,8 @@ def test_gate_down_product_equals_its_oracle(dtype, gated, m, n, block_n):
 
 def test_gate_down_product_with_the_norm_a_stacked_layer_and_counters():
     """As the model's "packed_down" calls it: the norm prologue, the up and W_down rows read in
-    place at the layer of a stack, and the barrier's counters (int32 [L]), which interpret mode
-    (a second launch, no barrier) returns as given."""
+    place at the layer of a stack, the barrier's counters (int32 [L]), which interpret mode (a
+    second launch, no barrier) returns as given, and down_limit (several rows' device switch)."""
     x, w = gate_inputs(3, 37, 40, "sparse", seed=6)
     x = x * 5.0
     stack = jnp.stack([w * 0.5, w, -w])
@@ -313,6 +313,13 @@ def test_gate_down_product_with_the_norm_a_stacked_layer_and_counters():
     want = _down_oracle(xn, out, ids, count, up[1], down[1], x)
     assert int(jnp.sum(count)) > 0 and rel_err(outs[5], want) <= 1e-5
     assert rel_err(_down_oracle(xn, out, ids, count, up[1], down[0], x), want) > 1e-2  # the layer's W_down
+    # down_limit: the sparse side of the device switch (a union above it reads no partial: y = x)
+    union = int(jnp.sum(count))
+    for limit, expect in ((union, outs[5]), (union - 1, x)):
+        limited = decode_matvec(x, stack, layer=jnp.asarray([1], jnp.int32), norm_scale=scale, eps=1e-5,
+                                out_dtype=jnp.float32, block_sizes=GATE, tile_lists=True, tile_values=True, up=up,
+                                down=down, down_residual=x, down_limit=limit, sync=sync, interpret=True)
+        np.testing.assert_array_equal(np.asarray(limited[5]), np.asarray(expect), err_msg=str(limit))
 
 
 def test_gate_down_product_rejects_bad_arguments():
@@ -327,6 +334,10 @@ def test_gate_down_product_rejects_bad_arguments():
         call(tile_values=True, down_residual=x)
     with pytest.raises(ValueError, match="pass down=W_down"):
         call(tile_values=True, sync=jnp.zeros((1,), jnp.int32))
+    with pytest.raises(ValueError, match="pass down=W_down"):
+        call(tile_values=True, down_limit=3)
+    with pytest.raises(ValueError, match="down_limit must be"):
+        call(tile_values=True, down=w, down_limit=-1)
     with pytest.raises(ValueError, match="down_residual must be"):
         call(tile_values=True, down=w, down_residual=x[:2])
     with pytest.raises(ValueError, match="sync must be int32"):
@@ -617,7 +628,7 @@ def test_the_packed_down_step_is_one_gate_launch_a_layer(monkeypatch):
     a GPU that holds every program (patched; the step traced, not run) there is no other launch,
     and each layer's launch updates the step's arrival counters (zeros, int32 [L]) in place and
     hands them to the next; in interpret mode a second launch sums the partials. Equal to the XLA
-    path; at 3 rows it runs "packed" (no device switch to the dense products)."""
+    path, at 1 row and at 3 (with the device switch)."""
     from twell_jax import model as model_lib
 
     for role in ("gate", "gate_few_rows"):
@@ -625,7 +636,7 @@ def test_the_packed_down_step_is_one_gate_launch_a_layer(monkeypatch):
     cfg = dataclasses.replace(BASE, n_layers=2, decode_sparse_ffn="packed_down")
     model = init_model(cfg, seed=4)
     assert model.decode_layer_ways(1, jnp.float32) == ("packed_down",) * 2
-    assert model.decode_layer_ways(3, jnp.float32) == ("packed",) * 2
+    assert model.decode_layer_ways(3, jnp.float32) == ("packed_down",) * 2
     tokens, start = jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32)
 
     def launches(m, primitives=("pallas_call",)):
@@ -651,13 +662,14 @@ def test_the_packed_down_step_is_one_gate_launch_a_layer(monkeypatch):
     decode_matvec.clear_cache()
     for role in ("gate", "gate_few_rows"):
         monkeypatch.setitem(matvec_lib.ROLE_BLOCK_SIZES, role, GATE)
-    tokens = jax.random.randint(jax.random.key(31), (1, 10), 0, cfg.vocab_size)
-    got, auxes, _ = _run(cfg, tokens, jnp.zeros((1,), jnp.int32), prompt=6)
-    want, want_aux, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, jnp.zeros((1,), jnp.int32),
-                             prompt=6)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    for a, b in zip(auxes, want_aux):
-        np.testing.assert_allclose(a["l0"], b["l0"], rtol=1e-5)
+    for batch in (1, 3):
+        tokens = jax.random.randint(jax.random.key(31 + batch), (batch, 10), 0, cfg.vocab_size)
+        start = jnp.asarray([0, 2, 5][:batch], jnp.int32)
+        got, auxes, _ = _run(cfg, tokens, start, prompt=6)
+        want, want_aux, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=6)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        for a, b in zip(auxes, want_aux):
+            np.testing.assert_allclose(a["l0"], b["l0"], rtol=1e-5)
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3])

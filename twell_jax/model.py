@@ -645,8 +645,9 @@ class Transformer(nnx.Module):
 
         def way(config: Any) -> str:
             if self.decode_sparse_ffn == "auto":
-                if batch <= PACKED_MAX_ROWS:  # each tile makes its own neurons' values (one row: and
-                    return "packed_down" if batch == 1 else "packed"  # their down product, one launch)
+                if batch <= PACKED_MAX_ROWS:  # each tile makes its own neurons' values (up to
+                    # PACKED_DOWN_MAX_ROWS rows also their down product, in the same launch)
+                    return "packed_down" if batch <= PACKED_DOWN_MAX_ROWS else "packed"
                 expected = None if config is None else config.expected_active_per_token
                 chosen = planner.decode_sparse_way(batch, expected, self.d_ff)
                 # One launch walking every active neuron: from the gate's tile lists where they hold the
@@ -654,8 +655,6 @@ class Transformer(nnx.Module):
                 return "tiles" if chosen == "fused" and tiles_fit else chosen
             if self.decode_sparse_ffn in ("tiles", "packed", "packed_down") and not tiles_fit:
                 return "fused"
-            if self.decode_sparse_ffn == "packed_down" and batch > 1:  # no device switch to dense
-                return "packed"
             return self.decode_sparse_ffn
 
         itemsize = jnp.dtype(dtype).itemsize
@@ -683,7 +682,7 @@ class Transformer(nnx.Module):
         the dense products (the device switch of a step of several rows): `planner.decode_union_limit`
         with the switch priced, "packed" by its own cost model."""
         return planner.decode_union_limit(batch, self.d_model, self.d_ff, gated=self.gated, itemsize=itemsize,
-                                          device_switch=True, way="packed" if way == "packed" else None)
+                                          device_switch=True, way="packed" if way in ("packed", "packed_down") else None)
 
     def _decode_step_kernels(self, tokens_B: jax.Array, cache: KVCache, cache_index: jax.Array,
                              start_B: jax.Array, prepared: dict[str, Any] | None = None
@@ -797,12 +796,14 @@ class Transformer(nnx.Module):
             # The norm in XLA where two kernels read xn: one small fusion, faster than a norm prologue in
             # each (experiments/bench_decode_ffn_step.py: "tiles_xla_norm" against "tiles").
             scale = jax.lax.dynamic_index_in_dim(n2_LxD, layer, keepdims=False)
-            if way == "packed_down":  # one row: the gate's launch makes the values and the down product
-                # (+ the residual) too, its tiles' partials summed after a grid barrier (counters: sync)
+            if way == "packed_down":  # the gate's launch makes the values and the down product (+ the
+                # residual) too, its tiles' partials summed after a grid barrier (counters: sync); above
+                # the limit it passes x through and the dense products run (the switch reads the counts)
                 outs = mv(x, w_gate if gated else w_up, role=gate_role(b), layer=li, norm_scale=n2_LxD,
                           out_dtype=jnp.float32, tile_lists=True, tile_values=True, up=w_up if gated else None,
-                          down=w_down, down_residual=x, sync=sync)
-                return (outs[5], k_all, v_all, outs[6]), {"l0": jnp.sum(outs[3]).astype(jnp.float32) / b}
+                          down=w_down, down_residual=x, down_limit=limit, sync=sync)
+                y = outs[5] if limit is None else dense_ffn(x, li, n2_LxD, outs[5], outs[2], limit)[0]
+                return (y, k_all, v_all, outs[6]), {"l0": jnp.sum(outs[3]).astype(jnp.float32) / b}
             if way in ("tiles", "packed"):
                 # TwELL: the gate's epilogue packs each column tile's active neurons (the rows' union);
                 # "packed" also their hidden values (the up product of those neurons only, the norm in
@@ -876,7 +877,7 @@ class Transformer(nnx.Module):
 
 
 # Rows of a decode step up to which model.decode_sparse_ffn "auto" runs its sparse layers "packed"
-# (each column tile makes its own active neurons' values: no program walks them all, as "tiles" and
+# ("packed_down" up to PACKED_DOWN_MAX_ROWS) (each column tile makes its own active neurons' values: no program walks them all, as "tiles" and
 # "fused" do, and the down kernel's steps are cheap): every one at 1 row; at more, those whose
 # expected union is within "packed"'s own limit (`Transformer.decode_union_limit`), with the device
 # switch to the dense products above it. The gate's values epilogue runs its rows one after another
@@ -891,6 +892,17 @@ class Transformer(nnx.Module):
 # (0.970x; as CUDA graphs, no gaps, both at 0.981 ms), so 8 rows keep the other ways' batch plans
 # (the twin's products on these checkpoints).
 PACKED_MAX_ROWS = 4
+
+# Rows of a decode step up to which model.decode_sparse_ffn "auto" runs those layers "packed_down"
+# (the gate's launch also adds each tile's neurons' W_down rows into a partial of its own, summed
+# after a grid barrier with the residual: one launch a layer) rather than "packed" (a second launch
+# walks every listed neuron's W_down row). On the H100 (0.5b; BENCHMARKS.md, Decode), one layer's
+# FFN with its active neurons spread (experiments/bench_decode_ffn_step.py, interleaved): at 1 row
+# 20.4 / 20.5 / 21.1 us at 8 / 32 / 96 of them against "packed"'s 21.3 / 21.6 / 26.8; at 2 rows
+# 23.3 / 23.3 / 23.6 against 23.4 / 24.0 / 28.4; at 4 rows 27.0 / 27.2 / 27.4 against 26.0 / 26.2 /
+# 31.1 (each row's partial stored and summed), and trained checkpoints' unions at 4 rows are 8-40:
+# so 3 and 4 rows keep "packed".
+PACKED_DOWN_MAX_ROWS = 2
 
 # Rows of a decode step up to which a sparse layer counts its rows' active neurons inside the
 # compaction kernel (`compact_active_rows`: one program, so one load of [rows, H] after another);
