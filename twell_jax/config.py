@@ -30,8 +30,9 @@ DECODE_KERNELS: dict[str, str] = {
 # How a sparse layer's FFN runs in the decode kernels' step (model.decode_sparse_ffn), after the gate's
 # product (pallas_kernels/twell_decode.py, decode_matvec.py).
 DECODE_SPARSE_FFN: dict[str, str] = {
-    "auto": "at one row every sparse layer 'packed_down'; at 2 to model.PACKED_MAX_ROWS rows (4) 'packed' where "
-            "its expected union is within packed's limit, else dense; at more rows, per sparse layer, one "
+    "auto": "up to model.PACKED_MAX_ROWS rows (4) every sparse layer 'packed_down' (up to "
+            "model.PACKED_DOWN_MAX_ROWS, 2) or 'packed' (at more than one row only where its expected union is "
+            "within packed's limit, else dense); at more rows, per sparse layer, one "
             "launch walking the active neurons where the union of the step's rows' active neurons expected from "
             "the layer's activity hint is small (ops.planner.decode_sparse_way: at most 48 on the H100): 'tiles' "
             "where the gate's program holds every row (16), else 'fused'; else 'split'",
@@ -43,11 +44,12 @@ DECODE_SPARSE_FFN: dict[str, str] = {
               "hidden value (the up product of the tile's active neurons only) and packs it beside the id (TwELL "
               "values and indices); one launch reads them for the down product, the residual in its epilogue: two "
               "launches a layer, no norm launch (more rows than the gate's max_block_m, 16: 'fused')",
-    "packed_down": "as 'packed' at one row, and the gate's launch also makes the down product and the residual: "
+    "packed_down": "as 'packed', and the gate's launch also makes the down product and the residual: "
                    "each column tile adds its active neurons' W_down rows into an fp32 partial of its own, and after "
                    "a grid barrier each program sums every tile's partials for a block of the output, in one fixed "
                    "order: one launch a layer, deterministic (a second launch sums them where the GPU cannot hold "
-                   "every program at once, and in interpret mode); more rows run 'packed'",
+                   "every program at once, and in interpret mode); with several rows the device switch of "
+                   "'packed' (more rows than the gate's max_block_m, 16: 'fused')",
     "fused": "the active neurons compacted into one list (one launch), then one launch: each output block "
              "recomputes the active neurons' hidden values, the residual added in its epilogue",
     "split": "the compaction, then two launches: the active neurons' hidden values into HBM, then the down "
@@ -222,10 +224,11 @@ class ModelConfig:
     # Callers of `decode` pass the copies.
     decode_transposed: bool = True
     # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN), measured on the H100
-    # (0.5b, batch 1; BENCHMARKS.md, Decode): every sparse layer "packed_down" 0.442 ms/step against
-    # 0.454 "packed" in one process and 0.422 against 0.453 in another (1b: 0.892 against 0.923);
-    # earlier, "packed" 0.472 against 0.526 with every layer "tiles" in one process; in an earlier
-    # build "tiles" 0.530, "fused" 0.538, "split" 0.564.
+    # (0.5b, batch 1; BENCHMARKS.md, Decode): every sparse layer "packed_down" 0.442 / 0.422 / 0.447
+    # ms/step against "packed"'s 0.454 / 0.453 / 0.437 in three processes (two identical programs
+    # differed by 5% in one; the sparse FFN's kernels 0.122-0.124 ms a step against 0.135-0.139 in
+    # all three; 1b: 0.892 against 0.923); earlier "packed" 0.472 against 0.526 with every layer
+    # "tiles"; in an earlier build "tiles" 0.530, "fused" 0.538, "split" 0.564.
     # "tiles" and "fused" lose to "split" in a layer above ~49 active neurons (their every program
     # walks them all); "packed" does not (each column tile makes its own neurons' values).
     decode_sparse_ffn: Literal["auto", "tiles", "packed", "packed_down", "fused", "split"] = "auto"
