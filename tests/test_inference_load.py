@@ -142,7 +142,7 @@ def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_inference.py"), "--dry-run",
                            "--stored-decode-rows", "--loop-decode-rows", "--sparse-ffn-rows", "auto,tiles", "--trace-decode",
-                           "3", "--out", str(out)], capture_output=True, text=True, env=env,
+                           "3", "--interleave-decode", "1", "--out", str(out)], capture_output=True, text=True, env=env,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     import json
@@ -158,6 +158,14 @@ def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_
     looped = [r for r in rows if r["variant"].endswith("+loop")]
     assert {r["variant"] for r in looped} == {"dense+loop", "twell-reference+loop"}
     assert {r["phase"] for r in looped} == {"decode", "generate, chunk 1", "generate, chunk 16"}
+    # --interleave-decode: every decode row timed again in alternation with its batch's others, its
+    # ratios to the twin and plain JAX of those rounds (each base exactly 1 against itself).
+    decoded = [r for r in rows if r["phase"] == "decode"]
+    assert all(r["ms_per_step_interleaved"] > 0 and r["interleaved_vs_dense"] > 0 and r["interleaved_vs_plain"] > 0
+               for r in decoded)
+    for base in ("dense", "plain"):
+        assert all(r[f"interleaved_vs_{base}"] == 1.0 for r in decoded if r["variant"] == base)
+    assert "interleaved rounds | vs dense | vs plain |" in proc.stdout
     # --trace-decode: every decode row at the first batch carries its loop's kernel time line, and
     # every generate row its calls' (on a CPU the profile is empty and says why), the other batches none.
     traced = {(r["variant"], r["batch"]) for r in rows if "trace" in r and r["phase"] == "decode"}

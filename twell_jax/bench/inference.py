@@ -26,7 +26,10 @@ default), whatever the checkpoint's config says; `--stored-decode-rows` adds `VA
 decode and generate rows of the dense and sparse variants reading the weights as stored,
 `--check-decode STEPS` first checks each variant's decode steps against the XLA path of the same
 weights (teacher-forced, every decode batch; the run stops before timing when one is past
-`--check-tolerance`),
+`--check-tolerance`), `--interleave-decode ROUNDS` times every decode row's loop again, each
+batch's in alternation over ROUNDS rounds (`ms_per_step_interleaved` and its ratios,
+`interleaved_vs_dense` / `interleaved_vs_plain`: the comparison to trust between variants, as the
+rows timed one after another drift: two identical programs came out 5% apart),
 `--loop-decode-rows` adds `VARIANT+loop` rows with the decode kernels' layers in a loop
 (model.decode_layer_unroll=1; the default unrolls them), and
 `--sparse-ffn-rows fused,split` adds `VARIANT+fused` and `VARIANT+split` rows of the sparse variants with
@@ -59,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from twell_jax.bench.ffn import bench_interleaved
 from twell_jax.bench.kernel_trace import format_profile, kernel_times
 from twell_jax.bench.plain_llama import (reference_body, reference_decode_step, reference_params_from_model,
                                          reference_prefill_cache)
@@ -262,8 +266,9 @@ def bench_prefill(runner: Runner, tokens_BxS: jax.Array, sampler: PowerSampler |
 
 def bench_decode(runner: Runner, n_layers: int, tokens: jax.Array, context: int, steps: int,
                  min_seconds: float, compiler_options: dict[str, str] | None = None,
-                 trace_top: int = 0) -> dict[str, Any]:
-    """KV-cached decode of `steps` tokens per row after prefilling `tokens` [batch, context - steps];
+                 trace_top: int = 0) -> tuple[dict[str, Any], Callable[[], Any]]:
+    """(figures, one call of the timed loop: to time it again, `interleaved_decode`) of a KV-cached
+    decode of `steps` tokens per row after prefilling `tokens` [batch, context - steps];
     `compiler_options`: XLA options of the decode loop's program (e.g. its command buffers);
     `trace_top` > 0: also profile two calls of the timed loop program and keep its `trace_top`
     largest kernels per step (`kernel_trace.format_profile`) under "trace": the time line as the
@@ -294,7 +299,8 @@ def bench_decode(runner: Runner, n_layers: int, tokens: jax.Array, context: int,
     began = time.perf_counter()
     jax.block_until_ready(step_fn(runner.params, token_B, cache, False))
     steps_first_s = time.perf_counter() - began
-    per_call, calls, _, _ = timed(lambda: step_fn(runner.params, token_B, cache, False), min_seconds, 2)
+    call = lambda: step_fn(runner.params, token_B, cache, False)  # noqa: E731
+    per_call, calls, _, _ = timed(call, min_seconds, 2)
     l0 = step_fn(runner.params, token_B, cache, True)[1] if runner.telemetry else None
     trace = None
     if trace_top:
@@ -303,7 +309,26 @@ def bench_decode(runner: Runner, n_layers: int, tokens: jax.Array, context: int,
     # First calls: each program's compile and one run (the prefill in chunks; the decode steps' loop).
     return {"tokens_per_s": batch * steps / per_call, "ms_per_step": 1e3 * per_call / steps, "calls": calls,
             "prefill_first_call_s": prefill_first_s, "steps_first_call_s": steps_first_s,
-            "l0_per_layer": _l0_list(l0) if runner.telemetry else None, **({"trace": trace} if trace else {})}
+            "l0_per_layer": _l0_list(l0) if runner.telemetry else None, **({"trace": trace} if trace else {})}, call
+
+
+def interleaved_decode(rows: list[dict[str, Any]], calls: list[Callable[[], Any]], steps: int,
+                       rounds: int) -> None:
+    """Time the decode rows' loops again, each batch's in alternation (`ffn.bench_interleaved`:
+    `rounds` rounds, two calls of every row's loop per round in turn), so that what drifts while
+    the variants are timed one after another (clocks, the order of the runs) touches every row alike;
+    adds each row's median as ms_per_step_interleaved, and, beside the twin's and plain JAX's rows of
+    its batch, interleaved_vs_dense / interleaved_vs_plain."""
+    for batch in sorted({r["batch"] for r in rows}):
+        picked = [i for i, r in enumerate(rows) if r["batch"] == batch]
+        names = [rows[i]["variant"] for i in picked]
+        ms = bench_interleaved({name: calls[i] for name, i in zip(names, picked)}, [()], batch=2, repeats=rounds)
+        for name, i in zip(names, picked):
+            rows[i]["ms_per_step_interleaved"] = ms[name] / steps
+        for i in picked:
+            for base in ("dense", "plain"):
+                if base in ms:
+                    rows[i][f"interleaved_vs_{base}"] = ms[base] / steps / rows[i]["ms_per_step_interleaved"]
 
 
 CHECK_PROMPT = 32  # --check-decode: prompt tokens before the checked steps (at most half the context)
@@ -473,6 +498,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="profile the timed decode loop of every decode row at the first batch, and two "
                              "calls of every generate row, and print the TOP largest kernels per step (the "
                              "step's time line; JSON: the row's 'trace')")
+    parser.add_argument("--interleave-decode", type=int, default=0, metavar="ROUNDS",
+                        help="after every row, time every decode row's loop again, each batch's in alternation "
+                             "over ROUNDS rounds (what drifts between variants timed one after another then "
+                             "touches all alike): the median as each row's ms_per_step_interleaved, with its "
+                             "ratios to the twin and plain JAX of those rounds (a table printed last)")
     parser.add_argument("--peak-gbs", type=float, default=3350.0,
                         help="the device's HBM bandwidth for the decode rows' share of the floor (H100 SXM)")
     parser.add_argument("--check-decode", type=int, default=0, metavar="STEPS",
@@ -559,12 +589,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokens = text[:args.prefill_batch]
     rows: list[dict[str, Any]] = []
     plain_hidden = None
+    decode_calls: list[Callable[[], Any]] = []  # each decode row's loop (--interleave-decode)
+    decode_row_list: list[dict[str, Any]] = []
+
     def decode_rows(name: str, runner: Runner) -> None:
         """The decode rows of a variant (and its +xla rows), then its generate rows."""
         for batch, options in itertools.product(batches, [None, xla_options] if xla_options else [None]):
-            r = bench_decode(runner, cfg.n_layers, text[:batch, :args.context - args.decode_steps], args.context,
-                             args.decode_steps, args.min_seconds, options,
-                             trace_top=args.trace_decode if batch == batches[0] else 0)
+            r, call = bench_decode(runner, cfg.n_layers, text[:batch, :args.context - args.decode_steps],
+                                   args.context, args.decode_steps, args.min_seconds, options,
+                                   trace_top=args.trace_decode if batch == batches[0] else 0)
+            if args.interleave_decode:  # kept (its cache and program) for the interleaved rounds
+                decode_calls.append(call)
             sparse = name.startswith("twell") and r["l0_per_layer"] is not None
             floor = decode_floor_bytes(cfg, batch, args.context, jnp.dtype(args.dtype).itemsize,
                                        r["l0_per_layer"] if sparse else None)
@@ -575,6 +610,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 r["ffn_ways"] = list(models[name].decode_layer_ways(batch, jnp.dtype(args.dtype)))
             rows.append({"variant": label, "phase": "decode", "batch": batch, **r,
                          **({} if options is None else {"xla_options": options})})
+            decode_row_list.append(rows[-1])
             print(f"[bench] decode  {label} batch {batch}: {r['tokens_per_s']:.1f} tokens/s "
                   f"({r['ms_per_step']:.3f} ms/step, {r['floor_share']:.0%} of the bandwidth floor "
                   f"{floor / 1e9:.3f} GB; first calls: cache prefill {r['prefill_first_call_s']:.1f}s, "
@@ -607,6 +643,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"[bench] prefill {name}: {r['tokens_per_s']:.0f} tokens/s{energy} (first call "
                   f"{r['first_call_s']:.1f}s); active/layer {r['l0_per_layer'] or '-'}{diff}")
         decode_rows(name, runner)
+    if args.interleave_decode:
+        interleaved_decode(decode_row_list, decode_calls, args.decode_steps, args.interleave_decode)
     for base in ("dense", "plain"):
         same = {(r["phase"], r["batch"]): r for r in rows if r["variant"] == base}
         for r in rows:
@@ -628,6 +666,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         vs = " | ".join(f"{r[k]:.3f}x" if k in r else "-" for k in ("speed_vs_dense", "speed_vs_plain"))
         print(f"| {r['phase']} | {r['batch']} | {r['variant']} | {r['tokens_per_s']:.1f} | {vs} | {mj} | {ev} | "
               f"{active} | {step} |")
+    if args.interleave_decode:
+        print(f"\n| batch | variant | ms/step, {args.interleave_decode} interleaved rounds | vs dense | vs plain |\n"
+              "|---|---|---|---|---|")
+        for r in decode_row_list:
+            vs = " | ".join(f"{r[k]:.3f}x" if k in r else "-" for k in ("interleaved_vs_dense", "interleaved_vs_plain"))
+            print(f"| {r['batch']} | {r['variant']} | {r['ms_per_step_interleaved']:.3f} | {vs} |")
     result = {"source": source_text, "device": device.device_kind, "backend": jax.default_backend(),
               "dtype": args.dtype, "context": args.context, "decode_steps": args.decode_steps,
               "model": dataclasses.asdict(cfg), "rows": rows, "date": time.strftime("%Y-%m-%d"),
