@@ -1,6 +1,6 @@
 """A sparse layer's FFN in a one-token decode step, each way the model's step can run it, kernel by
-kernel: where the microseconds of `model.decode_sparse_ffn` "packed_down", "packed", "tiles" and "fused" go, against the
-dense twin's two launches. Every figure is microseconds per layer of a lax.scan over --layers
+kernel: where the microseconds of `model.decode_sparse_ffn` "packed_down", "packed", "tiles" and "fused"
+go, against the dense twin's two launches. Every figure is microseconds per layer of a lax.scan over --layers
 stacked weight copies (more bytes than the L2 cache, as a decode step reads its layers), walked
 --reps times in one scan, the scan's time divided by its steps (the program's own launch, ~0.1 ms,
 shared by layers x reps steps: ~1 us a step at the defaults, the same in every row). The model's
@@ -23,11 +23,11 @@ is that many; --placement: the first neurons, or spread over the gate's column t
     packed           the gate's product with the norm prologue, its tile lists and the listed
                      neurons' hidden values (their up product in the same launch), then the down
                      kernel over the packed values with the residual (the model's "packed", what
-                     "auto" runs at 2 to 4 rows)
+                     "auto" runs at 3 and 4 rows)
     packed_down      "packed" in one launch: the gate's launch also adds the listed neurons' W_down
                      rows into each tile's partial and sums the tiles' partials with the residual
-                     after a grid barrier (the model's "packed_down", what "auto" runs at one row;
-                     each scan step hands the barrier's counters to the next)
+                     after a grid barrier (the model's "packed_down", what "auto" runs at 1 and 2
+                     rows; each scan step hands the barrier's counters to the next)
 and the pieces alone: the XLA norm, the gate's product (plain, +norm, +lists, +norm+lists,
 +norm+values), the compaction, the fused kernel, the tiles kernel (with and without its norm),
 the packed values' down kernel.
@@ -58,8 +58,8 @@ from twell_jax.pallas_kernels.twell_decode import (DecodeBlockSizes, compact_act
                                                    sparse_decode_ffn_fused, sparse_decode_ffn_tiles)
 
 EPS = 1e-6
-WAYS = ("dense", "fused", "split", "tiles", "tiles_xla_norm", "packed", "packed_down")  # whole FFN steps (the rest:
-# pieces)
+# Whole FFN steps (the rest: pieces)
+WAYS = ("dense", "fused", "split", "tiles", "tiles_xla_norm", "packed", "packed_down")
 
 
 PLACEMENTS = ("first", "spread")
@@ -205,8 +205,8 @@ def variants(interpret: bool, sizes: DecodeBlockSizes, gate_blocks: MatvecBlockS
 
     return {"dense": dense, "fused": fused, "split": split, "tiles": tiles, "tiles_xla_norm": tiles_xla_norm,
             "packed": packed, "packed_down": packed_down, "piece: XLA norm": piece_norm,
-            "piece: gate": gate_piece(False, False), "piece: gate +norm": gate_piece(True, False), "piece: gate +lists": gate_piece(False, True),
-            "piece: gate +norm +lists": gate_piece(True, True),
+            "piece: gate": gate_piece(False, False), "piece: gate +norm": gate_piece(True, False),
+            "piece: gate +lists": gate_piece(False, True), "piece: gate +norm +lists": gate_piece(True, True),
             "piece: gate +norm +values": gate_piece(True, True, values=True)}
 
 

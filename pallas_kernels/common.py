@@ -74,8 +74,9 @@ def store_partition(active_L: jax.Array, order_ref, n_ref, *, h: int,
     """Inside a kernel: the stable partition of active_L (bool [L]; False on lanes past the last
     neuron) into order [L] int32 (the active lanes' neuron ids first + lane ascending, then the
     inactive ones) and n [1] int32 = the number of active lanes (n_ref None: not stored).
-    Lane i is neuron first + i; ids are clamped to h - 1, so padding lanes name a valid row. Shared by the decode compaction
-    kernels (twell_decode.py: one list of all H neurons) and the sparse gate's tile lists
+    Lane i is neuron first + i; ids are clamped to h - 1, so padding lanes name a valid row.
+    Shared by the decode compaction kernels (twell_decode.py: one list of all H neurons) and the
+    sparse gate's tile lists
     (decode_matvec.py: one list per column tile, the TwELL layout of one decode step).
     Returns (slot_L int32, n): lane i went to slot_L[i], where a value of lane i packed beside
     its id goes (decode_matvec's tile values)."""

@@ -631,10 +631,11 @@ class Transformer(nnx.Module):
     def decode_layer_ways(self, batch: int, dtype: Any) -> tuple[str, ...]:
         """Per layer, how a one-token decode step of `batch` rows runs its FFN: "dense" (the fused
         dense products) or the sparse kernels of model.decode_sparse_ffn, "auto" resolved per layer
-        "packed" at up to PACKED_MAX_ROWS rows, else by `planner.decode_sparse_way` from the
-        layer's activity hint (one launch walking every active neuron: "tiles" where the gate's
-        program holds every row, else "fused"; or "split"); "tiles" and "packed" need every row in
-        one program of the gate and run "fused" for more rows. At more than one row (backend
+        "packed_down" at up to PACKED_DOWN_MAX_ROWS rows, "packed" at up to PACKED_MAX_ROWS, else
+        by `planner.decode_sparse_way` from the layer's activity hint (one launch walking every
+        active neuron: "tiles" where the gate's program holds every row, else "fused"; or "split");
+        "tiles", "packed" and "packed_down" need every row in one program of the gate and run
+        "fused" for more rows. At more than one row (backend
         "auto") a sparse layer runs "dense" where its way's union limit (`decode_union_limit`) is 0
         or below the union expected from its hint."""
         if self.is_swiglu:
@@ -682,7 +683,8 @@ class Transformer(nnx.Module):
         the dense products (the device switch of a step of several rows): `planner.decode_union_limit`
         with the switch priced, "packed" by its own cost model."""
         return planner.decode_union_limit(batch, self.d_model, self.d_ff, gated=self.gated, itemsize=itemsize,
-                                          device_switch=True, way="packed" if way in ("packed", "packed_down") else None)
+                                          device_switch=True,
+                                          way="packed" if way in ("packed", "packed_down") else None)
 
     def _decode_step_kernels(self, tokens_B: jax.Array, cache: KVCache, cache_index: jax.Array,
                              start_B: jax.Array, prepared: dict[str, Any] | None = None
@@ -696,7 +698,10 @@ class Transformer(nnx.Module):
         + residual; sparse plans (`decode_layer_ways`) by the sparse FFN's decode kernels (the
         gate's product, the union of the rows' active neurons compacted on the device, the up/down
         rows of those only: "split" in two launches, "fused" in one with the residual, per layer by
-        model.decode_sparse_ffn; "tiles": the gate's tile lists, no compaction), with, for a batch
+        model.decode_sparse_ffn; "tiles": the gate's tile lists, no compaction; "packed": the
+        gate's lists with their hidden values, then the down launch; "packed_down": all of it in
+        the gate's launch, its grid barrier's counters made once a step and handed from layer to
+        layer), with, for a batch
         of several rows, a device-side switch to the dense
         products when the union exceeds `ops.planner.decode_union_limit` (the decode cost model's
         break-even; no host round trip). The stacked weights are read in place at the layer (no
@@ -877,11 +882,12 @@ class Transformer(nnx.Module):
 
 
 # Rows of a decode step up to which model.decode_sparse_ffn "auto" runs its sparse layers "packed"
-# ("packed_down" up to PACKED_DOWN_MAX_ROWS) (each column tile makes its own active neurons' values: no program walks them all, as "tiles" and
-# "fused" do, and the down kernel's steps are cheap): every one at 1 row; at more, those whose
-# expected union is within "packed"'s own limit (`Transformer.decode_union_limit`), with the device
-# switch to the dense products above it. The gate's values epilogue runs its rows one after another
-# (an unrolled loop), so its cost grows with the rows. On the H100 (0.5b; BENCHMARKS.md, Decode): one
+# ("packed_down" up to PACKED_DOWN_MAX_ROWS) (each column tile makes its own active neurons' values:
+# no program walks them all, as "tiles" and "fused" do, and the down kernel's steps are cheap):
+# every one at 1 row; at more, those whose expected union is within "packed"'s own limit
+# (`Transformer.decode_union_limit`), with the device switch to the dense products above it. The
+# gate's values epilogue runs its rows one after another (an unrolled loop), so its cost grows with
+# the rows. On the H100 (0.5b; BENCHMARKS.md, Decode): one
 # layer's FFN with its active neurons spread (experiments/bench_decode_ffn_step.py, a scan step) took
 # 22.5 / 27.8 / 34.8 us at 1 row and 16 / 96 / 192 of them against "split"'s 33.1 / 35.4 / 38.7 and the
 # twin's 38; 24.0 / 23.7 / 31.6 at 2 rows, 25.8 / 26.1 / 33.8 at 4 and 28.0 / 27.9 / 35.3 at 8 at unions
