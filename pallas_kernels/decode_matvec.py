@@ -38,7 +38,7 @@ decode step, which twell_decode.sparse_decode_ffn_tiles reads instead of a compa
 tile_values=True (with up=W_up) also packs each listed neuron's hidden value beside its id, from
 that neuron's W_up row alone (a second, short phase after the K loop in the tiles that have active
 neurons), which twell_decode.sparse_decode_down_tiles reads for the down product.
-down=W_down (one row, model.decode_sparse_ffn "packed_down") makes that down product in the same
+down=W_down (a few rows, model.decode_sparse_ffn "packed_down") makes that down product in the same
 launch: each tile adds its neurons' W_down rows (read with their W_up rows) into an fp32 partial
 of its own, then, after a grid barrier (an acquire-release arrival count and a spin; only where the
 GPU holds every program at once, `_grid_is_resident`), every program sums all the tiles' partials,

@@ -225,10 +225,10 @@ class ModelConfig:
     decode_transposed: bool = True
     # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN), measured on the H100
     # (0.5b, batch 1; BENCHMARKS.md, Decode): every sparse layer "packed_down" 0.434 ms/step against
-    # "packed"'s 0.444 timed in alternation (bench_inference --interleave-decode); timed one after the
-    # other 0.442 / 0.422 / 0.447 / 0.443 against 0.454 / 0.453 / 0.437 / 0.431 in four processes (two
-    # identical programs differed by 5% in one); the sparse FFN's kernels 0.122-0.124 ms a step against
-    # 0.135-0.139 (1b: 0.892 against 0.923 ms/step); earlier "packed" 0.472 against 0.526 with every
+    # "packed"'s 0.444 timed in alternation (bench_inference --interleave-decode; timed one after the
+    # other the later variant came out ahead in three of four processes, and two identical programs
+    # differed by 5%); the sparse FFN's kernels 0.122-0.124 ms a step against 0.136-0.139 (1b: 0.892
+    # against 0.923 ms/step timed one after the other); earlier "packed" 0.472 against 0.526 with every
     # layer "tiles"; in an earlier build "tiles" 0.530, "fused" 0.538, "split" 0.564.
     # "tiles" and "fused" lose to "split" in a layer above ~49 active neurons (their every program
     # walks them all); "packed" does not (each column tile makes its own neurons' values).
