@@ -103,7 +103,8 @@ def test_bench_inference_decode_rows_give_the_floor_share_and_the_xla_row(sparse
     result = bench_inference.main(["--dry-run", "--checkpoint", str(out), "--xla-decode-row", "--generate-tokens", "0",
                                    "--xla-option", "xla_gpu_enable_command_buffer=FUSION,WHILE"])
     decode = [r for r in result["rows"] if r["phase"] == "decode"]
-    assert {r["variant"] for r in decode} == {f"{v}{suffix}" for v in ("plain", "dense", "dense-xla", "twell-reference")
+    assert {r["variant"] for r in decode} == {f"{v}{suffix}" for v in ("plain", "dense", "dense-xla", "twell-reference",
+                                                                             "twell-reference-xla")
                                               for suffix in ("", "+xla")}
     assert not any(r["phase"].startswith("generate") for r in result["rows"])
     for r in decode:  # the option rows: compiled with it, compared with the baselines without it
@@ -121,6 +122,8 @@ def test_bench_inference_decode_rows_give_the_floor_share_and_the_xla_row(sparse
         assert r["floor_bytes"] > 0 and r["floor_share"] > 0
         assert r["prefill_first_call_s"] > 0 and r["steps_first_call_s"] > 0
     assert all(r["first_call_s"] > 0 for r in result["rows"] if r["phase"] == "prefill")
+    # the generic path's rows: decode only (their prefill is their variant's)
+    assert not any(r["variant"].endswith("-xla") for r in result["rows"] if r["phase"] == "prefill")
 
 
 def test_the_decode_check_compares_the_kernels_with_the_xla_path_and_stops_a_wrong_run(sparse_run, tmp_path):

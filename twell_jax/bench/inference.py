@@ -471,7 +471,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-energy", action="store_true", help="skip NVML power sampling")
     parser.add_argument("--xla-decode-row", action="store_true",
-                        help="add 'dense-xla': the dense twin with model.decode_kernels=xla (the generic path)")
+                        help="add 'dense-xla' and 'twell-BACKEND-xla': the dense twin and each sparse variant with "
+                             "model.decode_kernels=xla (the generic path), decode and generate rows (their prefill "
+                             "is their variant's)")
     parser.add_argument("--generate-tokens", type=int, default=256,
                         help="tokens per `twell generate`-style call at batch 1 (host round trips included); "
                              "0 = no generate rows")
@@ -566,8 +568,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     configs = variant_configs(dataclasses.replace(cfg, decode_transposed=True, decode_sparse_ffn=DEFAULT_SPARSE_FFN,
                                                   decode_layer_unroll=DEFAULT_LAYER_UNROLL),
                               backends, interpret=args.dry_run, hints=hints)
-    if args.xla_decode_row:
-        configs["dense-xla"] = dataclasses.replace(configs["dense"], decode_kernels="xla")
     if args.stored_decode_rows:  # decode and generate rows only (their prefill is their variant's)
         configs.update({f"{name}+stored": dataclasses.replace(c, decode_transposed=False)
                         for name, c in list(configs.items()) if name == "dense" or name.startswith("twell-")})
@@ -578,6 +578,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         configs.update({f"{name}+{value}": dataclasses.replace(c, decode_sparse_ffn=value)
                         for name, c in list(configs.items())
                         if name.startswith("twell-") and "+" not in name and c.decode_sparse_ffn != value})
+    if args.xla_decode_row:  # after the kernels' row kinds: those rows vary the kernels' step
+        configs.update({f"{name}-xla": dataclasses.replace(c, decode_kernels="xla") for name, c in list(configs.items())
+                        if name == "dense" or (name.startswith("twell-") and "+" not in name)})
     # In the load dtype, as model_with_params builds them (the generate rows' Generator reads it too).
     configs = {name: dataclasses.replace(c, compute_dtype=args.dtype) for name, c in configs.items()}
     models = {name: model_with_params(c, params, args.dtype) for name, c in configs.items()}
@@ -629,7 +632,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     print("\n".join(f"[bench]   {line}" for line in r["trace"]))
 
     for name, runner in runners.items():
-        if not name.endswith(("+stored", "+loop", *(f"+{v}" for v in DECODE_SPARSE_FFN))):  # decode rows only: its prefill is its variant's
+        if not name.endswith(("+stored", "+loop", "-xla", *(f"+{v}" for v in DECODE_SPARSE_FFN))):  # decode rows only: its prefill is its variant's
             r, hidden_BxSxD = bench_prefill(runner, tokens, sampler, args.min_seconds)
             if plain_hidden is None:
                 plain_hidden = hidden_BxSxD.astype(jnp.float32)
