@@ -42,7 +42,8 @@ are read from HBM once per call, whatever the number of tokens M:
                      through HBM. Meant for decode's few active neurons, where the two launches
                      are latency-bound (H100, 0.5b, batch 1: 8.5 us a layer against 7.9 + 2.2 us
                      for `hidden` and `down` plus the residual's XLA add; the model's step 0.637
-                     against 0.697 ms; BENCHMARKS.md, Decode). It loses with many actives: each program runs
+                     against 0.697 ms in an earlier build: issue 24's stop notes, not a current
+                     figure). It loses with many actives: each program runs
                      ceil(n / block_h) x ceil(D / block_k) sequential steps that `hidden` spreads
                      over C / block_n programs.
 

@@ -219,8 +219,10 @@ class ModelConfig:
     # With the decode kernels: read q/k/v, the attention output projection and W_down from
     # output-major copies ([L, N, K], made once per generator by `Transformer.prepare_decode`)
     # instead of the stored input-major stacks ([L, K, N]): those weights held twice (0.45 GB at
-    # 0.5b), for a faster step (0.5b, H100, batch 1: 0.686 against 0.876 ms for the dense twin,
-    # 0.636 against 0.821 ms for `twell` auto; BENCHMARKS.md, Decode). false: the weights once.
+    # 0.5b), for a faster step (0.5b, H100, batch 1, one run: 0.686 against 0.876 ms for the dense
+    # twin, 0.636 against 0.821 ms for `twell` auto; experiments/results/
+    # bench_inference_0.5b_decode_transposed_h100_2026-11-24.json, whose stored-layout rows are in
+    # BENCHMARKS.md, Decode). false: the weights once.
     # Callers of `decode` pass the copies.
     decode_transposed: bool = True
     # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN), measured on the H100

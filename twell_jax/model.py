@@ -652,7 +652,8 @@ class Transformer(nnx.Module):
                 expected = None if config is None else config.expected_active_per_token
                 chosen = planner.decode_sparse_way(batch, expected, self.d_ff)
                 # One launch walking every active neuron: from the gate's tile lists where they hold the
-                # rows (no compaction launch: 0.530 against 0.538 ms/step, BENCHMARKS.md, Decode).
+                # rows (no compaction launch: one launch fewer a layer; an earlier build's step on the H100
+                # measured 0.530 against 0.538 ms, issue 24's stop notes, not a current figure).
                 return "tiles" if chosen == "fused" and tiles_fit else chosen
             if self.decode_sparse_ffn in ("tiles", "packed", "packed_down") and not tiles_fit:
                 return "fused"
