@@ -142,6 +142,13 @@ DEFAULT_BLOCK_SIZES = MatvecBlockSizes(block_n=32, block_k=256, num_warps=8, num
 # against 12.0 us at 1 row), the output projection (6.2 against 6.4; 5.3 against 6.4 at 4 rows), gate/up
 # (19.3 against 19.5) and W_down in the switch (13.8 against 15.9); W_down and the LM head within
 # noise of 3, kept. The sparse gate: `GATE_FEW_ROWS`.
+# max_block_m 32 for the dense products (q/k/v, the output projection, gate/up, W_down, the LM head):
+# a step of 17-32 rows reads each weight once (twice at 64), where blocks of 16 read it once per 16
+# rows; the gates keep 16 ("tiles" and "packed" need every row in one gate program) and so does the
+# switch's W_down. The twin's step (0.5b, H100, 2026-11-25, in alternation with plain JAX): 2.412
+# ms at 32 rows (1.075x plain JAX; 2.430 and 1.061x with blocks of 16 in another process) and 4.505
+# at 64 (0.944x; 0.920-0.932x with 16), 16 rows unchanged (one block either way);
+# experiments/results/bench_inference_0.5b_decode_rows32_h100_2026-11-25.json.
 # "down_nk_switch": W_down in the device switch's dense side (a sparse layer's step at several rows),
 # disabled on most steps: one launch (no split-K partials summed in XLA, a launch of its own even
 # when disabled), 128 column programs.
@@ -149,13 +156,13 @@ ROLES = ("qkv", "out", "gate_up", "down", "head", "gate", "gate_few_rows", "qkv_
          "down_nk_switch")
 ROLE_BLOCK_SIZES: dict[str, MatvecBlockSizes] = {
     "qkv": DEFAULT_BLOCK_SIZES, "out": DEFAULT_BLOCK_SIZES, "down": DEFAULT_BLOCK_SIZES,
-    "gate_up": MatvecBlockSizes(block_n=32, block_k=128, num_warps=4, num_stages=4, split_k=1),
-    "head": MatvecBlockSizes(block_n=32, block_k=256, num_warps=4, num_stages=3, split_k=1),
+    "gate_up": MatvecBlockSizes(block_n=32, block_k=128, num_warps=4, num_stages=4, split_k=1, max_block_m=32),
+    "head": MatvecBlockSizes(block_n=32, block_k=256, num_warps=4, num_stages=3, split_k=1, max_block_m=32),
     "gate": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=1),
     "gate_few_rows": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=1),
-    "qkv_nk": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=1),
-    "out_nk": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=4),
-    "down_nk": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=4),
+    "qkv_nk": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=1, max_block_m=32),
+    "out_nk": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=4, max_block_m=32),
+    "down_nk": MatvecBlockSizes(block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=4, max_block_m=32),
     "down_nk_switch": MatvecBlockSizes(block_n=16, block_k=256, num_warps=4, num_stages=4, split_k=1),
 }
 

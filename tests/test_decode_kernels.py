@@ -489,6 +489,29 @@ def test_many_rows_count_in_xla_then_compact_with_the_same_steps(monkeypatch):
         np.testing.assert_allclose(a["l0"], b["l0"], rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["dense_twin", "sparse"])
+def test_more_rows_than_the_gate_holds_give_the_same_steps(kind):
+    """17 rows: the dense products in one block of 32 rows (ROLE_BLOCK_SIZES), the sparse layers'
+    gate in two of 16 ("fused": no tile lists), left-padded rows: the steps equal the XLA path."""
+    cfg = dataclasses.replace(BASE, **KINDS[kind], decode_transposed=True)
+    rows = 17
+    tokens = jax.random.randint(jax.random.key(17), (rows, 8), 0, cfg.vocab_size)
+    start = jnp.arange(rows, dtype=jnp.int32) % 3
+    model = init_model(cfg, seed=4)
+    cache = init_cache(cfg, rows, 8)
+    _, cache, _ = model.decode(tokens[:, :6], cache, jnp.int32(0), start)
+    want_cache = cache
+    prepared = model.prepare_decode()
+    xla = dataclasses.replace(cfg, decode_kernels="xla")
+    xla_model = init_model(xla, seed=4)
+    for t in (6, 7):
+        got, cache, aux = model.decode(tokens[:, t:t + 1], cache, jnp.int32(t), start, prepared=prepared)
+        want, want_cache, want_aux = xla_model.decode(tokens[:, t:t + 1], want_cache, jnp.int32(t), start)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(aux["l0"], want_aux["l0"], rtol=1e-5)
+    assert set(model.decode_layer_ways(rows, jnp.float32)) == ({"dense"} if kind == "dense_twin" else {"fused"})
+
+
 def test_compact_active_rows_lowers_to_triton_for_cuda(capsys):
     # As test_fused_kernel_lowers_to_triton_for_cuda: the Pallas -> Triton IR lowering without a GPU, at
     # the model's d_ff and a batch of 8 (one row per load at L = 8192).
