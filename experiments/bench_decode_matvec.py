@@ -103,8 +103,8 @@ def write_blocks(path: str, rows: list[dict], role_shapes: dict[str, str], m: in
     for role, name in role_shapes.items():
         b = fastest(rows, name, m)
         if b:
-            roles[role] = {f: b[f] for f in ("block_n", "block_k", "num_warps", "num_stages", "split_k",
-                                             "programs_n")}
+            roles[role] = {f: b[f] for f in ("block_n", "block_k", "max_block_m", "num_warps", "num_stages",
+                                             "split_k", "programs_n")}
     Path(path).write_text(json.dumps({"device": jax.devices()[0].device_kind, "m": m, "roles": roles}, indent=1) + "\n")
     return sorted(roles)
 
@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     rows.append({"shape": name, "m": m, "sizes": str(sizes), "error": f"{type(exc).__name__}: {exc}"[:300]})
                     continue
                 rows.append({"shape": name, "m": m, "n": n, "k": k, "layout": layout, "gated": gated, "parts": parts,
-                             "block_n": sizes.block_n, "block_k": sizes.block_k, "num_warps": sizes.num_warps,
+                             "block_n": sizes.block_n, "block_k": sizes.block_k, "max_block_m": sizes.max_block_m,
+                             "num_warps": sizes.num_warps,
                              "num_stages": sizes.num_stages, "split_k": sizes.split_k,
                              "programs_n": sizes.programs_n, "us": us, "xla_us": xla_us, "vs_xla": xla_us / us,
                              "gb_s": nbytes / us / 1e3, "peak_share": nbytes / us / 1e3 / args.peak_gbs,
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if b:
                 print(f'    "{role}": MatvecBlockSizes(block_n={b["block_n"]}, block_k={b["block_k"]}, '
                       f'num_warps={b["num_warps"]}, num_stages={b["num_stages"]}, split_k={b["split_k"]}, '
-                      f'programs_n={b["programs_n"]}),')
+                      f'programs_n={b["programs_n"]}, max_block_m={b["max_block_m"]}),')
     if args.blocks_out:
         print(f"[matvec] wrote {args.blocks_out}: {write_blocks(args.blocks_out, rows, role_shapes, first_m)}")
     return rows

@@ -190,7 +190,7 @@ def test_the_matvec_sweep_runs_on_the_cpu(tmp_path, capsys):
     want = {(shape, dataclasses.replace(module.ROLE_BLOCK_SIZES[role], num_stages=st, programs_n=p))
             for role, shape in (("out", "tiny"), ("gate_up", "tiny_gated"), ("qkv", "tiny_parts")) for st in (2, 3)
             for p in (0, 3) if not (p and shape == "tiny_parts")}
-    fields = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "programs_n")
+    fields = ("block_n", "block_k", "max_block_m", "num_warps", "num_stages", "split_k", "programs_n")
     got = {(r["shape"], module.MatvecBlockSizes(**{f: r[f] for f in fields})) for r in only if "us" in r}
     assert got == want, got ^ want
     with pytest.raises(SystemExit):  # argparse's error names --stages

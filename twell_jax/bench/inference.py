@@ -367,7 +367,7 @@ def run_decode_checks(args: argparse.Namespace, configs: dict[str, ModelConfig],
 
 def load_matvec_blocks(path: str) -> dict[str, Any]:
     """Set decode_matvec.ROLE_BLOCK_SIZES from a `bench_decode_matvec.py --blocks-out` file ({"roles":
-    {role: {block_n, block_k, num_warps, num_stages, split_k}}}) for this process, before any decode
+    {role: {block_n, block_k, max_block_m, num_warps, num_stages, split_k, programs_n}}}) for this process, before any decode
     program compiles; returns what was set. A role the file does not name keeps its entry."""
     try:
         roles = json.loads(Path(path).read_text())["roles"]
