@@ -5,8 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from twell_jax.pallas_kernels.decode_matvec import (MatvecBlockSizes, decode_matvec, decode_matvec_reference,
-                                                    role_block_sizes)
+from twell_jax.pallas_kernels.decode_matvec import MatvecBlockSizes, decode_matvec, decode_matvec_reference
 from twell_jax.model import RMSNorm
 
 SMALL = MatvecBlockSizes(block_n=16, block_k=16, max_block_m=16, num_warps=1, num_stages=1)
@@ -62,15 +61,6 @@ def test_row_blocks_of_32(m, split_k):
         got = decode_matvec(x, w, block_sizes=sizes, interpret=True, **kwargs)
         want = decode_matvec_reference(x, w, **kwargs)
         assert got.shape == (m, 40) and _rel(got, want) <= TOL[jnp.float32], (kwargs, _rel(got, want))
-
-
-def test_the_dense_products_roles_hold_32_rows_and_the_gates_16():
-    """More rows than 16 run the sparse ways' gate as before ("tiles"/"packed" need every row in one
-    gate program of 16); the dense products read their weights once for up to 32 rows."""
-    for role in ("qkv_nk", "out_nk", "down_nk", "gate_up", "head"):
-        assert role_block_sizes(role).max_block_m == 32, role
-    for role in ("gate", "gate_few_rows", "down_nk_switch"):
-        assert role_block_sizes(role).max_block_m == 16, role
 
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])

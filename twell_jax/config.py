@@ -231,7 +231,8 @@ class ModelConfig:
     # other the later variant came out ahead in three of four processes, and two identical programs
     # differed by 5%); the sparse FFN's kernels 0.122-0.124 ms a step against 0.136-0.139 (1b: 0.892
     # against 0.923 ms/step timed one after the other); earlier "packed" 0.472 against 0.526 with every
-    # layer "tiles"; in an earlier build "tiles" 0.530, "fused" 0.538, "split" 0.564.
+    # layer "tiles"; in an earlier build (issue 24's stop notes, not on the page) "tiles" 0.530,
+    # "fused" 0.538, "split" 0.564.
     # "tiles" and "fused" lose to "split" in a layer above ~49 active neurons (their every program
     # walks them all); "packed" does not (each column tile makes its own neurons' values).
     decode_sparse_ffn: Literal["auto", "tiles", "packed", "packed_down", "fused", "split"] = "auto"

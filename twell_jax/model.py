@@ -893,9 +893,10 @@ class Transformer(nnx.Module):
 # 22.5 / 27.8 / 34.8 us at 1 row and 16 / 96 / 192 of them against "split"'s 33.1 / 35.4 / 38.7 and the
 # twin's 38; 24.0 / 23.7 / 31.6 at 2 rows, 25.8 / 26.1 / 33.8 at 4 and 28.0 / 27.9 / 35.3 at 8 at unions
 # 8 / 32 / 128, against the twin's 39-40. The model's step at 4 rows: 0.735 ms against the twin's
-# 0.763 (1.039x), and on another checkpoint 1.036x at 4 rows and 1.158x at 2; at 8 rows the packed
-# layers' kernels took 18 us a step less than the twin's on the first checkpoint, but their switch's
-# short launches left 20 us of launch gaps (0.998x), and on a third they took more than the twin's
+# 0.763 (1.039x), and on another checkpoint 1.036x at 4 rows (at 2 rows `packed` 1.155x and
+# `packed_down` 1.146x in alternation on a third); at 8 rows the packed layers' kernels took 18 us
+# a step less than the twin's on the first checkpoint, but their switch's short launches left 20 us
+# of launch gaps (0.998x), and on a third they took more than the twin's
 # (0.970x; as CUDA graphs, no gaps, both at 0.981 ms), so 8 rows keep the other ways' batch plans
 # (the twin's products on these checkpoints).
 PACKED_MAX_ROWS = 4
