@@ -135,9 +135,9 @@ def variants(interpret: bool, sizes: DecodeBlockSizes, gate_blocks: MatvecBlockS
     gate_blocks: the sparse gate's block sizes instead of its role's."""
     def mv(x, w, role, **kw):
         if role == "gate":  # the sparse gate: the swept blocks, or its role at these rows
-            blocks = gate_blocks or role_block_sizes(gate_role(x.shape[0]))
+            blocks = gate_blocks or role_block_sizes(gate_role(x.shape[0]), x.shape[0])
         else:
-            blocks = role_block_sizes(role)
+            blocks = role_block_sizes(role, x.shape[0])
         return decode_matvec(x, w, eps=EPS, block_sizes=blocks, interpret=interpret, **kw)
 
     def norm(x, scale, layer):
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             # The kernels alone read a gate product, lists and values made once (layer 0's, on x).
             g, ids, count, _, values = decode_matvec(
                 x, wg, layer=jnp.zeros((1,), jnp.int32), norm_scale=scale, eps=EPS, out_dtype=jnp.float32,
-                block_sizes=role_block_sizes(gate_role(rows)), tile_lists=True, tile_values=True,
+                block_sizes=role_block_sizes(gate_role(rows), rows), tile_lists=True, tile_values=True,
                 up=wu, interpret=interpret)
             order, n, _ = compact_active_rows(g, interpret=interpret)
             union = int(n[0])

@@ -24,8 +24,9 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from twell_jax.pallas_kernels.decode_matvec import (ROLE_BLOCK_SIZES, ROLES, MatvecBlockSizes,  # noqa: E402
-                                                    decode_matvec)
+from twell_jax.pallas_kernels.decode_matvec import (MANY_ROWS, ROLE_BLOCK_SIZES, ROLES,  # noqa: E402
+                                                    MatvecBlockSizes,
+                                                    decode_matvec, role_block_sizes)
 
 # (name, N, K, layout, gated, parts): the products of a decode step, as the model calls them
 # (`Transformer._decode_step_kernels`; its roles are `decode_matvec.ROLES`): q/k/v as three parts of
@@ -125,8 +126,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--stages", default=None, metavar="S,...",
                         help="num_stages values swept with every block (software-pipelining depth; default 3, "
                              "1 in the dry run)")
+    parser.add_argument("--max-block-m", default=None, metavar="M,...",
+                        help="MatvecBlockSizes.max_block_m values swept with every block (token rows a program "
+                             "holds, powers of two >= 16; default each block's own: 16, or its role's)")
+    parser.add_argument("--block-k", default=None, metavar="K,...",
+                        help="with --role-blocks-only: block_k values swept with each role's blocks (a deeper "
+                             "row block may need a shorter K step to fit shared memory)")
     parser.add_argument("--role-blocks-only", action="store_true",
-                        help="sweep only each shape's roles' current blocks (decode_matvec.ROLE_BLOCK_SIZES) over "
+                        help="sweep only each shape's roles' current blocks at each --rows value (decode_matvec.role_block_sizes) over "
                              "--stages and --programs, not the block sizes")
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--out", default=None)
@@ -150,6 +157,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
         stages = []
     if not stages or not all(1 <= v <= 8 for v in stages):
         parser.error(f"--stages {args.stages!r}: expected integers in [1, 8], comma-separated")
+    def pow2_list(flag: str, text: str | None) -> list[int | None]:
+        if text is None:
+            return [None]
+        try:
+            values = [int(v) for v in text.split(",") if v]
+        except ValueError:
+            values = []
+        if not values or not all(v >= 16 and v & (v - 1) == 0 for v in values):
+            parser.error(f"{flag} {text!r}: expected powers of two >= 16, comma-separated")
+        return values
+    block_ms = pow2_list("--max-block-m", args.max_block_m)
+    block_ks = pow2_list("--block-k", args.block_k)
+    if args.block_k is not None and not args.role_blocks_only:
+        parser.error("--block-k sweeps the roles' own blocks: it needs --role-blocks-only (the full sweep's "
+                     "tiles already vary block_k)")
+
+    def varied(sizes: MatvecBlockSizes, **fields) -> list[MatvecBlockSizes]:
+        """sizes at each --stages, --programs and --max-block-m value (and given fields)."""
+        return [dataclasses.replace(sizes, num_stages=st, programs_n=p, **fields,
+                                    **({"max_block_m": bm} if bm else {}))
+                for st in stages for p in programs for bm in block_ms]
     sweeps = dict(SWEEPS)
     shapes, interpret = [shape for shape in SHAPES if shape[0] in wanted], False
     role_shapes = ROLE_SHAPES
@@ -160,9 +188,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         sweeps, programs = {"nk": tiny, "kn": tiny}, sorted(set(programs) | {0, 3})
         role_shapes = {"out": "tiny", "gate_up": "tiny_gated", "qkv": "tiny_parts"}
         interpret, args.min_seconds, args.layers, args.reps = True, 0.0, 2, 1
-    sweeps = {layout: [dataclasses.replace(sizes, programs_n=p, num_stages=st) for sizes in variants
-                       for p in programs for st in stages]
-              for layout, variants in sweeps.items()}
+    sweeps = {layout: [v for sizes in variants for v in varied(sizes)] for layout, variants in sweeps.items()}
     rows = []
     first_m = int(args.rows.split(",")[0])
     key = jax.random.key(0)
@@ -190,10 +216,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             xla_us = per_call_us(xla, x, w, gate, **timing)
             want = jax.jit(xla, static_argnums=3)(x, w, gate, 1).astype(jnp.float32)
             sweep = sweeps[layout]
-            if args.role_blocks_only:  # this shape's roles' blocks, at each --stages and --programs
-                current = {ROLE_BLOCK_SIZES[role] for role, shape in role_shapes.items() if shape == name}
-                sweep = list(dict.fromkeys(dataclasses.replace(c, num_stages=st, programs_n=p) for c in current
-                                           for st in stages for p in programs))
+            if args.role_blocks_only:  # this shape's roles' blocks, at each --stages, --programs, --max-block-m
+                current = {role_block_sizes(role, m) for role, shape in role_shapes.items() if shape == name}
+                sweep = list(dict.fromkeys(v for c in current for bk in block_ks
+                                           for v in varied(c, **({"block_k": bk} if bk else {}))))
             for sizes in sweep:
                 if (gated and sizes.split_k > 1) or (parts > 1 and (n % sizes.block_n or sizes.programs_n)) or (
                         sizes.programs_n and -(-n * parts // sizes.programs_n) > sizes.block_n):
@@ -233,7 +259,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if b:
                 print(f"| {m} | {name} | {b['block_n']}/{b['block_k']}/w{b['num_warps']}/s{b['num_stages']}/k{b['split_k']}/p{b['programs_n']} | "
                       f"{b['us']:.1f} | {b['gb_s']:.0f} | {b['peak_share']:.0%} | {b['xla_us']:.1f} | {b['vs_xla']:.2f}x |")
-        print(f"\n# decode_matvec.ROLE_BLOCK_SIZES: each role's fastest blocks at m {m}")
+        table = "ROLE_BLOCK_SIZES_MANY_ROWS" if m > MANY_ROWS else "ROLE_BLOCK_SIZES"
+        print(f"\n# decode_matvec.{table}: each role's fastest blocks at m {m}")
         for role, name in role_shapes.items():
             b = fastest(rows, name, m)
             if b:

@@ -143,12 +143,14 @@ DEFAULT_BLOCK_SIZES = MatvecBlockSizes(block_n=32, block_k=256, num_warps=8, num
 # (19.3 against 19.5) and W_down in the switch (13.8 against 15.9); W_down and the LM head within
 # noise of 3, kept. The sparse gate: `GATE_FEW_ROWS`.
 # max_block_m 32 for the dense products (q/k/v, the output projection, gate/up, W_down, the LM head):
-# a step of 17-32 rows reads each weight once (twice at 64), where blocks of 16 read it once per 16
-# rows; the gates keep 16 ("tiles" and "packed" need every row in one gate program) and so does the
-# switch's W_down. The twin's step (0.5b, H100, 2026-11-25, in alternation with plain JAX): 2.412
-# ms at 32 rows (1.075x plain JAX; 2.430 and 1.061x with blocks of 16 in another process) and 4.505
-# at 64 (0.944x; 0.920-0.932x with 16), 16 rows unchanged (one block either way);
-# experiments/results/bench_inference_0.5b_decode_rows32_h100_2026-11-25.json.
+# a step of 17-32 rows reads each weight once, where blocks of 16 read it once per 16 rows; the
+# gates keep 16 ("tiles" and "packed" need every row in one gate program) and so does the switch's
+# W_down. The twin's step (0.5b, H100, 2026-11-25, a random init, in alternation with plain JAX):
+# 2.412 ms at 32 rows (1.075x plain JAX; 2.430 and 1.061x with blocks of 16 in another process), 16
+# rows unchanged (one block either way);
+# experiments/results/bench_inference_0.5b_decode_rows32_h100_2026-11-25.json. At 64 rows blocks
+# of 32 read each weight twice (the twin 0.944x plain JAX, stop notes): above MANY_ROWS rows the
+# dense products take ROLE_BLOCK_SIZES_MANY_ROWS (below).
 # "down_nk_switch": W_down in the device switch's dense side (a sparse layer's step at several rows),
 # disabled on most steps: one launch (no split-K partials summed in XLA, a launch of its own even
 # when disabled), 128 column programs.
@@ -167,6 +169,30 @@ ROLE_BLOCK_SIZES: dict[str, MatvecBlockSizes] = {
 }
 
 
+# A step of more than MANY_ROWS rows runs the dense products with these blocks: 64 rows a program
+# (a step of 33-64 rows reads each weight once), block_k 128 so that the deeper row block's
+# pipeline fits shared memory (64 rows x 256 at 4 stages asked for 256 KiB), each role's fastest of
+# `experiments/bench_decode_matvec.py --rows 64 --shapes qkv_nk,out_nk,gate_up,down_nk,head
+# --role-blocks-only --max-block-m 32,64 --stages 3,4 --block-k 128,256` (H100, 2026-11-25,
+# experiments/results/bench_decode_matvec_rows64_h100_2026-11-25.json): at 64 rows q/k/v 13.4 us
+# against 15.5 in blocks of 32 (XLA's dot 16.3), the output projection 6.9 against 7.7 (9.4),
+# gate/up 23.0 against 26.7 (26.3), W_down 13.4 against 15.6 (15.7), the LM head 76.2 against
+# 142.0 (75.0). The twin's step at 64 rows 1.032x plain JAX, at 48 1.034x (in alternation;
+# experiments/results/bench_inference_0.5b_decode_batch3264_h100_2026-11-25.json, a trained
+# checkpoint, and bench_inference_0.5b_decode_rows64_h100_2026-11-25.json, a random init).
+# At one row they would not be these roles' best (their K loops swept there), so
+# steps of up to MANY_ROWS rows keep ROLE_BLOCK_SIZES. A role not named here keeps its entry there
+# (the gates: "tiles" and "packed" need every row in one gate program, up to 16).
+MANY_ROWS = 32
+ROLE_BLOCK_SIZES_MANY_ROWS: dict[str, MatvecBlockSizes] = {
+    "gate_up": MatvecBlockSizes(block_n=32, block_k=128, num_warps=4, num_stages=3, split_k=1, max_block_m=64),
+    "head": MatvecBlockSizes(block_n=32, block_k=128, num_warps=4, num_stages=3, split_k=1, max_block_m=64),
+    "qkv_nk": MatvecBlockSizes(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=1, max_block_m=64),
+    "out_nk": MatvecBlockSizes(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=4, max_block_m=64),
+    "down_nk": MatvecBlockSizes(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=4, max_block_m=64),
+}
+
+
 # Rows of a decode step up to which the sparse gate runs as role "gate_few_rows" (`gate_role`): its
 # K loop one stage deeper. With the tile values' epilogue (`packed`; H100, 2026-11-25,
 # experiments/bench_decode_ffn_step.py --gate-blocks, 32 and 96 active neurons spread): 4 stages
@@ -181,10 +207,15 @@ def gate_role(rows: int) -> str:
     return "gate_few_rows" if rows <= GATE_FEW_ROWS else "gate"
 
 
-def role_block_sizes(role: str) -> MatvecBlockSizes:
-    """The block sizes of a decode-step role (ROLES)."""
+def role_block_sizes(role: str, rows: int = 1) -> MatvecBlockSizes:
+    """The block sizes of a decode-step role (ROLES) at a step of `rows` rows: above MANY_ROWS
+    those of ROLE_BLOCK_SIZES_MANY_ROWS where it names the role, else ROLE_BLOCK_SIZES'."""
     if role not in ROLE_BLOCK_SIZES:
         raise ValueError(f"role must be one of {tuple(ROLE_BLOCK_SIZES)}, got {role!r}")
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows must be an int >= 1 (the decode step's rows), got {rows!r}")
+    if rows > MANY_ROWS and role in ROLE_BLOCK_SIZES_MANY_ROWS:
+        return ROLE_BLOCK_SIZES_MANY_ROWS[role]
     return ROLE_BLOCK_SIZES[role]
 
 

@@ -489,12 +489,13 @@ def test_many_rows_count_in_xla_then_compact_with_the_same_steps(monkeypatch):
         np.testing.assert_allclose(a["l0"], b["l0"], rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [17, 40])
 @pytest.mark.parametrize("kind", ["dense_twin", "sparse"])
-def test_more_rows_than_the_gate_holds_give_the_same_steps(kind):
-    """17 rows: the dense products in one block of 32 rows (ROLE_BLOCK_SIZES), the sparse layers'
-    gate in two of 16 ("fused": no tile lists), left-padded rows: the steps equal the XLA path."""
+def test_more_rows_than_the_gate_holds_give_the_same_steps(kind, rows):
+    """17 rows: the dense products in one block of 32 rows (ROLE_BLOCK_SIZES); 40: in one of 64
+    (ROLE_BLOCK_SIZES_MANY_ROWS); the sparse layers' gate in blocks of 16 ("fused": no tile lists),
+    left-padded rows: the steps equal the XLA path."""
     cfg = dataclasses.replace(BASE, **KINDS[kind], decode_transposed=True)
-    rows = 17
     tokens = jax.random.randint(jax.random.key(17), (rows, 8), 0, cfg.vocab_size)
     start = jnp.arange(rows, dtype=jnp.int32) % 3
     model = init_model(cfg, seed=4)

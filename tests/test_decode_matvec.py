@@ -47,13 +47,15 @@ def test_every_option_matches_the_reference(dtype, layout, m, n, k):
         assert _rel(got, want) <= TOL[dtype], (kwargs, _rel(got, want))
 
 
-@pytest.mark.parametrize("m", [17, 33])
+@pytest.mark.parametrize("m,max_block_m", [(17, 32), (33, 32), (40, 64), (65, 64)])
 @pytest.mark.parametrize("split_k", [1, 2])
-def test_row_blocks_of_32(m, split_k):
+def test_row_blocks_of_32_and_64(m, max_block_m, split_k):
     """The dense products' roles hold up to 32 rows a program (ROLE_BLOCK_SIZES: a step of 17-32
-    rows reads each weight once): one padded block at 17 rows, a second of one row at 33."""
-    sizes = MatvecBlockSizes(block_n=16, block_k=16, max_block_m=32, num_warps=1, num_stages=1, split_k=split_k)
-    assert sizes.block_m(m) == 32
+    rows reads each weight once), 64 above 32 rows (ROLE_BLOCK_SIZES_MANY_ROWS): one padded block
+    at 17 or 40 rows, a second of one row at 33 or 65."""
+    sizes = MatvecBlockSizes(block_n=16, block_k=16, max_block_m=max_block_m, num_warps=1, num_stages=1,
+                             split_k=split_k)
+    assert sizes.block_m(m) == max_block_m
     x, w, gate, scale, res = _inputs(jnp.float32, m, 40, 48, seed=m + split_k)
     for kwargs in (dict(norm_scale=scale, residual=res), dict(norm_scale=scale, gate=gate, activation="relu")):
         if split_k > 1 and "gate" in kwargs:
@@ -200,6 +202,25 @@ def test_every_decode_role_has_block_sizes():
     assert all(isinstance(role_block_sizes(role), MatvecBlockSizes) for role in ROLES)
     with pytest.raises(ValueError, match="role"):
         role_block_sizes("lm_head")
+    with pytest.raises(ValueError, match="rows"):
+        role_block_sizes("head", 0)
+
+
+def test_steps_of_many_rows_take_their_own_blocks():
+    """Above MANY_ROWS rows a role named in ROLE_BLOCK_SIZES_MANY_ROWS takes those blocks (64 rows a
+    program for the dense products); the others, and every role up to MANY_ROWS rows, keep
+    ROLE_BLOCK_SIZES'. The gates keep 16 rows at any batch (tiles and packed need every row in one
+    gate program)."""
+    from twell_jax.pallas_kernels import decode_matvec as dm
+
+    many = dm.MANY_ROWS + 1
+    for role in dm.ROLES:
+        assert dm.role_block_sizes(role, dm.MANY_ROWS) is dm.ROLE_BLOCK_SIZES[role]
+        want = dm.ROLE_BLOCK_SIZES_MANY_ROWS.get(role, dm.ROLE_BLOCK_SIZES[role])
+        assert dm.role_block_sizes(role, many) is want
+    assert set(dm.ROLE_BLOCK_SIZES_MANY_ROWS) <= set(dm.ROLES)
+    assert {s.max_block_m for s in dm.ROLE_BLOCK_SIZES_MANY_ROWS.values()} == {64}
+    assert dm.role_block_sizes("gate", 64).block_m(64) == 16
 
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])

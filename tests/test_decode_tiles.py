@@ -679,9 +679,10 @@ def test_the_sparse_gate_role_follows_the_rows(batch, monkeypatch):
     asked = []
     real = matvec_lib.role_block_sizes
 
-    def record(role):
+    def record(role, rows=1):
+        assert rows == batch  # the step's rows pick the table (ROLE_BLOCK_SIZES_MANY_ROWS above MANY_ROWS)
         asked.append(role)
-        return real(role)
+        return real(role, rows)
 
     monkeypatch.setattr(matvec_lib, "role_block_sizes", record)
     cfg = dataclasses.replace(BASE, n_layers=2, decode_sparse_ffn="packed")

@@ -195,6 +195,13 @@ def test_the_matvec_sweep_runs_on_the_cpu(tmp_path, capsys):
     assert got == want, got ^ want
     with pytest.raises(SystemExit):  # argparse's error names --stages
         module.main(["--dry-run", "--stages", "0"])
+    # --max-block-m multiplies the sweep too; --block-k varies the roles' own blocks' K step.
+    deep = module.main(["--dry-run", "--rows", "20", "--role-blocks-only", "--max-block-m", "16,32",
+                        "--block-k", "16,32"])
+    assert {(r["max_block_m"], r["block_k"]) for r in deep if "us" in r} == {(16, 16), (16, 32), (32, 16), (32, 32)}
+    for bad in (["--max-block-m", "24"], ["--block-k", "16"], ["--role-blocks-only", "--block-k", "8"]):
+        with pytest.raises(SystemExit):  # not powers of two >= 16; --block-k without --role-blocks-only
+            module.main(["--dry-run", *bad])
     # Each layout sweeps its own tiles: kn wide and short (rows of >= 64 B), nk narrow and long.
     kn = module.SWEEPS["kn"]
     assert all(s.block_n * 2 >= 64 for s in kn) and {1, 4, 8} == {s.split_k for s in kn}
@@ -206,7 +213,7 @@ def test_matvec_blocks_file_sets_the_roles_and_bad_files_are_refused(tmp_path):
     with the flag named."""
     from twell_jax.pallas_kernels import decode_matvec
 
-    saved = dict(decode_matvec.ROLE_BLOCK_SIZES)
+    saved, saved_many = dict(decode_matvec.ROLE_BLOCK_SIZES), dict(decode_matvec.ROLE_BLOCK_SIZES_MANY_ROWS)
     try:
         good = tmp_path / "blocks.json"
         good.write_text(json.dumps({"device": "cpu", "m": 1, "roles": {"qkv_nk": {
@@ -215,9 +222,17 @@ def test_matvec_blocks_file_sets_the_roles_and_bad_files_are_refused(tmp_path):
         assert decode_matvec.role_block_sizes("qkv_nk") == decode_matvec.MatvecBlockSizes(
             block_n=16, block_k=32, num_warps=4, num_stages=1, split_k=2)
         assert decode_matvec.role_block_sizes("head") == saved["head"]
+        # A sweep at more than MANY_ROWS rows sets the blocks of steps of that many rows only.
+        many = tmp_path / "many.json"
+        many.write_text(json.dumps({"device": "cpu", "m": 64, "roles": {"head": {
+            "block_n": 16, "block_k": 64, "max_block_m": 64, "num_warps": 4, "num_stages": 2, "split_k": 1}}}))
+        bench_inference.load_matvec_blocks(str(many))
+        assert decode_matvec.role_block_sizes("head", 64).block_k == 64
+        assert decode_matvec.role_block_sizes("head") == saved["head"]
         for text, message in (("not json", "expected a bench_decode_matvec --blocks-out file"),
                               (json.dumps({"roles": {"qkv_nk": {"block_n": 3}}}), "--blocks-out file"),
-                              (json.dumps({"roles": {"nope": saved["head"].__dict__}}), "unknown roles")):
+                              (json.dumps({"m": 1, "roles": {"nope": saved["head"].__dict__}}), "unknown roles"),
+                              (json.dumps({"roles": {}}), "--blocks-out file")):
             bad = tmp_path / "bad.json"
             bad.write_text(text)
             with pytest.raises(SystemExit, match=message):
@@ -225,3 +240,5 @@ def test_matvec_blocks_file_sets_the_roles_and_bad_files_are_refused(tmp_path):
     finally:
         decode_matvec.ROLE_BLOCK_SIZES.clear()
         decode_matvec.ROLE_BLOCK_SIZES.update(saved)
+        decode_matvec.ROLE_BLOCK_SIZES_MANY_ROWS.clear()
+        decode_matvec.ROLE_BLOCK_SIZES_MANY_ROWS.update(saved_many)

@@ -642,7 +642,7 @@ class Transformer(nnx.Module):
             return ("dense",) * self.n_layers
         from twell_jax.pallas_kernels.decode_matvec import gate_role, role_block_sizes
 
-        tiles_fit = batch <= role_block_sizes(gate_role(batch)).block_m(batch)  # every row in one gate program
+        tiles_fit = batch <= role_block_sizes(gate_role(batch), batch).block_m(batch)  # every row in one gate program
 
         def way(config: Any) -> str:
             if self.decode_sparse_ffn == "auto":
@@ -745,7 +745,7 @@ class Transformer(nnx.Module):
 
         def mv(*args: Any, role: str, **kwargs: Any) -> jax.Array:
             # Each role's blocks passed explicitly (read at trace time: a changed table retraces).
-            return decode_matvec(*args, eps=eps, interpret=interpret, block_sizes=role_block_sizes(role),
+            return decode_matvec(*args, eps=eps, interpret=interpret, block_sizes=role_block_sizes(role, b),
                                  **kwargs)
 
         embed_VxD = self.embed[...].astype(dt)
@@ -771,7 +771,7 @@ class Transformer(nnx.Module):
         def layer_step(carry: Any, layer: jax.Array, way: str, op_config: Any) -> tuple[Any, Aux]:
             x, k_all, v_all, sync = carry
             li = layer[None]
-            if prepared is not None or d % role_block_sizes("qkv").block_n == 0:  # one launch for q, k, v
+            if prepared is not None or d % role_block_sizes("qkv", b).block_n == 0:  # one launch for q, k, v
                 qkv = mv(x, w_qkv_mv, role="qkv" + nk, layer=li, layout=proj_layout, norm_scale=n1_LxD)
             else:
                 qkv = jnp.concatenate([mv(x, w, role="qkv" + nk, layer=li, layout=proj_layout, norm_scale=n1_LxD)

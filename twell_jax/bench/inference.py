@@ -366,18 +366,22 @@ def run_decode_checks(args: argparse.Namespace, configs: dict[str, ModelConfig],
 
 
 def load_matvec_blocks(path: str) -> dict[str, Any]:
-    """Set decode_matvec.ROLE_BLOCK_SIZES from a `bench_decode_matvec.py --blocks-out` file ({"roles":
-    {role: {block_n, block_k, max_block_m, num_warps, num_stages, split_k, programs_n}}}) for this process, before any decode
-    program compiles; returns what was set. A role the file does not name keeps its entry."""
+    """Set decode_matvec.ROLE_BLOCK_SIZES from a `bench_decode_matvec.py --blocks-out` file ({"m": rows,
+    "roles": {role: {block_n, block_k, max_block_m, num_warps, num_stages, split_k, programs_n}}}) for this
+    process, before any decode program compiles; a file swept at more than decode_matvec.MANY_ROWS
+    rows sets ROLE_BLOCK_SIZES_MANY_ROWS instead (the blocks of steps of that many rows). Returns what
+    was set. A role the file does not name keeps its entry."""
     try:
-        roles = json.loads(Path(path).read_text())["roles"]
+        data = json.loads(Path(path).read_text())
+        rows, roles = int(data["m"]), data["roles"]
         sizes = {role: decode_matvec.MatvecBlockSizes(**fields) for role, fields in roles.items()}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SystemExit(f"--matvec-blocks {path}: expected a bench_decode_matvec --blocks-out file ({exc})")
     unknown = sorted(set(sizes) - set(decode_matvec.ROLES))
     if unknown:
         raise SystemExit(f"--matvec-blocks {path}: unknown roles {unknown}; expected some of {decode_matvec.ROLES}")
-    decode_matvec.ROLE_BLOCK_SIZES.update(sizes)
+    table = decode_matvec.ROLE_BLOCK_SIZES_MANY_ROWS if rows > decode_matvec.MANY_ROWS else decode_matvec.ROLE_BLOCK_SIZES
+    table.update(sizes)
     return {role: dataclasses.asdict(s) for role, s in sizes.items()}
 
 
@@ -495,7 +499,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "FUSION,CUBLAS,CUSTOM_CALL,WHILE,CONDITIONAL to capture the steps as CUDA graphs")
     parser.add_argument("--matvec-blocks", default=None, metavar="FILE",
                         help="decode_matvec block sizes per role for this run, from `bench_decode_matvec.py "
-                             "--blocks-out FILE` (to measure a sweep's choice before it becomes ROLE_BLOCK_SIZES)")
+                             "--blocks-out FILE` (to measure a sweep's choice before it becomes ROLE_BLOCK_SIZES; a sweep "
+                             "at more than decode_matvec.MANY_ROWS rows sets ROLE_BLOCK_SIZES_MANY_ROWS)")
     parser.add_argument("--trace-decode", type=int, default=0, metavar="TOP",
                         help="profile the timed decode loop of every decode row at the first batch, and two "
                              "calls of every generate row, and print the TOP largest kernels per step (the "
