@@ -230,7 +230,7 @@ def test_matvec_blocks_file_sets_the_roles_and_bad_files_are_refused(tmp_path):
         assert decode_matvec.role_block_sizes("head", 64).block_k == 64
         assert decode_matvec.role_block_sizes("head") == saved["head"]
         for text, message in (("not json", "expected a bench_decode_matvec --blocks-out file"),
-                              (json.dumps({"roles": {"qkv_nk": {"block_n": 3}}}), "--blocks-out file"),
+                              (json.dumps({"m": 1, "roles": {"qkv_nk": {"block_n": 3}}}), "--blocks-out file"),
                               (json.dumps({"m": 1, "roles": {"nope": saved["head"].__dict__}}), "unknown roles"),
                               (json.dumps({"roles": {}}), "--blocks-out file")):
             bad = tmp_path / "bad.json"
