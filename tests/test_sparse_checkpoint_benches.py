@@ -182,12 +182,13 @@ def test_the_matvec_sweep_runs_on_the_cpu(tmp_path, capsys):
     assert all("error" not in r for r in rows) and json.loads((tmp_path / "m.json").read_text())["rows"]
     with pytest.raises(SystemExit):  # argparse's error: the unknown shape is named on stderr
         module.main(["--dry-run", "--shapes", "qkv,nope"])
-    # --stages multiplies the sweep; --role-blocks-only sweeps each shape's roles' own blocks at them.
-    staged = module.main(["--dry-run", "--rows", "1", "--stages", "1,2"])
-    assert {r["num_stages"] for r in staged if "us" in r} == {1, 2}
-    only = module.main(["--dry-run", "--rows", "1", "--stages", "2,3", "--role-blocks-only"])
+    # --stages and --max-block-m set the sweep's blocks; --role-blocks-only sweeps each shape's roles'
+    # own blocks at each --stages value, --block-k setting their K step.
+    staged = module.main(["--dry-run", "--rows", "20", "--stages", "2", "--max-block-m", "32"])
+    assert {(r["num_stages"], r["max_block_m"]) for r in staged if "us" in r} == {(2, 32)}
+    only = module.main(["--dry-run", "--rows", "1", "--stages", "2,3", "--role-blocks-only", "--block-k", "32"])
     # (the dry run sweeps programs_n 0 and 3; q/k/v's parts refuse programs_n)
-    want = {(shape, dataclasses.replace(module.ROLE_BLOCK_SIZES[role], num_stages=st, programs_n=p))
+    want = {(shape, dataclasses.replace(module.ROLE_BLOCK_SIZES[role], num_stages=st, programs_n=p, block_k=32))
             for role, shape in (("out", "tiny"), ("gate_up", "tiny_gated"), ("qkv", "tiny_parts")) for st in (2, 3)
             for p in (0, 3) if not (p and shape == "tiny_parts")}
     fields = ("block_n", "block_k", "max_block_m", "num_warps", "num_stages", "split_k", "programs_n")
@@ -195,10 +196,6 @@ def test_the_matvec_sweep_runs_on_the_cpu(tmp_path, capsys):
     assert got == want, got ^ want
     with pytest.raises(SystemExit):  # argparse's error names --stages
         module.main(["--dry-run", "--stages", "0"])
-    # --max-block-m multiplies the sweep too; --block-k varies the roles' own blocks' K step.
-    deep = module.main(["--dry-run", "--rows", "20", "--role-blocks-only", "--max-block-m", "16,32",
-                        "--block-k", "16,32"])
-    assert {(r["max_block_m"], r["block_k"]) for r in deep if "us" in r} == {(16, 16), (16, 32), (32, 16), (32, 32)}
     for bad in (["--max-block-m", "24"], ["--block-k", "16"], ["--role-blocks-only", "--block-k", "8"]):
         with pytest.raises(SystemExit):  # not powers of two >= 16; --block-k without --role-blocks-only
             module.main(["--dry-run", *bad])
