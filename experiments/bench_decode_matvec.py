@@ -24,8 +24,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from twell_jax.pallas_kernels.decode_matvec import (MANY_ROWS, ROLE_BLOCK_SIZES, ROLES,  # noqa: E402
-                                                    MatvecBlockSizes,
+from twell_jax.pallas_kernels.common import is_pow2  # noqa: E402
+from twell_jax.pallas_kernels.decode_matvec import (MANY_ROWS, ROLES, MatvecBlockSizes,  # noqa: E402
                                                     decode_matvec, role_block_sizes)
 
 # (name, N, K, layout, gated, parts): the products of a decode step, as the model calls them
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             values = [int(v) for v in text.split(",") if v]
         except ValueError:
             values = []
-        if not values or not all(v >= 16 and v & (v - 1) == 0 for v in values):
+        if not values or not all(v >= 16 and is_pow2(v) for v in values):
             parser.error(f"{flag} {text!r}: expected powers of two >= 16, comma-separated")
         return values
     block_ms = pow2_list("--max-block-m", args.max_block_m)

@@ -145,7 +145,7 @@ DEFAULT_BLOCK_SIZES = MatvecBlockSizes(block_n=32, block_k=256, num_warps=8, num
 # max_block_m 32 for the dense products (q/k/v, the output projection, gate/up, W_down, the LM head):
 # a step of 17-32 rows reads each weight once, where blocks of 16 read it once per 16 rows; the
 # gates keep 16 ("tiles" and "packed" need every row in one gate program) and so does the switch's
-# W_down. The twin's step (0.5b, H100, 2026-11-25, a random init, in alternation with plain JAX):
+# W_down (64 above MANY_ROWS rows, below). The twin's step (0.5b, H100, 2026-11-25, a random init, in alternation with plain JAX):
 # 2.412 ms at 32 rows (1.075x plain JAX; 2.430 and 1.061x with blocks of 16 in another process), 16
 # rows unchanged (one block either way);
 # experiments/results/bench_inference_0.5b_decode_rows32_h100_2026-11-25.json. At 64 rows blocks
@@ -177,12 +177,14 @@ ROLE_BLOCK_SIZES: dict[str, MatvecBlockSizes] = {
 # experiments/results/bench_decode_matvec_rows64_h100_2026-11-25.json): at 64 rows q/k/v 13.4 us
 # against 15.5 in blocks of 32 (XLA's dot 16.3), the output projection 6.9 against 7.7 (9.4),
 # gate/up 23.0 against 26.7 (26.3), W_down 13.4 against 15.6 (15.7), the LM head 76.2 against
-# 142.0 (75.0). The twin's step at 64 rows 1.032x plain JAX, at 48 1.034x (in alternation;
+# 142.0 (75.0); the switch's W_down (one launch: split_k 1, 16 columns a program) 14.4 against 17.2.
+# The twin's step at 64 rows 1.032x plain JAX, at 48 1.034x (in alternation;
 # experiments/results/bench_inference_0.5b_decode_batch3264_h100_2026-11-25.json, a trained
 # checkpoint, and bench_inference_0.5b_decode_rows64_h100_2026-11-25.json, a random init).
 # At one row they would not be these roles' best (their K loops swept there), so
 # steps of up to MANY_ROWS rows keep ROLE_BLOCK_SIZES. A role not named here keeps its entry there
-# (the gates: "tiles" and "packed" need every row in one gate program, up to 16).
+# (the gates: "tiles" and "packed" need every row in one gate program, up to 16; the stored-layout
+# "kn" roles, read only with model.decode_transposed off).
 MANY_ROWS = 32
 ROLE_BLOCK_SIZES_MANY_ROWS: dict[str, MatvecBlockSizes] = {
     "gate_up": MatvecBlockSizes(block_n=32, block_k=128, num_warps=4, num_stages=3, split_k=1, max_block_m=64),
@@ -190,6 +192,7 @@ ROLE_BLOCK_SIZES_MANY_ROWS: dict[str, MatvecBlockSizes] = {
     "qkv_nk": MatvecBlockSizes(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=1, max_block_m=64),
     "out_nk": MatvecBlockSizes(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=4, max_block_m=64),
     "down_nk": MatvecBlockSizes(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=4, max_block_m=64),
+    "down_nk_switch": MatvecBlockSizes(block_n=16, block_k=256, num_warps=4, num_stages=4, split_k=1, max_block_m=64),
 }
 
 

@@ -188,7 +188,7 @@ def test_the_matvec_sweep_runs_on_the_cpu(tmp_path, capsys):
     assert {(r["num_stages"], r["max_block_m"]) for r in staged if "us" in r} == {(2, 32)}
     only = module.main(["--dry-run", "--rows", "1", "--stages", "2,3", "--role-blocks-only", "--block-k", "32"])
     # (the dry run sweeps programs_n 0 and 3; q/k/v's parts refuse programs_n)
-    want = {(shape, dataclasses.replace(module.ROLE_BLOCK_SIZES[role], num_stages=st, programs_n=p, block_k=32))
+    want = {(shape, dataclasses.replace(module.role_block_sizes(role), num_stages=st, programs_n=p, block_k=32))
             for role, shape in (("out", "tiny"), ("gate_up", "tiny_gated"), ("qkv", "tiny_parts")) for st in (2, 3)
             for p in (0, 3) if not (p and shape == "tiny_parts")}
     fields = ("block_n", "block_k", "max_block_m", "num_warps", "num_stages", "split_k", "programs_n")
