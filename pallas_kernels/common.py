@@ -69,6 +69,15 @@ def validate_packed_operands(x_MxD: jax.Array, values: jax.Array, indices: jax.A
         raise ValueError(f"indices must be int32 {values.shape}, got {indices.dtype}{indices.shape}")
 
 
+def stored_ranks(counts: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:
+    """(rank [M, NT, S] of each slot among its row's stored entries, live [M, NT, S]) of a TwELL
+    pattern, by a two-level prefix sum (tiles, then slots): short scans only. The references' rank
+    order (the training backward's lists and the fused FFN's ranked outputs)."""
+    live_T = jnp.minimum(counts, slots)
+    slot_S = jnp.arange(slots)[None, None, :]
+    return (jnp.cumsum(live_T, axis=1) - live_T)[:, :, None] + slot_S, slot_S < live_T[:, :, None]
+
+
 def store_partition(active_L: jax.Array, order_ref, n_ref, *, h: int,
                     first: jax.Array | int = 0) -> tuple[jax.Array, jax.Array]:
     """Inside a kernel: the stable partition of active_L (bool [L]; False on lanes past the last

@@ -42,7 +42,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .common import (check_launch_sizes, compiler_params, is_pow2 as _is_pow2,
-                                   next_pow2 as _next_pow2, pad_rows, round_up, validate_packed_operands)
+                                   next_pow2 as _next_pow2, pad_rows, round_up, stored_ranks,
+                                   validate_packed_operands)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +56,18 @@ class TokenBwdBlockSizes:
     block_t: int = 1  # token rows per program (power of two)
     num_warps: int = 2  # warps per program
     num_stages: int = 1  # pipelining depth of the slot loop (dynamic trip counts: 1 = none)
+    # Gated only: two launches instead of one, the entries (gathering W_down and W_up rows) and
+    # then dx (W_up and W_gate rows). One launch gathers rows of all three weights, whose working
+    # set (3 x 23 MB at D 2048, H 5632, bf16) exceeds the H100's 50 MB L2 cache, so its gathers
+    # come from HBM; each of the two launches gathers from two weights (46 MB), as the forward's
+    # fused FFN does. The non-gated kernel gathers from two weights already and ignores this.
+    split: bool = True
 
     def __post_init__(self) -> None:
         if not _is_pow2(self.block_t) or self.block_t > 64:
             raise ValueError(f"TokenBwdBlockSizes.block_t must be a power of two <= 64, got {self.block_t}")
+        if not isinstance(self.split, bool):
+            raise ValueError(f"TokenBwdBlockSizes.split must be a bool, got {self.split!r}")
         check_launch_sizes(self)
 
 
@@ -130,33 +139,29 @@ def rank_values(values: jax.Array, counts: jax.Array, width: int, *,
     return out[:m, :w]
 
 
-def _ranks(counts: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:
-    """(rank [M, NT, S] of each slot among its row's stored entries, live [M, NT, S]) of a TwELL
-    pattern, by a two-level prefix sum (tiles, then slots): short scans only. The references'."""
-    live_T = jnp.minimum(counts, slots)
-    slot_S = jnp.arange(slots)[None, None, :]
-    return (jnp.cumsum(live_T, axis=1) - live_T)[:, :, None] + slot_S, slot_S < live_T[:, :, None]
-
-
 @functools.partial(jax.jit, static_argnames=("width",))
 def rank_values_reference(values: jax.Array, counts: jax.Array, width: int) -> jax.Array:
     """Plain-jnp `rank_values` (slots past a row's count hold 0)."""
     m, n_tiles, slots = values.shape
     w = _next_pow2(width)
-    rank_MxTxS, live_MxTxS = _ranks(counts, slots)
+    rank_MxTxS, live_MxTxS = stored_ranks(counts, slots)
     rank_MxK = jnp.where(live_MxTxS, rank_MxTxS, w).reshape(m, -1)
     rows_MxK = jnp.broadcast_to(jnp.arange(m)[:, None], rank_MxK.shape)
     return jnp.zeros((m, w), values.dtype).at[rows_MxK, rank_MxK].set(values.reshape(m, -1), mode="drop")
 
 
-def _lists_kernel(*refs, has_hot: bool, slots: int, n_tiles: int, width: int) -> None:
-    """Refs: ranked values [BR, W], indices [BR, NT, S], counts [BR, NT], dest [BR, W], (hot [H]
-    int32); outputs n [BR], cols, a, pos [BR, W + S] (columns >= W take the dead lanes' stores)."""
+def _lists_kernel(*refs, has_hot: bool, has_u: bool, slots: int, n_tiles: int, width: int) -> None:
+    """Refs: ranked values [BR, W], (ranked u [BR, W] f32), indices [BR, NT, S], counts [BR, NT],
+    dest [BR, W], (hot [H] int32); outputs n [BR], cols, a, pos, (u) [BR, W + S] (columns >= W
+    take the dead lanes' stores)."""
     refs = list(refs)
-    values_ref, indices_ref, counts_ref, dest_ref = refs[:4]
-    del refs[:4]
+    values_ref = refs.pop(0)
+    u_in_ref = refs.pop(0) if has_u else None
+    indices_ref, counts_ref, dest_ref = refs[:3]
+    del refs[:3]
     hot_ref = refs.pop(0) if has_hot else None
-    n_ref, cols_ref, a_ref, pos_ref = refs
+    n_ref, cols_ref, a_ref, pos_ref = refs[:4]
+    u_ref = refs[4] if has_u else None
     block_rows = counts_ref.shape[0]
     row_BRxS = lax.broadcasted_iota(jnp.int32, (block_rows, slots), 0)
     k_BRxS = lax.broadcasted_iota(jnp.int32, (block_rows, slots), 1)
@@ -176,7 +181,10 @@ def _lists_kernel(*refs, has_hot: bool, slots: int, n_tiles: int, width: int) ->
         rank_BRxS = jnp.minimum(first_BR[:, None] + k_BRxS, width - 1)
         a_BRxS = plgpu.load(values_ref.at[row_BRxS, rank_BRxS], mask=keep_BRxS, other=0)
         pos_BRxS = plgpu.load(dest_ref.at[row_BRxS, rank_BRxS], mask=keep_BRxS, other=0)
-        for ref, v in ((cols_ref, j_BRxS), (a_ref, a_BRxS), (pos_ref, pos_BRxS)):
+        outs = [(cols_ref, j_BRxS), (a_ref, a_BRxS), (pos_ref, pos_BRxS)]
+        if has_u:
+            outs.append((u_ref, plgpu.load(u_in_ref.at[row_BRxS, rank_BRxS], mask=keep_BRxS, other=0)))
+        for ref, v in outs:
             plgpu.store(ref.at[row_BRxS, col_BRxS], v, mask=keep_BRxS)
         return first_BR + live_BR, out_BR + jnp.sum(keep_i32, axis=1)
 
@@ -187,16 +195,18 @@ def _lists_kernel(*refs, has_hot: bool, slots: int, n_tiles: int, width: int) ->
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "debug"))
 def token_lists(ranked_MxW: jax.Array, indices: jax.Array, counts: jax.Array, dest_MxW: jax.Array,
-                hot_H: jax.Array | None = None, *, block_sizes: ListsBlockSizes = ListsBlockSizes(),
-                interpret: bool = False, debug: bool = False
-                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+                hot_H: jax.Array | None = None, *, ranked_u_MxW: jax.Array | None = None,
+                block_sizes: ListsBlockSizes = ListsBlockSizes(),
+                interpret: bool = False, debug: bool = False) -> tuple[jax.Array, ...]:
     """The token-major kernel's input: per row, its stored entries (slot < min(count, S), tiles
     ascending) that are not hot, compacted: (n_M int32 [M], cols_MxW int32, a_MxW (ranked_MxW's
     dtype), pos_MxW int32), W = dest_MxW.shape[1]; for the entry of rank r among the row's stored
-    entries, a = ranked_MxW[i, r] (`rank_values` of the pack) and pos = dest[i, r]. Slots >= n
-    are unspecified. Rows must hold at most W stored entries (the caller zeroes the counts of the
-    others: the token tail). One Pallas kernel: per row block, a walk over the tiles with an
-    in-register prefix sum and scatter stores (no XLA scatter)."""
+    entries, a = ranked_MxW[i, r] (`rank_values` of the pack) and pos = dest[i, r]. With
+    ranked_u_MxW (f32 [M, W] in rank order: the forward's u = x . U_j, `sparse_ffn`'s ranked
+    output) a fifth array u_MxW, compacted alike. Slots >= n are unspecified. Rows must hold at
+    most W stored entries (the caller zeroes the counts of the others: the token tail). One Pallas
+    kernel: per row block, a walk over the tiles with an in-register prefix sum and scatter stores
+    (no XLA scatter)."""
     m = indices.shape[0]
     validate_packed_operands(jnp.zeros((m, 1), jnp.float32), jnp.zeros(indices.shape, jnp.float32),
                              indices, counts)
@@ -209,44 +219,54 @@ def token_lists(ranked_MxW: jax.Array, indices: jax.Array, counts: jax.Array, de
         raise ValueError(f"ranked_MxW must be float {dest_MxW.shape} like dest_MxW (rank_values), got "
                          f"{ranked_MxW.dtype}{ranked_MxW.shape}")
     values = ranked_MxW
+    if ranked_u_MxW is not None and (ranked_u_MxW.shape != dest_MxW.shape
+                                     or ranked_u_MxW.dtype != jnp.float32):
+        raise ValueError(f"ranked_u_MxW must be None or float32 {dest_MxW.shape} like dest_MxW, got "
+                         f"{ranked_u_MxW.dtype}{ranked_u_MxW.shape}")
     if hot_H is not None and (hot_H.ndim != 1 or hot_H.dtype not in (jnp.bool_, jnp.int32)):
         raise ValueError(f"hot_H must be None or bool/int32 [H], got {hot_H.dtype}{hot_H.shape}")
     br = block_sizes.block_rows
     m_pad = round_up(m, br)
     # Padded rows have count 0: they list nothing.
     values, indices, counts, dest_MxW = pad_rows(m_pad, values, indices, counts, dest_MxW)
+    u_in = list(pad_rows(m_pad, ranked_u_MxW)) if ranked_u_MxW is not None else []
     hot = [hot_H.astype(jnp.int32)] if hot_H is not None else []  # Triton refs hold no i1
     out_w = width + slots
+    row_w_spec = pl.BlockSpec((br, width), lambda i: (i, 0))
     list_spec = pl.BlockSpec((br, out_w), lambda i: (i, 0))
-    n_M, cols, a, pos = pl.pallas_call(
-        functools.partial(_lists_kernel, has_hot=bool(hot), slots=slots, n_tiles=n_tiles, width=width),
+    n_M, cols, a, pos, *u = pl.pallas_call(
+        functools.partial(_lists_kernel, has_hot=bool(hot), has_u=bool(u_in), slots=slots,
+                          n_tiles=n_tiles, width=width),
         grid=(m_pad // br,),
-        in_specs=[pl.BlockSpec((br, width), lambda i: (i, 0)),
+        in_specs=[row_w_spec, *[row_w_spec] * len(u_in),
                   pl.BlockSpec((br, n_tiles, slots), lambda i: (i, 0, 0)),
                   pl.BlockSpec((br, n_tiles), lambda i: (i, 0)),
-                  pl.BlockSpec((br, width), lambda i: (i, 0)),
+                  row_w_spec,
                   *[pl.BlockSpec(v.shape, lambda i: (0,)) for v in hot]],
-        out_specs=[pl.BlockSpec((br,), lambda i: (i,)), list_spec, list_spec, list_spec],
+        out_specs=[pl.BlockSpec((br,), lambda i: (i,)), list_spec, list_spec, list_spec,
+                   *[list_spec] * len(u_in)],
         out_shape=[jax.ShapeDtypeStruct((m_pad,), jnp.int32),
                    jax.ShapeDtypeStruct((m_pad, out_w), jnp.int32),
                    jax.ShapeDtypeStruct((m_pad, out_w), values.dtype),
-                   jax.ShapeDtypeStruct((m_pad, out_w), jnp.int32)],
+                   jax.ShapeDtypeStruct((m_pad, out_w), jnp.int32),
+                   *[jax.ShapeDtypeStruct((m_pad, out_w), jnp.float32)] * len(u_in)],
         compiler_params=compiler_params(block_sizes),
         interpret=interpret,
         debug=debug,
         name="twell_bwd_token_lists",
-    )(values, indices, counts, dest_MxW, *hot)
-    return n_M[:m], cols[:m, :width], a[:m, :width], pos[:m, :width]
+    )(values, *u_in, indices, counts, dest_MxW, *hot)
+    return (n_M[:m], cols[:m, :width], a[:m, :width], pos[:m, :width],
+            *[v[:m, :width] for v in u])
 
 
 @jax.jit
 def token_lists_reference(ranked_MxW: jax.Array, indices: jax.Array, counts: jax.Array,
-                          dest_MxW: jax.Array, hot_H: jax.Array | None = None
-                          ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+                          dest_MxW: jax.Array, hot_H: jax.Array | None = None,
+                          ranked_u_MxW: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """Plain-jnp version of `token_lists` (XLA scatters; slots >= n hold 0)."""
     m, n_tiles, slots = indices.shape
     width = dest_MxW.shape[1]
-    rank_MxTxS, live_MxTxS = _ranks(counts, slots)
+    rank_MxTxS, live_MxTxS = stored_ranks(counts, slots)
     j_MxTxS = indices
     keep_MxTxS = live_MxTxS if hot_H is None else live_MxTxS & ~hot_H.astype(bool)[j_MxTxS]
     keep_i32 = keep_MxTxS.astype(jnp.int32)
@@ -262,23 +282,44 @@ def token_lists_reference(ranked_MxW: jax.Array, indices: jax.Array, counts: jax
     def compact(v_MxK, dtype):
         return jnp.zeros((m, width), dtype).at[rows_MxK, slot_MxTxS].set(v_MxK.astype(dtype), mode="drop")
 
+    u = ((compact(jnp.take_along_axis(ranked_u_MxW, rank_MxK, axis=1), jnp.float32),)
+         if ranked_u_MxW is not None else ())
     return (jnp.sum(keep_T, axis=1).astype(jnp.int32), compact(j_MxTxS.reshape(m, -1), jnp.int32),
-            compact(a_MxK, ranked_MxW.dtype), compact(pos_MxK, jnp.int32))
+            compact(a_MxK, ranked_MxW.dtype), compact(pos_MxK, jnp.int32), *u)
 
 
-def _token_bwd_kernel(*refs, gated: bool, has_init: bool, d: int, d_block: int, e_cap: int,
-                      h_dtype) -> None:
-    """Refs: x, gy [BT, D], n [BT], cols, a, pos [BT, W], w_act, (w_up), w_down [H, D], l1_scale [1],
-    (dx_init [BT, D] f32); outputs dx [BT, D], then 3 (gated: t, d_up, d_gate) or 2 (t, d_act) f32
-    [E_cap + BT] neuron-major value arrays (written at pos; the tail past E_cap takes dead lanes)."""
+def _token_bwd_kernel(*refs, gated: bool, has_init: bool, has_u: bool, d: int, d_block: int,
+                      e_cap: int, h_dtype, part: str) -> None:
+    """Refs by `part`:
+    "both":    x, gy [BT, D], n [BT], cols, a, pos [BT, W], w_act, (w_up), w_down [H, D],
+               l1_scale [1], (dx_init [BT, D] f32); outputs dx [BT, D], then 3 (gated: t, d_up,
+               d_gate) or 2 (t, d_act) f32 [E_cap + BT] neuron-major value arrays (written at pos;
+               the tail past E_cap takes dead lanes).
+    "entries": (gated) x, gy, n, cols, a, pos, w_up, w_down, l1_scale; outputs the 3 value arrays.
+    "dx":      (gated) n, cols, pos, w_act, w_up, d_up, d_gate [E_cap + BT] (what "entries"
+               wrote), (dx_init); output dx.
+    has_u (gated, "both" and "entries"): a ref u [BT, W] f32 (each entry's x . U_j, kept by the
+    forward) follows pos, and the kernel reads u there instead of computing it."""
     refs = list(refs)
-    x_ref, gy_ref, n_ref, cols_ref, a_ref, pos_ref, w_act_ref = refs[:7]
-    del refs[:7]
-    w_up_ref = refs.pop(0) if gated else None
-    w_down_ref, scale_ref = refs.pop(0), refs.pop(0)
-    init_ref = refs.pop(0) if has_init else None
-    dx_ref, *entry_refs = refs
-    block_t = x_ref.shape[0]
+
+    def take(k):
+        out = refs[:k]
+        del refs[:k]
+        return out
+
+    if part == "dx":
+        n_ref, cols_ref, pos_ref, w_act_ref, w_up_ref, d_up_ref, d_gate_ref = take(7)
+        x_ref = gy_ref = a_ref = w_down_ref = scale_ref = None
+    else:
+        x_ref, gy_ref, n_ref, cols_ref, a_ref, pos_ref = take(6)
+        u_ref = take(1)[0] if has_u else None
+        w_act_ref = take(1)[0] if part == "both" else None
+        w_up_ref = take(1)[0] if gated else None
+        w_down_ref, scale_ref = take(2)
+    init_ref = take(1)[0] if has_init and part != "entries" else None
+    dx_ref = take(1)[0] if part != "entries" else None
+    entry_refs = refs
+    block_t = n_ref.shape[0]
     col_D = lax.broadcasted_iota(jnp.int32, (d_block,), 0)
     col_ok_1xD = (col_D < d)[None, :]
     col_1xD = col_D[None, :]
@@ -289,9 +330,10 @@ def _token_bwd_kernel(*refs, gated: bool, has_init: bool, d: int, d_block: int, 
         return plgpu.load(ref.at[:, pl.ds(0, d_block)], mask=None if full_d else col_ok_1xD,
                           other=None if full_d else 0).astype(jnp.float32)
 
-    x_BTxD = load_own(x_ref)
-    gy_BTxD = load_own(gy_ref)
-    l1_scale = jnp.sum(scale_ref[...])  # a [1] block: sum -> scalar (value slicing is not lowered)
+    if part != "dx":
+        x_BTxD = load_own(x_ref)
+        gy_BTxD = load_own(gy_ref)
+        l1_scale = jnp.sum(scale_ref[...])  # a [1] block: sum -> scalar (value slicing is not lowered)
     n_BT = n_ref[...]
 
     def gather(ref, j_BT, live_BT):
@@ -302,33 +344,48 @@ def _token_bwd_kernel(*refs, gated: bool, has_init: bool, d: int, d_block: int, 
     def entry_step(e, dx_BTxD):
         live_BT = e < n_BT
         j_BT = plgpu.load(cols_ref.at[:, e])
-        a_BT = plgpu.load(a_ref.at[:, e]).astype(jnp.float32)
         pos_BT = plgpu.load(pos_ref.at[:, e])
+        # Dead lanes read from / write to distinct addresses past E_cap (a masked store whose
+        # masked-off lanes alias live ones can clobber them in interpret mode).
+        at_BT = jnp.where(live_BT, pos_BT, e_cap + lane_BT)
+        if part == "dx":
+            d_up_BT = plgpu.load(d_up_ref.at[at_BT], mask=live_BT, other=0)
+            d_gate_BT = plgpu.load(d_gate_ref.at[at_BT], mask=live_BT, other=0)
+            up_rows = gather(w_up_ref, j_BT, live_BT)
+            act_rows = gather(w_act_ref, j_BT, live_BT)
+            return dx_BTxD + jnp.where(live_BT[:, None],
+                                       d_up_BT[:, None] * up_rows + d_gate_BT[:, None] * act_rows, 0.0)
+        a_BT = plgpu.load(a_ref.at[:, e]).astype(jnp.float32)
         w_rows = gather(w_down_ref, j_BT, live_BT)
-        act_rows = gather(w_act_ref, j_BT, live_BT)
+        act_rows = gather(w_act_ref, j_BT, live_BT) if part == "both" else None
         dt_BT = jnp.sum(gy_BTxD * w_rows, axis=1)
         if gated:
-            up_rows = gather(w_up_ref, j_BT, live_BT)
-            u_BT = jnp.sum(x_BTxD * up_rows, axis=1)
+            # The up rows: for u (unless kept) and, in one launch, for dx.
+            up_rows = gather(w_up_ref, j_BT, live_BT) if part == "both" or not has_u else None
+            if has_u:
+                u_BT = plgpu.load(u_ref.at[:, e])
+            else:
+                u_BT = jnp.sum(x_BTxD * up_rows, axis=1)
             h_BT = (a_BT * u_BT).astype(h_dtype).astype(jnp.float32)
         else:
             h_BT = a_BT
         dt_BT = dt_BT + l1_scale * jnp.sign(h_BT)
         if gated:
             d_up_BT, d_gate_BT = dt_BT * a_BT, dt_BT * u_BT
-            dx_BTxD = dx_BTxD + jnp.where(live_BT[:, None],
-                                          d_up_BT[:, None] * up_rows + d_gate_BT[:, None] * act_rows, 0.0)
+            if part == "both":
+                dx_BTxD = dx_BTxD + jnp.where(
+                    live_BT[:, None], d_up_BT[:, None] * up_rows + d_gate_BT[:, None] * act_rows, 0.0)
             new_values = (h_BT, d_up_BT, d_gate_BT)
         else:
             dx_BTxD = dx_BTxD + jnp.where(live_BT[:, None], dt_BT[:, None] * act_rows, 0.0)
             new_values = (h_BT, dt_BT)
-        # Dead lanes write to distinct addresses past E_cap (a masked store whose masked-off lanes
-        # alias live ones can clobber them in interpret mode).
-        at_BT = jnp.where(live_BT, pos_BT, e_cap + lane_BT)
         for ref, v_BT in zip(entry_refs, new_values):
             plgpu.store(ref.at[at_BT], v_BT, mask=live_BT)
         return dx_BTxD
 
+    if part == "entries":
+        lax.fori_loop(0, jnp.max(n_BT), entry_step, jnp.zeros((), jnp.float32))
+        return
     dx0 = load_own(init_ref) if has_init else jnp.zeros((block_t, d_block), jnp.float32)
     dx_BTxD = lax.fori_loop(0, jnp.max(n_BT), entry_step, dx0)
     plgpu.store(dx_ref.at[:, pl.ds(0, d_block)], dx_BTxD.astype(dx_ref.dtype),
@@ -365,52 +422,80 @@ def validate_token_bwd_args(x_MxD, gy_MxD, n_M, cols_MxW, a_MxW, pos_MxW, w_act_
 
 
 def _token_bwd_triton(x_MxD, gy_MxD, n_M, cols_MxW, a_MxW, pos_MxW, w_act_HxD, w_up_HxD,
-                      w_down_HxD, scale_1, dx_init, *, block_sizes: TokenBwdBlockSizes,
+                      w_down_HxD, scale_1, dx_init, u_MxW, *, block_sizes: TokenBwdBlockSizes,
                       interpret: bool, debug: bool):
     m, d = x_MxD.shape
     width = cols_MxW.shape[1]
     bt = block_sizes.block_t
     gated = w_up_HxD is not None
     e_cap = m * width
-    kernel = functools.partial(_token_bwd_kernel, gated=gated, has_init=dx_init is not None, d=d,
-                               d_block=_next_pow2(d), e_cap=e_cap, h_dtype=x_MxD.dtype)
-    weights = (w_act_HxD, w_up_HxD, w_down_HxD) if gated else (w_act_HxD, w_down_HxD)
-    n_values = 3 if gated else 2
+    kernel = functools.partial(_token_bwd_kernel, gated=gated, d=d, d_block=_next_pow2(d),
+                               e_cap=e_cap, h_dtype=x_MxD.dtype)
     full = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)  # noqa: E731
     row_spec = pl.BlockSpec((bt, d), lambda i: (i, 0))
+    n_spec = pl.BlockSpec((bt,), lambda i: (i,))
     list_spec = pl.BlockSpec((bt, width), lambda i: (i, 0))
+    scale_spec = pl.BlockSpec((1,), lambda i: (0,))
     e_shape = jax.ShapeDtypeStruct((e_cap + bt,), jnp.float32)
+    dx_shape = jax.ShapeDtypeStruct((m, d), x_MxD.dtype)
     init = [dx_init] if dx_init is not None else []
-    return pl.pallas_call(
-        kernel,
-        grid=(m // bt,),
-        in_specs=[row_spec, row_spec, pl.BlockSpec((bt,), lambda i: (i,)), list_spec, list_spec,
-                  list_spec, *[full(w) for w in weights], pl.BlockSpec((1,), lambda i: (0,)),
-                  *[row_spec] * len(init)],
-        out_specs=[row_spec, *[full(e_shape)] * n_values],
-        out_shape=[jax.ShapeDtypeStruct((m, d), x_MxD.dtype), *[e_shape] * n_values],
-        compiler_params=compiler_params(block_sizes),
-        interpret=interpret,
-        debug=debug,
-        name="twell_bwd_token_gated" if gated else "twell_bwd_token",
-    )(x_MxD, gy_MxD, n_M, cols_MxW, a_MxW, pos_MxW, *weights, scale_1, *init)
+    u = [u_MxW] if u_MxW is not None else []
+
+    def call(part, name, in_specs, out_specs, out_shape, *operands):
+        return pl.pallas_call(
+            functools.partial(kernel, has_init=bool(init), has_u=bool(u), part=part),
+            grid=(m // bt,), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+            compiler_params=compiler_params(block_sizes), interpret=interpret, debug=debug,
+            name=name)(*operands)
+
+    if gated and block_sizes.split:
+        # Two launches, each gathering rows of two weights (their working set fits the L2 cache
+        # at the paper's shapes, where three do not): the entries (W_down and W_up rows), then dx
+        # (W_up and W_gate rows, each entry's d_up and d_gate read back at its position).
+        entries = call("entries", "twell_bwd_token_entries",
+                       [row_spec, row_spec, n_spec, list_spec, list_spec, list_spec,
+                        *[list_spec] * len(u), full(w_up_HxD), full(w_down_HxD), scale_spec],
+                       [full(e_shape)] * 3, [e_shape] * 3,
+                       x_MxD, gy_MxD, n_M, cols_MxW, a_MxW, pos_MxW, *u, w_up_HxD, w_down_HxD,
+                       scale_1)
+        dx_MxD = call("dx", "twell_bwd_token_dx",
+                      [n_spec, list_spec, list_spec, full(w_act_HxD), full(w_up_HxD),
+                       full(e_shape), full(e_shape), *[row_spec] * len(init)],
+                      row_spec, dx_shape,
+                      n_M, cols_MxW, pos_MxW, w_act_HxD, w_up_HxD, entries[1], entries[2], *init)
+        return (dx_MxD, *entries)
+    weights = (w_act_HxD, w_up_HxD, w_down_HxD) if gated else (w_act_HxD, w_down_HxD)
+    n_values = 3 if gated else 2
+    return call("both", "twell_bwd_token_gated" if gated else "twell_bwd_token",
+                [row_spec, row_spec, n_spec, list_spec, list_spec, list_spec, *[list_spec] * len(u),
+                 *[full(w) for w in weights], scale_spec, *[row_spec] * len(init)],
+                [row_spec, *[full(e_shape)] * n_values], [dx_shape, *[e_shape] * n_values],
+                x_MxD, gy_MxD, n_M, cols_MxW, a_MxW, pos_MxW, *u, *weights, scale_1, *init)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "debug"))
 def token_backward(x_MxD: jax.Array, gy_MxD: jax.Array, n_M: jax.Array, cols_MxW: jax.Array,
                    a_MxW: jax.Array, pos_MxW: jax.Array, w_act_HxD: jax.Array,
                    w_up_HxD: jax.Array | None, w_down_HxD: jax.Array, l1_scale: jax.Array, *,
-                   dx_init: jax.Array | None = None,
+                   dx_init: jax.Array | None = None, u_MxW: jax.Array | None = None,
                    block_sizes: TokenBwdBlockSizes = TokenBwdBlockSizes(), interpret: bool = False,
                    debug: bool = False) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Token-major backward over per-token lists (module doc; `token_lists` builds them).
 
     dx_init (f32 [M, D], optional): added to dx before its one rounding (the dense tails' terms).
+    u_MxW (f32 [M, W] in list order, gated only, optional): each entry's u = x_i . U_j as the
+    forward computed it (`sparse_ffn`'s ranked output, compacted by `token_lists`); the kernel then
+    reads it instead of computing it, and the entries' launch gathers W_down rows alone.
     Returns (dx [M, D] in x's dtype, the entry values at their neuron-major positions: (t, d_up,
     d_gate) gated or (t, d_act) when w_up_HxD is None, each f32 [M * W]; positions no listed entry
     maps to are unspecified). Any M (padded to block_t)."""
     validate_token_bwd_args(x_MxD, gy_MxD, n_M, cols_MxW, a_MxW, pos_MxW, w_act_HxD, w_up_HxD,
                             w_down_HxD, dx_init)
+    if u_MxW is not None and (w_up_HxD is None or u_MxW.shape != cols_MxW.shape
+                              or u_MxW.dtype != jnp.float32):
+        raise ValueError(f"u_MxW must be None, or float32 {cols_MxW.shape} like cols_MxW with w_up_HxD "
+                         f"given (gated), got {u_MxW.dtype}{u_MxW.shape}"
+                         + ("" if w_up_HxD is not None else " without w_up_HxD"))
     m = x_MxD.shape[0]
     m_pad = round_up(m, block_sizes.block_t)
     # Padded rows have n = 0: they read nothing and write no entry.
@@ -418,10 +503,12 @@ def token_backward(x_MxD: jax.Array, gy_MxD: jax.Array, n_M: jax.Array, cols_MxW
                                                             pos_MxW)
     if dx_init is not None:
         (dx_init,) = pad_rows(m_pad, dx_init)
+    if u_MxW is not None:
+        (u_MxW,) = pad_rows(m_pad, u_MxW)
     scale_1 = jnp.reshape(l1_scale.astype(jnp.float32), (1,))
     dx_MxD, *entries = _token_bwd_triton(
         x_MxD, gy_MxD, n_M, cols_MxW, a_MxW, pos_MxW, w_act_HxD, w_up_HxD, w_down_HxD, scale_1,
-        dx_init, block_sizes=block_sizes, interpret=interpret, debug=debug)
+        dx_init, u_MxW, block_sizes=block_sizes, interpret=interpret, debug=debug)
     e = m * cols_MxW.shape[1]
     return dx_MxD[:m], tuple(v[:e] for v in entries)
 
@@ -430,8 +517,8 @@ def token_backward(x_MxD: jax.Array, gy_MxD: jax.Array, n_M: jax.Array, cols_MxW
 def token_backward_reference(x_MxD: jax.Array, gy_MxD: jax.Array, n_M: jax.Array,
                              cols_MxW: jax.Array, a_MxW: jax.Array, pos_MxW: jax.Array,
                              w_act_HxD: jax.Array, w_up_HxD: jax.Array | None, w_down_HxD: jax.Array,
-                             l1_scale: jax.Array, dx_init: jax.Array | None = None
-                             ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+                             l1_scale: jax.Array, dx_init: jax.Array | None = None,
+                             u_MxW: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Plain-jnp version of `token_backward` (same entries, fp32 arithmetic, same outputs at every
     listed position; others 0)."""
     m, width = cols_MxW.shape
@@ -444,7 +531,9 @@ def token_backward_reference(x_MxD: jax.Array, gy_MxD: jax.Array, n_M: jax.Array
     dt_MxW = jnp.einsum("md,mkd->mk", gy32, w_down_HxD.astype(jnp.float32)[j_MxW], precision=hi)
     if w_up_HxD is not None:
         up_rows = w_up_HxD.astype(jnp.float32)[j_MxW]
-        u_MxW = jnp.einsum("md,mkd->mk", x32, up_rows, precision=hi)
+        if u_MxW is None:
+            u_MxW = jnp.einsum("md,mkd->mk", x32, up_rows, precision=hi)
+        u_MxW = jnp.where(live_MxW, u_MxW, 0.0)
         h_MxW = (a_MxW * u_MxW).astype(x_MxD.dtype).astype(jnp.float32)
     else:
         h_MxW = a_MxW

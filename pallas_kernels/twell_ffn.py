@@ -32,7 +32,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .common import (check_launch_sizes, compiler_params, is_pow2 as _is_pow2,
-                                   next_pow2 as _next_pow2, pad_rows, round_up, validate_packed_operands)
+                                   next_pow2 as _next_pow2, pad_rows, round_up, stored_ranks,
+                                   validate_packed_operands)
 
 
 
@@ -68,15 +69,18 @@ class FFNBlockSizes:
 
 
 def _ffn_kernel(*refs, gated: bool, slots: int, n_tiles: int, d: int, d_block: int,
-                head_slots: int) -> None:
+                head_slots: int, ranked_width: int) -> None:
     """Refs: x [BT, D], counts [BT, NT], values/indices [BT, NT, S], (w_up [H, D]), w_down [H, D];
-    outputs y [BT, D], l1 [BT]."""
-    if gated:
-        x_ref, counts_ref, values_ref, indices_ref, w_up_ref, w_down_ref, y_ref, l1_ref = refs
-    else:
-        x_ref, counts_ref, values_ref, indices_ref, w_down_ref, y_ref, l1_ref = refs
-        w_up_ref = None
+    outputs y [BT, D], l1 [BT], and with ranked_width W > 0: a (values' dtype), (u f32, gated)
+    [BT, W + S] in rank order (columns >= W take the dead lanes' stores)."""
+    refs = list(refs)
+    x_ref, counts_ref, values_ref, indices_ref = refs[:4]
+    del refs[:4]
+    w_up_ref = refs.pop(0) if gated else None
+    w_down_ref, y_ref, l1_ref = refs[:3]
+    ranked_refs = refs[3:]  # (a, u) gated, (a,) non-gated; empty without ranked_width
     block_t = x_ref.shape[0]
+    row_BT = lax.broadcasted_iota(jnp.int32, (block_t,), 0)
     n_head = min(head_slots, slots)
     col_D = lax.broadcasted_iota(jnp.int32, (d_block,), 0)
     # D need not be a power of two: the row tensors are d_block = next_pow2(D) wide, masked.
@@ -95,10 +99,19 @@ def _ffn_kernel(*refs, gated: bool, slots: int, n_tiles: int, d: int, d_block: i
         w_rows = plgpu.load(w_down_ref.at[j_BT[:, None], col_1xD], mask=row_mask, other=0)
         return u_rows, w_rows
 
-    def accumulate(acc_BTxD, l1_BT, a_BT, u_rows, w_rows, live_BT):
+    def accumulate(acc_BTxD, l1_BT, a_BT, u_rows, w_rows, live_BT, rank_BT, k):
         h_BT = a_BT.astype(jnp.float32)
+        u_BT = jnp.sum(x_BTxD * u_rows.astype(jnp.float32), axis=1) if gated else None
         if gated:
-            h_BT = h_BT * jnp.sum(x_BTxD * u_rows.astype(jnp.float32), axis=1)
+            h_BT = h_BT * u_BT
+        if ranked_refs:
+            # The entry's a (and u) at its rank among the row's stored entries (what the training
+            # backward's token lists read); ranks past W are not stored (such rows are the
+            # backward's token tail), and dead lanes store to their own column past W.
+            stored_BT = live_BT & (rank_BT < ranked_width)
+            col_BT = jnp.where(stored_BT, rank_BT, ranked_width + k)
+            for ref, v_BT in zip(ranked_refs, (a_BT, u_BT)):
+                plgpu.store(ref.at[row_BT, col_BT], v_BT.astype(ref.dtype), mask=stored_BT)
         h_BT = jnp.where(live_BT, h_BT, 0.0)
         return acc_BTxD + h_BT[:, None] * w_rows.astype(jnp.float32), l1_BT + jnp.abs(h_BT)
 
@@ -113,14 +126,15 @@ def _ffn_kernel(*refs, gated: bool, slots: int, n_tiles: int, d: int, d_block: i
         return count_BT, heads
 
     def tile_step(t, carry):
-        acc_BTxD, l1_BT, count_BT, heads = carry
+        acc_BTxD, l1_BT, first_BT, count_BT, heads = carry  # first: stored entries of earlier tiles
         next_head = load_tile_head(t + 1)  # in flight while this tile computes
         live_count_BT = jnp.minimum(count_BT, slots)
         # Head slots: all row gathers issued first, then the arithmetic.
         lives = [k < live_count_BT for k in range(n_head)]
         rows = [load_rows(j_BT, live_BT) for (j_BT, _), live_BT in zip(heads, lives)]
-        for (_, a_BT), (u_rows, w_rows), live_BT in zip(heads, rows, lives):
-            acc_BTxD, l1_BT = accumulate(acc_BTxD, l1_BT, a_BT, u_rows, w_rows, live_BT)
+        for k, ((_, a_BT), (u_rows, w_rows), live_BT) in enumerate(zip(heads, rows, lives)):
+            acc_BTxD, l1_BT = accumulate(acc_BTxD, l1_BT, a_BT, u_rows, w_rows, live_BT,
+                                         first_BT + k, jnp.int32(k))
 
         def slot_step(k, carry):
             acc_BTxD, l1_BT = carry
@@ -128,15 +142,15 @@ def _ffn_kernel(*refs, gated: bool, slots: int, n_tiles: int, d: int, d_block: i
             j_BT = plgpu.load(indices_ref.at[:, t, k])
             a_BT = plgpu.load(values_ref.at[:, t, k])
             u_rows, w_rows = load_rows(j_BT, live_BT)
-            return accumulate(acc_BTxD, l1_BT, a_BT, u_rows, w_rows, live_BT)
+            return accumulate(acc_BTxD, l1_BT, a_BT, u_rows, w_rows, live_BT, first_BT + k, k)
 
         acc_BTxD, l1_BT = lax.fori_loop(n_head, jnp.maximum(jnp.max(live_count_BT), n_head),
                                         slot_step, (acc_BTxD, l1_BT))
-        return acc_BTxD, l1_BT, *next_head
+        return acc_BTxD, l1_BT, first_BT + live_count_BT, *next_head
 
     init = (jnp.zeros((block_t, d_block), jnp.float32), jnp.zeros((block_t,), jnp.float32),
-            *load_tile_head(0))
-    acc_BTxD, l1_BT, _, _ = lax.fori_loop(0, n_tiles, tile_step, init)
+            jnp.zeros((block_t,), jnp.int32), *load_tile_head(0))
+    acc_BTxD, l1_BT, _, _, _ = lax.fori_loop(0, n_tiles, tile_step, init)
     plgpu.store(y_ref.at[:, pl.ds(0, d_block)], acc_BTxD.astype(y_ref.dtype),
                 mask=None if full_d else jnp.broadcast_to(col_ok_1xD, acc_BTxD.shape))
     l1_ref[...] = l1_BT
@@ -152,15 +166,17 @@ def validate_ffn_args(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD) -> N
 
 
 def _ffn_triton(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD, *, block_sizes: FFNBlockSizes,
-                interpret: bool, debug: bool):
+                ranked_width: int, interpret: bool, debug: bool):
     m, d = x_MxD.shape
     n_tiles, slots = values.shape[1], values.shape[2]
     bt = block_sizes.block_t
     gated = w_up_HxD is not None
     kernel = functools.partial(_ffn_kernel, gated=gated, slots=slots, n_tiles=n_tiles, d=d,
-                               d_block=_next_pow2(d), head_slots=block_sizes.head_slots)
+                               d_block=_next_pow2(d), head_slots=block_sizes.head_slots,
+                               ranked_width=ranked_width)
     weights = (w_up_HxD, w_down_HxD) if gated else (w_down_HxD,)
     weight_specs = [pl.BlockSpec(w.shape, lambda i: (0, 0)) for w in weights]
+    ranked_dtypes = ((values.dtype, jnp.float32) if gated else (values.dtype,)) if ranked_width else ()
     return pl.pallas_call(
         kernel,
         grid=(m // bt,),
@@ -170,9 +186,11 @@ def _ffn_triton(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD, *, block_s
                   pl.BlockSpec((bt, n_tiles, slots), lambda i: (i, 0, 0)),
                   *weight_specs],
         out_specs=[pl.BlockSpec((bt, d), lambda i: (i, 0)),
-                   pl.BlockSpec((bt,), lambda i: (i,))],
+                   pl.BlockSpec((bt,), lambda i: (i,)),
+                   *[pl.BlockSpec((bt, ranked_width + slots), lambda i: (i, 0)) for _ in ranked_dtypes]],
         out_shape=[jax.ShapeDtypeStruct((m, d), x_MxD.dtype),
-                   jax.ShapeDtypeStruct((m,), jnp.float32)],
+                   jax.ShapeDtypeStruct((m,), jnp.float32),
+                   *[jax.ShapeDtypeStruct((m, ranked_width + slots), dt) for dt in ranked_dtypes]],
         compiler_params=compiler_params(block_sizes),
         interpret=interpret,
         debug=debug,
@@ -180,39 +198,68 @@ def _ffn_triton(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD, *, block_s
     )(x_MxD, counts, values, indices, *weights)
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "debug"))
+def _check_ranked_width(ranked_width: int) -> None:
+    if isinstance(ranked_width, bool) or not isinstance(ranked_width, int) or ranked_width < 0 \
+            or (ranked_width and not _is_pow2(ranked_width)):
+        raise ValueError(f"ranked_width must be 0 or a power of two, got {ranked_width!r}")
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "ranked_width", "interpret", "debug"))
 def sparse_ffn(x_MxD: jax.Array, values: jax.Array, indices: jax.Array, counts: jax.Array,
                w_up_HxD: jax.Array | None, w_down_HxD: jax.Array, *,
-               block_sizes: FFNBlockSizes = FFNBlockSizes(), interpret: bool = False,
-               debug: bool = False) -> tuple[jax.Array, jax.Array]:
-    """Fused sparse FFN from a packed gate: returns (y [M, D] in x's dtype, l1_per_row [M] f32).
+               block_sizes: FFNBlockSizes = FFNBlockSizes(), ranked_width: int = 0,
+               interpret: bool = False, debug: bool = False) -> tuple:
+    """Fused sparse FFN from a packed gate: returns (y [M, D] in x's dtype, l1_per_row [M] f32),
+    and with ranked_width W > 0 (a power of two) a third element: each row's stored entries in
+    rank order (tiles, then slots ascending: what `twell_bwd_token.rank_values` gives) up to W,
+    (a [M, W] in values' dtype, u [M, W] f32 = x . U_j) gated or (a,) non-gated, what the
+    training backward keeps. Columns past a row's stored entries are unspecified.
 
     w_up_HxD=None selects the non-gated variant (h = packed value). Any M (padded to block_t).
     """
     validate_ffn_args(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD)
+    _check_ranked_width(ranked_width)
     m = x_MxD.shape[0]
     # Padded rows have count 0: they read nothing and produce y = 0.
     x_MxD, values, indices, counts = pad_rows(round_up(m, block_sizes.block_t), x_MxD, values, indices,
                                               counts)
-    y_MxD, l1_M = _ffn_triton(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD,
-                              block_sizes=block_sizes, interpret=interpret, debug=debug)
-    return y_MxD[:m], l1_M[:m]
+    y_MxD, l1_M, *ranked = _ffn_triton(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD,
+                                       block_sizes=block_sizes, ranked_width=ranked_width,
+                                       interpret=interpret, debug=debug)
+    if not ranked_width:
+        return y_MxD[:m], l1_M[:m]
+    return y_MxD[:m], l1_M[:m], tuple(r[:m, :ranked_width] for r in ranked)
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("ranked_width",))
 def sparse_ffn_reference(x_MxD: jax.Array, values: jax.Array, indices: jax.Array,
                          counts: jax.Array, w_up_HxD: jax.Array | None,
-                         w_down_HxD: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Plain-jnp version of `sparse_ffn` (same slots read, fp32 arithmetic)."""
-    slots = values.shape[2]
-    live = jnp.arange(slots)[None, None, :] < jnp.minimum(counts, slots)[:, :, None]
+                         w_down_HxD: jax.Array, ranked_width: int = 0) -> tuple:
+    """Plain-jnp version of `sparse_ffn` (same slots read, fp32 arithmetic; ranked columns past a
+    row's stored entries hold 0)."""
+    _check_ranked_width(ranked_width)
+    m, n_tiles, slots = values.shape
+    rank, live = stored_ranks(counts, slots)
     a = jnp.where(live, values.astype(jnp.float32), 0.0)
     x32 = x_MxD.astype(jnp.float32)
+    u = None
     if w_up_HxD is not None:
         u_rows = w_up_HxD.astype(jnp.float32)[indices]  # [M, NT, S, D]
-        h = a * jnp.einsum("md,mtsd->mts", x32, u_rows, precision=lax.Precision.HIGHEST)
+        u = jnp.einsum("md,mtsd->mts", x32, u_rows, precision=lax.Precision.HIGHEST)
+        h = a * u
     else:
         h = a
     y = jnp.einsum("mts,mtsd->md", h, w_down_HxD.astype(jnp.float32)[indices],
                    precision=lax.Precision.HIGHEST)
-    return y.astype(x_MxD.dtype), jnp.sum(jnp.abs(h), axis=(1, 2))
+    out = (y.astype(x_MxD.dtype), jnp.sum(jnp.abs(h), axis=(1, 2)))
+    if not ranked_width:
+        return out
+    rank = jnp.where(live & (rank < ranked_width), rank, ranked_width).reshape(m, -1)
+    rows = jnp.broadcast_to(jnp.arange(m)[:, None], rank.shape)
+
+    def ranked(v, dtype):
+        return jnp.zeros((m, ranked_width), dtype).at[rows, rank].set(
+            v.reshape(m, -1).astype(dtype), mode="drop")
+
+    parts = (ranked(values, values.dtype),) + ((ranked(u, jnp.float32),) if u is not None else ())
+    return (*out, parts)

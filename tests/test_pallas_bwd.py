@@ -82,6 +82,17 @@ def test_token_backward_matches_reference(dtype, gated, block_t, hot, with_init)
                          block_sizes=TokenBwdBlockSizes(block_t=block_t), interpret=True)
     ref = token_backward_reference(x, gy, *lists, w_act, w_up, w_down, scale, dx_init)
     dx, entries = out
+    if gated:  # the default splits the gated kernel in two launches; one launch computes the same
+        one_dx, one_entries = token_backward(
+            x, gy, *lists, w_act, w_up, w_down, scale, dx_init=dx_init,
+            block_sizes=TokenBwdBlockSizes(block_t=block_t, split=False), interpret=True)
+        np.testing.assert_allclose(np.asarray(one_dx, np.float32), np.asarray(dx, np.float32),
+                                   rtol=1e-6, atol=1e-6)
+        listed = np.zeros(m * 8, bool)
+        for i in range(m):
+            listed[np.asarray(pos[i, :int(n_M[i])])] = True
+        for e, e_one in zip(entries, one_entries):
+            np.testing.assert_array_equal(np.asarray(e)[listed], np.asarray(e_one)[listed])
     assert dx.shape == x.shape and dx.dtype == dtype
     assert len(entries) == (3 if gated else 2)
     assert n_entries > 0 and all(e.shape == (m * 8,) for e in entries)
@@ -93,6 +104,32 @@ def test_token_backward_matches_reference(dtype, gated, block_t, hot, with_init)
     for e, e_ref in zip(entries, ref[1]):  # positions of left-out entries are unspecified
         assert rel_err(e[:n_entries][listed_E], e_ref[:n_entries][listed_E]) < 1e-5
     assert bool(jnp.any(entries[1][:n_entries][listed_E]))
+    if gated:
+        # u kept by the forward (in rank order, as sparse_ffn's ranked output), listed by
+        # token_lists beside a, read by the kernel instead of computing it, in either launch.
+        u_slots = jnp.einsum("md,mtsd->mts", x.astype(jnp.float32), w_up.astype(jnp.float32)[indices],
+                             precision=jax.lax.Precision.HIGHEST)
+        ranked_u = rank_values_reference(u_slots, counts, width)
+        lists_u = token_lists(ranked, indices, counts, dest, hot_H, ranked_u_MxW=ranked_u,
+                              block_sizes=ListsBlockSizes(block_rows=4 * block_t), interpret=True)
+        ref_lists_u = token_lists_reference(ranked_ref, indices, counts, dest, hot_H, ranked_u)
+        assert len(lists_u) == len(ref_lists_u) == 5
+        for got, want in zip(lists_u, ref_lists_u):
+            got, want = np.asarray(got), np.asarray(want)
+            np.testing.assert_array_equal(got if got.ndim == 1 else got[listed_MxW],
+                                          want if want.ndim == 1 else want[listed_MxW])
+        ref_u = token_backward_reference(x, gy, *lists_u[:4], w_act, w_up, w_down, scale, dx_init,
+                                         lists_u[4])
+        for split in (True, False):
+            dx_u, entries_u = token_backward(
+                x, gy, *lists_u[:4], w_act, w_up, w_down, scale, dx_init=dx_init, u_MxW=lists_u[4],
+                block_sizes=TokenBwdBlockSizes(block_t=block_t, split=split), interpret=True)
+            assert rel_err(dx_u, ref_u[0]) < TOL[dtype] and rel_err(dx_u, ref[0]) < TOL[dtype]
+            for e, e_ref in zip(entries_u, ref_u[1]):
+                assert rel_err(e[:n_entries][listed_E], e_ref[:n_entries][listed_E]) < 1e-5
+        with pytest.raises(ValueError, match="u_MxW"):
+            token_backward(x, gy, *lists_u[:4], w_act, None, w_down, scale, u_MxW=lists_u[4],
+                           interpret=True)
     if not with_init:
         assert not bool(jnp.any(dx[0]))  # all-zero token 0
 
@@ -125,6 +162,8 @@ def test_neuron_backward_matches_reference(dtype, n_values, block_n, with_init):
 def test_kernel_arguments_are_validated():
     with pytest.raises(ValueError, match="block_t"):
         TokenBwdBlockSizes(block_t=3)
+    with pytest.raises(ValueError, match="split"):
+        TokenBwdBlockSizes(split=1)
     with pytest.raises(ValueError, match="block_n"):
         NeuronBwdBlockSizes(block_n=0)
     with pytest.raises(ValueError, match="block_rows"):

@@ -71,3 +71,43 @@ def test_sparse_ffn_validates_arguments():
         sparse_ffn(x, values, indices, counts[:4], w_up, w_down, interpret=True)
     with pytest.raises(ValueError, match="w_down_HxD"):
         sparse_ffn(x, values, indices, counts, w_up, w_down.astype(jnp.bfloat16), interpret=True)
+
+
+@pytest.mark.parametrize("dtype,gated,block_t,head_slots", [
+    (jnp.float32, True, 1, 0), (jnp.bfloat16, True, 2, 1), (jnp.bfloat16, False, 1, 2)])
+def test_sparse_ffn_ranked_outputs_are_the_rows_entries_in_rank_order(dtype, gated, block_t, head_slots):
+    """ranked_width: each row's stored (a, u) in rank order, what the training backward keeps; rows
+    with more stored entries than the width (the dense token 3: the backward's token tail) keep
+    their first `width`; y and l1 are unchanged by it."""
+    x, w_gate, w_up, w_down = make_case(dtype)
+    values, indices, counts = pack_gate_reference(x, w_gate, tile=TILE, slots=SLOTS)
+    up = w_up if gated else None
+    width = 16
+    n_stored = np.asarray(jnp.sum(jnp.minimum(counts, SLOTS), axis=1))
+    assert n_stored[3] > width and n_stored[4] == 0 and n_stored.max() > 0
+    sizes = FFNBlockSizes(block_t=block_t, head_slots=head_slots)
+    y, l1, ranked = sparse_ffn(x, values, indices, counts, up, w_down, block_sizes=sizes,
+                               ranked_width=width, interpret=True)
+    y0, l10 = sparse_ffn(x, values, indices, counts, up, w_down, block_sizes=sizes, interpret=True)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+    np.testing.assert_array_equal(np.asarray(l1), np.asarray(l10))
+    *_, ranked_ref = sparse_ffn_reference(x, values, indices, counts, up, w_down, ranked_width=width)
+    assert len(ranked) == len(ranked_ref) == (2 if gated else 1)
+    assert ranked[0].dtype == dtype and (not gated or ranked[1].dtype == jnp.float32)
+    stored = np.arange(width)[None, :] < np.minimum(n_stored, width)[:, None]
+    np.testing.assert_array_equal(np.asarray(ranked[0])[stored], np.asarray(ranked_ref[0])[stored])
+    for i in (0, 1, 2, 3):  # rank order = the stored slots, tiles then slots ascending
+        live = np.asarray(jnp.arange(SLOTS)[None, :] < jnp.minimum(counts[i], SLOTS)[:, None])
+        want = np.asarray(values[i])[live][:width]
+        np.testing.assert_array_equal(np.asarray(ranked_ref[0][i, :len(want)]), want)
+    if gated:  # u = x . U_j of each entry, fp32
+        u = np.asarray(ranked[1])[stored]
+        assert rel_err(u, np.asarray(ranked_ref[1])[stored]) < 1e-5
+        j = np.asarray(indices)
+        i = int(np.nonzero(stored)[0][0])  # independent check of one row: u from its own entries
+        live = np.asarray(jnp.arange(SLOTS)[None, :] < jnp.minimum(counts[i], SLOTS)[:, None])
+        js = j[i][live][:width]
+        want_u = np.asarray(x[i], np.float32) @ np.asarray(w_up, np.float32)[js].T
+        np.testing.assert_allclose(np.asarray(ranked[1][i, :len(js)]), want_u, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="ranked_width"):
+        sparse_ffn(x, values, indices, counts, up, w_down, ranked_width=12, interpret=True)

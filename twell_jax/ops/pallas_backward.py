@@ -48,6 +48,7 @@ from twell_jax.pallas_kernels.twell_bwd_neuron import neuron_backward
 from twell_jax.pallas_kernels.twell_bwd_token import (rank_values, token_backward,
                                             token_lists)
 from twell_jax.pallas_kernels.twell_pack import PackBlockSizes, pack_gate
+from twell_jax.pallas_kernels.common import next_pow2
 from twell_jax.pallas_kernels.twell_transpose import chunk_histograms, neuron_lists, pack_tile
 from twell_jax.ops import pallas_forward
 from twell_jax.ops.config import SparseFFNConfig
@@ -65,13 +66,17 @@ class Kept(NamedTuple):
     transpose's first pass. 19 MB at M 16384, H 5632, S 32, W 128, bf16 (the pack as the forward
     made it, bf16 values and int32 indices and counts: 71 MB)."""
 
-    ranked: jax.Array   # [M, W] the kernels' entries' values in rank order (`rank_values`)
+    ranked: jax.Array   # [M, W] the kernels' entries' values in rank order (`sparse_ffn`'s ranked a)
     offsets: jax.Array  # [M, NT, S] neuron id - t * tile: uint8 for tiles up to 256 lanes
     counts: jax.Array   # [M, NT] int16 (a count is at most the tile's lanes)
     hist: jax.Array     # chunk_histograms of the kernels' entries, int32 [C, NT * tile]
+    # Gated: [M, W] f32, each entry's u = x . U_j in rank order (`sparse_ffn`'s ranked u), so the
+    # token-major backward reads u instead of gathering U_j for it; None non-gated.
+    ranked_u: jax.Array | None = None
 
     @staticmethod
-    def store(ranked: jax.Array, pack: Pack, hist: jax.Array, n_neurons: int) -> "Kept":
+    def store(ranked: jax.Array, pack: Pack, hist: jax.Array, n_neurons: int,
+              ranked_u: jax.Array | None = None) -> "Kept":
         _, indices, counts = pack
         tile, base = _tile_base(n_neurons, indices.shape[1])
         small = jnp.uint8 if tile <= 256 else jnp.int32
@@ -82,7 +87,7 @@ class Kept(NamedTuple):
         # temporaries 579 MiB without the barrier, 533 with it); inside that cond, as now, both give
         # 533 (BENCHMARKS.md, sixth day).
         return Kept(*jax.lax.optimization_barrier(
-            (ranked, (indices - base).astype(small), counts.astype(jnp.int16), hist)))
+            (ranked, (indices - base).astype(small), counts.astype(jnp.int16), hist, ranked_u)))
 
     def pattern(self, n_neurons: int) -> tuple[jax.Array, jax.Array]:
         """(indices int32 [M, NT, S], counts int32 [M, NT]) as packed (in every live slot)."""
@@ -101,6 +106,12 @@ Aux = dict[str, jax.Array]
 # ----------------------------------------------------------------------------------------------
 # Forward with the residual the backward wants
 # ----------------------------------------------------------------------------------------------
+
+def ell_width_pow2(config: SparseFFNConfig) -> int:
+    """The width W of the backward's per-token arrays (rank order, lists): config.ell_width rounded
+    up to a power of two (`rank_values`' W)."""
+    return next_pow2(config.ell_width)
+
 
 def _split(gated: bool, weights: Weights) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """(w_act, w_up or None, w_down): w_act is the weight whose relu gives the pattern."""
@@ -147,7 +158,11 @@ def forward(gated: bool, x_MxD: jax.Array, weights: Weights, config: SparseFFNCo
     bc = config.backward or BackwardConfig()
     pack = pack_gate(x_MxD, w_act, tile=s["tile"], slots=s["slots"],
                      block_sizes=s["pack_block_sizes"], interpret=interpret)
-    y, aux = pallas_forward.sparse_forward(x_MxD, w_act, w_up, w_down, s, interpret, pack=pack)
+    # Kept: the fused FFN also writes its entries' values (and u, gated) in rank order, the order
+    # of the backward's lists, so no pass of its own ranks them.
+    y, aux, *ranked = pallas_forward.sparse_forward(
+        x_MxD, w_act, w_up, w_down, s, interpret, pack=pack,
+        ranked_width=ell_width_pow2(config) if bc.keep_gate_pattern else 0)
     tail_M, kernel_counts = kernel_pattern(pack[2], config)
     hist = chunk_histograms(pack[1], kernel_counts, h, block_sizes=bc.transpose_block_sizes,
                             interpret=interpret)
@@ -158,9 +173,8 @@ def forward(gated: bool, x_MxD: jax.Array, weights: Weights, config: SparseFFNCo
     aux["backward_hot_neurons"] = jnp.sum(hot_H, dtype=jnp.int32)
     if not bc.keep_gate_pattern:
         return y, aux, None
-    ranked = rank_values(pack[0], kernel_counts, config.ell_width, block_sizes=bc.lists_block_sizes,
-                         interpret=interpret)
-    return y, aux, Kept.store(ranked, pack, hist, h)
+    ranked_a, *ranked_u = ranked[0]
+    return y, aux, Kept.store(ranked_a, pack, hist, h, ranked_u[0] if ranked_u else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -391,9 +405,10 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
     if m == 0:
         return dense_backward()
     slots = config.slots
-    hist = ranked = values = None
+    hist = ranked = values = ranked_u = None
     if isinstance(kept, Kept):
         (indices, counts), hist, ranked = kept.pattern(h), kept.hist, kept.ranked
+        ranked_u = kept.ranked_u
     else:
         if kept is None:
             kept = pack_gate(x_MxD, w_act, tile=config.tile, slots=slots,
@@ -424,11 +439,12 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
 
     def kernels(hot: jax.Array | None, dx_init: jax.Array | None,
                 inits: tuple[jax.Array, ...] | None) -> tuple[jax.Array, Weights]:
-        lists = token_lists(ranked, indices, kernel_counts, dest_MxW, hot,
-                            block_sizes=bc.lists_block_sizes, interpret=interpret)
+        n_M, cols, a, pos, *u = token_lists(ranked, indices, kernel_counts, dest_MxW, hot,
+                                            ranked_u_MxW=ranked_u, block_sizes=bc.lists_block_sizes,
+                                            interpret=interpret)
         dx_MxD, values_E = token_backward(
-            x_MxD, gy_MxD, *lists, w_act, w_up, w_down, l1_scale, dx_init=dx_init,
-            block_sizes=bc.token_block_sizes, interpret=interpret)
+            x_MxD, gy_MxD, n_M, cols, a, pos, w_act, w_up, w_down, l1_scale, dx_init=dx_init,
+            u_MxW=u[0] if u else None, block_sizes=bc.token_block_sizes, interpret=interpret)
         grads = neuron_backward(x_MxD, gy_MxD, start_H, kernel_count_H, tokens_E, values_E, inits,
                                 block_sizes=bc.neuron_block_sizes, interpret=interpret)
         return dx_MxD, grads

@@ -110,16 +110,21 @@ def _dense_rows(x_RxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | No
 
 def sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
                     w_down_HxD: jax.Array, s: dict[str, Any], interpret: bool,
-                    pack: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> tuple[jax.Array, Aux]:
-    """Pack + fused FFN + exact fix-up of overflowing rows. w_up None = non-gated. `pack`: the
-    (values, indices, counts) of pack_gate(x, w_act) when the caller already has it (the training
-    forward keeps it for the Pallas backward, twell_jax/ops/pallas_backward.py)."""
+                    pack: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+                    ranked_width: int = 0) -> tuple:
+    """Pack + fused FFN + exact fix-up of overflowing rows: (y, aux). w_up None = non-gated.
+    `pack`: the (values, indices, counts) of pack_gate(x, w_act) when the caller already has it
+    (the training forward keeps it for the Pallas backward, twell_jax/ops/pallas_backward.py).
+    ranked_width > 0: (y, aux, ranked), ranked = the fused FFN's entries in rank order up to that
+    width (`sparse_ffn`'s ranked output: (a, u) gated, (a,) non-gated), as the kernel computed
+    them (rows the fix-up recomputes keep the kernel's values: the backward's token tail)."""
     m, h = x_MxD.shape[0], w_act_HxD.shape[0]
     values, indices, counts = pack if pack is not None else pack_gate(
         x_MxD, w_act_HxD, tile=s["tile"], slots=s["slots"], block_sizes=s["pack_block_sizes"],
         interpret=interpret)
-    y_MxD, l1_M = sparse_ffn(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD,
-                             block_sizes=s["ffn_block_sizes"], interpret=interpret)
+    y_MxD, l1_M, *ranked = sparse_ffn(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD,
+                                      block_sizes=s["ffn_block_sizes"], ranked_width=ranked_width,
+                                      interpret=interpret)
     tile_overflow_MxNT = counts > s["slots"]
     row_overflow_M = jnp.any(tile_overflow_MxNT, axis=1)
     n_row_overflow = jnp.sum(row_overflow_M, dtype=jnp.int32)
@@ -169,7 +174,7 @@ def sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array |
     if want_counts:
         aux["neuron_active_count"] = neuron_H
         aux["token_active_count"] = jnp.sum(counts, axis=1, dtype=jnp.int32)
-    return y_MxD, aux
+    return (y_MxD, aux, *ranked)
 
 
 def calibrate_active_per_token(x: jax.Array, w_gate_HxD: jax.Array, *,
