@@ -178,3 +178,11 @@ def test_an_xplane_reads_as_the_same_trace_shape(tmp_path):
         path.unlink()
     assert kernel_trace.read_profile_dir(tmp_path) == trace
     assert kernel_trace.read_profile_dir(tmp_path / "nothing") is None
+
+
+def test_sweep_blocks_takes_a_list_of_kernels(capsys):
+    assert bench_ffn_train.parse_sweep_kernels("token,pack") == ("token", "pack")
+    assert bench_ffn_train.parse_sweep_kernels(" neuron ") == ("neuron",)
+    with pytest.raises(SystemExit):
+        bench_ffn_train.main(["--sweep-blocks", "token,gemm", "--dry-run"])
+    assert "--sweep-blocks takes kernels among token, neuron, pack, got 'token,gemm'" in capsys.readouterr().err

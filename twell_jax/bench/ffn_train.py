@@ -69,7 +69,7 @@ from twell_jax.bench.kernel_trace import KernelProfile, format_profile, kernel_t
 from twell_jax.pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes, neuron_backward
 from twell_jax.pallas_kernels.twell_bwd_token import TokenBwdBlockSizes, rank_values, token_backward, token_lists
 from twell_jax.pallas_kernels.twell_transpose import neuron_lists
-from twell_jax.pallas_kernels.twell_ffn import sparse_ffn
+from twell_jax.pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn
 from twell_jax.pallas_kernels.twell_pack import PackBlockSizes, pack_gate
 from twell_jax import ops
 from twell_jax.model import FeedForward, Transformer
@@ -79,20 +79,22 @@ L1_COEF = 3e-4 / 8  # the 0.5b recipe's lambda over its 8 layers (docs/training.
 BACKENDS = ("xla_bf16", "dense", "reference", "pallas", "pallas_recompute", "auto")
 CHECKPOINT_BACKENDS = ("xla_bf16", "dense", "pallas", "pallas_recompute", "auto")
 GRAD_NAMES = ("dx", "dw_gate", "dw_up", "dw_down")
-TRACED_BACKENDS = ("xla_bf16", "pallas", "auto")  # --trace: the per-kernel profile of these programs
+TRACED_BACKENDS = ("xla_bf16", "pallas", "auto")
+SWEEP_KERNELS = ("token", "neuron", "pack")  # --sweep-blocks: the kernels it may time
+FORWARD_BACKENDS = ("xla_bf16", "dense", "pallas", "auto")  # also timed forward-only (training and inference)  # --trace: the per-kernel profile of these programs
 # --dry-run: the interpreter compiles every backend's whole fwd+bwd, so the smoke run skips the two
 # that only repeat others' code paths (the reference backend, and pallas with the pattern recomputed:
 # tests/test_ops.py and tests/test_pallas_bwd_op.py cover both).
 DRY_RUN_SKIPPED = ("reference", "pallas_recompute")
 # --sweep-blocks: the launch parameters tried (the default first, wherever it lies in the list).
-TOKEN_SWEEP = tuple(TokenBwdBlockSizes(block_t=t, num_warps=w, num_stages=s)
-                    for t in (1, 2, 4) for w in (2, 4, 8) for s in (1, 2))
+TOKEN_SWEEP = tuple(TokenBwdBlockSizes(block_t=t, num_warps=w, num_stages=s, split=sp)
+                    for sp in (True, False) for t in (1, 2) for w in (2, 4) for s in (1, 2))
 NEURON_SWEEP = tuple(NeuronBwdBlockSizes(block_n=n, num_warps=w) for n in (1, 2, 4) for w in (2, 4, 8))
 # The pack kernel: its launch order (group_m: row blocks per L2 group, 0 = all) and pipeline depth.
 PACK_SWEEP = tuple(PackBlockSizes(group_m=g, num_stages=st) for g in (0, 1, 4, 8, 16, 32) for st in (3, 4))
 # In the interpreter the warps and stages change nothing and each variant compiles anew: the
 # default and one more block_t / block_n, the warps and stages varied alongside.
-TOKEN_SWEEP_DRY = (TokenBwdBlockSizes(), TokenBwdBlockSizes(2, 2, 2))
+TOKEN_SWEEP_DRY = (TokenBwdBlockSizes(), TokenBwdBlockSizes(2, 2, 2), TokenBwdBlockSizes(split=False))
 NEURON_SWEEP_DRY = (NeuronBwdBlockSizes(1, 4), NeuronBwdBlockSizes(2, 2))
 PACK_SWEEP_DRY = (PackBlockSizes(), PackBlockSizes(group_m=0, num_stages=4))  # the row-major order
 Weights3 = tuple[jax.Array, jax.Array, jax.Array]
@@ -107,11 +109,8 @@ def xla_bf16_loss_parts(x, w_gate, w_up, w_down):
     return y, jnp.sum(jnp.abs(h), dtype=jnp.float32) / x.shape[0]
 
 
-def make_train_step(backend: str, config: ops.SparseFFNConfig, interpret: bool):
-    """f(x, wg, wu, wd, gy) -> (dx, dwg, dwu, dwd, y): the vjp of (y, l1) at cotangent (gy, L1_COEF),
-    and y itself. y is returned because a training step needs it (the next layer's input): without
-    it XLA drops the forward's last product from the program (the down projection, or the fused
-    sparse FFN kernel), and the timed fwd+bwd would miss it (as it did until 2026-11-22)."""
+def loss_parts(backend: str, config: ops.SparseFFNConfig, interpret: bool):
+    """f(x, wg, wu, wd) -> (y, l1) of one backend (BACKENDS)."""
     def parts(x, wg, wu, wd):
         if backend == "xla_bf16":
             return xla_bf16_loss_parts(x, wg, wu, wd)
@@ -119,6 +118,25 @@ def make_train_step(backend: str, config: ops.SparseFFNConfig, interpret: bool):
         y, aux = ops.gated_ffn(x, wg, wu, wd, backend=op_backend, config=config,
                                interpret=interpret and op_backend == "pallas")
         return y, aux["l1"]
+    return parts
+
+
+def make_forward(backend: str, config: ops.SparseFFNConfig, interpret: bool, training: bool):
+    """f(x, wg, wu, wd) -> the forward alone: training=True, the forward of a training step ((y, l1)
+    and the vjp's residuals, everything the backward keeps, as outputs so none of it is dropped);
+    training=False, the inference forward (y and l1 only: no residual)."""
+    parts = loss_parts(backend, config, interpret)
+    if training:
+        return jax.jit(lambda x, wg, wu, wd: jax.vjp(parts, x, wg, wu, wd))
+    return jax.jit(parts)
+
+
+def make_train_step(backend: str, config: ops.SparseFFNConfig, interpret: bool):
+    """f(x, wg, wu, wd, gy) -> (dx, dwg, dwu, dwd, y): the vjp of (y, l1) at cotangent (gy, L1_COEF),
+    and y itself. y is returned because a training step needs it (the next layer's input): without
+    it XLA drops the forward's last product from the program (the down projection, or the fused
+    sparse FFN kernel), and the timed fwd+bwd would miss it (as it did until 2026-11-22)."""
+    parts = loss_parts(backend, config, interpret)
 
     def step(x, wg, wu, wd, gy):
         (y, _), vjp = jax.vjp(parts, x, wg, wu, wd)
@@ -179,19 +197,33 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
     def hot_of(lists):
         return ops.TailPolicy(config).hot(lists[1], lists[3].shape[0])
 
+    @jax.jit
+    def ranked(x, wu, wd, pack_out):
+        """The fused FFN as the training forward runs it: y and its entries' (a, u) in rank order
+        (what the backward keeps)."""
+        return sparse_ffn(x, *pack_out, wu, wd, block_sizes=config.ffn_block_sizes or FFNBlockSizes(),
+                          ranked_width=pallas_backward.ell_width_pow2(config), interpret=interpret)
+
     @functools.partial(jax.jit, static_argnames="tails")
-    def token(x, wg, wu, wd, gy, prepared, lists, *, tails: bool):
+    def token(x, wg, wu, wd, gy, prepared, lists, kept, *, tails: bool):
         """As the backward calls it (the per-token lists, then the kernel): with the hot neurons
-        left out and an f32 dx init when a tail exists. Includes `rank_values`, which the training
-        forward runs (it is not timed alone)."""
+        left out and an f32 dx init when a tail exists, from the (a, u) the forward kept
+        (`ranked`'s third output), or, kept=None, as the backward that recomputes the pattern
+        runs it (`rank_values`, and u computed by the kernel)."""
         values, indices, counts, _ = prepared
-        ranked = rank_values(values, counts, config.ell_width, block_sizes=bc.lists_block_sizes,
-                             interpret=interpret)
-        rows = token_lists(ranked, indices, counts, lists[3], hot_of(lists) if tails else None,
-                           block_sizes=bc.lists_block_sizes, interpret=interpret)
-        return token_backward(x, gy, *rows, wg, wu, wd, jnp.float32(L1_COEF / x.shape[0]),
+        if kept is None:
+            ranked_a = rank_values(values, counts, config.ell_width, block_sizes=bc.lists_block_sizes,
+                                   interpret=interpret)
+            ranked_u = None
+        else:
+            ranked_a, ranked_u = kept
+        n, cols, a, pos, *u = token_lists(ranked_a, indices, counts, lists[3],
+                                          hot_of(lists) if tails else None, ranked_u_MxW=ranked_u,
+                                          block_sizes=bc.lists_block_sizes, interpret=interpret)
+        return token_backward(x, gy, n, cols, a, pos, wg, wu, wd, jnp.float32(L1_COEF / x.shape[0]),
                               dx_init=jnp.zeros(x.shape, jnp.float32) if tails else None,
-                              block_sizes=bc.token_block_sizes, interpret=interpret)
+                              u_MxW=u[0] if u else None, block_sizes=bc.token_block_sizes,
+                              interpret=interpret)
 
     def neuron(x, gy, lists, values_E):
         start, count, tokens, _ = lists
@@ -225,7 +257,7 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
             bc.small_tail_chunk, (jnp.zeros((m, d), jnp.float32), zeros))
 
     return dict(pack=pack, token_inputs=jax.jit(token_inputs), transpose=jax.jit(transpose),
-                token=token, neuron=jax.jit(neuron),
+                ranked=ranked, token=token, neuron=jax.jit(neuron),
                 token_tail64=token_tail64, token_tail=token_tail, neuron_tail=neuron_tail)
 
 
@@ -341,7 +373,8 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
     prepared = p["token_inputs"](packed)
     lists = p["transpose"](prepared)
     tails = bool(jnp.any(prepared[3])) or bool(jnp.any(ops.TailPolicy(config).hot(lists[1], m)))
-    _, values_E = p["token"](*x0, prepared, lists, tails=tails)
+    kept = p["ranked"](x0[0], wu, wd, packed)[2]  # the (a, u) the training forward keeps
+    _, values_E = p["token"](*x0, prepared, lists, kept, tails=tails)
     stats = pattern_stats(np.asarray(counts), np.asarray(lists[1]), config, seq_len)
     hint = stats["active_mean"]
     row: dict[str, Any] = dict(m=m, d=d, h=h, hint=hint, pattern=stats, errors={}, temp_mb={})
@@ -379,6 +412,13 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
     del base
     row["ms"] = bench_ffn.bench_interleaved(steps, sets, repeats=repeats)
     log("  " + ", ".join(f"{b} {t:.3f} ms" for b, t in row["ms"].items()))
+    # The forward alone, as a training step runs it (with the residuals the backward keeps) and as
+    # inference runs it (y and l1), for the backends of FORWARD_BACKENDS.
+    fwd_backends = [b for b in FORWARD_BACKENDS if b in backends]
+    for training, key in ((True, "fwd_ms"), (False, "infer_ms")):
+        fwds = {b: make_forward(b, configs.get(b, config), interpret, training) for b in fwd_backends}
+        row[key] = bench_ffn.bench_interleaved(fwds, [s[:4] for s in sets], repeats=repeats)
+        log(f"  {key}: " + ", ".join(f"{b} {t:.3f}" for b, t in row[key].items()))
     if trace:  # the very programs just timed: one compilation each
         row["trace"] = {}
         for b in (b for b in TRACED_BACKENDS if b in steps):
@@ -390,9 +430,12 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
         pack=bench(p["pack"], [(x, wg) for x in xs]),
         fused_ffn=bench(functools.partial(sparse_ffn, interpret=interpret),
                         [(x, *p["pack"](x, wg), wu, wd) for x in xs[:1]]),
+        fused_ffn_ranked=bench(p["ranked"], [(x0[0], wu, wd, packed)]),
         tail_mask=bench(p["token_inputs"], [(packed,)]),
         transpose=bench(p["transpose"], [(prepared,)]),
-        token_major=bench(functools.partial(p["token"], tails=tails), [(*x0, prepared, lists)]),
+        token_major=bench(functools.partial(p["token"], tails=tails), [(*x0, prepared, lists, kept)]),
+        token_major_recompute=bench(functools.partial(p["token"], tails=tails),
+                                    [(*x0, prepared, lists, None)]),
         neuron_major=bench(p["neuron"], [(x0[0], gy, lists, values_E)]),
         token_tail_64_rows=bench(p["token_tail64"], [x0]),
         token_tail=bench(p["token_tail"], [(*x0, prepared[3])]),
@@ -421,7 +464,7 @@ def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: op
                       interpret: bool, token_sizes: Sequence[TokenBwdBlockSizes],
                       neuron_sizes: Sequence[NeuronBwdBlockSizes],
                       pack_sizes: Sequence[PackBlockSizes], *, repeats: int = 15,
-                      log=print) -> dict:
+                      log=print, kernels: Sequence[str] = SWEEP_KERNELS) -> dict:
     """Time the token-major and the neuron-major kernel alone at each launch in the lists, on the
     backward's own inputs for (x, weights, gy) (piece_fns: pack, tail mask, transpose, the default
     token kernel's entry values), and the pack kernel at each launch in `pack_sizes` (on x and
@@ -449,10 +492,11 @@ def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: op
     prepared = p["token_inputs"](p["pack"](x, wg))
     lists = p["transpose"](prepared)
     tails = bool(jnp.any(prepared[3])) or bool(jnp.any(ops.TailPolicy(config).hot(lists[1], x.shape[0])))
+    kept = p["ranked"](x, wu, wd, p["pack"](x, wg))[2]  # the (a, u) the training forward keeps
 
     def token_run(sizes: TokenBwdBlockSizes):
         return (functools.partial(pieces(token_block_sizes=sizes)["token"], tails=tails),
-                (*args, prepared, lists))
+                (*args, prepared, lists, kept))
 
     fn, fn_args = token_run(bc.token_block_sizes)
     _, values_E = fn(*fn_args)
@@ -463,14 +507,15 @@ def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: op
     def pack_run(sizes: PackBlockSizes):
         return piece_fns(dataclasses.replace(config, pack_block_sizes=sizes), interpret, h)["pack"], (x, wg)
 
-    out = dict(token=_sweep_one("token", token_run, bc.token_block_sizes, token_sizes, repeats, log),
-               neuron=_sweep_one("neuron", neuron_run, bc.neuron_block_sizes, neuron_sizes, repeats, log),
-               pack=_sweep_one("pack", pack_run, config.pack_block_sizes or PackBlockSizes(), pack_sizes,
-                               repeats, log))
-    # What the pack's GEMM should cost: XLA's relu(x W_gate^T) with a bf16 output, same inputs.
-    gate = jax.jit(lambda x_, w_: jax.nn.relu(jnp.einsum("md,hd->mh", x_, w_)))
-    out["xla_gate_ms"] = bench_ffn.bench(gate, [(x, wg)], repeats=repeats)
-    log(f"  XLA relu(x W_gate^T): {out['xla_gate_ms']:.3f} ms")
+    runs = dict(token=(token_run, bc.token_block_sizes, token_sizes),
+                neuron=(neuron_run, bc.neuron_block_sizes, neuron_sizes),
+                pack=(pack_run, config.pack_block_sizes or PackBlockSizes(), pack_sizes))
+    out = {name: _sweep_one(name, *runs[name], repeats, log) for name in kernels}
+    if "pack" in kernels:
+        # What the pack's GEMM should cost: XLA's relu(x W_gate^T) with a bf16 output, same inputs.
+        gate = jax.jit(lambda x_, w_: jax.nn.relu(jnp.einsum("md,hd->mh", x_, w_)))
+        out["xla_gate_ms"] = bench_ffn.bench(gate, [(x, wg)], repeats=repeats)
+        log(f"  XLA relu(x W_gate^T): {out['xla_gate_ms']:.3f} ms")
     return out
 
 
@@ -583,6 +628,16 @@ def parse_hot_width(text: str) -> int | float:
     return value
 
 
+def parse_sweep_kernels(text: str) -> tuple[str, ...]:
+    """--sweep-blocks: "token,pack" -> ("token", "pack"); unknown names are refused."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if n not in SWEEP_KERNELS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"--sweep-blocks takes kernels among {', '.join(SWEEP_KERNELS)}, "
+                                         f"got {text!r}")
+    return names
+
+
 def parse_cases(text: str) -> list[tuple[int, float]]:
     """--cases: "M:K,M:K" -> [(M, K), ...] with M an int >= 1 and K a number > 0."""
     cases = []
@@ -614,7 +669,7 @@ def run_synthetic(args, out: "Output") -> None:
         config = ops.SparseFFNConfig()
     d, h = bench_ffn.D, bench_ffn.H
     table = [f"{'M':>6} {'k':>5} " + " ".join(f"{b:>16}" for b in BACKENDS)]
-    mem_table, piece_table, trace_table, sweep_lines = [], [], [], []
+    mem_table, piece_table, trace_table, sweep_lines, fwd_table = [], [], [], [], []
     key = jax.random.PRNGKey(0)
     if args.sweep_blocks:  # at the first (quick) case's shape: M 16384, k 29 (dry run: the tiny one)
         m, k = cases[0]
@@ -626,12 +681,13 @@ def run_synthetic(args, out: "Output") -> None:
                                       TOKEN_SWEEP_DRY if interpret else TOKEN_SWEEP,
                                       NEURON_SWEEP_DRY if interpret else NEURON_SWEEP,
                                       PACK_SWEEP_DRY if interpret else PACK_SWEEP,
-                                      repeats=args.repeats, log=out.say)
+                                      repeats=args.repeats, log=out.say, kernels=args.sweep_blocks)
             out.log(dict(kind="sweep_blocks", m=m, k=k, d=d, h=h, **sweep))
             sweep_lines = ["", f"=== launch sweeps, M={m} k={k:.0f} D={d} H={h} ==="]
-            for kernel_name in ("token", "neuron", "pack"):
+            for kernel_name in args.sweep_blocks:
                 sweep_lines += sweep_table(kernel_name, sweep[kernel_name])
-            sweep_lines.append(f"  XLA relu(x W_gate^T), bf16 out, same inputs: {sweep['xla_gate_ms']:.3f} ms")
+            if "xla_gate_ms" in sweep:
+                sweep_lines.append(f"  XLA relu(x W_gate^T), bf16 out, same inputs: {sweep['xla_gate_ms']:.3f} ms")
         except Exception as e:  # reported; the cases still run
             out.log(dict(kind="sweep_blocks", m=m, k=k, error=repr(e)[:500]))
             sweep_lines = ["", f"--sweep-blocks error: {repr(e)[:200]}"]
@@ -648,6 +704,9 @@ def run_synthetic(args, out: "Output") -> None:
             table.append(f"{m:>6} {k:>5.0f} " + " ".join(
                 f"{ms[b]:>8.3f} ({ms['xla_bf16'] / ms[b]:>4.2f}x)" if b in ms else f"{'-':>16}"
                 for b in BACKENDS))
+            fwd_table.append(f"{m:>6} {k:>5.0f} " + " ".join(
+                f"{row[key][b]:>7.3f} ({row[key]['xla_bf16'] / row[key][b]:>4.2f}x)"
+                for key in ("fwd_ms", "infer_ms") for b in row[key]))
             mem_table.append(f"{m:>6} {k:>5.0f} " + " ".join(
                 f"{row['temp_mb'].get(b, float('nan')):>16.1f}" for b in BACKENDS))
             piece_table.append(f"{m:>6} {k:>5.0f} " + " ".join(
@@ -660,7 +719,10 @@ def run_synthetic(args, out: "Output") -> None:
             out.log(dict(kind="train", m=m, k=k, error=repr(e)[:500]))
             table.append(f"{m:>6} {k:>5.0f} error: {repr(e)[:200]}")
     out.finish(["", f"=== fwd+bwd ms (ratio = xla_bf16 / x), D={d} H={h}, {out.results['device']} ==="]
-               + table + ["", "compiled temporary memory (MiB)"] + mem_table
+               + table
+               + ["", "forward alone, ms (ratio = xla_bf16 / x): training (with the backward's residuals) "
+                  "then inference, each " + " ".join(b for b in FORWARD_BACKENDS if b in BACKENDS)]
+               + fwd_table + ["", "compiled temporary memory (MiB)"] + mem_table
                + ["", "Pallas pieces (ms)"] + piece_table + trace_table + sweep_lines)
 
 
@@ -824,9 +886,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trace", action="store_true",
                         help="also the per-kernel GPU time of the xla_bf16, pallas and auto programs "
                              "(jax.profiler trace of the timed programs; twell_jax/bench/kernel_trace.py)")
-    parser.add_argument("--sweep-blocks", action="store_true",
-                        help="synthetic: also time the token-major and neuron-major kernels alone over "
-                             "their launch parameters (M 16384, k 29), outputs compared bit for bit")
+    parser.add_argument("--sweep-blocks", nargs="?", const=",".join(SWEEP_KERNELS), default=None,
+                        type=parse_sweep_kernels, metavar="KERNEL,...",
+                        help="synthetic: also time kernels alone over their launch parameters at the "
+                             "first case's shape, outputs compared bit for bit: token, neuron, pack "
+                             "(default: all three)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = parser.parse_args(argv)
     if args.repeats < 1:
