@@ -4,13 +4,15 @@
 a comment; `__post_init__` rejects bad values with a ValueError naming the field. Named presets live
 in `configs/` (`configs.get_config("tiny")`); the CLI applies dotted overrides on top of a preset with
 `apply_overrides(cfg, ["model.n_layers=4", "train.steps=100"])`, parsing each value by the field's
-declared type. `to_dict` / `from_dict` round-trip a config through JSON (checkpoints store it).
+declared type. `to_dict` / `from_dict` round-trip a config through JSON (checkpoints store it);
+`from_dict` checks each value against its field's declared type, naming the field.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import numbers
 import types
 import typing
 import warnings
@@ -619,13 +621,89 @@ def _section_from_dict(cls: type, values: dict[str, Any], path: str) -> Any:
     kwargs = {}
     for name, value in values.items():
         hint = hints[name]
-        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ValueError(f"{path}{name}: expected a section (a JSON object of its fields), got "
+                                 f"{_describe_value(value)}")
             kwargs[name] = _section_from_dict(hint, value, f"{path}{name}.")
-        elif _origin(hint) is tuple and isinstance(value, list):
-            kwargs[name] = tuple(value)
         else:
-            kwargs[name] = value
+            kwargs[name] = _typed_value(value, hint, f"{path}{name}")
     return cls(**kwargs)
+
+
+def _describe_value(value: Any) -> str:
+    """A value as a type error names it: its JSON-ish type and its repr (cut short)."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _hint_name(hint: Any) -> str:
+    """A field's declared type in the words of a type error ("int", "list of str", "int or None")."""
+    origin = _origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("None" if h is type(None) else _hint_name(h) for h in typing.get_args(hint))
+    if origin is Literal:
+        return "one of " + ", ".join(repr(c) for c in typing.get_args(hint))
+    if origin is tuple:
+        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        return f"list of {_hint_name(args[0])}" if args else "list"
+    if origin is dict or hint is dict:
+        return "JSON object"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _typed_value(value: Any, hint: Any, where: str) -> Any:
+    """`value` (read from JSON, or parsed from an override) checked against the field's declared type
+    `hint`, a ValueError naming the field where it does not match: a string where a number belongs
+    would otherwise fail deep inside a comparison, and a fraction in an int field pass every check
+    and break the model later. Bools are not ints here; an int passes as a float, and a float that is
+    a whole number as an int (JSON writers may spell 100 as 100.0). Lists become tuples where the
+    field is a tuple. Literal choices are left to the section's own check, which lists them."""
+    origin = _origin(hint)
+    if hint is Any or origin is Literal:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _typed_value(value, option, where)
+            except ValueError:
+                continue
+        raise ValueError(f"{where}: expected {_hint_name(hint)}, got {_describe_value(value)}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif hint is float:
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            return value
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif origin is tuple:
+        if isinstance(value, (list, tuple)):
+            args = typing.get_args(hint)
+            if len(args) == 2 and args[1] is Ellipsis:
+                return tuple(_typed_value(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+            if args and len(args) == len(value):
+                return tuple(_typed_value(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+            if not args:
+                return tuple(value)
+            raise ValueError(f"{where}: expected a list of {len(args)} values, got {_describe_value(value)}")
+    elif origin is dict or hint is dict:
+        if isinstance(value, dict):
+            return value
+    else:
+        return value  # a type the config does not declare today: the section's own checks decide
+    raise ValueError(f"{where}: expected {_hint_name(hint)}, got {_describe_value(value)}")
 
 
 def from_dict(values: dict[str, Any]) -> ExperimentConfig:
