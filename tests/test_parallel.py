@@ -226,7 +226,9 @@ def test_initialize_distributed_calls_jax_only_when_asked(monkeypatch):
     monkeypatch.setenv("JAX_PROCESS_ID", "1")
     par.initialize_distributed()
     par.initialize_distributed()  # second call: already initialised, no second jax call
-    assert calls == [{"coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 1}]
+    [kwargs] = calls
+    assert {k: kwargs[k] for k in ("coordinator_address", "num_processes", "process_id")} == \
+        {"coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 1}
 
 
 def test_initialize_distributed_rejects_bad_process_id(monkeypatch):

@@ -12,7 +12,7 @@
 Output: results on stdout (`--json`: one JSON document), everything else (progress, logs,
 warnings) on stderr. Exit status: 0 done, 2 an error (one line naming the argument, field or file;
 `--debug` adds the traceback), 130 / 143 stopped by SIGINT / SIGTERM (a training run checkpoints
-first).
+first; a second one aborts it at once).
 """
 from __future__ import annotations
 
@@ -217,12 +217,28 @@ def _param_count(model_cfg: config_lib.ModelConfig) -> int:
 # ----------------------------------------------------------------------------- commands
 
 
+def _native_output_to_stderr(result_out: TextIO) -> TextIO:
+    """A multi-process run: the collectives' native library (Gloo, on CPUs) prints its own lines to
+    file descriptor 1, among the results. Point that descriptor at stderr and return a stream on a
+    copy of the original stdout for the results (`result_out` itself where it has no descriptor)."""
+    try:
+        fd = result_out.fileno()
+    except (AttributeError, OSError, ValueError):
+        return result_out
+    result_out.flush()
+    copy = os.dup(fd)
+    os.dup2(sys.stderr.fileno(), fd)
+    return os.fdopen(copy, "w")
+
+
 def _train(args: argparse.Namespace, result_out: TextIO) -> None:
     from twell_jax.training import parallel
     from twell_jax.training.train import train
 
     # Multi-host launch (SLURM, Open MPI, JAX_COORDINATOR_ADDRESS): before anything touches devices.
     parallel.initialize_distributed()
+    if parallel.multi_process():
+        result_out = _native_output_to_stderr(result_out)
     if args.step is not None and not args.resume:
         raise ValueError("--step picks the checkpoint to continue from; it needs --resume")
     if args.resume and args.overwrite:
@@ -276,16 +292,21 @@ def _dry_run(args: argparse.Namespace, cfg: config_lib.ExperimentConfig, target:
     from twell_jax.data import build_experiment_data
     from twell_jax.training import checkpoint as ckpt_lib
     from twell_jax.training import parallel
-    from twell_jax.training.train import checked_run_config, with_saved_tokenizer
+    from twell_jax.training.train import (check_fits_memory, check_vocab, checked_run_config, describe_memory,
+                                          schedule_warnings, with_saved_tokenizer)
 
-    # The run's own checks (schedule, op config, resumable checkpoint, what --out holds): a dry run
-    # that passes is a run that starts. Without --out the run gets a new directory.
+    # The run's own checks (schedule, op config, resumable checkpoint, what --out holds, the memory the
+    # model needs): a dry run that passes is a run that starts. Without --out the run gets a new directory.
     cfg = checked_run_config(cfg, target, resume=args.resume, overwrite=args.overwrite)[0]
     tc = cfg.train
     devices = parallel.mesh_size(parallel.make_mesh(tc.num_devices))
     accum = parallel.check_batch_layout(tc.global_batch, tc.micro_batch, devices)
+    estimate, available, memory_source = check_fits_memory(cfg, devices)
+    for warning in schedule_warnings(cfg):
+        print(warning)
     # The corpus, tokenizer and splits, checked as training checks them (a resume reads the run's tokenizer).
     data = build_experiment_data(with_saved_tokenizer(cfg, target) if args.resume else cfg)
+    check_vocab(cfg, data.vocab_size, print)
     state = ("continues the run there" if args.resume else "new (a fresh runs/<name>-<timestamp>)" if target is None
              else "holds a twell run, which --overwrite replaces" if ckpt_lib.holds_a_run(target) else "new")
     plan = {"config": cfg.name, "run_dir": str(target.absolute()) if target else None, "run_dir_state": state,
@@ -293,8 +314,22 @@ def _dry_run(args: argparse.Namespace, cfg: config_lib.ExperimentConfig, target:
             "tokens_per_step": tc.global_batch * cfg.seq_len, "devices": devices,
             "platform": jax.devices()[0].platform, "accumulation_steps": accum,
             "train_sequences": data.num_train_sequences, "val_sequences": data.num_val_sequences,
-            "vocab_size": data.vocab_size}
-    _emit(out, args, plan, lambda: "dry run (nothing written):\n" + "\n".join(f"  {k}: {v}" for k, v in plan.items()))
+            "vocab_size": data.vocab_size, "memory_estimate_bytes": estimate, "device_memory_bytes": available,
+            "device_memory_source": memory_source}
+    device_memory = (f"{available / 2**30:.3g} GiB" if available is not None else "unknown") + f" ({memory_source})"
+
+    def human() -> str:
+        lines = [f"  {k}: {v}" for k, v in plan.items() if not k.startswith(("memory_", "device_memory_"))]
+        lines.append(f"  memory estimate: {describe_memory(estimate)}; device memory {device_memory}")
+        return "dry run (nothing written):\n" + "\n".join(lines)
+
+    _emit(out, args, plan, human)
+
+
+# What the named corpora of data.source are (DataConfig.source), for messages that name one.
+_CORPUS_WORDS = {"stdlib": "the Python standard library's .py files",
+                 config_lib.SYNTHETIC_SOURCE: "random token ids",
+                 "installed": "the standard library and the installed packages' sources and docs"}
 
 
 def _eval(args: argparse.Namespace, out: TextIO) -> None:
@@ -303,9 +338,12 @@ def _eval(args: argparse.Namespace, out: TextIO) -> None:
     if (args.checkpoint is None) == (args.hf is None):
         raise ValueError("give one of --checkpoint RUN (a trained run) or --hf DIR (a Hugging Face checkpoint)")
     if args.checkpoint is not None:
+        from twell_jax.training import checkpoint as ckpt_lib
+
         check_resumable_overrides(args.set)
         run_dir, step = checkpoint_arg(args.checkpoint, args.step)
         result = evaluate_checkpoint(run_dir, step=step, overrides=args.set, split=args.split)
+        corpus = config_lib.apply_overrides(ckpt_lib.load_run_config(run_dir), args.set).data.source
     else:
         if args.step is not None:
             raise ValueError("--step picks a checkpoint of a run; a --hf checkpoint has no steps")
@@ -314,12 +352,18 @@ def _eval(args: argparse.Namespace, out: TextIO) -> None:
         imported = _imported(args.hf, dtype="float32")
         cfg = config_lib.apply_overrides(imported.config, args.set)
         cfg = _with_imported_model(cfg, imported, args.set, "--hf")
+        corpus = cfg.data.source
+        if "data.source" not in _override_keys(args.set):  # an imported model has no corpus of its own
+            print(f"[twell] eval: no --set data.source given: evaluating on the default corpus {corpus!r} "
+                  f"({_CORPUS_WORDS.get(corpus, 'the config default')}); --set data.source=PATH for your text")
         limit = "train.eval_batches" in _override_keys(args.set)
         result = evaluate_model(cfg, split_model(imported.model)[1], split=args.split, limit_batches=limit)
+    result["corpus"] = corpus
+    weights = f"step {result['step']}" if result["step"] is not None else "imported weights"
     _emit(out, args, result, lambda: (
         f"loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}  tokens {int(result['tokens'])}  "
         f"active FFN neurons/token {result['l0_mean']:.1f}  sparsity {100 * result['sparsity']:.1f}%  "
-        f"step {result['step']}  split {result['split']}"))
+        f"{weights}  split {result['split']}  corpus {corpus}"))
 
 
 def _compare(args: argparse.Namespace, out: TextIO) -> None:
@@ -610,6 +654,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc(file=sys.stderr)
         print(f"twell {name}: error: {describe_error(err)}"
               + ("" if args.debug else " (--debug shows the traceback)"), file=sys.stderr)
+        if not isinstance(err, parallel.PeerFailed):  # a multi-process run: the others stop with this line too
+            parallel.publish_failure(describe_error(err))
         return EXIT_ERROR
     return 0
 

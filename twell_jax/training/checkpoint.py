@@ -14,6 +14,10 @@ A run directory (`twell train --out DIR`) holds ONE run:
 - `metrics.jsonl`, `tensorboard/`, `summary.json` (see twell_jax/training/metrics.py and train.py);
 - `twell.lock` while a process trains in it (`RunLock`: one process at a time).
 
+A multi-process run (docs/parallel.md) has one run directory on a shared file system: process 0
+holds the lock and writes the files above; every process checks that it sees that directory
+(`check_shared_run_dir`), and Orbax saves and restores each checkpoint with every process.
+
 Nothing else: `--overwrite` deletes only these entries, and only in a directory that holds nothing
 else (`check_new_run_dir`), so a directory that is not a run is never emptied.
 
@@ -185,6 +189,7 @@ class RunLock:
         self.path = Path(run_dir) / LOCK_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd: int | None = None
+        self.holder: str | None = None  # what the lock file says while held ("pid N on HOST")
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -214,7 +219,8 @@ class RunLock:
             warn(f"[twell] warning: taking over the lock {self.path.absolute()} left by {left}, which is no "
                  "longer running")
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self.holder = f"pid {os.getpid()} on {socket.gethostname()}"
+        os.pwrite(fd, f"{self.holder}\n".encode(), 0)
         os.fsync(fd)
         self._fd = fd
 
@@ -233,6 +239,31 @@ class RunLock:
             self.release()
         except Exception:  # noqa: BLE001 (interpreter shutdown: nothing left to report to)
             pass
+
+
+def check_shared_run_dir(run_dir: str | Path, lock: RunLock | None) -> None:
+    """A multi-process run: every process must see the run directory that process 0 locked (`lock`,
+    None on the other processes), else every process raises a ValueError naming the directory. Run
+    before anything is written to it but the lock, so a refused run leaves nothing behind. Where
+    the file system has no flock (no lock file to look at) nothing is checked."""
+    from twell_jax.training import parallel
+
+    if not parallel.multi_process():
+        return
+    holder = parallel.lead_value("the run directory's lock", lambda: lock.holder if lock is not None else None)
+    with parallel.all_or_none("checking that every process sees the run directory"):
+        if parallel.is_lead() or holder is None:
+            return
+        path = Path(run_dir) / LOCK_FILE
+        try:
+            seen = path.read_text().strip()
+        except OSError as err:
+            seen = f"nothing ({err.strerror})"
+        if seen != holder:
+            raise ValueError(f"--out {Path(run_dir).absolute()}: process {jax.process_index()} does not see the run "
+                             f"directory process 0 locked ({path.name} holds {holder!r} there, {seen!r} here): every "
+                             "process of a multi-process run needs --out on a file system they share, at the same "
+                             "path (run from the same directory, or give an absolute --out)")
 
 
 def read_json_file(path: str | Path, what: str) -> Any:
@@ -449,13 +480,17 @@ class CheckpointStore:
     def quarantine_after(self, step: int, run_dir: str | Path) -> list[Path]:
         """Move every checkpoint newer than `step` to `<run>/superseded_checkpoints/` (kept for
         inspection; Orbax would otherwise count them as the latest). Returns their new paths."""
+        from twell_jax.training import parallel
+
         moved = []
-        for newer in [s for s in self.all_steps() if s > step]:
+        newer_steps = [s for s in self.all_steps() if s > step]
+        for newer in newer_steps if parallel.is_lead() else []:  # a multi-process run: process 0 moves them
             target = Path(run_dir) / QUARANTINE_SUBDIR / f"{newer}-{uuid.uuid4().hex[:6]}"
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(self.step_dir(newer)), target)
             moved.append(target)
-        if moved:  # the manager caches the step list: reopen it
+        if newer_steps:  # the manager caches the step list: reopen it (every process, once they are moved)
+            parallel.barrier("moving newer checkpoints aside")
             self._manager.close()
             self._manager = ocp.CheckpointManager(self.directory, options=self._options)
         return moved

@@ -58,26 +58,34 @@ class MetricsSink:
     Opened at `start_step` (0 for a new run, the restored step on resume): records after it, left by
     an interrupted earlier attempt, are removed from metrics.jsonl and purged from TensorBoard, so a
     resumed run's logs hold every step once.
+
+    `files=False` (the processes of a multi-process run other than process 0, which writes the run's
+    logs: the losses are the same on every process): nothing is written or drawn and records print
+    no line; messages still do.
     """
 
     def __init__(self, run_dir: Path, *, tensorboard: bool, total_steps: int, start_step: int,
-                 progress_bar: bool, echo: Callable[[str], None] = print):
+                 progress_bar: bool, echo: Callable[[str], None] = print, files: bool = True):
         self.run_dir = run_dir
         self.jsonl_path = run_dir / "metrics.jsonl"
         self.echo = echo
+        self.total_steps = total_steps
+        self._files = files
+        self._jsonl = None
+        self._tb = None
+        self._bar = None
+        if not files:
+            return
         dropped = truncate_jsonl(self.jsonl_path, start_step)
         if dropped:
             echo(f"[twell] metrics.jsonl: dropped {dropped} record(s) after step {start_step} (re-run now)")
         self._jsonl = open(self.jsonl_path, "a")
-        self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
             # purge_step: TensorBoard hides the events at steps >= it from older event files.
             self._tb = SummaryWriter(str(run_dir / "tensorboard"),
                                      purge_step=start_step + 1 if start_step else None)
-        self.total_steps = total_steps
-        self._bar = None
         if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -91,6 +99,8 @@ class MetricsSink:
 
     def write(self, record: dict[str, Any]) -> None:
         """`record` holds "step", scalars and per-layer lists (suffix `_per_layer`)."""
+        if not self._files:
+            return
         record = to_python(record)
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
@@ -121,7 +131,7 @@ class MetricsSink:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if not self._jsonl.closed:
+        if self._jsonl is not None and not self._jsonl.closed:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()

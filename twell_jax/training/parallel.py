@@ -8,13 +8,25 @@ all-reduce. The sparse op (`twell_jax/ops/`) wraps its Pallas calls in `jax.shar
 
 Multi-host: every process calls `initialize_distributed()` first, reads only its own slice of the
 data (`data_shard_index()` of `data_shard_count()`), and `host_to_global` stitches the per-process
-slices into one global array with `jax.make_array_from_process_local_data`.
+slices into one global array with `jax.make_array_from_process_local_data`. Decisions that must be
+the same on every process (the run directory, the plan trial's verdict, that every process runs the
+same config and data) go through `lead_value`, `gather`, `check_same` and `all_or_none`: small
+JSON values in the key-value store of JAX's coordination service, every wait bounded
+(`TWELL_AGREE_TIMEOUT_S`) and ended early by a failure another process published.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
+import json
 import logging
 import os
-from collections.abc import Mapping
+import re
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -97,17 +109,81 @@ def _distributed_is_initialized() -> bool:
     return _distributed.global_state.client is not None
 
 
+# How long `initialize_distributed` waits for every process to join, and how long a process waits
+# for the others at an agreement point (`lead_value`, `gather`, `all_or_none`), in seconds.
+INIT_TIMEOUT_VARIABLE, DEFAULT_INIT_TIMEOUT_S = "TWELL_INIT_TIMEOUT_S", 120.0
+AGREE_TIMEOUT_VARIABLE, DEFAULT_AGREE_TIMEOUT_S = "TWELL_AGREE_TIMEOUT_S", 300.0
+# JAX's own initialization timeout is set this much longer than ours: when it expires first, its
+# coordination client aborts the process with a C++ check failure instead of an error.
+_JAX_INIT_MARGIN_S = 60
+
+
+def _env_seconds(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"environment variable {name} must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
+def _launch_layout(request: str) -> tuple[str, str, str | None]:
+    """(this process's index, the process count, the coordinator address) as the launcher's variables
+    say them before JAX is initialised ("?" where not known): for messages only."""
+    if request == "jax_env":
+        return (os.environ.get("JAX_PROCESS_ID") or "?", os.environ.get("JAX_NUM_PROCESSES") or "?",
+                os.environ.get("JAX_COORDINATOR_ADDRESS"))
+    if request == "slurm":
+        return os.environ.get("SLURM_PROCID", "?"), os.environ.get("SLURM_NTASKS", "?"), None
+    return os.environ.get("OMPI_COMM_WORLD_RANK", "?"), os.environ.get("OMPI_COMM_WORLD_SIZE", "?"), None
+
+
+def _answers(address: str) -> str | None:
+    """None when something accepts a TCP connection at host:port, else why not."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=3):
+            return None
+    except (OSError, ValueError) as err:
+        return getattr(err, "strerror", None) or str(err)
+
+
+def _join_timed_out(request: str, seconds: float) -> str:
+    index, count, coordinator = _launch_layout(request)
+    head = (f"process {index} of {count} could not join the multi-process run within {seconds:g} s "
+            f"({INIT_TIMEOUT_VARIABLE})")
+    if coordinator is None:
+        return (f"{head}: the coordinator that {request} names did not answer or not every process started; "
+                "check that every task of the job runs this command")
+    if index != "0" and (why := _answers(coordinator)) is not None:
+        return (f"{head}: nothing answers at JAX_COORDINATOR_ADDRESS={coordinator} ({why}); start process 0 "
+                "there (it hosts the coordinator) or fix the address")
+    return (f"{head}: the coordinator at JAX_COORDINATOR_ADDRESS={coordinator} waits for all {count} processes "
+            "(JAX_NUM_PROCESSES); start every process, each with its own JAX_PROCESS_ID")
+
+
 def initialize_distributed() -> None:
     """Start JAX's multi-process runtime when the environment asks for it; otherwise do nothing.
 
     Must run before any other JAX call touches the devices. Safe to call twice (the second call is
     a no-op). See `distributed_request` for the variables that count as a request.
+
+    Every process waits here until all have joined, at most `TWELL_INIT_TIMEOUT_S` seconds (default
+    120). Past it the process prints one line naming what it waited for
+    on stderr and exits with status 2: JAX's own timeout would abort it with a C++ check failure,
+    and a thread is the only way out of its blocking connect.
     """
     if _distributed_is_initialized():
         return
     request = distributed_request()
     if request is None:
         return
+    seconds = _env_seconds(INIT_TIMEOUT_VARIABLE, DEFAULT_INIT_TIMEOUT_S)
+    kwargs: dict[str, Any] = {"initialization_timeout": int(seconds) + _JAX_INIT_MARGIN_S}
     if request == "jax_env":
         # JAX reads JAX_COORDINATOR_ADDRESS itself but not these two, so pass them through.
         num_processes = _env_int("JAX_NUM_PROCESSES")
@@ -116,18 +192,185 @@ def initialize_distributed() -> None:
             raise ValueError(
                 f"JAX_PROCESS_ID={process_id} must be in [0, JAX_NUM_PROCESSES={num_processes})"
             )
-        jax.distributed.initialize(
-            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
-            num_processes=num_processes,
-            process_id=process_id,
-        )
-    else:
-        # SLURM and Open MPI: JAX's cluster detection reads coordinator, count and rank itself.
-        jax.distributed.initialize()
+        kwargs.update(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"], num_processes=num_processes,
+                      process_id=process_id)
+    # else SLURM and Open MPI: JAX's cluster detection reads coordinator, count and rank itself.
+
+    def give_up() -> None:
+        sys.stderr.write(f"twell: error: {_join_timed_out(request, seconds)}\n")
+        sys.stderr.flush()
+        os._exit(2)
+
+    watchdog = threading.Timer(seconds, give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(**kwargs)
+    finally:
+        watchdog.cancel()
     logger.info(
         "jax.distributed initialised via %s: process %d of %d, %d local / %d global devices",
         request, jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count(),
     )
+
+
+# ----------------------------------------------------------------------------- agreement
+
+
+class ProcessGroupError(ValueError):
+    """Another process of a multi-process run failed, or did not arrive in time; names which."""
+
+
+class PeerFailed(ProcessGroupError):
+    """Another process published a failure (`publish_failure`): this error repeats it, and is not
+    published again (the others have the original)."""
+
+
+def multi_process() -> bool:
+    """True in a run of several processes (jax.distributed initialised with more than one)."""
+    return jax.process_count() > 1
+
+
+def is_lead() -> bool:
+    """True on process 0, the one that writes a run's files and decides for the others."""
+    return jax.process_index() == 0
+
+
+# Every process makes the same agreement calls in the same order, so the n-th call has the same key
+# everywhere; the key also names the call, so two processes on different paths time out, naming it,
+# instead of reading each other's values.
+_SEQUENCE = itertools.count()
+_KEYS = "twell"
+_POLL_MS = 1000
+
+
+def _client() -> Any:
+    from jax._src import distributed as _distributed  # noqa: PLC0415 (JAX has no public handle on it)
+
+    client = _distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax.distributed is not initialised: call initialize_distributed() first")
+    return client
+
+
+def _key(what: str) -> str:
+    return f"{_KEYS}/{next(_SEQUENCE)}-{re.sub(r'[^a-z0-9]+', '-', what.lower()).strip('-')}"
+
+
+def _one_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return " ".join(lines) or type(err).__name__
+
+
+def publish_failure(message: str) -> None:
+    """Tell the other processes that this one failed, with its one-line `message`: one waiting for
+    it at an agreement point stops at once with that message instead of at its timeout. Nothing
+    happens in a single-process run, and nothing is raised (a coordinator that is gone has nobody
+    left to tell)."""
+    if not _distributed_is_initialized() or not multi_process():
+        return
+    try:
+        _client().key_value_set(f"{_KEYS}/failed/{jax.process_index()}", message[:2000])
+    except Exception:  # noqa: BLE001 (already published, or the coordinator is gone)
+        pass
+
+
+def _failure(client: Any) -> tuple[int, str] | None:
+    """The lowest other process that published a failure, and its message."""
+    try:
+        entries = client.key_value_dir_get(f"{_KEYS}/failed/")
+    except jax.errors.JaxRuntimeError:
+        return None
+    others = sorted((int(key.rsplit("/", 1)[1]), text) for key, text in entries
+                    if int(key.rsplit("/", 1)[1]) != jax.process_index())
+    return others[0] if others else None
+
+
+def _wait(client: Any, key: str, what: str, owner: int) -> str:
+    """The value at `key` (set by process `owner`), waiting at most TWELL_AGREE_TIMEOUT_S seconds;
+    ProcessGroupError as soon as another process publishes a failure."""
+    timeout = _env_seconds(AGREE_TIMEOUT_VARIABLE, DEFAULT_AGREE_TIMEOUT_S)
+    deadline = time.monotonic() + timeout
+    me, count = jax.process_index(), jax.process_count()
+    while True:
+        try:
+            return client.blocking_key_value_get(key, _POLL_MS)
+        except jax.errors.JaxRuntimeError as err:
+            if "DEADLINE_EXCEEDED" not in str(err):
+                raise ProcessGroupError(f"process {me} of {count} lost the coordinator (process 0) while waiting "
+                                        f"for {what}: {_one_line(err)[:300]}") from None
+        if (failed := _failure(client)) is not None:
+            raise PeerFailed(f"process {failed[0]} of {count} failed: {failed[1]}")
+        if time.monotonic() >= deadline:
+            raise ProcessGroupError(
+                f"process {me} of {count} waited {timeout:g} s ({AGREE_TIMEOUT_VARIABLE}) for process {owner} at "
+                f"{what}, and it did not come: it is stuck or gone, or runs another command (every process must "
+                "run the same one)")
+
+
+def lead_value(what: str, compute: Callable[[], Any]) -> Any:
+    """`compute()` run on process 0 alone, its value (JSON: lists for tuples) on every process.
+
+    `what` names the value in errors. A failure of `compute` is published before it is raised, so
+    the other processes stop with it. In a single-process run: `compute()`, unchanged."""
+    if not multi_process():
+        return compute()
+    client, key = _client(), _key(what)
+    if not is_lead():
+        return json.loads(_wait(client, key, what, owner=0))
+    try:
+        text = json.dumps(compute())
+    except PeerFailed:
+        raise
+    except BaseException as err:
+        publish_failure(_one_line(err))
+        raise
+    client.key_value_set(key, text)
+    return json.loads(text)
+
+
+def gather(what: str, value: Any) -> list[Any]:
+    """Every process's `value` (JSON), in process order, on every process (a barrier too)."""
+    if not multi_process():
+        return [value]
+    client, key = _client(), _key(what)
+    text = json.dumps(value)
+    client.key_value_set(f"{key}/{jax.process_index()}", text)
+    return [json.loads(text if p == jax.process_index() else _wait(client, f"{key}/{p}", what, owner=p))
+            for p in range(jax.process_count())]
+
+
+def barrier(what: str) -> None:
+    """Wait until every process got here (`what` names the place in errors)."""
+    gather(what, None)
+
+
+def check_same(what: str, value: Any, hint: str) -> None:
+    """Raise the same ValueError on every process unless every process passes an equal `value`,
+    naming each process's value and `hint` (what to fix)."""
+    values = gather(what, value)
+    if any(v != values[0] for v in values):
+        shown = ", ".join(f"process {p}: {v}" for p, v in enumerate(values))
+        raise ValueError(f"the processes differ in {what} ({shown}); {hint}")
+
+
+@contextlib.contextmanager
+def all_or_none(what: str) -> Iterator[None]:
+    """Every process passes the block, or every process raises: the one that failed its own error
+    (published first), the others a ProcessGroupError naming that process and its message, raised
+    when they reach the end of the block (or any agreement point inside it). A no-op in a
+    single-process run."""
+    if not multi_process():
+        yield
+        return
+    try:
+        yield
+    except PeerFailed:
+        raise
+    except BaseException as err:
+        publish_failure(_one_line(err) if not isinstance(err, KeyboardInterrupt) else "interrupted (Ctrl-C)")
+        raise
+    barrier(what)
 
 
 def data_shard_index() -> int:
@@ -294,6 +537,8 @@ def mesh_size(mesh: Mesh) -> int:
 
 __all__ = [
     "DATA_AXIS", "initialize_distributed", "distributed_request", "data_shard_index",
+    "ProcessGroupError", "PeerFailed", "multi_process", "is_lead", "publish_failure", "lead_value", "gather", "barrier",
+    "check_same", "all_or_none",
     "data_shard_count", "make_mesh", "check_batch_layout", "batch_sharding", "replicated",
     "fsdp_spec", "param_shardings", "host_to_global", "tokens_per_second", "scaling_efficiency",
     "mesh_size",

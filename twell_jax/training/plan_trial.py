@@ -61,12 +61,12 @@ class PlanTrial:
             raise RuntimeError("PlanTrial.medians before both arms were timed")
         return {arm: statistics.median(self.times[arm]) for arm in ARMS}
 
-    def verdict(self) -> str:
-        """ "auto" when dense_median / auto_median >= floor, else "dense"."""
-        medians = self.medians()
-        return "auto" if medians["dense"] / medians["auto"] >= self.floor else "dense"
+    def verdict(self, medians: dict[str, float] | None = None) -> str:
+        """ "auto" when dense_median / auto_median >= floor, else "dense"; `medians` (default: this
+        trial's) lets a multi-process run decide on process 0's times everywhere."""
+        return "auto" if self.speed_ratio(medians) >= self.floor else "dense"
 
-    def speed_ratio(self) -> float:
+    def speed_ratio(self, medians: dict[str, float] | None = None) -> float:
         """The auto plan's speed relative to dense (dense_median / auto_median)."""
-        medians = self.medians()
+        medians = self.medians() if medians is None else medians
         return medians["dense"] / medians["auto"]

@@ -23,6 +23,11 @@ shares the step measures from the op's counts for any plan (`ops.backward_tail_s
 `token_tail_share_per_layer`, ...), measured and averaged like l0, so that the cost model prices the
 tails of the layer's real pattern and not only its mean active count.
 
+Several processes. Every decision here changes the program each process compiles, and processes
+that compile different programs deadlock in their first collective. So process 0 decides and the
+others take its values (`parallel.lead_value`): the hints measured at the start and at each
+re-plan, and the step times a trial's verdict is drawn from.
+
 The trial. A plan with a sparse piece is then checked on the run (`plan_trial.py`,
 `train.auto_trial_steps`): that many timed steps with it, the dense program (compiled once per run)
 as many, and the sparse plan is kept only at >= 0.98x dense's median step time; otherwise the dense
@@ -137,6 +142,7 @@ class PlanController:
         compile the step; its compile seconds."""
         if self.active:
             hints, tails = self.measure(state)
+            hints, tails = self._lead_hints("the 'auto' hints", hints, tails)
             self.use_hints(hints, tails)
             where = f"the parameters of step {int(state['step'])}" if resumed else "the initial parameters"
             refresh = self.cfg.train.auto_refresh_every
@@ -164,6 +170,16 @@ class PlanController:
         dense = dataclasses.replace(self.cfg.model, ffn_backend="dense")
         return measure_activity(abstract_graphdef(dense, self.cfg.train.seed), state["params"],
                                 placed["tokens"], tails=self.track_tails)
+
+    @staticmethod
+    def _lead_hints(what: str, hints: Sequence[float], tails: Tails | None) -> tuple[Sequence[float], Tails | None]:
+        """Process 0's hints and tail hints on every process (a single process: these)."""
+        if not parallel.multi_process():
+            return hints, tails
+        agreed = parallel.lead_value(what, lambda: {
+            "hints": [float(v) for v in hints],
+            "tails": None if tails is None else [[float(v) for v in t] for t in tails]})
+        return agreed["hints"], None if agreed["tails"] is None else tuple(tuple(t) for t in agreed["tails"])
 
     def use_hints(self, hints: Sequence[float], tails: Tails | None,
                   decisions: tuple[Decision, ...] | None = None) -> None:
@@ -199,13 +215,15 @@ class PlanController:
         if not self.trial.decided:
             return
         trial, self.trial = self.trial, None
-        verdict, medians = trial.verdict(), trial.medians()
+        # Each process timed its own steps: process 0's times decide for all.
+        medians = parallel.lead_value("the plan trial's step times", trial.medians)
+        verdict, ratio = trial.verdict(medians), trial.speed_ratio(medians)
         self.plan_in_use = verdict
         self.trials.append({"step": step_no, "auto_step_s": medians["auto"], "dense_step_s": medians["dense"],
-                            "auto_vs_dense": trial.speed_ratio(), "kept": verdict,
+                            "auto_vs_dense": ratio, "kept": verdict,
                             "decisions": [list(d) for d in self.decisions]})
         message(f"[twell] step {step_no}: 'auto' plan {medians['auto']:.4f} s/step, dense "
-                f"{medians['dense']:.4f} s/step ({trial.speed_ratio():.3f}x dense): "
+                f"{medians['dense']:.4f} s/step ({ratio:.3f}x dense): "
                 + ("keeping the 'auto' plan" if verdict == "auto" else
                    f"running the dense program (the plan is under {trial.floor:g}x dense)"))
 
@@ -258,6 +276,7 @@ class PlanController:
         decision changed (the caller then recompiles). Unchanged decisions keep the hints."""
         mean_l0 = (self._l0_sum / self._l0_steps).tolist()
         mean_tails = None if self._tails_sum is None else normalise_tails(self._tails_sum / self._l0_steps)
+        mean_l0, mean_tails = self._lead_hints("the re-planned 'auto' hints", mean_l0, mean_tails)
         # The next re-plan averages the steps after this one.
         self._l0_sum, self._tails_sum, self._l0_steps = None, None, 0
         decisions = auto_decisions(self.cfg, mean_l0, self.num_devices, mean_tails)

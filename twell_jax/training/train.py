@@ -20,11 +20,20 @@ unless it holds a twell run and is told to overwrite; `resume=True` continues fr
 intact checkpoint (or `step`), with the run's saved config as the reference, and is refused when
 nothing is left to train or its last steps would run at learning rate 0. One process at a time
 holds the directory (`checkpoint.RunLock`). SIGINT/SIGTERM finish the current step, checkpoint
-and raise `TrainingInterrupted`.
+and raise `TrainingInterrupted`; a second one aborts at once. A model whose parameters and
+optimizer state cannot fit the device's memory is refused before the directory is touched
+(`check_fits_memory`).
 
 Which program the step compiles (the sparse op's "auto" hints, re-plans, the A/B of a sparse plan
 against dense) is the op-planning policy of `planning.PlanController`; the trainer calls it at the
 start, per step and at a step's boundary.
+
+Several processes (jax.distributed, docs/parallel.md) train in one run directory on a shared file
+system: process 0 reserves and locks it and alone writes its files; every process checks the run,
+and one that fails stops them all (`parallel.all_or_none`); their configs, device counts and data
+must be equal (`check_processes_agree`, `check_processes_read_same_data`); Orbax saves and restores
+with every process. Each stop is agreed by a vote inside the step (`with_stop_vote`), so every
+process stops after the same step.
 """
 from __future__ import annotations
 
@@ -32,7 +41,9 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -134,6 +145,156 @@ def check_op_config(cfg: ExperimentConfig) -> None:
         raise ValueError(f"model.ffn_op_config={cfg.model.ffn_op_config!r}: {err} (known keys: {known})") from None
     except ValueError as err:
         raise ValueError(f"model.ffn_op_config={cfg.model.ffn_op_config!r}: {err}") from None
+
+
+def check_vocab(cfg: ExperimentConfig, tokenizer_vocab: int, echo: Callable[[str], None]) -> None:
+    """The tokenizer's `tokenizer_vocab` ids fit the embedding (model.vocab_size rows; an id past it
+    would index outside the embedding), else a ValueError naming the field; and a warning when a
+    BPE trained here learned fewer tokens than data.vocab_size asked for (a corpus too small for more
+    merges): the embedding keeps its model.vocab_size rows, and the rows no token uses never train.
+    The run's vocabulary is left as configured, so that a config means the same model whatever corpus
+    it meets."""
+    if tokenizer_vocab > cfg.model.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer_vocab} tokens but model.vocab_size="
+                         f"{cfg.model.vocab_size}; raise model.vocab_size")
+    if not cfg.data.is_synthetic and cfg.data.tokenizer == "bpe" and tokenizer_vocab < cfg.data.vocab_size:
+        echo(f"[twell] warning: the BPE learned {tokenizer_vocab} tokens of the data.vocab_size="
+             f"{cfg.data.vocab_size} asked for (the corpus is too small for more merges); the embedding keeps "
+             f"model.vocab_size={cfg.model.vocab_size} rows, {cfg.model.vocab_size - tokenizer_vocab} of which no "
+             f"token uses; --set data.vocab_size={tokenizer_vocab} model.vocab_size={tokenizer_vocab} fits it")
+
+
+def schedule_warnings(cfg: ExperimentConfig) -> list[str]:
+    """One line for each warm-up longer than the run: the learning rate's (clipped to the schedule, so
+    the rate rises for the whole run and never decays) and the L1 coefficient's (never reached)."""
+    steps, optim, sparsity = cfg.train.steps, cfg.optim, cfg.sparsity
+    lines = []
+    if optim.warmup_steps > steps:
+        lines.append(f"[twell] warning: optim.warmup_steps={optim.warmup_steps} exceeds train.steps={steps}: the "
+                     "learning rate rises for the whole run (the warm-up is clipped) and never decays; lower "
+                     "optim.warmup_steps")
+    if sparsity.l1_coef > 0 and max(sparsity.l1_warmup_start, sparsity.l1_warmup_end) > steps:
+        lines.append(f"[twell] warning: the L1 warm-up (sparsity.l1_warmup_start={sparsity.l1_warmup_start}, "
+                     f"l1_warmup_end={sparsity.l1_warmup_end}) ends after train.steps={steps}: the L1 coefficient "
+                     f"never reaches sparsity.l1_coef={sparsity.l1_coef:g}; lower them")
+    return lines
+
+
+# Bytes a training run keeps per parameter besides the activations: the f32 master copy, AdamW's two
+# f32 moments (optimizer.build_optimizer) and the f32 gradient the micro-batches accumulate into.
+_PARAM_BYTES, _ADAM_BYTES, _GRAD_BYTES = 4, 8, 4
+
+
+def memory_estimate(cfg: ExperimentConfig, num_devices: int) -> dict[str, int]:
+    """A rough estimate of one device's memory for training `cfg` over `num_devices` devices, in bytes:
+    the f32 parameters, AdamW's state and the gradients (sharded over the devices with train.fsdp,
+    else a full copy on each), and the activations one micro-batch keeps for its backward without
+    rematerialisation (per layer: the block's [tokens, d_model] tensors, the FFN's hidden
+    activations, the attention probabilities; then the f32 logits and their softmax). XLA's own
+    figure is the compiled step's memory analysis, which the run logs."""
+    m, tc = cfg.model, cfg.train
+    shards = num_devices if tc.fsdp else 1
+    params = m.num_params()
+    tokens = tc.micro_batch * cfg.seq_len
+    act = 2 if m.compute_dtype == "bfloat16" else 4
+    per_layer = tokens * (8 * m.d_model + (3 if m.kind.gated else 2) * m.d_ff) * act \
+        + tc.micro_batch * m.n_heads * cfg.seq_len ** 2 * act
+    estimate = {"parameters": -(-params * _PARAM_BYTES // shards),
+                "optimizer_state": -(-params * _ADAM_BYTES // shards),
+                "gradients": -(-params * _GRAD_BYTES // shards),
+                "activations_per_micro_batch": m.n_layers * per_layer + 2 * tokens * m.vocab_size * 4}
+    estimate["total"] = sum(estimate.values())
+    return estimate
+
+
+def device_memory_bytes(num_devices: int) -> tuple[int | None, str]:
+    """(bytes one device may use, where the figure comes from): the GPU allocator's limit
+    (memory_stats' bytes_limit), or on a CPU the host's available memory shared by the mesh's
+    devices of this process; (None, why) where neither is known."""
+    limit = device_memory_limit_bytes()
+    platform = jax.local_devices()[0].platform
+    if limit:
+        return limit, f"{platform} device memory JAX may use"
+    if platform != "cpu":
+        return None, f"{platform}: memory not reported"
+    available = None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None, "cpu: host memory not reported"
+    local = max(1, min(num_devices, jax.local_device_count()))
+    return available // local, "host memory available" + (f", shared by {local} CPU devices" if local > 1 else "")
+
+
+def _bytes_text(value: int) -> str:
+    return f"{value / 2**30:.3g} GiB" if value >= 2**30 else f"{value / 2**20:.3g} MiB"
+
+
+def describe_memory(estimate: dict[str, int]) -> str:
+    """The estimate in one line, naming what it counts."""
+    return (f"~{_bytes_text(estimate['total'])} per device: parameters {_bytes_text(estimate['parameters'])} + "
+            f"AdamW state {_bytes_text(estimate['optimizer_state'])} + gradients {_bytes_text(estimate['gradients'])} "
+            f"(f32) + activations {_bytes_text(estimate['activations_per_micro_batch'])} per micro-batch "
+            "(no remat; rough)")
+
+
+def check_fits_memory(cfg: ExperimentConfig, num_devices: int) -> tuple[dict[str, int], int | None, str]:
+    """(`memory_estimate`, the device memory, its source); a ValueError naming both when the
+    parameters and optimizer state alone exceed the device memory. Only that clear case is refused:
+    XLA's allocation would abort the process later with a C++ trace, after the run directory was made."""
+    estimate = memory_estimate(cfg, num_devices)
+    available, source = device_memory_bytes(num_devices)
+    state = estimate["parameters"] + estimate["optimizer_state"]
+    if available is not None and state > available:
+        m = cfg.model
+        raise ValueError(f"the model cannot fit: {m.num_params():.3g} parameters (model.d_model={m.d_model}, "
+                         f"n_layers={m.n_layers}, d_ff={m.d_ff}, vocab_size={m.vocab_size}) need "
+                         f"{_bytes_text(state)} per device for the f32 parameters and AdamW state alone "
+                         f"(~{_bytes_text(estimate['total'])} with gradients and activations), but a device has "
+                         f"{_bytes_text(available)} ({source}); shrink the model"
+                         + (" or shard it with train.fsdp=true" if num_devices > 1 and not cfg.train.fsdp else ""))
+    return estimate, available, source
+
+
+def check_processes_agree(cfg: ExperimentConfig) -> None:
+    """A multi-process run: every process must have the same number of devices (each loads an equal
+    share of the batch) and the same config (the same program, the same stop); otherwise every
+    process raises the same ValueError, naming the processes and fields that differ."""
+    if not parallel.multi_process():
+        return
+    parallel.check_same("devices per process", jax.local_device_count(),
+                        "start every process with the same number of devices (the batch is split evenly "
+                        "over the processes)")
+    lead = parallel.lead_value("process 0's config", lambda: config_lib.to_dict(cfg))
+    mine = "; ".join(f"{path} {new!r} (process 0: {old!r})"
+                     for path, old, new in config_lib.diff(lead, config_lib.to_dict(cfg)))
+    differ = [f"process {p}: {text}" for p, text in enumerate(parallel.gather("the config", mine)) if text]
+    if differ:
+        raise ValueError(f"the processes were started with different configs ({'; '.join(differ)}); start every "
+                         "process with the same command (--config, --set, --out, --resume)")
+
+
+def check_processes_read_same_data(data: DataSource) -> None:
+    """A multi-process run: every process must read the same corpus with the same tokenizer (each
+    reads its slice of the same shuffled order); otherwise every process raises the same ValueError."""
+    if not parallel.multi_process():
+        return
+    from twell_jax.data.tokenizer import file_sha256  # noqa: PLC0415
+
+    tokenizer = file_sha256(data.tokenizer_json_path)[:16] if data.tokenizer_json_path else None
+    parallel.check_same("the data", {"corpus": str(data.source_fingerprint)[:24], "vocab": data.vocab_size,
+                                     "tokenizer": tokenizer},
+                        "every process must read the same corpus and tokenizer (data.source and data.tokenizer "
+                        "on a file system they share, or identical copies)")
 
 
 def checked_run_config(cfg: ExperimentConfig, run_dir: Path | None, *, resume: bool,
@@ -280,6 +441,27 @@ def make_train_step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, optimizer: op
     return train_step
 
 
+# A multi-process run's stop vote (`with_stop_vote`): what a process may stop for, in the order that
+# wins when several processes vote differently, and its key in the batch and the metrics.
+STOP_REASONS = ("SIGINT", "SIGTERM", "time_limit")
+STOP_VOTE = "stop_vote"
+
+
+def with_stop_vote(train_step: Callable) -> Callable:
+    """`train_step` for a multi-process run: the batch also holds each device's stop vote
+    (bool[devices, len(STOP_REASONS)], each process's rows its own) and the metrics say which reasons
+    any process voted for. A signal or the time limit reaches each process at its own moment, and a
+    process that stops alone leaves the others waiting in a collective. The vote rides in the step's
+    program (one small all-reduce beside the gradients', no host sync of its own) and every process
+    reads the same answer with the step's metrics, so all stop after the same step."""
+
+    def voting_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+        state, metrics = train_step(state, {key: value for key, value in batch.items() if key != STOP_VOTE})
+        return state, {**metrics, STOP_VOTE: jnp.any(batch[STOP_VOTE], axis=0)}
+
+    return voting_step
+
+
 def make_eval_step(cfg: ExperimentConfig, graphdef: nnx.GraphDef) -> Callable:
     """(params, tokens_BxT) -> sums over the batch of CE and per-layer active neurons, and the token count."""
 
@@ -330,30 +512,106 @@ class TrainingInterrupted(RuntimeError):
 
 class _StopSignals:
     """Within the block, SIGINT/SIGTERM set a flag (the loop stops after the current step) instead of
-    killing the process. Only the main thread can install handlers; elsewhere this does nothing."""
+    killing the process, acknowledged at once on stderr; a second one aborts: `on_abort` (the
+    trainer gives up its run directory's lock), then the process exits with 128 + the signal's number.
+
+    Python runs a signal handler only between bytecodes of the main thread, never while that thread
+    is inside a long native call such as XLA compiling the step, so a handler alone would say nothing
+    until the compile ends and could not abort it. The signals are also written to a wakeup pipe
+    (`signal.set_wakeup_fd`) that a watcher thread reads and acts on (XLA releases the GIL while it
+    compiles). Only the main thread can install handlers; elsewhere this does nothing."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self) -> None:
+    def __init__(self, on_abort: Callable[[], None] | None = None) -> None:
         self.received: str | None = None
         self._previous: dict[int, Any] = {}
+        self._on_abort = on_abort
+        self._pipe: tuple[int, int] | None = None  # (read, write) ends of the wakeup pipe
+        self._previous_wakeup = -1
+        self._watcher: threading.Thread | None = None
 
     def _handle(self, signum: int, _frame: Any) -> None:
+        if self._watcher is not None:
+            return  # the watcher thread has this signal from the wakeup pipe and acts on it
         if self.received is not None:  # a second signal: give up the graceful stop, die as asked
             signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
             signal.raise_signal(signum)
             return
-        self.received = signal.Signals(signum).name
+        self._signalled(signum)
+
+    def _signalled(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self.received is None:
+            self.received = name
+            again = "Ctrl-C" if signum == signal.SIGINT else name
+            _to_stderr(f"[twell] {name} received: stopping after this step / compile; "
+                       f"{again} again to abort")
+            return
+        _to_stderr(f"[twell] {name} received again: aborting now (no checkpoint of the steps since the last one)")
+        try:
+            if self._on_abort is not None:
+                self._on_abort()
+            sys.stdout.flush()  # os._exit skips the interpreter's own flush
+        finally:
+            # os._exit: the main thread may be inside XLA, where no exception would reach it.
+            os._exit(128 + signum)
+
+    def _watch(self, read_fd: int) -> None:
+        numbers = {int(sig) for sig in self.SIGNALS}
+        while True:
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                return
+            for byte in data:
+                if byte == 0:  # __exit__'s sentinel: the block is over
+                    return
+                if byte in numbers:
+                    self._signalled(byte)
+            if not data:
+                return
 
     def __enter__(self) -> "_StopSignals":
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        try:
+            read_fd, write_fd = os.pipe()
+        except OSError:
+            return self  # the handlers alone: the stop is acknowledged once the main thread runs Python
+        os.set_blocking(write_fd, False)
+        self._pipe = (read_fd, write_fd)
+        self._previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        self._watcher = threading.Thread(target=self._watch, args=(read_fd,), name="twell-stop-signals", daemon=True)
+        self._watcher.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            read_fd, write_fd = self._pipe
+            try:
+                os.write(write_fd, b"\0")
+            except OSError:
+                pass
+            if self._watcher is not None:
+                self._watcher.join(timeout=5)
+            self._watcher, self._pipe = None, None
+            os.close(read_fd)
+            os.close(write_fd)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def _to_stderr(line: str) -> None:
+    """`line` on stderr now (a signal's acknowledgement, from the watcher thread)."""
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed stream: nobody left to tell
+        pass
 
 
 class Trainer:
@@ -381,15 +639,24 @@ class Trainer:
         self.hooks = hooks or Hooks()
         self.store = None
         self.step_builds = 0  # how many times the train step was compiled in this process
-        cfg, self._saved_cfg = checked_run_config(cfg, self.run_dir, resume=resume, overwrite=overwrite)
-        # One process at a time in a run directory (multi-host runs: the lead process holds it).
+        # A multi-process run: a check that fails on one process stops every process (all_or_none).
+        with parallel.all_or_none("checking the run"):
+            cfg, self._saved_cfg = checked_run_config(cfg, self.run_dir, resume=resume, overwrite=overwrite)
+            # A model that cannot fit is refused before the run directory is made (XLA would abort the process).
+            check_fits_memory(cfg, parallel.mesh_size(parallel.make_mesh(cfg.train.num_devices)))
+        check_processes_agree(cfg)
+        # One process at a time in a run directory (multi-process runs: process 0 holds it for all).
         created = not self.run_dir.exists()
-        self._lock = ckpt_lib.RunLock(self.run_dir, warn=echo) if jax.process_index() == 0 else None
+        self._lock = None
         try:
-            self._build(cfg, resume, overwrite, data_builder)
+            with parallel.all_or_none("locking the run directory"):
+                self._lock = ckpt_lib.RunLock(self.run_dir, warn=echo) if parallel.is_lead() else None
+            ckpt_lib.check_shared_run_dir(self.run_dir, self._lock)
+            with parallel.all_or_none("preparing the run"):
+                self._build(cfg, resume, overwrite, data_builder)
         except BaseException:
             self.release()
-            if created and self.run_dir.is_dir() and not any(self.run_dir.iterdir()):
+            if created and parallel.is_lead() and self.run_dir.is_dir() and not any(self.run_dir.iterdir()):
                 self.run_dir.rmdir()  # a failed command leaves nothing behind
             raise
 
@@ -418,9 +685,8 @@ class Trainer:
         t0 = time.perf_counter()
         self.data = data_builder(with_saved_tokenizer(cfg, self.run_dir) if resume else cfg)
         self.startup["data"] = time.perf_counter() - t0
-        if self.data.vocab_size > cfg.model.vocab_size:
-            raise ValueError(f"the tokenizer has {self.data.vocab_size} tokens but model.vocab_size="
-                             f"{cfg.model.vocab_size}; raise model.vocab_size")
+        check_vocab(cfg, self.data.vocab_size, echo)
+        check_processes_read_same_data(self.data)
         if resume:
             ckpt_lib.check_corpus_fingerprint(self.run_dir, self.data, echo)
 
@@ -438,13 +704,16 @@ class Trainer:
         # The op-planning policy ("auto" hints, re-plans, the plan trial): planning.py.
         self.planner = PlanController(cfg, num_devices=self.num_devices, mesh=self.mesh, data=self.data,
                                       compile_step=self._compile, track_tails=tracks_neurons(cfg))
-        # Everything that can be checked has been: only now may a new run take over the directory.
-        if not resume:
+        # Everything that can be checked has been: only now may a new run take over the directory
+        # (process 0 alone writes the run's files; the others use them).
+        if not resume and parallel.is_lead():
             ckpt_lib.prepare_new_run_dir(self.run_dir, overwrite=overwrite)
             if self.data.tokenizer_json_path:
                 ckpt_lib.save_tokenizer(self.run_dir, self.data.tokenizer_json_path)
             ckpt_lib.save_corpus_fingerprint(self.run_dir, self.data)
             ckpt_lib.atomic_write_text(self.run_dir / ckpt_lib.CONFIG_FILE, config_lib.to_json(cfg))
+        # Orbax opens the checkpoints on every process together, after --overwrite removed the old ones.
+        parallel.barrier("preparing the run directory")
         self.store = ckpt_lib.CheckpointStore(self.run_dir / ckpt_lib.CHECKPOINT_SUBDIR,
                                               max_to_keep=tc.keep_checkpoints)
 
@@ -478,7 +747,8 @@ class Trainer:
             old_lr, new_lr = (float(learning_rate_schedule(c.optim, c.schedule_steps)(step)) for c in (saved, self.cfg))
             self.echo(f"[twell] learning-rate schedule re-planned: optim.schedule_steps {saved.schedule_steps} -> "
                       f"{self.cfg.schedule_steps}; learning rate of step {step + 1}: {old_lr:.3g} -> {new_lr:.3g}")
-        ckpt_lib.atomic_write_text(self.run_dir / ckpt_lib.CONFIG_FILE, config_lib.to_json(self.cfg))
+        if parallel.is_lead():  # a multi-process run: process 0 writes the run's files
+            ckpt_lib.atomic_write_text(self.run_dir / ckpt_lib.CONFIG_FILE, config_lib.to_json(self.cfg))
         for moved in self.store.quarantine_after(step, self.run_dir):
             self.echo(f"[twell] warning: continuing from step {step}: newer checkpoint moved to {moved}")
         return {"params": items[ckpt_lib.PARAMS_ITEM], **items[ckpt_lib.TRAIN_ITEM]}, meta
@@ -509,7 +779,7 @@ class Trainer:
     def _run(self, stop_after_step: int | None) -> TrainResult:
         tc = self.cfg.train
         self._describe(tc.global_batch * self.cfg.seq_len)
-        with jax.set_mesh(self.mesh), _StopSignals() as signals:
+        with jax.set_mesh(self.mesh), _StopSignals(on_abort=self.release) as signals:
             t0 = time.perf_counter()
             state, history = self._start_state()
             start_step = int(jax.block_until_ready(state["step"]))
@@ -521,7 +791,8 @@ class Trainer:
             self.startup["hints"] = time.perf_counter() - t0 - loop.compile_s
             eval_fn = self._eval_fn()
             sink = MetricsSink(self.run_dir, tensorboard=tc.tensorboard, total_steps=tc.steps,
-                               start_step=start_step, progress_bar=tc.progress_bar, echo=self.echo)
+                               start_step=start_step, progress_bar=tc.progress_bar, echo=self.echo,
+                               files=parallel.is_lead())
             self.echo(f"[twell] metrics: {sink.jsonl_path}"
                       + (f", TensorBoard: {self.run_dir / 'tensorboard'}" if tc.tensorboard else ""))
             self.planner.maybe_start_trial(start_step, sink.message)
@@ -533,7 +804,7 @@ class Trainer:
                     if compile_s:
                         loop.compile_s += compile_s
                         loop.mark = time.perf_counter()  # compilation is not step time
-                    batch = parallel.host_to_global(next(self.data.train_iter), self.mesh)
+                    batch = parallel.host_to_global(self._next_batch(loop, signals), self.mesh)
                     first_dispatch = time.perf_counter()
                     state, device_metrics = runner(state, batch)
                     if step_no == start_step + 1:
@@ -557,7 +828,8 @@ class Trainer:
             finally:
                 sink.close()
             summary = self._summary(state, loop)
-            ckpt_lib.atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+            if parallel.is_lead():  # a multi-process run: process 0 writes the run's files
+                ckpt_lib.atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
             self.echo(f"[twell] summary: {self.run_dir / 'summary.json'}")
         return TrainResult(run_dir=self.run_dir, history=loop.history, summary=summary, state=state,
                            last_metrics=loop.last_record or None)
@@ -597,14 +869,49 @@ class Trainer:
         return (step_no == loop.end_step or self.planner.needs_sync(step_no, loop.end_step)
                 or bool(tc.eval_every and step_no % tc.eval_every == 0)
                 or bool(tc.checkpoint_every and step_no % tc.checkpoint_every == 0)
-                or self.hooks.should_stop is not None or signals.received is not None
-                or bool(tc.time_limit_s and time.perf_counter() - loop.start >= tc.time_limit_s))
+                or self.hooks.should_stop is not None or self._stopping(loop, signals) is not None)
+
+    def _local_stop(self, loop: "_Loop", signals: "_StopSignals") -> str | None:
+        """What this process alone would stop for now: a signal's name, "time_limit" or None."""
+        tc = self.cfg.train
+        if signals.received:
+            return signals.received
+        if tc.time_limit_s and time.perf_counter() - loop.start >= tc.time_limit_s:
+            return "time_limit"
+        return None
+
+    def _stopping(self, loop: "_Loop", signals: "_StopSignals") -> str | None:
+        """Why the run stops after the step in hand (a signal's name, "time_limit"), or None. In a
+        multi-process run a process's own reasons only go into its stop vote (`_next_batch`): the
+        answer is what the processes agreed on in the last step fetched, the same on every process,
+        so that all stop after the same step and save the same checkpoint."""
+        return loop.agreed_stop if parallel.multi_process() else self._local_stop(loop, signals)
+
+    def _next_batch(self, loop: "_Loop", signals: "_StopSignals") -> dict[str, Any]:
+        """This process's rows of the next batch; in a multi-process run with its stop vote too, one
+        row per local device (`with_stop_vote`)."""
+        local = next(self.data.train_iter)
+        if not parallel.multi_process():
+            return local
+        reason = self._local_stop(loop, signals)
+        vote = np.tile(np.array([reason == name for name in STOP_REASONS]), (jax.local_device_count(), 1))
+        return {**local, STOP_VOTE: vote}
+
+    def _hook_stop(self, loop: "_Loop") -> str | None:
+        """The should_stop hook's reason to stop after this step; process 0's in a multi-process run."""
+        if not parallel.multi_process():
+            return self.hooks.should_stop(loop.last_record)
+        return parallel.lead_value("the should_stop hook's answer",
+                                   lambda: self.hooks.should_stop(loop.last_record) or None)
 
     def _finish_step(self, loop: "_Loop", sink: MetricsSink, step_no: int, device_metrics: dict,
                      plan: str | None) -> None:
         """Fetch step `step_no`'s metrics (waiting for that step only), check them (the NaN/Inf
         guard names this step), time the step, log it and hand it to the hooks."""
         host = to_python(jax.device_get(device_metrics))
+        vote = host.pop(STOP_VOTE, None)  # a multi-process run: what any process voted to stop for
+        if vote is not None and loop.agreed_stop is None:
+            loop.agreed_stop = next((name for name, voted in zip(STOP_REASONS, vote) if voted), None)
         now = time.perf_counter()
         loop.step_times.append(now - loop.mark)
         loop.mark = now
@@ -632,12 +939,13 @@ class Trainer:
         if tc.checkpoint_every and step_no % tc.checkpoint_every == 0 and step_no != loop.end_step:
             self.save(state, loop.history)
             sink.message(f"[twell] step {step_no}: checkpoint -> {self.store.directory}")
-        if signals.received:
-            loop.stop_reason = signals.received
-        elif hooks.should_stop is not None and step_no < loop.end_step and (why := hooks.should_stop(loop.last_record)):
+        stop = self._stopping(loop, signals)
+        if stop is not None and stop != "time_limit":
+            loop.stop_reason = stop
+        elif hooks.should_stop is not None and step_no < loop.end_step and (why := self._hook_stop(loop)):
             loop.stop_reason = "hook"
             sink.message(f"[twell] step {step_no}: stopping ({why})")
-        elif tc.time_limit_s and time.perf_counter() - loop.start >= tc.time_limit_s and step_no < loop.end_step:
+        elif stop == "time_limit" and step_no < loop.end_step:
             loop.stop_reason = "time_limit"
             sink.message(f"[twell] step {step_no}: train.time_limit_s={tc.time_limit_s:g} reached, "
                          f"stopping ({loop.end_step - step_no} of {loop.end_step} steps not run)")
@@ -660,21 +968,32 @@ class Trainer:
                   f"{cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.n_layers} layers, d_model "
                   f"{cfg.model.d_model}, d_ff {cfg.model.d_ff}; L1 coef {cfg.sparsity.l1_coef:g}")
         self.echo(f"[twell] {describe_execution(cfg.model, cfg.seq_len)}")
+        for warning in schedule_warnings(cfg):
+            self.echo(warning)
         limit = device_memory_limit_bytes()
         usable = f" ({limit / 2**30:.1f} GiB usable each)" if limit else ""
         self.echo(f"[twell] devices: {self.num_devices} x {jax.devices()[0].platform}{usable}; global batch "
                   f"{tc.global_batch} x {cfg.seq_len} tokens = {tokens_per_step} tokens/step; micro-batch "
                   f"{tc.micro_batch}/device, {self.accum_steps} accumulation step(s)")
+        if parallel.multi_process():  # e.g. a launcher that gave each process one GPU of its host
+            self.echo(f"[twell] processes: this is process {jax.process_index()} of {jax.process_count()}, "
+                      f"{jax.local_device_count()} device(s) each; process 0 writes the run's files")
 
     def _compile(self, state: TrainState, cfg: ExperimentConfig) -> tuple[Any, float]:
         """The train step compiled for `cfg` (the planner's step config, or its dense program)."""
         self.step_builds += 1
         train_step = make_train_step(cfg, abstract_graphdef(cfg.model, self.cfg.train.seed), self.optimizer,
                                      self.accum_steps)
-        jitted = jax.jit(train_step, in_shardings=(self.state_shardings, {"tokens": self.batch_sharding}),
-                         out_shardings=(self.state_shardings, self.replicated), donate_argnames=("state",))
+        batch_shardings = {"tokens": self.batch_sharding}
         batch_spec = {"tokens": jax.ShapeDtypeStruct((self.cfg.train.global_batch, self.cfg.seq_len + 1), jnp.int32,
                                                      sharding=self.batch_sharding)}
+        if parallel.multi_process():
+            train_step = with_stop_vote(train_step)
+            batch_shardings[STOP_VOTE] = self.batch_sharding
+            batch_spec[STOP_VOTE] = jax.ShapeDtypeStruct((self.num_devices, len(STOP_REASONS)), jnp.bool_,
+                                                         sharding=self.batch_sharding)
+        jitted = jax.jit(train_step, in_shardings=(self.state_shardings, batch_shardings),
+                         out_shardings=(self.state_shardings, self.replicated), donate_argnames=("state",))
         t0 = time.perf_counter()
         compiled = jitted.lower(state, batch_spec).compile()
         compile_s = time.perf_counter() - t0
@@ -764,6 +1083,7 @@ class _Loop:
     last_record: dict[str, Any] = dataclasses.field(default_factory=dict)  # the last step's full record
     last_val: dict[str, Any] = dataclasses.field(default_factory=dict)  # the last validation
     stop_reason: str | None = None  # a signal's name, "hook" or "time_limit"
+    agreed_stop: str | None = None  # a multi-process run: the first stop reason the processes voted for
     start: float = 0.0  # perf_counter at the loop's start (the time limit counts from here)
     mark: float = 0.0  # perf_counter the next step's time counts from
 
@@ -854,12 +1174,14 @@ def with_saved_tokenizer(cfg: ExperimentConfig, run_dir: str | Path) -> Experime
 def train(cfg: ExperimentConfig, run_dir: str | Path | None = None, *, resume: bool = False,
           echo: Callable[[str], None] = print, trainer_cls: type[Trainer] = Trainer, **kwargs: Any) -> TrainResult:
     """Convenience wrapper: build a `trainer_cls` (a Trainer) for `cfg` and run it (kwargs go to it);
-    run_dir None reserves a new runs/<name>-<time>, removed again if the run fails before using it."""
+    run_dir None reserves a new runs/<name>-<time>, removed again if the run fails before using it.
+    In a multi-process run process 0 reserves it and every process trains in that one."""
     reserved = run_dir is None
-    run_dir = default_run_dir(cfg) if reserved else Path(run_dir)
+    run_dir = Path(parallel.lead_value("the run directory", lambda: str(default_run_dir(cfg)))) if reserved \
+        else Path(run_dir)
     try:
         return trainer_cls(cfg, run_dir, resume=resume, echo=echo, **kwargs).run()
     except BaseException:
-        if reserved and run_dir.is_dir() and not any(run_dir.iterdir()):
+        if reserved and parallel.is_lead() and run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()  # the directory default_run_dir reserved, unused
         raise
