@@ -44,16 +44,46 @@ def pytest_report_header(config):
     return f"XLA compilation cache: {os.environ['JAX_COMPILATION_CACHE_DIR']}"
 
 
-# The files that take longest on the 2-core CI machine (pytest --durations, 2026-11-22), run
-# first, so that the slow files are not what is left at the end: `-n 2 --dist worksteal` starts each
-# worker on one half of the collection in order and lets an idle worker take the other's last tests.
+# The files that take longest on the 2-core CI machine (pytest --durations, 2026-11-22; the files
+# of the longest tests of either tier added 2026-11-27), run first, so that the slow files are not
+# what is left at the end: `-n 2 --dist worksteal` starts each worker on one half of the collection
+# in order and lets an idle worker take the other's last tests.
 _LONGEST_FIRST = (
     "test_pallas_bwd_op.py", "test_auto_hints.py", "test_parallel.py", "test_train.py",
     "test_run_trust.py", "test_bench_ffn_train_checkpoint.py", "test_compare.py",
     "test_sparse_checkpoint_benches.py", "test_ops.py", "test_bench_step.py",
     "test_inference_generate.py", "test_nan_policy.py", "test_inference_load.py",
     "test_pallas_bwd.py", "test_model.py", "test_pallas_decode.py", "test_pallas_bwd_bench.py",
+    "test_decode_kernels.py", "test_decode_tiles.py", "test_backend_equivalence.py", "test_layer_scan.py",
+    "test_cli.py", "test_decode_matvec.py", "test_twell_transpose.py", "test_checkpoint.py",
 )
+
+
+# Two tiers (README): the fast one (`-m "not slow"`, the README's test command) keeps every module's
+# core checks; the slow one (`-m slow`; .ci/run runs both) holds the benchmark dry runs, the
+# end-to-end runs that repeat a fast test's check at more cost, and the parametrizations that repeat
+# a kept one at another size, dtype or option. A test or a `pytest.param` is marked
+# `@pytest.mark.slow`; a cross product of parametrize decorators names the parametrizations it keeps
+# fast with `@pytest.mark.fast_params(id, ...)` (pytest's ids, e.g. "3-True-sparse") and the others are
+# marked slow here, at collection, before `-m` selects. An id that names no parametrization of the
+# test is an error, so the fast tier cannot lose a check to a typo.
+@pytest.hookimpl(wrapper=True)
+def pytest_pycollect_makeitem(collector, name, obj):
+    items = yield
+    if not isinstance(items, list):  # a class, or not a test
+        return items
+    fast = [m for m in getattr(obj, "pytestmark", ()) if m.name == "fast_params"]
+    if not fast:
+        return items
+    keep = {i for m in fast for i in m.args}
+    ids = {item.callspec.id for item in items if hasattr(item, "callspec")}
+    if not keep <= ids:
+        raise pytest.UsageError(f"{collector.nodeid}::{name}: fast_params names no parametrization "
+                                f"{sorted(keep - ids)} (it has {sorted(ids)})")
+    for item in items:
+        if item.callspec.id not in keep:
+            item.add_marker(pytest.mark.slow)
+    return items
 
 
 def pytest_collection_modifyitems(config, items):

@@ -231,6 +231,7 @@ def init_study(script, tmp_path_factory):
     return root, trained, argv, result
 
 
+@pytest.mark.slow
 def test_init_run_starts_every_run_from_the_trained_parameters(init_study):
     from twell_jax.model import init_model, split_model
     from twell_jax.training import checkpoint as ckpt_lib
@@ -254,6 +255,7 @@ def test_init_run_starts_every_run_from_the_trained_parameters(init_study):
         assert abs(started - fresh) > 1000 * FIRST_LOSS_RTOL * abs(fresh), run.key
 
 
+@pytest.mark.slow
 def test_init_run_is_kept_on_resume_and_report_only(script, init_study, monkeypatch, capsys):
     root, trained, argv, result = init_study
     monkeypatch.setenv("OUT", str(root / "again"))
@@ -279,6 +281,7 @@ def test_init_run_is_kept_on_resume_and_report_only(script, init_study, monkeypa
         assert [r["step"] for r in records if "ce" in r] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_init_run_of_another_model_is_refused(script, init_study, tmp_path, monkeypatch):
     _, trained, _, _ = init_study
     monkeypatch.setenv("OUT", str(tmp_path / "out"))

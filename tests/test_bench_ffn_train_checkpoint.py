@@ -134,6 +134,7 @@ def test_sweep_overrides_reach_the_op_config():
             token_tail_chunk=0, neuron_tail_chunk=None, transpose_ell_width=None))
 
 
+@pytest.mark.slow
 def test_checkpoint_dry_run(sparse_run, tmp_path):
     run = sparse_run[0]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -18,6 +18,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "bench_metrics_fe
 @pytest.mark.parametrize("args,message", [(["--steps", "1"], "--steps must be >= 2"),
                                           (["--repeats", "0"], "--repeats must be >= 1"),
                                           (["--out", "FILE"], "is a file")])
+@pytest.mark.slow
 def test_bad_options_are_refused_before_any_run(tmp_path, args, message):
     a_file = tmp_path / "taken.json"
     a_file.write_text("{}")

@@ -48,6 +48,7 @@ def test_flops_per_token_matches_the_issue_figure():
     assert 131_700 * bench_step.flops_per_token(cfg, 2048) / 989e12 == pytest.approx(0.46, abs=0.005)
 
 
+@pytest.mark.slow
 def test_a_variant_runs_at_its_own_micro_batch_and_the_best_table_compares_by_tokens(capsys):
     """What a sparse model's saved memory buys: it may run a larger micro-batch than its twin in the
     same process; rows are then compared by tokens/s, and each kind's fastest configuration is named."""

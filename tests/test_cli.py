@@ -133,6 +133,7 @@ def test_dry_run_of_a_resume_reads_the_runs_tokenizer(tmp_path, monkeypatch, cap
     assert seen == [str((run / "tokenizer.json").absolute())]
 
 
+@pytest.mark.slow
 def test_readme_generate_example_runs(compared, capsys):
     """The README's `twell generate` command, on a micro run (16-token context) in place of runs/micro."""
     import pathlib
@@ -173,6 +174,7 @@ def test_generate_checks_everything_before_printing_and_truncates_on_request(com
         assert code == 2 and out == "" and message in err and len(err.splitlines()) == 1, (argv, err)
 
 
+@pytest.mark.slow
 def test_generate_samples_and_stop_strings_as_json(compared, capsys):
     run = str(compared[0] / "twell-l1-0.001")
     argv = ["generate", "--checkpoint", run, "--prompt", "def", "--prompt", "import", "--max-new-tokens", "6",
@@ -224,6 +226,7 @@ def test_eval_accepts_a_step_directory_and_the_whole_of_another_corpus(compared,
     assert result["tokens"] == (whole.num_train_sequences // batch) * batch * cfg.data.seq_len  # every full batch
 
 
+@pytest.mark.slow
 def test_hf_export_import_eval_and_fine_tuning_from_the_command_line(compared, tmp_path, cache_dir, capsys):
     import numpy as np
 
@@ -336,6 +339,7 @@ def test_without_a_terminal_progress_is_plain_lines_on_each_logged_step(tmp_path
     assert lines == ["[twell] step 2/4 loss 5.5 ce 5.4 lr 0.001 l0 4.0 100 tok/s"]
 
 
+@pytest.mark.slow
 def test_the_console_script_exits_130_on_ctrl_c_and_2_on_an_error(tmp_path):
     import subprocess
     import sys

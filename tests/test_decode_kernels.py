@@ -47,6 +47,7 @@ def _run(cfg, tokens, start, prompt):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("batch,padded", [(1, False), (3, True)])
+@pytest.mark.fast_params("3-True-sparse", "1-False-dense_twin", "3-True-swiglu")
 def test_kernel_steps_equal_the_xla_steps_and_the_forward(kind, batch, padded):
     cfg = dataclasses.replace(BASE, **KINDS[kind])
     tokens = jax.random.randint(jax.random.key(batch), (batch, 10), 0, cfg.vocab_size)
@@ -69,6 +70,7 @@ def test_kernel_steps_equal_the_xla_steps_and_the_forward(kind, batch, padded):
 @pytest.mark.parametrize("sparse_ffn", ["fused", "tiles", "packed", "packed_down"])
 @pytest.mark.parametrize("kind", ["sparse", "relu"])
 @pytest.mark.parametrize("batch,padded", [(1, False), (3, True)])
+@pytest.mark.fast_params("3-True-sparse-fused", "3-True-relu-tiles")
 def test_the_fused_sparse_ffn_step_equals_the_xla_steps(kind, batch, padded, sparse_ffn, monkeypatch):
     """model.decode_sparse_ffn="fused", "tiles", "packed" and "packed_down": the sparse layers' up and
     down products (packed: the up product in the gate's launch; packed_down: the down product too)
@@ -91,6 +93,7 @@ def test_the_fused_sparse_ffn_step_equals_the_xla_steps(kind, batch, padded, spa
 
 @pytest.mark.parametrize("sparse_ffn", ["split", "fused", "tiles", "packed", "packed_down"])
 @pytest.mark.parametrize("limit", [0, 10_000])
+@pytest.mark.fast_params("0-fused", "10000-split")
 def test_both_sides_of_the_dense_switch(monkeypatch, limit, sparse_ffn):
     """Several rows: a union limit of 0 sends every sparse layer to the dense products, a large one
     keeps the sparse kernels; both give the XLA path's logits (the fused kernel with no active
@@ -105,6 +108,7 @@ def test_both_sides_of_the_dense_switch(monkeypatch, limit, sparse_ffn):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bf16_greedy_tokens_match_the_xla_path():
     cfg = dataclasses.replace(BASE, compute_dtype="bfloat16")
     tokens = jax.random.randint(jax.random.key(9), (2, 10), 0, cfg.vocab_size)
@@ -148,6 +152,7 @@ def test_a_head_dim_that_is_not_a_power_of_two_attends_through_xla():
 
 
 @pytest.mark.parametrize("kind", ["sparse", "dense_twin"])
+@pytest.mark.fast_params("dense_twin")
 def test_transposed_weight_copies_give_the_same_steps(kind, monkeypatch):
     """model.decode_transposed: the step reads q/k/v, out and the dense W_down from
     `prepare_decode`'s output-major copies (layout "nk"; q/k/v as one weight): the XLA path's
@@ -270,6 +275,7 @@ def check_fused(x, g, w_up, w_down, residual, capacity, block_sizes=FUSED_SMALL,
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("m", [1, 3, 17])  # 17 > max_block_m: a second token block with one row
+@pytest.mark.fast_params("17-True-bfloat16", "17-False-float32", "3-True-float32", "1-False-bfloat16")
 def test_fused_matches_the_reference_and_the_unfused_kernels(dtype, gated, m):
     x, g, w_up, w_down, residual = fused_inputs(dtype, m, seed=100 * m + 10 * gated + (dtype == jnp.bfloat16))
     # capacity 48 >= n = 20: two live chunks of 16 (the second partial), a third never read.
@@ -471,6 +477,7 @@ def test_the_sparse_step_compacts_the_rows_in_one_launch(batch):
     assert _pallas_names_and_row_sums(old, (batch, cfg.d_ff)) == (["twell_decode_compact"], 1)
 
 
+@pytest.mark.slow
 def test_many_rows_count_in_xla_then_compact_with_the_same_steps(monkeypatch):
     """Above model.COMPACT_ROWS_IN_KERNEL rows (64 in generation at most), the rows' count runs as an
     XLA reduction and `compact_active` compacts it (one program reading [B, H] row after row would
@@ -491,6 +498,7 @@ def test_many_rows_count_in_xla_then_compact_with_the_same_steps(monkeypatch):
 
 @pytest.mark.parametrize("rows", [17, 40])
 @pytest.mark.parametrize("kind", ["dense_twin", "sparse"])
+@pytest.mark.fast_params("sparse-17")
 def test_more_rows_than_the_gate_holds_give_the_same_steps(kind, rows):
     """17 rows: the dense products in one block of 32 rows (ROLE_BLOCK_SIZES); 40: in one of 64
     (ROLE_BLOCK_SIZES_MANY_ROWS); the sparse layers' gate in blocks of 16 ("fused": no tile lists),
@@ -580,6 +588,7 @@ def test_auto_picks_one_launch_or_split_per_layer_by_the_expected_union():
 
 
 @pytest.mark.parametrize("kind", ["sparse", "dense_twin"])
+@pytest.mark.slow
 def test_the_decode_layers_unrolled_or_in_a_loop_give_the_same_steps(kind):
     """model.decode_layer_unroll: 0 (the default) runs every layer with a constant index and no
     loop; 1 a loop over the layers; 2 two layers per iteration (3 layers: a remainder). The

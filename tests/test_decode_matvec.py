@@ -33,6 +33,7 @@ def _inputs(dtype, m, n, k, layers=None, seed=0):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 @pytest.mark.parametrize("m,n,k", [(1, 40, 70), (3, 16, 16), (17, 33, 50)])
+@pytest.mark.fast_params("1-40-70-nk-float32", "3-16-16-kn-bfloat16", "17-33-50-nk-bfloat16", "17-33-50-kn-float32")
 def test_every_option_matches_the_reference(dtype, layout, m, n, k):
     x, w, gate, scale, res = _inputs(dtype, m, n, k, seed=m + n)
     if layout == "kn":
@@ -49,6 +50,7 @@ def test_every_option_matches_the_reference(dtype, layout, m, n, k):
 
 @pytest.mark.parametrize("m,max_block_m", [(17, 32), (33, 32), (40, 64), (65, 64)])
 @pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.fast_params("1-33-32", "2-65-64")
 def test_row_blocks_of_32_and_64(m, max_block_m, split_k):
     """The dense products' roles hold up to 32 rows a program (ROLE_BLOCK_SIZES: a step of 17-32
     rows reads each weight once), 64 above 32 rows (ROLE_BLOCK_SIZES_MANY_ROWS): one padded block
@@ -175,6 +177,7 @@ def test_the_switch_reads_a_sparse_gates_counts(m):
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 @pytest.mark.parametrize("split", [2, 3, 8])
+@pytest.mark.fast_params("2-nk", "3-kn", "8-nk")
 def test_split_k_matches_the_unsplit_product(layout, split):
     """The K loop split over programs (fp32 partials summed, the epilogue in XLA): the same values,
     with the norm, residual, activation, parts, a stack and the enable switch."""
@@ -224,6 +227,7 @@ def test_steps_of_many_rows_take_their_own_blocks():
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 @pytest.mark.parametrize("m,n,programs", [(1, 40, 3), (17, 33, 4), (3, 64, 5)])
+@pytest.mark.fast_params("1-40-3-kn", "17-33-4-nk", "3-64-5-kn")
 def test_balanced_column_programs_match_the_reference(layout, m, n, programs):
     """MatvecBlockSizes.programs_n: exactly `programs` column programs of ceil(n / programs) <=
     block_n columns (the block's other lanes masked), with and without split_k, every option."""

@@ -27,6 +27,10 @@ from oracles import rel_err
 
 GATE = MatvecBlockSizes(block_n=16, block_k=16)  # tiles of 16 columns; K steps of 16
 PATTERNS = ("sparse", "none", "all", "one_hot_last_row", "first_row_dense")
+# The down kernels' cases in the fast tier (tests/conftest.py): every pattern, gated or not, in both
+# dtypes at 3 rows, and 17 rows (a second token block) once; the slow tier adds 1 and 17 rows of each.
+FAST_DOWN_CASES = (*(f"3-{p}-{g}-{d}" for p in ("sparse", "none", "one_hot", "all") for g in (True, False)
+                     for d in ("float32", "bfloat16")), "17-sparse-False-float32")
 
 
 def gate_inputs(m, n, k, pattern, seed=0):
@@ -153,6 +157,8 @@ TOL_VALUES = {jnp.float32: 1e-5, jnp.bfloat16: 8e-3}  # the up product's fp32 su
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("m,n", [(1, 37), (3, 64), (16, 40)])
+@pytest.mark.fast_params(*(f"3-64-{g}-{d}" for g in (True, False) for d in ("float32", "bfloat16")),
+                         "16-40-True-float32", "1-37-False-bfloat16")
 def test_gate_tile_values_equal_their_reference(dtype, gated, m, n):
     """tile_values=True: the same product and lists as tile_lists alone, and each listed neuron's
     hidden value at its id's slot (round(relu(g) * u), u = x . up[id]; round(relu(g)) without up);
@@ -261,6 +267,8 @@ def _down_oracle(x, out, ids, count, up, down, residual):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("m,n,block_n", [(1, 37, 16), (3, 64, 16), (2, 151, 64)])
+@pytest.mark.fast_params(*(f"3-64-16-{g}-{d}" for g in (True, False) for d in ("float32", "bfloat16")),
+                         "2-151-64-True-bfloat16", "1-37-16-False-float32")
 def test_gate_down_product_equals_its_oracle(dtype, gated, m, n, block_n):
     """down=W_down: the gate's launch also makes y = residual + values . W_down[ids] (each tile's
     fp32 partial, the tiles' partials summed; in interpret mode by a second launch), the lists and
@@ -375,6 +383,7 @@ def _values_of(x, g, up, tile):
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("m,pattern", [(1, "sparse"), (3, "sparse"), (17, "sparse"), (3, "none"), (3, "one_hot"),
                                        (3, "all")])
+@pytest.mark.fast_params(*FAST_DOWN_CASES)
 def test_down_tiles_kernel_equals_the_oracle(dtype, gated, m, pattern):
     """The packed values' down kernel: residual + values . W_down[ids] over the tile lists equals
     the fused kernels' oracle (the same neurons' h, then W_down) and the tiles kernel that makes h
@@ -446,6 +455,7 @@ def _lists(g, tile, width=None):
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("m,pattern", [(1, "sparse"), (3, "sparse"), (17, "sparse"), (3, "none"), (3, "one_hot"),
                                        (3, "all")])
+@pytest.mark.fast_params(*FAST_DOWN_CASES)
 def test_tiles_kernel_equals_the_compacted_list_kernel(dtype, gated, m, pattern):
     """The same neurons in the same (ascending) order: the same sums as `sparse_decode_ffn_fused`,
     bit for bit in interpret mode, for tiles of 16 and of 64 slots (151 neurons: 10 and 3 tiles),
@@ -586,6 +596,7 @@ def test_gate_down_lowers_to_triton_for_cuda_with_and_without_the_barrier(reside
 
 @pytest.mark.parametrize("way", ["tiles", "packed"])
 @pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.fast_params("3-tiles", "1-packed")
 def test_the_tiles_step_has_no_compaction(batch, way, monkeypatch):
     """A sparse layer's FFN is two launches ("tiles": the gate with its lists, the tiles kernel,
     after the norm; "packed": the gate with its lists and values, the norm in its prologue, then
@@ -711,18 +722,41 @@ def test_more_rows_than_the_gate_block_run_the_fused_path():
     assert "twell_decode_fused" in names and "twell_decode_gate_lists" not in names, names
 
 
-def test_bench_decode_ffn_step_dry_run(tmp_path):
-    """experiments/bench_decode_ffn_step.py's plumbing at tiny shapes (interpret mode): every variant
-    and piece timed at each (rows, active), the sparse ways with a ratio to the twin's; bad
-    arguments refused before anything runs."""
+def _bench_decode_ffn_step():
     import importlib.util
-    import json
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "experiments" / "bench_decode_ffn_step.py"
     spec = importlib.util.spec_from_file_location("bench_decode_ffn_step", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_decode_ffn_step_refuses_bad_arguments_and_places_the_active_neurons():
+    """experiments/bench_decode_ffn_step.py: bad arguments refused before anything runs; its gate
+    block sizes parsed; its active neurons placed first or one a column tile."""
+    bench = _bench_decode_ffn_step()
+    with pytest.raises(SystemExit, match="--rows must be in"):
+        bench.main(["--rows", "17"])
+    assert [gate_blocks.num_stages for gate_blocks in bench.parse_gate_blocks("64x256w4s3,64x256w4s4p132")] == [3, 4]
+    with pytest.raises(SystemExit, match="expected BNxBKwWsS"):
+        bench.main(["--dry-run", "--gate-blocks", "64x256"])
+    with pytest.raises(SystemExit, match="programs_n"):  # the kernel's own check, named with the item
+        bench.main(["--dry-run", "--gate-blocks", "16x16w4s3p2"])
+    on = np.flatnonzero(np.asarray(bench.active_neurons(5632, 88, "spread")))
+    assert on.size == 88 and np.bincount(on // 64).max() == 1  # one a tile of 64
+    assert np.asarray(bench.active_neurons(5632, 88, "first")).nonzero()[0].max() == 87
+
+
+@pytest.mark.slow
+def test_bench_decode_ffn_step_dry_run(tmp_path):
+    """experiments/bench_decode_ffn_step.py's plumbing at tiny shapes (interpret mode): every variant
+    and piece timed at each (rows, active), the sparse ways with a ratio to the twin's (its
+    arguments: the test above)."""
+    import json
+
+    bench = _bench_decode_ffn_step()
     out = tmp_path / "step.json"
     rows = bench.main(["--dry-run", "--out", str(out)])
     variants = {"plain", "dense", "fused", "split", "tiles", "tiles_xla_norm", "packed", "packed_down",
@@ -735,8 +769,6 @@ def test_bench_decode_ffn_step_dry_run(tmp_path):
     ways = {"dense", "fused", "split", "tiles", "tiles_xla_norm", "packed", "packed_down"}  # vs the twin, plain JAX
     assert {r["variant"] for r in rows if "vs_dense" in r} == {r["variant"] for r in rows if "vs_plain" in r} == ways
     assert json.loads(out.read_text())["rows"] == rows
-    with pytest.raises(SystemExit, match="--rows must be in"):
-        bench.main(["--rows", "17"])
     # --placement spread: the same ways, the active neurons one a column tile
     spread = bench.main(["--dry-run", "--no-pieces", "--placement", "spread"])
     assert {r["variant"] for r in spread} == {"plain"} | ways and {r["placement"] for r in spread} == {"spread"}
@@ -746,11 +778,3 @@ def test_bench_decode_ffn_step_dry_run(tmp_path):
     assert labels == {f"{kind} {b}" for kind in ("packed gate", "piece: gate +norm +values")
                       for b in ("16x16w4s3", "16x32w4s2p8")}, labels
     assert all("vs_dense" in r for r in swept if r["variant"].startswith("packed gate"))
-    assert [gate_blocks.num_stages for gate_blocks in bench.parse_gate_blocks("64x256w4s3,64x256w4s4p132")] == [3, 4]
-    with pytest.raises(SystemExit, match="expected BNxBKwWsS"):
-        bench.main(["--dry-run", "--gate-blocks", "64x256"])
-    with pytest.raises(SystemExit, match="programs_n"):  # the kernel's own check, named with the item
-        bench.main(["--dry-run", "--gate-blocks", "16x16w4s3p2"])
-    on = np.flatnonzero(np.asarray(bench.active_neurons(5632, 88, "spread")))
-    assert on.size == 88 and np.bincount(on // 64).max() == 1  # one a tile of 64
-    assert np.asarray(bench.active_neurons(5632, 88, "first")).nonzero()[0].max() == 87

@@ -108,6 +108,7 @@ def test_a_mix_of_prompt_lengths_compiles_one_prefill_per_bucket_and_one_decode_
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 16])
+@pytest.mark.fast_params("16")
 def test_chunked_decode_equals_step_at_a_time_and_compiles_before_the_clock(chunk):
     """Any chunk (decode steps per program call) gives the same tokens, greedy and sampled, with
     rows stopping on EOS inside a chunk; compilation is reported on its own, once."""
@@ -288,6 +289,7 @@ def test_stop_strings_end_a_row_before_them_and_the_stream_never_shows_them(load
 
 @pytest.mark.parametrize("kind,backend,transposed", [("twell", "pallas", False), ("relu_gated", "dense", False),
                                                      ("twell", "pallas", True)])
+@pytest.mark.slow
 def test_greedy_generation_through_the_decode_kernels_equals_the_full_forward(kind, backend, transposed):
     """The one-token steps run `Transformer._decode_step_kernels` (model.decode_kernels=pallas, the
     kernels interpreted): the sparse model and its dense twin, padded rows included; with

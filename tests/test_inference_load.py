@@ -137,6 +137,7 @@ def test_twell_generate_streams_and_reports_errors(micro_run, capsys, monkeypatc
     assert rc == 2 and "no run directory" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -60,6 +60,7 @@ def test_the_plans_differ_by_layer(two_plans):
 
 
 @pytest.mark.parametrize("layer_scan", ["groups", "switch"])
+@pytest.mark.fast_params("switch")
 def test_forward_loss_and_gradients_equal_the_layer_loop(two_plans, layer_scan):
     cfg = dataclasses.replace(CFG, layer_scan=layer_scan)
     graphdef, params = split_model(init_model(cfg, seed=1))
@@ -86,6 +87,7 @@ def test_forward_loss_and_gradients_equal_the_layer_loop(two_plans, layer_scan):
 
 
 @pytest.mark.parametrize("layer_scan", ["groups", "switch"])
+@pytest.mark.slow
 def test_kv_cached_decode_equals_the_forward(two_plans, layer_scan):
     """Prefill + token-by-token decode of left-padded rows give the full forward's logits."""
     cfg = dataclasses.replace(CFG, layer_scan=layer_scan)
@@ -173,6 +175,7 @@ def _per_layer(tree):
     return jax.tree.map(unstack, tree, is_leaf=lambda n: isinstance(n, dict) and isinstance(n.get("blocks"), dict))
 
 
+@pytest.mark.slow
 def test_a_run_written_before_the_layers_were_stacked_restores_and_resumes(tmp_path, monkeypatch):
     """A format-2 run (one dict per layer in its params and in the optimizer's moments) is
     verified as written, converted on restore, and resumes to the same parameters as a run that

@@ -59,6 +59,7 @@ def _training_grad_hlo(cfg: ModelConfig) -> str:
 
 @pytest.mark.parametrize("kind", ["relu_gated", "twell", "swiglu", "relu"])
 @pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.fast_params("none-twell", "full-relu_gated", "none-swiglu", "full-relu")
 def test_training_gradient_has_no_f32_matmul_operands(kind, remat):
     hlo = _training_grad_hlo(dataclasses.replace(CFG, ffn_kind=kind, remat=remat))
     wide, bad = wide_dots_with_f32_operands(hlo)

@@ -8,6 +8,8 @@ import sys
 import tomllib
 import zipfile
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -21,6 +23,7 @@ def test_every_package_folder_is_listed_and_mapped_under_twell_jax():
     assert mapped == {"twell_jax.pallas_kernels": "pallas_kernels", "twell_jax.configs": "configs"}
 
 
+@pytest.mark.slow
 def test_the_wheel_has_no_top_level_configs_or_pallas_kernels_and_works_installed(tmp_path):
     src = tmp_path / "src"
     src.mkdir()

@@ -66,6 +66,7 @@ def test_compact_active_is_a_stable_partition(h, density):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("m", [1, 3, 20])  # 20 > max_block_m: two token blocks
+@pytest.mark.fast_params("20-True-bfloat16", "20-False-float32", "3-True-float32", "1-False-bfloat16")
 def test_sparse_decode_ffn_matches_reference(dtype, gated, m):
     x, wg, wu, wd = make_inputs(dtype, m=m, d=37, h=151, seed=m)
     g = jnp.einsum("md,hd->mh", x, wg, preferred_element_type=jnp.float32)
@@ -288,6 +289,7 @@ def test_prefer_decode_path():
 # benchmark script (tiny shapes, interpret mode; its timings are not checked)
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_bench_ffn_decode_interpret(tmp_path):
     import importlib.util
     import json

@@ -56,6 +56,7 @@ def test_the_loss_equals_the_dense_twins_cross_entropy(tiny):
         np.testing.assert_allclose(got, want, **TOL)
 
 
+@pytest.mark.slow
 def test_kv_cached_prefill_and_decode_equal_the_full_forward_and_the_models_decode(tiny):
     """A 13-token prefill in chunks of 5 (a partial last chunk), then 11 one-token steps at traced
     positions that fill the 24-slot cache: every step's logits equal the full forward's at that

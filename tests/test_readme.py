@@ -57,12 +57,12 @@ def test_readme_commands_name_real_entry_points_and_options():
     assert {"twell", "python", "pip"} <= programs, programs
     parser = cli._parser()
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    ci = (ROOT / ".ci" / "run").read_text()
+    ci = [" ".join(shlex.split(line, comments=True)) for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     for argv in commands:
         if argv[0] == "twell":  # the CLI's own parser accepts it (a bad subcommand or option exits)
             parser.parse_args(argv[1:])
         elif argv[:3] == ["python", "-m", "pytest"]:  # the README's test command is what CI runs
-            assert " ".join(argv[2:]) in ci, argv
+            assert any(" ".join(argv[2:]) in line for line in ci), argv
         elif argv[0] == "python":
             script = ROOT / argv[1]
             assert script.is_file(), argv

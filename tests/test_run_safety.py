@@ -48,6 +48,7 @@ def _copy(run: Path, tmp_path: Path) -> Path:
 # ----------------------------------------------------------------------------- item 1: lr 0 after the schedule
 
 
+@pytest.mark.slow
 def test_resume_past_the_schedule_is_refused_naming_the_field_then_stretched(finished, tmp_path):
     run = _copy(finished[0], tmp_path)
     before = _snapshot(run)

@@ -64,6 +64,7 @@ def test_validation_tokens_come_from_the_runs_split_and_cycle_only_when_asked(sp
     assert np.array_equal(many[52_429:52_432], rows)  # the split again from its start
 
 
+@pytest.mark.slow
 def test_bench_step_times_the_runs_parameters_on_its_text(sparse_run, tmp_path):
     out = sparse_run[0]
     json_path = tmp_path / "step.json"
@@ -78,6 +79,7 @@ def test_bench_step_times_the_runs_parameters_on_its_text(sparse_run, tmp_path):
     assert saved["source"].startswith("checkpoint") and len(saved["hints"]) == 2
 
 
+@pytest.mark.slow
 def test_bench_inference_feeds_the_runs_text(sparse_run, tmp_path):
     out = sparse_run[0]
     result = bench_inference.main(["--dry-run", "--checkpoint", str(out), "--out", str(tmp_path / "inf.json")])
@@ -98,6 +100,7 @@ def test_bad_backend_variants_are_rejected(text, match):
         bench_step.parse_variants(text)
 
 
+@pytest.mark.slow
 def test_bench_inference_decode_rows_give_the_floor_share_and_the_xla_row(sparse_run, tmp_path):
     out = sparse_run[0]
     result = bench_inference.main(["--dry-run", "--checkpoint", str(out), "--xla-decode-row", "--generate-tokens", "0",
@@ -126,6 +129,7 @@ def test_bench_inference_decode_rows_give_the_floor_share_and_the_xla_row(sparse
     assert not any(r["variant"].endswith("-xla") for r in result["rows"] if r["phase"] == "prefill")
 
 
+@pytest.mark.slow
 def test_the_decode_check_compares_the_kernels_with_the_xla_path_and_stops_a_wrong_run(sparse_run, tmp_path):
     """--check-decode: every variant's decode kernels (interpreted here) against the XLA path,
     teacher-forced at each decode batch, before anything is timed; a difference above
@@ -164,6 +168,7 @@ def test_the_decode_floor_counts_every_weight_once_and_the_sparse_rows_union():
     assert sparse == 2 * (100 * 8 + 2 * 4 * 8 * 8 + ffn + kv)
 
 
+@pytest.mark.slow
 def test_the_matvec_sweep_runs_on_the_cpu(tmp_path, capsys):
     import importlib.util
     from pathlib import Path

@@ -234,6 +234,7 @@ def test_triton_lowering():
     assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2
 
 
+@pytest.mark.slow
 def test_bench_dry_run():
     """experiments/bench_transpose.py --interpret runs end to end (it checks equality first)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
