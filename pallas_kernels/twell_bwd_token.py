@@ -18,17 +18,20 @@ down weight, all neuron-major [H, D].
 Input: per token a compact list (`token_lists`, a Pallas kernel, from the TwELL pattern): n_i
 entries, their neuron ids, packed values, and neuron-major (CSR) positions, the latter from the
 counting-sort transpose's `dest` (twell_transpose.py), which runs first on the pattern alone. The
-values come from `rank_values`: each row's packed values in rank order, [M, W], which the
-training forward keeps instead of the pack's [M, NT, S] values (4 MB against 23 MB at M 16384,
-H 5632, W 128, S 32, bf16). Entries of "hot"
-neurons are left out of the lists: a dense tail (twell_jax/ops/pallas_backward.py) owns their dx
-terms and weight gradients, so the kernel moves none of their bytes, and it walks no empty tiles.
+values come in rank order, [M, W]: the training forward's fused FFN writes each entry's a and
+(gated) u there (`twell_ffn.sparse_ffn(ranked_width=)`), what it keeps instead of the pack's
+[M, NT, S] values; a backward that recomputes the pattern ranks a with `rank_values` and computes u
+here. Entries of "hot" neurons are left out of the lists: a dense tail
+(twell_jax/ops/pallas_backward.py) owns their dx terms and weight gradients, so the kernel moves
+none of their bytes, and it walks no empty tiles.
 
-One program handles `block_t` tokens: x_i and gy_i stay in registers, dx_i accumulates in fp32
-registers (from `dx_init`, the dense tails' terms, when given), each entry costs one gather of the
-rows it needs (W_j, U_j, G_j gated; W_j, G_j non-gated), each read once, and writes its values
-straight to its CSR position (scatter stores: each position is written by one lane, no atomics).
-All arithmetic is fp32 ("tensor-core exact"), dx is rounded once to x's dtype.
+One program handles `block_t` tokens: gy_i (and x_i, to compute u) stay in registers, dx_i
+accumulates in fp32 registers (from `dx_init`, the dense tails' terms, when given), each entry
+costs one gather of each row it needs, and its values are written straight to its CSR position
+(scatter stores: each position is written by one lane, no atomics). Gated, by default in two
+launches (`TokenBwdBlockSizes.split`): the entries (W_j, and U_j unless u is given), then dx (U_j,
+G_j); in one launch W_j, U_j and G_j per entry. Non-gated: one launch, W_j and G_j. All arithmetic
+is fp32 ("tensor-core exact"), dx is rounded once to x's dtype.
 """
 from __future__ import annotations
 
@@ -56,11 +59,12 @@ class TokenBwdBlockSizes:
     block_t: int = 1  # token rows per program (power of two)
     num_warps: int = 2  # warps per program
     num_stages: int = 1  # pipelining depth of the slot loop (dynamic trip counts: 1 = none)
-    # Gated only: two launches instead of one, the entries (gathering W_down and W_up rows) and
-    # then dx (W_up and W_gate rows). One launch gathers rows of all three weights, whose working
-    # set (3 x 23 MB at D 2048, H 5632, bf16) exceeds the H100's 50 MB L2 cache, so its gathers
-    # come from HBM; each of the two launches gathers from two weights (46 MB), as the forward's
-    # fused FFN does. The non-gated kernel gathers from two weights already and ignores this.
+    # Gated only: two launches instead of one, the entries (gathering W_down rows, and W_up rows
+    # when u is not given) and then dx (W_up and W_gate rows). One launch gathers rows of all three
+    # weights, whose working set (3 x 23 MB at D 2048, H 5632, bf16) exceeds the H100's 50 MB L2
+    # cache, so its gathers come from HBM; each of the two launches gathers from at most two
+    # weights, as the forward's fused FFN does. The non-gated kernel gathers from two weights
+    # already and ignores this.
     split: bool = True
 
     def __post_init__(self) -> None:
@@ -331,7 +335,8 @@ def _token_bwd_kernel(*refs, gated: bool, has_init: bool, has_u: bool, d: int, d
                           other=None if full_d else 0).astype(jnp.float32)
 
     if part != "dx":
-        x_BTxD = load_own(x_ref)
+        # x only serves u = x . U_j: not loaded when the forward's u is given.
+        x_BTxD = None if has_u else load_own(x_ref)
         gy_BTxD = load_own(gy_ref)
         l1_scale = jnp.sum(scale_ref[...])  # a [1] block: sum -> scalar (value slicing is not lowered)
     n_BT = n_ref[...]
@@ -449,9 +454,10 @@ def _token_bwd_triton(x_MxD, gy_MxD, n_M, cols_MxW, a_MxW, pos_MxW, w_act_HxD, w
             name=name)(*operands)
 
     if gated and block_sizes.split:
-        # Two launches, each gathering rows of two weights (their working set fits the L2 cache
-        # at the paper's shapes, where three do not): the entries (W_down and W_up rows), then dx
-        # (W_up and W_gate rows, each entry's d_up and d_gate read back at its position).
+        # Two launches, each gathering rows of at most two weights (their working set fits the
+        # L2 cache at the paper's shapes, where three do not): the entries (W_down rows, and W_up
+        # rows for u unless given), then dx (W_up and W_gate rows, each entry's d_up and d_gate
+        # read back at its position).
         entries = call("entries", "twell_bwd_token_entries",
                        [row_spec, row_spec, n_spec, list_spec, list_spec, list_spec,
                         *[list_spec] * len(u), full(w_up_HxD), full(w_down_HxD), scale_spec],

@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .twell_bwd_token import rank_values_reference
 from .common import (check_launch_sizes, compiler_params, is_pow2 as _is_pow2,
                                    next_pow2 as _next_pow2, pad_rows, round_up, stored_ranks,
                                    validate_packed_operands)
@@ -239,7 +240,7 @@ def sparse_ffn_reference(x_MxD: jax.Array, values: jax.Array, indices: jax.Array
     row's stored entries hold 0)."""
     _check_ranked_width(ranked_width)
     m, n_tiles, slots = values.shape
-    rank, live = stored_ranks(counts, slots)
+    live = stored_ranks(counts, slots)[1]
     a = jnp.where(live, values.astype(jnp.float32), 0.0)
     x32 = x_MxD.astype(jnp.float32)
     u = None
@@ -254,12 +255,7 @@ def sparse_ffn_reference(x_MxD: jax.Array, values: jax.Array, indices: jax.Array
     out = (y.astype(x_MxD.dtype), jnp.sum(jnp.abs(h), axis=(1, 2)))
     if not ranked_width:
         return out
-    rank = jnp.where(live & (rank < ranked_width), rank, ranked_width).reshape(m, -1)
-    rows = jnp.broadcast_to(jnp.arange(m)[:, None], rank.shape)
-
-    def ranked(v, dtype):
-        return jnp.zeros((m, ranked_width), dtype).at[rows, rank].set(
-            v.reshape(m, -1).astype(dtype), mode="drop")
-
-    parts = (ranked(values, values.dtype),) + ((ranked(u, jnp.float32),) if u is not None else ())
+    parts = (rank_values_reference(values, counts, ranked_width),)
+    if u is not None:
+        parts += (rank_values_reference(u, counts, ranked_width),)
     return (*out, parts)

@@ -7,8 +7,9 @@
     PYTHONUNBUFFERED=1 python experiments/bench_ffn_train.py --quick --trace --sweep-blocks --repeats 5
 
 Two sources of (x, weights), measured by the same functions (`measure`):
-- synthetic (default): bf16, D 2048, H 5632, the sparsity of experiments/bench_ffn.py at k = 29, 56,
-  112 active per token, M = 2048 / 16384 / 65536 (3 input sets rotated while timing);
+- synthetic (default): bf16, D 2048, H 5632, the sparsity of experiments/bench_ffn.py at k = 29, 39,
+  16, 56, 110 active per token (SYNTHETIC_K), M = 16384 / 2048 / 65536 (3 input sets rotated while
+  timing; --quick: M 16384 only);
 - `--checkpoint RUN`: a trained run (`inference.load_run`, compute dtype --dtype), fed the first
   --micro-batch sequences of its validation split; the model's own forward records what each
   chosen layer's FeedForward receives (the normed activations x [M, D], `capture_ffn_inputs`), and
@@ -28,25 +29,28 @@ Backends, all in the same process on the same inputs:
 Each is first checked against xla_bf16 (max abs error per gradient, and relative error), then
 timed (interleaved medians, bench_ffn.bench_interleaved); the compiled temporary memory of each
 (`memory_analysis()` of the program that is timed), and the time of each piece of the Pallas
-path: pack, fused FFN, token tail mask, token-major kernel, transpose, neuron-major kernel, one
-64-row block of the dense token tail, and the dense tails as the backward takes them on this
+path: pack, fused FFN (alone, and with the rank-order a and u the training forward keeps), token
+tail mask, token-major kernel (on the kept u, and computing u as the backward that recomputes the
+pattern does), transpose, neuron-major kernel, one 64-row block of the dense token tail, and the dense tails as the backward takes them on this
 pattern (token tail: ceil(rows / chunk) blocks; neuron tail: the hot neurons' blocks), each
 tail checked against xla_bf16's gradients on its rows. Beside the times: the pattern statistics
 (`pattern_stats`: active per token, tail rows, per-neuron entry counts, hot neurons, the tails'
 sizes and whether a capacity is exceeded, i.e. the whole call falls back to the dense backward)
 and the cost model's prediction at the measured mean k and tails (`model_prediction`:
-planner.sparse_times_ms / dense_times_ms and auto's plan, ops.auto_decision). Prints a
+planner.sparse_times_ms / dense_times_ms and auto's plan, ops.auto_decision). The forward alone
+of FORWARD_BACKENDS, timed the same way: as a training step runs it (the vjp's forward, with the
+residuals the backward keeps: "fwd_ms") and as inference runs it (y and l1: "infer_ms"). Prints a
 short table last; writes bench_ffn_train.json (and table.txt) to --out.
 
 --trace (both modes): the per-kernel GPU time of the xla_bf16, pallas and auto programs that were
 timed (one jax.profiler trace of --repeats back-to-back calls each, twell_jax/bench/kernel_trace.py):
 each kernel's launches, ms and share per fwd+bwd call, the wall span and busy time; in the JSON
-rows ("trace") and the table (top 12). --sweep-blocks (synthetic): the token-major, the
-neuron-major and the pack kernel timed alone over their launch parameters (TOKEN_SWEEP: block_t x
+rows ("trace") and the table (top 12). --sweep-blocks [token,neuron,pack] (synthetic; default all
+three): those kernels timed alone over their launch parameters (TOKEN_SWEEP: split x block_t x
 num_warps x num_stages; NEURON_SWEEP: block_n x num_warps; PACK_SWEEP: launch order group_m x
-num_stages, beside XLA's relu(x W_gate^T)) at M 16384, k 29, each variant's outputs compared bit
-for bit with the default launch's (`sweep_block_sizes`); a "sweep_blocks" JSON row and a table
-sorted by time with the default marked.
+num_stages, beside XLA's relu(x W_gate^T)) at the first case's shape, each variant's outputs
+compared bit for bit with the default launch's (`sweep_block_sizes`); a "sweep_blocks" JSON row and
+a table sorted by time with the default marked.
 """
 from __future__ import annotations
 
@@ -79,9 +83,12 @@ L1_COEF = 3e-4 / 8  # the 0.5b recipe's lambda over its 8 layers (docs/training.
 BACKENDS = ("xla_bf16", "dense", "reference", "pallas", "pallas_recompute", "auto")
 CHECKPOINT_BACKENDS = ("xla_bf16", "dense", "pallas", "pallas_recompute", "auto")
 GRAD_NAMES = ("dx", "dw_gate", "dw_up", "dw_down")
-TRACED_BACKENDS = ("xla_bf16", "pallas", "auto")
+TRACED_BACKENDS = ("xla_bf16", "pallas", "auto")  # --trace: the per-kernel profile of these programs
+FORWARD_BACKENDS = ("xla_bf16", "dense", "pallas", "auto")  # also timed forward-only (training and inference)
 SWEEP_KERNELS = ("token", "neuron", "pack")  # --sweep-blocks: the kernels it may time
-FORWARD_BACKENDS = ("xla_bf16", "dense", "pallas", "auto")  # also timed forward-only (training and inference)  # --trace: the per-kernel profile of these programs
+# Synthetic uniform sparsity, active neurons per token: the paper's trained models (24-39) and
+# around them; the first is the --sweep-blocks shape.
+SYNTHETIC_K = (29.0, 39.0, 16.0, 56.0, 110.0)
 # --dry-run: the interpreter compiles every backend's whole fwd+bwd, so the smoke run skips the two
 # that only repeat others' code paths (the reference backend, and pallas with the pattern recomputed:
 # tests/test_ops.py and tests/test_pallas_bwd_op.py cover both).
@@ -121,10 +128,12 @@ def loss_parts(backend: str, config: ops.SparseFFNConfig, interpret: bool):
     return parts
 
 
+@functools.lru_cache(maxsize=None)
 def make_forward(backend: str, config: ops.SparseFFNConfig, interpret: bool, training: bool):
     """f(x, wg, wu, wd) -> the forward alone: training=True, the forward of a training step ((y, l1)
     and the vjp's residuals, everything the backward keeps, as outputs so none of it is dropped);
-    training=False, the inference forward (y and l1 only: no residual)."""
+    training=False, the inference forward (y and l1 only: no residual). Made once per arguments, so
+    the layers of a checkpoint share its compilations (as `compiled_step`'s)."""
     parts = loss_parts(backend, config, interpret)
     if training:
         return jax.jit(lambda x, wg, wu, wd: jax.vjp(parts, x, wg, wu, wd))
@@ -661,9 +670,9 @@ def run_synthetic(args, out: "Output") -> None:
         config = ops.SparseFFNConfig(tile=16, slots=8, ell_width=16, transpose_ell_width=32)
     else:
         bench_ffn.sanity()
-        cases = [(m, k) for m in (16384, 2048, 65536) for k in (29.0, 56.0, 112.0)]
+        cases = [(m, k) for m in (16384, 2048, 65536) for k in SYNTHETIC_K]
         if args.quick:
-            cases = [(16384, 29.0), (16384, 56.0)]
+            cases = [(16384, k) for k in SYNTHETIC_K]
         if args.cases:
             cases = args.cases
         config = ops.SparseFFNConfig()
@@ -860,7 +869,8 @@ class Output:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="synthetic: M = 16384 at k = 29 and 56 only")
+    parser.add_argument("--quick", action="store_true",
+                        help="synthetic: M = 16384 only (at k = 29, 39 (the paper's 0.5B), 16, 56, 110)")
     parser.add_argument("--cases", type=parse_cases, default=None, metavar="M:K,...",
                         help="synthetic: these (tokens M, active per token k) instead of the 3 x 3 "
                              "grid, e.g. 2048:29,65536:112 (to split the grid over several runs)")

@@ -62,9 +62,9 @@ Pack = tuple[jax.Array, jax.Array, jax.Array]  # (values [M,NT,S], indices [M,NT
 
 class Kept(NamedTuple):
     """What the training forward keeps for the backward (keep_gate_pattern): the pattern, stored
-    small, the kernels' values in rank order ([M, W], not the pack's [M, NT, S]) and the
-    transpose's first pass. 19 MB at M 16384, H 5632, S 32, W 128, bf16 (the pack as the forward
-    made it, bf16 values and int32 indices and counts: 71 MB)."""
+    small, the kernels' a (and u, gated) in rank order ([M, W], not the pack's [M, NT, S]) and the
+    transpose's first pass. 27 MB at M 16384, H 5632, S 32, W 128, bf16, u included (the pack as
+    the forward made it, bf16 values and int32 indices and counts: 71 MB)."""
 
     ranked: jax.Array   # [M, W] the kernels' entries' values in rank order (`sparse_ffn`'s ranked a)
     offsets: jax.Array  # [M, NT, S] neuron id - t * tile: uint8 for tiles up to 256 lanes
@@ -173,8 +173,8 @@ def forward(gated: bool, x_MxD: jax.Array, weights: Weights, config: SparseFFNCo
     aux["backward_hot_neurons"] = jnp.sum(hot_H, dtype=jnp.int32)
     if not bc.keep_gate_pattern:
         return y, aux, None
-    ranked_a, *ranked_u = ranked[0]
-    return y, aux, Kept.store(ranked_a, pack, hist, h, ranked_u[0] if ranked_u else None)
+    ranked_a, ranked_u = ranked[0] if gated else (*ranked[0], None)
+    return y, aux, Kept.store(ranked_a, pack, hist, h, ranked_u)
 
 
 # ----------------------------------------------------------------------------------------------

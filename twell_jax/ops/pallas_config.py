@@ -14,11 +14,11 @@ from twell_jax.pallas_kernels.twell_transpose import TransposeBlockSizes
 class BackwardConfig:
     """Static knobs of the Pallas backward (SparseFFNConfig.backward)."""
 
-    # Keep the forward's TwELL pattern for the backward (`Kept`: uint8 offsets, int16 counts, the
-    # values in rank order [M, W], the transpose's first pass; 19 MB at M 16384, H 5632, S 32,
-    # W 128, bf16) instead of re-running the gate GEMM + pack in the backward. On the H100 at that
-    # shape (k 29, BENCHMARKS.md) recomputing costs 0.62 ms per fwd+bwd (5.24 against 4.62 ms)
-    # and saves 7.5 MiB of the block's temporaries (528 against 535.5 MiB).
+    # Keep the forward's TwELL pattern for the backward (`Kept`: uint8 offsets, int16 counts, a
+    # and u in rank order [M, W], the transpose's first pass) instead of re-running the gate GEMM +
+    # pack in the backward, and computing u again in the token-major kernel. Recomputing saves a
+    # few MiB of the block's temporaries and costs about a pack per fwd+bwd (the `pallas` and
+    # `pallas_recompute` columns of experiments/bench_ffn_train.py).
     keep_gate_pattern: bool = True
     # Token-tail rows (an overflowing tile or > ell_width actives) per dense block: the tail runs
     # ceil(rows / chunk) blocks of [chunk, H] (a tail of at most small_tail_chunk rows: one small
