@@ -11,7 +11,7 @@ The dense activation never reaches HBM and there is no second pass.
 
 Epilogue design ("extract by successive minimum"). A rank/prefix-sum over the 256 columns of a
 [BM, 256] fp32 register tile (cumsum, or a dot with a triangular 0/1 matrix) followed by a masked
-scatter costs more than the matmul itself on the H100 (anchors.md). Instead the k-th slot of every
+scatter costs more than the matmul itself on the H100 (probed during development). Instead the k-th slot of every
 row is found by a row-wise MIN: for 16-bit activations each element becomes one int32 key
 `(tile-local column << 16) | bits(value rounded to the activation dtype)` (inactive: INT32_MAX), and
 slot k is `min(key > key of slot k-1)`; one register reduction per slot gives column AND value.
