@@ -71,3 +71,25 @@ def test_restore_into_different_model_names_the_fields(cache_dir, killed_run):
     with pytest.raises(ValueError, match=r"model\.d_ff: checkpoint has 64, config has 96.*model\.n_layers"):
         Trainer(other, killed_run, resume=True).run()
     assert sorted(p.relative_to(killed_run) for p in killed_run.rglob("*")) == before  # a failed command changes nothing
+
+
+def test_a_run_saved_before_grouped_heads_untied_heads_and_rope_scaling_loads_unchanged(tmp_path, killed_run):
+    """model.n_kv_heads, tie_embeddings and rope_scaling default to the model such runs trained
+    (multi-head, tied, plain RoPE): a config.json without them loads the same parameters, with no
+    `lm_head` among them, and the same logits."""
+    import json
+
+    import jax.numpy as jnp
+
+    from twell_jax.inference.load import load_run
+    from twell_jax.model import split_model
+
+    old = shutil.copytree(killed_run, tmp_path / "old")
+    values = json.loads((old / "config.json").read_text())
+    for name in ("n_kv_heads", "tie_embeddings", "rope_scaling"):
+        values["model"].pop(name)
+    (old / "config.json").write_text(json.dumps(values))
+    a, b = load_run(killed_run, dtype="float32"), load_run(old, dtype="float32")
+    assert b.config == a.config and "lm_head" not in split_model(b.model)[1]
+    tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
+    np.testing.assert_array_equal(a.model(tokens)[0], b.model(tokens)[0])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -79,6 +80,10 @@ def test_unknown_preset():
         get_config("nope")
 
 
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
 @pytest.mark.parametrize("factory,match", [
     (lambda: ModelConfig(d_model=130, n_heads=4), "divisible by model.n_heads"),
     (lambda: ModelConfig(ffn_kind="gelu"), "model.ffn_kind"),
@@ -95,10 +100,37 @@ def test_unknown_preset():
     (lambda: DataConfig(val_fraction=float("inf")), "data.val_fraction must be a finite number"),
     (lambda: OptimConfig(warmup_steps=-1), "optim.warmup_steps must be >= 0"),
     (lambda: TrainConfig(checkpoint_every=-1), "train.checkpoint_every must be >= 0"),
+    (lambda: ModelConfig(n_heads=4, n_kv_heads=3), "model.n_kv_heads must be None .* dividing model.n_heads=4, got 3"),
+    (lambda: ModelConfig(n_kv_heads=0), "model.n_kv_heads must be"),
+    (lambda: ModelConfig(tie_embeddings="no"), "model.tie_embeddings must be true or false"),
+    (lambda: ModelConfig(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "model.rope_scaling.rope_type must be"),
+    (lambda: ModelConfig(rope_scaling={**LLAMA3_SCALING, "factor": 0.5}), "model.rope_scaling.factor must be >= 1"),
+    (lambda: ModelConfig(rope_scaling={**LLAMA3_SCALING, "low_freq_factor": float("nan")}),
+     "model.rope_scaling.low_freq_factor must be a finite number"),
+    (lambda: ModelConfig(rope_scaling={**LLAMA3_SCALING, "beta": 1.0}), "unknown: beta"),
+    (lambda: ModelConfig(rope_scaling={**LLAMA3_SCALING, "original_max_position_embeddings": 8.5}),
+     "original_max_position_embeddings must be an int"),
 ])
 def test_invariants_raise_clear_errors(factory, match):
     with pytest.raises(ValueError, match=match):
         factory()
+
+
+def test_attention_and_head_fields_default_to_todays_model_and_round_trip():
+    """n_kv_heads None (multi-head), tie_embeddings true, rope_scaling None: a config saved before
+    these fields existed loads as the model it always was; set ones survive JSON and overrides."""
+    old = config_lib.to_dict(get_config("micro"))
+    for name in ("n_kv_heads", "tie_embeddings", "rope_scaling"):
+        old["model"].pop(name)
+    model = config_lib.from_dict(old).model
+    assert (model.n_kv_heads, model.kv_heads, model.tie_embeddings, model.rope_scaling) == (None, 2, True, None)
+    cfg = config_lib.apply_overrides(get_config("micro"), [
+        "model.n_heads=4", "model.n_kv_heads=2", "model.tie_embeddings=false",
+        "model.rope_scaling=" + json.dumps(LLAMA3_SCALING)])
+    assert (cfg.model.kv_heads, cfg.model.kv_dim, cfg.model.rope_scaling_params.factor) == (2, 16, 8.0)
+    assert config_lib.from_dict(json.loads(config_lib.to_json(cfg))) == cfg
+    assert {"model.n_kv_heads", "model.tie_embeddings", "model.rope_scaling"} <= {
+        f"model.{f}" for f in config_lib.ARCHITECTURE_FIELDS}  # the weights fix them (--init-from, init runs)
 
 
 def test_overrides_are_typed():

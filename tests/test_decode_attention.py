@@ -39,11 +39,13 @@ def test_splits_and_bad_block_sizes():
         AttentionBlockSizes(block_t=48)
 
 
-def _qkv_inputs(dtype, index, starts, layers=3, batch=3, length=40, heads=2, head_dim=16, seed=0, theta=10000.0):
+def _qkv_inputs(dtype, index, starts, layers=3, batch=3, length=40, heads=2, head_dim=16, seed=0, theta=10000.0,
+                kv_heads=None):
     rng = np.random.default_rng(seed)
-    qkv = jnp.asarray(rng.normal(size=(batch, 3 * heads * head_dim)), dtype)
-    k = jnp.asarray(rng.normal(size=(layers, batch, length, heads, head_dim)), dtype)
-    v = jnp.asarray(rng.normal(size=(layers, batch, length, heads, head_dim)), dtype)
+    kv_heads = kv_heads or heads
+    qkv = jnp.asarray(rng.normal(size=(batch, (heads + 2 * kv_heads) * head_dim)), dtype)
+    k = jnp.asarray(rng.normal(size=(layers, batch, length, kv_heads, head_dim)), dtype)
+    v = jnp.asarray(rng.normal(size=(layers, batch, length, kv_heads, head_dim)), dtype)
     start = jnp.asarray(starts, jnp.int32)
     positions = jnp.maximum(index - start, 0)[:, None]  # the model's decode positions
     cos, sin = (t[:, 0] for t in rope_tables(positions, head_dim, theta))
@@ -105,16 +107,66 @@ def test_the_fused_step_clamps_an_index_past_the_end_and_rejects_bad_arguments()
         decode_attention_qkv(qkv, cos, sin, k, v, one, one, start[:2])
 
 
-def test_the_fused_step_lowers_to_triton_for_cuda():
-    # The Pallas -> Triton IR lowering runs without a GPU, at the 0.5b model's shapes with the
-    # caches aliased to the outputs (in place).
+@pytest.mark.parametrize("heads,kv_heads", [(16, 16), (32, 8)])
+def test_the_fused_step_lowers_to_triton_for_cuda(heads, kv_heads):
+    # The Pallas -> Triton IR lowering runs without a GPU, at the 0.5b model's shapes (and Llama 3
+    # 8B's grouped heads: 32 query heads on 8 KV heads) with the caches aliased to the outputs (in place).
+    import functools
+
     from jax import export
 
-    shapes = (jax.ShapeDtypeStruct((1, 3 * 2048), jnp.bfloat16), jax.ShapeDtypeStruct((1, 64), jnp.float32),
-              jax.ShapeDtypeStruct((1, 64), jnp.float32), jax.ShapeDtypeStruct((8, 1, 2048, 16, 128), jnp.bfloat16),
-              jax.ShapeDtypeStruct((8, 1, 2048, 16, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.int32),
-              jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
-    exported = export.export(jax.jit(decode_attention_qkv), platforms=["cuda"], disabled_checks=[
-        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
+    cache = jax.ShapeDtypeStruct((8, 1, 2048, kv_heads, 128), jnp.bfloat16)
+    shapes = (jax.ShapeDtypeStruct((1, (heads + 2 * kv_heads) * 128), jnp.bfloat16),
+              jax.ShapeDtypeStruct((1, 64), jnp.float32), jax.ShapeDtypeStruct((1, 64), jnp.float32), cache, cache,
+              jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32),
+              jax.ShapeDtypeStruct((1,), jnp.int32))
+    exported = export.export(jax.jit(functools.partial(decode_attention_qkv, heads=heads)), platforms=["cuda"],
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
     text = exported.mlir_module()
     assert "twell_decode_attention_qkv" in text and "output_operand_aliases" in text
+
+
+def test_the_grouped_reference_is_the_multi_head_one_with_each_kv_head_repeated():
+    """Grouped-query attention: query head n reads KV head n // G (Hugging Face's repeat_kv), so the
+    reference equals the multi-head reference over caches whose KV heads are repeated G times, and
+    the model's XLA attention, which takes the grouped caches as they are."""
+    q, k, v = _inputs(jnp.float32, heads=6, seed=7)
+    k, v = k[..., :2, :], v[..., :2, :]  # 2 KV heads for 6 query heads: G = 3
+    start, index, layer = jnp.asarray([0, 4, 9], jnp.int32), 20, 2
+    args = (jnp.asarray([layer], jnp.int32), jnp.asarray([index], jnp.int32), start)
+    got = decode_attention_reference(q, k, v, *args)
+    repeated = decode_attention_reference(q, jnp.repeat(k, 3, axis=3), jnp.repeat(v, 3, axis=3), *args)
+    np.testing.assert_allclose(got, repeated, rtol=1e-6, atol=1e-6)
+    vis = decode_mask(jnp.asarray([index]), start, k.shape[2])
+    want = jax.nn.dot_product_attention(q[:, None], k[layer], v[layer], mask=vis[:, None], implementation="xla")[:, 0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2), (4, 1)])
+@pytest.mark.fast_params("6-2-float32-2e-06", "4-1-bfloat16-0.02")
+def test_the_fused_step_with_grouped_kv_heads_matches_its_reference(heads, kv_heads, dtype, tol):
+    """Each KV head's program serves its G query heads: every query head's output, the one new
+    key/value slot written per KV head, left padding and the new slot in a split's middle."""
+    index, starts = 17, (0, 5, 17)
+    qkv, cos, sin, k, v, start, _ = _qkv_inputs(dtype, index, starts, heads=heads, kv_heads=kv_heads, seed=heads)
+    args = (qkv, cos, sin, k, v, jnp.asarray([1], jnp.int32), jnp.asarray([index], jnp.int32), start)
+    out, k_new, v_new = decode_attention_qkv(*args, heads=heads, block_sizes=SMALL, interpret=True)
+    want, k_want, v_want = decode_attention_qkv_reference(*args, heads=heads)
+    assert out.shape == (3, heads, 16) and k_new.shape == k.shape
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32))))
+    assert err <= tol * max(1.0, float(jnp.max(jnp.abs(want.astype(jnp.float32))))), err
+    np.testing.assert_array_equal(v_new, v_want)
+    np.testing.assert_allclose(k_new.astype(jnp.float32), k_want.astype(jnp.float32), rtol=2e-7 if dtype ==
+                               jnp.float32 else 8e-3, atol=1e-7)
+    changed = np.asarray(jnp.any(k_new != k, axis=-1) | jnp.any(v_new != v, axis=-1))  # [L, B, T, N_kv]
+    assert changed[1, :, index].all() and changed.sum() == 3 * kv_heads
+
+
+def test_the_grouped_step_rejects_heads_that_do_not_fit_the_cache():
+    qkv, cos, sin, k, v, start, _ = _qkv_inputs(jnp.float32, 5, (0, 0, 0), heads=4, kv_heads=2)
+    one = jnp.asarray([0], jnp.int32)
+    with pytest.raises(ValueError, match="heads .*multiple of the cache's N_kv=2"):
+        decode_attention_qkv(qkv, cos, sin, k, v, one, one, start, heads=3)
+    with pytest.raises(ValueError, match=r"qkv must be \[B=3, \(N \+ 2 N_kv\) K=96\]"):
+        decode_attention_qkv(qkv, cos, sin, k, v, one, one, start, heads=2)  # N=2: a multi-head qkv is 96 wide

@@ -4,6 +4,7 @@
     twell train --out DIR --resume [--step N] [--set train.steps=500 optim.schedule_steps=500]
     twell train --config micro --init-from HF_DIR      (fine-tune a Hugging Face Llama checkpoint)
     twell eval --checkpoint runs/tiny-20250101-120000 [--step N] [--split all] [--json]
+    twell eval --checkpoint RUN --tasks paper [--limit N]   (lm-eval downstream tasks: the `eval` extra)
     twell compare --config tiny [--l1 0 1e-5 2e-5] [--set ...] [--out DIR] [--resume] [--dry-run]
     twell generate --checkpoint RUN --prompt "def main(" [--max-new-tokens 64 --temperature 0.8 --top-k 50]
     twell hf export --checkpoint RUN --out DIR        twell hf import HF_DIR
@@ -46,11 +47,15 @@ EXAMPLES = {
   twell eval --checkpoint runs/m                              # newest intact checkpoint, validation split
   twell eval --checkpoint runs/m/checkpoints/8 --json | python -m json.tool
   twell eval --checkpoint runs/m --set data.source=other.jsonl --split all   # all of another corpus
-  twell eval --hf path/to/hf_llama --set data.source=corpus.jsonl --split all""",
+  twell eval --hf path/to/hf_llama --set data.source=corpus.jsonl --split all
+  twell eval --checkpoint runs/m --tasks paper                # the paper's seven lm-eval tasks -> runs/m/lm_eval/
+  twell eval --checkpoint runs/m --tasks arc_easy,piqa --limit 100 --set model.ffn_backend=dense
+  twell eval --checkpoint runs/m --tasks my_tasks/quiz.yaml   # a local task (dataset_path: json)""",
     "compare": """examples:
   twell compare --config tiny --l1 1e-3 3e-3                  # dense relu_gated twin vs sparse twell at 2 L1
   twell compare --out runs/compare-tiny-X --resume            # continue an interrupted study
-  twell compare --config micro --set train.steps=20 --json""",
+  twell compare --config micro --set train.steps=20 --json
+  twell compare --out runs/compare-tiny-X --resume --tasks paper   # + the accuracy column (lm-eval)""",
     "generate": """examples:
   twell generate --checkpoint runs/m --prompt "def main(" --max-new-tokens 8
   twell generate --checkpoint runs/m --prompt "import" --num-samples 3 --temperature 0.8 --json
@@ -99,7 +104,7 @@ def describe_preset(name: str) -> str:
     cfg = get_config(name)
     m, d, t = cfg.model, cfg.data, cfg.train
     source = "synthetic tokens" if d.is_synthetic else f"{d.source} ({d.tokenizer} tokenizer)"
-    return (f"{name:<6} {m.n_layers} layers, d_model {m.d_model}, d_ff {m.d_ff}, {m.n_heads} heads, vocab "
+    return (f"{name:<6} {m.n_layers} layers, d_model {m.d_model}, d_ff {m.d_ff}, {m.heads_text()}, vocab "
             f"{m.vocab_size}, seq {d.seq_len}; {m.ffn_kind} FFN ({m.ffn_backend}), L1 {cfg.sparsity.l1_coef:g}; "
             f"{t.steps} steps x {t.global_batch} sequences; data: {source}")
 
@@ -146,10 +151,11 @@ def checkpoint_arg(path: str, step: int | None) -> tuple[Path, int | None]:
     return ckpt_lib.checkpoint_dir(given).parent, step
 
 
-def _imported(hf_dir: str, *, dtype: str, ffn_kind: str | None = None, ffn_backend: str = "auto") -> Any:
+def _imported(hf_dir: str, *, dtype: str, ffn_kind: str | None = None, ffn_backend: str = "auto",
+              max_seq_len: int | None = None) -> Any:
     from twell_jax.inference.hf import import_hf
 
-    return import_hf(hf_dir, dtype=dtype, ffn_kind=ffn_kind, ffn_backend=ffn_backend)
+    return import_hf(hf_dir, dtype=dtype, ffn_kind=ffn_kind, ffn_backend=ffn_backend, max_seq_len=max_seq_len)
 
 
 def _override_keys(overrides: list[str]) -> set[str]:
@@ -258,7 +264,9 @@ def _train(args: argparse.Namespace, result_out: TextIO) -> None:
         cfg = _load_config(args.config or "tiny", args.set)
         if args.init_from:
             kind = cfg.model.ffn_kind if "model.ffn_kind" in _override_keys(args.set) else None
-            imported = _imported(args.init_from, dtype="float32", ffn_kind=kind, ffn_backend=cfg.model.ffn_backend)
+            context = cfg.model.max_seq_len if "model.max_seq_len" in _override_keys(args.set) else None
+            imported = _imported(args.init_from, dtype="float32", ffn_kind=kind, ffn_backend=cfg.model.ffn_backend,
+                                 max_seq_len=context)  # (a Mistral sliding window bounds the context)
             cfg = _with_imported_model(cfg, imported, args.set, "--init-from")
         out = Path(args.out) if args.out else None  # None: train() reserves a new runs/<name>-<time>
         print(f"[twell] train: config {cfg.name!r}" + (f" with overrides {args.set}" if args.set else "")
@@ -337,6 +345,14 @@ def _eval(args: argparse.Namespace, out: TextIO) -> None:
 
     if (args.checkpoint is None) == (args.hf is None):
         raise ValueError("give one of --checkpoint RUN (a trained run) or --hf DIR (a Hugging Face checkpoint)")
+    if args.tasks is not None:
+        _eval_tasks(args, out)
+        return
+    given = [flag for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot),
+                                      ("--batch-size", args.batch_size), ("--dtype", args.dtype)) if value is not None]
+    if given:
+        raise ValueError(f"{given[0]} applies to --tasks (lm-eval tasks); the validation loss takes none")
+    args.split = args.split or "val"
     if args.checkpoint is not None:
         from twell_jax.training import checkpoint as ckpt_lib
 
@@ -366,6 +382,41 @@ def _eval(args: argparse.Namespace, out: TextIO) -> None:
         f"{weights}  split {result['split']}  corpus {corpus}"))
 
 
+def _eval_tasks(args: argparse.Namespace, out: TextIO) -> None:
+    """`twell eval --tasks`: lm-eval tasks instead of the validation loss."""
+    if args.split is not None:
+        raise ValueError("--split picks the data of the validation loss; --tasks evaluates lm-eval tasks: pick one")
+    for flag, value, least in (("--limit", args.limit, 1), ("--num-fewshot", args.num_fewshot, 0),
+                               ("--batch-size", args.batch_size, 1)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+    from twell_jax.inference import lm_eval_harness
+
+    harness = lm_eval_harness()
+    selection = harness.select_tasks(args.tasks)
+    loaded_tasks = harness.load_tasks(selection)  # the tasks' data (a download) before the model
+    options = dict(batch_size=args.batch_size or harness.DEFAULT_BATCH_SIZE, limit=args.limit,
+                   num_fewshot=args.num_fewshot, loaded_tasks=loaded_tasks)
+    if args.checkpoint is not None:
+        check_resumable_overrides(args.set)
+        run_dir, step = checkpoint_arg(args.checkpoint, args.step)
+        results, path = harness.evaluate_run(run_dir, selection, step=step, dtype=args.dtype, overrides=args.set,
+                                             **options)
+        step = results["config"].get("twell_step")
+    else:
+        if args.step is not None:
+            raise ValueError("--step picks a checkpoint of a run; a --hf checkpoint has no steps")
+        if args.set:
+            raise ValueError("--set with --hf --tasks: the imported model runs as imported (its FFN backend: auto)")
+        loaded = _imported(args.hf, dtype=args.dtype or "float32")
+        results, path, step = harness.evaluate_loaded(loaded, selection, **options), None, None
+    summary = harness.summarize(results)
+    document = {"tasks": summary["tasks"], "mean_acc": summary["mean_acc"], "step": step,
+                "results_file": str(path.absolute()) if path is not None else None, "lm_eval": results}
+    _emit(out, args, document, lambda: harness.format_table(results)
+          + (f"\nlm-eval results: {path}" if path is not None else ""))
+
+
 def _compare(args: argparse.Namespace, out: TextIO) -> None:
     from twell_jax.compare import PLAN_FILE, main_from_args, markdown_table
 
@@ -392,8 +443,10 @@ def _hf(args: argparse.Namespace, out: TextIO) -> None:
                   "eos_id": imported.eos_id, "model": config_lib.to_dict(cfg.model)}
         m = cfg.model
         _emit(out, args, result, lambda: (
-            f"{args.path}: a {m.n_layers}-layer Llama, d_model {m.d_model}, d_ff {m.d_ff}, {m.n_heads} heads, vocab "
-            f"{m.vocab_size}, context {m.max_seq_len}, rope_theta {m.rope_theta:g} -> ffn_kind {m.ffn_kind}; "
+            f"{args.path}: a {m.n_layers}-layer Llama, d_model {m.d_model}, d_ff {m.d_ff}, {m.heads_text()}, vocab "
+            f"{m.vocab_size}, context {m.max_seq_len}, rope_theta {m.rope_theta:g}"
+            f"{'' if m.rope_scaling is None else ' (llama3 scaling x' + format(m.rope_scaling['factor'], 'g') + ')'}"
+            f"{'' if m.tie_embeddings else ', untied lm_head'} -> ffn_kind {m.ffn_kind}; "
             f"{result['parameters']} parameters, all finite; tokenizer: {result['tokenizer'] or 'none'}\n"
             f"use it with: twell eval --hf {args.path} ... | twell generate --hf {args.path} ... | "
             f"twell train --init-from {args.path} ..."))
@@ -404,7 +457,8 @@ def _hf(args: argparse.Namespace, out: TextIO) -> None:
         run_dir, step = checkpoint_arg(args.checkpoint, args.step)
         check_export_dir(args.out)  # before the checkpoint is loaded
         loaded = load_run(run_dir, step=step, dtype="float32")
-        written = export_hf(loaded, args.out, dtype=args.dtype)
+        shard = {} if args.max_shard_bytes is None else {"max_shard_bytes": args.max_shard_bytes}
+        written = export_hf(loaded, args.out, dtype=args.dtype, **shard)
         files = sorted(p.name for p in written.iterdir())
         _emit(out, args, {"out": str(written.absolute()), "step": loaded.step, "files": files},
               lambda: f"exported {run_dir} step {loaded.step} to {written}: {', '.join(files)}")
@@ -486,12 +540,26 @@ def _parser() -> argparse.ArgumentParser:
                          help="check the config, devices and data, print the plan, and write no run")
     add_json(p_train)
 
-    p_eval = command("eval", "validation loss + perplexity of a checkpoint",
+    p_eval = command("eval", "validation loss + perplexity of a checkpoint, or lm-eval tasks",
                      "Evaluate a trained run's checkpoint (or a Hugging Face checkpoint with --hf): loss, "
-                     "perplexity, per-layer active FFN neurons, on the run's validation split or a whole corpus.")
+                     "perplexity, per-layer active FFN neurons, on the run's validation split or a whole corpus; "
+                     "or, with --tasks, accuracy on lm-evaluation-harness tasks (pip install 'twell-jax[eval]').")
     add_model_source(p_eval, hf_help="evaluate a Hugging Face Llama checkpoint")
-    p_eval.add_argument("--split", choices=("val", "all"), default="val",
-                        help="val: the validation split (data.val_fraction of the corpus, drawn at training "
+    p_eval.add_argument("--tasks", default=None, metavar="NAMES",
+                        help="evaluate lm-eval tasks instead of the validation loss: comma-separated task (group, "
+                             "tag) names, `paper` (arc_easy, arc_challenge, hellaswag, openbookqa, piqa, winogrande, "
+                             "commonsense_qa), or a local task YAML file or directory; lm-eval's results JSON goes "
+                             "to RUN/lm_eval/ and a table to stdout")
+    p_eval.add_argument("--limit", type=int, default=None, metavar="N",
+                        help="with --tasks: at most N documents per task (a quick look, not the task's score)")
+    p_eval.add_argument("--num-fewshot", type=int, default=None, metavar="K",
+                        help="with --tasks: K examples in each prompt (default: each task's own, else 0)")
+    p_eval.add_argument("--batch-size", type=int, default=None, metavar="B",
+                        help="with --tasks: sequences per forward and prompts per generation call (default 16)")
+    p_eval.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                        help="with --tasks: compute dtype (default: the run's model.compute_dtype; float32 for --hf)")
+    p_eval.add_argument("--split", choices=("val", "all"), default=None,
+                        help="val (default): the validation split (data.val_fraction of the corpus, drawn at training "
                              "time); all: every full batch of the whole corpus (e.g. another corpus given with "
                              "--set data.source=...; train.eval_batches limits it only when set)")
     add_set(p_eval, "eval-time overrides, e.g. train.eval_batches=32 data.source=other.jsonl (repeatable)")
@@ -559,6 +627,9 @@ def _parser() -> argparse.ArgumentParser:
     add_model_source(p_export, hf_help=None)
     p_export.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     p_export.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p_export.add_argument("--max-shard-bytes", type=int, default=None, metavar="N",
+                          help="weights above N bytes are written as shards of at most N bytes with a "
+                               "model.safetensors.index.json (default 5e9, transformers' 5GB)")
     add_json(p_export)
 
     p_configs = command("configs", "list the presets, one line each",

@@ -6,7 +6,10 @@ Reported per run, from what the training loop already wrote (summary.json, metri
 validation CE and its gap to the twin, mean active FFN neurons per token (and the share of d_ff)
 over all layers, per layer (validation) and per token position (the training steps' position
 profile, averaged over the last quarter of the logged steps), the dead-neuron share at the end
-(runs with and without `sparsity.reinit_dead` when asked), and tokens/s.
+(runs with and without `sparsity.reinit_dead` when asked), and tokens/s. With `--tasks` (lm-eval,
+`inference/harness.py`) also each run's accuracy on downstream tasks: the paper's accuracy column,
+the twin's dense FFN against the sparse runs' op (evaluated once a run has finished; its results
+JSON in `<run>/lm_eval/`, read back when a resumed study has it already).
 
 `out_dir` holds `compare_plan.json` (what the study trains: written first, so a directory is
 recognisably a comparison) and one run directory per run. An interrupted study (SIGTERM, a crash,
@@ -299,14 +302,18 @@ def run_report(run: StudyRun, run_dir: Path) -> dict[str, Any]:
     }
 
 
-def write_report(runs: list[StudyRun], out_dir: Path, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
+def write_report(runs: list[StudyRun], out_dir: Path, *, echo: Callable[[str], None] = print,
+                 task_results: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """compare.json, compare.md and compare.png from the runs' own files; returns the report (the
-    `twell compare` command prints its table on stdout)."""
+    `twell compare` command prints its table on stdout). `task_results`: per run key, its lm-eval
+    results (`task_accuracy`), which add the accuracy columns."""
     rows = [run_report(run, out_dir / run.key) for run in runs]
     twin = rows[0]
     for row in rows:
         row["ce_gap_to_twin"] = (row["val_loss"] - twin["val_loss"]) / twin["val_loss"]
         row["equal_tokens"] = row["tokens"] == twin["tokens"]
+        if task_results is not None:
+            row.update(task_results[row["key"]])
     report = {"twin": twin["key"], "runs": rows, "out_dir": str(out_dir)}
     table = markdown_table(rows)
     (out_dir / "compare.json").write_text(json.dumps(report, indent=1))
@@ -325,19 +332,30 @@ TABLE_HEADER = ("run", "FFN", "L1", "re-init", "tokens", "val CE", "gap to twin"
                 "% of d_ff", "dead", "tokens/s")
 
 
-def table_cells(row: dict[str, Any]) -> tuple[str, ...]:
+# With --tasks: the mean accuracy over the tasks and its difference to the twin's (points).
+TASK_HEADER = ("accuracy", "acc vs twin")
+
+
+def table_cells(row: dict[str, Any], twin: dict[str, Any] | None = None) -> tuple[str, ...]:
     gap = "-" if row["key"] == TWIN else f"{100 * row['ce_gap_to_twin']:+.2f}%"
     tokens = f"{row['tokens']:,}" + ("" if row["equal_tokens"] else " (!)")
     tps = "-" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f}"
-    return (row["key"], f"{row['ffn_kind']} ({row['ffn_backend']})", f"{row['l1_coef']:g}",
-            "yes" if row["reinit_dead"] else "no", tokens, f"{row['val_loss']:.4f}", gap,
-            f"{row['active_per_token']:.1f}", f"{100 * row['active_share']:.2f}%",
-            f"{100 * row['dead_share']:.1f}%", tps)
+    cells = (row["key"], f"{row['ffn_kind']} ({row['ffn_backend']})", f"{row['l1_coef']:g}",
+             "yes" if row["reinit_dead"] else "no", tokens, f"{row['val_loss']:.4f}", gap,
+             f"{row['active_per_token']:.1f}", f"{100 * row['active_share']:.2f}%",
+             f"{100 * row['dead_share']:.1f}%", tps)
+    if "mean_acc" not in row:
+        return cells
+    acc, twin_acc = row["mean_acc"], (twin or row).get("mean_acc")
+    delta = ("-" if row["key"] == TWIN or acc is None or twin_acc is None
+             else f"{100 * (acc - twin_acc):+.2f} pt")
+    return cells + ("-" if acc is None else f"{100 * acc:.2f}%", delta)
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
-    lines += ["| " + " | ".join(table_cells(r)) + " |" for r in rows]
+    header = TABLE_HEADER + (TASK_HEADER if any("mean_acc" in r for r in rows) else ())
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(table_cells(r, rows[0])) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -410,6 +428,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="continue the comparison in --out: finished runs are kept, an interrupted one "
                              "resumes from its checkpoint (--set: resumable fields only)")
     parser.add_argument("--dry-run", action="store_true", help="print the runs the study would train, and exit")
+    parser.add_argument("--tasks", default=None, metavar="NAMES",
+                        help="also evaluate every finished run on lm-eval tasks (as `twell eval --tasks`: names, "
+                             "`paper`, or a task YAML) and add the accuracy column; needs pip install "
+                             "'twell-jax[eval]'")
+    parser.add_argument("--tasks-limit", type=int, default=None, metavar="N",
+                        help="with --tasks: at most N documents per task (a quick look, not the tasks' score)")
+
+
+def task_accuracy(runs: list[StudyRun], out_dir: Path, selection: Any, *, limit: int | None = None,
+                  echo: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
+    """Per run key: {"mean_acc", "task_acc": {task: acc}, "lm_eval_results": path} of the run's
+    final checkpoint on the selected lm-eval tasks (`harness.evaluate_run`; a results file of that
+    step and these tasks already in the run directory is read back)."""
+    from twell_jax.inference import harness
+    from twell_jax.training import checkpoint as ckpt_lib
+
+    out = {}
+    for run in runs:
+        run_dir = out_dir / run.key
+        step = ckpt_lib.read_json_file(run_dir / "summary.json", "run summary")["steps"]
+        results, path = harness.evaluate_run(run_dir, selection, step=step, limit=limit, reuse=True, echo=echo,
+                                             flag="--tasks")
+        summary = harness.summarize(results)
+        out[run.key] = {"mean_acc": summary["mean_acc"],
+                        "task_acc": {task: row["acc"] for task, row in summary["tasks"].items()},
+                        "lm_eval_results": str(path)}
+    return out
 
 
 def compare(cfg: ExperimentConfig, out_dir: str | Path, *, l1_values: list[float] | None = None,
@@ -426,6 +471,14 @@ def main_from_args(args: argparse.Namespace, load_config: Callable[[str, list[st
     --dry-run only plan it ({"dry_run": True, "out_dir", "plan": what compare_plan.json would hold})."""
     options = dict(l1_values=args.l1, dense_kind=args.dense_kind, reinit=args.reinit_dead,
                    l1_warmup_steps=args.l1_warmup_steps)
+    selection = None
+    if args.tasks_limit is not None and (args.tasks is None or args.tasks_limit < 1):
+        raise ValueError("--tasks-limit needs --tasks" if args.tasks is None
+                         else f"--tasks-limit must be >= 1, got {args.tasks_limit}")
+    if args.tasks is not None:  # checked before anything trains
+        from twell_jax.inference import lm_eval_harness
+
+        selection = lm_eval_harness().select_tasks(args.tasks)
     if args.resume:
         if args.out is None:
             raise ValueError("--resume needs --out DIR (the comparison to continue)")
@@ -458,7 +511,13 @@ def main_from_args(args: argparse.Namespace, load_config: Callable[[str, list[st
         echo("[twell] compare: --dry-run: nothing trained")
         return {"dry_run": True, "out_dir": str(out.absolute()), "plan": _plan_dict(runs, options)}
     try:
-        return run_study(runs, out, resume=args.resume, options=options, echo=echo)
+        if selection is not None:  # the tasks' data (a download) before the first run trains
+            lm_eval_harness().load_tasks(selection)
+        report = run_study(runs, out, resume=args.resume, options=options, echo=echo)
+        if selection is None:
+            return report
+        return write_report(runs, out, echo=echo,
+                            task_results=task_accuracy(runs, out, selection, limit=args.tasks_limit, echo=echo))
     except BaseException:
         if not args.resume and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # a study that failed before writing anything leaves no directory behind

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import numbers
+import re
 import types
 import typing
 import warnings
@@ -117,6 +118,61 @@ FFN_KIND_TABLE: dict[str, FFNKind] = {
 FFN_KINDS = tuple(FFN_KIND_TABLE)
 
 
+# RoPE scalings model.rope_scaling may name (its "rope_type"), and their fields besides it.
+ROPE_SCALING_FIELDS: dict[str, tuple[str, ...]] = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (model.rope_scaling, rope_type "llama3"), hashable: the
+    model keeps it as a static attribute. Frequencies whose wavelength exceeds
+    original_max_position_embeddings / low_freq_factor are divided by `factor`, those below
+    original_max_position_embeddings / high_freq_factor kept, those between interpolated
+    (`model.rope_frequencies`)."""
+
+    factor: float  # how much longer the context is than the original one (8 in Llama 3.1)
+    low_freq_factor: float  # wavelengths above original / low_freq_factor are scaled fully (1)
+    high_freq_factor: float  # wavelengths below original / high_freq_factor are kept (4)
+    original_max_position_embeddings: int  # the context the model was pre-trained at (8192)
+
+    @classmethod
+    def from_dict(cls, values: Any, where: str = "model.rope_scaling") -> "RopeScaling":
+        """The scaling of a model.rope_scaling dict; a ValueError naming the field otherwise."""
+        if not isinstance(values, dict):
+            raise ValueError(f"{where} must be a JSON object (or None), got {type(values).__name__}")
+        kind = values.get("rope_type")
+        if kind not in ROPE_SCALING_FIELDS:
+            raise ValueError(f"{where}.rope_type must be one of {tuple(ROPE_SCALING_FIELDS)}, got {kind!r}")
+        fields = ROPE_SCALING_FIELDS[kind]
+        unknown = sorted(set(values) - set(fields) - {"rope_type"})
+        missing = [name for name in fields if name not in values]
+        if unknown or missing:
+            raise ValueError(f"{where} of rope_type {kind!r} takes exactly {', '.join(fields)}; "
+                             + (f"unknown: {', '.join(unknown)}" if unknown else f"missing: {', '.join(missing)}"))
+        for name in fields:
+            value = values[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ValueError(f"{where}.{name} must be a finite number > 0, got {value!r}")
+        original = values["original_max_position_embeddings"]
+        if isinstance(original, float) and not original.is_integer():
+            raise ValueError(f"{where}.original_max_position_embeddings must be an int, got {original!r}")
+        if values["factor"] < 1:
+            raise ValueError(f"{where}.factor must be >= 1 (a longer context than the original), got "
+                             f"{values['factor']!r}")
+        if not values["high_freq_factor"] > values["low_freq_factor"]:
+            raise ValueError(f"{where}.high_freq_factor={values['high_freq_factor']!r} must exceed "
+                             f"low_freq_factor={values['low_freq_factor']!r} (the band between them is interpolated)")
+        return cls(float(values["factor"]), float(values["low_freq_factor"]), float(values["high_freq_factor"]),
+                   int(original))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The model.rope_scaling dict of this scaling (Hugging Face's names)."""
+        return {"rope_type": "llama3", **dataclasses.asdict(self)}
+
+
 def _check_positive(section: str, **values: int | float) -> None:
     """Each named value is > 0 (the error names `section.name`)."""
     for name, value in values.items():
@@ -165,15 +221,26 @@ def decode_escapes(text: str, where: str) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Llama-style decoder: tied embeddings, RMSNorm, RoPE, causal MHA, configurable FFN."""
+    """Llama-style decoder: RMSNorm, RoPE (optionally Llama-3 scaled), causal multi-head or
+    grouped-query attention, tied or untied output head, configurable FFN."""
 
     vocab_size: int = 4096  # token vocabulary; must be >= the tokenizer's (checked against the data)
     d_model: int = 128  # residual stream width D
     n_layers: int = 4  # number of transformer blocks
-    n_heads: int = 4  # attention heads (MHA: as many KV heads); d_model % n_heads == 0
+    n_heads: int = 4  # attention (query) heads; d_model % n_heads == 0
+    # Key/value heads: None = n_heads (multi-head attention); fewer = grouped-query attention, each
+    # KV head serving n_heads / n_kv_heads consecutive query heads (Llama 3, Mistral); must divide n_heads.
+    n_kv_heads: int | None = None
     d_ff: int = 512  # FFN hidden width H
     max_seq_len: int = 128  # longest sequence the model accepts (RoPE tables are computed on the fly)
     rope_theta: float = 100_000.0  # RoPE base frequency (paper: 1e5, non-interleaved halves)
+    # RoPE frequency scaling: None = plain RoPE; {"rope_type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"} = Llama 3.1's (RopeScaling; Hugging Face's
+    # config.json field of that name).
+    rope_scaling: dict[str, Any] | None = None
+    # The output head: True = the token embedding's transpose (tied); False = its own [V, D] matrix
+    # `lm_head` (Llama 3 8B, Mistral).
+    tie_embeddings: bool = True
     norm_eps: float = 1e-5  # RMSNorm epsilon
     init_std: float = 0.02  # std of the normal init of every matrix and the embedding
     # FFN kind: "swiglu" dense silu-gated baseline; "relu_gated" dense relu-gated baseline (the
@@ -254,6 +321,14 @@ class ModelConfig:
             raise ValueError(f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}")
         if (self.d_model // self.n_heads) % 2:
             raise ValueError(f"model head dim d_model/n_heads={self.d_model // self.n_heads} must be even (RoPE)")
+        if self.n_kv_heads is not None and (isinstance(self.n_kv_heads, bool) or not isinstance(self.n_kv_heads, int)
+                                            or self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+            raise ValueError(f"model.n_kv_heads must be None (= n_heads) or an int >= 1 dividing model.n_heads="
+                             f"{self.n_heads}, got {self.n_kv_heads!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"model.tie_embeddings must be true or false, got {self.tie_embeddings!r}")
+        if self.rope_scaling is not None:
+            RopeScaling.from_dict(self.rope_scaling)
         _check_choice("model", "ffn_kind", self.ffn_kind, FFN_KINDS)
         _check_choice("model", "ffn_backend", self.ffn_backend, FFN_BACKENDS)
         _check_choice("model", "compute_dtype", self.compute_dtype, DTYPES)
@@ -293,6 +368,25 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_heads, or n_heads (multi-head attention) when None."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (and of the value) projection: kv_heads * head_dim."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def rope_scaling_params(self) -> RopeScaling | None:
+        """model.rope_scaling as a `RopeScaling` (None: plain RoPE)."""
+        return None if self.rope_scaling is None else RopeScaling.from_dict(self.rope_scaling)
+
+    def heads_text(self) -> str:
+        """The attention heads in words: "8 heads", or "8 heads (2 KV heads)" with grouped-query attention."""
+        return f"{self.n_heads} heads" + (f" ({self.kv_heads} KV heads)" if self.kv_heads != self.n_heads else "")
+
+    @property
     def kind(self) -> FFNKind:
         """The properties of `ffn_kind` (FFN_KIND_TABLE)."""
         return FFN_KIND_TABLE[self.ffn_kind]
@@ -303,16 +397,19 @@ class ModelConfig:
         return self.kind.relu
 
     def num_params(self) -> int:
-        """Parameter count (tied embedding counted once)."""
+        """Parameter count (a tied embedding counted once; an untied head's [V, D] besides it)."""
         ffn_mats = 3 if self.kind.gated else 2
-        per_layer = 4 * self.d_model ** 2 + ffn_mats * self.d_model * self.d_ff + 2 * self.d_model
-        return self.vocab_size * self.d_model + self.n_layers * per_layer + self.d_model
+        attention = 2 * self.d_model ** 2 + 2 * self.d_model * self.kv_dim  # q and out; k and v
+        per_layer = attention + ffn_mats * self.d_model * self.d_ff + 2 * self.d_model
+        embeddings = (1 if self.tie_embeddings else 2) * self.vocab_size * self.d_model
+        return embeddings + self.n_layers * per_layer + self.d_model
 
 
 # Model fields that trained weights fix: their shapes, and what the same shapes compute (RoPE base,
 # norm epsilon). An imported checkpoint sets them (`twell train --init-from`); parameters from
 # another run start a run only of the same values (`compare.check_init_run`).
-ARCHITECTURE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "rope_theta", "norm_eps")
+ARCHITECTURE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "rope_theta",
+                       "rope_scaling", "tie_embeddings", "norm_eps")
 
 
 @dataclass(frozen=True)
@@ -401,6 +498,21 @@ class TrainConfig:
     # 0.98x as fast (training/plan_trial.py); re-checked at each re-plan while dense is kept. 0 = trust
     # the cost model.
     auto_trial_steps: int = 5
+    # Weights & Biases: every metrics record also goes to a W&B run of this project, beside TensorBoard
+    # (None = off; pip install 'twell-jax[wandb]'; WANDB_MODE=offline keeps it on disk, WANDB_ENTITY names
+    # the team; the W&B run is named after the run directory and resumed with it).
+    wandb_project: str | None = None
+    # Profiler window "START:END": a jax.profiler trace of the optimizer steps START..END-1 (1-based, as
+    # logged) written under <run>/profile/ (TensorBoard's profile plugin or Perfetto read it). "" = none.
+    profile_steps: str = ""
+
+    @property
+    def profile_window(self) -> tuple[int, int] | None:
+        """(START, END) of train.profile_steps (the steps START..END-1 are traced), None when unset."""
+        if not self.profile_steps:
+            return None
+        start, end = self.profile_steps.split(":")
+        return int(start), int(end)
 
     def __post_init__(self) -> None:
         _check_finite("train", self)
@@ -422,6 +534,17 @@ class TrainConfig:
         if self.global_batch % self.micro_batch:
             raise ValueError(f"train.global_batch={self.global_batch} must be a multiple of "
                              f"train.micro_batch={self.micro_batch}")
+        if self.wandb_project is not None and (not isinstance(self.wandb_project, str) or not self.wandb_project
+                                               or any(c in self.wandb_project for c in "/\\#?%:")):
+            raise ValueError(f"train.wandb_project must be a W&B project name (non-empty, none of / \\ # ? % :) "
+                             f"or None (off), got {self.wandb_project!r}")
+        window = re.fullmatch(r"(\d+):(\d+)", self.profile_steps) if isinstance(self.profile_steps, str) else None
+        if self.profile_steps and (window is None or not 1 <= int(window[1]) < int(window[2])):
+            raise ValueError(f"train.profile_steps must be 'START:END' with 1 <= START < END (the optimizer steps "
+                             f"START..END-1 are traced; '' = no trace), got {self.profile_steps!r}")
+        if window is not None and int(window[1]) > self.steps:
+            raise ValueError(f"train.profile_steps={self.profile_steps!r} starts after the last step "
+                             f"(train.steps={self.steps})")
 
 
 @dataclass(frozen=True)
@@ -591,7 +714,7 @@ RESUMABLE_FIELDS = frozenset({
     "train.steps", "train.time_limit_s", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.eval_batch_size", "train.checkpoint_every", "train.keep_checkpoints", "train.tensorboard",
     "train.progress_bar", "train.num_devices", "train.micro_batch", "train.fsdp", "train.auto_refresh_every",
-    "train.auto_trial_steps", "optim.schedule_steps",
+    "train.auto_trial_steps", "train.wandb_project", "train.profile_steps", "optim.schedule_steps",
     "model.ffn_backend", "model.ffn_op_config", "model.ffn_interpret", "model.ffn_expected_active",
     "model.ffn_expected_tails", "model.remat", "model.attention_impl", "model.decode_kernels",
     "model.decode_transposed", "model.decode_sparse_ffn", "model.decode_layer_unroll",

@@ -1,7 +1,8 @@
 """Llama-style decoder LM in Flax NNX with a configurable (sparse) FFN.
 
-Token embedding (tied output head), pre-norm blocks (RMSNorm -> causal MHA with RoPE -> residual,
-RMSNorm -> FFN -> residual), final RMSNorm. FFN weights use the sparse op's neuron-major [H, D]
+Token embedding (the output head tied to it, or its own `lm_head` with model.tie_embeddings=false),
+pre-norm blocks (RMSNorm -> causal multi-head or grouped-query attention with RoPE, optionally
+Llama-3 scaled -> residual, RMSNorm -> FFN -> residual), final RMSNorm (docs/model.md). FFN weights use the sparse op's neuron-major [H, D]
 layout for all three matrices (w_down included), so the model hands them to `twell_jax.ops`
 untouched.
 
@@ -40,7 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from twell_jax import ops
-from twell_jax.config import ATTENTION_IMPLS, REMAT_POLICIES, ModelConfig
+from twell_jax.config import ATTENTION_IMPLS, REMAT_POLICIES, ModelConfig, RopeScaling
 from twell_jax.ops import planner
 from twell_jax.ops.backends import gpu_available
 
@@ -87,24 +88,44 @@ class RMSNorm(nnx.Module):
         return (x32 * inv_rms * scale).astype(x.dtype)
 
 
-def rope_tables(positions_BxS: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """(cos, sin) [B, S, K/2] fp32 of RoPE's angles at `positions_BxS` (`rope`; the decode step
-    makes them once for every layer's attention kernel)."""
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+    """RoPE's angular frequencies [K/2] fp32, theta^(-2i/K) for pair i, with Llama 3.1's scaling
+    when `scaling` is given (model.rope_scaling): a pair whose wavelength 2 pi / f is longer than
+    original / low_freq_factor turns `factor` times slower, one shorter than original /
+    high_freq_factor keeps its frequency, and in between the frequency is a blend of the two,
+    f * ((1 - w) / factor + w) with the weight w = (original / wavelength - low_freq_factor) /
+    (high_freq_factor - low_freq_factor), which is 0 and 1 at the band's two ends (so clipping w to
+    [0, 1] gives the three cases in one formula)."""
     half = head_dim // 2
     inv_freq_K2 = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
-    angle_BxSxK2 = positions_BxS.astype(jnp.float32)[..., None] * inv_freq_K2
+    if scaling is None:
+        return inv_freq_K2
+    wavelength_K2 = 2 * jnp.pi / inv_freq_K2
+    weight_K2 = (scaling.original_max_position_embeddings / wavelength_K2 - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    weight_K2 = jnp.clip(weight_K2, 0.0, 1.0)
+    return (1.0 - weight_K2) * inv_freq_K2 / scaling.factor + weight_K2 * inv_freq_K2
+
+
+def rope_tables(positions_BxS: jax.Array, head_dim: int, theta: float,
+                scaling: RopeScaling | None = None) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [B, S, K/2] fp32 of RoPE's angles at `positions_BxS` (`rope`; the decode step
+    makes them once for every layer's attention kernel); `scaling`: `rope_frequencies`'."""
+    angle_BxSxK2 = positions_BxS.astype(jnp.float32)[..., None] * rope_frequencies(head_dim, theta, scaling)
     return jnp.cos(angle_BxSxK2), jnp.sin(angle_BxSxK2)
 
 
-def rope(x_BxSxNxK: jax.Array, theta: float, positions_BxS: jax.Array | None = None) -> jax.Array:
+def rope(x_BxSxNxK: jax.Array, theta: float, positions_BxS: jax.Array | None = None,
+         scaling: RopeScaling | None = None) -> jax.Array:
     """Rotary position embedding, non-interleaved: rotates the pairs (x[i], x[i + K/2]).
 
-    Token s of row b sits at position `positions_BxS[b, s]` (default: s, the same for every row)."""
+    Token s of row b sits at position `positions_BxS[b, s]` (default: s, the same for every row);
+    `scaling`: the frequencies' Llama-3 scaling (`rope_frequencies`)."""
     seq_len, head_dim = x_BxSxNxK.shape[1], x_BxSxNxK.shape[-1]
     half = head_dim // 2
     if positions_BxS is None:
         positions_BxS = jnp.arange(seq_len)[None, :]
-    cos, sin = (t[:, :, None, :] for t in rope_tables(positions_BxS, head_dim, theta))
+    cos, sin = (t[:, :, None, :] for t in rope_tables(positions_BxS, head_dim, theta, scaling))
     x32 = x_BxSxNxK.astype(jnp.float32)
     x1, x2 = x32[..., :half], x32[..., half:]
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -199,32 +220,38 @@ def choose_attention(requested: str, *, dtype: Any, head_dim: int, seq_len: int,
 
 
 class Attention(nnx.Module):
-    """Causal multi-head self-attention through `jax.nn.dot_product_attention`, with the
-    implementation picked per shape at trace time by `choose_attention`."""
+    """Causal self-attention through `jax.nn.dot_product_attention`, with the implementation picked
+    per shape at trace time by `choose_attention`: multi-head, or grouped-query with
+    model.n_kv_heads < n_heads (keys and values of G = n_heads / n_kv_heads consecutive query heads
+    shared, as Hugging Face's Llama groups them; `dot_product_attention` takes K/V of fewer heads
+    as they are, no repeat)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, std = cfg.d_model, cfg.init_std
-        # Head-major [D, N*K] projections (x @ w); w_out is [N*K, D].
+        # Head-major projections (x @ w): w_q [D, N*K], w_k and w_v [D, N_kv*K]; w_out is [N*K, D].
         self.w_q = _normal(rngs, (d, d), std)
-        self.w_k = _normal(rngs, (d, d), std)
-        self.w_v = _normal(rngs, (d, d), std)
+        self.w_k = _normal(rngs, (d, cfg.kv_dim), std)
+        self.w_v = _normal(rngs, (d, cfg.kv_dim), std)
         self.w_out = _normal(rngs, (d, d), std)
-        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
-        self.rope_theta = cfg.rope_theta
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling_params
         self.attention_impl = cfg.attention_impl
 
     def _qkv(self, x_BxSxD: jax.Array,
              positions_BxS: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(q, k, v), each [B, S, N, K] in the input dtype; q and k rotated at `positions_BxS`
-        (default: 0..S-1 in every row)."""
+        """(q [B, S, N, K], k, v [B, S, N_kv, K]) in the input dtype; q and k rotated at
+        `positions_BxS` (default: 0..S-1 in every row)."""
         b, s, _ = x_BxSxD.shape
         dt = x_BxSxD.dtype
 
-        def project(w: nnx.Param) -> jax.Array:
-            return (x_BxSxD @ w[...].astype(dt)).reshape(b, s, self.n_heads, self.head_dim)
+        def project(w: nnx.Param, heads: int) -> jax.Array:
+            return (x_BxSxD @ w[...].astype(dt)).reshape(b, s, heads, self.head_dim)
 
-        return (rope(project(self.w_q), self.rope_theta, positions_BxS),
-                rope(project(self.w_k), self.rope_theta, positions_BxS), project(self.w_v))
+        def rotate(x: jax.Array) -> jax.Array:
+            return rope(x, self.rope_theta, positions_BxS, self.rope_scaling)
+
+        return (rotate(project(self.w_q, self.n_heads)), rotate(project(self.w_k, self.n_kv_heads)),
+                project(self.w_v, self.n_kv_heads))
 
     def __call__(self, x_BxSxD: jax.Array) -> jax.Array:
         b, s, _ = x_BxSxD.shape
@@ -239,7 +266,7 @@ class Attention(nnx.Module):
                v_LxBxTxNxK: jax.Array, layer: int, cache_index: jax.Array,
                visible_BxSxT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """KV-cached attention: the S new tokens' keys/values are written at slots
-        [cache_index, cache_index + S) of this `layer`'s part of the [L, B, T, N, K] caches, then each
+        [cache_index, cache_index + S) of this `layer`'s part of the [L, B, T, N_kv, K] caches, then each
         query attends to the slots `visible_BxSxT` allows. Same projections and RoPE as `__call__`, at
         the given positions. Returns (output [B, S, D], updated k caches, updated v caches).
 
@@ -361,7 +388,8 @@ class Block(nnx.Module):
 
 
 class KVCache(NamedTuple):
-    """Preallocated attention caches of every layer; a pytree. Slot t of row b holds the key/value
+    """Preallocated attention caches of every layer, [L, B, T, N_kv, K] (the KV heads only, fewer
+    than the query heads with grouped-query attention); a pytree. Slot t of row b holds the key/value
     of the token written there (`Transformer.decode`); which slots are real is the caller's mask."""
 
     k_LxBxTxNxK: jax.Array
@@ -373,7 +401,7 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: str | jnp.dtype
     if batch < 1 or not 1 <= length <= cfg.max_seq_len:
         raise ValueError(f"cache needs batch >= 1 and 1 <= length <= model.max_seq_len={cfg.max_seq_len}, "
                          f"got batch={batch}, length={length}")
-    shape = (cfg.n_layers, batch, length, cfg.n_heads, cfg.head_dim)
+    shape = (cfg.n_layers, batch, length, cfg.kv_heads, cfg.head_dim)
     dt = jnp.dtype(dtype or cfg.compute_dtype)
     return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
 
@@ -387,11 +415,11 @@ def decode_mask(slot_S: jax.Array, start_B: jax.Array, length: int) -> jax.Array
         (slot_T[None, None, :] >= start_B[:, None, None]) | (slot_T[None, None, :] == slot_S[None, :, None]))
 
 
-def _logits(x_BxSxD: jax.Array, embed_VxD: jax.Array) -> jax.Array:
-    """The tied output head: a compute-dtype GEMM (bf16 operands forward and backward, no f32
-    output), upcast to fp32 for the loss and for sampling. Forward and decode share it, so decoded
-    logits are rounded as the forward's are."""
-    return jnp.einsum("bsd,vd->bsv", x_BxSxD, embed_VxD).astype(jnp.float32)
+def _logits(x_BxSxD: jax.Array, head_VxD: jax.Array) -> jax.Array:
+    """The output head (the tied embedding, or `lm_head`, both [V, D]): a compute-dtype GEMM (bf16
+    operands forward and backward, no f32 output), upcast to fp32 for the loss and for sampling.
+    Forward and decode share it, so decoded logits are rounded as the forward's are."""
+    return jnp.einsum("bsd,vd->bsv", x_BxSxD, head_VxD).astype(jnp.float32)
 
 
 def _stacked_blocks(cfg: ModelConfig, key: jax.Array) -> Block:
@@ -427,9 +455,16 @@ class Transformer(nnx.Module):
         self.op_configs = tuple(build_op_config(cfg, layer) for layer in range(cfg.n_layers))
         self.decode_kernels, self.decode_transposed = cfg.decode_kernels, cfg.decode_transposed
         self.decode_sparse_ffn, self.decode_layer_unroll = cfg.decode_sparse_ffn, cfg.decode_layer_unroll
+        self.tie_embeddings = cfg.tie_embeddings
         self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
         self.blocks = _stacked_blocks(cfg, rngs.params())
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if not cfg.tie_embeddings:  # drawn last: a tied model's initialisation is what it always was
+            self.lm_head = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
+
+    def head(self) -> nnx.Param:
+        """The output head's [V, D] weight: the embedding when tied, else `lm_head`."""
+        return self.embed if self.tie_embeddings else self.lm_head
 
     def layer(self, index: int) -> Block:
         """Layer `index` as a `Block` of its own (its parameter slices; for benchmarks and tests)."""
@@ -525,7 +560,7 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_BxS: jax.Array, *, track_neurons: bool = False) -> tuple[jax.Array, Aux]:
         hidden_BxSxD, aux = self.hidden_states(tokens_BxS, track_neurons=track_neurons)
-        return _logits(hidden_BxSxD, self.embed[...].astype(hidden_BxSxD.dtype)), aux
+        return _logits(hidden_BxSxD, self.head()[...].astype(hidden_BxSxD.dtype)), aux
 
     def hidden_states(self, tokens_BxS: jax.Array, *, track_neurons: bool = False) -> tuple[jax.Array, Aux]:
         """The decoder body without the LM head: (final-normed hidden states [B, S, D] in the
@@ -581,7 +616,7 @@ class Transformer(nnx.Module):
         if not all_logits:
             x_BxSxD = x_BxSxD[:, -1:]
         x_BxSxD = self.final_norm(x_BxSxD)
-        logits = _logits(x_BxSxD, embed_VxD)
+        logits = _logits(x_BxSxD, self.head()[...].astype(dt))
         return (logits if all_logits else logits[:, 0]), KVCache(k_all, v_all), aux
 
 
@@ -600,7 +635,8 @@ class Transformer(nnx.Module):
     def prepare_decode(self) -> dict[str, jax.Array] | None:
         """Output-major copies ([L, N, K], compute dtype) of the weights that a one-token decode step
         reads input-major, for `decode(..., prepared=)`, when model.decode_transposed and the
-        decode kernels run; else None: "w_qkv" [L, 3D, D] (q, k, v side by side: one weight, so one
+        decode kernels run; else None: "w_qkv" [L, D + 2 N_kv K, D] ([L, 3D, D] without grouped KV
+        heads; q, k, v side by side: one weight, so one
         launch without the three-part masking), "w_out" [L, D, D], "w_down" [L, D, H]; and the norm
         scales in fp32, as the kernels read them: "attn_norm" and "ffn_norm" [L, D], "final_norm"
         [D] (converted here once: in the step each convert was an XLA launch of its own every step,
@@ -707,9 +743,11 @@ class Transformer(nnx.Module):
         products when the union exceeds `ops.planner.decode_union_limit` (the decode cost model's
         break-even; no host round trip). The stacked weights are read in place at the layer (no
         per-layer copy); with `prepared` (`prepare_decode`), q/k/v, the output projection and the
-        dense W_down are read from its output-major copies instead. The LM head: the final norm and
-        the tied embedding's product in one launch. Same roundings as the XLA path up to the order
-        of fp32 sums and the attention's fp32 probabilities (tests/test_decode_kernels.py)."""
+        dense W_down are read from its output-major copies instead. With grouped-query attention
+        the q/k/v product's output is [B, (N + 2 N_kv) K] and each KV head's program of the
+        attention serves its G query heads. The LM head: the final norm and the output head's
+        product (the tied embedding, or `lm_head`) in one launch. Same roundings as the XLA path up
+        to the order of fp32 sums and the attention's fp32 probabilities (tests/test_decode_kernels.py)."""
         from twell_jax.pallas_kernels.decode_attention import decode_attention_qkv
         from twell_jax.pallas_kernels.decode_matvec import decode_matvec, gate_role, role_block_sizes
         from twell_jax.pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compact_active_rows,
@@ -720,8 +758,8 @@ class Transformer(nnx.Module):
         dt = _dtype(self.compute_dtype)
         interpret, gated, h_dim, d = self.interpret, self.gated, self.d_ff, self.d_model
         attn, ffn = self.blocks.attn, self.blocks.ffn
-        n_heads, head_dim = attn.n_heads, attn.head_dim
-        w_qkv = tuple(w[...].astype(dt) for w in (attn.w_q, attn.w_k, attn.w_v))  # [L, D, D]: no-op casts when
+        n_heads, n_kv_heads, head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        w_qkv = tuple(w[...].astype(dt) for w in (attn.w_q, attn.w_k, attn.w_v))  # [L, D, N(_kv)*K]: no-op casts when
         w_out = attn.w_out[...].astype(dt)  # the weights are loaded in the compute dtype (inference.load_run)
         w_gate = ffn.w_gate[...].astype(dt) if gated else None
         w_up, w_down = ffn.w_up[...].astype(dt), ffn.w_down[...].astype(dt)  # [L, H, D]
@@ -737,11 +775,11 @@ class Transformer(nnx.Module):
             if set(prepared) != {"w_qkv", "w_out", "w_down", "attn_norm", "ffn_norm", "final_norm"}:
                 raise ValueError(f"prepared must be Transformer.prepare_decode()'s dict, got keys {sorted(prepared)}")
             proj_layout, nk = "nk", "_nk"  # the roles of these products in that layout
-            w_qkv_mv = prepared["w_qkv"].astype(dt)  # one [L, 3D, D] weight: q, k, v in one part
+            w_qkv_mv = prepared["w_qkv"].astype(dt)  # one [L, D + 2 N_kv K, D] weight: q, k, v in one part
             w_out_mv, w_down_mv = prepared["w_out"].astype(dt), prepared["w_down"].astype(dt)
         n1_LxD, n2_LxD = scales["attn_norm"], scales["ffn_norm"]
         act = "silu" if self.is_swiglu else "relu"
-        eps, theta = self.final_norm.eps, attn.rope_theta  # every norm has the model's norm_eps
+        eps, theta, scaling = self.final_norm.eps, attn.rope_theta, attn.rope_scaling  # one norm_eps for every norm
 
         def mv(*args: Any, role: str, **kwargs: Any) -> jax.Array:
             # Each role's blocks passed explicitly (read at trace time: a changed table retraces).
@@ -751,7 +789,7 @@ class Transformer(nnx.Module):
         embed_VxD = self.embed[...].astype(dt)
         x_BxD = jnp.take(embed_VxD, tokens_B, axis=0)
         positions_Bx1 = jnp.maximum(cache_index - start_B, 0)[:, None]
-        cos_Bx1xH, sin_Bx1xH = rope_tables(positions_Bx1, head_dim, theta)  # every layer's: made once a step
+        cos_Bx1xH, sin_Bx1xH = rope_tables(positions_Bx1, head_dim, theta, scaling)  # every layer's: made once a step
         index_1 = jnp.reshape(cache_index, (1,)).astype(jnp.int32)
         start_i32 = start_B.astype(jnp.int32)
 
@@ -771,7 +809,9 @@ class Transformer(nnx.Module):
         def layer_step(carry: Any, layer: jax.Array, way: str, op_config: Any) -> tuple[Any, Aux]:
             x, k_all, v_all, sync = carry
             li = layer[None]
-            if prepared is not None or d % role_block_sizes("qkv", b).block_n == 0:  # one launch for q, k, v
+            # One launch for q, k, v: the prepared [L, D + 2 N_kv K, D] weight, or the three stored ones as
+            # parts of one shape (multi-head attention only)
+            if prepared is not None or (n_kv_heads == n_heads and d % role_block_sizes("qkv", b).block_n == 0):
                 qkv = mv(x, w_qkv_mv, role="qkv" + nk, layer=li, layout=proj_layout, norm_scale=n1_LxD)
             else:
                 qkv = jnp.concatenate([mv(x, w, role="qkv" + nk, layer=li, layout=proj_layout, norm_scale=n1_LxD)
@@ -779,14 +819,15 @@ class Transformer(nnx.Module):
             if head_dim & (head_dim - 1) == 0:  # a power of two: RoPE, the cache writes (in place) and the
                 # attention over the caches read in place, in one launch
                 o, k_all, v_all = decode_attention_qkv(qkv, cos_Bx1xH[:, 0], sin_Bx1xH[:, 0], k_all, v_all, li,
-                                                       index_1, start_i32, interpret=interpret)
+                                                       index_1, start_i32, heads=n_heads, interpret=interpret)
             else:  # RoPE and the cache writes in XLA, its masked attention over the layer's cache (a copy)
-                qkv = qkv.reshape(b, 1, 3, n_heads, head_dim)
-                q = rope(qkv[:, :, 0], theta, positions_Bx1)
-                k = rope(qkv[:, :, 1], theta, positions_Bx1)
+                q, k, v = jnp.split(qkv.reshape(b, 1, n_heads + 2 * n_kv_heads, head_dim),
+                                    (n_heads, n_heads + n_kv_heads), axis=2)
+                q = rope(q, theta, positions_Bx1, scaling)
+                k = rope(k, theta, positions_Bx1, scaling)
                 start = (layer, 0, cache_index, 0, 0)
                 k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
-                v_all = jax.lax.dynamic_update_slice(v_all, qkv[:, :, 2][None].astype(v_all.dtype), start)
+                v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
                 o = jax.nn.dot_product_attention(
                     q, jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False).astype(dt),
                     jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False).astype(dt),
@@ -876,7 +917,7 @@ class Transformer(nnx.Module):
                 auxes.append(aux)
             first = end
         x_BxD, k_all, v_all, _ = carry
-        logits_BxV = mv(x_BxD, embed_VxD, role="head", norm_scale=scales["final_norm"],
+        logits_BxV = mv(x_BxD, self.head()[...].astype(dt), role="head", norm_scale=scales["final_norm"],
                         out_dtype=jnp.float32)
         aux = jax.tree.map(lambda *parts: jnp.concatenate(parts), *auxes)
         return logits_BxV, KVCache(k_all, v_all), aux
@@ -930,7 +971,7 @@ def describe_execution(cfg: ModelConfig, seq_len: int) -> str:
         attention = f"error: {err}"
     return (f"model execution: compute {cfg.compute_dtype} (fp32 master weights), remat {cfg.remat!r} "
             f"({REMAT_POLICIES[cfg.remat]}), attention {attention} (model.attention_impl="
-            f"{cfg.attention_impl!r}, seq {seq_len}, head dim {cfg.head_dim}), FFN {cfg.ffn_kind} "
+            f"{cfg.attention_impl!r}, seq {seq_len}, {cfg.heads_text()}, head dim {cfg.head_dim}), FFN {cfg.ffn_kind} "
             f"({cfg.kind.backend(cfg.ffn_backend)})")
 
 

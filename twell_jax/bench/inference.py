@@ -430,18 +430,19 @@ def parse_xla_options(items: list[str]) -> dict[str, str]:
 def decode_floor_bytes(cfg: ModelConfig, batch: int, context: int, itemsize: int,
                        active_per_layer: list[float] | None = None) -> float:
     """Bytes one decode step must read at least: every weight once (the tied embedding once, as
-    the LM head; the token's embedding row is negligible) and the KV cache of `context` slots, in
+    the LM head, or the untied head; the token's embedding row is negligible) and the KV cache of
+    `context` slots (its KV heads only: fewer with grouped-query attention), in
     the compute dtype. With `active_per_layer` (mean active FFN neurons per token, the sparse
     rows), a layer's up and down projections count only the union of the batch's active neurons,
     bounded by min(d_ff, batch x active): the gate is always read in full."""
     d, h, layers = cfg.d_model, cfg.d_ff, cfg.n_layers
     ffn_mats = 3 if cfg.kind.gated else 2
-    attention = 4 * d * d
+    attention = 2 * d * d + 2 * d * cfg.kv_dim
     ffn = [ffn_mats * h * d] * layers
     if active_per_layer is not None:
         gate = d * h if cfg.kind.gated else 0
         ffn = [gate + 2 * min(h, batch * a) * d for a in active_per_layer]
-    kv = 2 * layers * batch * context * d
+    kv = 2 * layers * batch * context * cfg.kv_dim
     return float(itemsize * (cfg.vocab_size * d + layers * attention + sum(ffn) + kv))
 
 

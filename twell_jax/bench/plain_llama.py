@@ -3,7 +3,8 @@
 
 Tied embedding, pre-norm blocks (RMSNorm -> causal MHA with non-interleaved RoPE -> residual,
 RMSNorm -> relu-gated FFN -> residual), final RMSNorm: the architecture of `twell_jax.model` with
-`ffn_kind="relu_gated"`, written with jnp and `jax.nn.dot_product_attention` only. Nothing of
+`ffn_kind="relu_gated"` and the presets' attention (no grouped KV heads, untied head or RoPE
+scaling: `check_plain_architecture` refuses them), written with jnp and `jax.nn.dot_product_attention` only. Nothing of
 twell_jax runs inside the model math, so the baseline needs no trust in the library; `ModelConfig`
 only supplies the shapes. Dots take the parameters' dtype (bf16 from `reference_init`), norms,
 RoPE angles, the FFN gating product and the loss are f32, as in the library's model.
@@ -32,8 +33,20 @@ REFERENCE_REMATS = ("none", "full", "dots")  # the remat policies reference_loss
 # ----------------------------------------------------------------------------- parameters
 
 
+def check_plain_architecture(cfg: ModelConfig) -> None:
+    """The plain model is the presets' architecture: multi-head attention, a tied head, plain RoPE;
+    a ValueError naming the model field it does not have (a baseline that silently computed
+    another model would time the wrong thing)."""
+    for field, value, plain in (("n_kv_heads", cfg.kv_heads, cfg.n_heads), ("tie_embeddings", cfg.tie_embeddings, True),
+                                ("rope_scaling", cfg.rope_scaling, None)):
+        if value != plain:
+            raise ValueError(f"the plain-JAX baseline has model.{field}={plain!r} only (multi-head attention, a tied "
+                             f"head, plain RoPE), got {getattr(cfg, field)!r}")
+
+
 def reference_init(cfg: ModelConfig, key: jax.Array) -> PlainParams:
     """Random bf16 parameters: normal(0, init_std) matrices, unit norm scales."""
+    check_plain_architecture(cfg)
     d, h, dt = cfg.d_model, cfg.d_ff, jnp.bfloat16
     keys = iter(jax.random.split(key, 1 + 7 * cfg.n_layers))
     normal = lambda shape: (cfg.init_std * jax.random.normal(next(keys), shape)).astype(dt)  # noqa: E731
@@ -63,6 +76,7 @@ def reference_params_from_model(cfg: ModelConfig, params: dict[str, Any], dtype:
     if not (cfg.kind.gated and cfg.kind.relu):
         raise ValueError(f"reference_params_from_model: the plain model is relu-gated; ffn_kind "
                          f"{cfg.ffn_kind!r} has no such FFN (use a 'twell' or 'relu_gated' model)")
+    check_plain_architecture(cfg)
     d, h, dt = cfg.d_model, cfg.d_ff, jnp.dtype(dtype)
 
     def get(path: tuple[Any, ...], shape: tuple[int, ...]) -> jax.Array:
@@ -165,6 +179,7 @@ def reference_loss(cfg: ModelConfig, remat: str, attention: str | None,
 
 def reference_init_cache(cfg: ModelConfig, batch: int, length: int, dtype: str | jnp.dtype) -> PlainCache:
     """Zeroed (k, v) caches [L, batch, length, N, K] in `dtype`."""
+    check_plain_architecture(cfg)
     if batch < 1 or not 1 <= length <= cfg.max_seq_len:
         raise ValueError(f"cache needs batch >= 1 and 1 <= length <= model.max_seq_len={cfg.max_seq_len}, "
                          f"got batch={batch}, length={length}")

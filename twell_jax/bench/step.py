@@ -27,7 +27,7 @@ hot-neuron and hot-entry shares on those tokens). Every variant runs in this pro
 memory) is reported and the next one runs.
 
 Reported per variant: ms/step, tokens/s, MFU = tokens/s * (6 N + 12 L S D) / --peak-flops (N = the
-parameter count, tied embedding once; 989e12 = H100 bf16 dense), the compiled memory
+parameter count, tied embedding once; 989.4e12 = H100 SXM bf16 dense, training/metrics.py's table), the compiled memory
 (arguments + outputs + temporaries - aliased) and the device's peak bytes in use so far (a
 process-wide high-water mark: JAX cannot reset it between variants), and the ratio of tokens/s to the
 first `ref` row. Shapes come from a preset (`--config`, configs.get_config), overridable with --set.
@@ -48,9 +48,11 @@ import optax
 
 from twell_jax.configs import get_config
 from twell_jax import config as config_lib
-from twell_jax.config import FFN_KIND_TABLE, REMAT_POLICIES, ExperimentConfig, ModelConfig
+from twell_jax.config import FFN_KIND_TABLE, REMAT_POLICIES, ExperimentConfig
 from twell_jax.training.loss import cross_entropy, total_loss
-from twell_jax.training.metrics import device_memory_limit_bytes, device_peak_memory_bytes
+# Model FLOPs per token: the trainer's MFU uses the same count.
+from twell_jax.training.metrics import PEAK_BF16_FLOPS, device_memory_limit_bytes, device_peak_memory_bytes
+from twell_jax.training.metrics import model_flops_per_token as flops_per_token
 from twell_jax.inference.load import validation_tokens
 from twell_jax.model import apply_model, choose_attention, describe_execution, init_model, split_model
 from twell_jax.ops import BACKENDS
@@ -60,7 +62,7 @@ from twell_jax.training.train import abstract_graphdef, measure_activity
 from twell_jax.training.optimizer import build_optimizer
 from twell_jax.bench.plain_llama import REFERENCE_REMATS, reference_init, reference_loss
 
-H100_BF16_PEAK_FLOPS = 989e12
+H100_BF16_PEAK_FLOPS = dict(PEAK_BF16_FLOPS)["H100 80GB HBM3"]
 # --dry-run: a tiny model of the preset's family, fp32 on CPU, to check the script end to end.
 DRY_RUN_SETS = ["model.vocab_size=512", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
                 "model.d_ff=64", "model.max_seq_len=16", "data.vocab_size=300", "data.seq_len=16",
@@ -106,11 +108,6 @@ def parse_variants(text: str) -> list[tuple[str, str | None, str, int | None]]:
 
 def variant_label(kind: str, backend: str | None, remat: str, micro_batch: int | None = None) -> str:
     return f"{kind}{'@' + backend if backend else ''}:{remat}{f':{micro_batch}' if micro_batch else ''}"
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Model FLOPs of one training token: 6 N + 12 L S D (PaLM appendix B convention)."""
-    return 6.0 * cfg.num_params() + 12.0 * cfg.n_layers * seq_len * cfg.d_model
 
 
 def variant_config(base: ExperimentConfig, kind: str, backend: str | None, remat: str,
@@ -332,7 +329,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
     parser.add_argument("--optimizer", action="store_true", help="include the AdamW update in the step")
     parser.add_argument("--peak-flops", type=float, default=H100_BF16_PEAK_FLOPS,
-                        help="device peak FLOP/s for MFU (default: H100 bf16 dense, 989e12)")
+                        help="device peak FLOP/s for MFU (default: H100 SXM bf16 dense, 989.4e12)")
     parser.add_argument("--trace", type=int, default=0, metavar="N",
                         help="also profile N steps of each variant and print its top kernels (where the time goes)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")

@@ -1,14 +1,19 @@
-"""Hugging Face Llama interop: import a `LlamaForCausalLM` checkpoint, export ours to that layout.
+"""Hugging Face Llama interop: import a `LlamaForCausalLM` or `MistralForCausalLM` checkpoint,
+export ours as a `LlamaForCausalLM`.
 
-A Llama checkpoint directory holds `config.json` and `model.safetensors` (or shards listed in
-`model.safetensors.index.json`), and optionally `tokenizer.json`. Layouts:
+A checkpoint directory holds `config.json` and `model.safetensors` (or shards listed in
+`model.safetensors.index.json`), and optionally `tokenizer.json`. An export writes one
+`model.safetensors`, or, above `max_shard_bytes` (default 5 GB, transformers' own), shards
+`model-0000i-of-0000n.safetensors` and their index. Layouts (Mistral's are Llama's):
 
 Our blocks are stacked over layers (`blocks.<name>` is [L, ...]); `blocks.i` below is layer i's slice.
 
 | HF tensor (torch Linear: [out, in])            | ours                                    |
 |------------------------------------------------|-----------------------------------------|
-| model.embed_tokens.weight [V, D]               | embed [V, D] (tied output head)         |
-| model.layers.i.self_attn.{q,k,v}_proj [N*K, D] | blocks.i.attn.w_{q,k,v} [D, N*K] (= .T) |
+| model.embed_tokens.weight [V, D]               | embed [V, D] (the tied output head)     |
+| lm_head.weight [V, D] (untied checkpoints)     | lm_head [V, D] (as is)                  |
+| model.layers.i.self_attn.q_proj [N*K, D]       | blocks.i.attn.w_q [D, N*K] (= .T)       |
+| model.layers.i.self_attn.{k,v}_proj [Nkv*K, D] | blocks.i.attn.w_{k,v} [D, Nkv*K] (= .T) |
 | model.layers.i.self_attn.o_proj [D, N*K]       | blocks.i.attn.w_out [N*K, D] (= .T)     |
 | model.layers.i.mlp.{gate,up}_proj [H, D]       | blocks.i.ffn.w_{gate,up} [H, D] (as is) |
 | model.layers.i.mlp.down_proj [D, H]            | blocks.i.ffn.w_down [H, D] (= .T)       |
@@ -19,13 +24,21 @@ The paper's reference code stores `down_proj` transposed ([H, D]) in checkpoints
 hybrid-kernel runs (docs/training.md, last section): `down_proj_layout="auto"` recognises it by shape
 when D != H; when D == H the layout cannot be told from the shape and must be given
 ("hf" or "transposed"). RoPE: HF Llama's `rotate_half` pairs (x[i], x[i + K/2]), as ours does,
-with inv_freq = theta^(-2i/K), the same. `hidden_act` "relu" is our relu-gated FFN (imported as
-`twell`, the sparse op, or `relu_gated`), "silu" is `swiglu`. Only tied embeddings, full
-multi-head attention (no grouped KV heads), no biases and no RoPE scaling are representable.
+with inv_freq = theta^(-2i/K), the same; rope_type "llama3" scaling is model.rope_scaling
+(`model.rope_frequencies`). num_key_value_heads < num_attention_heads is grouped-query attention
+(model.n_kv_heads: KV head j serves query heads j*G..j*G+G-1, as transformers' repeat_kv);
+tie_word_embeddings false is model.tie_embeddings=false with its own `lm_head`. `hidden_act`
+"relu" is our relu-gated FFN (imported as `twell`, the sparse op, or `relu_gated`), "silu" is
+`swiglu`, or, asked for by ffn_kind, `twell` / `relu_gated`: the SiLU gate replaced by a ReLU one,
+a different function, the start of sparsifying a pretrained model by fine-tuning with the L1
+penalty (docs/training.md). Not representable, each an error naming its config field: biases,
+a head_dim other than hidden_size / num_attention_heads, other RoPE scalings, a Mistral
+sliding_window shorter than the context imported (our attention is full causal).
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -35,7 +48,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from twell_jax.config import ModelConfig
+from twell_jax.config import ModelConfig, RopeScaling
 from twell_jax.inference.load import LoadedModel, experiment_config_for, model_with_params
 from twell_jax.model import Transformer, layer_slice, split_model, stack_layers
 
@@ -47,58 +60,104 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 DOWN_PROJ_LAYOUTS = ("auto", "hf", "transposed")
 # transformers' LlamaConfig default for a config.json without rope_theta (LlamaConfig(rope_theta=10000.0)).
 HF_DEFAULT_ROPE_THETA = 10000.0
-_ACT_TO_KIND = {"relu": ("twell", "relu_gated"), "silu": ("swiglu",)}
+# The architectures imported (config.json "architectures") and their model_type; Mistral's weights are Llama's.
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
+# What each hidden_act imports as: the first kind by default, the others when ffn_kind asks. silu ->
+# twell / relu_gated swaps the SiLU gate for a ReLU one (sparsifying a pretrained SwiGLU model: the
+# outputs change until it is fine-tuned, docs/training.md).
+_ACT_TO_KIND = {"relu": ("twell", "relu_gated"), "silu": ("swiglu", "twell", "relu_gated")}
 _KIND_TO_ACT = {"twell": "relu", "relu_gated": "relu", "swiglu": "silu"}
+# transformers' max_shard_size default of save_pretrained ("5GB"): an export above it is sharded.
+DEFAULT_MAX_SHARD_BYTES = 5 * 10 ** 9
+
+logger = logging.getLogger(__name__)
 
 
-def _rope_theta(hf: dict[str, Any]) -> float:
-    """rope_theta from a Llama config (top level, or `rope_parameters` in transformers >= 5)."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type not in ("default", None):
-        raise ValueError(f"config.json: rope_type {rope_type!r} (RoPE scaling) is not supported; only plain RoPE")
-    theta = hf.get("rope_theta", params.get("rope_theta"))
+def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, model.rope_scaling) from a Llama/Mistral config: top-level rope_theta and
+    rope_scaling (transformers 4), or `rope_parameters` (transformers >= 5). Plain RoPE and
+    rope_type "llama3" are supported; anything else is an error naming the field."""
+    for field in ("rope_parameters", "rope_scaling"):
+        if hf.get(field) is not None and not isinstance(hf[field], dict):
+            raise ValueError(f"config.json: {field}={hf[field]!r}, expected an object or null")
+    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = dict(hf.get(field) or {})
+    theta_in_params = params.pop("rope_theta", None)
+    theta = hf.get("rope_theta", theta_in_params)
     if theta is None:  # what transformers' LlamaConfig assumes for such a file
-        return HF_DEFAULT_ROPE_THETA
+        theta = HF_DEFAULT_ROPE_THETA
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
         raise ValueError(f"config.json: rope_theta={theta!r}, expected a positive number")
-    return float(theta)
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if rope_type in ("default", None):
+        if params:
+            raise ValueError(f"config.json: {field} has {sorted(params)} with plain RoPE (rope_type default): "
+                             "not supported")
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ValueError(f"config.json: {field}.rope_type {rope_type!r} is not supported (plain RoPE or 'llama3')")
+    try:
+        scaling = RopeScaling.from_dict({"rope_type": rope_type, **params}, where=field)
+    except ValueError as err:
+        raise ValueError(f"config.json: {err}") from None
+    return float(theta), scaling.to_dict()
 
 
 def model_config_from_hf(hf: dict[str, Any], *, ffn_kind: str | None = None, ffn_backend: str = "auto",
-                         compute_dtype: str = "float32") -> ModelConfig:
-    """Our ModelConfig for a HF Llama `config.json` dict; unsupported features are errors."""
+                         compute_dtype: str = "float32", max_seq_len: int | None = None) -> ModelConfig:
+    """Our ModelConfig for a HF Llama / Mistral `config.json` dict; unsupported features are errors
+    naming their field. `max_seq_len`: the context (default max_position_embeddings); a Mistral
+    sliding_window shorter than it is refused (our attention sees every earlier token)."""
     def need(key: str) -> Any:
         if key not in hf:
             raise ValueError(f"config.json lacks {key!r} (not a Llama config?)")
         return hf[key]
 
-    if hf.get("model_type", "llama") != "llama":
-        raise ValueError(f"config.json: model_type {hf.get('model_type')!r}, expected 'llama'")
+    architectures = hf.get("architectures") or []
+    unknown = [name for name in architectures if name not in ARCHITECTURES] if isinstance(architectures, list) \
+        else [architectures]
+    if unknown:
+        raise ValueError(f"config.json: architectures {architectures!r} is not supported (one of "
+                         f"{', '.join(ARCHITECTURES)})")
+    model_type = hf.get("model_type", "llama")
+    if model_type not in ARCHITECTURES.values():
+        raise ValueError(f"config.json: model_type {model_type!r}, expected one of {tuple(ARCHITECTURES.values())}")
     d_model, n_heads = int(need("hidden_size")), int(need("num_attention_heads"))
-    if int(hf.get("num_key_value_heads") or n_heads) != n_heads:
-        raise ValueError(f"config.json: num_key_value_heads={hf['num_key_value_heads']} != num_attention_heads="
-                         f"{n_heads}; grouped-query attention is not supported (our attention is full MHA)")
+    n_kv_heads = hf.get("num_key_value_heads") or n_heads
+    if isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, int) or n_kv_heads < 1 or n_heads % n_kv_heads:
+        raise ValueError(f"config.json: num_key_value_heads={n_kv_heads!r} must be an int >= 1 dividing "
+                         f"num_attention_heads={n_heads}")
     if hf.get("head_dim") not in (None, d_model // n_heads):
-        raise ValueError(f"config.json: head_dim={hf['head_dim']} != hidden_size/num_attention_heads")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError("config.json: attention_bias / mlp_bias are not supported (our model has no biases)")
-    if not hf.get("tie_word_embeddings", False):
-        raise ValueError("config.json: tie_word_embeddings is false; our model ties the output head to the "
-                         "embedding (an untied head is accepted only if it equals the embedding: set the flag)")
+        raise ValueError(f"config.json: head_dim={hf['head_dim']} != hidden_size/num_attention_heads "
+                         f"({d_model // n_heads}); our head dim is d_model / n_heads")
+    for field in ("attention_bias", "mlp_bias"):
+        if hf.get(field):
+            raise ValueError(f"config.json: {field}=true is not supported (our model has no biases)")
+    tie = hf.get("tie_word_embeddings", False)  # transformers' default for Llama and Mistral
+    if not isinstance(tie, bool):
+        raise ValueError(f"config.json: tie_word_embeddings={tie!r}, expected true or false")
     act = need("hidden_act")
     if act not in _ACT_TO_KIND:
         raise ValueError(f"config.json: hidden_act {act!r} is not supported (relu -> twell / relu_gated, "
-                         "silu -> swiglu)")
+                         "silu -> swiglu, or twell / relu_gated to sparsify it)")
     kind = ffn_kind or _ACT_TO_KIND[act][0]
     if kind not in _ACT_TO_KIND[act]:
         raise ValueError(f"ffn_kind={kind!r} does not match hidden_act={act!r} (allowed: {_ACT_TO_KIND[act]})")
+    context = int(need("max_position_embeddings")) if max_seq_len is None else max_seq_len
+    window = hf.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise ValueError(f"config.json: sliding_window={window!r}, expected an int or null")
+    if window is not None and window < context:
+        raise ValueError(f"config.json: sliding_window={window!r} is shorter than the context {context} "
+                         f"({'max_position_embeddings' if max_seq_len is None else 'max_seq_len'}); our attention "
+                         f"sees every earlier token: import with max_seq_len <= {window} (twell train --init-from: "
+                         f"--set model.max_seq_len={window})")
+    theta, scaling = _rope(hf)
     return ModelConfig(vocab_size=int(need("vocab_size")), d_model=d_model, n_layers=int(need("num_hidden_layers")),
-                       n_heads=n_heads, d_ff=int(need("intermediate_size")),
-                       max_seq_len=int(need("max_position_embeddings")), rope_theta=_rope_theta(hf),
-                       norm_eps=float(hf.get("rms_norm_eps", 1e-6)), ffn_kind=kind, ffn_backend=ffn_backend,
-                       compute_dtype=compute_dtype)
+                       n_heads=n_heads, n_kv_heads=None if n_kv_heads == n_heads else n_kv_heads,
+                       d_ff=int(need("intermediate_size")), max_seq_len=context, rope_theta=theta,
+                       rope_scaling=scaling, tie_embeddings=tie, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                       ffn_kind=kind, ffn_backend=ffn_backend, compute_dtype=compute_dtype)
 
 
 def _read_json(path: Path) -> Any:
@@ -129,6 +188,8 @@ def read_safetensors(path: str | Path) -> dict[str, jax.Array]:
             raise ValueError(f"{path / INDEX_FILE} has no weight_map")
         tensors: dict[str, jax.Array] = {}
         for shard in sorted(set(weight_map.values())):
+            if not isinstance(shard, str) or Path(shard).name != shard:
+                raise ValueError(f"{path / INDEX_FILE}: shard {shard!r} is not a file name in the checkpoint directory")
             if not (path / shard).is_file():
                 raise FileNotFoundError(f"shard {shard} listed in {path / INDEX_FILE} is missing")
             tensors.update(_load_safetensors(path / shard))
@@ -147,7 +208,7 @@ def params_from_hf(tensors: dict[str, jax.Array], cfg: ModelConfig,
     or non-finite tensor (a restored checkpoint is held to the same rule)."""
     if down_proj_layout not in DOWN_PROJ_LAYOUTS:
         raise ValueError(f"down_proj_layout must be one of {DOWN_PROJ_LAYOUTS}, got {down_proj_layout!r}")
-    d, h = cfg.d_model, cfg.d_ff
+    d, h, kv = cfg.d_model, cfg.d_ff, cfg.kv_dim
     used: set[str] = set()
 
     def get(name: str, shape: tuple[int, ...] | None = None) -> jax.Array:
@@ -182,21 +243,26 @@ def params_from_hf(tensors: dict[str, jax.Array], cfg: ModelConfig,
         return value.T if layout == "hf" else value
 
     embed = get("model.embed_tokens.weight", (cfg.vocab_size, d))
-    if "lm_head.weight" in tensors:
+    head = {}
+    if not cfg.tie_embeddings:
+        head["lm_head"] = get("lm_head.weight", (cfg.vocab_size, d))
+    elif "lm_head.weight" in tensors:
         if not bool(jnp.array_equal(get("lm_head.weight", (cfg.vocab_size, d)), embed)):
-            raise ValueError("lm_head.weight differs from model.embed_tokens.weight: an untied output head is not "
-                             "supported")
+            raise ValueError("lm_head.weight differs from model.embed_tokens.weight, but config.json has "
+                             "tie_word_embeddings true: a damaged checkpoint, or set tie_word_embeddings false")
     blocks = []
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
-        attn = {f"w_{n}": get(f"{p}self_attn.{n}_proj.weight", (d, d)).T for n in ("q", "k", "v")}
+        attn = {"w_q": get(f"{p}self_attn.q_proj.weight", (d, d)).T,
+                **{f"w_{n}": get(f"{p}self_attn.{n}_proj.weight", (kv, d)).T for n in ("k", "v")}}
         attn["w_out"] = get(f"{p}self_attn.o_proj.weight", (d, d)).T
         ffn = {"w_gate": get(f"{p}mlp.gate_proj.weight", (h, d)), "w_up": get(f"{p}mlp.up_proj.weight", (h, d)),
                "w_down": down(f"{p}mlp.down_proj.weight")}
         blocks.append({"attn": attn, "ffn": ffn,
                        "attn_norm": {"scale": get(f"{p}input_layernorm.weight", (d,))},
                        "ffn_norm": {"scale": get(f"{p}post_attention_layernorm.weight", (d,))}})
-    params = {"embed": embed, "blocks": stack_layers(blocks), "final_norm": {"scale": get("model.norm.weight", (d,))}}
+    params = {"embed": embed, "blocks": stack_layers(blocks), "final_norm": {"scale": get("model.norm.weight", (d,))},
+              **head}
     # Rotary tables some exporters store are recomputed here; any other leftover is a real mismatch.
     unused = sorted(n for n in set(tensors) - used if not n.endswith("rotary_emb.inv_freq"))
     if unused:
@@ -206,13 +272,16 @@ def params_from_hf(tensors: dict[str, jax.Array], cfg: ModelConfig,
 
 def import_hf(path: str | Path, *, dtype: str = "float32", ffn_kind: str | None = None,
               ffn_backend: str = "auto", down_proj_layout: str = "auto",
-              tokenizer: str | Path | None = None) -> LoadedModel:
-    """Load a HF Llama checkpoint dir as our model (params cast to `dtype`), with a tokenizer.
+              tokenizer: str | Path | None = None, max_seq_len: int | None = None) -> LoadedModel:
+    """Load a HF Llama / Mistral checkpoint dir as our model (params cast to `dtype`), with a tokenizer.
 
     `ffn_kind`: for hidden_act relu, "twell" (default, the sparse op with `ffn_backend`) or
-    "relu_gated" (dense); "swiglu" for silu. `tokenizer`: a tokenizer.json (or a directory holding
-    one) to use, an error when it does not exist; default the checkpoint's own tokenizer.json when
-    it has one, else no tokenizer (generation then takes token ids)."""
+    "relu_gated" (dense); for silu "swiglu" (default), or "twell" / "relu_gated" to sparsify it
+    (the gate's SiLU becomes a ReLU: not the checkpoint's function until fine-tuned, docs/training.md).
+    `tokenizer`: a tokenizer.json (or a directory holding one) to use, an error when it does not
+    exist; default the checkpoint's own tokenizer.json when it has one, else no tokenizer
+    (generation then takes token ids). `max_seq_len`: the context (default the checkpoint's
+    max_position_embeddings; a Mistral sliding_window must be at least this long)."""
     from twell_jax.data import tokenizer as tokenizer_lib
 
     path = Path(path)
@@ -230,10 +299,15 @@ def import_hf(path: str | Path, *, dtype: str = "float32", ffn_kind: str | None 
     if not isinstance(hf, dict):
         raise ValueError(f"{path / CONFIG_FILE}: expected a JSON object, got {type(hf).__name__}")
     try:
-        model_cfg = model_config_from_hf(hf, ffn_kind=ffn_kind, ffn_backend=ffn_backend, compute_dtype=dtype)
+        model_cfg = model_config_from_hf(hf, ffn_kind=ffn_kind, ffn_backend=ffn_backend, compute_dtype=dtype,
+                                         max_seq_len=max_seq_len)
     except (TypeError, KeyError, ValueError) as err:  # a missing, unsupported or mistyped field
         text = str(err).removeprefix(f"{CONFIG_FILE}: ").removeprefix(CONFIG_FILE + " ")
         raise ValueError(f"{path / CONFIG_FILE}: {text}") from None
+    if _KIND_TO_ACT[model_cfg.ffn_kind] != hf["hidden_act"]:
+        logger.warning("%s: hidden_act %s imported as ffn_kind %s: the gate's activation is now a ReLU, so the model "
+                       "computes another function than the checkpoint's until it is fine-tuned (sparsification)",
+                       path, hf["hidden_act"], model_cfg.ffn_kind)
     params = params_from_hf(read_safetensors(path), model_cfg, down_proj_layout)
     tok = None if tokenizer_file is None else tokenizer_lib.load_tokenizer(str(tokenizer_file))
     if tok is not None and tok.get_vocab_size() > model_cfg.vocab_size:
@@ -248,16 +322,19 @@ def import_hf(path: str | Path, *, dtype: str = "float32", ffn_kind: str | None 
 
 
 def hf_config_from_model(cfg: ModelConfig, *, eos_id: int | None = None, dtype: str = "float32") -> dict[str, Any]:
-    """A LlamaForCausalLM `config.json` dict for our model config."""
+    """A LlamaForCausalLM `config.json` dict for our model config (RoPE in transformers 4's fields,
+    rope_theta and rope_scaling, which transformers 5 reads too)."""
     if cfg.ffn_kind not in _KIND_TO_ACT:
         raise ValueError(f"ffn_kind={cfg.ffn_kind!r} has no Llama layout (a Llama MLP is gated: export "
                          f"{tuple(_KIND_TO_ACT)})")
     special = {} if eos_id is None else {"bos_token_id": eos_id, "eos_token_id": eos_id}
+    scaling = cfg.rope_scaling_params
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.d_model,
             "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-            "num_key_value_heads": cfg.n_heads, "head_dim": cfg.head_dim, "hidden_act": _KIND_TO_ACT[cfg.ffn_kind],
+            "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": _KIND_TO_ACT[cfg.ffn_kind],
             "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-            "rope_scaling": None, "vocab_size": cfg.vocab_size, "tie_word_embeddings": True,
+            "rope_scaling": None if scaling is None else scaling.to_dict(), "vocab_size": cfg.vocab_size,
+            "tie_word_embeddings": cfg.tie_embeddings,
             "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": cfg.init_std,
             "torch_dtype": dtype, **special}
 
@@ -270,6 +347,8 @@ def hf_generation_config(eos_id: int | None) -> dict[str, Any]:
 def hf_tensors_from_params(params: dict[str, Any], cfg: ModelConfig) -> dict[str, jax.Array]:
     """HF Llama tensors (HF layout, down_proj [D, H]) from our params dict (the inverse of params_from_hf)."""
     out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]["scale"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = params["lm_head"]
     for i in range(cfg.n_layers):
         block, p = layer_slice(params["blocks"], i), f"model.layers.{i}."
         for n in ("q", "k", "v"):
@@ -292,10 +371,30 @@ def check_export_dir(out_dir: str | Path) -> Path:
     return out_dir
 
 
+def shard_names(tensors: dict[str, jax.Array], max_shard_bytes: int) -> dict[str, list[str]]:
+    """{file name: its tensors' names} of an export: one `model.safetensors` when every tensor
+    fits `max_shard_bytes`, else `model-0000i-of-0000n.safetensors` filled in the tensors' order,
+    each up to max_shard_bytes (a larger tensor alone in its shard), as save_pretrained shards."""
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be an int >= 1, got {max_shard_bytes!r}")
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, value in tensors.items():
+        if groups[-1] and size + value.nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += value.nbytes
+    if len(groups) == 1:
+        return {WEIGHTS_FILE: groups[0]}
+    return {f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors": names for i, names in enumerate(groups)}
+
+
 def export_hf(model: LoadedModel | Transformer, out_dir: str | Path, *, cfg: ModelConfig | None = None,
-              tokenizer: Any = None, dtype: str = "float32") -> Path:
-    """Write `out_dir` = config.json + generation_config.json + model.safetensors (+ tokenizer.json)
-    in the Llama layout.
+              tokenizer: Any = None, dtype: str = "float32", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write `out_dir` = config.json + generation_config.json + the weights (+ tokenizer.json) in the
+    Llama layout: model.safetensors, or, when the weights exceed `max_shard_bytes`, shards and
+    their model.safetensors.index.json (`shard_names`; transformers and `read_safetensors` read both).
 
     `out_dir` must not exist or be empty; everything is written to a temporary sibling first and
     renamed into place, so a failed export leaves nothing behind."""
@@ -316,11 +415,17 @@ def export_hf(model: LoadedModel | Transformer, out_dir: str | Path, *, cfg: Mod
     params = split_model(module)[1]
     # A transposed jax array is a new row-major buffer: safetensors takes it as it is.
     tensors = {name: jnp.asarray(value, dtype) for name, value in hf_tensors_from_params(params, cfg).items()}
+    shards = shard_names(tensors, max_shard_bytes)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        for file, names in shards.items():
+            save_file({name: tensors[name] for name in names}, str(tmp / file), metadata={"format": "pt"})
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(value.nbytes for value in tensors.values())},
+                     "weight_map": {name: file for file, names in shards.items() for name in names}}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         (tmp / CONFIG_FILE).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
         (tmp / GENERATION_CONFIG_FILE).write_text(json.dumps(hf_generation_config(eos_id), indent=2) + "\n")
         if tokenizer is not None:
@@ -334,5 +439,6 @@ def export_hf(model: LoadedModel | Transformer, out_dir: str | Path, *, cfg: Mod
     return out_dir
 
 
-__all__ = ["DOWN_PROJ_LAYOUTS", "export_hf", "hf_config_from_model", "hf_generation_config", "hf_tensors_from_params", "import_hf",
-           "model_config_from_hf", "params_from_hf", "read_safetensors"]
+__all__ = ["ARCHITECTURES", "DEFAULT_MAX_SHARD_BYTES", "DOWN_PROJ_LAYOUTS", "export_hf", "hf_config_from_model",
+           "hf_generation_config", "hf_tensors_from_params", "import_hf", "model_config_from_hf", "params_from_hf",
+           "read_safetensors", "shard_names"]

@@ -114,11 +114,13 @@ def eos_id_of(tokenizer: "Tokenizer | None", cfg: ExperimentConfig) -> int | Non
     return None if token_id is None else int(token_id)
 
 
-def load_run(run_dir: str | Path, step: int | None = None, dtype: str = "bfloat16") -> LoadedModel:
+def load_run(run_dir: str | Path, step: int | None = None, dtype: str = "bfloat16",
+             overrides: list[str] | None = None) -> LoadedModel:
     """Load a trained run (a run dir or its checkpoints/ dir) for inference.
 
     `step`: the checkpoint step (default: the latest). `dtype`: compute dtype, and the dtype the
-    parameters are cast to ("bfloat16" or "float32")."""
+    parameters are cast to ("bfloat16" or "float32"). `overrides`: `--set` items applied to the
+    checkpoint's config, config.RESUMABLE_FIELDS only (e.g. model.ffn_backend=dense)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     run_path = ckpt_lib.checkpoint_dir(run_dir).parent
@@ -126,6 +128,12 @@ def load_run(run_dir: str | Path, step: int | None = None, dtype: str = "bfloat1
         raise FileNotFoundError(f"no run directory at {run_path.absolute()}")
     params, meta, step = ckpt_lib.restore_params_with_meta(run_path, step, warn=logger.warning)
     cfg = config_lib.from_dict(meta["config"])
+    if overrides:
+        fixed = sorted({item.split("=", 1)[0].strip() for item in overrides} - config_lib.RESUMABLE_FIELDS)
+        if fixed:
+            raise ValueError(f"--set {', '.join(fixed)}: cannot change for an existing run (its weights and data "
+                             f"fix them); fields that may change: {', '.join(sorted(config_lib.RESUMABLE_FIELDS))}")
+        cfg = config_lib.apply_overrides(cfg, overrides)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compute_dtype=dtype))
     # Per-layer active counts from the run's telemetry: "auto" then picks dense/sparse at trace time.
     cfg = with_auto_hints(cfg, run_path, step, meta=meta, echo=logger.info)

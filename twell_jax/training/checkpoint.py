@@ -122,8 +122,12 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 # What twell writes into a run directory (besides atomic_write_text's `.<name>.tmp-*` files): the
 # only entries `--overwrite` may delete. Anything else in a directory makes it "not a run".
 LOCK_FILE = "twell.lock"
+WANDB_SUBDIR = "wandb"  # train.wandb_project: the W&B run's local files (training/metrics.py)
+PROFILE_SUBDIR = "profile"  # train.profile_steps: the profiler's trace (training/profiling.py)
+LM_EVAL_SUBDIR = "lm_eval"  # `twell eval --tasks`: lm-eval's results JSON (inference/harness.py)
 RUN_ENTRIES = frozenset({CONFIG_FILE, TOKENIZER_FILE, FINGERPRINT_FILE, "metrics.jsonl", "summary.json",
-                         "tensorboard", CHECKPOINT_SUBDIR, QUARANTINE_SUBDIR, LOCK_FILE})
+                         "tensorboard", CHECKPOINT_SUBDIR, QUARANTINE_SUBDIR, LOCK_FILE, WANDB_SUBDIR,
+                         PROFILE_SUBDIR, LM_EVAL_SUBDIR})
 
 
 def _is_run_entry(name: str) -> bool:

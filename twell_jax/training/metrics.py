@@ -1,4 +1,5 @@
-"""Run telemetry sinks: console (tqdm progress bar + log lines), JSONL, TensorBoard (tensorboardX)."""
+"""Run telemetry sinks: console (tqdm progress bar + log lines), JSONL, TensorBoard (tensorboardX),
+Weights & Biases (optional); and model FLOPs utilisation (MFU)."""
 from __future__ import annotations
 
 import json
@@ -47,9 +48,101 @@ def truncate_jsonl(path: Path, last_step: int) -> int:
     return len(lines) - len(kept)
 
 
+# ----------------------------------------------------------------------------- model FLOPs utilisation
+
+# Peak dense bf16 tensor-core FLOP/s by device kind (NVIDIA's datasheets; sparsity-doubled figures not
+# used), matched as a substring of `device_kind` in this order. A kind not listed has no MFU.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),  # "NVIDIA H100 PCIe"
+    ("H100 80GB HBM3", 989.4e12),  # H100 SXM5
+    ("H100 SXM", 989.4e12),
+    ("H200", 989.4e12),  # "NVIDIA H200" (SXM); the NVL kinds are not listed (below)
+    ("A100", 312e12),  # every A100 (SXM4 / PCIe, 40 / 80 GB)
+)
+
+
+def peak_bf16_flops(device_kind: str) -> float | None:
+    """The peak dense bf16 FLOP/s of one device of `device_kind` (PEAK_BF16_FLOPS), None when the
+    kind is not in the table (a CPU, a GPU we have no figure for, the NVL boards)."""
+    if "NVL" in device_kind:
+        return None
+    return next((peak for name, peak in PEAK_BF16_FLOPS if name in device_kind), None)
+
+
+def model_flops_per_token(cfg: Any, seq_len: int) -> float:
+    """Model FLOPs of one training token, forward and backward: 6 N + 12 L S D (PaLM, appendix B:
+    N parameters (ModelConfig.num_params), L layers, S the sequence length, D d_model; the attention
+    term counts the whole S x S score matrix). The dense model's FLOPs whatever the FFN skips, so a
+    sparse run's MFU is its speed in its dense twin's units."""
+    return 6.0 * cfg.num_params() + 12.0 * cfg.n_layers * seq_len * cfg.d_model
+
+
+def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak_flops: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s of one device over its peak (None: no peak)."""
+    if peak_flops is None:
+        return None
+    return tokens_per_s_per_device * flops_per_token / peak_flops
+
+
+# ----------------------------------------------------------------------------- the sink
+
+
+def scalars(record: dict[str, Any]) -> list[tuple[str, float]]:
+    """A record's scalars as (tag, value) for TensorBoard and W&B: "val/<key>" for validation
+    keys, "train/<key>" for the others, one "<prefix><key>/layer_<i>" per layer of a `_per_layer`
+    list; non-finite scalars and non-numbers (lists that are not per layer, strings) are left out."""
+    out = []
+    for key, value in record.items():
+        if key == "step":
+            continue
+        prefix = "val/" if key.startswith("val_") else "train/"
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            out.append((prefix + key, value))
+        elif isinstance(value, list) and key.endswith("_per_layer"):
+            out.extend((f"{prefix}{key[:-len('_per_layer')]}/layer_{layer}", v) for layer, v in enumerate(value)
+                       if isinstance(v, (int, float)))
+    return out
+
+
+class WandbRun:
+    """The W&B side of a run (train.wandb_project): one W&B run per run directory, named after it,
+    its id kept in `<run>/wandb/twell_run_id` so that a resumed run logs into the same W&B run (W&B
+    keeps the first value of a step logged twice, as an interrupted run's steps after its checkpoint
+    are). Its local files go to `<run>/wandb/`; WANDB_MODE=offline writes only those (`wandb sync
+    <run>/wandb/offline-run-*` uploads them later)."""
+
+    ID_FILE = "twell_run_id"
+
+    def __init__(self, run_dir: Path, project: str, config: dict[str, Any] | None, *, resume: bool):
+        from twell_jax.training.checkpoint import WANDB_SUBDIR
+
+        try:
+            import wandb
+        except ImportError as err:
+            raise ValueError(f"train.wandb_project={project!r}: the wandb package is not installed (pip install "
+                             f"'twell-jax[wandb]'), or set train.wandb_project=null ({err})") from None
+        local = run_dir / WANDB_SUBDIR
+        local.mkdir(parents=True, exist_ok=True)
+        id_file = local / self.ID_FILE
+        run_id = id_file.read_text().strip() if resume and id_file.is_file() else None
+        # dir: W&B makes its own wandb/ folder there. Console capture off: the run's lines are in
+        # metrics.jsonl, and the command's stdout stays the result alone.
+        self.run = wandb.init(project=project, name=run_dir.absolute().name, id=run_id, resume="allow",
+                              dir=str(run_dir), config=config, settings=wandb.Settings(console="off"))
+        if run_id is None:
+            id_file.write_text(self.run.id + "\n")
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.run.log(dict(scalars(record)), step=int(record["step"]))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class MetricsSink:
     """The one place a run's telemetry goes: `<run>/metrics.jsonl` (one JSON object per record),
-    TensorBoard scalars (tensorboardX) and the console (tqdm bar + message lines).
+    TensorBoard scalars (tensorboardX), a W&B run (`wandb_project`, off unless given) and the
+    console (tqdm bar + message lines).
 
     The bar (on stderr) is drawn only when `progress_bar` is set and stderr is a terminal; otherwise
     every record written (each `train.log_every` steps) also prints one plain line, so that a log
@@ -65,7 +158,8 @@ class MetricsSink:
     """
 
     def __init__(self, run_dir: Path, *, tensorboard: bool, total_steps: int, start_step: int,
-                 progress_bar: bool, echo: Callable[[str], None] = print, files: bool = True):
+                 progress_bar: bool, echo: Callable[[str], None] = print, files: bool = True,
+                 wandb_project: str | None = None, config: dict[str, Any] | None = None):
         self.run_dir = run_dir
         self.jsonl_path = run_dir / "metrics.jsonl"
         self.echo = echo
@@ -73,9 +167,12 @@ class MetricsSink:
         self._files = files
         self._jsonl = None
         self._tb = None
+        self._wandb = None
         self._bar = None
         if not files:
             return
+        if wandb_project is not None:  # first: a missing package stops the run before anything is written
+            self._wandb = WandbRun(run_dir, wandb_project, config, resume=bool(start_step))
         dropped = truncate_jsonl(self.jsonl_path, start_step)
         if dropped:
             echo(f"[twell] metrics.jsonl: dropped {dropped} record(s) after step {start_step} (re-run now)")
@@ -108,17 +205,11 @@ class MetricsSink:
             self.echo(progress_line(record, self.total_steps))
         if self._tb is not None:
             step = int(record["step"])
-            for key, value in record.items():
-                if key == "step":
-                    continue
-                prefix = "val/" if key.startswith("val_") else "train/"
-                if isinstance(value, (int, float)) and value is not None and math.isfinite(value):
-                    self._tb.add_scalar(prefix + key, value, step)
-                elif isinstance(value, list) and key.endswith("_per_layer"):
-                    for layer, v in enumerate(value):
-                        if isinstance(v, (int, float)):
-                            self._tb.add_scalar(f"{prefix}{key[:-len('_per_layer')]}/layer_{layer}", v, step)
+            for tag, value in scalars(record):
+                self._tb.add_scalar(tag, value, step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(record)
 
     def message(self, text: str) -> None:
         """A console line that does not break the progress bar."""
@@ -136,6 +227,9 @@ class MetricsSink:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
 
 def progress_line(record: dict[str, Any], total_steps: int) -> str:

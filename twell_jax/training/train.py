@@ -64,6 +64,8 @@ from twell_jax.data import DataSource, build_experiment_data
 from twell_jax.training.planning import PlanController, abstract_graphdef, measure_activity  # noqa: F401 (re-exported)
 from twell_jax.training.loss import cross_entropy, l1_coefficient, total_loss
 from twell_jax.training.metrics import MetricsSink, check_finite, device_memory_limit_bytes, device_peak_memory_bytes, to_python
+from twell_jax.training.metrics import mfu, model_flops_per_token, peak_bf16_flops
+from twell_jax.training.profiling import ProfileWindow
 from twell_jax.model import apply_model, describe_execution, init_model, split_model
 from twell_jax.training.optimizer import build_optimizer, learning_rate_schedule
 from twell_jax.training.sparsity import dead_share, init_counters, position_profile, reinit_dead_rows, update_counters
@@ -197,7 +199,7 @@ def memory_estimate(cfg: ExperimentConfig, num_devices: int) -> dict[str, int]:
     params = m.num_params()
     tokens = tc.micro_batch * cfg.seq_len
     act = 2 if m.compute_dtype == "bfloat16" else 4
-    per_layer = tokens * (8 * m.d_model + (3 if m.kind.gated else 2) * m.d_ff) * act \
+    per_layer = tokens * (6 * m.d_model + 2 * m.kv_dim + (3 if m.kind.gated else 2) * m.d_ff) * act \
         + tc.micro_batch * m.n_heads * cfg.seq_len ** 2 * act
     estimate = {"parameters": -(-params * _PARAM_BYTES // shards),
                 "optimizer_state": -(-params * _ADAM_BYTES // shards),
@@ -681,6 +683,11 @@ class Trainer:
                              f"{self.num_devices} devices")
         self.batch_sharding = parallel.batch_sharding(self.mesh)
         self.replicated = parallel.replicated(self.mesh)
+        # MFU: the model FLOPs of a token over the device's peak bf16 FLOP/s (None: a device kind without a
+        # figure, e.g. a CPU, or a model that does not compute in bf16: no MFU is logged).
+        self.flops_per_token = model_flops_per_token(cfg.model, cfg.seq_len)
+        self.peak_flops = (peak_bf16_flops(str(getattr(jax.devices()[0], "device_kind", "")))
+                           if cfg.model.compute_dtype == "bfloat16" else None)
 
         t0 = time.perf_counter()
         self.data = data_builder(with_saved_tokenizer(cfg, self.run_dir) if resume else cfg)
@@ -792,9 +799,13 @@ class Trainer:
             eval_fn = self._eval_fn()
             sink = MetricsSink(self.run_dir, tensorboard=tc.tensorboard, total_steps=tc.steps,
                                start_step=start_step, progress_bar=tc.progress_bar, echo=self.echo,
-                               files=parallel.is_lead())
+                               files=parallel.is_lead(), wandb_project=tc.wandb_project,
+                               config=config_lib.to_dict(self.cfg))
             self.echo(f"[twell] metrics: {sink.jsonl_path}"
-                      + (f", TensorBoard: {self.run_dir / 'tensorboard'}" if tc.tensorboard else ""))
+                      + (f", TensorBoard: {self.run_dir / 'tensorboard'}" if tc.tensorboard else "")
+                      + (f", W&B project {tc.wandb_project!r}" if tc.wandb_project else ""))
+            self.profile = ProfileWindow(tc.profile_window, self.run_dir, start_step=start_step,
+                                         enabled=parallel.is_lead())
             self.planner.maybe_start_trial(start_step, sink.message)
             try:
                 pending = None  # the step dispatched last whose metrics are not fetched yet
@@ -804,6 +815,7 @@ class Trainer:
                     if compile_s:
                         loop.compile_s += compile_s
                         loop.mark = time.perf_counter()  # compilation is not step time
+                    self.profile.before_step(step_no, sink.message)
                     batch = parallel.host_to_global(self._next_batch(loop, signals), self.mesh)
                     first_dispatch = time.perf_counter()
                     state, device_metrics = runner(state, batch)
@@ -816,6 +828,7 @@ class Trainer:
                         continue
                     self._finish_step(loop, sink, *pending)
                     pending = None
+                    self.profile.after_step(step_no, sink.message)
                     changed, compile_s = self.planner.replan(step_no, loop.end_step, state, sink.message)
                     if changed:
                         loop.compile_s += compile_s
@@ -826,6 +839,7 @@ class Trainer:
                     loop.mark = time.perf_counter()  # evaluations and saves are not step time
                 self._end(loop, sink, eval_fn, state)
             finally:
+                self.profile.stop()
                 sink.close()
             summary = self._summary(state, loop)
             if parallel.is_lead():  # a multi-process run: process 0 writes the run's files
@@ -867,7 +881,7 @@ class Trainer:
         Other steps' metrics are fetched once the next step is dispatched: no host sync per step."""
         tc = self.cfg.train
         return (step_no == loop.end_step or self.planner.needs_sync(step_no, loop.end_step)
-                or bool(tc.eval_every and step_no % tc.eval_every == 0)
+                or self.profile.needs_sync(step_no) or bool(tc.eval_every and step_no % tc.eval_every == 0)
                 or bool(tc.checkpoint_every and step_no % tc.checkpoint_every == 0)
                 or self.hooks.should_stop is not None or self._stopping(loop, signals) is not None)
 
@@ -966,7 +980,8 @@ class Trainer:
         self.echo(f"[twell] run dir: {self.run_dir.absolute()}")
         self.echo(f"[twell] model: {cfg.model.ffn_kind} FFN (backend {cfg.model.kind.backend(cfg.model.ffn_backend)}), "
                   f"{cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.n_layers} layers, d_model "
-                  f"{cfg.model.d_model}, d_ff {cfg.model.d_ff}; L1 coef {cfg.sparsity.l1_coef:g}")
+                  f"{cfg.model.d_model}, d_ff {cfg.model.d_ff}, {cfg.model.heads_text()}; L1 coef "
+                  f"{cfg.sparsity.l1_coef:g}")
         self.echo(f"[twell] {describe_execution(cfg.model, cfg.seq_len)}")
         for warning in schedule_warnings(cfg):
             self.echo(warning)
@@ -1006,6 +1021,9 @@ class Trainer:
         tokens_per_step = self.cfg.train.global_batch * self.cfg.seq_len
         record = {"step": step_no, **host, "step_time_s": step_time,
                   **parallel.tokens_per_second(tokens_per_step, step_time, self.num_devices)}
+        utilisation = mfu(record["tokens_per_s_per_device"], self.flops_per_token, self.peak_flops)
+        if utilisation is not None:
+            record["mfu"] = utilisation
         peak = device_peak_memory_bytes() if memory else None
         if peak is not None:
             record["peak_memory_bytes"] = peak
@@ -1039,6 +1057,8 @@ class Trainer:
             "dead_share_per_layer": dead, "dead_share_mean": float(np.mean(dead)) if dead is not None else None,
             "median_step_time_s": median_step,
             "tokens_per_s": cfg.train.global_batch * cfg.seq_len / median_step if steady else None,
+            "mfu": (mfu(cfg.train.global_batch * cfg.seq_len / median_step / self.num_devices, self.flops_per_token,
+                        self.peak_flops) if steady else None),
             "peak_memory_bytes": device_peak_memory_bytes(), "compile_time_s": loop.compile_s,
             "startup_s": {name: round(seconds, 3) for name, seconds in self.startup.items()},
             "first_step_done_s": self.first_step_done_s,
