@@ -20,6 +20,7 @@ from test_sparse_checkpoint_benches import sparse_run  # noqa: F401  (the tiny t
 
 from twell_jax import ops
 from twell_jax.bench import ffn_train as bench_ffn_train
+from twell_jax.bench import patterns
 from twell_jax.config import ModelConfig
 from twell_jax.model import FeedForward, init_model  # noqa: E402
 from twell_jax.ops import pallas_backward  # noqa: E402
@@ -112,7 +113,7 @@ def test_pattern_stats_on_a_hand_built_pattern():
 
 
 @pytest.mark.parametrize("argv,match", [(["--layers", "0"], "need --checkpoint"),
-                                        (["--neuron-tail-chunk", "128"], "need --checkpoint"),
+                                        (["--dry-run", "--neuron-tail-chunk", "128"], "are for the GPU run"),
                                         (["--checkpoint", "x", "--quick"], "--quick is for the synthetic"),
                                         (["--repeats", "0"], "--repeats must be >= 1")])
 def test_bad_arguments_are_refused(argv, match, capsys):
@@ -165,5 +166,13 @@ def test_checkpoint_dry_run(sparse_run, tmp_path):
         assert all(e["rel"] < 3e-2 for e in row["piece_errors"].values()), row["piece_errors"]
         assert {"pack", "token_major", "transpose", "neuron_major", "token_tail", "neuron_tail"} <= set(row["piece_ms"])
         assert row["model"]["pallas_ms"] > 0 and len(row["model"]["auto_plan"]) == 2
+        # The layer's shape (bench/patterns.py): its fit from the layer's exact activity.
+        shape = patterns.PatternShape.from_json(row["shape"])
+        assert shape.seq_len == 40 and 0 <= shape.dead_share < 1 and shape.neuron_sigma >= 0
+        assert 0 < row["skew"]["top1_entry_share"] <= row["skew"]["top10_entry_share"] <= 1
+    # The median fit of the layers, what --shape RESULTS takes.
+    assert patterns.PatternShape.from_json(saved["shape_fit"]).seq_len == 40
     table = (tmp_path / "table.txt").read_text().splitlines()
-    assert table[-3].startswith("layer |") and [line.split("|")[0].strip() for line in table[-2:]] == ["1", "0"]
+    head = next(i for i, line in enumerate(table) if line.startswith("layer |"))
+    assert [line.split("|")[0].strip() for line in table[head + 1:head + 3]] == ["1", "0"]
+    assert table[-1].startswith("  median: neuron sigma")

@@ -185,4 +185,4 @@ def test_sweep_blocks_takes_a_list_of_kernels(capsys):
     assert bench_ffn_train.parse_sweep_kernels(" neuron ") == ("neuron",)
     with pytest.raises(SystemExit):
         bench_ffn_train.main(["--sweep-blocks", "token,gemm", "--dry-run"])
-    assert "--sweep-blocks takes kernels among token, neuron, pack, got 'token,gemm'" in capsys.readouterr().err
+    assert "--sweep-blocks takes kernels among token, neuron, pack, ffn, got 'token,gemm'" in capsys.readouterr().err

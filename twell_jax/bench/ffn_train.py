@@ -5,18 +5,23 @@
     python experiments/bench_ffn_train.py --dry-run --out /tmp/b   # CPU, interpret, tiny shapes
     python experiments/bench_ffn_train.py --dry-run --checkpoint RUN --out /tmp/b   # the same, a tiny run
     PYTHONUNBUFFERED=1 python experiments/bench_ffn_train.py --quick --trace --sweep-blocks --repeats 5
+    PYTHONUNBUFFERED=1 python experiments/bench_ffn_train.py --quick --shape trained   # + the trained-like pattern
 
 Two sources of (x, weights), measured by the same functions (`measure`):
 - synthetic (default): bf16, D 2048, H 5632, the sparsity of experiments/bench_ffn.py at k = 29, 39,
   16, 56, 110 active per token (SYNTHETIC_K), M = 16384 / 2048 / 65536 (3 input sets rotated while
-  timing; --quick: M 16384 only);
+  timing; --quick: M 16384 only); with --shape, also the trained-like pattern (bench/patterns.py:
+  skewed neurons, denser first tokens; 'trained' = patterns.TRAINED_LIKE, or a --checkpoint run's
+  results, whose median fit it takes) at M 16384 and k 29, 39 (SHAPED_K);
 - `--checkpoint RUN`: a trained run (`inference.load_run`, compute dtype --dtype), fed the first
   --micro-batch sequences of its validation split; the model's own forward records what each
   chosen layer's FeedForward receives (the normed activations x [M, D], `capture_ffn_inputs`), and
   each layer is measured on its real x and its three weights. The cotangent gy is a fixed random
   [M, D] (as in the synthetic mode): the sparse backward's work (which rows go to the token tail,
   which neurons are hot, how many entries each kernel visits) is set by the forward's pattern,
-  i.e. by x and W_gate, not by gy's values.
+  i.e. by x and W_gate, not by gy's values. Each layer's pattern shape is fitted
+  (patterns.fit_shape: neuron skew, dead share, position profile) and the layers' median written
+  as "shape_fit" (what --shape RESULTS takes).
 
 Backends, all in the same process on the same inputs:
     xla_bf16          plain jnp, bf16 dots, no preferred_element_type (the dense baseline)
@@ -40,17 +45,21 @@ and the cost model's prediction at the measured mean k and tails (`model_predict
 planner.sparse_times_ms / dense_times_ms and auto's plan, ops.auto_decision). The forward alone
 of FORWARD_BACKENDS, timed the same way: as a training step runs it (the vjp's forward, with the
 residuals the backward keeps: "fwd_ms") and as inference runs it (y and l1: "infer_ms"). Prints a
-short table last; writes bench_ffn_train.json (and table.txt) to --out.
+short table last; writes bench_ffn_train.json (and table.txt) to --out. Synthetic mode: the GPU's
+bounds first (bench/bounds.py: a row-gather probe from one and two weight tables, HBM streaming,
+XLA's relu GEMM), and per case each piece's time against the time its bytes need at them
+("attainment").
 
 --trace (both modes): the per-kernel GPU time of the xla_bf16, pallas and auto programs that were
 timed (one jax.profiler trace of --repeats back-to-back calls each, twell_jax/bench/kernel_trace.py):
 each kernel's launches, ms and share per fwd+bwd call, the wall span and busy time; in the JSON
-rows ("trace") and the table (top 12). --sweep-blocks [token,neuron,pack] (synthetic; default all
-three): those kernels timed alone over their launch parameters (TOKEN_SWEEP: split x block_t x
-num_warps x num_stages; NEURON_SWEEP: block_n x num_warps; PACK_SWEEP: launch order group_m x
-num_stages, beside XLA's relu(x W_gate^T)) at the first case's shape, each variant's outputs
-compared bit for bit with the default launch's (`sweep_block_sizes`); a "sweep_blocks" JSON row and
-a table sorted by time with the default marked.
+rows ("trace"; the xla_bf16 and pallas forward programs: "trace_fwd", "trace_infer") and the
+table (top 12). --sweep-blocks [token,neuron,pack,ffn] (synthetic; default all four): those kernels
+timed alone over their launch parameters (TOKEN_SWEEP: split x block_t x num_warps x num_stages;
+NEURON_SWEEP: block_n x num_warps; PACK_SWEEP: launch order group_m x num_stages, beside XLA's
+relu(x W_gate^T); FFN_SWEEP: block_t x num_warps) at the first case's shape (with --shape: the
+first trained-like case's), each variant's outputs compared bit for bit with the default launch's
+(`sweep_block_sizes`); a "sweep_blocks" JSON row and a table sorted by time with the default marked.
 """
 from __future__ import annotations
 
@@ -69,6 +78,8 @@ import numpy as np
 from flax import nnx
 
 from twell_jax.bench import ffn as bench_ffn  # make_inputs, bench_interleaved, bench: one copy of each
+from twell_jax.bench import bounds as bench_bounds
+from twell_jax.bench import patterns
 from twell_jax.bench.kernel_trace import KernelProfile, format_profile, kernel_times
 from twell_jax.pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes, neuron_backward
 from twell_jax.pallas_kernels.twell_bwd_token import TokenBwdBlockSizes, rank_values, token_backward, token_lists
@@ -85,10 +96,13 @@ CHECKPOINT_BACKENDS = ("xla_bf16", "dense", "pallas", "pallas_recompute", "auto"
 GRAD_NAMES = ("dx", "dw_gate", "dw_up", "dw_down")
 TRACED_BACKENDS = ("xla_bf16", "pallas", "auto")  # --trace: the per-kernel profile of these programs
 FORWARD_BACKENDS = ("xla_bf16", "dense", "pallas", "auto")  # also timed forward-only (training and inference)
-SWEEP_KERNELS = ("token", "neuron", "pack")  # --sweep-blocks: the kernels it may time
+SWEEP_KERNELS = ("token", "neuron", "pack", "ffn")  # --sweep-blocks: the kernels it may time
 # Synthetic uniform sparsity, active neurons per token: the paper's trained models (24-39) and
 # around them; the first is the --sweep-blocks shape.
 SYNTHETIC_K = (29.0, 39.0, 16.0, 56.0, 110.0)
+# With --shape: the trained-like pattern (bench/patterns.py) at the paper's sparsity (its 0.5B and
+# its 1B-1.5B models), after the uniform cases.
+SHAPED_K = (29.0, 39.0)
 # --dry-run: the interpreter compiles every backend's whole fwd+bwd, so the smoke run skips the two
 # that only repeat others' code paths (the reference backend, and pallas with the pattern recomputed:
 # tests/test_ops.py and tests/test_pallas_bwd_op.py cover both).
@@ -96,14 +110,20 @@ DRY_RUN_SKIPPED = ("reference", "pallas_recompute")
 # --sweep-blocks: the launch parameters tried (the default first, wherever it lies in the list).
 TOKEN_SWEEP = tuple(TokenBwdBlockSizes(block_t=t, num_warps=w, num_stages=s, split=sp)
                     for sp in (True, False) for t in (1, 2) for w in (2, 4) for s in (1, 2))
-NEURON_SWEEP = tuple(NeuronBwdBlockSizes(block_n=n, num_warps=w) for n in (1, 2, 4) for w in (2, 4, 8))
+NEURON_SWEEP = (tuple(NeuronBwdBlockSizes(block_n=n, num_warps=w) for n in (1, 2, 4) for w in (2, 4, 8))
+                + (NeuronBwdBlockSizes(longest_first=False),))
 # The pack kernel: its launch order (group_m: row blocks per L2 group, 0 = all) and pipeline depth.
 PACK_SWEEP = tuple(PackBlockSizes(group_m=g, num_stages=st) for g in (0, 1, 4, 8, 16, 32) for st in (3, 4))
+# The fused forward FFN: tokens per program and warps (one warp per token is the CUDA reference's
+# layout: x in registers, a warp reduction per active neuron).
+FFN_SWEEP = tuple(FFNBlockSizes(block_t=t, num_warps=w) for t in (1, 2, 4) for w in (1, 2, 4, 8)
+                  if t * 32 <= w * 32 * 4)
 # In the interpreter the warps and stages change nothing and each variant compiles anew: the
 # default and one more block_t / block_n, the warps and stages varied alongside.
 TOKEN_SWEEP_DRY = (TokenBwdBlockSizes(), TokenBwdBlockSizes(2, 2, 2), TokenBwdBlockSizes(split=False))
 NEURON_SWEEP_DRY = (NeuronBwdBlockSizes(1, 4), NeuronBwdBlockSizes(2, 2))
 PACK_SWEEP_DRY = (PackBlockSizes(), PackBlockSizes(group_m=0, num_stages=4))  # the row-major order
+FFN_SWEEP_DRY = (FFNBlockSizes(), FFNBlockSizes(block_t=2, num_warps=1))
 Weights3 = tuple[jax.Array, jax.Array, jax.Array]
 
 
@@ -387,6 +407,12 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
     stats = pattern_stats(np.asarray(counts), np.asarray(lists[1]), config, seq_len)
     hint = stats["active_mean"]
     row: dict[str, Any] = dict(m=m, d=d, h=h, hint=hint, pattern=stats, errors={}, temp_mb={})
+    # The pattern's shape beside its mean (bench/patterns.py): how skewed over neurons, and (whole
+    # sequences of seq_len) the fit of the trained-like synthetic pattern's parameters.
+    active_M, neuron_H = patterns.exact_activity(x0[0], wg)
+    row["skew"] = patterns.skew_stats(neuron_H)
+    if seq_len and m % seq_len == 0 and neuron_H.any():
+        row["shape"] = patterns.fit_shape(active_M, neuron_H, seq_len).to_json()
     hinted = auto_config(config, stats)
     row["model"] = model_prediction(m, d, h, hinted, x0[0].dtype.itemsize, interpret)
     log(f"  pattern: k mean {hint:.1f} p99 {stats['active_p99']:.0f} max {stats['active_max']}, "
@@ -434,6 +460,14 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
             profile = kernel_times(steps[b], x0, repeats=1 if bench_ffn.INTERPRET else repeats)
             row["trace"][b] = profile.to_json()
             log("\n".join(f"  [{b}] {line}" for line in format_profile(profile)))
+        # The forward alone too (training, inference): what runs beside its two kernels.
+        for training, key in ((True, "trace_fwd"), (False, "trace_infer")):
+            row[key] = {}
+            for b in (b for b in ("xla_bf16", "pallas") if b in fwd_backends):
+                profile = kernel_times(make_forward(b, configs.get(b, config), interpret, training),
+                                       x0[:4], repeats=1 if bench_ffn.INTERPRET else repeats)
+                row[key][b] = profile.to_json()
+                log("\n".join(f"  [{key} {b}] {line}" for line in format_profile(profile)))
     bench = functools.partial(bench_ffn.bench, repeats=repeats)
     piece_ms = dict(
         pack=bench(p["pack"], [(x, wg) for x in xs]),
@@ -472,13 +506,15 @@ def bit_diff(a: jax.Array, b: jax.Array) -> dict:
 def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: ops.SparseFFNConfig,
                       interpret: bool, token_sizes: Sequence[TokenBwdBlockSizes],
                       neuron_sizes: Sequence[NeuronBwdBlockSizes],
-                      pack_sizes: Sequence[PackBlockSizes], *, repeats: int = 15,
-                      log=print, kernels: Sequence[str] = SWEEP_KERNELS) -> dict:
+                      pack_sizes: Sequence[PackBlockSizes], ffn_sizes: Sequence[FFNBlockSizes] = (), *,
+                      repeats: int = 15, log=print, kernels: Sequence[str] = SWEEP_KERNELS) -> dict:
     """Time the token-major and the neuron-major kernel alone at each launch in the lists, on the
     backward's own inputs for (x, weights, gy) (piece_fns: pack, tail mask, transpose, the default
     token kernel's entry values), and the pack kernel at each launch in `pack_sizes` (on x and
     W_gate; its outputs must not change with the launch: each slot is an exact min-reduction and
-    the GEMM's K loop runs in the same order whatever the program order).
+    the GEMM's K loop runs in the same order whatever the program order), and the forward's fused
+    FFN at each launch in `ffn_sizes` (inference: y and l1, on the pack of x; x . U_j is a
+    reduction over D, so its last bits may change with the warps).
 
     Each variant runs piece_fns' kernel call with only that launch changed in `config.backward`,
     and its outputs are compared bit for bit with the default launch's (config.backward's, run
@@ -487,7 +523,7 @@ def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: op
     launch parameter should; the token kernel's dt = gy . W_j and u = x . U_j are reductions over D
     whose tree Triton lays out by block shape and warps, so its per-entry values and dx may differ
     in the last bits across launches. A differing variant is reported (n_diff, max_abs), not dropped.
-    Returns {"token": rows, "neuron": rows, "pack": rows, "xla_gate_ms": ms}, each kernel's rows
+    Returns {"token": rows, "neuron": rows, "pack": rows, "ffn": rows, "xla_gate_ms": ms}, each kernel's rows
     sorted by ms, the default marked."""
     wg, wu, wd = weights
     h = wg.shape[0]
@@ -516,9 +552,14 @@ def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: op
     def pack_run(sizes: PackBlockSizes):
         return piece_fns(dataclasses.replace(config, pack_block_sizes=sizes), interpret, h)["pack"], (x, wg)
 
+    def ffn_run(sizes: FFNBlockSizes):
+        return (functools.partial(sparse_ffn, block_sizes=sizes, interpret=interpret),
+                (x, *p["pack"](x, wg), wu, wd))
+
     runs = dict(token=(token_run, bc.token_block_sizes, token_sizes),
                 neuron=(neuron_run, bc.neuron_block_sizes, neuron_sizes),
-                pack=(pack_run, config.pack_block_sizes or PackBlockSizes(), pack_sizes))
+                pack=(pack_run, config.pack_block_sizes or PackBlockSizes(), pack_sizes),
+                ffn=(ffn_run, config.ffn_block_sizes or FFNBlockSizes(), ffn_sizes))
     out = {name: _sweep_one(name, *runs[name], repeats, log) for name in kernels}
     if "pack" in kernels:
         # What the pack's GEMM should cost: XLA's relu(x W_gate^T) with a bf16 output, same inputs.
@@ -662,37 +703,92 @@ def parse_cases(text: str) -> list[tuple[int, float]]:
     return cases
 
 
+def load_shape(text: str) -> patterns.PatternShape:
+    """--shape: "trained" (patterns.TRAINED_LIKE) or a JSON file holding a PatternShape, or the
+    results of a --checkpoint run (its median fit, "shape_fit")."""
+    if text == "trained":
+        return patterns.TRAINED_LIKE
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"--shape wants 'trained' or a JSON file, got {text!r} (no such file)")
+    try:
+        data = json.loads(path.read_text())
+        return patterns.PatternShape.from_json(data.get("shape_fit", data))
+    except (ValueError, TypeError, AttributeError) as e:
+        raise argparse.ArgumentTypeError(f"--shape {text}: not a PatternShape or a --checkpoint run's results "
+                                         f"({e})") from None
+
+
+def entry_counts(stats: dict, m: int) -> dict:
+    """The entries the backward's sparse kernels visit (bench_bounds.piece_traffic): those of the
+    rows outside the token tail (the mean count times those rows: an estimate) and those of the
+    neurons that are not hot."""
+    rows = max(m - stats["token_tail_rows"], 0)
+    return dict(token_entries=stats["active_mean"] * rows,
+                neuron_entries=stats["neuron_entries"] * (1.0 - stats["hot_entry_share"]))
+
+
+def synthetic_inputs(key: jax.Array, m: int, k: float, shape: patterns.PatternShape | None):
+    """(xs, w_gate, w_up, w_down) of a synthetic case: uniform (shape None) or trained-like."""
+    if shape is None:
+        return bench_ffn.make_inputs(key, m, k)
+    return patterns.shaped_inputs(key, m, k, shape, bench_ffn.D, bench_ffn.H, bench_ffn.DTYPE)
+
+
 def run_synthetic(args, out: "Output") -> None:
     interpret = args.dry_run
+    shape = args.shape
     if interpret:  # bench_ffn's globals drive make_inputs and bench
         bench_ffn.D, bench_ffn.H = 32, 48
-        cases = [(48, 3.0)]
+        cases = [(48, 3.0, None)] + ([(48, 3.0, shape)] if shape else [])
         config = ops.SparseFFNConfig(tile=16, slots=8, ell_width=16, transpose_ell_width=32)
     else:
         bench_ffn.sanity()
-        cases = [(m, k) for m in (16384, 2048, 65536) for k in SYNTHETIC_K]
+        cases = [(m, k, None) for m in (16384, 2048, 65536) for k in SYNTHETIC_K]
         if args.quick:
-            cases = [(16384, k) for k in SYNTHETIC_K]
+            cases = [(16384, k, None) for k in SYNTHETIC_K]
         if args.cases:
-            cases = args.cases
-        config = ops.SparseFFNConfig()
+            cases = [(m, k, None) for m, k in args.cases]
+        if shape is not None:  # after the uniform cases at the same k (a cut-short run keeps them)
+            at = max((i + 1 for i, (_, k, _) in enumerate(cases) if k in SHAPED_K), default=len(cases))
+            cases[at:at] = [(16384, k, shape) for k in SHAPED_K]
+        config = with_sweep_overrides(ops.SparseFFNConfig(), args)
+    if shape is not None:
+        out.results["shape"] = shape.to_json()
+        out.say(f"[bench_ffn_train] trained-like pattern: {patterns.describe(shape)}")
     d, h = bench_ffn.D, bench_ffn.H
     table = [f"{'M':>6} {'k':>5} " + " ".join(f"{b:>16}" for b in BACKENDS)]
-    mem_table, piece_table, trace_table, sweep_lines, fwd_table = [], [], [], [], []
+    mem_table, piece_table, trace_table, sweep_lines, fwd_table, bound_table = [], [], [], [], [], []
     key = jax.random.PRNGKey(0)
-    if args.sweep_blocks:  # at the first (quick) case's shape: M 16384, k 29 (dry run: the tiny one)
-        m, k = cases[0]
-        out.say(f"[bench_ffn_train] --sweep-blocks at M {m} k {k:.0f}")
+    # The GPU's bounds for the pieces (bench/bounds.py), at the first case's M and k.
+    try:
+        bounds = bench_bounds.measure_bounds(functools.partial(bench_ffn.bench, repeats=args.repeats),
+                                             cases[0][0], d, h, max(1, round(cases[0][1])),
+                                             hbm_bytes=1 << (16 if interpret else 30), interpret=interpret)
+        out.results["bounds"] = bounds
+        out.say("[bench_ffn_train] bounds: " + ", ".join(f"{k} {v:.4g}" for k, v in bounds.items()))
+    except Exception as e:  # reported; the cases still run, without the attainment columns
+        bounds = None
+        out.results["bounds"] = dict(error=repr(e)[:500])
+    if args.sweep_blocks:
+        # At the first case (M 16384, k 29 uniform; the dry run: the tiny one), or with --shape at
+        # the first trained-like case.
+        m, k, sweep_shape = next((c for c in cases if c[2] is not None), cases[0]) if shape else cases[0]
+        out.say(f"[bench_ffn_train] --sweep-blocks at M {m} k {k:.0f}"
+                + ("" if sweep_shape is None else " (trained-like)"))
         try:
-            xs, wg, wu, wd = bench_ffn.make_inputs(jax.random.fold_in(key, m), m, k)
+            xs, wg, wu, wd = synthetic_inputs(jax.random.fold_in(key, m), m, k, sweep_shape)
             gy = fixed_cotangent(jax.random.fold_in(key, 7), m, d, bench_ffn.DTYPE)
             sweep = sweep_block_sizes(xs[0], (wg, wu, wd), gy, config, interpret,
                                       TOKEN_SWEEP_DRY if interpret else TOKEN_SWEEP,
                                       NEURON_SWEEP_DRY if interpret else NEURON_SWEEP,
                                       PACK_SWEEP_DRY if interpret else PACK_SWEEP,
+                                      FFN_SWEEP_DRY if interpret else FFN_SWEEP,
                                       repeats=args.repeats, log=out.say, kernels=args.sweep_blocks)
-            out.log(dict(kind="sweep_blocks", m=m, k=k, d=d, h=h, **sweep))
-            sweep_lines = ["", f"=== launch sweeps, M={m} k={k:.0f} D={d} H={h} ==="]
+            out.log(dict(kind="sweep_blocks", m=m, k=k, d=d, h=h,
+                         synthetic="uniform" if sweep_shape is None else "trained_like", **sweep))
+            sweep_lines = ["", f"=== launch sweeps, M={m} k={k:.0f}{'' if sweep_shape is None else ' trained-like'} "
+                               f"D={d} H={h} ==="]
             for kernel_name in args.sweep_blocks:
                 sweep_lines += sweep_table(kernel_name, sweep[kernel_name])
             if "xla_gate_ms" in sweep:
@@ -700,47 +796,65 @@ def run_synthetic(args, out: "Output") -> None:
         except Exception as e:  # reported; the cases still run
             out.log(dict(kind="sweep_blocks", m=m, k=k, error=repr(e)[:500]))
             sweep_lines = ["", f"--sweep-blocks error: {repr(e)[:200]}"]
-    for m, k in cases:
+    for m, k, case_shape in cases:
+        synthetic = "uniform" if case_shape is None else "trained_like"
+        label = f"{k:>4.0f}{'' if case_shape is None else 't'}"  # t: the trained-like pattern
+        out.say(f"[bench_ffn_train] M {m} k {k:.0f} {synthetic}")
         try:
-            xs, wg, wu, wd = bench_ffn.make_inputs(jax.random.fold_in(key, m), m, k)
+            xs, wg, wu, wd = synthetic_inputs(jax.random.fold_in(key, m), m, k, case_shape)
             gy = fixed_cotangent(jax.random.fold_in(key, 7), m, d, bench_ffn.DTYPE)
             backends = [b for b in BACKENDS if not (b == "reference" and m > 16384)
                         and not (interpret and b in DRY_RUN_SKIPPED)]
-            row = dict(kind="train", k=k, **measure(xs, (wg, wu, wd), gy, config, interpret, backends,
-                                                    repeats=args.repeats, trace=args.trace, log=out.say))
+            row = dict(kind="train", k=k, synthetic=synthetic,
+                       **measure(xs, (wg, wu, wd), gy, config, interpret, backends,
+                                 seq_len=None if case_shape is None else case_shape.seq_len,
+                                 repeats=args.repeats, trace=args.trace, log=out.say))
+            if bounds:
+                row["attainment"] = bench_bounds.attainment(
+                    bench_bounds.piece_traffic(m, d, h, row["hint"], tile=config.tile, slots=config.slots,
+                                               **entry_counts(row["pattern"], m)),
+                    row["piece_ms"], bounds)
+                bound_table.append(f"{m:>6} {label:>5} " + " ".join(
+                    f"{name} {a['ms']:.3f}/{a['bound_ms']:.3f} ({a['fraction']:.0%})"
+                    for name, a in row["attainment"].items()))
             out.log(row)
             ms = row["ms"]
-            table.append(f"{m:>6} {k:>5.0f} " + " ".join(
+            table.append(f"{m:>6} {label:>5} " + " ".join(
                 f"{ms[b]:>8.3f} ({ms['xla_bf16'] / ms[b]:>4.2f}x)" if b in ms else f"{'-':>16}"
                 for b in BACKENDS))
-            fwd_table.append(f"{m:>6} {k:>5.0f} " + " ".join(
+            fwd_table.append(f"{m:>6} {label:>5} " + " ".join(
                 f"{row[key][b]:>7.3f} ({row[key]['xla_bf16'] / row[key][b]:>4.2f}x)"
                 for key in ("fwd_ms", "infer_ms") for b in row[key]))
-            mem_table.append(f"{m:>6} {k:>5.0f} " + " ".join(
+            mem_table.append(f"{m:>6} {label:>5} " + " ".join(
                 f"{row['temp_mb'].get(b, float('nan')):>16.1f}" for b in BACKENDS))
-            piece_table.append(f"{m:>6} {k:>5.0f} " + " ".join(
+            piece_table.append(f"{m:>6} {label:>5} " + " ".join(
                 f"{name}={t:.3f}" for name, t in row["piece_ms"].items())
                 + f"  tail_rows={row['token_tail_rows']} hot={row['hot_neurons']}"
                 + f"  max|err| pallas dx={row['errors']['pallas']['dx']['max_abs']:.2e}"
-                + f"  model pallas={row['model']['pallas_ms']:.3f}")
-            trace_table += trace_lines(f"M={m} k={k:.0f}", row)
+                + f"  model pallas={row['model']['pallas_ms']:.3f}"
+                + f"  top 1%/10% neurons hold {row['skew']['top1_entry_share']:.0%}/"
+                  f"{row['skew']['top10_entry_share']:.0%} of entries")
+            trace_table += trace_lines(f"M={m} k={label.strip()}", row)
         except Exception as e:  # a failing case is reported, the others still run
-            out.log(dict(kind="train", m=m, k=k, error=repr(e)[:500]))
-            table.append(f"{m:>6} {k:>5.0f} error: {repr(e)[:200]}")
+            out.log(dict(kind="train", m=m, k=k, synthetic=synthetic, error=repr(e)[:500]))
+            table.append(f"{m:>6} {label:>5} error: {repr(e)[:200]}")
     out.finish(["", f"=== fwd+bwd ms (ratio = xla_bf16 / x), D={d} H={h}, {out.results['device']} ==="]
                + table
                + ["", "forward alone, ms (ratio = xla_bf16 / x): training (with the backward's residuals) "
                   "then inference, each " + " ".join(b for b in FORWARD_BACKENDS if b in BACKENDS)]
                + fwd_table + ["", "compiled temporary memory (MiB)"] + mem_table
-               + ["", "Pallas pieces (ms)"] + piece_table + trace_table + sweep_lines)
+               + ["", "Pallas pieces (ms)"] + piece_table
+               + ["", "pieces against the GPU's bounds: ms / ms at the bound (share of the bound reached); "
+                  "bench/bounds.py"] + bound_table + trace_table + sweep_lines)
 
 
 def trace_lines(label: str, row: dict, top: int = 12) -> list[str]:
     """The --trace tables of one measured row (none without --trace)."""
     lines = []
-    for backend, profile in row.get("trace", {}).items():
-        lines += ["", f"kernels of {backend}, {label} (per fwd+bwd call)"]
-        lines += format_profile(KernelProfile.from_json(profile), top)
+    for key, what in (("trace", "fwd+bwd"), ("trace_fwd", "training forward"), ("trace_infer", "inference forward")):
+        for backend, profile in row.get(key, {}).items():
+            lines += ["", f"kernels of {backend}, {label} (per {what} call)"]
+            lines += format_profile(KernelProfile.from_json(profile), top)
     return lines
 
 
@@ -812,12 +926,25 @@ def run_checkpoint(args, out: "Output") -> None:
         except Exception as e:  # a failing layer is reported, the others still run
             row = dict(kind="layer", layer=layer, error=repr(e)[:500])
         row["seconds"] = time.perf_counter() - t_layer
-        out.log(row)
         summary.append(row)
+        fits = [patterns.PatternShape.from_json(r["shape"]) for r in summary if "shape" in r]
+        if fits:  # the layers' median shape so far: what `--shape RESULTS` takes
+            out.results["shape_fit"] = dataclasses.replace(
+                patterns.shape_of_layers(fits),
+                source=f"median of the fits of layers {[r['layer'] for r in summary if 'shape' in r]} of "
+                       f"{out.results['source']} ({m} validation tokens)").to_json()
+        out.log(row)
         out.say(f"[bench_ffn_train] layer {layer} done in {row['seconds']:.1f} s "
                 f"(total {time.perf_counter() - t0:.1f} s)")
+    shape_lines = [f"  layer {r['layer']}: {patterns.describe(patterns.PatternShape.from_json(r['shape']))}; "
+                   f"top 1%/10% neurons hold {r['skew']['top1_entry_share']:.0%}/{r['skew']['top10_entry_share']:.0%}"
+                   for r in summary if "shape" in r]
+    if "shape_fit" in out.results:
+        shape_lines.append(f"  median: {patterns.describe(patterns.PatternShape.from_json(out.results['shape_fit']))}")
     out.finish(["", f"=== per layer, fwd+bwd on the layer's real x (ratio = xla_bf16 / x), M={m} D={d} "
                     f"H={cfg.model.d_ff}, {out.results['device']} ==="] + layer_table(summary)
+               + ["", "pattern shape per layer (bench/patterns.py fit; --shape RESULTS takes the median)"]
+               + shape_lines
                + [line for r in summary if "error" not in r for line in trace_lines(f"layer {r['layer']}", r)])
 
 
@@ -886,11 +1013,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --checkpoint: the compute dtype of x and the weights")
     parser.add_argument("--repeats", type=int, default=15, help="timed batches per median (5 calls each)")
     parser.add_argument("--token-tail-chunk", type=int, default=None,
-                        help="with --checkpoint: BackwardConfig.token_tail_chunk (default: the config's)")
+                        help="BackwardConfig.token_tail_chunk (default: the config's)")
     parser.add_argument("--neuron-tail-chunk", type=int, default=None,
-                        help="with --checkpoint: BackwardConfig.neuron_tail_chunk (default: the config's)")
+                        help="BackwardConfig.neuron_tail_chunk (default: the config's)")
     parser.add_argument("--transpose-ell-width", type=parse_hot_width, default=None,
-                        help="with --checkpoint: SparseFFNConfig.transpose_ell_width, the entries above "
+                        help="SparseFFNConfig.transpose_ell_width, the entries above "
                              "which a neuron is hot: an int, or a fraction of the tokens such as 0.03 "
                              "(default: the config's)")
     parser.add_argument("--trace", action="store_true",
@@ -899,19 +1026,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep-blocks", nargs="?", const=",".join(SWEEP_KERNELS), default=None,
                         type=parse_sweep_kernels, metavar="KERNEL,...",
                         help="synthetic: also time kernels alone over their launch parameters at the "
-                             "first case's shape, outputs compared bit for bit: token, neuron, pack "
-                             "(default: all three)")
+                             "first case's shape, outputs compared bit for bit: token, neuron, pack, "
+                             "ffn (default: all four)")
+    parser.add_argument("--shape", type=load_shape, default=None, metavar="trained|FILE",
+                        help="synthetic: also the trained-like pattern (bench/patterns.py) at k "
+                             + "/".join(f"{k:.0f}" for k in SHAPED_K) + ": 'trained' = patterns.TRAINED_LIKE, "
+                             "or a JSON PatternShape / a --checkpoint run's bench_ffn_train.json (its median fit)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     if args.micro_batch is not None and args.micro_batch < 1:
         parser.error("--micro-batch must be >= 1")
-    sweep = (args.token_tail_chunk, args.neuron_tail_chunk, args.transpose_ell_width)
-    if not args.checkpoint and (args.step is not None or args.layers or args.micro_batch
-                                or any(v is not None for v in sweep)):
-        parser.error("--step, --layers, --micro-batch, --token-tail-chunk, --neuron-tail-chunk and "
-                     "--transpose-ell-width need --checkpoint")
+    if not args.checkpoint and (args.step is not None or args.layers or args.micro_batch):
+        parser.error("--step, --layers and --micro-batch need --checkpoint")
+    if args.dry_run and not args.checkpoint and any(
+            v is not None for v in (args.token_tail_chunk, args.neuron_tail_chunk, args.transpose_ell_width)):
+        parser.error("--token-tail-chunk, --neuron-tail-chunk and --transpose-ell-width are for the GPU run "
+                     "(the synthetic dry run has its own tiny config)")
     if args.checkpoint and args.quick:
         parser.error("--quick is for the synthetic mode")
     if args.checkpoint and args.cases:
@@ -922,6 +1054,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--cases is for the GPU run (the dry run has its own tiny case)")
     if args.checkpoint and args.sweep_blocks:
         parser.error("--sweep-blocks is for the synthetic mode")
+    if args.checkpoint and args.shape:
+        parser.error("--shape is for the synthetic mode (a --checkpoint run fits the shape of its layers)")
     if args.dry_run:
         bench_ffn.INTERPRET = True  # one timed call per measurement
     out = Output(Path(args.out))
