@@ -12,6 +12,12 @@ rounded once. One program handles `block_n` neurons; per entry it gathers x_i an
 serves both dW_up and dW_gate), accumulates in fp32 registers in list order (fixed, so the result
 is deterministic) and writes the rows in the weights' dtype. Neurons with count 0 (no entry, or
 "hot" neurons that the caller handles in a dense tail) write their init row (or 0).
+
+Launch order (`NeuronBwdBlockSizes.longest_first`, default on): program p takes the p-th neuron by
+decreasing count instead of neuron p. A program's time grows with its neuron's list, and on a
+trained pattern the lists are very unequal (skewed neurons); programs start in id order, so the
+longest lists start first and the short ones fill in behind them instead of a few long ones
+running alone at the end. Each neuron's sums are the same whatever the order (bit for bit).
 """
 from __future__ import annotations
 
@@ -40,29 +46,41 @@ class NeuronBwdBlockSizes:
     block_n: int = 1  # neurons per program (power of two)
     num_warps: int = 4  # warps per program
     num_stages: int = 1  # pipelining depth of the entry loop (dynamic trip counts: 1 = none)
+    longest_first: bool = True  # programs take the neurons by decreasing count (module doc)
 
     def __post_init__(self) -> None:
         if not _is_pow2(self.block_n) or self.block_n > 64:
             raise ValueError(f"NeuronBwdBlockSizes.block_n must be a power of two <= 64, got {self.block_n}")
+        if not isinstance(self.longest_first, bool):
+            raise ValueError(f"NeuronBwdBlockSizes.longest_first must be a bool, got {self.longest_first!r}")
         check_launch_sizes(self)
 
 
-def _neuron_bwd_kernel(*refs, gated: bool, has_init: bool, d: int, d_block: int) -> None:
-    """Refs: x, gy [M, D], start, count [BN], tokens [E], values (gated: t, d_up, d_gate;
-    else t, d_act) [E], (init rows [BN, D] f32 per output); outputs [BN, D] in order
-    (act, (up), down)."""
+def _neuron_bwd_kernel(*refs, gated: bool, has_init: bool, ordered: bool, d: int, d_block: int) -> None:
+    """Refs: (ordered: the program's neurons [BN]), x, gy [M, D], start, count ([BN], ordered: [H]),
+    tokens [E], values (gated: t, d_up, d_gate; else t, d_act) [E], (init rows per output: [BN, D]
+    f32, ordered [H, D]); outputs in order (act, (up), down): [BN, D], ordered [H, D] (each
+    program writes its neurons' rows)."""
     n_out = 3 if gated else 2
+    refs = list(refs)
+    order_ref = refs.pop(0) if ordered else None
     x_ref, gy_ref, start_ref, count_ref, tokens_ref, *rest = refs
     value_refs, rest = rest[:n_out], rest[n_out:]
     init_refs = rest[:n_out] if has_init else ()
     out_refs = rest[n_out:] if has_init else rest
-    block_n = start_ref.shape[0]
     col_D = lax.broadcasted_iota(jnp.int32, (d_block,), 0)
     col_ok_1xD = (col_D < d)[None, :]
     col_1xD = col_D[None, :]
     full_d = d == d_block
-    start_BN = start_ref[...]
-    count_BN = count_ref[...]
+    if ordered:
+        j_BN = order_ref[...]
+        block_n = j_BN.shape[0]
+        start_BN = plgpu.load(start_ref.at[j_BN])
+        count_BN = plgpu.load(count_ref.at[j_BN])
+    else:
+        block_n = start_ref.shape[0]
+        start_BN = start_ref[...]
+        count_BN = count_ref[...]
     if gated:
         t_ref, d_up_ref, d_gate_ref = value_refs
     else:
@@ -90,15 +108,18 @@ def _neuron_bwd_kernel(*refs, gated: bool, has_init: bool, d: int, d_block: int)
         acc_act, acc_down = accs
         return acc_act + value(d_act_ref) * x_rows, acc_down + value(t_ref) * gy_rows
 
+    rows_mask = None if full_d else jnp.broadcast_to(col_ok_1xD, (block_n, d_block))
+
+    def rows(ref):  # this program's rows of an [H, D] (ordered) or [BN, D] ref
+        return ref.at[j_BN[:, None], col_1xD] if ordered else ref.at[:, pl.ds(0, d_block)]
+
     if has_init:
-        init = tuple(plgpu.load(r.at[:, pl.ds(0, d_block)], mask=None if full_d else col_ok_1xD,
-                                other=None if full_d else 0.0) for r in init_refs)
+        init = tuple(plgpu.load(rows(r), mask=rows_mask, other=None if full_d else 0.0) for r in init_refs)
     else:
         init = tuple(jnp.zeros((block_n, d_block), jnp.float32) for _ in range(n_out))
     accs = lax.fori_loop(0, jnp.max(count_BN), entry_step, init)
     for ref, acc in zip(out_refs, accs):
-        plgpu.store(ref.at[:, pl.ds(0, d_block)], acc.astype(ref.dtype),
-                    mask=None if full_d else jnp.broadcast_to(col_ok_1xD, acc.shape))
+        plgpu.store(rows(ref), acc.astype(ref.dtype), mask=rows_mask)
 
 
 def validate_neuron_bwd_args(x_MxD, gy_MxD, start_H, count_H, tokens_E, values_E, init) -> None:
@@ -146,24 +167,37 @@ def neuron_backward(x_MxD: jax.Array, gy_MxD: jax.Array, start_H: jax.Array, cou
     if init is not None:
         init = pad_rows(h_pad, *init)
     n_out = len(values_E)
-    kernel = functools.partial(_neuron_bwd_kernel, gated=gated, has_init=init is not None, d=d,
-                               d_block=_next_pow2(d))
+    ordered = block_sizes.longest_first
+    kernel = functools.partial(_neuron_bwd_kernel, gated=gated, has_init=init is not None, ordered=ordered,
+                               d=d, d_block=_next_pow2(d))
     full = lambda a: pl.BlockSpec(a.shape, lambda j: (0,) * a.ndim)  # noqa: E731
     row_spec = pl.BlockSpec((bn, d), lambda j: (j, 0))
     vec_spec = pl.BlockSpec((bn,), lambda j: (j,))
     init = tuple(init) if init is not None else ()
+    out_shape = [jax.ShapeDtypeStruct((h_pad, d), x_MxD.dtype)] * n_out
+    if ordered:
+        # Neurons by decreasing count (stable: ties by index); the padded ones (count 0) last.
+        order = jnp.argsort(-count_H, stable=True).astype(jnp.int32)
+        in_specs = [vec_spec, full(x_MxD), full(gy_MxD), full(start_H), full(count_H), full(tokens_E),
+                    *[full(v) for v in values_E], *[full(r) for r in init]]
+        out_specs = [full(o) for o in out_shape]
+        operands = (order,)
+    else:
+        in_specs = [full(x_MxD), full(gy_MxD), vec_spec, vec_spec, full(tokens_E),
+                    *[full(v) for v in values_E], *[row_spec] * len(init)]
+        out_specs = [row_spec] * n_out
+        operands = ()
     outs = pl.pallas_call(
         kernel,
         grid=(h_pad // bn,),
-        in_specs=[full(x_MxD), full(gy_MxD), vec_spec, vec_spec, full(tokens_E),
-                  *[full(v) for v in values_E], *[row_spec] * len(init)],
-        out_specs=[row_spec] * n_out,
-        out_shape=[jax.ShapeDtypeStruct((h_pad, d), x_MxD.dtype)] * n_out,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=compiler_params(block_sizes),
         interpret=interpret,
         debug=debug,
         name="twell_bwd_neuron_gated" if gated else "twell_bwd_neuron",
-    )(x_MxD, gy_MxD, start_H, count_H, tokens_E, *values_E, *init)
+    )(*operands, x_MxD, gy_MxD, start_H, count_H, tokens_E, *values_E, *init)
     return tuple(o[:h] for o in outs)
 
 

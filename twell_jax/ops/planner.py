@@ -163,19 +163,22 @@ H100 = DeviceCosts(
                 "python experiments/bench_ffn.py",
                 "bf16, D 2048, H 5632, M 2048 .. 65536 (the round-2 forward)")),
     backward=BackwardCosts(
-        bwd_fixed_ms=1.04, bwd_bytes_per_ms=4.14e9, dense_bwd_flops_per_ms=9.2e11,
+        bwd_fixed_ms=0.737, bwd_bytes_per_ms=5.93e9, dense_bwd_flops_per_ms=8.31e11,
         token_tail_fixed_ms=0.30, token_tail_flops_per_ms=2.61e11,
-        hot_tail_fixed_ms=0.30, hot_tail_flops_per_ms=1.83e11,
+        hot_tail_fixed_ms=0.30, hot_tail_flops_per_ms=1.90e11,
         tail_fit_m=16384, tail_fit_d=2048, tail_fit_h=5632,
-        fit=Fit("2026-11-23 (commit 1968cc4)", "NVIDIA H100 80GB HBM3",
-                "python experiments/bench_ffn_train.py --quick; python experiments/bench_ffn_train.py "
-                "--checkpoint RUN (seven trained layers)",
-                "least squares over the uniform patterns of --quick (k 29 and 56: 4.62 and 7.56 ms fwd+bwd, "
-                "no tails) and seven trained layers of one checkpoint (k 5-51, 0-1684 tail rows, 59-224 hot "
-                "neurons holding 74-86% of the entries; 2.79-5.52 ms), the forward's model subtracted; "
-                "M 16384, D 2048, H 5632, bf16, 1024-row token-tail blocks; the tails' fixed parts chosen "
-                "among a few values near the tail pieces timed alone; residuals within 0.22 ms; XLA's "
-                "dense backward ~2.5 ms")),
+        fit=Fit("2026-11-27", "NVIDIA H100 80GB HBM3",
+                "python experiments/bench_ffn_train.py --quick --shape trained --trace --sweep-blocks ffn "
+                "--repeats 10",
+                "the two-launch token-major backward with u kept, the neuron-major kernel's longest lists "
+                "first: least squares of the fixed part, the "
+                "gather rate and the hot tail's rate over uniform k 16, 29, 39, 56 and the trained-like "
+                "pattern at k 29 and 39 (227 and 481 hot neurons, 18% and 30% of the entries), the "
+                "forward's model subtracted, the hot tail's fixed part kept at 0.30 (2.96-6.17 ms fwd+bwd, "
+                "residuals within 0.09 ms); dense_bwd_flops_per_ms from `auto`'s dense plan in the same "
+                "run (4.54-4.56 ms fwd+bwd); the token tail's constants are the 2026-11-23 fit (commit "
+                "1968cc4, seven trained layers of a 0.5b with 0-1684 tail rows): no row of this run has a "
+                "token tail within its capacity. M 16384, D 2048, H 5632, bf16")),
     decode=DecodeCosts(
         gemm_launch_us=5.0, hbm_bytes_per_us=3.35e6, gemm_flops_per_us=6.0e8,
         decode_fixed_us=12.0, decode_row_bytes_per_us=2.6e5, decode_flops_per_us=2.0e8,
