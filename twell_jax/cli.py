@@ -252,6 +252,8 @@ def _train(args: argparse.Namespace, result_out: TextIO) -> None:
     if args.resume and args.init_from:
         raise ValueError("--init-from starts a new run from a Hugging Face checkpoint; --resume continues one: "
                          "pick one")
+    from twell_jax import compile_cache
+
     imported = None
     if args.resume:
         if args.out is None:
@@ -259,7 +261,7 @@ def _train(args: argparse.Namespace, result_out: TextIO) -> None:
         out = Path(args.out)
         cfg = resume_config(out, args.config, args.set)
         print(f"[twell] train: resuming {out.absolute()} (config {cfg.name!r})"
-              + (f" with overrides {args.set}" if args.set else ""))
+              + (f" with overrides {args.set}" if args.set else "") + compile_cache.describe())
     else:
         cfg = _load_config(args.config or "tiny", args.set)
         if args.init_from:
@@ -270,7 +272,8 @@ def _train(args: argparse.Namespace, result_out: TextIO) -> None:
             cfg = _with_imported_model(cfg, imported, args.set, "--init-from")
         out = Path(args.out) if args.out else None  # None: train() reserves a new runs/<name>-<time>
         print(f"[twell] train: config {cfg.name!r}" + (f" with overrides {args.set}" if args.set else "")
-              + (f", initialised from {args.init_from}" if imported is not None else ""))
+              + (f", initialised from {args.init_from}" if imported is not None else "")
+              + compile_cache.describe())
     if args.print_config:
         result_out.write(config_lib.to_json(cfg) + "\n")
         return
@@ -497,6 +500,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"twell {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="print the traceback of an error")
+    common.add_argument("--compile-cache", default=None, metavar="DIR|off",
+                        help="JAX's persistent compilation cache: a directory, or 'off' (default: $TWELL_COMPILE_CACHE, "
+                             "else $JAX_COMPILATION_CACHE_DIR, else ~/.cache/twell_jax/xla); a second start of the "
+                             "same program loads it instead of compiling")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, help_text: str, description: str) -> argparse.ArgumentParser:
@@ -695,6 +702,10 @@ def _raised_by_twell(err: BaseException) -> bool:
     return any(where.startswith(root + os.sep) for root in roots)
 
 
+# The commands that compile programs, so use the persistent compilation cache (twell_jax/compile_cache.py).
+CACHED_COMMANDS = ("train", "compare", "eval", "generate")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, stream=sys.stderr,
@@ -706,6 +717,12 @@ def main(argv: list[str] | None = None) -> int:
     # Before any command touches a device: JAX's allocator may use most of each GPU (the presets' measured
     # configurations need more than JAX's default 75%; the user's own allocator settings stand).
     parallel.claim_device_memory()
+    if args.command in CACHED_COMMANDS:
+        from twell_jax import compile_cache
+
+        _, warning = compile_cache.configure(getattr(args, "compile_cache", None))  # shown in the start-up line
+        if warning:
+            print(f"twell {name}: warning: {warning}", file=sys.stderr)
     try:
         # Everything a command prints while it runs is a log line: stderr. Its result goes to stdout.
         with contextlib.redirect_stdout(sys.stderr):

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from twell_jax import compile_cache
 from twell_jax import config as config_lib
 from twell_jax.config import FFN_KIND_TABLE, ExperimentConfig
 
@@ -502,7 +503,8 @@ def main_from_args(args: argparse.Namespace, load_config: Callable[[str, list[st
         check_out_dir(out, resume=False)
     first = runs[0].cfg
     echo(f"[twell] compare: {len(runs)} runs of {first.train.steps} steps x {first.train.global_batch} x "
-         f"{first.seq_len} tokens, data {first.data.source!r} (seed {first.data.seed}) -> {out.absolute()}")
+         f"{first.seq_len} tokens, data {first.data.source!r} (seed {first.data.seed}) -> {out.absolute()}"
+         + compile_cache.describe())
     for run in runs:
         echo(f"  {run.key}: ffn {run.cfg.model.ffn_kind} ({run.cfg.model.ffn_backend}), L1 "
              f"{run.cfg.sparsity.l1_coef:g} (warm-up steps {run.cfg.sparsity.l1_warmup_start}-"

@@ -13,6 +13,7 @@ import json
 import sys
 from typing import Any, TextIO
 
+from twell_jax import compile_cache
 from twell_jax.config import decode_escapes
 from twell_jax.inference.generate import Generator, SamplingConfig
 from twell_jax.inference.load import load_run
@@ -94,7 +95,7 @@ def run_generate(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict[str
         else:
             shown.append(prompt)
     print(f"[twell] generate: {source}, {loaded.config.model.ffn_kind} ({loaded.config.model.ffn_backend}), "
-          f"{args.dtype}", file=sys.stderr)
+          f"{args.dtype}{compile_cache.describe()}", file=sys.stderr)
     rows = [row for row in ids for _ in range(args.num_samples)]  # each prompt's samples side by side
     streaming = len(rows) == 1 and not args.json
 
