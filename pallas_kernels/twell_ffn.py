@@ -73,7 +73,7 @@ def _ffn_kernel(*refs, gated: bool, slots: int, n_tiles: int, d: int, d_block: i
                 head_slots: int, ranked_width: int) -> None:
     """Refs: x [BT, D], counts [BT, NT], values/indices [BT, NT, S], (w_up [H, D]), w_down [H, D];
     outputs y [BT, D], l1 [BT], and with ranked_width W > 0: a (values' dtype), (u f32, gated)
-    [BT, W + S] in rank order (columns >= W take the dead lanes' stores)."""
+    [BT, W] in rank order."""
     refs = list(refs)
     x_ref, counts_ref, values_ref, indices_ref = refs[:4]
     del refs[:4]
@@ -108,9 +108,11 @@ def _ffn_kernel(*refs, gated: bool, slots: int, n_tiles: int, d: int, d_block: i
         if ranked_refs:
             # The entry's a (and u) at its rank among the row's stored entries (what the training
             # backward's token lists read); ranks past W are not stored (such rows are the
-            # backward's token tail), and dead lanes store to their own column past W.
+            # backward's token tail). A dead lane's address is its own row's last column: the lanes
+            # of one store are distinct rows, so it never meets a live lane's address (the
+            # interpreter's masked store is a read-modify-write of every lane's address).
             stored_BT = live_BT & (rank_BT < ranked_width)
-            col_BT = jnp.where(stored_BT, rank_BT, ranked_width + k)
+            col_BT = jnp.where(stored_BT, rank_BT, ranked_width - 1)
             for ref, v_BT in zip(ranked_refs, (a_BT, u_BT)):
                 plgpu.store(ref.at[row_BT, col_BT], v_BT.astype(ref.dtype), mask=stored_BT)
         h_BT = jnp.where(live_BT, h_BT, 0.0)
@@ -188,10 +190,10 @@ def _ffn_triton(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD, *, block_s
                   *weight_specs],
         out_specs=[pl.BlockSpec((bt, d), lambda i: (i, 0)),
                    pl.BlockSpec((bt,), lambda i: (i,)),
-                   *[pl.BlockSpec((bt, ranked_width + slots), lambda i: (i, 0)) for _ in ranked_dtypes]],
+                   *[pl.BlockSpec((bt, ranked_width), lambda i: (i, 0)) for _ in ranked_dtypes]],
         out_shape=[jax.ShapeDtypeStruct((m, d), x_MxD.dtype),
                    jax.ShapeDtypeStruct((m,), jnp.float32),
-                   *[jax.ShapeDtypeStruct((m, ranked_width + slots), dt) for dt in ranked_dtypes]],
+                   *[jax.ShapeDtypeStruct((m, ranked_width), dt) for dt in ranked_dtypes]],
         compiler_params=compiler_params(block_sizes),
         interpret=interpret,
         debug=debug,
@@ -229,7 +231,7 @@ def sparse_ffn(x_MxD: jax.Array, values: jax.Array, indices: jax.Array, counts: 
                                        interpret=interpret, debug=debug)
     if not ranked_width:
         return y_MxD[:m], l1_M[:m]
-    return y_MxD[:m], l1_M[:m], tuple(r[:m, :ranked_width] for r in ranked)
+    return y_MxD[:m], l1_M[:m], tuple(r[:m] for r in ranked)
 
 
 @functools.partial(jax.jit, static_argnames=("ranked_width",))

@@ -94,6 +94,7 @@ def test_sparse_ffn_ranked_outputs_are_the_rows_entries_in_rank_order(dtype, gat
     *_, ranked_ref = sparse_ffn_reference(x, values, indices, counts, up, w_down, ranked_width=width)
     assert len(ranked) == len(ranked_ref) == (2 if gated else 1)
     assert ranked[0].dtype == dtype and (not gated or ranked[1].dtype == jnp.float32)
+    assert all(r.shape == (x.shape[0], width) for r in ranked)  # written [M, W]: no slice, no copy
     stored = np.arange(width)[None, :] < np.minimum(n_stored, width)[:, None]
     np.testing.assert_array_equal(np.asarray(ranked[0])[stored], np.asarray(ranked_ref[0])[stored])
     for i in (0, 1, 2, 3):  # rank order = the stored slots, tiles then slots ascending

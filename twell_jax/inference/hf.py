@@ -56,6 +56,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # written beside it by an export, for AutoTokenizer
 GENERATION_CONFIG_FILE = "generation_config.json"
 DOWN_PROJ_LAYOUTS = ("auto", "hf", "transposed")
 # transformers' LlamaConfig default for a config.json without rope_theta (LlamaConfig(rope_theta=10000.0)).
@@ -430,6 +431,13 @@ def export_hf(model: LoadedModel | Transformer, out_dir: str | Path, *, cfg: Mod
         (tmp / GENERATION_CONFIG_FILE).write_text(json.dumps(hf_generation_config(eos_id), indent=2) + "\n")
         if tokenizer is not None:
             tokenizer.save(str(tmp / TOKENIZER_FILE))
+            # So that transformers' AutoTokenizer (and lm-eval's `hf` backend through it) knows the
+            # class, the end-of-text token (lm-eval's prefix of an empty context) and the context.
+            eos = tokenizer.id_to_token(eos_id) if eos_id is not None else None
+            (tmp / TOKENIZER_CONFIG_FILE).write_text(json.dumps(
+                {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
+                 "clean_up_tokenization_spaces": False, **({"eos_token": eos} if eos is not None else {})},
+                indent=2, sort_keys=True) + "\n")
         if out_dir.exists():
             out_dir.rmdir()  # empty (checked above)
         tmp.rename(out_dir)

@@ -1,0 +1,55 @@
+"""experiments/bench_eval.py (twell_jax/bench/eval_speed.py): `twell eval --tasks` against lm-eval's
+`hf` backend on the exported run. On the CPU: the arguments, reading an accuracy out of either
+side's results, and (slow tier, where lm-eval and transformers are installed) the whole benchmark on
+a micro run, both sides giving the same accuracy."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from twell_jax.bench import eval_speed
+
+
+def test_the_accuracy_is_found_in_either_sides_results():
+    task = eval_speed.TASK
+    lm_eval_doc = {"results": {task: {"alias": task, "acc,none": 0.625, "acc_stderr,none": 0.1}}}
+    assert eval_speed._find_acc(lm_eval_doc) == 0.625
+    ours = {"tasks": [{"name": "x"}], "lm_eval": {"results": {task: {"acc,none": 0.5}}}}
+    assert eval_speed._find_acc(ours) == 0.5
+    assert eval_speed._find_acc({"results": {"other": {"acc,none": 1.0}}}) != eval_speed._find_acc(lm_eval_doc)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--checkpoint", "x", "--items", "10", "--warm-items", "10"], "--warm-items must be >= 1 and less than --items"),
+    (["--checkpoint", "x", "--batch-size", "0"], "must be >= 1"),
+])
+def test_bad_arguments_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        eval_speed.main(argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_both_sides_on_a_micro_run(tmp_path):
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    run = tmp_path / "run"
+    trained = subprocess.run([sys.executable, "-m", "twell_jax.cli", "train", "--config", "micro", "--set",
+                              "train.steps=3", "--out", str(run)], capture_output=True, text=True, timeout=300)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    out = tmp_path / "bench"
+    done = subprocess.run([sys.executable, "experiments/bench_eval.py", "--checkpoint", str(run), "--items", "6",
+                           "--warm-items", "2", "--batch-size", "4", "--context-tokens", "8", "--choice-tokens", "4",
+                           "--device", "cpu", "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / "bench_eval.json").read_text())
+    ours, hf = result["sides"]["ours"], result["sides"]["hf"]
+    # The same model and requests: the same accuracy (float32 here, so no tie flips).
+    assert ours["acc"] == hf["acc"] and 0 <= ours["acc"] <= 1
+    assert result["items"] == 6 and "ours / hf per item" in done.stdout
+    lines = (out / "task" / f"{eval_speed.TASK}.jsonl").read_text().splitlines()
+    assert len(lines) == 6 and all(len(json.loads(line)["choices"]) == 4 for line in lines)
