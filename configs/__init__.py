@@ -1,7 +1,7 @@
 """Named experiment presets: `get_config("tiny")`, `list_configs()`.
 
 Each preset module defines `get_config() -> ExperimentConfig`:
-- tiny: CPU smoke run (2 cores, a few minutes): 4 layers, d_model 128, d_ff 512, seq 128, BPE 2048.
+- tiny: CPU demo (2 cores, under 3 minutes for `twell compare`): 4 layers, d_model 128, d_ff 512, seq 128, BPE 2048.
 - small: tens of millions of parameters, minutes on one GPU.
 - medium: 124.5M parameters (d_model 768, 12 layers, vocab 49152, context 2048), the quality study's next
   size: 4750 steps of 0.5M tokens = 2.49B tokens, compute-optimal at 20 tokens per parameter (hours on one GPU).

@@ -1,10 +1,10 @@
 """A sparse layer's FFN in a one-token decode step, each way the model's step can run it, kernel by
-kernel: where the microseconds of `model.decode_sparse_ffn` "packed_down", "packed", "tiles" and "fused"
+kernel: where the microseconds of `decode.sparse_ffn` "packed_down", "packed", "tiles" and "fused"
 go, against the dense twin's two launches. Every figure is microseconds per layer of a lax.scan over --layers
 stacked weight copies (more bytes than the L2 cache, as a decode step reads its layers), walked
 --reps times in one scan, the scan's time divided by its steps (the program's own launch, ~0.1 ms,
 shared by layers x reps steps: ~1 us a step at the defaults, the same in every row). The model's
-step now unrolls its layers (`model.decode_layer_unroll`), so a scan step here adds the loop's own
+step now unrolls its layers (`decode.layer_unroll`), so a scan step here adds the loop's own
 per-iteration cost, the same in every row but `plain`, whose layers are unrolled in one step.
 
 Rows (bf16, D and H of the paper's models; --active neurons fire on every row, so the rows' union

@@ -29,10 +29,10 @@ from twell_jax.pallas_kernels.decode_matvec import (MANY_ROWS, ROLES, MatvecBloc
                                                     decode_matvec, role_block_sizes)
 
 # (name, N, K, layout, gated, parts): the products of a decode step, as the model calls them
-# (`Transformer._decode_step_kernels`; its roles are `decode_matvec.ROLES`): q/k/v as three parts of
+# (`twell_jax/inference/decode_engine.py`; its roles are `decode_matvec.ROLES`): q/k/v as three parts of
 # one launch ("qkv"; "qkv_one" is the same bytes as one [K, 3N] weight), the output projection, the
 # gated gate/up, W_down, the LM head, the sparse layers' gate; "down_nk" is W_down transposed, as
-# model.decode_transposed reads it (and out, and q/k/v as one [3N, K] weight, then read as "nk":
+# decode.transposed reads it (and out, and q/k/v as one [3N, K] weight, then read as "nk":
 # shapes "out_nk", "qkv_nk").
 SHAPES = (("qkv", 2048, 2048, "kn", False, 3), ("qkv_one", 6144, 2048, "kn", False, 1),
           ("out", 2048, 2048, "kn", False, 1), ("gate_up", 5632, 2048, "nk", True, 1),

@@ -1,5 +1,5 @@
 """Decode attention over a stacked KV cache (Pallas, Triton backend), the model's decode step
-(`Transformer._decode_step_kernels`): from the q/k/v product's output, RoPE of the new query and
+(`twell_jax/inference/decode_engine.py`): from the q/k/v product's output, RoPE of the new query and
 key, their writes into the caches and one new query per row and head against the cached keys and
 values of one layer, in one launch, the caches read and written in place.
 

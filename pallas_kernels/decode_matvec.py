@@ -38,7 +38,7 @@ decode step, which twell_decode.sparse_decode_ffn_tiles reads instead of a compa
 tile_values=True (with up=W_up) also packs each listed neuron's hidden value beside its id, from
 that neuron's W_up row alone (a second, short phase after the K loop in the tiles that have active
 neurons), which twell_decode.sparse_decode_down_tiles reads for the down product.
-down=W_down (a few rows, model.decode_sparse_ffn "packed_down") makes that down product in the same
+down=W_down (a few rows, decode.sparse_ffn "packed_down") makes that down product in the same
 launch: each tile adds its neurons' W_down rows (read with their W_up rows) into an fp32 partial
 of its own, then, after a grid barrier (an acquire-release arrival count and a spin; only where the
 GPU holds every program at once, `_grid_is_resident`), every program sums all the tiles' partials,
@@ -124,15 +124,15 @@ class MatvecBlockSizes:
 # work) within 10% of the best summed time over the qkv, output, gate/up and down shapes, the one
 # whose three-part q/k/v launch fits the H100's shared memory (block_k 512 did not: 244 KiB).
 DEFAULT_BLOCK_SIZES = MatvecBlockSizes(block_n=32, block_k=256, num_warps=8, num_stages=3)
-# The products of a model's decode step (`Transformer._decode_step_kernels`) by role, each with its
+# The products of a model's decode step (`twell_jax/inference/decode_engine.py`) by role, each with its
 # block sizes: q/k/v (three parts, one launch), the attention output projection, the gated
 # gate/up, W_down, the LM head, the sparse layers' gate; and "qkv_nk", "out_nk", "down_nk": the
-# first three read from model.decode_transposed's output-major copies (another layout, other best
+# first three read from decode.transposed's output-major copies (another layout, other best
 # tiles). The `nk` roles hold the fastest blocks of `experiments/bench_decode_matvec.py --rows 1
 # --reps 2 --shapes qkv_nk,down_nk,gate_up,out_nk,head,gate --blocks-out FILE` (H100, 2026-11-24:
 # 12.2 / 6.5 / 11.7 us for q/k/v, output and W_down, 19.6 us gate/up, 71.1 us the LM head, 2.0-2.8
 # TB/s; experiments/results/bench_decode_matvec_nk_h100_2026-11-24.json). The `kn` roles
-# (q/k/v, output and W_down as stored, read only with model.decode_transposed off) keep
+# (q/k/v, output and W_down as stored, read only with decode.transposed off) keep
 # DEFAULT_BLOCK_SIZES: their sweep ran with the old loop timing, whose figures were not usable.
 # programs_n (an even load on the SMs) swept for q/k/v, gate/up and the gate (`--programs 0,132,264`,
 # H100, 2026-11-24): within 1% of these blocks alone, and no faster in the model's step; not used.
@@ -184,7 +184,7 @@ ROLE_BLOCK_SIZES: dict[str, MatvecBlockSizes] = {
 # At one row they would not be these roles' best (their K loops swept there), so
 # steps of up to MANY_ROWS rows keep ROLE_BLOCK_SIZES. A role not named here keeps its entry there
 # (the gates: "tiles" and "packed" need every row in one gate program, up to 16; the stored-layout
-# "kn" roles, read only with model.decode_transposed off).
+# "kn" roles, read only with decode.transposed off).
 MANY_ROWS = 32
 ROLE_BLOCK_SIZES_MANY_ROWS: dict[str, MatvecBlockSizes] = {
     "gate_up": MatvecBlockSizes(block_n=32, block_k=128, num_warps=4, num_stages=3, split_k=1, max_block_m=64),

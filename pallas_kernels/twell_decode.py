@@ -31,7 +31,7 @@ are read from HBM once per call, whatever the number of tokens M:
                      computed each listed neuron's h from its W_up row), the residual in the
                      epilogue; grid (D / block_d, M / block_m), each step of block_h list positions
                      loads their values and W_down rows (no up product here). The model's decode step
-                     at one row (model.decode_sparse_ffn "packed").
+                     at one row (decode.sparse_ffn "packed").
     fused            `sparse_decode_ffn_fused`: hidden and down in ONE launch, grid (D / block_d,
                      M / block_m); program (j, i) walks the active list in block_h steps and, per
                      step, computes those neurons' h itself (the U rows . x loop over D in block_k

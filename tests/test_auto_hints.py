@@ -18,6 +18,8 @@ from test_train import FakeData, micro_cfg
 from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax import ops
 from twell_jax.ops import planner
+from twell_jax.config import DecodeConfig
+from twell_jax.inference import decode_plan
 from twell_jax.model import init_model, split_model
 from twell_jax.training.hints import manages_auto_hints, run_hints, run_tail_hints
 from twell_jax.training.plan_trial import PlanTrial
@@ -430,10 +432,14 @@ def test_several_decode_rows_plan_the_twins_products_where_the_switch_never_pays
                       ffn_backend="auto", ffn_expected_active=(29.0, 29.0), compute_dtype="bfloat16",
                       ffn_op_config={"check_finite": False})
     model = nnx.eval_shape(lambda: init_model(cfg, 0))
-    assert model.decode_layer_sparse(1, jnp.bfloat16) == (True, True)
-    assert model.decode_layer_sparse(8, jnp.bfloat16) == (False, False)
+
+    def layer_sparse(m, rows):
+        return decode_plan.layer_sparse(m, DecodeConfig(), rows, jnp.bfloat16)
+
+    assert layer_sparse(model, 1) == (True, True)
+    assert layer_sparse(model, 8) == (False, False)
     forced = nnx.eval_shape(lambda: init_model(dataclasses.replace(cfg, ffn_backend="pallas"), 0))
-    assert forced.decode_layer_sparse(8, jnp.bfloat16) == (True, True)  # a backend the user forced stands
+    assert layer_sparse(forced, 8) == (True, True)  # a backend the user forced stands
     # Where some union pays (64 rows), a layer whose hint makes the expected union larger than the
     # switch's limit plans the dense products too (the switch would fall back on most steps, after
     # reading the gate's weights once more); a sparser one keeps the sparse kernels behind the switch.
@@ -442,8 +448,8 @@ def test_several_decode_rows_plan_the_twins_products_where_the_switch_never_pays
     assert planner.expected_union(64, 0.5, h) <= limit < planner.expected_union(64, 5.0, h)
     # (the op's own plan, which prices no switch, would run the first layer sparse)
     assert ops.decode_forward_is_sparse(True, "auto", mixed.op_configs[0], 64, d, h, 2)
-    assert mixed.decode_layer_sparse(64, jnp.bfloat16) == (False, True)
-    assert mixed.decode_layer_sparse(1, jnp.bfloat16) == (True, True)
+    assert layer_sparse(mixed, 64) == (False, True)
+    assert layer_sparse(mixed, 1) == (True, True)
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 8])
@@ -475,13 +481,12 @@ def test_the_packed_union_limit_is_packeds_break_even(m):
 
 
 def test_a_few_rows_plan_packed_where_its_expected_union_is_within_its_limit(monkeypatch):
-    """"auto" at 2 to model.PACKED_MAX_ROWS rows runs a sparse layer "packed" where the union
+    """"auto" at 2 to decode_plan.PACKED_MAX_ROWS rows runs a sparse layer "packed" where the union
     expected from its hint is within packed's own limit (its cost model, not the older ways',
     which no union pays at these rows), the twin's products where it is not; above
     PACKED_MAX_ROWS the other ways' plans (here: dense, the switch never pays)."""
     from flax import nnx
 
-    from twell_jax import model as model_lib
     from twell_jax.config import ModelConfig
     from twell_jax.ops import backends
 
@@ -491,14 +496,19 @@ def test_a_few_rows_plan_packed_where_its_expected_union_is_within_its_limit(mon
                       ffn_backend="auto", ffn_expected_active=(10.0, 60.0, 146.0), compute_dtype="bfloat16",
                       ffn_op_config={"check_finite": False})
     model = nnx.eval_shape(lambda: init_model(cfg, 0))
+
+    def ways(rows):
+        return decode_plan.layer_ways(model, DecodeConfig(), rows, jnp.bfloat16)
+
     limit4 = planner.decode_union_limit(4, d, h, device_switch=True, way="packed")
-    assert model.decode_union_limit(4, "packed", 2) == model.decode_union_limit(4, "packed_down", 2) == limit4
+    assert (decode_plan.union_limit(model, 4, "packed", 2) == decode_plan.union_limit(model, 4, "packed_down", 2)
+            == limit4)
     assert planner.expected_union(4, 10.0, h) <= limit4 < planner.expected_union(4, 60.0, h)
-    assert model.decode_layer_ways(1, jnp.bfloat16) == ("packed_down",) * 3  # one row: no union limit
+    assert ways(1) == ("packed_down",) * 3  # one row: no union limit
     limit2 = planner.decode_union_limit(2, d, h, device_switch=True, way="packed")
-    assert model.decode_union_limit(2, "packed_down", 2) == limit2  # "packed_down" (2 rows) shares the limit
+    assert decode_plan.union_limit(model, 2, "packed_down", 2) == limit2  # "packed_down" (2 rows) shares the limit
     assert planner.expected_union(2, 60.0, h) <= limit2 < planner.expected_union(2, 146.0, h)
-    assert model.decode_layer_ways(2, jnp.bfloat16) == ("packed_down", "packed_down", "dense")
-    assert model.decode_layer_ways(4, jnp.bfloat16) == ("packed", "dense", "dense")
-    assert model_lib.PACKED_MAX_ROWS == 4
-    assert model.decode_layer_ways(5, jnp.bfloat16) == ("dense",) * 3
+    assert ways(2) == ("packed_down", "packed_down", "dense")
+    assert ways(4) == ("packed", "dense", "dense")
+    assert decode_plan.PACKED_MAX_ROWS == 4
+    assert ways(5) == ("dense",) * 3

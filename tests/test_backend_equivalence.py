@@ -8,12 +8,11 @@ the losses must agree to 1e-5 relative and every layer's mean active count per t
 relative (a neuron whose gate pre-activation sits within rounding of 0 may flip). Measured
 (2026-11-24, CPU): losses within 8.4e-8 relative, active counts identical. The GPU version in bf16,
 with the noise measured by two dense runs that differ only in the data order, is
-experiments/backend_equivalence.py, whose figures (raw and smoothed differences, the dense-fallback
+`python experiments/backend_equivalence.py` (twell_jax/bench/backend_equivalence.py), whose figures (raw and smoothed differences, the dense-fallback
 share) are checked at the end of this file on synthetic metric rows.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -76,15 +75,11 @@ def test_pallas_trains_the_dense_model(curves):
 # experiments/backend_equivalence.py's figures, from synthetic metric rows (nothing is trained)
 # ---------------------------------------------------------------------------------------------
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "backend_equivalence.py"
-
-
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("backend_equivalence", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from twell_jax.bench import backend_equivalence
+
+    return backend_equivalence
 
 
 def _write_run(run_dir: Path, loss, active, fallback=None, devices: int = 1) -> None:
@@ -203,7 +198,7 @@ def _first_step_loss(cfg: config_lib.ExperimentConfig, params) -> float:
     from twell_jax.training.loss import l1_coefficient
     from twell_jax.training.planning import abstract_graphdef
     from twell_jax.training.sparsity import init_counters
-    from twell_jax.training.train import accumulate_gradients
+    from twell_jax.training.step import accumulate_gradients
 
     cfg = config_lib.apply_overrides(cfg, ["model.ffn_backend=dense"])
     tokens = jnp.asarray(next(build_experiment_data(cfg).train_iter)["tokens"])

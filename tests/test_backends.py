@@ -67,11 +67,23 @@ def test_a_registered_toy_backend_runs_through_gated_ffn():
         ops.gated_ffn(*_inputs()[:1], *_inputs()[1], backend="toy")
 
 
-def test_backend_names_are_the_registry_and_the_model_config_uses_them():
-    from twell_jax.config import FFN_BACKENDS
+def test_backend_names_are_the_registry_and_the_model_config_asks_it_live():
+    """ModelConfig validates model.ffn_backend against the registry as it is when the config is
+    made: a backend registered after the config module was imported is accepted, and refused again
+    once it is gone."""
+    from twell_jax.config import ModelConfig
 
-    assert ops.BACKENDS == ("dense", "reference", "pallas", "auto") == FFN_BACKENDS
+    assert ops.BACKENDS == ("dense", "reference", "pallas", "auto") == ops.backend_names()
     assert "decode" not in ops.BACKENDS  # planned by "auto" only
+    with pytest.raises(ValueError, match="model.ffn_backend must be one of"):
+        ModelConfig(ffn_backend="toy")
+    ops.register(ops.Implementation("toy", lambda *a: None, lambda *a: None, runs_anywhere))
+    try:
+        assert ModelConfig(ffn_backend="toy").ffn_backend == "toy"
+    finally:
+        backends.unregister("toy")
+    with pytest.raises(ValueError, match="model.ffn_backend must be one of"):
+        ModelConfig(ffn_backend="toy")
 
 
 def test_plan_key_groups_what_traces_alike(monkeypatch):

@@ -140,7 +140,7 @@ def test_checkpoint_dry_run(sparse_run, tmp_path):
     run = sparse_run[0]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)  # one CPU device is enough
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_ffn_train.py"), "--dry-run",
+    proc = subprocess.run([sys.executable, "-m", "twell_jax.bench.ffn_train", "--dry-run",
                            "--checkpoint", str(run), "--layers", "1,0", "--out", str(tmp_path)],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -1,18 +1,16 @@
-"""experiments/bench_metrics_fetch.py (and measure_corpus.py's --out) refuse bad options before the
+"""experiments/bench_metrics_fetch.py (twell_jax/bench/metrics_fetch.py, and measure_corpus's --out) refuse bad options before the
 first training run or corpus pass (exit 2, one line naming the option), instead of failing after all
 of them; and bench_metrics_fetch judges the final CE of the two modes against the spread between
 runs of one mode (GPU runs are not bit-reproducible), instead of asking for equality."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "bench_metrics_fetch.py"
+from twell_jax.bench import metrics_fetch
 
 
 @pytest.mark.parametrize("args,message", [(["--steps", "1"], "--steps must be >= 2"),
@@ -23,8 +21,8 @@ def test_bad_options_are_refused_before_any_run(tmp_path, args, message):
     a_file = tmp_path / "taken.json"
     a_file.write_text("{}")
     args = [str(a_file) if a == "FILE" else a for a in args]
-    done = subprocess.run([sys.executable, str(SCRIPT), "--config", "micro", *args], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-m", "twell_jax.bench.metrics_fetch", "--config", "micro", *args],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr
     assert a_file.read_text() == "{}"
@@ -33,18 +31,15 @@ def test_bad_options_are_refused_before_any_run(tmp_path, args, message):
 def test_measure_corpus_refuses_a_file_as_out_before_reading_the_corpus(tmp_path):
     a_file = tmp_path / "taken.json"
     a_file.write_text("{}")
-    script = SCRIPT.parent / "measure_corpus.py"
-    done = subprocess.run([sys.executable, str(script), "--source", "synthetic", "--out", str(a_file)],
+    done = subprocess.run([sys.executable, "-m", "twell_jax.bench.measure_corpus", "--source", "synthetic", "--out",
+                           str(a_file)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "is a file" in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert a_file.read_text() == "{}"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_metrics_fetch", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return metrics_fetch
 
 
 # The final CEs of the H100 run of 2026-11-24 (small, 60 steps, 3 runs per mode): each mode's runs

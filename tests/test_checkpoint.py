@@ -93,3 +93,28 @@ def test_a_run_saved_before_grouped_heads_untied_heads_and_rope_scaling_loads_un
     assert b.config == a.config and "lm_head" not in split_model(b.model)[1]
     tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
     np.testing.assert_array_equal(a.model(tokens)[0], b.model(tokens)[0])
+
+
+def test_a_run_saved_with_the_decode_fields_under_model_loads_and_resumes(tmp_path, cache_dir, killed_run):
+    """A config.json from before the decode section (model.decode_kernels, decode_transposed,
+    decode_sparse_ffn, decode_layer_unroll) loads them into config.decode, and the run resumes."""
+    import json
+
+    from twell_jax.inference.load import load_run
+
+    old = shutil.copytree(killed_run, tmp_path / "old")
+    values = json.loads((old / "config.json").read_text())
+    values["model"].update({f"decode_{name}": value for name, value in values.pop("decode").items()})
+    values["model"]["decode_transposed"] = False  # a run saved before the transposed copies
+    (old / "config.json").write_text(json.dumps(values))
+    from twell_jax.training.checkpoint import load_run_config
+
+    assert load_run_config(old).decode == config_lib.DecodeConfig(transposed=False)
+    assert load_run(old, dtype="float32").step == 2  # (its parameters come with the checkpoint's own config)
+    # Resuming it: the old override name sets the same field (decode.* may change on resume).
+    trainer = Trainer(cfg_with(cache_dir, "train.steps=4", "train.checkpoint_every=2", "model.decode_transposed=false"),
+                      old, resume=True)
+    try:
+        assert trainer.cfg.decode == config_lib.DecodeConfig(transposed=False)
+    finally:
+        trainer.release()

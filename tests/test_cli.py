@@ -237,7 +237,7 @@ def test_hf_export_import_eval_and_fine_tuning_from_the_command_line(compared, t
     exported = tmp_path / "hf"
     code, out, _ = _run(["hf", "export", "--checkpoint", str(run), "--out", str(exported), "--json"], capsys)
     assert code == 0 and json.loads(out)["files"] == ["config.json", "generation_config.json", "model.safetensors",
-                                                      "tokenizer.json"]
+                                                      "tokenizer.json", "tokenizer_config.json"]
     code, out, _ = _run(["hf", "import", str(exported), "--json"], capsys)
     assert code == 0 and json.loads(out)["model"]["n_layers"] == 2
     # An export into a non-empty directory is refused before the checkpoint is loaded.

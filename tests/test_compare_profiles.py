@@ -1,8 +1,7 @@
 """Per-layer profile comparison of runs (twell_jax.compare.layer_profile / profile_distance and
-experiments/compare_profiles.py) on hand-written summaries."""
-import importlib.util
+twell_jax/bench/compare_profiles.py, the command experiments/compare_profiles.py) on hand-written
+summaries."""
 import json
-from pathlib import Path
 
 import pytest
 
@@ -35,10 +34,8 @@ def test_a_profile_against_itself_and_against_a_scaled_or_reshaped_one(tmp_path)
 
 
 def test_the_script_prints_writes_and_refuses_bad_runs(tmp_path, capsys):
-    path = Path(__file__).resolve().parents[1] / "experiments" / "compare_profiles.py"
-    spec = importlib.util.spec_from_file_location("compare_profiles", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from twell_jax.bench import compare_profiles as module
+
     ref = _run(tmp_path, "ref", [30.0, 10.0], 100, [0.1, 0.0])
     other = _run(tmp_path, "other", [60.0, 20.0, 20.0], 200, [0.3, 0.5, 0.2])
     result = module.main([str(ref), str(other), "--points", "2", "--out", str(tmp_path / "p.json")])

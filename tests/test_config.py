@@ -57,7 +57,7 @@ def test_medium_preset_is_a_compute_optimal_124m_model():
     and a run of it passes the trainer's own checks (op config, schedule, batch layout)."""
     from twell_jax.cli import _param_count
     from twell_jax.training import parallel
-    from twell_jax.training.train import checked_run_config
+    from twell_jax.training.preflight import checked_run_config
 
     cfg = get_config("medium")
     m = cfg.model
@@ -167,3 +167,37 @@ def test_coupled_overrides_are_validated_together():
     assert cfg.model.ffn_kind == "relu_gated" and cfg.sparsity.l1_coef == 0.0
     with pytest.raises(ValueError, match="dense baseline"):
         config_lib.apply_overrides(get_config("micro"), ["model.ffn_kind=relu_gated"])
+
+
+def test_a_config_saved_with_the_decode_fields_under_model_loads_them_into_the_decode_section():
+    """Runs saved before the decode section hold model.decode_kernels, decode_transposed,
+    decode_sparse_ffn and decode_layer_unroll: from_dict moves them to decode.* (the same config
+    as one written today), the old override names still work, and both places set is an error."""
+    new = config_lib.apply_overrides(get_config("micro"), ["decode.kernels=xla", "decode.transposed=false",
+                                                           "decode.sparse_ffn=packed", "decode.layer_unroll=1"])
+    old = config_lib.to_dict(new)
+    decode = old.pop("decode")
+    old["model"].update({f"decode_{name}": value for name, value in decode.items()})
+    assert config_lib.from_dict(json.loads(json.dumps(old))) == new
+    assert "decode_kernels" in old["model"]  # the caller's dict is left as it was
+    assert config_lib.from_dict({k: v for k, v in old.items() if k != "model"}).decode == config_lib.DecodeConfig()
+    assert config_lib.apply_overrides(get_config("micro"), ["model.decode_kernels=xla", "model.decode_layer_unroll=1"]
+                                      ).decode == config_lib.DecodeConfig(kernels="xla", layer_unroll=1)
+    assert {"model.decode_kernels", "decode.kernels"} <= config_lib.RESUMABLE_FIELDS
+    both = {**old, "decode": {"kernels": "xla"}}
+    with pytest.raises(ValueError, match="model.decode_kernels moved to decode.kernels, and both are set"):
+        config_lib.from_dict(both)
+    assert not any(f.name.startswith("decode") for f in dataclasses.fields(ModelConfig))
+    with pytest.raises(ValueError, match="decode.sparse_ffn must be one of"):
+        config_lib.apply_overrides(get_config("micro"), ["decode.sparse_ffn=one"])
+
+
+def test_the_model_asks_the_ffn_kind_table():
+    """Each kind's activation and gating come from FFN_KIND_TABLE; the kinds a checkpoint of an
+    activation loads as are the table's kinds of that activation and gating."""
+    table = config_lib.FFN_KIND_TABLE
+    assert {name: (kind.activation, kind.through_op) for name, kind in table.items()} == {
+        "swiglu": ("silu", False), "relu_gated": ("relu", True), "twell": ("relu", True), "relu": ("relu", True)}
+    assert config_lib.ffn_kinds_with("relu") == ("relu_gated", "twell")
+    assert config_lib.ffn_kinds_with("relu", gated=False) == ("relu",)
+    assert config_lib.ffn_kinds_with("silu") == ("swiglu",)

@@ -14,11 +14,7 @@ TESTS = Path(__file__).parent
 
 
 def test_a_crashed_test_reruns_once_and_a_second_crash_fails(tmp_path):
-    (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(TESTS)!r})
-        from _crash_rerun import pytest_handlecrashitem, pytest_terminal_summary
-    """))
+    (tmp_path / "conftest.py").write_text("from _crash_rerun import pytest_handlecrashitem, pytest_terminal_summary\n")
     (tmp_path / "test_flaky.py").write_text(textwrap.dedent("""
         import os, pathlib
         def test_crashes_once():
@@ -31,6 +27,7 @@ def test_a_crashed_test_reruns_once_and_a_second_crash_fails(tmp_path):
     """))
     (tmp_path / "test_always.py").write_text("import os\ndef test_always_crashes():\n    os._exit(3)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "TWELL_TESTS_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))  # tests/_crash_rerun.py
     run = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "worksteal", "-rA",
                           "-p", "no:cacheprovider", "-p", "no:benchmark", str(tmp_path)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)

@@ -1,4 +1,4 @@
-"""The decode kernels' one-token step (`Transformer._decode_step_kernels`, model.decode_kernels)
+"""The decode kernels' one-token step (`decode_engine.kernel_step`, decode.kernels)
 against the full forward and the XLA decode path: dense, sparse and SwiGLU models, batch 1 and
 left-padded rows, both sides of the device-side dense switch, the stacked weights read in place;
 the fused decode FFN kernel (hidden + down + residual in one launch, interpret mode) against the
@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from twell_jax import model as model_lib
-from twell_jax.config import ModelConfig
+from twell_jax.config import DecodeConfig, ModelConfig
+from twell_jax.inference import decode_engine, decode_plan
+from twell_jax.inference.decode_engine import decode
 from twell_jax.model import init_cache, init_model
 from twell_jax.pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compact_active_reference,
                                                    compact_active_rows, compact_active_rows_reference,
@@ -24,22 +25,25 @@ from oracles import rel_err
 
 BASE = ModelConfig(vocab_size=61, d_model=32, n_layers=3, n_heads=2, d_ff=64, max_seq_len=16,
                    compute_dtype="float32", ffn_kind="twell", ffn_backend="pallas", ffn_interpret=True,
-                   decode_kernels="pallas", ffn_op_config={"tile": 16, "slots": 16, "ell_width": 64},
-                   decode_transposed=False)  # the stored layout; the default, transposed, has its own tests below
+                   ffn_op_config={"tile": 16, "slots": 16, "ell_width": 64})
+# The kernels' step, on the stored layout (the default, transposed, has its own tests below); XLA:
+# the model's own decode, what every step is compared with.
+KERNELS = DecodeConfig(kernels="pallas", transposed=False)
+XLA = DecodeConfig(kernels="xla")
 KINDS = {"sparse": {}, "dense_twin": {"ffn_kind": "relu_gated", "ffn_backend": "dense"},
          "swiglu": {"ffn_kind": "swiglu", "ffn_backend": "dense"},
          "relu": {"ffn_kind": "relu", "ffn_backend": "pallas"}}
 
 
-def _run(cfg, tokens, start, prompt):
-    """Prefill `prompt` tokens by the XLA path, then decode the rest one token per step; the
-    step logits [B, steps, V] and the per-step aux."""
+def _run(cfg, tokens, start, prompt, config=KERNELS):
+    """Prefill `prompt` tokens by the XLA path, then decode the rest one token per step by the
+    decode section `config`; the step logits [B, steps, V] and the per-step aux."""
     model = init_model(cfg, seed=4)
     cache = init_cache(cfg, tokens.shape[0], tokens.shape[1])
-    _, cache, _ = model.decode(tokens[:, :prompt], cache, jnp.int32(0), start)
+    _, cache, _ = decode(model, tokens[:, :prompt], cache, jnp.int32(0), start, config=config)
     out, auxes = [], []
     for t in range(prompt, tokens.shape[1]):
-        logits, cache, aux = model.decode(tokens[:, t:t + 1], cache, jnp.int32(t), start)
+        logits, cache, aux = decode(model, tokens[:, t:t + 1], cache, jnp.int32(t), start, config=config)
         out.append(logits)
         auxes.append(aux)
     return jnp.stack(out, 1), auxes, model
@@ -53,8 +57,8 @@ def test_kernel_steps_equal_the_xla_steps_and_the_forward(kind, batch, padded):
     tokens = jax.random.randint(jax.random.key(batch), (batch, 10), 0, cfg.vocab_size)
     start = jnp.asarray([0, 2, 4][:batch] if padded else [0] * batch, jnp.int32)
     got, auxes, model = _run(cfg, tokens, start, prompt=6)
-    assert model._decode_with_kernels()
-    want, want_aux, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=6)
+    assert decode_engine.uses_kernels(model, KERNELS)
+    want, want_aux, _ = _run(cfg, tokens, start, prompt=6, config=XLA)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(np.argmax(got, -1), np.argmax(want, -1))
     for a, b in zip(auxes, want_aux):
@@ -72,23 +76,25 @@ def test_kernel_steps_equal_the_xla_steps_and_the_forward(kind, batch, padded):
 @pytest.mark.parametrize("batch,padded", [(1, False), (3, True)])
 @pytest.mark.fast_params("3-True-sparse-fused", "3-True-relu-tiles")
 def test_the_fused_sparse_ffn_step_equals_the_xla_steps(kind, batch, padded, sparse_ffn, monkeypatch):
-    """model.decode_sparse_ffn="fused", "tiles", "packed" and "packed_down": the sparse layers' up and
+    """decode.sparse_ffn="fused", "tiles", "packed" and "packed_down": the sparse layers' up and
     down products (packed: the up product in the gate's launch; packed_down: the down product too)
     and the residual give the XLA path's logits and the same active counts; the split kernels do
     not run."""
-    cfg = dataclasses.replace(BASE, decode_sparse_ffn=sparse_ffn, **KINDS[kind])
+    cfg = dataclasses.replace(BASE, **KINDS[kind])
+    config = dataclasses.replace(KERNELS, sparse_ffn=sparse_ffn)
     monkeypatch.setattr("twell_jax.pallas_kernels.twell_decode.sparse_decode_ffn",
                         lambda *a, **k: pytest.fail("the split kernels ran"))
     tokens = jax.random.randint(jax.random.key(10 + batch), (batch, 10), 0, cfg.vocab_size)
     start = jnp.asarray([0, 2, 4][:batch] if padded else [0] * batch, jnp.int32)
-    got, auxes, model = _run(cfg, tokens, start, prompt=6)
-    assert model._decode_with_kernels() and any(model.decode_layer_sparse(batch, jnp.float32))
-    want, want_aux, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=6)
+    got, auxes, model = _run(cfg, tokens, start, prompt=6, config=config)
+    assert decode_engine.uses_kernels(model, config) and any(decode_plan.layer_sparse(model, config, batch,
+                                                                                      jnp.float32))
+    want, want_aux, _ = _run(cfg, tokens, start, prompt=6, config=XLA)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     for a, b in zip(auxes, want_aux):
         np.testing.assert_allclose(a["l0"], b["l0"], rtol=1e-5)
-    with pytest.raises(ValueError, match="model.decode_sparse_ffn"):
-        ModelConfig(decode_sparse_ffn="one")
+    with pytest.raises(ValueError, match="decode.sparse_ffn"):
+        DecodeConfig(sparse_ffn="one")
 
 
 @pytest.mark.parametrize("sparse_ffn", ["split", "fused", "tiles", "packed", "packed_down"])
@@ -98,13 +104,13 @@ def test_both_sides_of_the_dense_switch(monkeypatch, limit, sparse_ffn):
     """Several rows: a union limit of 0 sends every sparse layer to the dense products, a large one
     keeps the sparse kernels; both give the XLA path's logits (the fused kernel with no active
     neuron passes the residual through)."""
-    monkeypatch.setattr(model_lib.planner, "decode_union_limit", lambda *a, **k: limit)
-    cfg = dataclasses.replace(BASE, decode_sparse_ffn=sparse_ffn)
+    monkeypatch.setattr(decode_plan.planner, "decode_union_limit", lambda *a, **k: limit)
+    cfg, config = BASE, dataclasses.replace(KERNELS, sparse_ffn=sparse_ffn)
     tokens = jax.random.randint(jax.random.key(7), (2, 9), 0, cfg.vocab_size)
     start = jnp.zeros((2,), jnp.int32)
-    got, _, model = _run(cfg, tokens, start, prompt=5)
-    assert all(model.decode_layer_sparse(2, jnp.float32))
-    want, _, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=5)
+    got, _, model = _run(cfg, tokens, start, prompt=5, config=config)
+    assert all(decode_plan.layer_sparse(model, config, 2, jnp.float32))
+    want, _, _ = _run(cfg, tokens, start, prompt=5, config=XLA)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -114,20 +120,31 @@ def test_bf16_greedy_tokens_match_the_xla_path():
     tokens = jax.random.randint(jax.random.key(9), (2, 10), 0, cfg.vocab_size)
     start = jnp.zeros((2,), jnp.int32)
     got, _, _ = _run(cfg, tokens, start, prompt=4)
-    want, _, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=4)
+    want, _, _ = _run(cfg, tokens, start, prompt=4, config=XLA)
     assert float(jnp.max(jnp.abs(got - want))) <= 0.05 * float(jnp.max(jnp.abs(want)))
 
 
-def test_the_choice_of_path():
-    model = init_model(dataclasses.replace(BASE, decode_kernels="xla"), seed=0)
-    assert not model._decode_with_kernels()
+def test_the_choice_of_path(monkeypatch):
+    """decode.kernels picks a registered step as model.ffn_backend picks the op's backend: "xla"
+    (the model's own decode) anywhere, "pallas" on a GPU or in the interpreter, "auto" the kernels
+    where they run without the interpreter, else "xla"."""
+    from twell_jax.ops import backends
+
+    model = init_model(BASE, seed=0)
+    assert decode_engine.step_names() == ("xla", "pallas")
+    assert decode_engine.choose_step(model, XLA).name == "xla" and not decode_engine.uses_kernels(model, XLA)
+    assert decode_engine.choose_step(model, KERNELS).name == "pallas"  # model.ffn_interpret
     cpu = init_model(dataclasses.replace(BASE, ffn_interpret=False), seed=0)
-    with pytest.raises(ValueError, match="decode_kernels='pallas' needs a GPU"):
-        cpu._decode_with_kernels()
-    auto = init_model(dataclasses.replace(BASE, decode_kernels="auto"), seed=0)
-    assert auto._decode_with_kernels() == (jax.default_backend() == "gpu")
-    with pytest.raises(ValueError, match="decode_kernels"):
-        ModelConfig(decode_kernels="cuda")
+    with pytest.raises(ValueError, match="decode.kernels='pallas' needs a GPU"):
+        decode_engine.uses_kernels(cpu, KERNELS)
+    auto = DecodeConfig(kernels="auto")
+    assert decode_engine.uses_kernels(cpu, auto) == (jax.default_backend() == "gpu")
+    monkeypatch.setattr(backends, "gpu_available", lambda: True)
+    assert decode_engine.choose_step(cpu, auto).name == "pallas" and decode_engine.uses_kernels(cpu, KERNELS)
+    monkeypatch.setattr(backends, "gpu_available", lambda: False)
+    assert decode_engine.choose_step(model, auto).name == "xla"  # "auto" never picks the interpreter
+    with pytest.raises(ValueError, match="decode.kernels"):
+        DecodeConfig(kernels="cuda")
 
 
 def test_qkv_in_three_launches_when_d_model_is_not_a_multiple_of_block_n(monkeypatch):
@@ -138,7 +155,7 @@ def test_qkv_in_three_launches_when_d_model_is_not_a_multiple_of_block_n(monkeyp
     tokens = jax.random.randint(jax.random.key(3), (2, 8), 0, cfg.vocab_size)
     start = jnp.zeros((2,), jnp.int32)
     got, _, _ = _run(cfg, tokens, start, prompt=5)
-    want, _, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=5)
+    want, _, _ = _run(cfg, tokens, start, prompt=5, config=XLA)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -147,53 +164,52 @@ def test_a_head_dim_that_is_not_a_power_of_two_attends_through_xla():
     tokens = jax.random.randint(jax.random.key(5), (2, 8), 0, cfg.vocab_size)
     start = jnp.asarray([0, 3], jnp.int32)
     got, _, _ = _run(cfg, tokens, start, prompt=5)
-    want, _, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=5)
+    want, _, _ = _run(cfg, tokens, start, prompt=5, config=XLA)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["sparse", "dense_twin"])
 @pytest.mark.fast_params("dense_twin")
 def test_transposed_weight_copies_give_the_same_steps(kind, monkeypatch):
-    """model.decode_transposed: the step reads q/k/v, out and the dense W_down from
-    `prepare_decode`'s output-major copies (layout "nk"; q/k/v as one weight): the XLA path's
-    logits, padded rows included; without the option, or off the kernel path, there are no copies."""
-    cfg = dataclasses.replace(BASE, decode_transposed=True, **KINDS[kind])
+    """decode.transposed: the step reads q/k/v, out and the dense W_down from `prepare_decode`'s
+    output-major copies (layout "nk"; q/k/v as one weight): the XLA path's logits, padded rows
+    included; without the option, or off the kernel path, there are no copies."""
+    cfg, config = dataclasses.replace(BASE, **KINDS[kind]), dataclasses.replace(KERNELS, transposed=True)
     model = init_model(cfg, seed=4)
-    prepared = model.prepare_decode()
+    prepared = decode_engine.prepare_decode(model, config)
     attn = model.blocks.attn
-    np.testing.assert_array_equal(prepared["w_qkv"], jnp.concatenate(
+    np.testing.assert_array_equal(prepared.w_qkv, jnp.concatenate(
         [jnp.swapaxes(w[...], 1, 2) for w in (attn.w_q, attn.w_k, attn.w_v)], axis=1))
-    np.testing.assert_array_equal(prepared["w_down"], jnp.swapaxes(model.blocks.ffn.w_down[...], 1, 2))
+    np.testing.assert_array_equal(prepared.w_down, jnp.swapaxes(model.blocks.ffn.w_down[...], 1, 2))
     tokens = jax.random.randint(jax.random.key(5), (3, 9), 0, cfg.vocab_size)
     start = jnp.asarray([0, 1, 3], jnp.int32)
     cache = init_cache(cfg, 3, 9)
-    _, cache, _ = model.decode(tokens[:, :5], cache, jnp.int32(0), start)
+    _, cache, _ = decode(model, tokens[:, :5], cache, jnp.int32(0), start, config=config)
     from twell_jax.pallas_kernels import decode_matvec
 
     layouts = []
     original = decode_matvec.decode_matvec
     monkeypatch.setattr(decode_matvec, "decode_matvec",
                         lambda *a, **k: layouts.append(k.get("layout", "nk")) or original(*a, **k))
-    stored = init_model(dataclasses.replace(cfg, decode_transposed=False), seed=4)
-    for m, p in ((stored, None), (model, prepared)):  # every product reads an output-major weight with the copies
+    for c_, p in ((KERNELS, None), (config, prepared)):  # every product reads an output-major weight with the copies
         layouts.clear()
-        jax.make_jaxpr(lambda c: m.decode(tokens[:, 5:6], c, jnp.int32(5), start, prepared=p))(cache)
+        jax.make_jaxpr(lambda c: decode(model, tokens[:, 5:6], c, jnp.int32(5), start, config=c_, prepared=p))(cache)
         assert ("kn" in layouts) == (p is None), layouts
     with pytest.raises(ValueError, match="pass the copies of prepare_decode"):  # never silently the stored ones
-        model.decode(tokens[:, 5:6], cache, jnp.int32(5), start)
-    step = jax.jit(lambda c, t, i, p: model.decode(t, c, i, start, prepared=p)[:2])
+        decode(model, tokens[:, 5:6], cache, jnp.int32(5), start, config=config)
+    step = jax.jit(lambda c, t, i, p: decode(model, t, c, i, start, config=config, prepared=p)[:2])
     got = []
     for t in range(5, 9):
         logits, cache = step(cache, tokens[:, t:t + 1], jnp.int32(t), prepared)
         got.append(logits)
-    want, _, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=5)
+    want, _, _ = _run(cfg, tokens, start, prompt=5, config=XLA)
     np.testing.assert_allclose(jnp.stack(got, 1), want, rtol=1e-4, atol=1e-5)
-    assert stored.prepare_decode() is None
-    assert init_model(dataclasses.replace(cfg, decode_kernels="xla"), 0).prepare_decode() is None
+    assert decode_engine.prepare_decode(model, KERNELS) is None
+    assert decode_engine.prepare_decode(model, dataclasses.replace(config, kernels="xla")) is None
     with pytest.raises(ValueError, match="prepare_decode"):
-        model.decode(tokens[:, 5:6], cache, jnp.int32(5), start, prepared={"w_qkv": prepared["w_qkv"]})
-    with pytest.raises(ValueError, match="decode_transposed must be true or false"):
-        ModelConfig(decode_transposed="yes")
+        decode(model, tokens[:, 5:6], cache, jnp.int32(5), start, config=config, prepared={"w_qkv": prepared.w_qkv})
+    with pytest.raises(ValueError, match="decode.transposed must be true or false"):
+        DecodeConfig(transposed="yes")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -458,16 +474,17 @@ def _step_eqns(closed_jaxpr):
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_the_sparse_step_compacts_the_rows_in_one_launch(batch):
-    """model.decode_sparse_ffn="fused": a sparse layer's step runs `compact_active_rows`
+    """decode.sparse_ffn="fused": a sparse layer's step runs `compact_active_rows`
     (twell_decode_compact_rows): no XLA reduction of the gate's [B, H] signs before the compaction,
     no `compact_active` launch."""
-    cfg = dataclasses.replace(BASE, n_layers=2, decode_sparse_ffn="fused")
+    cfg, config = dataclasses.replace(BASE, n_layers=2), dataclasses.replace(KERNELS, sparse_ffn="fused")
     model = init_model(cfg, seed=4)
-    assert model._decode_with_kernels() and all(model.decode_layer_sparse(batch, jnp.float32))
+    assert decode_engine.uses_kernels(model, config) and all(decode_plan.layer_sparse(model, config, batch,
+                                                                                      jnp.float32))
     cache = init_cache(cfg, batch, 8)
     tokens = jnp.zeros((batch, 1), jnp.int32)
     start = jnp.zeros((batch,), jnp.int32)
-    traced = jax.make_jaxpr(lambda c: model.decode(tokens, c, jnp.int32(3), start))(cache)
+    traced = jax.make_jaxpr(lambda c: decode(model, tokens, c, jnp.int32(3), start, config=config))(cache)
     names, sums = _pallas_names_and_row_sums(traced, (batch, cfg.d_ff))
     assert "twell_decode_compact_rows" in names and "twell_decode_compact" not in names, names
     assert sums == 0
@@ -479,18 +496,19 @@ def test_the_sparse_step_compacts_the_rows_in_one_launch(batch):
 
 @pytest.mark.slow
 def test_many_rows_count_in_xla_then_compact_with_the_same_steps(monkeypatch):
-    """Above model.COMPACT_ROWS_IN_KERNEL rows (64 in generation at most), the rows' count runs as an
-    XLA reduction and `compact_active` compacts it (one program reading [B, H] row after row would
+    """Above decode_engine.COMPACT_ROWS_IN_KERNEL rows (64 in generation at most), the rows' count runs
+    as an XLA reduction and `compact_active` compacts it (one program reading [B, H] row after row would
     be slow): the step still equals the XLA path, with the same active counts."""
-    monkeypatch.setattr(model_lib, "COMPACT_ROWS_IN_KERNEL", 2)
-    cfg = dataclasses.replace(BASE, decode_sparse_ffn="fused")
+    monkeypatch.setattr(decode_engine, "COMPACT_ROWS_IN_KERNEL", 2)
+    cfg, config = BASE, dataclasses.replace(KERNELS, sparse_ffn="fused")
     tokens = jax.random.randint(jax.random.key(3), (3, 9), 0, cfg.vocab_size)
     start = jnp.asarray([0, 1, 3], jnp.int32)
-    got, auxes, model = _run(cfg, tokens, start, prompt=5)
-    traced = jax.make_jaxpr(lambda c: model.decode(tokens[:, :1], c, jnp.int32(5), start))(init_cache(cfg, 3, 9))
+    got, auxes, model = _run(cfg, tokens, start, prompt=5, config=config)
+    traced = jax.make_jaxpr(lambda c: decode(model, tokens[:, :1], c, jnp.int32(5), start, config=config))(
+        init_cache(cfg, 3, 9))
     names, sums = _pallas_names_and_row_sums(traced, (3, cfg.d_ff))
     assert "twell_decode_compact" in names and "twell_decode_compact_rows" not in names and sums > 0
-    want, want_aux, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=5)
+    want, want_aux, _ = _run(cfg, tokens, start, prompt=5, config=XLA)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     for a, b in zip(auxes, want_aux):
         np.testing.assert_allclose(a["l0"], b["l0"], rtol=1e-5)
@@ -503,22 +521,22 @@ def test_more_rows_than_the_gate_holds_give_the_same_steps(kind, rows):
     """17 rows: the dense products in one block of 32 rows (ROLE_BLOCK_SIZES); 40: in one of 64
     (ROLE_BLOCK_SIZES_MANY_ROWS); the sparse layers' gate in blocks of 16 ("fused": no tile lists),
     left-padded rows: the steps equal the XLA path."""
-    cfg = dataclasses.replace(BASE, **KINDS[kind], decode_transposed=True)
+    cfg, config = dataclasses.replace(BASE, **KINDS[kind]), dataclasses.replace(KERNELS, transposed=True)
     tokens = jax.random.randint(jax.random.key(17), (rows, 8), 0, cfg.vocab_size)
     start = jnp.arange(rows, dtype=jnp.int32) % 3
     model = init_model(cfg, seed=4)
     cache = init_cache(cfg, rows, 8)
-    _, cache, _ = model.decode(tokens[:, :6], cache, jnp.int32(0), start)
+    _, cache, _ = decode(model, tokens[:, :6], cache, jnp.int32(0), start, config=config)
     want_cache = cache
-    prepared = model.prepare_decode()
-    xla = dataclasses.replace(cfg, decode_kernels="xla")
-    xla_model = init_model(xla, seed=4)
+    prepared = decode_engine.prepare_decode(model, config)
     for t in (6, 7):
-        got, cache, aux = model.decode(tokens[:, t:t + 1], cache, jnp.int32(t), start, prepared=prepared)
-        want, want_cache, want_aux = xla_model.decode(tokens[:, t:t + 1], want_cache, jnp.int32(t), start)
+        got, cache, aux = decode(model, tokens[:, t:t + 1], cache, jnp.int32(t), start, config=config,
+                                 prepared=prepared)
+        want, want_cache, want_aux = decode(model, tokens[:, t:t + 1], want_cache, jnp.int32(t), start, config=XLA)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(aux["l0"], want_aux["l0"], rtol=1e-5)
-    assert set(model.decode_layer_ways(rows, jnp.float32)) == ({"dense"} if kind == "dense_twin" else {"fused"})
+    assert set(decode_plan.layer_ways(model, config, rows, jnp.float32)) == (
+        {"dense"} if kind == "dense_twin" else {"fused"})
 
 
 def test_compact_active_rows_lowers_to_triton_for_cuda(capsys):
@@ -540,12 +558,12 @@ def test_compact_active_rows_lowers_to_triton_for_cuda(capsys):
 
 
 def test_auto_picks_one_launch_or_split_per_layer_by_the_expected_union():
-    """model.decode_sparse_ffn="auto" (the default): per sparse layer, one launch walking the
+    """decode.sparse_ffn="auto" (the default): per sparse layer, one launch walking the
     active neurons where the union expected from the layer's activity hint is small (the gate's
     tile lists alone, "tiles", where the gate's program holds every row; else the compacted list,
     "fused"), `hidden` + `down` where it is not (that launch's every program walks all the active
-    neurons: planner.decode_sparse_way); up to model.PACKED_MAX_ROWS rows every sparse layer
-    "packed" (the tiles make their own neurons' values), up to model.PACKED_DOWN_MAX_ROWS rows
+    neurons: planner.decode_sparse_way); up to decode_plan.PACKED_MAX_ROWS rows every sparse layer
+    "packed" (the tiles make their own neurons' values), up to decode_plan.PACKED_DOWN_MAX_ROWS rows
     "packed_down" (their down product too, in the same launch); the step runs both and equals the
     XLA path."""
     from twell_jax.ops import planner
@@ -554,18 +572,24 @@ def test_auto_picks_one_launch_or_split_per_layer_by_the_expected_union():
     assert planner.decode_sparse_way(1, 29.0, 5632) == "fused"
     assert planner.decode_sparse_way(1, 100.0, 5632) == "split"  # layer 0 of the 0.5b checkpoints
     assert planner.decode_sparse_way(8, 10.0, 5632) == "split"  # a union of ~80 over 8 rows
-    cfg = dataclasses.replace(BASE, decode_sparse_ffn="auto", ffn_expected_active=(4.0, 60.0, 4.0))
+    cfg = dataclasses.replace(BASE, ffn_expected_active=(4.0, 60.0, 4.0))
+    config = dataclasses.replace(KERNELS, sparse_ffn="auto")
     model = init_model(cfg, seed=4)
-    assert model_lib.PACKED_MAX_ROWS == 4
-    assert model_lib.PACKED_DOWN_MAX_ROWS == 2
+    assert decode_plan.PACKED_MAX_ROWS == 4
+    assert decode_plan.PACKED_DOWN_MAX_ROWS == 2
+
+    def ways(m, rows, c=config):
+        return decode_plan.layer_ways(m, c, rows, jnp.float32)
+
     for rows in (1, 2, 3, 4):  # (a backend the user forced: no union limit)
-        assert model.decode_layer_ways(rows, jnp.float32) == ("packed_down" if rows <= 2 else "packed",) * 3
-    assert model.decode_layer_ways(5, jnp.float32) == ("tiles", "split", "tiles")
+        assert ways(model, rows) == ("packed_down" if rows <= 2 else "packed",) * 3
+    assert ways(model, 5) == ("tiles", "split", "tiles")
     # More rows than the gate's program holds (16): the compacted list for the small unions.
     few = init_model(dataclasses.replace(cfg, ffn_expected_active=(0.2, 60.0, 0.2)), seed=4)
-    assert few.decode_layer_ways(17, jnp.float32) == ("fused", "split", "fused")
+    assert ways(few, 17) == ("fused", "split", "fused")
     tokens, start = jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32)
-    traced = jax.make_jaxpr(lambda c: model.decode(tokens, c, jnp.int32(3), start))(init_cache(cfg, 1, 8))
+    traced = jax.make_jaxpr(lambda c: decode(model, tokens, c, jnp.int32(3), start, config=config))(
+        init_cache(cfg, 1, 8))
     names, _ = _pallas_names_and_row_sums(traced, (1, cfg.d_ff))
     # The layers unrolled: the gate with the down product in each (in interpret mode its partials
     # summed by a second launch), no separate down kernel, no compaction.
@@ -573,15 +597,15 @@ def test_auto_picks_one_launch_or_split_per_layer_by_the_expected_union():
     assert "twell_decode_down_tiles" not in names and "twell_decode_hidden" not in names, names
     assert not any(n.startswith("twell_decode_compact") for n in names) and "twell_decode_tiles" not in names, names
     tokens2, start2 = jnp.zeros((5, 1), jnp.int32), jnp.zeros((5,), jnp.int32)
-    traced2 = jax.make_jaxpr(lambda c: model.decode(tokens2, c, jnp.int32(3), start2))(init_cache(cfg, 5, 8))
+    traced2 = jax.make_jaxpr(lambda c: decode(model, tokens2, c, jnp.int32(3), start2, config=config))(
+        init_cache(cfg, 5, 8))
     names2, _ = _pallas_names_and_row_sums(traced2, (5, cfg.d_ff))
     # Five rows: the tiles kernel in two layers, `hidden` in one (after its compaction).
     assert names2.count("twell_decode_tiles") == 2 and names2.count("twell_decode_hidden") == 1, names2
-    forced = init_model(dataclasses.replace(cfg, decode_sparse_ffn="fused"), seed=4)
-    assert forced.decode_layer_ways(1, jnp.float32) == ("fused",) * 3
+    assert ways(model, 1, dataclasses.replace(config, sparse_ffn="fused")) == ("fused",) * 3
     tokens = jax.random.randint(jax.random.key(12), (1, 10), 0, cfg.vocab_size)
-    got, auxes, _ = _run(cfg, tokens, start, prompt=6)
-    want, want_aux, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=6)
+    got, auxes, _ = _run(cfg, tokens, start, prompt=6, config=config)
+    want, want_aux, _ = _run(cfg, tokens, start, prompt=6, config=XLA)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     for a, b in zip(auxes, want_aux):
         np.testing.assert_allclose(a["l0"], b["l0"], rtol=1e-5)
@@ -590,26 +614,26 @@ def test_auto_picks_one_launch_or_split_per_layer_by_the_expected_union():
 @pytest.mark.parametrize("kind", ["sparse", "dense_twin"])
 @pytest.mark.slow
 def test_the_decode_layers_unrolled_or_in_a_loop_give_the_same_steps(kind):
-    """model.decode_layer_unroll: 0 (the default) runs every layer with a constant index and no
+    """decode.layer_unroll: 0 (the default) runs every layer with a constant index and no
     loop; 1 a loop over the layers; 2 two layers per iteration (3 layers: a remainder). The
     same logits, cache and active counts each way."""
     tokens = jax.random.randint(jax.random.key(7), (3, 9), 0, BASE.vocab_size)
     start = jnp.asarray([0, 1, 3], jnp.int32)
     results = {}
     for unroll in (0, 1, 2):
-        cfg = dataclasses.replace(BASE, decode_layer_unroll=unroll, **KINDS[kind])
+        cfg, config = dataclasses.replace(BASE, **KINDS[kind]), dataclasses.replace(KERNELS, layer_unroll=unroll)
         model = init_model(cfg, seed=4)
         cache = init_cache(cfg, 3, 9)
-        _, cache, _ = model.decode(tokens[:, :5], cache, jnp.int32(0), start)
-        jaxpr = jax.make_jaxpr(lambda c: model.decode(tokens[:, 5:6], c, jnp.int32(5), start))(cache)
+        _, cache, _ = decode(model, tokens[:, :5], cache, jnp.int32(0), start, config=config)
+        jaxpr = jax.make_jaxpr(lambda c: decode(model, tokens[:, 5:6], c, jnp.int32(5), start, config=config))(cache)
         top = {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}  # the kernels' own loops are inside their calls
         assert ("scan" in top) == (unroll != 0), (unroll, top)
-        results[unroll] = model.decode(tokens[:, 5:6], cache, jnp.int32(5), start)
+        results[unroll] = decode(model, tokens[:, 5:6], cache, jnp.int32(5), start, config=config)
     for unroll in (1, 2):
         for got, want in zip(jax.tree.leaves(results[unroll]), jax.tree.leaves(results[0])):
-            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=f"decode_layer_unroll={unroll}")
-    with pytest.raises(ValueError, match="model.decode_layer_unroll must be an int >= 0"):
-        dataclasses.replace(BASE, decode_layer_unroll=-1)
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=f"decode.layer_unroll={unroll}")
+    with pytest.raises(ValueError, match="decode.layer_unroll must be an int >= 0"):
+        dataclasses.replace(KERNELS, layer_unroll=-1)
 
 
 def test_the_prepared_step_converts_no_norm_scale():
@@ -620,7 +644,7 @@ def test_the_prepared_step_converts_no_norm_scale():
     products' fp32 sum order."""
     from flax import nnx
 
-    cfg = dataclasses.replace(BASE, compute_dtype="bfloat16", decode_transposed=True)
+    cfg, config = dataclasses.replace(BASE, compute_dtype="bfloat16"), dataclasses.replace(KERNELS, transposed=True)
 
     def bf16_model(config):
         model = init_model(config, seed=4)
@@ -628,26 +652,27 @@ def test_the_prepared_step_converts_no_norm_scale():
                                        nnx.state(model)))
         return model
 
-    model, stored = bf16_model(cfg), bf16_model(dataclasses.replace(cfg, decode_transposed=False))
+    model = bf16_model(cfg)
     assert model.final_norm.scale[...].dtype == jnp.bfloat16
-    prepared = model.prepare_decode()
-    assert {k: (v.dtype, v.shape) for k, v in prepared.items() if k.endswith("norm")} == {
+    prepared = decode_engine.prepare_decode(model, config)
+    assert {k: (v.dtype, v.shape) for k, v in prepared._asdict().items() if k.endswith("norm")} == {
         "attn_norm": (jnp.float32, (cfg.n_layers, cfg.d_model)), "ffn_norm": (jnp.float32, (cfg.n_layers, cfg.d_model)),
         "final_norm": (jnp.float32, (cfg.d_model,))}
     tokens, start = jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32)
     scale_shapes = {(cfg.n_layers, cfg.d_model), (cfg.d_model,)}
 
-    def scale_converts(m, p):
-        traced = jax.make_jaxpr(lambda c: m.decode(tokens, c, jnp.int32(3), start, prepared=p))(init_cache(cfg, 1, 8))
+    def scale_converts(c_, p):
+        traced = jax.make_jaxpr(lambda c: decode(model, tokens, c, jnp.int32(3), start, config=c_, prepared=p))(
+            init_cache(cfg, 1, 8))
         return sorted(tuple(e.invars[0].aval.shape) for e in _step_eqns(traced)
                       if e.primitive.name == "convert_element_type" and e.invars[0].aval.dtype == jnp.bfloat16
                       and tuple(e.invars[0].aval.shape) in scale_shapes)
 
-    assert model._decode_with_kernels() and scale_converts(model, prepared) == []
-    assert scale_converts(stored, None) == sorted([(cfg.n_layers, cfg.d_model)] * 2 + [(cfg.d_model,)])
-    got, _, _ = model.decode(tokens, init_cache(cfg, 1, 8), jnp.int32(0), start, prepared=prepared)
-    want, _, _ = stored.decode(tokens, init_cache(cfg, 1, 8), jnp.int32(0), start)
+    assert decode_engine.uses_kernels(model, config) and scale_converts(config, prepared) == []
+    assert scale_converts(KERNELS, None) == sorted([(cfg.n_layers, cfg.d_model)] * 2 + [(cfg.d_model,)])
+    got, _, _ = decode(model, tokens, init_cache(cfg, 1, 8), jnp.int32(0), start, config=config, prepared=prepared)
+    want, _, _ = decode(model, tokens, init_cache(cfg, 1, 8), jnp.int32(0), start, config=KERNELS)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match="prepare_decode"):
-        model.decode(tokens, init_cache(cfg, 1, 8), jnp.int32(0), start,
-                     prepared={k: v for k, v in prepared.items() if k != "final_norm"})
+        decode(model, tokens, init_cache(cfg, 1, 8), jnp.int32(0), start, config=config,
+               prepared={k: v for k, v in prepared._asdict().items() if k != "final_norm"})

@@ -5,7 +5,7 @@ product of the listed neurons in the same launch) against `tile_values_reference
 up/down kernel that reads the lists (`sparse_decode_ffn_tiles`: the norm on load, the residual, the
 dense switch's limit) and the down kernel that reads the values (`sparse_decode_down_tiles`)
 against the compacted-list kernel and the plain-jnp oracle; then the model's step with
-model.decode_sparse_ffn="tiles" and "packed" against the XLA path, with its launches counted."""
+decode.sparse_ffn="tiles" and "packed" against the XLA path, with its launches counted."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,14 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from twell_jax.inference import decode_plan
+from twell_jax.inference.decode_engine import decode
 from twell_jax.model import init_cache, init_model
 from twell_jax.pallas_kernels import decode_matvec as matvec_lib
 from twell_jax.pallas_kernels.decode_matvec import (MatvecBlockSizes, decode_matvec, decode_matvec_reference,
                                                     tile_lists_reference, tile_values_reference)
 from twell_jax.pallas_kernels.twell_decode import (compact_active_reference, sparse_decode_down_tiles,
                                                    sparse_decode_ffn_fused, sparse_decode_ffn_tiles)
-from test_decode_kernels import (BASE, FUSED_SMALL, FUSED_WIDE, TOL_FUSED, _pallas_names_and_row_sums, _run,
-                                 _step_eqns, fused_inputs, fused_oracle)
+from test_decode_kernels import (BASE, FUSED_SMALL, FUSED_WIDE, KERNELS, TOL_FUSED, XLA, _pallas_names_and_row_sums,
+                                 _run, _step_eqns, fused_inputs, fused_oracle)
 from oracles import rel_err
 
 GATE = MatvecBlockSizes(block_n=16, block_k=16)  # tiles of 16 columns; K steps of 16
@@ -605,59 +607,60 @@ def test_the_tiles_step_has_no_compaction(batch, way, monkeypatch):
     the XLA path."""
     for role in ("gate", "gate_few_rows"):  # the gate's role at 3 rows and at 1 (matvec_lib.gate_role)
         monkeypatch.setitem(matvec_lib.ROLE_BLOCK_SIZES, role, GATE)
-    cfg = dataclasses.replace(BASE, n_layers=2, decode_sparse_ffn=way)
+    cfg, config = dataclasses.replace(BASE, n_layers=2), dataclasses.replace(KERNELS, sparse_ffn=way)
     model = init_model(cfg, seed=4)
-    assert all(model.decode_layer_sparse(batch, jnp.float32))
+    assert all(decode_plan.layer_sparse(model, config, batch, jnp.float32))
     tokens, start = jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch,), jnp.int32)
-    step = lambda m: jax.make_jaxpr(lambda c: m.decode(tokens, c, jnp.int32(3), start))(  # noqa: E731
+    step = lambda c_: jax.make_jaxpr(lambda c: decode(model, tokens, c, jnp.int32(3), start, config=c_))(  # noqa: E731
         init_cache(cfg, batch, 8))
-    traced = step(model)
+    traced = step(config)
     names, sums = _pallas_names_and_row_sums(traced, (batch, cfg.d_ff))
     # The FFN norm: one XLA reduction a layer for "tiles", none for "packed" (the gate's prologue).
     norms = _pallas_names_and_row_sums(traced, (batch, cfg.d_model))[1]
     assert norms == (cfg.n_layers if way == "tiles" else 0), norms
-    # The layers unrolled (model.decode_layer_unroll 0): a launch of each a layer.
+    # The layers unrolled (decode.layer_unroll 0): a launch of each a layer.
     kernels = ("twell_decode_gate_lists", "twell_decode_tiles") if way == "tiles" else (
         "twell_decode_gate_values", "twell_decode_down_tiles")
     assert names.count(kernels[0]) == names.count(kernels[1]) == cfg.n_layers, names
     assert not any(name.startswith("twell_decode_compact") for name in names) and sums == 0, names
-    fused = step(init_model(dataclasses.replace(cfg, decode_sparse_ffn="fused"), seed=4))
+    fused = step(dataclasses.replace(config, sparse_ffn="fused"))
     assert "twell_decode_compact_rows" in _pallas_names_and_row_sums(fused, (batch, cfg.d_ff))[0]
 
     tokens = jax.random.randint(jax.random.key(30 + batch), (batch, 10), 0, cfg.vocab_size)
     start = jnp.asarray([0, 2, 5][:batch], jnp.int32)
-    got, auxes, _ = _run(cfg, tokens, start, prompt=6)
-    want, want_aux, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, start, prompt=6)
+    got, auxes, _ = _run(cfg, tokens, start, prompt=6, config=config)
+    want, want_aux, _ = _run(cfg, tokens, start, prompt=6, config=XLA)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     for a, b in zip(auxes, want_aux):
         np.testing.assert_allclose(a["l0"], b["l0"], rtol=1e-5)
 
 
 def test_the_packed_down_step_is_one_gate_launch_a_layer(monkeypatch):
-    """model.decode_sparse_ffn="packed_down" at one row: a sparse layer's FFN is the gate's launch
+    """decode.sparse_ffn="packed_down" at one row: a sparse layer's FFN is the gate's launch
     alone (the norm in its prologue, the lists, the values, the down product and the residual). On
     a GPU that holds every program (patched; the step traced, not run) there is no other launch,
     and each layer's launch updates the step's arrival counters (zeros, int32 [L]) in place and
     hands them to the next; in interpret mode a second launch sums the partials. Equal to the XLA
     path; 3 rows run it too (a forced way; "auto" runs "packed" there)."""
-    from twell_jax import model as model_lib
+    from twell_jax.ops import backends
 
     for role in ("gate", "gate_few_rows"):
         monkeypatch.setitem(matvec_lib.ROLE_BLOCK_SIZES, role, GATE)
-    cfg = dataclasses.replace(BASE, n_layers=2, decode_sparse_ffn="packed_down")
+    cfg, config = dataclasses.replace(BASE, n_layers=2), dataclasses.replace(KERNELS, sparse_ffn="packed_down")
     model = init_model(cfg, seed=4)
-    assert model.decode_layer_ways(1, jnp.float32) == ("packed_down",) * 2
-    assert model.decode_layer_ways(3, jnp.float32) == ("packed_down",) * 2
+    assert decode_plan.layer_ways(model, config, 1, jnp.float32) == ("packed_down",) * 2
+    assert decode_plan.layer_ways(model, config, 3, jnp.float32) == ("packed_down",) * 2
     tokens, start = jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32)
 
     def launches(m, primitives=("pallas_call",)):
-        traced = jax.make_jaxpr(lambda c: m.decode(tokens, c, jnp.int32(3), start))(init_cache(cfg, 1, 8))
+        traced = jax.make_jaxpr(lambda c: decode(m, tokens, c, jnp.int32(3), start, config=config))(
+            init_cache(cfg, 1, 8))
         return [eqn for eqn in _step_eqns(traced) if eqn.primitive.name in primitives]
 
     names = [eqn.params["name"] for eqn in launches(model)]
     assert names.count("twell_decode_gate_down") == names.count("twell_decode_down_partials") == 2, names
     assert not {"twell_decode_gate_values", "twell_decode_down_tiles"} & set(names), names
-    monkeypatch.setattr(model_lib, "gpu_available", lambda: True)
+    monkeypatch.setattr(backends, "gpu_available", lambda: True)
     monkeypatch.setattr(matvec_lib, "_grid_is_resident", lambda programs: True)
     decode_matvec.clear_cache()  # read at trace time (and cleared again below: no later trace may reuse it)
     on_gpu = init_model(dataclasses.replace(cfg, ffn_interpret=False), seed=4)
@@ -675,9 +678,8 @@ def test_the_packed_down_step_is_one_gate_launch_a_layer(monkeypatch):
         monkeypatch.setitem(matvec_lib.ROLE_BLOCK_SIZES, role, GATE)
     # (3 padded rows with the device switch: test_decode_kernels' step tests, both sides of the switch)
     tokens = jax.random.randint(jax.random.key(32), (1, 10), 0, cfg.vocab_size)
-    got, auxes, _ = _run(cfg, tokens, jnp.zeros((1,), jnp.int32), prompt=6)
-    want, want_aux, _ = _run(dataclasses.replace(cfg, decode_kernels="xla"), tokens, jnp.zeros((1,), jnp.int32),
-                             prompt=6)
+    got, auxes, _ = _run(cfg, tokens, jnp.zeros((1,), jnp.int32), prompt=6, config=config)
+    want, want_aux, _ = _run(cfg, tokens, jnp.zeros((1,), jnp.int32), prompt=6, config=XLA)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     for a, b in zip(auxes, want_aux):
         np.testing.assert_allclose(a["l0"], b["l0"], rtol=1e-5)
@@ -696,15 +698,15 @@ def test_the_sparse_gate_role_follows_the_rows(batch, monkeypatch):
         return real(role, rows)
 
     monkeypatch.setattr(matvec_lib, "role_block_sizes", record)
-    cfg = dataclasses.replace(BASE, n_layers=2, decode_sparse_ffn="packed")
+    cfg, config = dataclasses.replace(BASE, n_layers=2), dataclasses.replace(KERNELS, sparse_ffn="packed")
     model = init_model(cfg, seed=4)
     tokens, start = jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch,), jnp.int32)
-    jax.make_jaxpr(lambda c: model.decode(tokens, c, jnp.int32(3), start))(init_cache(cfg, batch, 8))
+    jax.make_jaxpr(lambda c: decode(model, tokens, c, jnp.int32(3), start, config=config))(init_cache(cfg, batch, 8))
     want = "gate_few_rows" if batch <= matvec_lib.GATE_FEW_ROWS else "gate"
     assert matvec_lib.gate_role(batch) == want
     assert asked.count(want) == cfg.n_layers + 1, asked  # each layer's product, and the ways' row fit
     assert ({"gate", "gate_few_rows"} - {want}).isdisjoint(asked), asked
-    # The two roles share the tiles and rows (the lists' layout, `decode_layer_ways`' row fit).
+    # The two roles share the tiles and rows (the lists' layout, `decode_plan.layer_ways`' row fit).
     few, many = real("gate_few_rows"), real("gate")
     assert (few.block_n, few.block_k, few.max_block_m, few.split_k) == (many.block_n, many.block_k,
                                                                         many.max_block_m, many.split_k)
@@ -713,11 +715,12 @@ def test_the_sparse_gate_role_follows_the_rows(batch, monkeypatch):
 def test_more_rows_than_the_gate_block_run_the_fused_path():
     """17 rows do not fit one program of the gate's lists (max_block_m 16): the step compacts and
     runs the fused kernel instead."""
-    cfg = dataclasses.replace(BASE, n_layers=2, decode_sparse_ffn="tiles")
+    cfg, config = dataclasses.replace(BASE, n_layers=2), dataclasses.replace(KERNELS, sparse_ffn="tiles")
     model = init_model(cfg, seed=4)
-    assert all(model.decode_layer_sparse(17, jnp.float32))
+    assert all(decode_plan.layer_sparse(model, config, 17, jnp.float32))
     tokens, start = jnp.zeros((17, 1), jnp.int32), jnp.zeros((17,), jnp.int32)
-    traced = jax.make_jaxpr(lambda c: model.decode(tokens, c, jnp.int32(3), start))(init_cache(cfg, 17, 8))
+    traced = jax.make_jaxpr(lambda c: decode(model, tokens, c, jnp.int32(3), start, config=config))(
+        init_cache(cfg, 17, 8))
     names, _ = _pallas_names_and_row_sums(traced, (17, cfg.d_ff))
     assert "twell_decode_fused" in names and "twell_decode_gate_lists" not in names, names
 

@@ -17,6 +17,7 @@ import pytest
 from twell_jax import config as config_lib
 from twell_jax.cli import main
 from twell_jax.configs import get_config
+from twell_jax.training import preflight
 from twell_jax.training import train as train_lib
 
 
@@ -88,27 +89,27 @@ def test_the_cli_names_the_field_of_a_config_file_and_exits_2(tmp_path, capsys):
 
 def test_the_estimate_counts_parameters_optimizer_gradients_and_activations():
     cfg = get_config("micro")
-    estimate = train_lib.memory_estimate(cfg, 1)
+    estimate = preflight.memory_estimate(cfg, 1)
     params = cfg.model.num_params()
     assert (estimate["parameters"], estimate["optimizer_state"], estimate["gradients"]) == (4 * params, 8 * params,
                                                                                          4 * params)
     assert estimate["activations_per_micro_batch"] > 0 and estimate["total"] == sum(
         v for k, v in estimate.items() if k != "total")
     fsdp = config_lib.apply_overrides(cfg, ["train.fsdp=true"])
-    assert train_lib.memory_estimate(fsdp, 4)["parameters"] == params  # a quarter of the f32 copy on each of 4
-    text = train_lib.describe_memory(estimate)
+    assert preflight.memory_estimate(fsdp, 4)["parameters"] == params  # a quarter of the f32 copy on each of 4
+    text = preflight.describe_memory(estimate)
     assert "parameters" in text and "AdamW" in text and "activations" in text
 
 
 def test_a_model_is_refused_only_when_its_parameters_and_optimizer_state_exceed_the_memory(monkeypatch):
     cfg = get_config("micro")
     state = 12 * cfg.model.num_params()
-    monkeypatch.setattr(train_lib, "device_memory_limit_bytes", lambda: state)  # a GPU's bytes_limit
-    estimate, available, source = train_lib.check_fits_memory(cfg, 1)  # gradients and activations do not count
+    monkeypatch.setattr(preflight, "device_memory_limit_bytes", lambda: state)  # a GPU's bytes_limit
+    estimate, available, source = preflight.check_fits_memory(cfg, 1)  # gradients and activations do not count
     assert available == state and estimate["total"] > state and "device memory" in source
-    monkeypatch.setattr(train_lib, "device_memory_limit_bytes", lambda: state - 1)
+    monkeypatch.setattr(preflight, "device_memory_limit_bytes", lambda: state - 1)
     with pytest.raises(ValueError, match=r"cannot fit: .* but a device has"):
-        train_lib.check_fits_memory(cfg, 1)
+        preflight.check_fits_memory(cfg, 1)
 
 
 def test_a_model_too_large_for_the_device_is_refused_before_any_directory(tmp_path, monkeypatch, capsys,
@@ -164,19 +165,19 @@ def test_a_bpe_smaller_than_asked_is_named(fake_corpus, capsys):
 
 _CHILD = """
 import os, sys
-from twell_jax.training import checkpoint as ckpt_lib
-from twell_jax.training.train import _StopSignals
+from twell_jax.run_dir import RunLock
+from twell_jax.training.signals import StopSignals
 
-lock = ckpt_lib.RunLock(sys.argv[1])
+lock = RunLock(sys.argv[1])
 read_fd, _ = os.pipe()
-with _StopSignals(on_abort=lock.release):
+with StopSignals(on_abort=lock.release):
     print("ready", flush=True)
     os.read(read_fd, 1)  # a native call that does not return, as XLA compiling the step
 """
 
 
 def test_ctrl_c_in_a_native_call_is_acknowledged_at_once_and_a_second_one_aborts(tmp_path):
-    from twell_jax.training.checkpoint import LOCK_FILE
+    from twell_jax.run_dir import LOCK_FILE
 
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path)], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
@@ -234,9 +235,9 @@ def test_eval_names_its_corpus_and_the_weights_of_an_import(tmp_path, monkeypatc
 def test_a_warm_up_longer_than_the_run_is_named(fake_corpus, capsys):
     cfg = config_lib.apply_overrides(get_config("micro"), ["train.steps=4", "optim.warmup_steps=10",
                                                            "sparsity.l1_warmup_end=8"])
-    lines = train_lib.schedule_warnings(cfg)
+    lines = preflight.schedule_warnings(cfg)
     assert len(lines) == 2 and "optim.warmup_steps=10 exceeds train.steps=4" in lines[0]
     assert "sparsity.l1_warmup_start=0, l1_warmup_end=8" in lines[1]
-    assert train_lib.schedule_warnings(get_config("micro")) == []  # micro: 2 warm-up steps of 4
+    assert preflight.schedule_warnings(get_config("micro")) == []  # micro: 2 warm-up steps of 4
     code, _, err = _run(["train", "--config", "micro", "--dry-run", "--set", "optim.warmup_steps=10"], capsys)
     assert code == 0 and sum("optim.warmup_steps=10 exceeds" in line for line in err.splitlines()) == 1

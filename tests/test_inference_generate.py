@@ -1,13 +1,17 @@
 """KV-cached decoding and generation: exact against the full forward, bounded compilations,
 sampling, EOS, streaming, errors."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from twell_jax.config import ModelConfig
+from twell_jax.config import DecodeConfig, ModelConfig
 from twell_jax.inference import (Generator, LoadedModel, SamplingConfig, experiment_config_for, generate,
                                  sample_tokens)
+from twell_jax.inference import decode_engine
+from twell_jax.inference.decode_engine import decode
 from twell_jax.model import init_cache, init_model
 
 VOCAB = 300
@@ -22,9 +26,9 @@ def _model_cfg(**overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def _loaded(model_cfg: ModelConfig, seed: int = 0) -> LoadedModel:
-    return LoadedModel(model=init_model(model_cfg, seed), config=experiment_config_for(model_cfg), tokenizer=None,
-                       step=None)
+def _loaded(model_cfg: ModelConfig, seed: int = 0, decode_cfg: DecodeConfig = DecodeConfig()) -> LoadedModel:
+    config = dataclasses.replace(experiment_config_for(model_cfg), decode=decode_cfg)
+    return LoadedModel(model=init_model(model_cfg, seed), config=config, tokenizer=None, step=None)
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +60,14 @@ def test_kv_cached_logits_equal_the_full_forward_at_every_position_for_a_ragged_
     start_B = np.array([bucket - n for n in lengths], np.int32)
     for b, n in enumerate(lengths):
         tokens_BxP[b, bucket - n:] = seqs[b][:n]
-    prefill = jax.jit(lambda tokens, c: model.decode(tokens, c, jnp.int32(0), jnp.asarray(start_B), all_logits=True))
+    config = DecodeConfig()  # the default: the decode kernels' step on a GPU, the model's XLA decode here
+    prefill = jax.jit(lambda tokens, c: decode(model, tokens, c, jnp.int32(0), jnp.asarray(start_B), config=config,
+                                               all_logits=True))
     logits_BxPxV, cache, _ = prefill(jnp.asarray(tokens_BxP), init_cache(cfg, len(lengths), cfg.max_seq_len))
     full = _full_forward_logits(model, seqs, bucket + steps)
     for b, n in enumerate(lengths):
         np.testing.assert_allclose(np.asarray(logits_BxPxV[b, bucket - n:]), full[b][:n], rtol=1e-5, atol=1e-5)
-    step_fn = jax.jit(lambda m_tokens, c, i: model.decode(m_tokens, c, i, jnp.asarray(start_B)))
+    step_fn = jax.jit(lambda m_tokens, c, i: decode(model, m_tokens, c, i, jnp.asarray(start_B), config=config))
     for t in range(steps):
         fed_B = np.array([seq[n + t] for seq, n in zip(seqs, lengths)], np.int32)
         logits_BxV, cache, _ = step_fn(jnp.asarray(fed_B[:, None]), cache, jnp.int32(bucket + t))
@@ -291,13 +297,13 @@ def test_stop_strings_end_a_row_before_them_and_the_stream_never_shows_them(load
                                                      ("twell", "pallas", True)])
 @pytest.mark.slow
 def test_greedy_generation_through_the_decode_kernels_equals_the_full_forward(kind, backend, transposed):
-    """The one-token steps run `Transformer._decode_step_kernels` (model.decode_kernels=pallas, the
-    kernels interpreted): the sparse model and its dense twin, padded rows included; with
-    model.decode_transposed, on the Generator's output-major weight copies."""
-    cfg = _model_cfg(ffn_kind=kind, ffn_backend=backend, ffn_interpret=True, decode_kernels="pallas",
-                     ffn_op_config={"tile": 16, "slots": 16, "ell_width": 64}, decode_transposed=transposed)
-    loaded_ = _loaded(cfg, seed=1)
-    assert loaded_.model._decode_with_kernels()
+    """The one-token steps run `decode_engine.kernel_step` (decode.kernels=pallas, the kernels
+    interpreted): the sparse model and its dense twin, padded rows included; with decode.transposed,
+    on the Generator's output-major weight copies."""
+    cfg = _model_cfg(ffn_kind=kind, ffn_backend=backend, ffn_interpret=True,
+                     ffn_op_config={"tile": 16, "slots": 16, "ell_width": 64})
+    loaded_ = _loaded(cfg, seed=1, decode_cfg=DecodeConfig(kernels="pallas", transposed=transposed))
+    assert decode_engine.uses_kernels(loaded_.model, loaded_.config.decode)
     assert (Generator(loaded_).prepared is not None) == transposed
     prompts = [[3, 14, 15, 9, 2, 6], [5]]
     result = generate(loaded_, prompts, max_new_tokens=4, eos=())
@@ -314,14 +320,15 @@ def test_greedy_generation_through_the_decode_kernels_equals_the_full_forward(ki
 def test_the_decode_step_runs_no_finiteness_scan():
     """Generation never pays for the op's NaN/Inf scan: the one-token step through the decode
     kernels contains no is_finite, whatever the op config's check_finite says."""
-    cfg = _model_cfg(ffn_kind="twell", ffn_backend="pallas", ffn_interpret=True, decode_kernels="pallas",
+    cfg = _model_cfg(ffn_kind="twell", ffn_backend="pallas", ffn_interpret=True,
                      ffn_op_config={"tile": 16, "slots": 16, "ell_width": 64, "check_finite": True})
+    config = DecodeConfig(kernels="pallas")
     model = init_model(cfg, 0)
     cache = init_cache(cfg, 2, 8)
-    assert cfg.decode_transposed  # the default layout: the step reads prepare_decode's copies
-    prepared = model.prepare_decode()
-    jaxpr = jax.make_jaxpr(lambda c: model.decode(jnp.zeros((2, 1), jnp.int32), c, jnp.int32(3),
-                                                  jnp.zeros((2,), jnp.int32), prepared=prepared))(cache)
+    assert config.transposed  # the default layout: the step reads prepare_decode's copies
+    prepared = decode_engine.prepare_decode(model, config)
+    jaxpr = jax.make_jaxpr(lambda c: decode(model, jnp.zeros((2, 1), jnp.int32), c, jnp.int32(3),
+                                            jnp.zeros((2,), jnp.int32), config=config, prepared=prepared))(cache)
     assert "is_finite" not in str(jaxpr)
     assert "twell_decode_matvec" in str(jaxpr) or "pallas_call" in str(jaxpr)
 

@@ -15,6 +15,7 @@ import pytest
 from safetensors.flax import load_file, save_file
 
 from twell_jax.inference import experiment_config_for
+from twell_jax.inference.decode_engine import decode
 from twell_jax.inference.hf import export_hf, import_hf, model_config_from_hf, params_from_hf
 from twell_jax.inference.load import LoadedModel
 from twell_jax.model import init_model, split_model
@@ -131,6 +132,21 @@ def test_export_writes_the_tokenizer_and_refuses_the_non_gated_kind(tmp_path):
     out = export_hf(loaded, tmp_path / "with_tok")
     assert Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size() == 300
     assert import_hf(out).tokenizer.get_vocab_size() == 300
+    # tokenizer_config.json: the class and the context for AutoTokenizer; no end-of-text token here.
+    assert json.loads((out / "tokenizer_config.json").read_text()) == {
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 16, "clean_up_tokenization_spaces": False}
+    vocab["<|endoftext|>"] = 299
+    del vocab["t299"]
+    with_eos = dataclasses.replace(loaded, tokenizer=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
+    out = export_hf(with_eos, tmp_path / "with_eos")
+    assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
+    try:  # where transformers is installed: AutoTokenizer takes the export as it is (lm-eval's `hf` does)
+        import transformers
+    except ImportError:
+        transformers = None
+    if transformers is not None:
+        auto = transformers.AutoTokenizer.from_pretrained(str(out))
+        assert auto.eos_token == "<|endoftext|>" and auto.eos_token_id == 299 and auto.model_max_length == 16
     relu_cfg = ModelConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=2, d_ff=48, max_seq_len=16, ffn_kind="relu")
     with pytest.raises(ValueError, match="no Llama layout"):
         export_hf(init_model(relu_cfg, 0), tmp_path / "relu", cfg=relu_cfg)
@@ -279,10 +295,12 @@ def test_the_llama3_shaped_fixture_gives_the_logits_transformers_computed():
     np.testing.assert_allclose(_logits(loaded, tokens), want, rtol=1e-5, atol=1e-5)
     cache = init_cache(m, tokens.shape[0], tokens.shape[1])
     start = jnp.zeros((tokens.shape[0],), jnp.int32)
-    prompt, cache, _ = loaded.model.decode(jnp.asarray(tokens[:, :30]), cache, jnp.int32(0), start, all_logits=True)
+    prompt, cache, _ = decode(loaded.model, jnp.asarray(tokens[:, :30]), cache, jnp.int32(0), start,
+                              config=loaded.config.decode, all_logits=True)
     steps = []
     for t in range(30, tokens.shape[1]):
-        logits, cache, _ = loaded.model.decode(jnp.asarray(tokens[:, t:t + 1]), cache, jnp.int32(t), start)
+        logits, cache, _ = decode(loaded.model, jnp.asarray(tokens[:, t:t + 1]), cache, jnp.int32(t), start,
+                                  config=loaded.config.decode)
         steps.append(logits)
     assert cache.k_LxBxTxNxK.shape == (2, 2, tokens.shape[1], 2, 16)  # the 2 KV heads cached, not 4
     np.testing.assert_allclose(np.concatenate([prompt, np.stack(steps, 1)], axis=1), want, rtol=1e-5, atol=1e-5)

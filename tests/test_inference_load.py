@@ -141,7 +141,7 @@ def test_twell_generate_streams_and_reports_errors(micro_run, capsys, monkeypatc
 def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_inference.py"), "--dry-run",
+    proc = subprocess.run([sys.executable, "-m", "twell_jax.bench.inference", "--dry-run",
                            "--stored-decode-rows", "--loop-decode-rows", "--sparse-ffn-rows", "auto,tiles", "--trace-decode",
                            "3", "--interleave-decode", "1", "--out", str(out)], capture_output=True, text=True, env=env,
                           timeout=600)
@@ -149,13 +149,13 @@ def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_
     import json
 
     rows = json.loads(out.read_text())["rows"]
-    # +stored rows (model.decode_transposed off): decode and generate only, the same tokens (on a
+    # +stored rows (decode.transposed off): decode and generate only, the same tokens (on a
     # CPU the step is XLA's, so no copies are made: the plumbing is what runs here).
     transposed = [r for r in rows if r["variant"].endswith("+stored")]
     assert {r["variant"] for r in transposed} == {"dense+stored", "twell-reference+stored"}
     assert {r["phase"] for r in transposed} == {"decode", "generate, chunk 1", "generate, chunk 16"}
     # --loop-decode-rows: the dense and sparse variants with their decode layers in a loop
-    # (model.decode_layer_unroll=1), decode and generate only, the same tokens.
+    # (decode.layer_unroll=1), decode and generate only, the same tokens.
     looped = [r for r in rows if r["variant"].endswith("+loop")]
     assert {r["variant"] for r in looped} == {"dense+loop", "twell-reference+loop"}
     assert {r["phase"] for r in looped} == {"decode", "generate, chunk 1", "generate, chunk 16"}
@@ -173,7 +173,7 @@ def test_bench_inference_dry_run_measures_every_variant_on_the_same_weights(tmp_
     assert traced == {(r["variant"], 1) for r in rows if r["phase"] == "decode"} and len(traced) == 8
     assert all("trace" in r for r in rows if r["phase"].startswith("generate"))
     assert all(r["trace"] and r["trace"][0].startswith("kernel trace") for r in rows if "trace" in r)
-    # --sparse-ffn-rows: the sparse variant with each named model.decode_sparse_ffn but the default
+    # --sparse-ffn-rows: the sparse variant with each named decode.sparse_ffn but the default
     # ("auto": only "+tiles"), decode and generate only (no prefill row), making the same tokens.
     assert not any(r["variant"].endswith("+auto") for r in rows)
     fused = [r for r in rows if r["variant"].endswith("+tiles")]

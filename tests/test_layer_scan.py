@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 from twell_jax import ops
-from twell_jax.config import ModelConfig
+from twell_jax.config import DecodeConfig, ModelConfig
+from twell_jax.inference import decode_engine
 from twell_jax.model import (KVCache, Transformer, _logits, apply_model, init_cache, init_model, layer_slice,
                              split_model, stack_layers)
 
@@ -96,11 +97,14 @@ def test_kv_cached_decode_equals_the_forward(two_plans, layer_scan):
     full, _ = model(tokens)
     cache = init_cache(cfg, 2, 8)
     start = jnp.zeros((2,), jnp.int32)
-    logits, cache, _ = model.decode(tokens[:, :5], cache, jnp.int32(0), start, all_logits=True)
+    config = DecodeConfig()  # the default: the decode kernels on a GPU, the model's XLA decode here
+    logits, cache, _ = decode_engine.decode(model, tokens[:, :5], cache, jnp.int32(0), start, config=config,
+                                            all_logits=True)
     np.testing.assert_allclose(logits, full[:, :5], rtol=1e-4, atol=1e-5)
-    prepared = model.prepare_decode()  # the default layout's output-major copies (decode_transposed)
+    prepared = decode_engine.prepare_decode(model, config)  # the default layout's output-major copies
     for t in range(5, 8):
-        step_logits, cache, aux = model.decode(tokens[:, t:t + 1], cache, jnp.int32(t), start, prepared=prepared)
+        step_logits, cache, aux = decode_engine.decode(model, tokens[:, t:t + 1], cache, jnp.int32(t), start,
+                                                       config=config, prepared=prepared)
         np.testing.assert_allclose(step_logits, full[:, t], rtol=1e-4, atol=1e-5)
     assert isinstance(cache, KVCache) and aux["l0"].shape == (4,)
 
@@ -182,6 +186,7 @@ def test_a_run_written_before_the_layers_were_stacked_restores_and_resumes(tmp_p
     was written stacked."""
     from twell_jax.configs import get_config
     from twell_jax import config as config_lib
+    from twell_jax import run_dir as run_dir_lib
     from twell_jax.training import checkpoint as ckpt_lib
     from twell_jax.training.checkpoint import CheckpointStore, restore_params
     from twell_jax.training.train import Trainer
@@ -203,7 +208,7 @@ def test_a_run_written_before_the_layers_were_stacked_restores_and_resumes(tmp_p
     monkeypatch.setattr(CheckpointStore, "save", save_as_format_2)
     Trainer(cfg, old_run).run()
     monkeypatch.undo()
-    store = CheckpointStore(ckpt_lib.checkpoint_dir(old_run), create=False)
+    store = CheckpointStore(run_dir_lib.checkpoint_dir(old_run), create=False)
     assert store.restore_meta(2)["format"] == 2
     store.close()
     old_params, _, _ = restore_params(old_run)

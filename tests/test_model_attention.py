@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from twell_jax.config import DataConfig, ExperimentConfig, ModelConfig, RopeScaling, SparsityConfig
+from twell_jax.config import DataConfig, DecodeConfig, ExperimentConfig, ModelConfig, RopeScaling, SparsityConfig
+from twell_jax.inference import decode_engine
 from twell_jax.model import (describe_execution, init_cache, init_model, rope, rope_frequencies, rope_tables,
                              split_model)
 
@@ -102,7 +103,7 @@ def test_the_cache_holds_the_kv_heads_and_decoding_equals_the_forward():
 
 # The decode kernels' step (interpret mode): the sparse kind through the Pallas backend.
 KERNEL_CFG = dataclasses.replace(CFG, ffn_kind="twell", ffn_backend="pallas", ffn_interpret=True,
-                                 decode_kernels="pallas", ffn_op_config={"tile": 16, "slots": 16, "ell_width": 64})
+                                 ffn_op_config={"tile": 16, "slots": 16, "ell_width": 64})
 
 
 @pytest.mark.parametrize("variant", ["transposed", "stored", "head_dim_12"])
@@ -112,28 +113,30 @@ def test_the_decode_kernels_step_equals_the_xla_steps_and_the_forward(variant):
     [L, D + 2 N_kv K, D] product (transposed copies) or three stored ones, the attention kernel's
     programs each serving a KV head's G query heads (or, at a head dim that is not a power of two,
     the XLA attention over the grouped cache), the LM head's kernel reading lm_head; left-padded rows."""
-    change = {"transposed": {}, "stored": {"decode_transposed": False},
-              "head_dim_12": {"d_model": 48, "n_heads": 4, "n_kv_heads": 1}}[variant]
-    cfg = dataclasses.replace(KERNEL_CFG, **change)
+    cfg = dataclasses.replace(KERNEL_CFG, **({"d_model": 48, "n_heads": 4, "n_kv_heads": 1} if variant == "head_dim_12"
+                                             else {}))
+    config = DecodeConfig(kernels="pallas", transposed=variant != "stored")
     tokens = jax.random.randint(jax.random.key(5), (3, 9), 0, cfg.vocab_size)
     start = jnp.asarray([0, 2, 4], jnp.int32)
 
-    def run(cfg):
+    def run(config):
         model = init_model(cfg, seed=4)
-        prepared = model.prepare_decode()
+        prepared = decode_engine.prepare_decode(model, config)
         cache = init_cache(cfg, 3, 9)
-        _, cache, _ = model.decode(tokens[:, :6], cache, jnp.int32(0), start)
+        _, cache, _ = decode_engine.decode(model, tokens[:, :6], cache, jnp.int32(0), start, config=config)
         out = []
         for t in range(6, 9):
-            logits, cache, _ = model.decode(tokens[:, t:t + 1], cache, jnp.int32(t), start, prepared=prepared)
+            logits, cache, _ = decode_engine.decode(model, tokens[:, t:t + 1], cache, jnp.int32(t), start,
+                                                    config=config, prepared=prepared)
             out.append(logits)
         return jnp.stack(out, 1), cache, model
 
-    got, cache, model = run(cfg)
-    assert model._decode_with_kernels() and (model.prepare_decode() is None) == (variant == "stored")
+    got, cache, model = run(config)
+    prepared = decode_engine.prepare_decode(model, config)
+    assert decode_engine.uses_kernels(model, config) and (prepared is None) == (variant == "stored")
     if variant == "transposed":
-        assert model.prepare_decode()["w_qkv"].shape == (2, 64 + 2 * 32, 64)
-    want, want_cache, _ = run(dataclasses.replace(cfg, decode_kernels="xla"))
+        assert prepared.w_qkv.shape == (2, 64 + 2 * 32, 64)
+    want, want_cache, _ = run(DecodeConfig(kernels="xla"))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(cache.k_LxBxTxNxK, want_cache.k_LxBxTxNxK, atol=1e-6)
     full, _ = model(tokens)
@@ -148,7 +151,7 @@ def test_parameter_count_memory_and_descriptions_count_kv_heads_and_the_head(cha
     the training activations and a decode step's bytes; the start-up line names the heads."""
     from twell_jax.bench.inference import decode_floor_bytes
     from twell_jax.cli import _param_count
-    from twell_jax.training.train import memory_estimate
+    from twell_jax.training.preflight import memory_estimate
 
     cfg = dataclasses.replace(CFG, **change)
     assert cfg.num_params() == _param_count(cfg)

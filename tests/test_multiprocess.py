@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from twell_jax.training import parallel as par
-from twell_jax.training import train as train_lib
+from twell_jax.training import step as step_lib
 from twell_jax.training.metrics import MetricsSink
 
 REPO = Path(__file__).resolve().parents[1]
@@ -315,15 +315,15 @@ def test_the_stop_vote_reports_what_any_device_voted_for():
         assert set(batch) == {"tokens"}  # the vote never reaches the model's step
         return state + 1, {"loss": jnp.sum(batch["tokens"]).astype(jnp.float32)}
 
-    voting = jax.jit(train_lib.with_stop_vote(step))
+    voting = jax.jit(step_lib.with_stop_vote(step))
     tokens = jnp.ones((4, 3), jnp.int32)
-    vote = np.zeros((4, len(train_lib.STOP_REASONS)), bool)
-    state, metrics = voting(jnp.int32(0), {"tokens": tokens, train_lib.STOP_VOTE: vote})
+    vote = np.zeros((4, len(step_lib.STOP_REASONS)), bool)
+    state, metrics = voting(jnp.int32(0), {"tokens": tokens, step_lib.STOP_VOTE: vote})
     assert int(state) == 1 and float(metrics["loss"]) == 12.0
-    assert not np.any(metrics[train_lib.STOP_VOTE])
-    vote[2, train_lib.STOP_REASONS.index("SIGTERM")] = True
-    _, metrics = voting(jnp.int32(0), {"tokens": tokens, train_lib.STOP_VOTE: vote})
-    assert list(np.asarray(metrics[train_lib.STOP_VOTE])) == [name == "SIGTERM" for name in train_lib.STOP_REASONS]
+    assert not np.any(metrics[step_lib.STOP_VOTE])
+    vote[2, step_lib.STOP_REASONS.index("SIGTERM")] = True
+    _, metrics = voting(jnp.int32(0), {"tokens": tokens, step_lib.STOP_VOTE: vote})
+    assert list(np.asarray(metrics[step_lib.STOP_VOTE])) == [name == "SIGTERM" for name in step_lib.STOP_REASONS]
 
 
 def test_a_sink_without_files_writes_nothing_and_still_says_messages(tmp_path):

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_ffn_train_dry_run(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)  # one CPU device is enough
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_ffn_train.py"),
+    proc = subprocess.run([sys.executable, "-m", "twell_jax.bench.ffn_train",
                            "--dry-run", "--trace", "--sweep-blocks", "--out", str(tmp_path)],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -12,6 +12,8 @@ import pytest
 
 from twell_jax.configs import get_config
 from twell_jax.bench import plain_llama
+from twell_jax.config import DecodeConfig
+from twell_jax.inference.decode_engine import decode
 from twell_jax.inference.load import model_with_params  # noqa: E402
 from twell_jax.model import init_cache, init_model, split_model  # noqa: E402
 from twell_jax.training.loss import cross_entropy  # noqa: E402
@@ -71,15 +73,15 @@ def test_kv_cached_prefill_and_decode_equal_the_full_forward_and_the_models_deco
                                                             chunk=5)
     np.testing.assert_allclose(logits_BxV, full_BxSxV[:, prefill_len - 1], **TOL)
     start_B = jnp.zeros((2,), jnp.int32)
-    model_logits_BxV, model_cache, _ = twin.decode(tokens_BxS[:, :prefill_len], init_cache(cfg, 2, length),
-                                                   jnp.int32(0), start_B)
+    model_logits_BxV, model_cache, _ = decode(twin, tokens_BxS[:, :prefill_len], init_cache(cfg, 2, length),
+                                              jnp.int32(0), start_B, config=DecodeConfig())
     np.testing.assert_allclose(logits_BxV, model_logits_BxV, **TOL)
 
     step = jax.jit(lambda p, c, t, pos: plain_llama.reference_decode_step(cfg, p, c, t, pos))
     for pos in range(prefill_len, length):
         logits_BxV, cache = step(plain, cache, tokens_BxS[:, pos:pos + 1], jnp.int32(pos))
-        model_logits_BxV, model_cache, _ = twin.decode(tokens_BxS[:, pos:pos + 1], model_cache, jnp.int32(pos),
-                                                       start_B)
+        model_logits_BxV, model_cache, _ = decode(twin, tokens_BxS[:, pos:pos + 1], model_cache, jnp.int32(pos),
+                                                  start_B, config=DecodeConfig())
         np.testing.assert_allclose(logits_BxV, full_BxSxV[:, pos], **TOL)
         np.testing.assert_allclose(logits_BxV, model_logits_BxV, **TOL)
     for got, want in zip(cache, model_cache):

@@ -16,8 +16,9 @@ import pytest
 
 from test_train import FakeData, micro_cfg
 from twell_jax.cli import main
+from twell_jax import run_dir as run_dir_lib
 from twell_jax.training import checkpoint as ckpt_lib
-from twell_jax.training import train as train_lib
+from twell_jax.training import preflight
 from twell_jax.training.optimizer import learning_rate_schedule
 from twell_jax.training.planning import PlanController
 from twell_jax.training.train import Trainer
@@ -55,7 +56,7 @@ def test_resume_past_the_schedule_is_refused_naming_the_field_then_stretched(fin
     with pytest.raises(ValueError, match=r"steps 5-8 would train at learning rate 0.*--set optim\.schedule_steps=8"):
         Trainer(micro_cfg("train.steps=8"), run, resume=True, data_builder=FakeData)
     assert _snapshot(run) == before
-    assert not (run / ckpt_lib.LOCK_FILE).exists()
+    assert not (run / run_dir_lib.LOCK_FILE).exists()
     # With the schedule stretched explicitly the steps train: a non-zero lr and parameters that move.
     messages: list[str] = []
     result = Trainer(micro_cfg("train.steps=8", "optim.schedule_steps=8"), run, resume=True,
@@ -73,14 +74,14 @@ def test_a_new_run_past_its_own_schedule_is_refused(tmp_path):
         Trainer(micro_cfg("train.steps=6", "optim.schedule_steps=4"), tmp_path / "r", data_builder=FakeData)
     assert not (tmp_path / "r").exists()
     # A constant schedule, or a cosine to a non-zero floor, has no zero-lr steps: allowed.
-    assert train_lib.zero_lr_from(micro_cfg("optim.schedule=constant", "optim.schedule_steps=2")) is None
-    assert train_lib.zero_lr_from(micro_cfg("optim.min_lr_ratio=0.1")) is None
+    assert preflight.zero_lr_from(micro_cfg("optim.schedule=constant", "optim.schedule_steps=2")) is None
+    assert preflight.zero_lr_from(micro_cfg("optim.min_lr_ratio=0.1")) is None
 
 
 @pytest.mark.parametrize("warmup,horizon", [(2, 4), (0, 4), (5, 3), (1, 1), (0, 1)])
 def test_zero_lr_from_is_where_the_schedule_reaches_0(warmup, horizon):
     cfg = micro_cfg(f"optim.warmup_steps={warmup}", f"optim.schedule_steps={horizon}", f"train.steps={horizon}")
-    zero = train_lib.zero_lr_from(cfg)
+    zero = preflight.zero_lr_from(cfg)
     lr = learning_rate_schedule(cfg.optim, cfg.schedule_steps)
     assert float(lr(zero - 1)) > 0 and all(float(lr(i)) == 0.0 for i in range(zero, zero + 3))
 
@@ -147,9 +148,9 @@ def test_overwrite_refuses_a_run_with_foreign_files_and_replaces_a_clean_one(fin
 
 def test_a_second_trainer_in_a_locked_run_is_refused_naming_the_pid(tmp_path):
     first = Trainer(micro_cfg("train.steps=1"), tmp_path / "r", data_builder=FakeData)
-    lock = tmp_path / "r" / ckpt_lib.LOCK_FILE
+    lock = tmp_path / "r" / run_dir_lib.LOCK_FILE
     assert lock.read_text().startswith(f"pid {os.getpid()} ")
-    with pytest.raises(ckpt_lib.RunLockedError, match=rf"{lock}.*pid {os.getpid()}"):
+    with pytest.raises(run_dir_lib.RunLockedError, match=rf"{lock}.*pid {os.getpid()}"):
         Trainer(micro_cfg("train.steps=1"), tmp_path / "r", overwrite=True, data_builder=FakeData)
     first.run()
     assert not lock.exists()  # released at the end of the run
@@ -159,7 +160,7 @@ def test_a_second_trainer_in_a_locked_run_is_refused_naming_the_pid(tmp_path):
 def test_cli_refuses_a_run_locked_by_another_process_and_takes_over_a_stale_lock(finished, tmp_path, capsys):
     run = _copy(finished[0], tmp_path)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from twell_jax.training.checkpoint import RunLock; "
+        [sys.executable, "-c", "import sys, time; from twell_jax.run_dir import RunLock; "
          "held = RunLock(sys.argv[1]); print('locked', flush=True); time.sleep(600)", str(run)],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True)
     try:
@@ -168,18 +169,18 @@ def test_cli_refuses_a_run_locked_by_another_process_and_takes_over_a_stale_lock
         argv = ["train", "--out", str(run), "--resume", "--set", "train.steps=8", "optim.schedule_steps=8"]
         assert main(argv) == 2
         err = capsys.readouterr().err
-        assert str(run / ckpt_lib.LOCK_FILE) in err and f"pid {holder.pid} " in err
+        assert str(run / run_dir_lib.LOCK_FILE) in err and f"pid {holder.pid} " in err
         assert _snapshot(run) == before
     finally:
         holder.kill()  # like kill -9: the kernel drops the flock, the file stays behind
         holder.wait()
-    assert f"pid {holder.pid} " in (run / ckpt_lib.LOCK_FILE).read_text()
+    assert f"pid {holder.pid} " in (run / run_dir_lib.LOCK_FILE).read_text()
     messages: list[str] = []
     trainer = Trainer(micro_cfg("train.steps=5", "optim.schedule_steps=5"), run, resume=True,
                       data_builder=FakeData, echo=messages.append)
     assert any("taking over the lock" in m and f"pid {holder.pid} " in m for m in messages)
     trainer.release()
-    assert not (run / ckpt_lib.LOCK_FILE).exists()
+    assert not (run / run_dir_lib.LOCK_FILE).exists()
 
 
 # ----------------------------------------------------------------------------- item 11: names and hints
@@ -188,7 +189,7 @@ def test_cli_refuses_a_run_locked_by_another_process_and_takes_over_a_stale_lock
 def test_default_run_dirs_are_unique_within_a_second(tmp_path, monkeypatch):
     monkeypatch.setattr(time, "strftime", lambda fmt, *a: "20260101-000000")
     cfg = micro_cfg()
-    dirs = [train_lib.default_run_dir(cfg, tmp_path) for _ in range(3)]
+    dirs = [run_dir_lib.default_run_dir(cfg, tmp_path) for _ in range(3)]
     assert [d.name for d in dirs] == ["micro-20260101-000000", "micro-20260101-000000-2", "micro-20260101-000000-3"]
     assert all(d.is_dir() and not any(d.iterdir()) for d in dirs)
 
@@ -229,9 +230,9 @@ def test_a_file_system_without_flock_warns_and_trains(tmp_path, monkeypatch):
 
     monkeypatch.setattr(fcntl, "flock", no_flock)
     messages: list[str] = []
-    lock = ckpt_lib.RunLock(tmp_path, warn=messages.append)
+    lock = run_dir_lib.RunLock(tmp_path, warn=messages.append)
     assert any("does not support flock" in m for m in messages)
-    assert not (tmp_path / ckpt_lib.LOCK_FILE).exists()
+    assert not (tmp_path / run_dir_lib.LOCK_FILE).exists()
     lock.release()
 
 

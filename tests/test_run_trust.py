@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 
 from twell_jax.configs import get_config, list_configs
+from twell_jax import run_dir as run_dir_lib
 from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax import config as config_lib
 from twell_jax.cli import _parser, main
 from twell_jax.training.evaluate import evaluate_checkpoint
 from twell_jax.training.optimizer import learning_rate_schedule
 from twell_jax.data import build_experiment_data
-from twell_jax.training.train import check_op_config
+from twell_jax.training.preflight import check_op_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -137,7 +138,7 @@ def test_corrupt_checkpoint_is_named_and_the_older_one_is_used(run, capsys):
     # --resume falls back too, moves the corrupt one aside and trains step 2 again.
     assert main(["train", "--out", str(run), "--resume"]) == 0
     assert _steps(run) == [1, 2]
-    assert list((run / ckpt_lib.QUARANTINE_SUBDIR).iterdir())
+    assert list((run / run_dir_lib.QUARANTINE_SUBDIR).iterdir())
     assert main(["eval", "--checkpoint", str(run), "--step", "2"]) == 0
 
 
@@ -186,7 +187,7 @@ def test_evaluation_that_yields_nan_fails(run, capsys):
 
 
 def test_tokenizer_saved_and_a_changed_corpus_is_reported(base, run, capsys):
-    assert (run / ckpt_lib.TOKENIZER_FILE).is_file() and (run / ckpt_lib.FINGERPRINT_FILE).is_file()
+    assert (run / run_dir_lib.TOKENIZER_FILE).is_file() and (run / run_dir_lib.FINGERPRINT_FILE).is_file()
     edited = base["root"] / f"edited-{os.getpid()}-{time.time_ns()}"
     shutil.copytree(base["corpus"], edited)
     first = sorted(edited.iterdir())[0]
@@ -199,8 +200,8 @@ def test_tokenizer_saved_and_a_changed_corpus_is_reported(base, run, capsys):
 
     messages: list[str] = []
     evaluate_checkpoint(run, overrides=[f"data.source={edited}"], data_builder=builder, echo=messages.append)
-    assert seen == [str((run / ckpt_lib.TOKENIZER_FILE).absolute())]  # never re-trained on the new corpus
-    old = json.loads((run / ckpt_lib.FINGERPRINT_FILE).read_text())["corpus"]
+    assert seen == [str((run / run_dir_lib.TOKENIZER_FILE).absolute())]  # never re-trained on the new corpus
+    old = json.loads((run / run_dir_lib.FINGERPRINT_FILE).read_text())["corpus"]
     assert any(old in m for m in messages)  # the change is reported, naming the fingerprint trained on
 
 
@@ -224,7 +225,7 @@ def test_sigterm_checkpoints_and_exits_with_a_resume_hint(base, tmp_path):
     assert "--resume" in err and str(out.absolute()) in err
     steps = ckpt_lib.CheckpointStore(out / "checkpoints", create=False).all_steps()
     assert steps and steps[-1] == _steps(out)[-1]  # the last finished step is checkpointed
-    assert not (out / ckpt_lib.LOCK_FILE).exists()  # the run's lock is released on SIGTERM too
+    assert not (out / run_dir_lib.LOCK_FILE).exists()  # the run's lock is released on SIGTERM too
 
 
 def _logged(run_dir: Path) -> bool:

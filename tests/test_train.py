@@ -12,8 +12,9 @@ from twell_jax.configs import get_config
 from twell_jax import config as config_lib
 from twell_jax.training.loss import l1_coefficient
 from twell_jax.model import init_model, split_model
-from twell_jax.training.checkpoint import LOCK_FILE
-from twell_jax.training.train import Hooks, Trainer, accumulate_gradients
+from twell_jax.run_dir import LOCK_FILE
+from twell_jax.training.step import accumulate_gradients
+from twell_jax.training.train import Hooks, Trainer
 
 
 class FakeIterator:

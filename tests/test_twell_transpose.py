@@ -236,10 +236,10 @@ def test_triton_lowering():
 
 @pytest.mark.slow
 def test_bench_dry_run():
-    """experiments/bench_transpose.py --interpret runs end to end (it checks equality first)."""
+    """experiments/bench_transpose.py (twell_jax/bench/transpose.py) --interpret runs end to end (it checks
+    equality first)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_transpose.py"),
-                           "--interpret"], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "twell_jax.bench.transpose", "--interpret"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "kernel" in proc.stdout and "xla_sort" in proc.stdout

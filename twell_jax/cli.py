@@ -31,6 +31,8 @@ from typing import Any, Callable, TextIO
 
 from twell_jax import __version__
 from twell_jax import config as config_lib
+from twell_jax import run_dir as run_dir_lib
+from twell_jax.run_dir import checkpoint_arg
 
 EXIT_ERROR = 2
 EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}  # 128 + the signal number, as a shell reports it
@@ -136,21 +138,6 @@ def resume_config(run_dir: Path, preset: str | None, overrides: list[str]) -> co
     return config_lib.apply_overrides(saved, overrides)
 
 
-def checkpoint_arg(path: str, step: int | None) -> tuple[Path, int | None]:
-    """(run directory, step) of a --checkpoint argument: a run directory, its checkpoints/ directory,
-    or one checkpoint step's directory (RUN/checkpoints/8, which picks step 8)."""
-    from twell_jax.training import checkpoint as ckpt_lib
-
-    given = Path(path)
-    if given.name.isdigit() and given.parent.name == ckpt_lib.CHECKPOINT_SUBDIR:
-        if not given.is_dir():
-            raise FileNotFoundError(f"--checkpoint {path}: no such checkpoint directory")
-        if step is not None and step != int(given.name):
-            raise ValueError(f"--checkpoint {path} is step {int(given.name)} but --step {step} was given: pick one")
-        return given.parent.parent, int(given.name)
-    return ckpt_lib.checkpoint_dir(given).parent, step
-
-
 def _imported(hf_dir: str, *, dtype: str, ffn_kind: str | None = None, ffn_backend: str = "auto",
               max_seq_len: int | None = None) -> Any:
     from twell_jax.inference.hf import import_hf
@@ -175,13 +162,12 @@ def _with_imported_model(cfg: config_lib.ExperimentConfig, imported: Any, overri
     keep_seq = "model.max_seq_len" in _override_keys(overrides)
     kind = model.ffn_kind
     if "model.ffn_kind" in _override_keys(overrides) and cfg.model.ffn_kind != kind:
-        from twell_jax.inference.hf import _KIND_TO_ACT
-
         # The weights fix the activation; the FFN kinds of that activation share one layout.
-        allowed = sorted(k for k, act in _KIND_TO_ACT.items() if act == _KIND_TO_ACT[kind])
+        activation = config_lib.FFN_KIND_TABLE[kind].activation
+        allowed = sorted(config_lib.ffn_kinds_with(activation))
         if cfg.model.ffn_kind not in allowed:
             raise ValueError(f"--set model.ffn_kind={cfg.model.ffn_kind}: {flag}'s checkpoint has the activation "
-                             f"{_KIND_TO_ACT[kind]!r}, so the FFN kind is one of {allowed}")
+                             f"{activation!r}, so the FFN kind is one of {allowed}")
         kind = cfg.model.ffn_kind
     new_model = dataclasses.replace(cfg.model, **{f: getattr(model, f) for f in architecture},
                                     ffn_kind=kind,
@@ -301,10 +287,9 @@ def _dry_run(args: argparse.Namespace, cfg: config_lib.ExperimentConfig, target:
     import jax
 
     from twell_jax.data import build_experiment_data
-    from twell_jax.training import checkpoint as ckpt_lib
     from twell_jax.training import parallel
-    from twell_jax.training.train import (check_fits_memory, check_vocab, checked_run_config, describe_memory,
-                                          schedule_warnings, with_saved_tokenizer)
+    from twell_jax.training.preflight import (check_fits_memory, check_vocab, checked_run_config, describe_memory,
+                                              schedule_warnings)
 
     # The run's own checks (schedule, op config, resumable checkpoint, what --out holds, the memory the
     # model needs): a dry run that passes is a run that starts. Without --out the run gets a new directory.
@@ -316,10 +301,10 @@ def _dry_run(args: argparse.Namespace, cfg: config_lib.ExperimentConfig, target:
     for warning in schedule_warnings(cfg):
         print(warning)
     # The corpus, tokenizer and splits, checked as training checks them (a resume reads the run's tokenizer).
-    data = build_experiment_data(with_saved_tokenizer(cfg, target) if args.resume else cfg)
+    data = build_experiment_data(run_dir_lib.with_saved_tokenizer(cfg, target) if args.resume else cfg)
     check_vocab(cfg, data.vocab_size, print)
     state = ("continues the run there" if args.resume else "new (a fresh runs/<name>-<timestamp>)" if target is None
-             else "holds a twell run, which --overwrite replaces" if ckpt_lib.holds_a_run(target) else "new")
+             else "holds a twell run, which --overwrite replaces" if run_dir_lib.holds_a_run(target) else "new")
     plan = {"config": cfg.name, "run_dir": str(target.absolute()) if target else None, "run_dir_state": state,
             "parameters": _param_count(cfg.model), "steps": tc.steps,
             "tokens_per_step": tc.global_batch * cfg.seq_len, "devices": devices,
@@ -609,7 +594,7 @@ def _parser() -> argparse.ArgumentParser:
                        help=f"decode steps per device call (default {config_lib.DEFAULT_DECODE_CHUNK}): tokens reach "
                             "the host, and the stream, N at a time; 1 = one call per token")
     p_gen.add_argument("--decode-layout", choices=("transposed", "stored"), default=None,
-                       help="model.decode_transposed for this call: transposed = the decode kernels read "
+                       help="decode.transposed for this call: transposed = the decode kernels read "
                             "output-major copies of q/k/v, the attention output and W_down (faster; those weights "
                             "held twice), stored = the weights as trained, held once (default: the run's config; "
                             "runs saved before 2026-11-24 stored, later ones transposed)")

@@ -32,6 +32,7 @@ import numpy as np
 
 from twell_jax import compile_cache
 from twell_jax import config as config_lib
+from twell_jax import run_dir as run_dir_lib
 from twell_jax.config import FFN_KIND_TABLE, ExperimentConfig
 
 PLAN_FILE = "compare_plan.json"
@@ -109,12 +110,11 @@ def _plan_dict(runs: list[StudyRun], options: dict[str, Any]) -> dict[str, Any]:
 def check_out_dir(out_dir: Path, *, resume: bool) -> None:
     """A new study needs a missing or empty `out_dir`; --resume needs a comparison directory. A
     training run (config.json / checkpoints/ without a plan) is refused either way."""
-    from twell_jax.training import checkpoint as ckpt_lib
-
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {out_dir}: not a directory")
     has_plan = (out_dir / PLAN_FILE).is_file()
-    if not has_plan and ((out_dir / ckpt_lib.CONFIG_FILE).is_file() or (out_dir / ckpt_lib.CHECKPOINT_SUBDIR).is_dir()):
+    if not has_plan and ((out_dir / run_dir_lib.CONFIG_FILE).is_file()
+                         or (out_dir / run_dir_lib.CHECKPOINT_SUBDIR).is_dir()):
         raise ValueError(f"--out {out_dir}: that directory is a training run of `twell train`, not a comparison "
                          f"(no {PLAN_FILE}); pick another --out")
     if resume and not has_plan:
@@ -129,10 +129,8 @@ def check_out_dir(out_dir: Path, *, resume: bool) -> None:
 
 def load_plan(out_dir: Path) -> tuple[list[StudyRun], dict[str, Any]]:
     """(the runs, the study options) saved in `out_dir`'s plan."""
-    from twell_jax.training import checkpoint as ckpt_lib
-
     path = out_dir / PLAN_FILE
-    plan = ckpt_lib.read_json_file(path, "comparison plan")
+    plan = run_dir_lib.read_json_file(path, "comparison plan")
     version = plan.get("version") if isinstance(plan, dict) else None
     if version != PLAN_VERSION:
         raise ValueError(f"{path}: version {version!r}, expected {PLAN_VERSION}")
@@ -166,12 +164,10 @@ def resumed_runs(out_dir: Path, overrides: list[str], options: dict[str, Any]) -
 
 def _run_state(run_dir: Path, cfg: ExperimentConfig) -> str:
     """"done" (summary at train.steps), "resume" (a checkpoint to continue from) or "new"."""
-    from twell_jax.training import checkpoint as ckpt_lib
-
-    summary = run_dir / "summary.json"
-    if summary.is_file() and ckpt_lib.read_json_file(summary, "run summary").get("steps", -1) >= cfg.train.steps:
+    summary = run_dir_lib.read_summary(run_dir)
+    if summary is not None and summary.get("steps", -1) >= cfg.train.steps:
         return "done"
-    if ckpt_lib.has_steps(run_dir / ckpt_lib.CHECKPOINT_SUBDIR):
+    if run_dir_lib.has_steps(run_dir / run_dir_lib.CHECKPOINT_SUBDIR):
         return "resume"
     return "new"
 
@@ -181,10 +177,10 @@ def init_run_config(init_run: str | Path) -> ExperimentConfig:
     checkpoint); errors name --init-run."""
     from twell_jax.training import checkpoint as ckpt_lib
 
-    if not ckpt_lib.has_steps(ckpt_lib.checkpoint_dir(init_run)):
+    if not run_dir_lib.has_steps(run_dir_lib.checkpoint_dir(init_run)):
         raise ValueError(f"--init-run {init_run}: no checkpoint there (expected the directory of a trained run, "
-                         f"with {ckpt_lib.CHECKPOINT_SUBDIR}/<step>/)")
-    return ckpt_lib.load_run_config(ckpt_lib.checkpoint_dir(init_run).parent)
+                         f"with {run_dir_lib.CHECKPOINT_SUBDIR}/<step>/)")
+    return ckpt_lib.load_run_config(run_dir_lib.run_dir_of(init_run))
 
 
 def check_init_run(init_run: str | Path, cfg: ExperimentConfig) -> None:
@@ -223,9 +219,7 @@ def run_study(runs: list[StudyRun], out_dir: str | Path, *, resume: bool = False
             check_init_run(run.init_run, run.cfg)
     if not resume:
         out_dir.mkdir(parents=True, exist_ok=True)
-        from twell_jax.training.checkpoint import atomic_write_text
-
-        atomic_write_text(out_dir / PLAN_FILE, json.dumps(_plan_dict(runs, options or {}), indent=1))
+        run_dir_lib.atomic_write_text(out_dir / PLAN_FILE, json.dumps(_plan_dict(runs, options or {}), indent=1))
     for i, (run, state) in enumerate(zip(runs, states), 1):
         run_dir = out_dir / run.key
         what = f"{run.cfg.model.ffn_kind}, L1 {run.cfg.sparsity.l1_coef:g}" + (
@@ -263,19 +257,14 @@ def _trainer(run: StudyRun, run_dir: Path, state: str, *, study_resumed: bool,
     return InitFromParams(run.cfg, run_dir, init_params=params, **common)  # its state takes them over
 
 
-def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    records = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            records.append(json.loads(line))
-    return records
-
-
 def run_report(run: StudyRun, run_dir: Path) -> dict[str, Any]:
     """One run's row: its summary.json plus the training curves and the position profile from
     metrics.jsonl (each logged step's `position_profile` [layers, buckets])."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    records = _read_metrics(run_dir / "metrics.jsonl")
+    summary = run_dir_lib.read_summary(run_dir)
+    if summary is None:
+        raise FileNotFoundError(f"{run_dir} has no {run_dir_lib.SUMMARY_FILE}: the run {run.key} has not finished; "
+                                "continue the comparison with --resume")
+    records = run_dir_lib.read_metrics(run_dir)
     train_records = [r for r in records if "ce" in r]
     profiles = [np.asarray(r["position_profile"], np.float64) for r in train_records if "position_profile" in r]
     position = None
@@ -443,12 +432,11 @@ def task_accuracy(runs: list[StudyRun], out_dir: Path, selection: Any, *, limit:
     final checkpoint on the selected lm-eval tasks (`harness.evaluate_run`; a results file of that
     step and these tasks already in the run directory is read back)."""
     from twell_jax.inference import harness
-    from twell_jax.training import checkpoint as ckpt_lib
 
     out = {}
     for run in runs:
         run_dir = out_dir / run.key
-        step = ckpt_lib.read_json_file(run_dir / "summary.json", "run summary")["steps"]
+        step = run_dir_lib.read_summary(run_dir)["steps"]
         results, path = harness.evaluate_run(run_dir, selection, step=step, limit=limit, reuse=True, echo=echo,
                                              flag="--tasks")
         summary = harness.summarize(results)
@@ -497,9 +485,7 @@ def main_from_args(args: argparse.Namespace, load_config: Callable[[str, list[st
         elif args.dry_run:  # nothing is written: the name a real run would start from
             out = Path("runs") / f"compare-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         else:  # reserved atomically, so two studies started in the same second never share one
-            from twell_jax.training.train import default_run_dir
-
-            out = default_run_dir(dataclasses.replace(cfg, name=f"compare-{cfg.name}"))
+            out = run_dir_lib.default_run_dir(dataclasses.replace(cfg, name=f"compare-{cfg.name}"))
         check_out_dir(out, resume=False)
     first = runs[0].cfg
     echo(f"[twell] compare: {len(runs)} runs of {first.train.steps} steps x {first.train.global_batch} x "
@@ -534,10 +520,10 @@ PROFILE_POINTS = 8  # relative depths at which two runs' per-layer profiles are 
 def layer_profile(run_dir: str | Path) -> dict[str, Any]:
     """A finished run's per-layer activity from its summary.json: the share of d_ff active per
     token on the validation split and the dead-neuron share, per layer, with its size and steps."""
-    path = Path(run_dir) / "summary.json"
-    if not path.is_file():
-        raise ValueError(f"{run_dir} has no summary.json: give the directory of a finished run")
-    summary = json.loads(path.read_text())
+    summary = run_dir_lib.read_summary(run_dir)
+    path = Path(run_dir) / run_dir_lib.SUMMARY_FILE
+    if summary is None:
+        raise ValueError(f"{run_dir} has no {run_dir_lib.SUMMARY_FILE}: give the directory of a finished run")
     active = summary.get("val_l0_per_layer")
     if not active:
         raise ValueError(f"{path} has no val_l0_per_layer (a run of a relu-family FFN with an evaluation)")

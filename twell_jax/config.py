@@ -20,47 +20,48 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from twell_jax.ops import BACKENDS as FFN_BACKENDS  # the op registry's backend names (one list)
+from twell_jax.ops import backends as op_backends  # the op registry, asked when a config is checked
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
-# How a one-token decode step runs (model.decode_kernels; twell_jax/model.py, `Transformer.decode`).
+# How a one-token decode step runs (decode.kernels; twell_jax/inference/decode_engine.py).
 DECODE_KERNELS: dict[str, str] = {
     "auto": "the Pallas decode kernels where they can run (a GPU), else XLA",
     "pallas": "the Pallas decode kernels (a GPU, or model.ffn_interpret=true for the interpreter)",
-    "xla": "the model's generic XLA path (the layer scan's decode)",
+    "xla": "the model's generic XLA path (the layer scan's decode, `Transformer.decode`)",
 }
-# How a sparse layer's FFN runs in the decode kernels' step (model.decode_sparse_ffn), after the gate's
-# product (pallas_kernels/twell_decode.py, decode_matvec.py).
+# How a sparse layer's FFN runs in the decode kernels' step (decode.sparse_ffn), after the gate's
+# product (pallas_kernels/twell_decode.py, decode_matvec.py). The row bounds and limits each way
+# names are constants of twell_jax/inference/decode_plan.py and ops/planner.py, stated there only.
 DECODE_SPARSE_FFN: dict[str, str] = {
-    "auto": "up to model.PACKED_MAX_ROWS rows (4) every sparse layer 'packed_down' (up to "
-            "model.PACKED_DOWN_MAX_ROWS, 2) or 'packed' (at more than one row only where its expected union is "
-            "within packed's limit, else dense); at more rows, per sparse layer, one "
-            "launch walking the active neurons where the union of the step's rows' active neurons expected from "
-            "the layer's activity hint is small (ops.planner.decode_sparse_way: at most 48 on the H100): 'tiles' "
-            "where the gate's program holds every row (16), else 'fused'; else 'split'",
+    "auto": "per sparse layer: at up to decode_plan.PACKED_MAX_ROWS rows 'packed_down' (up to "
+            "decode_plan.PACKED_DOWN_MAX_ROWS rows) or 'packed' (at more than one row only where the union "
+            "expected from the layer's activity hint is within packed's limit, else the dense products); at "
+            "more rows one launch walking the active neurons where that expected union is small "
+            "(ops.planner.decode_sparse_way): 'tiles' where the gate's program holds every row, else 'fused'; "
+            "else 'split'",
     "tiles": "the gate's product packs each column tile's active neurons in its epilogue (TwELL) and one "
              "launch reads those lists for the up and down products, the residual in its epilogue: two launches "
-             "a layer after the norm, no compaction (a step of more rows than the gate's max_block_m, 16, runs "
+             "a layer after the norm, no compaction (a step of more rows than the gate's max_block_m runs "
              "'fused')",
     "packed": "as 'tiles', and the gate's launch (the norm in its prologue) also computes each listed neuron's "
               "hidden value (the up product of the tile's active neurons only) and packs it beside the id (TwELL "
               "values and indices); one launch reads them for the down product, the residual in its epilogue: two "
-              "launches a layer, no norm launch (more rows than the gate's max_block_m, 16: 'fused')",
+              "launches a layer, no norm launch (more rows than the gate's max_block_m: 'fused')",
     "packed_down": "as 'packed', and the gate's launch also makes the down product and the residual: "
                    "each column tile adds its active neurons' W_down rows into an fp32 partial of its own, and after "
                    "a grid barrier each program sums every tile's partials for a block of the output, in one fixed "
                    "order: one launch a layer, deterministic (a second launch sums them where the GPU cannot hold "
                    "every program at once, and in interpret mode); with several rows the device switch of "
-                   "'packed' (more rows than the gate's max_block_m, 16: 'fused')",
+                   "'packed' (more rows than the gate's max_block_m: 'fused')",
     "fused": "the active neurons compacted into one list (one launch), then one launch: each output block "
              "recomputes the active neurons' hidden values, the residual added in its epilogue",
     "split": "the compaction, then two launches: the active neurons' hidden values into HBM, then the down "
              "product; the residual added by XLA",
 }
 # Generation's decode steps per program call (twell_jax/inference/generate.py, `Generator.chunk`;
-# `twell generate --decode-chunk`): tokens reach the host, and a stream, this many at a time; at ~1 ms
-# a step that is ~16 ms between updates, and the host's per-call cost is paid once per 16 tokens.
+# `twell generate --decode-chunk`): tokens reach the host, and a stream, this many at a time, and the
+# host's per-call cost is paid once per chunk rather than once per token.
 DEFAULT_DECODE_CHUNK = 16
 # How the layer stack runs layers whose sparse-op plans differ (model.layer_scan); twell_jax/model.py
 # implements them and docs/model.md says how they were chosen.
@@ -94,6 +95,9 @@ class FFNKind:
     relu: bool  # exactly sparse ReLU activations: L0 / dead-neuron telemetry is meaningful
     sparse_op: bool  # runs the sparse op with model.ffn_backend; False: a dense baseline
     l1: bool  # trained with the L1 penalty (dense baselines are trained without it)
+    # The hidden activation, as `ops.dense_ffn` and Hugging Face's `hidden_act` name it: "relu" runs
+    # through the op (`ops.gated_ffn` / `ops.ffn`, whose kernels are ReLU's), "silu" the dense formula.
+    activation: str = "relu"
 
     @property
     def gate_weight(self) -> str:
@@ -104,10 +108,16 @@ class FFNKind:
         """The op backend this kind runs with, given model.ffn_backend."""
         return ffn_backend if self.sparse_op else "dense"
 
+    @property
+    def through_op(self) -> bool:
+        """Whether the FFN runs through the op (ReLU activations, any backend); False: the dense
+        formula `ops.dense_ffn` with `activation`, which never enters the op or its plans."""
+        return self.activation == "relu"
+
 
 FFN_KIND_TABLE: dict[str, FFNKind] = {
     # Dense silu-gated baseline (activations never exactly zero).
-    "swiglu": FFNKind("swiglu", gated=True, relu=False, sparse_op=False, l1=False),
+    "swiglu": FFNKind("swiglu", gated=True, relu=False, sparse_op=False, l1=False, activation="silu"),
     # Dense relu-gated baseline: the paper's dense twin, trained without L1.
     "relu_gated": FFNKind("relu_gated", gated=True, relu=True, sparse_op=False, l1=False),
     # The sparse model: relu-gated through the sparse op, trained with L1.
@@ -116,6 +126,13 @@ FFN_KIND_TABLE: dict[str, FFNKind] = {
     "relu": FFNKind("relu", gated=False, relu=True, sparse_op=True, l1=True),
 }
 FFN_KINDS = tuple(FFN_KIND_TABLE)
+
+
+def ffn_kinds_with(activation: str, *, gated: bool = True) -> tuple[str, ...]:
+    """The FFN kinds (in table order) whose weights are those of a checkpoint with this activation
+    and gating: the kinds such weights load as (Hugging Face import, `--init-from`)."""
+    return tuple(name for name, kind in FFN_KIND_TABLE.items()
+                 if kind.activation == activation and kind.gated == gated)
 
 
 # RoPE scalings model.rope_scaling may name (its "rope_type"), and their fields besides it.
@@ -281,36 +298,6 @@ class ModelConfig:
     # (compile time flat in depth); n > 1 = n layers per iteration; 0 = all (no loop: compile time
     # grows with depth again, as for an unrolled model).
     layer_unroll: int = 1
-    # A one-token decode step (generation): "auto" = the Pallas decode kernels (fused norm +
-    # matrix-vector products reading the stacked weights in place, the sparse FFN's decode
-    # kernels) where they can run, else XLA; "pallas"; "xla" (DECODE_KERNELS).
-    decode_kernels: Literal["auto", "pallas", "xla"] = "auto"
-    # With the decode kernels: read q/k/v, the attention output projection and W_down from
-    # output-major copies ([L, N, K], made once per generator by `Transformer.prepare_decode`)
-    # instead of the stored input-major stacks ([L, K, N]): those weights held twice (0.45 GB at
-    # 0.5b), for a faster step (0.5b, H100, batch 1, one run: 0.686 against 0.876 ms for the dense
-    # twin, 0.636 against 0.821 ms for `twell` auto; experiments/results/
-    # bench_inference_0.5b_decode_transposed_h100_2026-11-24.json, whose stored-layout rows are in
-    # BENCHMARKS.md, Decode). false: the weights once.
-    # Callers of `decode` pass the copies.
-    decode_transposed: bool = True
-    # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN), measured on the H100
-    # (0.5b, batch 1; BENCHMARKS.md, Decode): every sparse layer "packed_down" 0.434 ms/step against
-    # "packed"'s 0.444 timed in alternation (bench_inference --interleave-decode; timed one after the
-    # other the later variant came out ahead in three of four processes, and two identical programs
-    # differed by 5%); the sparse FFN's kernels 0.122-0.124 ms a step against 0.136-0.139 (1b: 0.892
-    # against 0.923 ms/step timed one after the other); earlier "packed" 0.472 against 0.526 with every
-    # layer "tiles"; in an earlier build (issue 24's stop notes, not on the page) "tiles" 0.530,
-    # "fused" 0.538, "split" 0.564.
-    # "tiles" and "fused" lose to "split" in a layer above ~49 active neurons (their every program
-    # walks them all); "packed" does not (each column tile makes its own neurons' values).
-    decode_sparse_ffn: Literal["auto", "tiles", "packed", "packed_down", "fused", "split"] = "auto"
-    # Layers per iteration of the decode kernels' layer loop, as model.layer_unroll for the other
-    # programs: 0 = every layer unrolled (no loop: each layer's index a constant, no per-iteration
-    # copies; the step compiles in time linear in depth, seconds at the presets' depths); 1 = a loop
-    # over the layers (per run of layers with the same FFN way); n > 1 = n layers per iteration.
-    decode_layer_unroll: int = 0
-
     def __post_init__(self) -> None:
         _check_finite("model", self)
         _check_positive("model", vocab_size=self.vocab_size, d_model=self.d_model,
@@ -330,18 +317,13 @@ class ModelConfig:
         if self.rope_scaling is not None:
             RopeScaling.from_dict(self.rope_scaling)
         _check_choice("model", "ffn_kind", self.ffn_kind, FFN_KINDS)
-        _check_choice("model", "ffn_backend", self.ffn_backend, FFN_BACKENDS)
+        # The live registry: a backend registered after this module was imported is accepted.
+        _check_choice("model", "ffn_backend", self.ffn_backend, op_backends.backend_names())
         _check_choice("model", "compute_dtype", self.compute_dtype, DTYPES)
         _check_choice("model", "attention_impl", self.attention_impl, ATTENTION_IMPLS)
         _check_choice("model", "layer_scan", self.layer_scan, tuple(LAYER_SCANS))
-        _check_choice("model", "decode_kernels", self.decode_kernels, tuple(DECODE_KERNELS))
-        _check_choice("model", "decode_sparse_ffn", self.decode_sparse_ffn, tuple(DECODE_SPARSE_FFN))
-        if not isinstance(self.decode_transposed, bool):
-            raise ValueError(f"model.decode_transposed must be true or false, got {self.decode_transposed!r}")
-        for field in ("layer_unroll", "decode_layer_unroll"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"model.{field} must be an int >= 0 (0 = every layer), got {value!r}")
+        if isinstance(self.layer_unroll, bool) or not isinstance(self.layer_unroll, int) or self.layer_unroll < 0:
+            raise ValueError(f"model.layer_unroll must be an int >= 0 (0 = every layer), got {self.layer_unroll!r}")
         if isinstance(self.remat, bool):  # configs saved before remat became a policy
             object.__setattr__(self, "remat", "full" if self.remat else "none")
         _check_choice("model", "remat", self.remat, tuple(REMAT_POLICIES))
@@ -410,6 +392,53 @@ class ModelConfig:
 # another run start a run only of the same values (`compare.check_init_run`).
 ARCHITECTURE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "rope_theta",
                        "rope_scaling", "tie_embeddings", "norm_eps")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How generation runs a one-token decode step (twell_jax/inference/decode_engine.py): which
+    program, not what it computes (every choice gives the XLA path's logits up to the order of fp32
+    sums). Saved configs that hold these fields as model.decode_* load into this section."""
+
+    # "auto" = the Pallas decode kernels (fused norm + matrix-vector products reading the stacked
+    # weights in place, the sparse FFN's decode kernels) where they can run, else XLA; "pallas";
+    # "xla" (DECODE_KERNELS).
+    kernels: Literal["auto", "pallas", "xla"] = "auto"
+    # With the decode kernels: read q/k/v, the attention output projection and W_down from
+    # output-major copies ([L, N, K], made once per generator by `decode_engine.prepare_decode`)
+    # instead of the stored input-major stacks ([L, K, N]): those weights held twice, for a faster
+    # step (BENCHMARKS.md, Decode). false: the weights once. Callers of `decode_engine.decode` pass
+    # the copies.
+    transposed: bool = True
+    # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN; BENCHMARKS.md, Decode,
+    # has each way's measurements). "tiles" and "fused" lose to "split" in a layer with many active
+    # neurons (their every program walks them all); "packed" does not (each column tile makes its
+    # own neurons' values), and "packed_down" also makes their down product in the same launch.
+    sparse_ffn: Literal["auto", "tiles", "packed", "packed_down", "fused", "split"] = "auto"
+    # Layers per iteration of the decode kernels' layer loop, as model.layer_unroll for the other
+    # programs: 0 = every layer unrolled (no loop: each layer's index a constant, no per-iteration
+    # copies; the step compiles in time linear in depth); 1 = a loop over the layers (per run of
+    # layers with the same FFN way); n > 1 = n layers per iteration.
+    layer_unroll: int = 0
+
+    def __post_init__(self) -> None:
+        _check_choice("decode", "kernels", self.kernels, tuple(DECODE_KERNELS))
+        _check_choice("decode", "sparse_ffn", self.sparse_ffn, tuple(DECODE_SPARSE_FFN))
+        if not isinstance(self.transposed, bool):
+            raise ValueError(f"decode.transposed must be true or false, got {self.transposed!r}")
+        if isinstance(self.layer_unroll, bool) or not isinstance(self.layer_unroll, int) or self.layer_unroll < 0:
+            raise ValueError(f"decode.layer_unroll must be an int >= 0 (0 = every layer), got {self.layer_unroll!r}")
+
+
+# Fields that moved between sections: old name -> new name. `from_dict` moves them in a saved
+# config (a run's config.json from before the move loads as it was), and `apply_overrides` and the
+# resume checks take the old names on the command line too.
+MOVED_FIELDS = {
+    "model.decode_kernels": "decode.kernels",
+    "model.decode_transposed": "decode.transposed",
+    "model.decode_sparse_ffn": "decode.sparse_ffn",
+    "model.decode_layer_unroll": "decode.layer_unroll",
+}
 
 
 @dataclass(frozen=True)
@@ -675,6 +704,7 @@ class ExperimentConfig:
     sparsity: SparsityConfig = field(default_factory=SparsityConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)  # how generation runs (not part of the model)
 
     def __post_init__(self) -> None:
         if self.data.seq_len > self.model.max_seq_len:
@@ -716,8 +746,9 @@ RESUMABLE_FIELDS = frozenset({
     "train.progress_bar", "train.num_devices", "train.micro_batch", "train.fsdp", "train.auto_refresh_every",
     "train.auto_trial_steps", "train.wandb_project", "train.profile_steps", "optim.schedule_steps",
     "model.ffn_backend", "model.ffn_op_config", "model.ffn_interpret", "model.ffn_expected_active",
-    "model.ffn_expected_tails", "model.remat", "model.attention_impl", "model.decode_kernels",
-    "model.decode_transposed", "model.decode_sparse_ffn", "model.decode_layer_unroll",
+    "model.ffn_expected_tails", "model.remat", "model.attention_impl",
+    "decode.kernels", "decode.transposed", "decode.sparse_ffn", "decode.layer_unroll",
+    *MOVED_FIELDS,  # their old names, which apply_overrides moves
     "data.source", "data.cache_dir", "data.progress", "data.num_threads", "data.prefetch", "data.tokenize_workers",
 })
 
@@ -829,9 +860,28 @@ def _typed_value(value: Any, hint: Any, where: str) -> Any:
     raise ValueError(f"{where}: expected {_hint_name(hint)}, got {_describe_value(value)}")
 
 
+def migrate_dict(values: dict[str, Any]) -> dict[str, Any]:
+    """A saved config dict with every field of MOVED_FIELDS at its new place (a copy; `values` as
+    it is when nothing moved). Both places set is an error naming them."""
+    moved = [(old.split("."), new.split(".")) for old, new in MOVED_FIELDS.items()
+             if isinstance(values.get(old.split(".")[0]), dict) and old.split(".")[1] in values[old.split(".")[0]]]
+    if not moved:
+        return values
+    values = {key: dict(value) if isinstance(value, dict) else value for key, value in values.items()}
+    for (old_section, old_name), (new_section, new_name) in moved:
+        target = values.setdefault(new_section, {})
+        if not isinstance(target, dict):
+            break  # not a section: _section_from_dict names the field
+        if new_name in target:
+            raise ValueError(f"config field {old_section}.{old_name} moved to {new_section}.{new_name}, and both "
+                             "are set: keep the new one")
+        target[new_name] = values[old_section].pop(old_name)
+    return values
+
+
 def from_dict(values: dict[str, Any]) -> ExperimentConfig:
-    """Inverse of `to_dict` (unknown fields are an error)."""
-    return _section_from_dict(ExperimentConfig, values, "")
+    """Inverse of `to_dict` (unknown fields are an error; moved ones are moved, `migrate_dict`)."""
+    return _section_from_dict(ExperimentConfig, migrate_dict(values), "")
 
 
 def to_json(cfg: ExperimentConfig) -> str:
@@ -916,6 +966,7 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str]) -> ExperimentCo
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like section.field=value")
         key, text = (part.strip() for part in item.split("=", 1))
+        key = MOVED_FIELDS.get(key, key)
         parts = key.split(".")
         cls, target = type(cfg), values
         for depth, name in enumerate(parts):

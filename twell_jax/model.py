@@ -23,7 +23,9 @@ backward's expected dense tails [L] ("token_tail_share", "hot_neuron_share", "ho
 so tracking costs no extra GEMM.
 
 `Transformer.decode` runs S new tokens per row against a preallocated `KVCache` (prefill and
-decode steps of generation, `twell_jax.inference`), with per-row RoPE positions and masks.
+decode steps of generation), with per-row RoPE positions and masks, in XLA. Generation calls it
+through `twell_jax.inference.decode_engine`, which runs one-token steps through the Pallas decode
+kernels where they can run; this module imports no kernel.
 
 The blocks are one `Block` whose parameters are stacked over layers ([L, ...]), initialised by one
 vmapped program and run by `lax.scan` (forward, backward and decode), so compile time does not grow
@@ -42,8 +44,6 @@ from flax import nnx
 
 from twell_jax import ops
 from twell_jax.config import ATTENTION_IMPLS, REMAT_POLICIES, ModelConfig, RopeScaling
-from twell_jax.ops import planner
-from twell_jax.ops.backends import gpu_available
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ def choose_attention(requested: str, *, dtype: Any, head_dim: int, seq_len: int,
 
     "xla" -> "xla". "cudnn" -> "cudnn", or a ValueError naming the shape when cuDNN cannot take it.
     "auto" -> "cudnn" on an NVIDIA GPU when it can take the shape; on a GPU when it cannot, "xla"
-    with ONE logged warning naming the shape and the reason (XLA attention is ~3x slower there);
+    with ONE logged warning naming the shape and the reason (XLA attention is several times slower there);
     elsewhere "xla" silently. `device` = (platform, device kind, compute capability), default the
     default device; `probe(seq_len, head_dim, dtype)` compiles cuDNN once to catch its own refusals.
     """
@@ -286,9 +286,10 @@ class Attention(nnx.Module):
 
 
 class FeedForward(nnx.Module):
-    """The FFN chosen by `cfg.ffn_kind`; weights neuron-major [H, D].
+    """The FFN chosen by `cfg.ffn_kind` (config.FFN_KIND_TABLE); weights neuron-major [H, D].
 
-    - "swiglu": silu(x Wg^T) * (x Wu^T) @ Wd, dense XLA (activations are never exactly zero).
+    - "swiglu": silu(x Wg^T) * (x Wu^T) @ Wd, the dense formula in XLA (activations are never
+      exactly zero, so it never enters the op: `FFNKind.through_op` is false).
     - "relu_gated": relu(x Wg^T) * (x Wu^T) @ Wd through the op's "dense" backend.
     - "twell": same math through the op with `cfg.ffn_backend` (the sparse model).
     - "relu": relu(x Wu^T) @ Wd through the op's non-gated `ffn`.
@@ -300,7 +301,7 @@ class FeedForward(nnx.Module):
         h, d, std = cfg.d_ff, cfg.d_model, cfg.init_std
         self.kind = cfg.ffn_kind
         kind = cfg.kind
-        self.gated = kind.gated
+        self.gated, self.through_op, self.activation = kind.gated, kind.through_op, kind.activation
         if kind.gated:
             self.w_gate = _normal(rngs, (h, d), std)
         self.w_up = _normal(rngs, (h, d), std)
@@ -314,8 +315,9 @@ class FeedForward(nnx.Module):
         "token_active_count" [B, S] to aux (relu kinds only)."""
         dt = x_BxSxD.dtype
         w_up, w_down = self.w_up[...].astype(dt), self.w_down[...].astype(dt)
-        if self.kind == "swiglu":
-            return ops.dense_ffn(True, x_BxSxD, (self.w_gate[...].astype(dt), w_up, w_down), activation="silu")
+        if not self.through_op:
+            weights = (self.w_gate[...].astype(dt), w_up, w_down) if self.gated else (w_up, w_down)
+            return ops.dense_ffn(self.gated, x_BxSxD, weights, activation=self.activation)
         config = op_config
         if neuron_counts:
             config = dataclasses.replace(config or ops.SparseFFNConfig(), neuron_counts=True)
@@ -362,8 +364,8 @@ class Block(nnx.Module):
         # remat "ffn": the whole sub-block recomputed. Otherwise its GEMM outputs and the sparse
         # op's residuals are kept and the elementwise work (the norm, the f32 gating product of
         # the dense formula) recomputed: what XLA's fusion did by itself when the layers were
-        # unrolled, but a scan materialises every saved value of every layer (28.4 against 19.4
-        # GiB for the 0.5b dense twin's step on an H100 before this policy).
+        # unrolled, but a scan materialises every saved value of every layer (docs/model.md, "What
+        # the backward keeps").
         ffn_sublayer = nnx.remat(ffn_sublayer, policy=None if self.remat_ffn else SAVE_DOTS_AND_OP_RESIDUALS)
         y_BxSxD, aux = ffn_sublayer(self.ffn_norm, self.ffn, x_BxSxD)
         aux = dict(aux)
@@ -451,10 +453,9 @@ class Transformer(nnx.Module):
         self.max_seq_len, self.compute_dtype, self.remat = cfg.max_seq_len, cfg.compute_dtype, cfg.remat
         self.n_layers, self.layer_scan, self.layer_unroll = cfg.n_layers, cfg.layer_scan, cfg.layer_unroll
         self.gated, self.backend, self.interpret = cfg.kind.gated, cfg.kind.backend(cfg.ffn_backend), cfg.ffn_interpret
-        self.d_model, self.d_ff, self.is_swiglu = cfg.d_model, cfg.d_ff, cfg.ffn_kind == "swiglu"
+        self.through_op, self.activation = cfg.kind.through_op, cfg.kind.activation
+        self.d_model, self.d_ff = cfg.d_model, cfg.d_ff
         self.op_configs = tuple(build_op_config(cfg, layer) for layer in range(cfg.n_layers))
-        self.decode_kernels, self.decode_transposed = cfg.decode_kernels, cfg.decode_transposed
-        self.decode_sparse_ffn, self.decode_layer_unroll = cfg.decode_sparse_ffn, cfg.decode_layer_unroll
         self.tie_embeddings = cfg.tie_embeddings
         self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
         self.blocks = _stacked_blocks(cfg, rngs.params())
@@ -478,7 +479,7 @@ class Transformer(nnx.Module):
         op configs compile the same program for a call of `n_tokens` tokens in `dtype`; the plan
         index numbers the distinct plans in order of first appearance. The representative config
         of a plan is `self.op_configs[first layer of its first run]`."""
-        if self.is_swiglu:  # no sparse op: one plan
+        if not self.through_op:  # the dense formula, no sparse op: one plan
             return [(0, self.n_layers, 0)]
         shape = (n_tokens, self.d_model, self.d_ff, jnp.dtype(dtype).itemsize)
         keys = [ops.plan_key(self.gated, self.backend, config, shape, self.interpret) for config in self.op_configs]
@@ -580,8 +581,15 @@ class Transformer(nnx.Module):
         x_BxSxD, aux = self._run_layers(x_BxSxD, step, tokens_BxS.size, dt, slice_params=True, remat=self.remat)
         return self.final_norm(x_BxSxD), aux
 
+    def check_decode_shapes(self, tokens_BxS: jax.Array, cache: KVCache) -> None:
+        """A ValueError unless `tokens_BxS` is [B, S] for a cache of B rows and at least S slots."""
+        length, rows = cache.k_LxBxTxNxK.shape[2], cache.k_LxBxTxNxK.shape[1]
+        if tokens_BxS.ndim != 2 or tokens_BxS.shape[1] > length or tokens_BxS.shape[0] != rows:
+            raise ValueError(f"tokens must be [batch, S] with S <= the cache length {length} and batch = the "
+                             f"cache's {rows} rows, got shape {tokens_BxS.shape}")
+
     def decode(self, tokens_BxS: jax.Array, cache: KVCache, cache_index: jax.Array, start_B: jax.Array,
-               *, all_logits: bool = False, prepared: dict[str, Any] | None = None) -> tuple[jax.Array, KVCache, Aux]:
+               *, all_logits: bool = False) -> tuple[jax.Array, KVCache, Aux]:
         """Forward of S new tokens per row written at cache slots [cache_index, cache_index + S).
 
         Row b's real tokens start at slot `start_B[b]` (left padding: earlier slots are never
@@ -589,15 +597,11 @@ class Transformer(nnx.Module):
         exactly what it would alone. Returns (fp32 logits [B, S, V] if `all_logits` else those of
         the last new token [B, V], the updated cache, aux stacked over layers). The caller keeps
         cache_index + S <= T (a traced index cannot be checked here; the cache write would clamp).
-        `prepared`: `prepare_decode()`'s weight copies, which a one-token step through the decode
-        kernels reads instead of the stored stacks (other calls ignore them)."""
-        length, rows = cache.k_LxBxTxNxK.shape[2], cache.k_LxBxTxNxK.shape[1]
-        if tokens_BxS.ndim != 2 or tokens_BxS.shape[1] > length or tokens_BxS.shape[0] != rows:
-            raise ValueError(f"tokens must be [batch, S] with S <= the cache length {length} and batch = the "
-                             f"cache's {rows} rows, got shape {tokens_BxS.shape}")
-        b, s = tokens_BxS.shape
-        if s == 1 and not all_logits and self._decode_with_kernels():
-            return self._decode_step_kernels(tokens_BxS[:, 0], cache, cache_index, start_B, prepared)
+        The generic XLA path (the layer scan); `inference.decode_engine.decode` runs one-token steps
+        through the decode kernels where they can run."""
+        self.check_decode_shapes(tokens_BxS, cache)
+        s = tokens_BxS.shape[1]
+        length = cache.k_LxBxTxNxK.shape[2]
         dt = _dtype(self.compute_dtype)
         embed_VxD = self.embed[...].astype(dt)
         x_BxSxD = jnp.take(embed_VxD, tokens_BxS, axis=0)
@@ -618,347 +622,6 @@ class Transformer(nnx.Module):
         x_BxSxD = self.final_norm(x_BxSxD)
         logits = _logits(x_BxSxD, self.head()[...].astype(dt))
         return (logits if all_logits else logits[:, 0]), KVCache(k_all, v_all), aux
-
-
-    def _decode_with_kernels(self) -> bool:
-        """Whether a one-token decode step runs `_decode_step_kernels` (model.decode_kernels)."""
-        if self.decode_kernels == "xla":
-            return False
-        gpu = gpu_available()
-        if self.decode_kernels == "pallas":
-            if not (gpu or self.interpret):
-                raise ValueError("model.decode_kernels='pallas' needs a GPU (or model.ffn_interpret=true to run "
-                                 "the kernels in the Pallas interpreter); use 'auto' or 'xla' here")
-            return True
-        return gpu
-
-    def prepare_decode(self) -> dict[str, jax.Array] | None:
-        """Output-major copies ([L, N, K], compute dtype) of the weights that a one-token decode step
-        reads input-major, for `decode(..., prepared=)`, when model.decode_transposed and the
-        decode kernels run; else None: "w_qkv" [L, D + 2 N_kv K, D] ([L, 3D, D] without grouped KV
-        heads; q, k, v side by side: one weight, so one
-        launch without the three-part masking), "w_out" [L, D, D], "w_down" [L, D, H]; and the norm
-        scales in fp32, as the kernels read them: "attn_norm" and "ffn_norm" [L, D], "final_norm"
-        [D] (converted here once: in the step each convert was an XLA launch of its own every step,
-        three a step, which a decode loop does not hoist). Made once per set of weights (a Generator
-        makes them at its start): the copies cost those weights' memory a second time."""
-        if not (self.decode_transposed and self._decode_with_kernels()):
-            return None
-        dt = _dtype(self.compute_dtype)
-        attn = self.blocks.attn
-
-        def t(w: nnx.Param) -> jax.Array:
-            return jnp.swapaxes(w[...].astype(dt), 1, 2)
-
-        return {"w_qkv": jnp.concatenate([t(attn.w_q), t(attn.w_k), t(attn.w_v)], axis=1), "w_out": t(attn.w_out),
-                "w_down": t(self.blocks.ffn.w_down), **self._norm_scales_fp32()}
-
-    def _norm_scales_fp32(self) -> dict[str, jax.Array]:
-        """The decode kernels' norm scales: {"attn_norm", "ffn_norm": [L, D], "final_norm": [D]}, fp32."""
-        return {name: norm.scale[...].astype(jnp.float32) for name, norm in
-                (("attn_norm", self.blocks.attn_norm), ("ffn_norm", self.blocks.ffn_norm),
-                 ("final_norm", self.final_norm))}
-
-    def decode_layer_sparse(self, batch: int, dtype: Any) -> tuple[bool, ...]:
-        """Per layer, whether a one-token decode step of `batch` rows runs the sparse FFN's decode
-        kernels (its op plan is a sparse forward) or the fused dense products."""
-        return tuple(way != "dense" for way in self.decode_layer_ways(batch, dtype))
-
-    def decode_layer_ways(self, batch: int, dtype: Any) -> tuple[str, ...]:
-        """Per layer, how a one-token decode step of `batch` rows runs its FFN: "dense" (the fused
-        dense products) or the sparse kernels of model.decode_sparse_ffn, "auto" resolved per layer
-        "packed_down" at up to PACKED_DOWN_MAX_ROWS rows, "packed" at up to PACKED_MAX_ROWS, else
-        by `planner.decode_sparse_way` from the layer's activity hint (one launch walking every
-        active neuron: "tiles" where the gate's program holds every row, else "fused"; or "split");
-        "tiles", "packed" and "packed_down" need every row in one program of the gate and run
-        "fused" for more rows. At more than one row (backend
-        "auto") a sparse layer runs "dense" where its way's union limit (`decode_union_limit`) is 0
-        or below the union expected from its hint."""
-        if self.is_swiglu:
-            return ("dense",) * self.n_layers
-        from twell_jax.pallas_kernels.decode_matvec import gate_role, role_block_sizes
-
-        tiles_fit = batch <= role_block_sizes(gate_role(batch), batch).block_m(batch)  # every row in one gate program
-
-        def way(config: Any) -> str:
-            if self.decode_sparse_ffn == "auto":
-                if batch <= PACKED_MAX_ROWS:  # each tile makes its own neurons' values (up to
-                    # PACKED_DOWN_MAX_ROWS rows also their down product, in the same launch)
-                    return "packed_down" if batch <= PACKED_DOWN_MAX_ROWS else "packed"
-                expected = None if config is None else config.expected_active_per_token
-                chosen = planner.decode_sparse_way(batch, expected, self.d_ff)
-                # One launch walking every active neuron: from the gate's tile lists where they hold the
-                # rows (no compaction launch: one launch fewer a layer; an earlier build's step on the H100
-                # measured 0.530 against 0.538 ms, issue 24's stop notes, not a current figure).
-                return "tiles" if chosen == "fused" and tiles_fit else chosen
-            if self.decode_sparse_ffn in ("tiles", "packed", "packed_down") and not tiles_fit:
-                return "fused"
-            return self.decode_sparse_ffn
-
-        itemsize = jnp.dtype(dtype).itemsize
-        ways = tuple(way(config) for config in self.op_configs)
-
-        # Several rows: the step's device-side switch costs the sparse side its own launches, and above
-        # its union limit the dense side reads the gate's weights a second time. "auto" plans a
-        # layer's dense products statically (the twin's: never slower) where the cost model of its
-        # way finds no union that pays for the switch, or where the union expected from the layer's
-        # hint is above that limit (the switch would fall back on most steps).
-        def sparse(config: Any, chosen: str) -> bool:
-            if not ops.decode_forward_is_sparse(self.gated, self.backend, config, batch, self.d_model, self.d_ff,
-                                                itemsize, self.interpret):
-                return False
-            if batch == 1 or self.backend != "auto":
-                return True
-            limit = self.decode_union_limit(batch, chosen, itemsize)
-            expected = None if config is None else config.expected_active_per_token
-            return limit > 0 and (expected is None or planner.expected_union(batch, expected, self.d_ff) <= limit)
-
-        return tuple(chosen if sparse(config, chosen) else "dense" for config, chosen in zip(self.op_configs, ways))
-
-    def decode_union_limit(self, batch: int, way: str, itemsize: int) -> int:
-        """The union of a step's rows' active neurons above which a sparse layer of this `way` runs
-        the dense products (the device switch of a step of several rows): `planner.decode_union_limit`
-        with the switch priced, "packed" by its own cost model."""
-        return planner.decode_union_limit(batch, self.d_model, self.d_ff, gated=self.gated, itemsize=itemsize,
-                                          device_switch=True,
-                                          way="packed" if way in ("packed", "packed_down") else None)
-
-    def _decode_step_kernels(self, tokens_B: jax.Array, cache: KVCache, cache_index: jax.Array,
-                             start_B: jax.Array, prepared: dict[str, Any] | None = None
-                             ) -> tuple[jax.Array, KVCache, Aux]:
-        """`decode` of one token per row by the decode kernels, per layer: the attention norm and
-        the q/k/v projections in one `decode_matvec` launch; RoPE, the in-place cache writes and the
-        attention in one launch (`decode_attention_qkv`, over the stacked caches in place and only
-        the visible slots; RoPE's angles made once per step); the output projection with the
-        residual add in its epilogue; then the FFN:
-        dense plans as one launch for norm + gate/up + activation and one for the down projection
-        + residual; sparse plans (`decode_layer_ways`) by the sparse FFN's decode kernels (the
-        gate's product, the union of the rows' active neurons compacted on the device, the up/down
-        rows of those only: "split" in two launches, "fused" in one with the residual, per layer by
-        model.decode_sparse_ffn; "tiles": the gate's tile lists, no compaction; "packed": the
-        gate's lists with their hidden values, then the down launch; "packed_down": all of it in
-        the gate's launch, its grid barrier's counters made once a step and handed from layer to
-        layer), with, for a batch
-        of several rows, a device-side switch to the dense
-        products when the union exceeds `ops.planner.decode_union_limit` (the decode cost model's
-        break-even; no host round trip). The stacked weights are read in place at the layer (no
-        per-layer copy); with `prepared` (`prepare_decode`), q/k/v, the output projection and the
-        dense W_down are read from its output-major copies instead. With grouped-query attention
-        the q/k/v product's output is [B, (N + 2 N_kv) K] and each KV head's program of the
-        attention serves its G query heads. The LM head: the final norm and the output head's
-        product (the tied embedding, or `lm_head`) in one launch. Same roundings as the XLA path up
-        to the order of fp32 sums and the attention's fp32 probabilities (tests/test_decode_kernels.py)."""
-        from twell_jax.pallas_kernels.decode_attention import decode_attention_qkv
-        from twell_jax.pallas_kernels.decode_matvec import decode_matvec, gate_role, role_block_sizes
-        from twell_jax.pallas_kernels.twell_decode import (DecodeBlockSizes, compact_active, compact_active_rows,
-                                                           sparse_decode_down_tiles, sparse_decode_ffn,
-                                                           sparse_decode_ffn_fused, sparse_decode_ffn_tiles)
-
-        b = tokens_B.shape[0]
-        dt = _dtype(self.compute_dtype)
-        interpret, gated, h_dim, d = self.interpret, self.gated, self.d_ff, self.d_model
-        attn, ffn = self.blocks.attn, self.blocks.ffn
-        n_heads, n_kv_heads, head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        w_qkv = tuple(w[...].astype(dt) for w in (attn.w_q, attn.w_k, attn.w_v))  # [L, D, N(_kv)*K]: no-op casts when
-        w_out = attn.w_out[...].astype(dt)  # the weights are loaded in the compute dtype (inference.load_run)
-        w_gate = ffn.w_gate[...].astype(dt) if gated else None
-        w_up, w_down = ffn.w_up[...].astype(dt), ffn.w_down[...].astype(dt)  # [L, H, D]
-        # The layouts the products read: the stored stacks are input-major ("kn"); prepared copies
-        # are output-major ("nk"). The sparse FFN always reads the stored W_down (rows per neuron).
-        proj_layout, w_qkv_mv, w_out_mv, w_down_mv, nk = "kn", w_qkv, w_out, w_down, ""
-        if prepared is None and self.decode_transposed:
-            raise ValueError("model.decode_transposed: pass the copies of prepare_decode() to "
-                             "decode(..., prepared=model.prepare_decode()); without them the stored weights would "
-                             "run (model.decode_transposed=false for that)")
-        scales = self._norm_scales_fp32() if prepared is None else prepared
-        if prepared is not None:
-            if set(prepared) != {"w_qkv", "w_out", "w_down", "attn_norm", "ffn_norm", "final_norm"}:
-                raise ValueError(f"prepared must be Transformer.prepare_decode()'s dict, got keys {sorted(prepared)}")
-            proj_layout, nk = "nk", "_nk"  # the roles of these products in that layout
-            w_qkv_mv = prepared["w_qkv"].astype(dt)  # one [L, D + 2 N_kv K, D] weight: q, k, v in one part
-            w_out_mv, w_down_mv = prepared["w_out"].astype(dt), prepared["w_down"].astype(dt)
-        n1_LxD, n2_LxD = scales["attn_norm"], scales["ffn_norm"]
-        act = "silu" if self.is_swiglu else "relu"
-        eps, theta, scaling = self.final_norm.eps, attn.rope_theta, attn.rope_scaling  # one norm_eps for every norm
-
-        def mv(*args: Any, role: str, **kwargs: Any) -> jax.Array:
-            # Each role's blocks passed explicitly (read at trace time: a changed table retraces).
-            return decode_matvec(*args, eps=eps, interpret=interpret, block_sizes=role_block_sizes(role, b),
-                                 **kwargs)
-
-        embed_VxD = self.embed[...].astype(dt)
-        x_BxD = jnp.take(embed_VxD, tokens_B, axis=0)
-        positions_Bx1 = jnp.maximum(cache_index - start_B, 0)[:, None]
-        cos_Bx1xH, sin_Bx1xH = rope_tables(positions_Bx1, head_dim, theta, scaling)  # every layer's: made once a step
-        index_1 = jnp.reshape(cache_index, (1,)).astype(jnp.int32)
-        start_i32 = start_B.astype(jnp.int32)
-
-        def dense_ffn(x: jax.Array, li: jax.Array, norm: jax.Array | None, residual: jax.Array,
-                      enable: jax.Array | None = None, enable_above: int = 0) -> tuple[jax.Array, jax.Array]:
-            # enable (the device switch's dense side): both launches run only when sum(enable) >
-            # enable_above, else neither reads a weight (nor x for the norm); its W_down in one launch
-            # ("down_nk_switch": no split-K epilogue launch in XLA on the steps it is disabled).
-            switch = {} if enable is None else {"enable": enable, "enable_above": enable_above}
-            if gated:
-                h = mv(x, w_up, role="gate_up", layer=li, norm_scale=norm, gate=w_gate, activation=act, **switch)
-            else:
-                h = mv(x, w_up, role="gate_up", layer=li, norm_scale=norm, activation="relu", **switch)
-            down_role = "down" + nk + ("_switch" if nk and enable is not None else "")
-            return mv(h, w_down_mv, role=down_role, layer=li, layout=proj_layout, residual=residual, **switch), h
-
-        def layer_step(carry: Any, layer: jax.Array, way: str, op_config: Any) -> tuple[Any, Aux]:
-            x, k_all, v_all, sync = carry
-            li = layer[None]
-            # One launch for q, k, v: the prepared [L, D + 2 N_kv K, D] weight, or the three stored ones as
-            # parts of one shape (multi-head attention only)
-            if prepared is not None or (n_kv_heads == n_heads and d % role_block_sizes("qkv", b).block_n == 0):
-                qkv = mv(x, w_qkv_mv, role="qkv" + nk, layer=li, layout=proj_layout, norm_scale=n1_LxD)
-            else:
-                qkv = jnp.concatenate([mv(x, w, role="qkv" + nk, layer=li, layout=proj_layout, norm_scale=n1_LxD)
-                                       for w in w_qkv_mv], axis=1)
-            if head_dim & (head_dim - 1) == 0:  # a power of two: RoPE, the cache writes (in place) and the
-                # attention over the caches read in place, in one launch
-                o, k_all, v_all = decode_attention_qkv(qkv, cos_Bx1xH[:, 0], sin_Bx1xH[:, 0], k_all, v_all, li,
-                                                       index_1, start_i32, heads=n_heads, interpret=interpret)
-            else:  # RoPE and the cache writes in XLA, its masked attention over the layer's cache (a copy)
-                q, k, v = jnp.split(qkv.reshape(b, 1, n_heads + 2 * n_kv_heads, head_dim),
-                                    (n_heads, n_heads + n_kv_heads), axis=2)
-                q = rope(q, theta, positions_Bx1, scaling)
-                k = rope(k, theta, positions_Bx1, scaling)
-                start = (layer, 0, cache_index, 0, 0)
-                k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
-                v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
-                o = jax.nn.dot_product_attention(
-                    q, jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False).astype(dt),
-                    jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False).astype(dt),
-                    mask=decode_mask(index_1, start_B, k_all.shape[2])[:, None], implementation="xla")[:, 0]
-            x = mv(o.astype(dt).reshape(b, d), w_out_mv, role="out" + nk, layer=li, layout=proj_layout, residual=x)
-            if way == "dense":
-                x, h = dense_ffn(x, li, n2_LxD, x)
-                return (x, k_all, v_all, sync), {"l0": jnp.sum(h != 0, dtype=jnp.float32) / b}
-            block_sizes = (op_config.decode_block_sizes if op_config is not None else None) or DecodeBlockSizes()
-            limit = None
-            if b > 1:  # the planner's decode cost model: the union above which dense is faster
-                limit = self.decode_union_limit(b, way, jnp.dtype(dt).itemsize)
-            # The norm in XLA where two kernels read xn: one small fusion, faster than a norm prologue in
-            # each (experiments/bench_decode_ffn_step.py: "tiles_xla_norm" against "tiles").
-            scale = jax.lax.dynamic_index_in_dim(n2_LxD, layer, keepdims=False)
-            if way == "packed_down":  # the gate's launch makes the values and the down product (+ the
-                # residual) too, its tiles' partials summed after a grid barrier (counters: sync); above
-                # the limit it passes x through and the dense products run (the switch reads the counts)
-                outs = mv(x, w_gate if gated else w_up, role=gate_role(b), layer=li, norm_scale=n2_LxD,
-                          out_dtype=jnp.float32, tile_lists=True, tile_values=True, up=w_up if gated else None,
-                          down=w_down, down_residual=x, down_limit=limit, sync=sync)
-                y = outs[5] if limit is None else dense_ffn(x, li, n2_LxD, outs[5], outs[2], limit)[0]
-                return (y, k_all, v_all, outs[6]), {"l0": jnp.sum(outs[3]).astype(jnp.float32) / b}
-            if way in ("tiles", "packed"):
-                # TwELL: the gate's epilogue packs each column tile's active neurons (the rows' union);
-                # "packed" also their hidden values (the up product of those neurons only, the norm in
-                # the gate's prologue), read by the down kernel; "tiles" the lists only, read by one
-                # kernel for the up and down products. Either adds the residual.
-                if way == "packed":
-                    _, ids, count, pairs_T, values = mv(x, w_gate if gated else w_up, role=gate_role(b), layer=li,
-                                                        norm_scale=n2_LxD, out_dtype=jnp.float32, tile_lists=True,
-                                                        tile_values=True, up=w_up if gated else None)
-                    y = sparse_decode_down_tiles(values, ids, count, w_down, layer=li, residual_MxD=x, limit=limit,
-                                                 block_sizes=block_sizes, interpret=interpret)
-                else:
-                    xn = RMSNorm.normalize(x, scale, eps)
-                    g, ids, count, pairs_T = mv(xn, w_gate if gated else w_up, role=gate_role(b), layer=li,
-                                                out_dtype=jnp.float32, tile_lists=True)
-                    y = sparse_decode_ffn_tiles(xn, g, ids, count, w_up if gated else None, w_down, layer=li,
-                                                residual_MxD=x, limit=limit, block_sizes=block_sizes,
-                                                interpret=interpret)
-                if limit is not None:  # above the limit the sparse kernel passed x through: the dense products
-                    y = dense_ffn(x, li, n2_LxD, y, count, limit)[0]  # (the switch read from the counts in-kernel)
-                return (y, k_all, v_all, sync), {"l0": jnp.sum(pairs_T).astype(jnp.float32) / b}
-            xn = RMSNorm.normalize(x, scale, eps)
-            g = mv(xn, w_gate if gated else w_up, role=gate_role(b), layer=li, out_dtype=jnp.float32)  # [B, H]
-            if b <= COMPACT_ROWS_IN_KERNEL:  # the rows' union counted inside the compaction: one launch
-                order, n_active, pairs = compact_active_rows(g, interpret=interpret)
-            else:  # many rows: XLA's parallel reduction, then the compaction (one program reads [B, H] slowly)
-                count_H = jnp.sum(g > 0, axis=0, dtype=jnp.int32)
-                order, n_active = compact_active(count_H, interpret=interpret)
-                pairs = jnp.sum(count_H, keepdims=True)
-            capacity = -(-h_dim // block_sizes.chunk) * block_sizes.chunk
-            if capacity > order.shape[0]:  # tiny d_ff: the list is shorter than one kernel chunk
-                order = jnp.pad(order, (0, capacity - order.shape[0]), constant_values=h_dim - 1)
-            use_dense = None if limit is None else n_active > limit
-            n_sparse = n_active if use_dense is None else jnp.where(use_dense, 0, n_active)
-            if way == "fused":  # the residual in the kernel's epilogue (one rounding)
-                x = sparse_decode_ffn_fused(xn, g, order, n_sparse, w_up if gated else None, w_down,
-                                            capacity=capacity, layer=li, residual_MxD=x, block_sizes=block_sizes,
-                                            interpret=interpret)
-            else:
-                _, y = sparse_decode_ffn(xn, g, order, n_sparse, w_up if gated else None, w_down, capacity=capacity,
-                                         layer=li, block_sizes=block_sizes, interpret=interpret)
-                x = x + y
-            if use_dense is not None:  # no products when sparse (n_active <= limit): x passes through
-                x = dense_ffn(xn, li, None, x, n_active.astype(jnp.int32), limit)[0]
-            return (x, k_all, v_all, sync), {"l0": pairs[0].astype(jnp.float32) / b}
-
-        ways_L = self.decode_layer_ways(b, dt)
-        # "packed_down"'s arrival counters for its grid barriers: one per layer, zero at each step
-        sync = jnp.zeros((self.n_layers,), jnp.int32) if "packed_down" in ways_L else None
-        carry, auxes, first = (x_BxD, cache.k_LxBxTxNxK, cache.v_LxBxTxNxK, sync), [], 0
-        while first < self.n_layers:  # one scan per run of layers with the same kind of FFN step
-            end = first + 1
-            while end < self.n_layers and ways_L[end] == ways_L[first]:
-                end += 1
-            step = functools.partial(layer_step, way=ways_L[first], op_config=self.op_configs[first])
-            unroll = self.decode_layer_unroll or end - first
-            if unroll >= end - first:  # no loop: each layer's index a constant (no per-iteration copies)
-                for layer in range(first, end):
-                    carry, aux = step(carry, jnp.int32(layer))
-                    auxes.append(jax.tree.map(lambda a: a[None], aux))
-            else:
-                carry, aux = jax.lax.scan(lambda c, layer: step(c, layer), carry,
-                                          jnp.arange(first, end, dtype=jnp.int32), unroll=unroll)
-                auxes.append(aux)
-            first = end
-        x_BxD, k_all, v_all, _ = carry
-        logits_BxV = mv(x_BxD, self.head()[...].astype(dt), role="head", norm_scale=scales["final_norm"],
-                        out_dtype=jnp.float32)
-        aux = jax.tree.map(lambda *parts: jnp.concatenate(parts), *auxes)
-        return logits_BxV, KVCache(k_all, v_all), aux
-
-
-# Rows of a decode step up to which model.decode_sparse_ffn "auto" runs its sparse layers "packed"
-# ("packed_down" up to PACKED_DOWN_MAX_ROWS) (each column tile makes its own active neurons' values:
-# no program walks them all, as "tiles" and "fused" do, and the down kernel's steps are cheap):
-# every one at 1 row; at more, those whose expected union is within "packed"'s own limit
-# (`Transformer.decode_union_limit`), with the device switch to the dense products above it. The
-# gate's values epilogue runs its rows one after another (an unrolled loop), so its cost grows with
-# the rows. On the H100 (0.5b; BENCHMARKS.md, Decode): one
-# layer's FFN with its active neurons spread (experiments/bench_decode_ffn_step.py, a scan step) took
-# 22.5 / 27.8 / 34.8 us at 1 row and 16 / 96 / 192 of them against "split"'s 33.1 / 35.4 / 38.7 and the
-# twin's 38; 24.0 / 23.7 / 31.6 at 2 rows, 25.8 / 26.1 / 33.8 at 4 and 28.0 / 27.9 / 35.3 at 8 at unions
-# 8 / 32 / 128, against the twin's 39-40. The model's step at 4 rows: 0.735 ms against the twin's
-# 0.763 (1.039x), and on another checkpoint 1.036x at 4 rows (at 2 rows `packed` 1.155x and
-# `packed_down` 1.146x in alternation on a third); at 8 rows the packed layers' kernels took 18 us
-# a step less than the twin's on the first checkpoint, but their switch's short launches left 20 us
-# of launch gaps (0.998x), and on a third they took more than the twin's
-# (0.970x; as CUDA graphs, no gaps, both at 0.981 ms), so 8 rows keep the other ways' batch plans
-# (the twin's products on these checkpoints).
-PACKED_MAX_ROWS = 4
-
-# Rows of a decode step up to which model.decode_sparse_ffn "auto" runs those layers "packed_down"
-# (the gate's launch also adds each tile's neurons' W_down rows into a partial of its own, summed
-# after a grid barrier with the residual: one launch a layer) rather than "packed" (a second launch
-# walks every listed neuron's W_down row). On the H100 (0.5b; BENCHMARKS.md, Decode), one layer's
-# FFN with its active neurons spread (experiments/bench_decode_ffn_step.py, interleaved): at 1 row
-# 20.4 / 20.5 / 21.1 us at 8 / 32 / 96 of them against "packed"'s 21.3 / 21.6 / 26.8; at 2 rows
-# 23.3 / 23.3 / 23.6 against 23.4 / 24.0 / 28.4; at 4 rows 27.0 / 27.2 / 27.4 against 26.0 / 26.2 /
-# 31.1 (each row's partial stored and summed), and trained checkpoints' unions at 4 rows are 8-40:
-# so 3 and 4 rows keep "packed".
-PACKED_DOWN_MAX_ROWS = 2
-
-# Rows of a decode step up to which a sparse layer counts its rows' active neurons inside the
-# compaction kernel (`compact_active_rows`: one program, so one load of [rows, H] after another);
-# above it XLA reduces over the rows first. On an H100 at one row it takes 4.8 us a layer where the
-# reduction (2.8 us) and `compact_active` (5.1 us) took 7.9 (BENCHMARKS.md, Decode); the bound keeps a
-# 64-row step off a one-program read.
-COMPACT_ROWS_IN_KERNEL = 8
 
 
 def describe_execution(cfg: ModelConfig, seq_len: int) -> str:

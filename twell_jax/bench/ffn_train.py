@@ -87,6 +87,7 @@ from twell_jax.pallas_kernels.twell_transpose import neuron_lists
 from twell_jax.pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn
 from twell_jax.pallas_kernels.twell_pack import PackBlockSizes, pack_gate
 from twell_jax import ops
+from twell_jax.config import FFN_KIND_TABLE
 from twell_jax.model import FeedForward, Transformer
 from twell_jax.ops import pallas_backward, planner
 
@@ -638,7 +639,7 @@ def capture_ffn_inputs(model: Transformer, tokens_BxS: jax.Array, layers: Sequen
 def ffn_weights(model: Transformer, layer: int) -> Weights3:
     """(w_gate, w_up, w_down) of a layer, [H, D] each, in the dtype the model holds them in."""
     ffn = model.layer(layer).ffn
-    if not ffn.gated or ffn.kind == "swiglu":
+    if not (ffn.gated and FFN_KIND_TABLE[ffn.kind].through_op):
         raise ValueError(f"layer {layer}'s FFN is {ffn.kind!r}: this benchmark needs a ReLU-gated kind "
                          "(twell or relu_gated)")
     return ffn.w_gate[...], ffn.w_up[...], ffn.w_down[...]

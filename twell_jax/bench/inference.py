@@ -11,7 +11,7 @@ power sampling (a thread reading the board power every ~50 ms; trapezoid integra
 timed window; skipped with a message where NVML is absent). With `--checkpoint`, every token fed
 (prefill batch, decode context) is text from the run's validation split, and "auto" gets the run's
 per-layer activity hints; a random init gets random ids. Decode: tokens/s of KV-cached decode
-steps (`Transformer.decode`, LM head included) at batch 1, 8 and 64 after a prefilled context of
+steps (`decode_engine.decode`, LM head included) at batch 1, 8 and 64 after a prefilled context of
 `--context` - `--decode-steps` tokens, so the last step attends to `--context` slots. Each variant
 prints its per-layer mean active FFN neurons per token beside its figures. Generate (twell_jax rows
 only, `--generate-tokens`): `Generator.generate` at batch 1, greedy, from a prompt of the same text,
@@ -20,9 +20,9 @@ generate` delivers, host round trips included (compilation excluded), beside the
 decode rows above. `--xla-option KEY=VALUE` adds a second decode row per variant, `VARIANT+xla`,
 its loop compiled with those XLA options (for
 example command buffers over the while loops, which capture the decode steps as CUDA graphs),
-compared with the rows compiled without them. The model's rows decode with model.decode_transposed
-on (the decode kernels read output-major copies of q/k/v, the output projection and W_down: the
-default), whatever the checkpoint's config says; `--stored-decode-rows` adds `VARIANT+stored`
+compared with the rows compiled without them. The model's rows decode with the library's decode
+section (`DecodeConfig()`: decode.transposed on, the decode kernels read output-major copies of
+q/k/v, the output projection and W_down), whatever the checkpoint's config says; `--stored-decode-rows` adds `VARIANT+stored`
 decode and generate rows of the dense and sparse variants reading the weights as stored,
 `--check-decode STEPS` first checks each variant's decode steps against the XLA path of the same
 weights (teacher-forced, every decode batch; the run stops before timing when one is past
@@ -31,9 +31,9 @@ batch's in alternation over ROUNDS rounds (`ms_per_step_interleaved` and its rat
 `interleaved_vs_dense` / `interleaved_vs_plain`: the comparison to trust between variants, as the
 rows timed one after another drift: two identical programs came out 5% apart),
 `--loop-decode-rows` adds `VARIANT+loop` rows with the decode kernels' layers in a loop
-(model.decode_layer_unroll=1; the default unrolls them), and
+(decode.layer_unroll=1; the default unrolls them), and
 `--sparse-ffn-rows fused,split` adds `VARIANT+fused` and `VARIANT+split` rows of the sparse variants with
-that model.decode_sparse_ffn (config.DECODE_SPARSE_FFN: the gate's tile lists read by one launch, a
+that decode.sparse_ffn (config.DECODE_SPARSE_FFN: the gate's tile lists read by one launch, a
 compaction then one launch, or a compaction then two), each name other than the config's.
 
 Rows: `plain` is the plain-JAX Llama of twell_jax/bench/plain_llama.py (nothing of twell_jax in its
@@ -66,15 +66,13 @@ from twell_jax.bench.ffn import bench_interleaved
 from twell_jax.bench.kernel_trace import format_profile, kernel_times
 from twell_jax.bench.plain_llama import (reference_body, reference_decode_step, reference_params_from_model,
                                          reference_prefill_cache)
-from twell_jax.config import DECODE_SPARSE_FFN, DEFAULT_DECODE_CHUNK, ModelConfig
-
-DEFAULT_SPARSE_FFN = ModelConfig.__dataclass_fields__["decode_sparse_ffn"].default
-DEFAULT_LAYER_UNROLL = ModelConfig.__dataclass_fields__["decode_layer_unroll"].default
+from twell_jax.config import DECODE_SPARSE_FFN, DEFAULT_DECODE_CHUNK, DecodeConfig, ModelConfig
+from twell_jax.inference import decode_engine, decode_plan
 from twell_jax.inference.generate import Generator, SamplingConfig
 from twell_jax.inference.load import LoadedModel, experiment_config_for, load_run, model_with_params, validation_tokens
 from twell_jax.pallas_kernels import decode_matvec
 from twell_jax.model import Transformer, choose_attention, init_cache, init_model, split_model
-from twell_jax.training.checkpoint import checkpoint_dir
+from twell_jax.run_dir import run_dir_of
 from twell_jax.training.hints import run_hints
 
 DECODE_BATCHES = (1, 8, 64)
@@ -154,10 +152,10 @@ class Runner:
     telemetry: bool  # whether body and step return the per-layer active counts (plain JAX has none)
 
 
-def model_runner(model: Transformer, cfg: ModelConfig) -> Runner:
-    """A twell_jax model: `body` above, and `Transformer.decode` for the prefill (in chunks) and steps
-    (with `prepare_decode`'s weight copies where model.decode_transposed asks for them). Its params
-    are (the model's state, those copies or None)."""
+def model_runner(model: Transformer, cfg: ModelConfig, decode_cfg: DecodeConfig) -> Runner:
+    """A twell_jax model: `body` above, and `decode_engine.decode` with `decode_cfg` for the prefill
+    (in chunks) and steps (with `prepare_decode`'s weight copies where decode.transposed asks for
+    them). Its params are (the model's state, those copies or None)."""
     graphdef, state = nnx.split(model)
 
     def prefill(params: Any, tokens_BxS: jax.Array, length: int) -> tuple[jax.Array, Any]:
@@ -165,18 +163,18 @@ def model_runner(model: Transformer, cfg: ModelConfig) -> Runner:
         model_, cache = nnx.merge(graphdef, params[0]), init_cache(cfg, tokens_BxS.shape[0], length)
         start_B = jnp.zeros((tokens_BxS.shape[0],), jnp.int32)
         for begin in range(0, tokens_BxS.shape[1], PREFILL_CHUNK):
-            logits_BxV, cache, _ = model_.decode(tokens_BxS[:, begin:begin + PREFILL_CHUNK], cache,
-                                                 jnp.int32(begin), start_B)
+            logits_BxV, cache, _ = decode_engine.decode(model_, tokens_BxS[:, begin:begin + PREFILL_CHUNK], cache,
+                                                        jnp.int32(begin), start_B, config=decode_cfg)
         return logits_BxV, cache
 
     def step(params: Any, cache: Any, tokens_Bx1: jax.Array, slot: jax.Array) -> tuple[jax.Array, Any, jax.Array]:
         start_B = jnp.zeros((tokens_Bx1.shape[0],), jnp.int32)
-        logits_BxV, cache, aux = nnx.merge(graphdef, params[0]).decode(tokens_Bx1, cache, slot, start_B,
-                                                                       prepared=params[1])
+        logits_BxV, cache, aux = decode_engine.decode(nnx.merge(graphdef, params[0]), tokens_Bx1, cache, slot,
+                                                      start_B, config=decode_cfg, prepared=params[1])
         return logits_BxV, cache, aux["l0"]
 
-    return Runner((state, model.prepare_decode()), lambda p, t: body(nnx.merge(graphdef, p[0]), t), prefill, step,
-                  telemetry=True)
+    return Runner((state, decode_engine.prepare_decode(model, decode_cfg)),
+                  lambda p, t: body(nnx.merge(graphdef, p[0]), t), prefill, step, telemetry=True)
 
 
 def check_decode(checked: Runner, reference: Runner, text_BxS: jax.Array, prompt: int) -> dict[str, Any]:
@@ -334,26 +332,29 @@ def interleaved_decode(rows: list[dict[str, Any]], calls: list[Callable[[], Any]
 CHECK_PROMPT = 32  # --check-decode: prompt tokens before the checked steps (at most half the context)
 
 
-def run_decode_checks(args: argparse.Namespace, configs: dict[str, ModelConfig], models: dict[str, Transformer],
-                      params: dict[str, Any], text: jax.Array, batches: list[int], cfg: ModelConfig) -> list[dict]:
-    """--check-decode: `check_decode` of every model variant at every batch; SystemExit naming the
-    variant and batch where the difference passes --check-tolerance (nothing timed or written)."""
+def run_decode_checks(args: argparse.Namespace, configs: dict[str, ModelConfig], decodes: dict[str, DecodeConfig],
+                      models: dict[str, Transformer], params: dict[str, Any], text: jax.Array, batches: list[int],
+                      cfg: ModelConfig) -> list[dict]:
+    """--check-decode: `check_decode` of every model variant (its model and decode configs, `configs`
+    and `decodes`) at every batch; SystemExit naming the variant and batch where the difference
+    passes --check-tolerance (nothing timed or written)."""
     prompt = min(CHECK_PROMPT, text.shape[1] // 2)
     if prompt + args.check_decode > text.shape[1]:
         raise SystemExit(f"--check-decode {args.check_decode}: {prompt} prompt tokens plus the checked steps must fit "
                          f"--context {text.shape[1]}")
     checks = []
     for name, model in models.items():
-        checked_cfg = configs[name]
+        checked_decode = decodes[name]
         if args.dry_run:  # the kernels on a CPU: interpreted
-            checked_cfg = dataclasses.replace(checked_cfg, decode_kernels="pallas", ffn_interpret=True)
-            model = model_with_params(checked_cfg, params, args.dtype)
-        reference = model_with_params(dataclasses.replace(configs[name], decode_kernels="xla"), params, args.dtype)
-        checked, against = model_runner(model, cfg), model_runner(reference, cfg)  # (weight copies made once)
+            checked_decode = dataclasses.replace(checked_decode, kernels="pallas")
+            model = model_with_params(dataclasses.replace(configs[name], ffn_interpret=True), params, args.dtype)
+        reference = model_with_params(configs[name], params, args.dtype)
+        checked = model_runner(model, cfg, checked_decode)  # (weight copies made once)
+        against = model_runner(reference, cfg, dataclasses.replace(decodes[name], kernels="xla"))
         for batch in batches:
             r = check_decode(checked, against, text[:batch, :prompt + args.check_decode], prompt)
-            r.update(variant=name, batch=batch, kernels=model._decode_with_kernels(),
-                     ffn_ways=list(model.decode_layer_ways(batch, jnp.dtype(args.dtype))))
+            r.update(variant=name, batch=batch, kernels=decode_engine.uses_kernels(model, checked_decode),
+                     ffn_ways=list(decode_plan.layer_ways(model, checked_decode, batch, jnp.dtype(args.dtype))))
             checks.append(r)
             print(f"[bench] check   {name} batch {batch}: max logit difference {r['max_rel_logit_diff']:.3%} of the "
                   f"largest logit, greedy tokens {r['greedy_agree']:.1%} alike over {r['steps']} steps "
@@ -385,8 +386,8 @@ def load_matvec_blocks(path: str) -> dict[str, Any]:
     return {role: dataclasses.asdict(s) for role, s in sizes.items()}
 
 
-def bench_generate(model: Transformer, cfg: ModelConfig, prompt: list[int], new_tokens: int, chunks: list[int],
-                   repeats: int = 2, trace_top: int = 0) -> list[dict[str, Any]]:
+def bench_generate(model: Transformer, cfg: ModelConfig, decode_cfg: DecodeConfig, prompt: list[int],
+                   new_tokens: int, chunks: list[int], repeats: int = 2, trace_top: int = 0) -> list[dict[str, Any]]:
     """`Generator.generate` end to end at batch 1 (greedy, no EOS: exactly `new_tokens` tokens), one
     row per decode chunk size: what `twell generate` delivers, host round trips included; the
     best of `repeats` calls after a first one (compilation is reported apart by the Generator, and
@@ -394,7 +395,8 @@ def bench_generate(model: Transformer, cfg: ModelConfig, prompt: list[int], new_
     every chunk size. `trace_top` > 0: also profile two calls and keep the `trace_top` largest
     kernels per decode step under "trace" (the prefill's kernels are in it, spread over the steps:
     a span per step well above the busy time means the device waited on the host)."""
-    generator = Generator(LoadedModel(model=model, config=experiment_config_for(cfg), tokenizer=None, step=None))
+    config = dataclasses.replace(experiment_config_for(cfg), decode=decode_cfg)
+    generator = Generator(LoadedModel(model=model, config=config, tokenizer=None, step=None))
     rows = []
     for chunk in chunks:
         first = generator.generate([prompt], new_tokens, SamplingConfig(), eos=(), chunk=chunk)
@@ -477,7 +479,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-energy", action="store_true", help="skip NVML power sampling")
     parser.add_argument("--xla-decode-row", action="store_true",
                         help="add 'dense-xla' and 'twell-BACKEND-xla': the dense twin and each sparse variant with "
-                             "model.decode_kernels=xla (the generic path), decode and generate rows (their prefill "
+                             "decode.kernels=xla (the generic path), decode and generate rows (their prefill "
                              "is their variant's)")
     parser.add_argument("--generate-tokens", type=int, default=256,
                         help="tokens per `twell generate`-style call at batch 1 (host round trips included); "
@@ -486,12 +488,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="the generate rows' decode steps per device call (comma-separated)")
     parser.add_argument("--stored-decode-rows", action="store_true",
                         help="add VARIANT+stored for the dense and sparse variants: decode and generate with "
-                             "model.decode_transposed off (the weights as stored, no output-major copies)")
+                             "decode.transposed off (the weights as stored, no output-major copies)")
     parser.add_argument("--loop-decode-rows", action="store_true",
                         help="add VARIANT+loop for the dense and sparse variants: decode and generate with "
-                             "model.decode_layer_unroll=1 (the decode kernels' layers in a loop, not unrolled)")
+                             "decode.layer_unroll=1 (the decode kernels' layers in a loop, not unrolled)")
     parser.add_argument("--sparse-ffn-rows", default="", metavar="NAMES",
-                        help="comma-separated model.decode_sparse_ffn values (" + ", ".join(DECODE_SPARSE_FFN)
+                        help="comma-separated decode.sparse_ffn values (" + ", ".join(DECODE_SPARSE_FFN)
                              + "): add VARIANT+NAME for the sparse variants, decode and generate with that "
                              "value (each name other than the config's)")
     parser.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
@@ -515,7 +517,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="the device's HBM bandwidth for the decode rows' share of the floor (H100 SXM)")
     parser.add_argument("--check-decode", type=int, default=0, metavar="STEPS",
                         help="before timing: each model variant's decode steps at every --decode-batches size "
-                             "against the same weights through the XLA path (model.decode_kernels=xla), "
+                             "against the same weights through the XLA path (decode.kernels=xla), "
                              "teacher-forced over STEPS tokens of the text after a prompt of 32 (at most half "
                              "--context); the largest "
                              "logit difference and the greedy agreement are printed and kept under "
@@ -566,34 +568,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if text.shape[1] - 1 < args.context:
             raise SystemExit(f"--context {args.context} is longer than the run's sequences ({text.shape[1] - 1})")
         text = jnp.asarray(text[:, :args.context])
-        hints = run_hints(checkpoint_dir(args.checkpoint).parent, args.step, n_layers=cfg.n_layers)
+        hints = run_hints(run_dir_of(args.checkpoint), args.step, n_layers=cfg.n_layers)
     else:
         text = jax.random.randint(jax.random.key(args.seed), (rows_needed, args.context), 0, cfg.vocab_size)
-    # The library's decode execution, whatever the run's config says (runs saved before a change of
-    # default carry the old value): the transposed copies and the default sparse FFN step.
-    configs = variant_configs(dataclasses.replace(cfg, decode_transposed=True, decode_sparse_ffn=DEFAULT_SPARSE_FFN,
-                                                  decode_layer_unroll=DEFAULT_LAYER_UNROLL),
-                              backends, interpret=args.dry_run, hints=hints)
+    configs = variant_configs(cfg, backends, interpret=args.dry_run, hints=hints)
+    # The library's decode execution, whatever the run's decode section says (runs saved before a
+    # change of default carry the old value): the transposed copies and the default sparse FFN step.
+    # A row VARIANT+X runs VARIANT's model with another decode section.
+    base_decode = DecodeConfig()
+    decodes = {name: base_decode for name in configs}
+
+    def add_rows(suffix: str, picked: list[str], **change: Any) -> None:
+        for name in picked:
+            configs[name + suffix] = configs[name]
+            decodes[name + suffix] = dataclasses.replace(decodes[name], **change)
+
     if args.stored_decode_rows:  # decode and generate rows only (their prefill is their variant's)
-        configs.update({f"{name}+stored": dataclasses.replace(c, decode_transposed=False)
-                        for name, c in list(configs.items()) if name == "dense" or name.startswith("twell-")})
+        add_rows("+stored", [n for n in list(configs) if n == "dense" or n.startswith("twell-")], transposed=False)
     if args.loop_decode_rows:
-        configs.update({f"{name}+loop": dataclasses.replace(c, decode_layer_unroll=1) for name, c in list(configs.items())
-                        if (name == "dense" or name.startswith("twell-")) and "+" not in name})
+        add_rows("+loop", [n for n in list(configs) if (n == "dense" or n.startswith("twell-")) and "+" not in n],
+                 layer_unroll=1)
     for value in sparse_ffn_rows:  # decode and generate rows only, as the stored rows
-        configs.update({f"{name}+{value}": dataclasses.replace(c, decode_sparse_ffn=value)
-                        for name, c in list(configs.items())
-                        if name.startswith("twell-") and "+" not in name and c.decode_sparse_ffn != value})
+        add_rows(f"+{value}", [n for n in list(configs) if n.startswith("twell-") and "+" not in n
+                               and decodes[n].sparse_ffn != value], sparse_ffn=value)
     if args.xla_decode_row:  # after the kernels' row kinds: those rows vary the kernels' step
-        configs.update({f"{name}-xla": dataclasses.replace(c, decode_kernels="xla") for name, c in list(configs.items())
-                        if name == "dense" or (name.startswith("twell-") and "+" not in name)})
+        add_rows("-xla", [n for n in list(configs) if n == "dense" or (n.startswith("twell-") and "+" not in n)],
+                 kernels="xla")
     # In the load dtype, as model_with_params builds them (the generate rows' Generator reads it too).
     configs = {name: dataclasses.replace(c, compute_dtype=args.dtype) for name, c in configs.items()}
     models = {name: model_with_params(c, params, args.dtype) for name, c in configs.items()}
-    checks = run_decode_checks(args, configs, models, params, text, batches, cfg) if args.check_decode else []
+    checks = (run_decode_checks(args, configs, decodes, models, params, text, batches, cfg) if args.check_decode
+              else [])
     # plain first: the baseline every other row is compared with.
     runners = {"plain": plain_runner(cfg, params, args.dtype, args.context),
-               **{name: model_runner(model, cfg) for name, model in models.items()}}
+               **{name: model_runner(model, cfg, decodes[name]) for name, model in models.items()}}
     sampler = make_power_sampler(not args.no_energy and not args.dry_run and jax.default_backend() == "gpu")
     tokens = text[:args.prefill_batch]
     rows: list[dict[str, Any]] = []
@@ -615,8 +623,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             r["floor_bytes"] = floor
             r["floor_share"] = floor / (args.peak_gbs * 1e9) / (r["ms_per_step"] / 1e3)
             label = name if options is None else f"{name}+xla"
-            if name in models:  # how each layer's FFN ran in the step (Transformer.decode_layer_ways)
-                r["ffn_ways"] = list(models[name].decode_layer_ways(batch, jnp.dtype(args.dtype)))
+            if name in models:  # how each layer's FFN ran in the step (decode_plan.layer_ways)
+                r["ffn_ways"] = list(decode_plan.layer_ways(models[name], decodes[name], batch, jnp.dtype(args.dtype)))
             rows.append({"variant": label, "phase": "decode", "batch": batch, **r,
                          **({} if options is None else {"xla_options": options})})
             decode_row_list.append(rows[-1])
@@ -628,8 +636,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if "trace" in r:
                 print("\n".join(f"[bench]   {line}" for line in r["trace"]))
         if args.generate_tokens and name in models:  # plain JAX has no generator: ratios vs dense only
-            for r in bench_generate(models[name], configs[name], text[0, :prompt_len].tolist(), args.generate_tokens,
-                                    chunks, trace_top=args.trace_decode):
+            for r in bench_generate(models[name], configs[name], decodes[name], text[0, :prompt_len].tolist(),
+                                    args.generate_tokens, chunks, trace_top=args.trace_decode):
                 rows.append({"variant": name, "phase": f"generate, chunk {r['chunk']}", "batch": 1, **r})
                 print(f"[bench] generate {name} chunk {r['chunk']}: {r['tokens_per_s']:.1f} tokens/s "
                       f"({r['ms_per_step']:.3f} ms/token over {r['decode_steps']} steps; "
@@ -683,7 +691,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"| {r['batch']} | {r['variant']} | {r['ms_per_step_interleaved']:.3f} | {vs} |")
     result = {"source": source_text, "device": device.device_kind, "backend": jax.default_backend(),
               "dtype": args.dtype, "context": args.context, "decode_steps": args.decode_steps,
-              "model": dataclasses.asdict(cfg), "rows": rows, "date": time.strftime("%Y-%m-%d"),
+              "model": dataclasses.asdict(cfg), "decode": dataclasses.asdict(base_decode), "rows": rows,
+              "date": time.strftime("%Y-%m-%d"),
               **({"decode_checks": checks} if checks else {}),
               **({"matvec_blocks": matvec_blocks} if matvec_blocks else {})}
     if args.out:

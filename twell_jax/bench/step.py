@@ -56,9 +56,10 @@ from twell_jax.training.metrics import model_flops_per_token as flops_per_token
 from twell_jax.inference.load import validation_tokens
 from twell_jax.model import apply_model, choose_attention, describe_execution, init_model, split_model
 from twell_jax.ops import BACKENDS
-from twell_jax.training.checkpoint import checkpoint_dir, restore_params
+from twell_jax.run_dir import run_dir_of
+from twell_jax.training.checkpoint import restore_params
 from twell_jax.training.hints import Tails, describe_tails, run_hints, run_tail_hints, with_hints
-from twell_jax.training.train import abstract_graphdef, measure_activity
+from twell_jax.training.planning import abstract_graphdef, measure_activity
 from twell_jax.training.optimizer import build_optimizer
 from twell_jax.bench.plain_llama import REFERENCE_REMATS, reference_init, reference_loss
 
@@ -356,8 +357,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.checkpoint:
         params, run_cfg, step = restore_params(args.checkpoint, args.step)
         base = config_lib.apply_overrides(run_cfg, sets)
-        hints = run_hints(checkpoint_dir(args.checkpoint).parent, step, n_layers=base.model.n_layers)
-        tails = run_tail_hints(checkpoint_dir(args.checkpoint).parent, step, n_layers=base.model.n_layers)
+        hints = run_hints(run_dir_of(args.checkpoint), step, n_layers=base.model.n_layers)
+        tails = run_tail_hints(run_dir_of(args.checkpoint), step, n_layers=base.model.n_layers)
         source = f"checkpoint {args.checkpoint} step {step}"
     else:
         base = config_lib.apply_overrides(get_config(args.config), sets)

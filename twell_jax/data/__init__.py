@@ -5,6 +5,7 @@ One job per module, in pipeline order:
 - `sources`: list a corpus's files, read documents in a fixed order, split train / validation;
 - `tokenizer`: train a byte-level BPE on the training documents (cached) or load a tokenizer.json;
 - `cache`: tokenize into flat `.npy` streams in a cache keyed by everything that affects them;
+- `cache_dir`: a cache directory's key, private build directory and atomic publish (both caches);
 - `packing`: view a stream as windows of seq_len + 1 tokens;
 - `synthetic`: random token ids in place of the first four stages (tests, benchmarks);
 - `batching`: shuffled, sharded training batches through Grain; fixed-order validation batches;

@@ -14,6 +14,7 @@ import numpy as np
 
 from twell_jax.config import DataConfig, ExperimentConfig
 from twell_jax.data import cache as cache_lib
+from twell_jax.data import cache_dir
 from twell_jax.data import tokenizer as tokenizer_lib
 from twell_jax.data.batching import Batch, BatchIterator, SequenceTable, TrainBatchSource, grain_iterator, val_batches
 from twell_jax.data.packing import pack
@@ -161,14 +162,14 @@ def build_data(cfg: DataConfig, *, global_batch: int, process_index: int = 0, pr
 
     tok, tokenizer_path, built_tokenizer = tokenizer_lib.get_tokenizer(cfg, files, listing, is_val_fn)
     eot_id = tokenizer_lib.eot_token_id(tok, cfg.eot_token, where=repr(cfg.tokenizer))
-    tokens_key = cache_lib.cache_key({"source": listing, "tokenizer": tokenizer_lib.file_sha256(tokenizer_path),
+    tokens_key = cache_dir.cache_key({"source": listing, "tokenizer": tokenizer_lib.file_sha256(tokenizer_path),
                                       "eot_token": cfg.eot_token, "version": cache_lib.TOKEN_CACHE_VERSION})
     cache_path = os.path.join(os.path.expanduser(cfg.cache_dir), "tokens", tokens_key)
     built_tokens = not cache_lib.has_token_cache(cache_path)
     if built_tokens:
         cache_lib.build_token_cache(cfg, files, tok, tokenizer_path, eot_id, is_val_fn(), cache_path)
     else:
-        cache_lib.log(cfg, f"tokens: cached at {cache_path}")
+        cache_dir.log(cfg, f"tokens: cached at {cache_path}")
     tokens = cache_lib.load_token_cache(cache_path)
     train_sequences = pack(tokens.train_tokens, cfg.seq_len)
     if len(train_sequences) < global_batch:
@@ -188,7 +189,7 @@ def build_data(cfg: DataConfig, *, global_batch: int, process_index: int = 0, pr
         num_train_tokens=len(tokens.train_tokens), num_val_tokens=len(tokens.val_tokens),
         built_tokenizer=built_tokenizer, built_tokens=built_tokens,
     )
-    cache_lib.log(cfg, f"data ready in {time.perf_counter() - start:.2f}s: vocab {bundle.vocab_size}, "
+    cache_dir.log(cfg, f"data ready in {time.perf_counter() - start:.2f}s: vocab {bundle.vocab_size}, "
                        f"{bundle.num_train_sequences} train / {bundle.num_val_sequences} val sequences of "
                        f"{cfg.seq_len + 1} tokens ({bundle.num_train_documents} / {bundle.num_val_documents} "
                        "documents)")
@@ -214,7 +215,7 @@ def synthetic_data(cfg: DataConfig, *, global_batch: int, process_index: int = 0
         return SyntheticSequences(seed=cfg.split_seed, split=split, num_sequences=count, width=width,
                                   vocab_size=cfg.vocab_size)
 
-    fingerprint = cache_lib.cache_key({"source": "synthetic", "split_seed": cfg.split_seed, "vocab_size": cfg.vocab_size,
+    fingerprint = cache_dir.cache_key({"source": "synthetic", "split_seed": cfg.split_seed, "vocab_size": cfg.vocab_size,
                                        "seq_len": cfg.seq_len, "sequences": total, "val": num_val})
     return DataBundle(
         config=cfg, vocab_size=cfg.vocab_size, eot_id=0, global_batch=global_batch, process_index=process_index,

@@ -1,55 +1,26 @@
-"""Caches: the token cache (build, load) and the atomic directory publishing shared with the
-tokenizer cache. Everything is built in a private temporary directory and renamed into place, so
-concurrent processes or an interrupted build never leave a half-written cache behind."""
+"""The token cache: build (every document tokenized by `encode_pool`'s processes) and load. It is
+built in a private temporary directory and renamed into place (`cache_dir`), so concurrent
+processes or an interrupted build never leave a half-written cache behind."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
-import sys
 import time
-import uuid
 from typing import Any
 
 import numpy as np
 
 from twell_jax.config import DataConfig
+from twell_jax.data.cache_dir import log, new_tmp_dir, publish
+from twell_jax.data.encode_pool import encode_chunks, resolve_workers
 from twell_jax.data.sources import DocumentHasher, SourceFile, iter_documents
 
 # Bump when the token cache's layout or the tokenization semantics change: old caches become
 # misses. 2: meta.json holds the corpus content hash (`documents_sha256`).
 TOKEN_CACHE_VERSION = 2
 _META = "meta.json"
-
-
-def log(cfg: DataConfig, message: str) -> None:
-    """A progress line on stderr (when `data.progress`)."""
-    if cfg.progress:
-        print(f"[twell_jax.data] {message}", file=sys.stderr, flush=True)
-
-
-def cache_key(payload: Any) -> str:
-    """A short stable hash of a JSON-ready payload (cache directory names)."""
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def new_tmp_dir(final_dir: str) -> str:
-    """A fresh private directory next to `final_dir` (same filesystem, so the rename is atomic)."""
-    tmp_dir = f"{final_dir}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    os.makedirs(tmp_dir)
-    return tmp_dir
-
-
-def publish(tmp_dir: str, final_dir: str) -> None:
-    """Renames a finished `tmp_dir` to `final_dir`; if another process won the race, keeps theirs."""
-    try:
-        os.rename(tmp_dir, final_dir)
-    except OSError:
-        if not os.path.isdir(final_dir):
-            raise
-        shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -82,8 +53,6 @@ def build_token_cache(
     document ids and lengths, and meta.json (with the corpus content hash); chunks of
     `encode_chunk_documents` documents are encoded by `data.tokenize_workers` processes."""
     from tqdm.auto import tqdm
-
-    from twell_jax.data.encode_pool import encode_chunks, resolve_workers
 
     vocab_size = tokenizer.get_vocab_size()
     dtype = token_dtype(vocab_size)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from twell_jax.config import MIN_BPE_VOCAB_SIZE, DataConfig
-from twell_jax.data.cache import cache_key, log, new_tmp_dir, publish
+from twell_jax.data.cache_dir import cache_key, log, new_tmp_dir, publish
 from twell_jax.data.sources import SourceFile, iter_documents
 
 if TYPE_CHECKING:  # pragma: no cover - typing only

@@ -17,6 +17,7 @@ from twell_jax import compile_cache
 from twell_jax.config import decode_escapes
 from twell_jax.inference.generate import Generator, SamplingConfig
 from twell_jax.inference.load import load_run
+from twell_jax.run_dir import checkpoint_arg
 
 
 def _check_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
@@ -58,8 +59,6 @@ def _load(args: argparse.Namespace) -> Any:
         from twell_jax.inference.hf import import_hf
 
         return import_hf(args.hf, dtype=args.dtype)
-    from twell_jax.cli import checkpoint_arg
-
     run_dir, step = checkpoint_arg(args.checkpoint, args.step)
     return load_run(run_dir, step=step, dtype=args.dtype)
 
@@ -74,9 +73,8 @@ def run_generate(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict[str
                          "text prompts cannot be encoded")
     if args.decode_layout is not None:
         transposed = args.decode_layout == "transposed"
-        loaded.config = dataclasses.replace(loaded.config, model=dataclasses.replace(loaded.config.model,
-                                                                                  decode_transposed=transposed))
-        loaded.model.decode_transposed = transposed
+        loaded.config = dataclasses.replace(loaded.config, decode=dataclasses.replace(loaded.config.decode,
+                                                                                    transposed=transposed))
     generator = loaded._generator = Generator(loaded, chunk=args.decode_chunk)
     # Encode and fit every prompt before anything is printed: a bad prompt stops here.
     try:
@@ -117,7 +115,7 @@ def run_generate(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict[str
         for i, (prompt, kept) in enumerate(zip(shown, ids))],
         "compile_s": result.compile_s, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
         "decode_steps": result.decode_steps, "decode_chunk": args.decode_chunk,
-        "decode_layout": "transposed" if loaded.model.decode_transposed else "stored",
+        "decode_layout": "transposed" if loaded.config.decode.transposed else "stored",
         "decode_tokens_per_s": result.decode_tokens_per_s()}
     if args.json:
         out.write(json.dumps(report, indent=2) + "\n")

@@ -29,8 +29,10 @@ per argument shape) and reported on its own (`GenerationResult.compile_s`), so p
 decode_s are run time on every call, the first included.
 
 Left padding: row b's prompt occupies cache slots [P - len_b, P) and sits at RoPE positions
-0..len_b - 1; `Transformer.decode` hides the padding slots from every query, so each row computes
-exactly what it would alone (tested against the full forward).
+0..len_b - 1; the model's decode hides the padding slots from every query, so each row computes
+exactly what it would alone (tested against the full forward). Every prefill and step runs through
+`decode_engine.decode` with the run's decode section (decode.kernels: the decode kernels' step on a
+GPU).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ import numpy as np
 from flax import nnx
 
 from twell_jax.config import DEFAULT_DECODE_CHUNK
+from twell_jax.inference import decode_engine
 from twell_jax.model import init_cache
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -167,8 +170,9 @@ class Generator:
             raise ValueError(f"cache_len must be in [2, model.max_seq_len={model_cfg.max_seq_len}], got {cache_len}")
         self.chunk = _checked_chunk(chunk)  # decode steps per device call, unless a generate call names its own
         self.graphdef, self.state = nnx.split(loaded.model)
-        # model.decode_transposed: the decode kernels' output-major weight copies, made once here.
-        self.prepared = loaded.model.prepare_decode()
+        # decode.transposed: the decode kernels' output-major weight copies, made once here.
+        decode_cfg = loaded.config.decode
+        self.prepared = decode_engine.prepare_decode(loaded.model, decode_cfg)
         self.traces = {"prefill": 0, "decode": 0}  # programs traced (= compiled) so far
         self._executables: dict[tuple, object] = {}
         model_cfg_ = model_cfg
@@ -180,8 +184,9 @@ class Generator:
             model = nnx.merge(self.graphdef, state)
             cache = init_cache(model_cfg_, tokens_BxP.shape[0], cache_len_)
             # prepared too: a one-token prompt bucket (a cache with room for one prompt token) is a
-            # one-token step, which with model.decode_transposed reads the copies
-            logits_BxV, cache, _ = model.decode(tokens_BxP, cache, jnp.int32(0), start_B, prepared=prepared)
+            # one-token step, which with decode.transposed reads the copies
+            logits_BxV, cache, _ = decode_engine.decode(model, tokens_BxP, cache, jnp.int32(0), start_B,
+                                                        config=decode_cfg, prepared=prepared)
             return sample_tokens(logits_BxV, jax.random.fold_in(key, 0), temperature, top_k, top_p), cache
 
         def decode_chunk(greedy: bool, state: nnx.State, prepared: object, cache: object, token_B: jax.Array,
@@ -210,7 +215,8 @@ class Generator:
                 n_run, token_B, cache, done_B, tokens_BxC = carry
                 live = (i < n_steps) & ~jnp.all(done_B)  # the while condition of a loop that stopped here
                 index = first_index + i
-                logits_BxV, cache, _ = model.decode(token_B[:, None], cache, index, start_B, prepared=prepared)
+                logits_BxV, cache, _ = decode_engine.decode(model, token_B[:, None], cache, index, start_B,
+                                                            config=decode_cfg, prepared=prepared)
                 if greedy:
                     new_B = jnp.argmax(logits_BxV.astype(jnp.float32), axis=-1).astype(jnp.int32)
                 else:

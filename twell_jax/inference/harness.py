@@ -36,6 +36,7 @@ try:
 except ImportError as _err:  # pragma: no cover - exercised where lm-eval is absent
     raise ImportError(f"{EXTRA_HINT} ({_err})") from _err
 
+from twell_jax import run_dir as run_dir_lib
 from twell_jax.inference.scoring import DEFAULT_BATCH_SIZE, Scorer
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -360,9 +361,7 @@ def results_path(run_dir: str | Path, step: int | None, selection: TaskSelection
                  limit: int | None = None) -> Path:
     """Where an evaluation of `run_dir`'s step `step` on `selection` keeps lm-eval's results."""
     suffix = f"-limit{limit}" if limit is not None else ""
-    from twell_jax.training.checkpoint import LM_EVAL_SUBDIR
-
-    return Path(run_dir) / LM_EVAL_SUBDIR / f"step-{step}-{selection.label}{suffix}.json"
+    return Path(run_dir) / run_dir_lib.LM_EVAL_SUBDIR / f"step-{step}-{selection.label}{suffix}.json"
 
 
 def evaluate_loaded(loaded: "LoadedModel", selection: TaskSelection, *, batch_size: int = DEFAULT_BATCH_SIZE,
@@ -389,11 +388,11 @@ def evaluate_run(run_dir: str | Path, selection: TaskSelection, *, step: int | N
     from twell_jax.inference.load import load_run
     from twell_jax.training import checkpoint as ckpt_lib
 
-    run_dir = ckpt_lib.checkpoint_dir(run_dir).parent
+    run_dir = run_dir_lib.run_dir_of(run_dir)
     if reuse and step is not None:
         path = results_path(run_dir, step, selection, limit)
         if path.is_file():
-            results = ckpt_lib.read_json_file(path, "lm-eval results")
+            results = run_dir_lib.read_json_file(path, "lm-eval results")
             if (results.get("config") or {}).get("twell_num_fewshot") == num_fewshot:
                 echo(f"[twell] tasks: {path} exists (step {step}, same tasks): kept")
                 return results, path
@@ -408,6 +407,6 @@ def evaluate_run(run_dir: str | Path, selection: TaskSelection, *, step: int | N
                               progress=progress, loaded_tasks=loaded_tasks, flag=flag)
     path = results_path(run_dir, loaded.step, selection, limit)
     path.parent.mkdir(parents=True, exist_ok=True)
-    ckpt_lib.atomic_write_text(path, json.dumps(results, indent=2))
+    run_dir_lib.atomic_write_text(path, json.dumps(results, indent=2))
     echo(f"[twell] tasks: lm-eval results -> {path}")
     return results, path

@@ -48,7 +48,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from twell_jax.config import ModelConfig, RopeScaling
+from twell_jax.config import FFN_KIND_TABLE, ModelConfig, RopeScaling, ffn_kinds_with
 from twell_jax.inference.load import LoadedModel, experiment_config_for, model_with_params
 from twell_jax.model import Transformer, layer_slice, split_model, stack_layers
 
@@ -63,11 +63,27 @@ DOWN_PROJ_LAYOUTS = ("auto", "hf", "transposed")
 HF_DEFAULT_ROPE_THETA = 10000.0
 # The architectures imported (config.json "architectures") and their model_type; Mistral's weights are Llama's.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
-# What each hidden_act imports as: the first kind by default, the others when ffn_kind asks. silu ->
-# twell / relu_gated swaps the SiLU gate for a ReLU one (sparsifying a pretrained SwiGLU model: the
-# outputs change until it is fine-tuned, docs/training.md).
-_ACT_TO_KIND = {"relu": ("twell", "relu_gated"), "silu": ("swiglu", "twell", "relu_gated")}
-_KIND_TO_ACT = {"twell": "relu", "relu_gated": "relu", "swiglu": "silu"}
+
+
+def hf_activation(ffn_kind: str) -> str | None:
+    """The `hidden_act` of an FFN kind's Llama export (FFN_KIND_TABLE's activation), None for a kind
+    with no Llama layout (a Llama MLP is gated)."""
+    kind = FFN_KIND_TABLE[ffn_kind]
+    return kind.activation if kind.gated else None
+
+
+def kinds_for_hidden_act(act: str) -> tuple[str, ...]:
+    """The FFN kinds a checkpoint of this `hidden_act` imports as, the default first: the gated
+    kinds of that activation (the sparse op's first), then, for another activation, the gated ReLU
+    kinds, which swap its gate for a ReLU one (sparsifying a pretrained SwiGLU model: the outputs
+    change until it is fine-tuned, docs/training.md). Empty for an activation no kind has."""
+    def sparse_op_first(names: tuple[str, ...]) -> list[str]:
+        return sorted(names, key=lambda name: not FFN_KIND_TABLE[name].sparse_op)
+
+    same = sparse_op_first(ffn_kinds_with(act))
+    if not same:
+        return ()
+    return (*same, *(name for name in sparse_op_first(ffn_kinds_with("relu")) if name not in same))
 # transformers' max_shard_size default of save_pretrained ("5GB"): an export above it is sharded.
 DEFAULT_MAX_SHARD_BYTES = 5 * 10 ** 9
 
@@ -138,12 +154,13 @@ def model_config_from_hf(hf: dict[str, Any], *, ffn_kind: str | None = None, ffn
     if not isinstance(tie, bool):
         raise ValueError(f"config.json: tie_word_embeddings={tie!r}, expected true or false")
     act = need("hidden_act")
-    if act not in _ACT_TO_KIND:
+    allowed = kinds_for_hidden_act(act) if isinstance(act, str) else ()
+    if not allowed:
         raise ValueError(f"config.json: hidden_act {act!r} is not supported (relu -> twell / relu_gated, "
                          "silu -> swiglu, or twell / relu_gated to sparsify it)")
-    kind = ffn_kind or _ACT_TO_KIND[act][0]
-    if kind not in _ACT_TO_KIND[act]:
-        raise ValueError(f"ffn_kind={kind!r} does not match hidden_act={act!r} (allowed: {_ACT_TO_KIND[act]})")
+    kind = ffn_kind or allowed[0]
+    if kind not in allowed:
+        raise ValueError(f"ffn_kind={kind!r} does not match hidden_act={act!r} (allowed: {allowed})")
     context = int(need("max_position_embeddings")) if max_seq_len is None else max_seq_len
     window = hf.get("sliding_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
@@ -305,7 +322,7 @@ def import_hf(path: str | Path, *, dtype: str = "float32", ffn_kind: str | None 
     except (TypeError, KeyError, ValueError) as err:  # a missing, unsupported or mistyped field
         text = str(err).removeprefix(f"{CONFIG_FILE}: ").removeprefix(CONFIG_FILE + " ")
         raise ValueError(f"{path / CONFIG_FILE}: {text}") from None
-    if _KIND_TO_ACT[model_cfg.ffn_kind] != hf["hidden_act"]:
+    if hf_activation(model_cfg.ffn_kind) != hf["hidden_act"]:
         logger.warning("%s: hidden_act %s imported as ffn_kind %s: the gate's activation is now a ReLU, so the model "
                        "computes another function than the checkpoint's until it is fine-tuned (sparsification)",
                        path, hf["hidden_act"], model_cfg.ffn_kind)
@@ -325,14 +342,15 @@ def import_hf(path: str | Path, *, dtype: str = "float32", ffn_kind: str | None 
 def hf_config_from_model(cfg: ModelConfig, *, eos_id: int | None = None, dtype: str = "float32") -> dict[str, Any]:
     """A LlamaForCausalLM `config.json` dict for our model config (RoPE in transformers 4's fields,
     rope_theta and rope_scaling, which transformers 5 reads too)."""
-    if cfg.ffn_kind not in _KIND_TO_ACT:
+    act = hf_activation(cfg.ffn_kind)
+    if act is None:
         raise ValueError(f"ffn_kind={cfg.ffn_kind!r} has no Llama layout (a Llama MLP is gated: export "
-                         f"{tuple(_KIND_TO_ACT)})")
+                         f"{tuple(name for name in FFN_KIND_TABLE if hf_activation(name))})")
     special = {} if eos_id is None else {"bos_token_id": eos_id, "eos_token_id": eos_id}
     scaling = cfg.rope_scaling_params
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.d_model,
             "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-            "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": _KIND_TO_ACT[cfg.ffn_kind],
+            "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": act,
             "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
             "rope_scaling": None if scaling is None else scaling.to_dict(), "vocab_size": cfg.vocab_size,
             "tie_word_embeddings": cfg.tie_embeddings,

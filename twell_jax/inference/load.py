@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from twell_jax import config as config_lib
+from twell_jax import run_dir as run_dir_lib
 from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax.config import DTYPES, DataConfig, ExperimentConfig, ModelConfig, SparsityConfig
 from twell_jax.training.hints import with_auto_hints
@@ -82,20 +83,20 @@ def model_with_params(cfg: ModelConfig, params: dict[str, Any], dtype: str) -> T
 
 
 def load_tokenizer_for_run(run_dir: str | Path, cfg: ExperimentConfig) -> "Tokenizer | None":
-    """The tokenizer saved with the run (`checkpoint.saved_tokenizer`), else the one the config's
+    """The tokenizer saved with the run (`run_dir.saved_tokenizer`), else the one the config's
     data section builds (`data.bundle.build_tokenizer`: the same file, or the same cached or
     retrained BPE, as at training time; warns), else None (warns)."""
     from twell_jax.data import tokenizer as tokenizer_lib
     from twell_jax.data.bundle import build_tokenizer
 
-    path = ckpt_lib.saved_tokenizer(run_dir)
+    path = run_dir_lib.saved_tokenizer(run_dir)
     if path is not None:
         return tokenizer_lib.load_tokenizer(str(path))
     if cfg.data.is_synthetic:  # nothing to rebuild: the run never had a tokenizer
         warnings.warn(f"no tokenizer for {run_dir}: its data source is synthetic; generation then needs token ids",
                       stacklevel=3)
         return None
-    warnings.warn(f"{Path(run_dir) / ckpt_lib.TOKENIZER_FILE} not found: rebuilding the tokenizer from the run's "
+    warnings.warn(f"{Path(run_dir) / run_dir_lib.TOKENIZER_FILE} not found: rebuilding the tokenizer from the run's "
                   f"data config (tokenizer={cfg.data.tokenizer!r}, source={cfg.data.source!r}); this needs the "
                   "same tokenizer file or BPE cache / corpus as at training time", stacklevel=3)
     try:
@@ -123,7 +124,7 @@ def load_run(run_dir: str | Path, step: int | None = None, dtype: str = "bfloat1
     checkpoint's config, config.RESUMABLE_FIELDS only (e.g. model.ffn_backend=dense)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    run_path = ckpt_lib.checkpoint_dir(run_dir).parent
+    run_path = run_dir_lib.run_dir_of(run_dir)
     if not run_path.exists():
         raise FileNotFoundError(f"no run directory at {run_path.absolute()}")
     params, meta, step = ckpt_lib.restore_params_with_meta(run_path, step, warn=logger.warning)
@@ -156,12 +157,11 @@ def validation_tokens(run_dir: str | Path, batch_size: int, *, cycle: bool = Fal
     What benchmarks of a trained model feed it: its activity on random token ids is not its activity
     on text. `cycle`: a split of fewer sequences is repeated to `batch_size` rows instead of refused."""
     from twell_jax.data import build_data
-    from twell_jax.training.train import with_saved_tokenizer
 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    run_path = ckpt_lib.checkpoint_dir(run_dir).parent
-    cfg = with_saved_tokenizer(ckpt_lib.load_run_config(run_path), run_path)
+    run_path = run_dir_lib.run_dir_of(run_dir)
+    cfg = run_dir_lib.with_saved_tokenizer(ckpt_lib.load_run_config(run_path), run_path)
     bundle = build_data(cfg.data, global_batch=1)
     available = bundle.num_val_sequences
     if available < batch_size and not cycle:

@@ -324,7 +324,7 @@ def auto_decision(gated: bool, config: SparseFFNConfig, shape: tuple[int, int, i
 def decode_forward_is_sparse(gated: bool, backend: str, config: SparseFFNConfig | None, m: int, d_model: int,
                              n_neurons: int, itemsize: int, interpret: bool = False) -> bool:
     """Whether a call of `m` tokens runs a sparse forward (planned "decode" or "pallas"), or the
-    dense formula: the model's decode kernels (twell_jax/model.py, `Transformer.decode`) run the
+    dense formula: the model's decode kernels (twell_jax/inference/decode_engine.py) run the
     decode path's sparse kernels for the former and their fused dense products for the latter."""
     _validate_choice(backend, interpret)
     config = _validate_config(config)

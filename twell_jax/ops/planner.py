@@ -118,7 +118,7 @@ class DecodeCosts:
     dense_fit: Fit
     fit: Fit
     switch_fit: Fit
-    # The model's decode step (model.decode_sparse_ffn "auto"): the largest union of active neurons
+    # The model's decode step (decode.sparse_ffn "auto"): the largest union of active neurons
     # at which the fused up/down kernel (every program walks all of them) beats `hidden` + `down`
     # (which spread them over programs), and the fit it comes from.
     decode_fused_max_union: float
@@ -417,10 +417,10 @@ def decode_union_limit(m: int, d: int, h: int, *, gated: bool = True, itemsize: 
     """The largest union of active neurons (over a call's m tokens) at which the decode path is
     predicted to beat the dense FFN by DECODE_MARGIN (the same model as `prefer_decode_path`, whose
     time grows linearly in the union), in [0, h]: the device-side switch of the model's decode
-    step (`Transformer._decode_step_kernels`) runs the dense products above it. device_switch: price
+    step (`inference.decode_engine.kernel_step`) runs the dense products above it. device_switch: price
     that switch (`decode_switch_us`), as the model's step at m > 1 pays it; 0 = the sparse side
-    never pays, so the model plans the layer dense (`Transformer.decode_layer_sparse`).
-    way "packed": the same for model.decode_sparse_ffn "packed" (`packed_time_us`, its own switch
+    never pays, so the model plans the layer dense (`inference.decode_plan.layer_sparse`).
+    way "packed": the same for decode.sparse_ffn "packed" (`packed_time_us`, its own switch
     cost `packed_switch_us`); other ways (None, "fused", "split", "tiles"): the decode model above."""
     if way not in (None, "fused", "split", "tiles", "packed"):
         raise ValueError(f"way must be None or one of 'fused', 'split', 'tiles', 'packed', got {way!r}")
@@ -439,7 +439,7 @@ def decode_union_limit(m: int, d: int, h: int, *, gated: bool = True, itemsize: 
 
 
 def decode_sparse_way(m: int, expected_active: float | None, h: int, *, kind: str | None = None) -> str:
-    """The sparse FFN kernels of one layer in the model's decode step (model.decode_sparse_ffn
+    """The sparse FFN kernels of one layer in the model's decode step (decode.sparse_ffn
     "auto"): "fused" (one launch; every program walks all the active neurons) where the expected
     union of the step's m rows (`expected_union` of the layer's activity hint) is at most the
     device's `decode_fused_max_union`, else "split" (`hidden` spreads them over programs, then

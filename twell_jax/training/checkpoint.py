@@ -1,25 +1,13 @@
-"""A run directory and its Orbax checkpoints: what is saved, how it is verified, how it is restored.
+"""A run's Orbax checkpoints: what is saved, how it is verified, how it is restored.
 
-A run directory (`twell train --out DIR`) holds ONE run:
-- `config.json`: the run's config, the source of truth on `--resume` (written atomically, and only
-  once the run has been validated, so a command that fails never replaces it);
-- `tokenizer.json` + `data_fingerprint.json`: the tokenizer the run was trained with and its data's
-  `source_fingerprint` (the SHA-256 of the corpus's document text in source order; for the
-  synthetic source, of its settings), so evaluation, resumption and generation never re-train a
-  tokenizer, and a changed corpus is reported;
-- `checkpoints/<step>/`: one Orbax step directory per checkpoint with three items:
-  "params" (the model parameters, restorable alone: evaluation needs no optimizer), "train"
-  ({opt_state, step, since_active}) and "meta" (JSON: config, data-iterator position, step, metric
-  history, and a checksum of every array of the other two items);
-- `metrics.jsonl`, `tensorboard/`, `summary.json` (see twell_jax/training/metrics.py and train.py);
-- `twell.lock` while a process trains in it (`RunLock`: one process at a time).
+The run directory around them (its files, names, lock) is `twell_jax/run_dir.py`'s. A checkpoint
+is `<run>/checkpoints/<step>/`, one Orbax step directory with three items: "params" (the model
+parameters, restorable alone: evaluation needs no optimizer), "train" ({opt_state, step,
+since_active}) and "meta" (JSON: config, data-iterator position (`iterator_state_to_json`), step,
+metric history, and a checksum of every array of the other two items).
 
-A multi-process run (docs/parallel.md) has one run directory on a shared file system: process 0
-holds the lock and writes the files above; every process checks that it sees that directory
-(`check_shared_run_dir`), and Orbax saves and restores each checkpoint with every process.
-
-Nothing else: `--overwrite` deletes only these entries, and only in a directory that holds nothing
-else (`check_new_run_dir`), so a directory that is not a run is never emptied.
+In a multi-process run (docs/parallel.md) Orbax saves and restores each checkpoint with every
+process.
 
 Orbax writes into a temporary directory and renames it on success, so a save killed midway leaves
 the previous checkpoint as the latest (the tmp directory is ignored). A restore checks Orbax's own
@@ -28,33 +16,24 @@ error, and `restore(step=None)` falls back to the newest intact one with a warni
 """
 from __future__ import annotations
 
-import errno
-import json
 import logging
-import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from twell_jax import config as config_lib
-
-if TYPE_CHECKING:  # pragma: no cover - typing only (the data package is not needed to read a run)
-    from twell_jax.data import DataSource
+from twell_jax import run_dir as run_dir_lib
+from twell_jax.run_dir import DamagedFileError, checkpoint_dir
+from twell_jax.training import parallel
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_SUBDIR = "checkpoints"
-CONFIG_FILE = "config.json"
-TOKENIZER_FILE = "tokenizer.json"
-FINGERPRINT_FILE = "data_fingerprint.json"
-# Where a resume moves the checkpoints after the one it continues from (corrupt ones, or newer ones
-# abandoned by `--step`): out of Orbax's sight, never deleted.
-QUARANTINE_SUBDIR = "superseded_checkpoints"
 # Items of a checkpoint besides "meta": the parameters alone, then what only training needs.
 PARAMS_ITEM, TRAIN_ITEM = "params", "train"
 # 1: a single "state" item without checksums (no longer readable); 2: the blocks one dict per layer
@@ -98,7 +77,7 @@ def _stack_per_layer(tree: Any) -> Any:
     return jax.tree.map(stack, tree, is_leaf=_has_blocks)
 
 
-class CorruptCheckpointError(ValueError):
+class CorruptCheckpointError(DamagedFileError):
     """A checkpoint that cannot be read or fails verification; the message names its directory."""
 
 
@@ -108,225 +87,44 @@ def _brief(err: Exception) -> str:
     return f"{type(err).__name__}: {text[:300]}{' ...' if len(text) > 300 else ''}"
 
 
-# ----------------------------------------------------------------------------- run directory files
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file and a rename: readers see old or new, never half."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-# What twell writes into a run directory (besides atomic_write_text's `.<name>.tmp-*` files): the
-# only entries `--overwrite` may delete. Anything else in a directory makes it "not a run".
-LOCK_FILE = "twell.lock"
-WANDB_SUBDIR = "wandb"  # train.wandb_project: the W&B run's local files (training/metrics.py)
-PROFILE_SUBDIR = "profile"  # train.profile_steps: the profiler's trace (training/profiling.py)
-LM_EVAL_SUBDIR = "lm_eval"  # `twell eval --tasks`: lm-eval's results JSON (inference/harness.py)
-RUN_ENTRIES = frozenset({CONFIG_FILE, TOKENIZER_FILE, FINGERPRINT_FILE, "metrics.jsonl", "summary.json",
-                         "tensorboard", CHECKPOINT_SUBDIR, QUARANTINE_SUBDIR, LOCK_FILE, WANDB_SUBDIR,
-                         PROFILE_SUBDIR, LM_EVAL_SUBDIR})
-
-
-def _is_run_entry(name: str) -> bool:
-    return name in RUN_ENTRIES or (name.startswith(".") and ".tmp-" in name)
-
-
-def holds_a_run(run_dir: str | Path) -> bool:
-    """True when `run_dir` holds a twell run: a config.json that twell wrote (a JSON object with
-    the config's sections) and nothing that twell does not write."""
-    run_dir = Path(run_dir)
-    try:
-        values = json.loads((run_dir / CONFIG_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return (isinstance(values, dict) and {"model", "train", "optim", "data"} <= set(values)
-            and all(_is_run_entry(e.name) for e in run_dir.iterdir()))
-
-
-def check_new_run_dir(run_dir: str | Path, *, overwrite: bool) -> list[Path]:
-    """The entries a NEW run in `run_dir` replaces (none: a missing or empty directory); raises
-    ValueError for a non-empty directory unless `overwrite` and it holds a twell run
-    (`holds_a_run`). A directory with anything else in it is never emptied. The run's lock file
-    (`LOCK_FILE`) is neither content nor replaced."""
-    run_dir = Path(run_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ValueError(f"--out {run_dir.absolute()} is a file, not a directory; pick another --out")
-    entries = sorted(e for e in run_dir.iterdir() if e.name != LOCK_FILE) if run_dir.is_dir() else []
-    if entries and not holds_a_run(run_dir):
-        unknown = [e.name for e in entries if not _is_run_entry(e.name)]
-        why = (f"files twell did not write: {', '.join(unknown[:5])}{', ...' if len(unknown) > 5 else ''}"
-               if unknown else "no config.json written by twell")
-        raise ValueError(f"--out {run_dir.absolute()} is not empty and is not a twell run directory ({why}); "
-                         "pick another --out (twell never deletes files it did not write)")
-    if entries and not overwrite:
-        listing = f"{', '.join(e.name for e in entries[:5])}{', ...' if len(entries) > 5 else ''}"
-        raise ValueError(f"run directory {run_dir.absolute()} already holds a run ({listing}); continue it with "
-                         "--resume, pick another --out, or pass --overwrite to replace it")
-    return entries
-
-
-def prepare_new_run_dir(run_dir: str | Path, *, overwrite: bool) -> None:
-    """Make `run_dir` ready for a NEW run (`check_new_run_dir`, then delete the old run's entries;
-    call this only after everything that can be validated has been)."""
-    for entry in check_new_run_dir(run_dir, overwrite=overwrite):
-        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-
-
-class RunLockedError(ValueError):
-    """Another live process holds the run directory's lock; the message names the lock and its pid."""
-
-
-class RunLock:
-    """An exclusive lock on a run directory: `fcntl.flock` on `<run>/twell.lock`, which holds the
-    holder's pid and host. The kernel releases a flock when its process dies (kill -9 included), so
-    a lock file whose lock can be taken was left by a process that is gone: it is taken over with a
-    warning. `release()` (also on SIGTERM, through the trainer's finally) deletes the file."""
-
-    def __init__(self, run_dir: str | Path, *, warn: Callable[[str], None] = logger.warning):
-        import fcntl
-        import socket
-
-        self.path = Path(run_dir) / LOCK_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd: int | None = None
-        self.holder: str | None = None  # what the lock file says while held ("pid N on HOST")
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as err:
-                if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # no flock on this file system
-                    os.close(fd)
-                    self.path.unlink(missing_ok=True)
-                    warn(f"[twell] warning: cannot lock {self.path.absolute()} ({err.strerror}): the file system "
-                         "does not support flock; nothing stops a second process from training in this directory")
-                    return
-                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
-                raise RunLockedError(f"run directory {self.path.parent.absolute()} is in use: {self.path.absolute()} "
-                                     f"is held by {holder}; wait for that run to finish (or stop it) first") from None
-            # The holder before us may have deleted the file between our open and our flock: then
-            # the lock is on a dead inode; start again on the path's current file.
-            try:
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)
-        left = os.pread(fd, 200, 0).decode(errors="replace").strip()
-        if left:
-            warn(f"[twell] warning: taking over the lock {self.path.absolute()} left by {left}, which is no "
-                 "longer running")
-        os.ftruncate(fd, 0)
-        self.holder = f"pid {os.getpid()} on {socket.gethostname()}"
-        os.pwrite(fd, f"{self.holder}\n".encode(), 0)
-        os.fsync(fd)
-        self._fd = fd
-
-    def release(self) -> None:
-        """Delete the lock file and drop the lock (idempotent)."""
-        if self._fd is None:
-            return
-        try:
-            self.path.unlink(missing_ok=True)
-        finally:
-            os.close(self._fd)
-            self._fd = None
-
-    def __del__(self) -> None:  # a Trainer dropped without run(): its lock goes with it
-        try:
-            self.release()
-        except Exception:  # noqa: BLE001 (interpreter shutdown: nothing left to report to)
-            pass
-
-
-def check_shared_run_dir(run_dir: str | Path, lock: RunLock | None) -> None:
-    """A multi-process run: every process must see the run directory that process 0 locked (`lock`,
-    None on the other processes), else every process raises a ValueError naming the directory. Run
-    before anything is written to it but the lock, so a refused run leaves nothing behind. Where
-    the file system has no flock (no lock file to look at) nothing is checked."""
-    from twell_jax.training import parallel
-
-    if not parallel.multi_process():
-        return
-    holder = parallel.lead_value("the run directory's lock", lambda: lock.holder if lock is not None else None)
-    with parallel.all_or_none("checking that every process sees the run directory"):
-        if parallel.is_lead() or holder is None:
-            return
-        path = Path(run_dir) / LOCK_FILE
-        try:
-            seen = path.read_text().strip()
-        except OSError as err:
-            seen = f"nothing ({err.strerror})"
-        if seen != holder:
-            raise ValueError(f"--out {Path(run_dir).absolute()}: process {jax.process_index()} does not see the run "
-                             f"directory process 0 locked ({path.name} holds {holder!r} there, {seen!r} here): every "
-                             "process of a multi-process run needs --out on a file system they share, at the same "
-                             "path (run from the same directory, or give an absolute --out)")
-
-
-def read_json_file(path: str | Path, what: str) -> Any:
-    """json.load with an error that names the file (an empty or truncated file included)."""
-    path = Path(path)
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CorruptCheckpointError(f"{what} {path} is not valid JSON ({err}); the file is damaged") from None
-
-
 def load_run_config(run_dir: str | Path) -> config_lib.ExperimentConfig:
     """The saved config of the run in `run_dir` (its config.json, else its newest checkpoint's)."""
-    run_dir = Path(run_dir)
-    path = run_dir / CONFIG_FILE
-    if path.is_file():
-        values = read_json_file(path, "run config")
-        where = str(path)
-    else:
-        store = CheckpointStore(checkpoint_dir(run_dir), create=False)
-        try:
-            values, where = store.restore_meta()["config"], str(store.directory)
-        finally:
-            store.close()
+    saved = run_dir_lib.saved_config(run_dir)
+    if saved is not None:
+        return saved
+    store = CheckpointStore(checkpoint_dir(run_dir), create=False)
+    try:
+        values, where = store.restore_meta()["config"], str(store.directory)
+    finally:
+        store.close()
     try:
         return config_lib.from_dict(values)
     except (TypeError, ValueError) as err:
         raise ValueError(f"the config saved in {where} is not valid: {err}") from None
 
 
-def save_tokenizer(run_dir: str | Path, tokenizer_path: str | Path) -> Path:
-    """Copy the run's tokenizer.json into the run directory (atomically); returns the copy."""
-    target = Path(run_dir) / TOKENIZER_FILE
-    atomic_write_text(target, Path(tokenizer_path).read_text())
-    return target
+def iterator_state_to_json(value: Any) -> Any:
+    """A Grain iterator state (dicts of ints/strings, or bytes) made JSON-serialisable for the meta."""
+    if isinstance(value, bytes):
+        return {"__bytes__": value.decode("latin-1")}
+    if isinstance(value, dict):
+        return {k: iterator_state_to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [iterator_state_to_json(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
 
 
-def saved_tokenizer(run_dir: str | Path) -> Path | None:
-    """The tokenizer.json saved with the run, or None (runs without a real tokenizer)."""
-    path = Path(run_dir) / TOKENIZER_FILE
-    return path if path.is_file() else None
-
-
-def check_corpus_fingerprint(run_dir: str | Path, data: DataSource, warn: Callable[[str], None]) -> None:
-    """Compare the data's `source_fingerprint` (SHA-256 of the corpus's document text) with the one
-    saved in the run; warn (old/new) when they differ."""
-    path = Path(run_dir) / FINGERPRINT_FILE
-    new = data.source_fingerprint
-    if not path.is_file():
-        return
-    old = read_json_file(path, "data fingerprint").get("corpus")
-    if old != new:
-        warn(f"[twell] warning: the corpus differs from the one this run was trained on (fingerprint "
-             f"{old} -> {new}, {path}): the data source changed since; results are not comparable")
-
-
-def save_corpus_fingerprint(run_dir: str | Path, data: DataSource) -> None:
-    """Record the data's `source_fingerprint` in the run (`data_fingerprint.json`)."""
-    atomic_write_text(Path(run_dir) / FINGERPRINT_FILE, json.dumps({"corpus": data.source_fingerprint}, indent=2))
+def iterator_state_from_json(value: Any) -> Any:
+    """Inverse of `iterator_state_to_json`."""
+    if isinstance(value, dict):
+        if set(value) == {"__bytes__"}:
+            return value["__bytes__"].encode("latin-1")
+        return {k: iterator_state_from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [iterator_state_from_json(v) for v in value]
+    return value
 
 
 # ----------------------------------------------------------------------------- checksums
@@ -373,19 +171,6 @@ def _nonfinite_leaves(tree: Any) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the store
-
-
-def checkpoint_dir(run_dir: str | Path) -> Path:
-    """`<run>/checkpoints` for a run dir; a path that already is a checkpoints dir is returned as is."""
-    run_dir = Path(run_dir).absolute()
-    if run_dir.name == CHECKPOINT_SUBDIR or not (run_dir / CHECKPOINT_SUBDIR).exists() and has_steps(run_dir):
-        return run_dir
-    return run_dir / CHECKPOINT_SUBDIR
-
-
-def has_steps(path: Path) -> bool:
-    """True when `path` is a directory holding at least one checkpoint step directory."""
-    return path.is_dir() and any(child.name.isdigit() for child in path.iterdir())
 
 
 class CheckpointStore:
@@ -484,12 +269,10 @@ class CheckpointStore:
     def quarantine_after(self, step: int, run_dir: str | Path) -> list[Path]:
         """Move every checkpoint newer than `step` to `<run>/superseded_checkpoints/` (kept for
         inspection; Orbax would otherwise count them as the latest). Returns their new paths."""
-        from twell_jax.training import parallel
-
         moved = []
         newer_steps = [s for s in self.all_steps() if s > step]
         for newer in newer_steps if parallel.is_lead() else []:  # a multi-process run: process 0 moves them
-            target = Path(run_dir) / QUARANTINE_SUBDIR / f"{newer}-{uuid.uuid4().hex[:6]}"
+            target = Path(run_dir) / run_dir_lib.QUARANTINE_SUBDIR / f"{newer}-{uuid.uuid4().hex[:6]}"
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(self.step_dir(newer)), target)
             moved.append(target)

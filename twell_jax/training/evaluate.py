@@ -1,5 +1,5 @@
 """Evaluate a saved checkpoint (or any parameters): validation loss, perplexity, per-layer activity
-and dead neurons.
+and dead neurons; `evaluate_params` is also the trainer's evaluation.
 
 Restores the parameters alone (checkpoint.restore_params_with_meta: no optimizer, no Trainer),
 gives backend "auto" the checkpoint's hints (hints.with_auto_hints), builds the data with the
@@ -9,6 +9,7 @@ every sequence of the corpus (another corpus's whole text, not only its held-out
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -16,13 +17,16 @@ import jax
 import numpy as np
 
 from twell_jax import config as config_lib
+from twell_jax import run_dir as run_dir_lib
 from twell_jax.config import ExperimentConfig
 from twell_jax.data import DataSource, build_data, build_experiment_data
 from twell_jax.data.batching import val_batches
 from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax.training import parallel
 from twell_jax.training.hints import expected_active_from_run, with_auto_hints
-from twell_jax.training.train import abstract_graphdef, evaluate_params, make_eval_step, with_saved_tokenizer
+from twell_jax.training.metrics import check_finite
+from twell_jax.training.planning import abstract_graphdef
+from twell_jax.training.step import make_eval_step
 
 # "val": the corpus's validation split (data.val_fraction of it, chosen at training time); "all":
 # every full evaluation batch of the whole corpus, in the corpus's order.
@@ -47,6 +51,32 @@ class WholeCorpus:
         return val_batches(self.bundle.train_sequences, batch_size=batch_size, max_batches=self.max_batches,
                            process_index=self.bundle.process_index, process_count=self.bundle.process_count,
                            describe=f"the whole corpus, {self.bundle.num_train_tokens} tokens")
+
+
+def evaluate_params(cfg: ExperimentConfig, data: DataSource, eval_fn: Callable, params: Any, mesh: Any, *,
+                    step: int = 0) -> dict[str, Any]:
+    """Validation loss, perplexity and per-layer mean active neurons over the held-out batches.
+
+    Uses the first `train.eval_batches` full batches of `train.eval_batch_size` sequences (global)
+    in the data pipeline's fixed validation order, so every evaluation sees the same tokens. A
+    non-finite result raises FloatingPointError (naming `step`) instead of being reported.
+    """
+    ce_sum, tokens, l0_sum = 0.0, 0.0, None
+    for batch in data.val_batches(cfg.train.eval_batch_size, max_batches=cfg.train.eval_batches):
+        placed = parallel.host_to_global({"tokens": np.asarray(batch["tokens"], np.int32)}, mesh)
+        out = jax.device_get(eval_fn(params, placed["tokens"]))
+        ce_sum += float(out["ce_sum"])
+        tokens += float(out["tokens"])
+        l0 = np.asarray(out["l0_sum_per_layer"], np.float64)
+        l0_sum = l0 if l0_sum is None else l0_sum + l0
+    if tokens == 0:
+        raise ValueError("the validation split produced no batches; lower train.eval_batch_size or raise "
+                         "data.val_fraction")
+    loss = ce_sum / tokens
+    check_finite(step, {"val_loss": loss, "val_l0_per_layer": l0_sum}, ("val_loss", "val_l0_per_layer"),
+                 hint="the parameters evaluated are broken (a diverged run or a damaged checkpoint)")
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens,
+            "l0_per_layer": (l0_sum / tokens).tolist()}
 
 
 def split_data(cfg: ExperimentConfig, split: str, *, limit_batches: bool,
@@ -92,7 +122,7 @@ def evaluate_checkpoint(path: str | Path, *, step: int | None = None, overrides:
     train.eval_batches=32, train.num_devices=1, data.source=<the moved corpus, or another one>). A
     non-finite loss raises FloatingPointError.
     """
-    ckpt_dir = ckpt_lib.checkpoint_dir(path)
+    ckpt_dir = run_dir_lib.checkpoint_dir(path)
     if not ckpt_dir.is_dir():
         raise FileNotFoundError(f"no checkpoint directory at {ckpt_dir}")
     run_dir = ckpt_dir.parent
@@ -106,8 +136,9 @@ def evaluate_checkpoint(path: str | Path, *, step: int | None = None, overrides:
         # The hints that checkpoint was trained with (its meta, already read), else its logged l0.
         cfg = with_auto_hints(cfg, run_dir, step, meta=meta, echo=echo)
         echo(f"[twell] evaluating {ckpt_dir} (step {step}, config {cfg.name!r}, split {split!r})")
-        data = split_data(with_saved_tokenizer(cfg, run_dir), split, limit_batches=limit, data_builder=data_builder)
-        ckpt_lib.check_corpus_fingerprint(run_dir, data, echo)
+        data = split_data(run_dir_lib.with_saved_tokenizer(cfg, run_dir), split, limit_batches=limit,
+                          data_builder=data_builder)
+        run_dir_lib.check_corpus_fingerprint(run_dir, data.source_fingerprint, echo)
         graphdef = abstract_graphdef(cfg.model, cfg.train.seed)
         result = evaluate_params(cfg, data, jax.jit(make_eval_step(cfg, graphdef)), params, mesh, step=step)
     result["step"] = step
@@ -134,5 +165,5 @@ def evaluate_model(cfg: ExperimentConfig, params: Any, *, split: str = "val", li
 
 
 # Older import site of the run-hint readers (twell_jax/training/hints.py holds them).
-__all__ = ["SPLITS", "WholeCorpus", "evaluate_checkpoint", "evaluate_model", "split_data", "with_auto_hints",
-           "expected_active_from_run"]
+__all__ = ["SPLITS", "WholeCorpus", "evaluate_checkpoint", "evaluate_model", "evaluate_params", "split_data",
+           "with_auto_hints", "expected_active_from_run"]

@@ -14,17 +14,15 @@ them, so evaluation and inference do without.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from twell_jax import ops
+from twell_jax import run_dir as run_dir_lib
 from twell_jax.config import ExperimentConfig, ModelConfig
 from twell_jax.training import checkpoint as ckpt_lib
-
-METRICS_FILE = "metrics.jsonl"
 
 
 def manages_auto_hints(model: ModelConfig) -> bool:
@@ -101,14 +99,8 @@ def _latest_logged(run_dir: str | Path, up_to_step: int | None,
                    read: Callable[[dict[str, Any]], Any]) -> Any:
     """The last non-None read(record) over the records of the run's metrics.jsonl (those at or
     before `up_to_step` when given), or None (no such record, or no file)."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return None
     latest = None
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        if up_to_step is not None and record.get("step", 0) > up_to_step:
-            continue
+    for record in run_dir_lib.read_metrics(run_dir, up_to_step):
         value = read(record)
         if value is not None:
             latest = value
@@ -117,8 +109,8 @@ def _latest_logged(run_dir: str | Path, up_to_step: int | None,
 
 def _checkpoint_meta(run_dir: Path, step: int | None) -> dict[str, Any] | None:
     """The meta of checkpoint `step` (default: the latest) of the run, or None when it has none."""
-    directory = ckpt_lib.checkpoint_dir(run_dir)
-    if not ckpt_lib.has_steps(directory):
+    directory = run_dir_lib.checkpoint_dir(run_dir)
+    if not run_dir_lib.has_steps(directory):
         return None
     store = ckpt_lib.CheckpointStore(directory, create=False)
     try:
@@ -177,7 +169,7 @@ def run_hints_and_source(run_dir: str | Path, step: int | None = None, *, n_laye
         return tuple(float(v) for v in saved), f"saved with the checkpoint of step {step}"
     logged = expected_active_from_run(run_dir, n_layers, up_to_step=step)
     if logged is not None:
-        return logged, f"the run's last logged l0 in {METRICS_FILE}"
+        return logged, f"the run's last logged l0 in {run_dir_lib.METRICS_FILE}"
     return None
 
 

@@ -10,6 +10,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from twell_jax import run_dir as run_dir_lib
+
 
 def to_python(value: Any) -> Any:
     """numpy/jax scalars and arrays -> JSON-ready floats/ints/lists."""
@@ -32,20 +34,6 @@ def check_finite(step: int, metrics: dict[str, Any], names: tuple[str, ...], *,
         values = np.asarray(metrics[name], dtype=np.float64)
         if not np.all(np.isfinite(values)):
             raise FloatingPointError(f"non-finite {name}={values.tolist()} at step {step}: {hint}")
-
-
-def truncate_jsonl(path: Path, last_step: int) -> int:
-    """Drop the records of `path` with a step after `last_step` (what a resumed run will write
-    again); atomic. Returns how many were dropped."""
-    from twell_jax.training.checkpoint import atomic_write_text
-
-    if not path.exists():
-        return 0
-    lines = path.read_text().splitlines()
-    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= last_step]
-    if len(kept) != len(lines):
-        atomic_write_text(path, "".join(line + "\n" for line in kept))
-    return len(lines) - len(kept)
 
 
 # ----------------------------------------------------------------------------- model FLOPs utilisation
@@ -114,14 +102,12 @@ class WandbRun:
     ID_FILE = "twell_run_id"
 
     def __init__(self, run_dir: Path, project: str, config: dict[str, Any] | None, *, resume: bool):
-        from twell_jax.training.checkpoint import WANDB_SUBDIR
-
         try:
             import wandb
         except ImportError as err:
             raise ValueError(f"train.wandb_project={project!r}: the wandb package is not installed (pip install "
                              f"'twell-jax[wandb]'), or set train.wandb_project=null ({err})") from None
-        local = run_dir / WANDB_SUBDIR
+        local = run_dir / run_dir_lib.WANDB_SUBDIR
         local.mkdir(parents=True, exist_ok=True)
         id_file = local / self.ID_FILE
         run_id = id_file.read_text().strip() if resume and id_file.is_file() else None
@@ -161,7 +147,7 @@ class MetricsSink:
                  progress_bar: bool, echo: Callable[[str], None] = print, files: bool = True,
                  wandb_project: str | None = None, config: dict[str, Any] | None = None):
         self.run_dir = run_dir
-        self.jsonl_path = run_dir / "metrics.jsonl"
+        self.jsonl_path = run_dir_lib.metrics_path(run_dir)
         self.echo = echo
         self.total_steps = total_steps
         self._files = files
@@ -173,15 +159,16 @@ class MetricsSink:
             return
         if wandb_project is not None:  # first: a missing package stops the run before anything is written
             self._wandb = WandbRun(run_dir, wandb_project, config, resume=bool(start_step))
-        dropped = truncate_jsonl(self.jsonl_path, start_step)
+        dropped = run_dir_lib.truncate_metrics(run_dir, start_step)
         if dropped:
-            echo(f"[twell] metrics.jsonl: dropped {dropped} record(s) after step {start_step} (re-run now)")
+            echo(f"[twell] {run_dir_lib.METRICS_FILE}: dropped {dropped} record(s) after step {start_step} "
+                 "(re-run now)")
         self._jsonl = open(self.jsonl_path, "a")
         if tensorboard:
             from tensorboardX import SummaryWriter
 
             # purge_step: TensorBoard hides the events at steps >= it from older event files.
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"),
+            self._tb = SummaryWriter(str(run_dir / run_dir_lib.TENSORBOARD_SUBDIR),
                                      purge_step=start_step + 1 if start_step else None)
         if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm

@@ -16,15 +16,14 @@ from typing import Callable
 
 import jax
 
+from twell_jax import run_dir as run_dir_lib
 
 class ProfileWindow:
     """Starts and stops the trace of `window` = (START, END) (None: no trace) around a run's steps."""
 
     def __init__(self, window: tuple[int, int] | None, run_dir: Path, *, start_step: int, enabled: bool):
-        from twell_jax.training.checkpoint import PROFILE_SUBDIR
-
         self.window = window
-        self.directory = run_dir / PROFILE_SUBDIR
+        self.directory = run_dir / run_dir_lib.PROFILE_SUBDIR
         self.enabled = enabled
         self.active = False
         # The first step traced: START, or the first step of a run resumed inside the window.

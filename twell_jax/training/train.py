@@ -1,4 +1,10 @@
-"""Training: the jit-compiled data-parallel step with gradient accumulation, and the `Trainer` loop.
+"""Training: the `Trainer` loop (and `train`, its one-call wrapper) around the jit-compiled step.
+
+The loop's pieces each have a module: the step and its metrics table (`step.py`), the checks a
+run makes before it touches anything (`preflight.py`), the run directory (`twell_jax/run_dir.py`),
+checkpoints (`checkpoint.py`), evaluation (`evaluate.py`), the op's "auto" planning
+(`planning.py`), the metrics sink (`metrics.py`), stop signals (`signals.py`), meshes and
+processes (`parallel.py`).
 
 All mesh plumbing lives in `Trainer.__init__` (one place): a 1-D "data" mesh over
 `train.num_devices` devices (`twell_jax.training.parallel.make_mesh`), params / optimizer state replicated
@@ -15,14 +21,14 @@ time limit) is finished before the next is dispatched. A step's time is the inte
 completions. Each step's metrics pass the NaN/Inf guard (which names that step) and go to the run's
 one `MetricsSink` and to the caller's `Hooks`.
 
-A run directory holds one run (twell_jax/training/checkpoint.py): a new run refuses a non-empty directory
+A run directory holds one run (twell_jax/run_dir.py): a new run refuses a non-empty directory
 unless it holds a twell run and is told to overwrite; `resume=True` continues from the newest
 intact checkpoint (or `step`), with the run's saved config as the reference, and is refused when
 nothing is left to train or its last steps would run at learning rate 0. One process at a time
-holds the directory (`checkpoint.RunLock`). SIGINT/SIGTERM finish the current step, checkpoint
+holds the directory (`run_dir.RunLock`). SIGINT/SIGTERM finish the current step, checkpoint
 and raise `TrainingInterrupted`; a second one aborts at once. A model whose parameters and
 optimizer state cannot fit the device's memory is refused before the directory is touched
-(`check_fits_memory`).
+(`preflight.check_fits_memory`).
 
 Which program the step compiles (the sparse op's "auto" hints, re-plans, the A/B of a sparse plan
 against dense) is the op-planning policy of `planning.PlanController`; the trainer calls it at the
@@ -31,20 +37,14 @@ start, per step and at a step's boundary.
 Several processes (jax.distributed, docs/parallel.md) train in one run directory on a shared file
 system: process 0 reserves and locks it and alone writes its files; every process checks the run,
 and one that fails stops them all (`parallel.all_or_none`); their configs, device counts and data
-must be equal (`check_processes_agree`, `check_processes_read_same_data`); Orbax saves and restores
-with every process. Each stop is agreed by a vote inside the step (`with_stop_vote`), so every
-process stops after the same step.
+must be equal (`preflight.check_processes_agree`, `check_processes_read_same_data`); Orbax saves and
+restores with every process. Each stop is agreed by a vote inside the step (`step.with_stop_vote`),
+so every process stops after the same step.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import math
-import os
-import signal
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -52,428 +52,30 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
-from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax import config as config_lib
-from twell_jax import ops
-from twell_jax.training import parallel
+from twell_jax import run_dir as run_dir_lib
 from twell_jax.config import ExperimentConfig
 from twell_jax.data import DataSource, build_experiment_data
-from twell_jax.training.planning import PlanController, abstract_graphdef, measure_activity  # noqa: F401 (re-exported)
-from twell_jax.training.loss import cross_entropy, l1_coefficient, total_loss
-from twell_jax.training.metrics import MetricsSink, check_finite, device_memory_limit_bytes, device_peak_memory_bytes, to_python
-from twell_jax.training.metrics import mfu, model_flops_per_token, peak_bf16_flops
-from twell_jax.training.profiling import ProfileWindow
-from twell_jax.model import apply_model, describe_execution, init_model, split_model
+from twell_jax.model import describe_execution, init_model, split_model
+from twell_jax.training import checkpoint as ckpt_lib
+from twell_jax.training import parallel
+from twell_jax.training.evaluate import evaluate_params
+from twell_jax.training.metrics import (MetricsSink, check_finite, device_memory_limit_bytes, device_peak_memory_bytes,
+                                        mfu, model_flops_per_token, peak_bf16_flops, to_python)
 from twell_jax.training.optimizer import build_optimizer, learning_rate_schedule
-from twell_jax.training.sparsity import dead_share, init_counters, position_profile, reinit_dead_rows, update_counters
+from twell_jax.training.planning import PlanController, abstract_graphdef
+from twell_jax.training.preflight import (check_fits_memory, check_processes_agree, check_processes_read_same_data,
+                                          check_resume_steps, check_shared_run_dir, check_vocab, checked_run_config,
+                                          schedule_warnings)
+from twell_jax.training.profiling import ProfileWindow
+from twell_jax.training.signals import StopSignals
+from twell_jax.training.sparsity import init_counters
+from twell_jax.training.step import (GUARDED_METRICS, STOP_REASONS, STOP_VOTE, TrainState, dead_share_per_layer,
+                                     make_eval_step, make_train_step, tracks_neurons, with_stop_vote)
 
 logger = logging.getLogger(__name__)
-
-TrainState = dict[str, Any]  # {"params", "opt_state", "step": int32, "since_active": int32[L, H]}
-
-# optax.tree.norm on newer optax (global_norm is deprecated there), global_norm on older ones.
-_global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
-
-# Metrics checked by the NaN/Inf guard, in the order they are reported.
-GUARDED_METRICS = ("loss", "ce", "l1", "grad_norm", "l0_per_layer")
-
-
-def check_run_name(name: str) -> None:
-    """`name` labels a run and names its default directory: one plain path component."""
-    if not name or name in (".", "..") or any(c in name for c in "/\\\0") or name != name.strip():
-        raise ValueError(f"name={name!r}: a run name must be one plain directory name (no '/', '\\', "
-                         "'..' or surrounding spaces); use --out to choose where the run goes")
-
-
-def default_run_dir(cfg: ExperimentConfig, root: str | Path = "runs") -> Path:
-    """A new, empty runs/<name>-<YYYYmmdd-HHMMSS>[-<n>], created here (mkdir is atomic: two runs
-    started in the same second get different directories)."""
-    check_run_name(cfg.name)
-    base = Path(root) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    base.parent.mkdir(parents=True, exist_ok=True)
-    for n in range(1, 10_000):
-        candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
-        try:
-            candidate.mkdir()
-            return candidate
-        except FileExistsError:
-            continue
-    raise ValueError(f"no free run directory name under {Path(root).absolute()} for {base.name}; pass --out")
-
-
-def zero_lr_from(cfg: ExperimentConfig) -> int | None:
-    """The first step index at which the learning rate is 0 for good (a cosine schedule to
-    optim.min_lr_ratio = 0 ends there; `optimizer.learning_rate_schedule`), or None (never)."""
-    if cfg.optim.schedule != "cosine" or cfg.optim.min_lr_ratio > 0:
-        return None
-    horizon = cfg.schedule_steps
-    return max(horizon, min(cfg.optim.warmup_steps, horizon) + 1)
-
-
-def check_schedule_covers_steps(cfg: ExperimentConfig, *, resume: bool) -> None:
-    """Refuse a run whose last steps would train at learning rate 0 (past the end of a cosine
-    schedule to 0: the parameters would not move), naming the field that fixes it."""
-    zero = zero_lr_from(cfg)
-    if zero is None or cfg.train.steps <= zero:
-        return
-    fix = (f"pass --set optim.schedule_steps={cfg.train.steps} to stretch the schedule to the new end (from the "
-           "step resumed on, the learning rate follows the stretched cosine)" if resume else
-           "set optim.schedule_steps >= train.steps (or 0: the schedule then ends at train.steps)")
-    raise ValueError(f"train.steps={cfg.train.steps} runs past the end of the learning-rate schedule "
-                     f"(optim.schedule_steps={cfg.schedule_steps}, a cosine to optim.min_lr_ratio=0): steps "
-                     f"{zero + 1}-{cfg.train.steps} would train at learning rate 0 and change nothing; {fix}")
-
-
-def check_resume_steps(cfg: ExperimentConfig, run_dir: Path, start_step: int) -> None:
-    """A resume from `start_step` must have steps left to train (train.steps above it)."""
-    if cfg.train.steps > start_step:
-        return
-    more = "optim.schedule_steps=N " if zero_lr_from(cfg) is not None else ""
-    what = "is finished" if cfg.train.steps == start_step else f"is past train.steps={cfg.train.steps}"
-    raise ValueError(f"--resume: the run in {run_dir.absolute()} {what} (its checkpoint is at step {start_step}); "
-                     f"nothing to train and nothing was changed; to train further pass --set train.steps=N "
-                     f"{more}with N > {start_step}")
-
-
-def check_op_config(cfg: ExperimentConfig) -> None:
-    """`model.ffn_op_config` holds valid SparseFFNConfig fields (checked by constructing one)."""
-    try:
-        ops.SparseFFNConfig(**cfg.model.ffn_op_config)
-    except TypeError as err:
-        known = ", ".join(f.name for f in dataclasses.fields(ops.SparseFFNConfig))
-        raise ValueError(f"model.ffn_op_config={cfg.model.ffn_op_config!r}: {err} (known keys: {known})") from None
-    except ValueError as err:
-        raise ValueError(f"model.ffn_op_config={cfg.model.ffn_op_config!r}: {err}") from None
-
-
-def check_vocab(cfg: ExperimentConfig, tokenizer_vocab: int, echo: Callable[[str], None]) -> None:
-    """The tokenizer's `tokenizer_vocab` ids fit the embedding (model.vocab_size rows; an id past it
-    would index outside the embedding), else a ValueError naming the field; and a warning when a
-    BPE trained here learned fewer tokens than data.vocab_size asked for (a corpus too small for more
-    merges): the embedding keeps its model.vocab_size rows, and the rows no token uses never train.
-    The run's vocabulary is left as configured, so that a config means the same model whatever corpus
-    it meets."""
-    if tokenizer_vocab > cfg.model.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer_vocab} tokens but model.vocab_size="
-                         f"{cfg.model.vocab_size}; raise model.vocab_size")
-    if not cfg.data.is_synthetic and cfg.data.tokenizer == "bpe" and tokenizer_vocab < cfg.data.vocab_size:
-        echo(f"[twell] warning: the BPE learned {tokenizer_vocab} tokens of the data.vocab_size="
-             f"{cfg.data.vocab_size} asked for (the corpus is too small for more merges); the embedding keeps "
-             f"model.vocab_size={cfg.model.vocab_size} rows, {cfg.model.vocab_size - tokenizer_vocab} of which no "
-             f"token uses; --set data.vocab_size={tokenizer_vocab} model.vocab_size={tokenizer_vocab} fits it")
-
-
-def schedule_warnings(cfg: ExperimentConfig) -> list[str]:
-    """One line for each warm-up longer than the run: the learning rate's (clipped to the schedule, so
-    the rate rises for the whole run and never decays) and the L1 coefficient's (never reached)."""
-    steps, optim, sparsity = cfg.train.steps, cfg.optim, cfg.sparsity
-    lines = []
-    if optim.warmup_steps > steps:
-        lines.append(f"[twell] warning: optim.warmup_steps={optim.warmup_steps} exceeds train.steps={steps}: the "
-                     "learning rate rises for the whole run (the warm-up is clipped) and never decays; lower "
-                     "optim.warmup_steps")
-    if sparsity.l1_coef > 0 and max(sparsity.l1_warmup_start, sparsity.l1_warmup_end) > steps:
-        lines.append(f"[twell] warning: the L1 warm-up (sparsity.l1_warmup_start={sparsity.l1_warmup_start}, "
-                     f"l1_warmup_end={sparsity.l1_warmup_end}) ends after train.steps={steps}: the L1 coefficient "
-                     f"never reaches sparsity.l1_coef={sparsity.l1_coef:g}; lower them")
-    return lines
-
-
-# Bytes a training run keeps per parameter besides the activations: the f32 master copy, AdamW's two
-# f32 moments (optimizer.build_optimizer) and the f32 gradient the micro-batches accumulate into.
-_PARAM_BYTES, _ADAM_BYTES, _GRAD_BYTES = 4, 8, 4
-
-
-def memory_estimate(cfg: ExperimentConfig, num_devices: int) -> dict[str, int]:
-    """A rough estimate of one device's memory for training `cfg` over `num_devices` devices, in bytes:
-    the f32 parameters, AdamW's state and the gradients (sharded over the devices with train.fsdp,
-    else a full copy on each), and the activations one micro-batch keeps for its backward without
-    rematerialisation (per layer: the block's [tokens, d_model] tensors, the FFN's hidden
-    activations, the attention probabilities; then the f32 logits and their softmax). XLA's own
-    figure is the compiled step's memory analysis, which the run logs."""
-    m, tc = cfg.model, cfg.train
-    shards = num_devices if tc.fsdp else 1
-    params = m.num_params()
-    tokens = tc.micro_batch * cfg.seq_len
-    act = 2 if m.compute_dtype == "bfloat16" else 4
-    per_layer = tokens * (6 * m.d_model + 2 * m.kv_dim + (3 if m.kind.gated else 2) * m.d_ff) * act \
-        + tc.micro_batch * m.n_heads * cfg.seq_len ** 2 * act
-    estimate = {"parameters": -(-params * _PARAM_BYTES // shards),
-                "optimizer_state": -(-params * _ADAM_BYTES // shards),
-                "gradients": -(-params * _GRAD_BYTES // shards),
-                "activations_per_micro_batch": m.n_layers * per_layer + 2 * tokens * m.vocab_size * 4}
-    estimate["total"] = sum(estimate.values())
-    return estimate
-
-
-def device_memory_bytes(num_devices: int) -> tuple[int | None, str]:
-    """(bytes one device may use, where the figure comes from): the GPU allocator's limit
-    (memory_stats' bytes_limit), or on a CPU the host's available memory shared by the mesh's
-    devices of this process; (None, why) where neither is known."""
-    limit = device_memory_limit_bytes()
-    platform = jax.local_devices()[0].platform
-    if limit:
-        return limit, f"{platform} device memory JAX may use"
-    if platform != "cpu":
-        return None, f"{platform}: memory not reported"
-    available = None
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    if available is None:
-        try:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            return None, "cpu: host memory not reported"
-    local = max(1, min(num_devices, jax.local_device_count()))
-    return available // local, "host memory available" + (f", shared by {local} CPU devices" if local > 1 else "")
-
-
-def _bytes_text(value: int) -> str:
-    return f"{value / 2**30:.3g} GiB" if value >= 2**30 else f"{value / 2**20:.3g} MiB"
-
-
-def describe_memory(estimate: dict[str, int]) -> str:
-    """The estimate in one line, naming what it counts."""
-    return (f"~{_bytes_text(estimate['total'])} per device: parameters {_bytes_text(estimate['parameters'])} + "
-            f"AdamW state {_bytes_text(estimate['optimizer_state'])} + gradients {_bytes_text(estimate['gradients'])} "
-            f"(f32) + activations {_bytes_text(estimate['activations_per_micro_batch'])} per micro-batch "
-            "(no remat; rough)")
-
-
-def check_fits_memory(cfg: ExperimentConfig, num_devices: int) -> tuple[dict[str, int], int | None, str]:
-    """(`memory_estimate`, the device memory, its source); a ValueError naming both when the
-    parameters and optimizer state alone exceed the device memory. Only that clear case is refused:
-    XLA's allocation would abort the process later with a C++ trace, after the run directory was made."""
-    estimate = memory_estimate(cfg, num_devices)
-    available, source = device_memory_bytes(num_devices)
-    state = estimate["parameters"] + estimate["optimizer_state"]
-    if available is not None and state > available:
-        m = cfg.model
-        raise ValueError(f"the model cannot fit: {m.num_params():.3g} parameters (model.d_model={m.d_model}, "
-                         f"n_layers={m.n_layers}, d_ff={m.d_ff}, vocab_size={m.vocab_size}) need "
-                         f"{_bytes_text(state)} per device for the f32 parameters and AdamW state alone "
-                         f"(~{_bytes_text(estimate['total'])} with gradients and activations), but a device has "
-                         f"{_bytes_text(available)} ({source}); shrink the model"
-                         + (" or shard it with train.fsdp=true" if num_devices > 1 and not cfg.train.fsdp else ""))
-    return estimate, available, source
-
-
-def check_processes_agree(cfg: ExperimentConfig) -> None:
-    """A multi-process run: every process must have the same number of devices (each loads an equal
-    share of the batch) and the same config (the same program, the same stop); otherwise every
-    process raises the same ValueError, naming the processes and fields that differ."""
-    if not parallel.multi_process():
-        return
-    parallel.check_same("devices per process", jax.local_device_count(),
-                        "start every process with the same number of devices (the batch is split evenly "
-                        "over the processes)")
-    lead = parallel.lead_value("process 0's config", lambda: config_lib.to_dict(cfg))
-    mine = "; ".join(f"{path} {new!r} (process 0: {old!r})"
-                     for path, old, new in config_lib.diff(lead, config_lib.to_dict(cfg)))
-    differ = [f"process {p}: {text}" for p, text in enumerate(parallel.gather("the config", mine)) if text]
-    if differ:
-        raise ValueError(f"the processes were started with different configs ({'; '.join(differ)}); start every "
-                         "process with the same command (--config, --set, --out, --resume)")
-
-
-def check_processes_read_same_data(data: DataSource) -> None:
-    """A multi-process run: every process must read the same corpus with the same tokenizer (each
-    reads its slice of the same shuffled order); otherwise every process raises the same ValueError."""
-    if not parallel.multi_process():
-        return
-    from twell_jax.data.tokenizer import file_sha256  # noqa: PLC0415
-
-    tokenizer = file_sha256(data.tokenizer_json_path)[:16] if data.tokenizer_json_path else None
-    parallel.check_same("the data", {"corpus": str(data.source_fingerprint)[:24], "vocab": data.vocab_size,
-                                     "tokenizer": tokenizer},
-                        "every process must read the same corpus and tokenizer (data.source and data.tokenizer "
-                        "on a file system they share, or identical copies)")
-
-
-def checked_run_config(cfg: ExperimentConfig, run_dir: Path | None, *, resume: bool,
-                       overwrite: bool) -> tuple[ExperimentConfig, ExperimentConfig | None]:
-    """The checks a run makes before it touches anything (what `twell train --dry-run` runs too):
-    (the config to train with, its schedule fixed; the saved config of the run resumed, or None).
-    A resume needs a checkpoint in `run_dir` and a compatible config; a new run a `run_dir` it may
-    use (`checkpoint.check_new_run_dir`; None: a new runs/<name>-<time>)."""
-    check_op_config(cfg)
-    check_run_name(cfg.name)
-    if not resume:
-        cfg = config_lib.with_fixed_schedule(cfg)
-        check_schedule_covers_steps(cfg, resume=False)
-        if run_dir is not None:
-            ckpt_lib.check_new_run_dir(run_dir, overwrite=overwrite)  # raises, naming the directory
-        return cfg, None
-    if run_dir is None:
-        raise ValueError("--resume needs --out DIR (the run directory to continue)")
-    ckpt_dir = run_dir / ckpt_lib.CHECKPOINT_SUBDIR
-    if not ckpt_lib.has_steps(ckpt_dir):
-        raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir.absolute()} (is --out the run "
-                                "directory of the run to continue?)")
-    saved = ckpt_lib.load_run_config(run_dir)
-    if not cfg.optim.schedule_steps:  # keep the run's schedule unless one is asked for
-        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, schedule_steps=saved.schedule_steps))
-    ckpt_lib.check_compatible(config_lib.to_dict(saved), cfg)
-    check_schedule_covers_steps(cfg, resume=True)
-    return cfg, saved
-
-
-def dead_window(cfg: ExperimentConfig) -> int:
-    """Tokens without firing after which a neuron counts as dead (default: one optimizer step)."""
-    return cfg.sparsity.dead_window_tokens or cfg.train.global_batch * cfg.seq_len
-
-
-def tracks_neurons(cfg: ExperimentConfig) -> bool:
-    """True when the step updates the per-neuron activity counters (dead neurons, position profile):
-    asked for, and meaningful only for exactly sparse (ReLU) activations."""
-    return cfg.sparsity.track_neurons and cfg.model.is_relu_family
-
-
-def dead_share_per_layer(cfg: ExperimentConfig, since_LxH: Any) -> list[float] | None:
-    """Each layer's share of dead neurons from the counters (`sparsity.dead_share`), or None when the
-    run does not track neurons (its counters never move: a share of 0 would be a false claim)."""
-    if not tracks_neurons(cfg):
-        return None
-    return [float(v) for v in np.asarray(jax.device_get(dead_share(since_LxH, dead_window(cfg))))]
-
-
-def accumulate_gradients(cfg: ExperimentConfig, graphdef: nnx.GraphDef, params: Any, tokens_BxT: jax.Array,
-                         since_LxH: jax.Array, l1_coef: jax.Array, accum_steps: int) -> tuple[Any, jax.Array, dict]:
-    """Mean gradient of the loss over `accum_steps` equal micro-batches of `tokens_BxT` (a lax.scan).
-
-    Returns (grads, updated since_active counters, per-micro-batch metrics stacked on axis 0).
-    """
-    track = tracks_neurons(cfg)
-    rows, width = tokens_BxT.shape
-    micro_rows = rows // accum_steps
-    micro_tokens = micro_rows * (width - 1)
-    # Row r = i * accum + a goes to micro-batch a: each device's contiguous block of rows splits
-    # into its own micro-batches, so the reshape needs no cross-device data movement.
-    micro_AxMxT = tokens_BxT.reshape(micro_rows, accum_steps, width).swapaxes(0, 1)
-
-    def loss_fn(p: Any, tokens_MxT: jax.Array) -> tuple[jax.Array, tuple[jax.Array, dict]]:
-        logits, aux = apply_model(graphdef, p, tokens_MxT[:, :-1], track_neurons=track)
-        ce, _ = cross_entropy(logits, tokens_MxT[:, 1:])
-        return total_loss(ce, aux["l1"], l1_coef), (ce, aux)
-
-    def micro_step(carry: tuple, tokens_MxT: jax.Array) -> tuple[tuple, dict]:
-        grad_sum, since = carry
-        (loss, (ce, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens_MxT)
-        grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
-        if track:
-            since = update_counters(since, aux["neuron_active_count"], micro_tokens)
-        out = {"loss": loss, "ce": ce, "l1_per_layer": aux["l1"], "l0_per_layer": aux["l0"],
-               "tile_overflow_per_layer": aux["tile_overflow"], "row_overflow_per_layer": aux["row_overflow"],
-               "dense_fallback_per_layer": aux["dense_fallback"],
-               "backward_tail_rows_per_layer": aux["backward_tail_rows"],
-               "backward_hot_neurons_per_layer": aux["backward_hot_neurons"]}
-        if track:
-            out["position_active"] = aux["position_active"]
-            out.update({f"{key}_per_layer": aux[key] for key in ops.TAIL_SHARE_KEYS})
-        return (grad_sum, since), out
-
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    (grad_sum, since), per_micro = jax.lax.scan(micro_step, (zeros, since_LxH), micro_AxMxT)
-    return jax.tree.map(lambda g: g / accum_steps, grad_sum), since, per_micro
-
-
-def make_train_step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                    accum_steps: int) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict]]:
-    """The pure step function (state, batch) -> (state, metrics); jit it with shardings."""
-    track = tracks_neurons(cfg)
-    lr_schedule = learning_rate_schedule(cfg.optim, cfg.schedule_steps)
-    window = dead_window(cfg)
-
-    def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
-        l1_coef = l1_coefficient(cfg.sparsity, state["step"])
-        params = state["params"]
-        grads, since, per_micro = accumulate_gradients(cfg, graphdef, params, batch["tokens"],
-                                                       state["since_active"], l1_coef, accum_steps)
-        grad_norm = _global_norm(grads)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-        params = optax.apply_updates(params, updates)
-        step = state["step"] + 1
-        reinit_count = jnp.zeros((), jnp.int32)
-        if cfg.sparsity.reinit_dead:
-            def do_reinit(operands: tuple) -> tuple:
-                p, o, s = operands
-                key = jax.random.fold_in(jax.random.key(cfg.train.seed), step)
-                return reinit_dead_rows(p, o, s, cfg=cfg.model, window_tokens=window, key=key)
-
-            def skip(operands: tuple) -> tuple:
-                return (*operands, jnp.zeros((), jnp.int32))
-
-            params, opt_state, since, reinit_count = jax.lax.cond(
-                step % cfg.sparsity.reinit_every == 0, do_reinit, skip, (params, opt_state, since))
-
-        mean = lambda x: jnp.mean(x, axis=0)  # noqa: E731 (average over micro-batches)
-        total = lambda x: jnp.sum(x, axis=0)  # noqa: E731
-        metrics = {
-            "loss": mean(per_micro["loss"]), "ce": mean(per_micro["ce"]),
-            "l1": jnp.mean(per_micro["l1_per_layer"]), "l1_coef": l1_coef,
-            "lr": lr_schedule(state["step"]), "grad_norm": grad_norm,
-            "l1_per_layer": mean(per_micro["l1_per_layer"]), "l0_per_layer": mean(per_micro["l0_per_layer"]),
-            "tile_overflow_per_layer": total(per_micro["tile_overflow_per_layer"]),
-            "row_overflow_per_layer": total(per_micro["row_overflow_per_layer"]),
-            "dense_fallback_per_layer": total(per_micro["dense_fallback_per_layer"]),
-            # The sparse backward's dense tails (mean per micro-batch; -1: not counted, ops doc).
-            "backward_tail_rows_per_layer": mean(per_micro["backward_tail_rows_per_layer"].astype(jnp.float32)),
-            "backward_hot_neurons_per_layer": mean(per_micro["backward_hot_neurons_per_layer"].astype(jnp.float32)),
-        }
-        if track:
-            metrics["dead_share_per_layer"] = dead_share(since, window)
-            metrics["position_profile"] = position_profile(mean(per_micro["position_active"]),
-                                                           cfg.sparsity.position_buckets)
-            # The sparse backward's expected dense tails, for any plan (the "auto" tail hints).
-            metrics.update({f"{key}_per_layer": mean(per_micro[f"{key}_per_layer"]) for key in ops.TAIL_SHARE_KEYS})
-        if cfg.sparsity.reinit_dead:
-            metrics["reinit_count"] = reinit_count
-        new_state = {"params": params, "opt_state": opt_state, "step": step, "since_active": since}
-        return new_state, metrics
-
-    return train_step
-
-
-# A multi-process run's stop vote (`with_stop_vote`): what a process may stop for, in the order that
-# wins when several processes vote differently, and its key in the batch and the metrics.
-STOP_REASONS = ("SIGINT", "SIGTERM", "time_limit")
-STOP_VOTE = "stop_vote"
-
-
-def with_stop_vote(train_step: Callable) -> Callable:
-    """`train_step` for a multi-process run: the batch also holds each device's stop vote
-    (bool[devices, len(STOP_REASONS)], each process's rows its own) and the metrics say which reasons
-    any process voted for. A signal or the time limit reaches each process at its own moment, and a
-    process that stops alone leaves the others waiting in a collective. The vote rides in the step's
-    program (one small all-reduce beside the gradients', no host sync of its own) and every process
-    reads the same answer with the step's metrics, so all stop after the same step."""
-
-    def voting_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
-        state, metrics = train_step(state, {key: value for key, value in batch.items() if key != STOP_VOTE})
-        return state, {**metrics, STOP_VOTE: jnp.any(batch[STOP_VOTE], axis=0)}
-
-    return voting_step
-
-
-def make_eval_step(cfg: ExperimentConfig, graphdef: nnx.GraphDef) -> Callable:
-    """(params, tokens_BxT) -> sums over the batch of CE and per-layer active neurons, and the token count."""
-
-    def eval_step(params: Any, tokens_BxT: jax.Array) -> dict[str, jax.Array]:
-        logits, aux = apply_model(graphdef, params, tokens_BxT[:, :-1])
-        ce_BxS = optax.softmax_cross_entropy_with_integer_labels(logits, tokens_BxT[:, 1:])
-        tokens = jnp.float32(ce_BxS.size)
-        return {"ce_sum": jnp.sum(ce_BxS), "tokens": tokens, "l0_sum_per_layer": aux["l0"] * tokens}
-
-    return eval_step
 
 
 @dataclasses.dataclass
@@ -512,110 +114,6 @@ class TrainingInterrupted(RuntimeError):
         super().__init__(f"{signal_name} received: stopped after step {step}; {how}")
 
 
-class _StopSignals:
-    """Within the block, SIGINT/SIGTERM set a flag (the loop stops after the current step) instead of
-    killing the process, acknowledged at once on stderr; a second one aborts: `on_abort` (the
-    trainer gives up its run directory's lock), then the process exits with 128 + the signal's number.
-
-    Python runs a signal handler only between bytecodes of the main thread, never while that thread
-    is inside a long native call such as XLA compiling the step, so a handler alone would say nothing
-    until the compile ends and could not abort it. The signals are also written to a wakeup pipe
-    (`signal.set_wakeup_fd`) that a watcher thread reads and acts on (XLA releases the GIL while it
-    compiles). Only the main thread can install handlers; elsewhere this does nothing."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self, on_abort: Callable[[], None] | None = None) -> None:
-        self.received: str | None = None
-        self._previous: dict[int, Any] = {}
-        self._on_abort = on_abort
-        self._pipe: tuple[int, int] | None = None  # (read, write) ends of the wakeup pipe
-        self._previous_wakeup = -1
-        self._watcher: threading.Thread | None = None
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        if self._watcher is not None:
-            return  # the watcher thread has this signal from the wakeup pipe and acts on it
-        if self.received is not None:  # a second signal: give up the graceful stop, die as asked
-            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
-            signal.raise_signal(signum)
-            return
-        self._signalled(signum)
-
-    def _signalled(self, signum: int) -> None:
-        name = signal.Signals(signum).name
-        if self.received is None:
-            self.received = name
-            again = "Ctrl-C" if signum == signal.SIGINT else name
-            _to_stderr(f"[twell] {name} received: stopping after this step / compile; "
-                       f"{again} again to abort")
-            return
-        _to_stderr(f"[twell] {name} received again: aborting now (no checkpoint of the steps since the last one)")
-        try:
-            if self._on_abort is not None:
-                self._on_abort()
-            sys.stdout.flush()  # os._exit skips the interpreter's own flush
-        finally:
-            # os._exit: the main thread may be inside XLA, where no exception would reach it.
-            os._exit(128 + signum)
-
-    def _watch(self, read_fd: int) -> None:
-        numbers = {int(sig) for sig in self.SIGNALS}
-        while True:
-            try:
-                data = os.read(read_fd, 64)
-            except OSError:
-                return
-            for byte in data:
-                if byte == 0:  # __exit__'s sentinel: the block is over
-                    return
-                if byte in numbers:
-                    self._signalled(byte)
-            if not data:
-                return
-
-    def __enter__(self) -> "_StopSignals":
-        if threading.current_thread() is not threading.main_thread():
-            return self
-        for sig in self.SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        try:
-            read_fd, write_fd = os.pipe()
-        except OSError:
-            return self  # the handlers alone: the stop is acknowledged once the main thread runs Python
-        os.set_blocking(write_fd, False)
-        self._pipe = (read_fd, write_fd)
-        self._previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        self._watcher = threading.Thread(target=self._watch, args=(read_fd,), name="twell-stop-signals", daemon=True)
-        self._watcher.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._pipe is not None:
-            signal.set_wakeup_fd(self._previous_wakeup)
-            read_fd, write_fd = self._pipe
-            try:
-                os.write(write_fd, b"\0")
-            except OSError:
-                pass
-            if self._watcher is not None:
-                self._watcher.join(timeout=5)
-            self._watcher, self._pipe = None, None
-            os.close(read_fd)
-            os.close(write_fd)
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def _to_stderr(line: str) -> None:
-    """`line` on stderr now (a signal's acknowledgement, from the watcher thread)."""
-    try:
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-    except (OSError, ValueError):  # a closed stream: nobody left to tell
-        pass
-
-
 class Trainer:
     """Builds mesh, model, optimizer, data and checkpoint store for one run; `run()` trains.
 
@@ -623,7 +121,7 @@ class Trainer:
     config.RESUMABLE_FIELDS; `resume_step` picks a checkpoint (default: the newest intact one); it
     is refused when its last steps would train at learning rate 0 (`check_schedule_covers_steps`)
     or nothing is left to train (`check_resume_steps`). A new run needs an empty (or missing)
-    `run_dir`, or `overwrite=True` and a directory holding a twell run (checkpoint.check_new_run_dir).
+    `run_dir`, or `overwrite=True` and a directory holding a twell run (run_dir.check_new_run_dir).
     From construction to the end of `run()` the trainer holds the directory's lock (`release()`
     gives it up without running).
     """
@@ -652,8 +150,8 @@ class Trainer:
         self._lock = None
         try:
             with parallel.all_or_none("locking the run directory"):
-                self._lock = ckpt_lib.RunLock(self.run_dir, warn=echo) if parallel.is_lead() else None
-            ckpt_lib.check_shared_run_dir(self.run_dir, self._lock)
+                self._lock = run_dir_lib.RunLock(self.run_dir, warn=echo) if parallel.is_lead() else None
+            check_shared_run_dir(self.run_dir, self._lock)
             with parallel.all_or_none("preparing the run"):
                 self._build(cfg, resume, overwrite, data_builder)
         except BaseException:
@@ -690,12 +188,12 @@ class Trainer:
                            if cfg.model.compute_dtype == "bfloat16" else None)
 
         t0 = time.perf_counter()
-        self.data = data_builder(with_saved_tokenizer(cfg, self.run_dir) if resume else cfg)
+        self.data = data_builder(run_dir_lib.with_saved_tokenizer(cfg, self.run_dir) if resume else cfg)
         self.startup["data"] = time.perf_counter() - t0
         check_vocab(cfg, self.data.vocab_size, echo)
         check_processes_read_same_data(self.data)
         if resume:
-            ckpt_lib.check_corpus_fingerprint(self.run_dir, self.data, echo)
+            run_dir_lib.check_corpus_fingerprint(self.run_dir, self.data.source_fingerprint, echo)
 
         abstract_model = nnx.eval_shape(lambda: init_model(cfg.model, tc.seed))
         abstract_params = nnx.to_pure_dict(nnx.split(abstract_model)[1])
@@ -714,14 +212,14 @@ class Trainer:
         # Everything that can be checked has been: only now may a new run take over the directory
         # (process 0 alone writes the run's files; the others use them).
         if not resume and parallel.is_lead():
-            ckpt_lib.prepare_new_run_dir(self.run_dir, overwrite=overwrite)
+            run_dir_lib.prepare_new_run_dir(self.run_dir, overwrite=overwrite)
             if self.data.tokenizer_json_path:
-                ckpt_lib.save_tokenizer(self.run_dir, self.data.tokenizer_json_path)
-            ckpt_lib.save_corpus_fingerprint(self.run_dir, self.data)
-            ckpt_lib.atomic_write_text(self.run_dir / ckpt_lib.CONFIG_FILE, config_lib.to_json(cfg))
+                run_dir_lib.save_tokenizer(self.run_dir, self.data.tokenizer_json_path)
+            run_dir_lib.save_corpus_fingerprint(self.run_dir, self.data.source_fingerprint)
+            run_dir_lib.write_config(self.run_dir, cfg)
         # Orbax opens the checkpoints on every process together, after --overwrite removed the old ones.
         parallel.barrier("preparing the run directory")
-        self.store = ckpt_lib.CheckpointStore(self.run_dir / ckpt_lib.CHECKPOINT_SUBDIR,
+        self.store = ckpt_lib.CheckpointStore(self.run_dir / run_dir_lib.CHECKPOINT_SUBDIR,
                                               max_to_keep=tc.keep_checkpoints)
 
     # ------------------------------------------------------------------ state
@@ -755,7 +253,7 @@ class Trainer:
             self.echo(f"[twell] learning-rate schedule re-planned: optim.schedule_steps {saved.schedule_steps} -> "
                       f"{self.cfg.schedule_steps}; learning rate of step {step + 1}: {old_lr:.3g} -> {new_lr:.3g}")
         if parallel.is_lead():  # a multi-process run: process 0 writes the run's files
-            ckpt_lib.atomic_write_text(self.run_dir / ckpt_lib.CONFIG_FILE, config_lib.to_json(self.cfg))
+            run_dir_lib.write_config(self.run_dir, self.cfg)
         for moved in self.store.quarantine_after(step, self.run_dir):
             self.echo(f"[twell] warning: continuing from step {step}: newer checkpoint moved to {moved}")
         return {"params": items[ckpt_lib.PARAMS_ITEM], **items[ckpt_lib.TRAIN_ITEM]}, meta
@@ -763,7 +261,7 @@ class Trainer:
     def save(self, state: TrainState, history: list[dict[str, Any]]) -> None:
         # The config with the "auto" hints in use: what evaluation / inference of this step should run.
         meta = {"config": config_lib.to_dict(self.planner.step_cfg),
-                "data_iter": _json_ready(self.data.train_iter.get_state()),
+                "data_iter": ckpt_lib.iterator_state_to_json(self.data.train_iter.get_state()),
                 "step": int(state["step"]), "history": history, **self.planner.checkpoint_fields(),
                 "dead_share_per_layer": dead_share_per_layer(self.cfg, state["since_active"])}
         self.store.save(int(state["step"]), state["params"],
@@ -786,7 +284,7 @@ class Trainer:
     def _run(self, stop_after_step: int | None) -> TrainResult:
         tc = self.cfg.train
         self._describe(tc.global_batch * self.cfg.seq_len)
-        with jax.set_mesh(self.mesh), _StopSignals(on_abort=self.release) as signals:
+        with jax.set_mesh(self.mesh), StopSignals(on_abort=self.release) as signals:
             t0 = time.perf_counter()
             state, history = self._start_state()
             start_step = int(jax.block_until_ready(state["step"]))
@@ -802,7 +300,7 @@ class Trainer:
                                files=parallel.is_lead(), wandb_project=tc.wandb_project,
                                config=config_lib.to_dict(self.cfg))
             self.echo(f"[twell] metrics: {sink.jsonl_path}"
-                      + (f", TensorBoard: {self.run_dir / 'tensorboard'}" if tc.tensorboard else "")
+                      + (f", TensorBoard: {self.run_dir / run_dir_lib.TENSORBOARD_SUBDIR}" if tc.tensorboard else "")
                       + (f", W&B project {tc.wandb_project!r}" if tc.wandb_project else ""))
             self.profile = ProfileWindow(tc.profile_window, self.run_dir, start_step=start_step,
                                          enabled=parallel.is_lead())
@@ -843,8 +341,8 @@ class Trainer:
                 sink.close()
             summary = self._summary(state, loop)
             if parallel.is_lead():  # a multi-process run: process 0 writes the run's files
-                ckpt_lib.atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
-            self.echo(f"[twell] summary: {self.run_dir / 'summary.json'}")
+                run_dir_lib.write_summary(self.run_dir, summary)
+            self.echo(f"[twell] summary: {self.run_dir / run_dir_lib.SUMMARY_FILE}")
         return TrainResult(run_dir=self.run_dir, history=loop.history, summary=summary, state=state,
                            last_metrics=loop.last_record or None)
 
@@ -866,7 +364,7 @@ class Trainer:
         if not self.resume:
             return self.init_state(), []
         state, meta = self.restore_state()
-        self.data.train_iter.set_state(_from_json_ready(meta["data_iter"]))
+        self.data.train_iter.set_state(ckpt_lib.iterator_state_from_json(meta["data_iter"]))
         self.echo(f"[twell] resumed from step {int(state['step'])} ({self.store.directory})")
         return state, meta.get("history", [])
 
@@ -874,7 +372,7 @@ class Trainer:
         step_cfg = self.planner.step_cfg
         return jax.jit(make_eval_step(step_cfg, abstract_graphdef(step_cfg.model, self.cfg.train.seed)))
 
-    def _at_boundary(self, loop: "_Loop", step_no: int, signals: "_StopSignals") -> bool:
+    def _at_boundary(self, loop: "_Loop", step_no: int, signals: "StopSignals") -> bool:
         """True when step `step_no` is finished before the next is dispatched: something at its end
         needs its state or its metrics (the last step, an evaluation, a checkpoint, a re-plan or a
         trial step, a should_stop hook) or the run stops after it (a signal, the time limit).
@@ -885,7 +383,7 @@ class Trainer:
                 or bool(tc.checkpoint_every and step_no % tc.checkpoint_every == 0)
                 or self.hooks.should_stop is not None or self._stopping(loop, signals) is not None)
 
-    def _local_stop(self, loop: "_Loop", signals: "_StopSignals") -> str | None:
+    def _local_stop(self, loop: "_Loop", signals: "StopSignals") -> str | None:
         """What this process alone would stop for now: a signal's name, "time_limit" or None."""
         tc = self.cfg.train
         if signals.received:
@@ -894,14 +392,14 @@ class Trainer:
             return "time_limit"
         return None
 
-    def _stopping(self, loop: "_Loop", signals: "_StopSignals") -> str | None:
+    def _stopping(self, loop: "_Loop", signals: "StopSignals") -> str | None:
         """Why the run stops after the step in hand (a signal's name, "time_limit"), or None. In a
         multi-process run a process's own reasons only go into its stop vote (`_next_batch`): the
         answer is what the processes agreed on in the last step fetched, the same on every process,
         so that all stop after the same step and save the same checkpoint."""
         return loop.agreed_stop if parallel.multi_process() else self._local_stop(loop, signals)
 
-    def _next_batch(self, loop: "_Loop", signals: "_StopSignals") -> dict[str, Any]:
+    def _next_batch(self, loop: "_Loop", signals: "StopSignals") -> dict[str, Any]:
         """This process's rows of the next batch; in a multi-process run with its stop vote too, one
         row per local device (`with_stop_vote`)."""
         local = next(self.data.train_iter)
@@ -944,7 +442,7 @@ class Trainer:
         self.planner.observe(host)
 
     def _boundary(self, loop: "_Loop", sink: MetricsSink, eval_fn: Callable, state: TrainState, step_no: int,
-                  signals: "_StopSignals") -> None:
+                  signals: "StopSignals") -> None:
         """After a finished step: evaluate and checkpoint on their cadence, then decide whether to
         stop (a signal, a should_stop hook, the time limit)."""
         tc, hooks = self.cfg.train, self.hooks
@@ -1118,32 +616,6 @@ def compact_record(record: dict[str, Any]) -> dict[str, Any]:
     return compact
 
 
-def evaluate_params(cfg: ExperimentConfig, data: DataSource, eval_fn: Callable, params: Any, mesh: Any, *,
-                    step: int = 0) -> dict[str, Any]:
-    """Validation loss, perplexity and per-layer mean active neurons over the held-out batches.
-
-    Uses the first `train.eval_batches` full batches of `train.eval_batch_size` sequences (global)
-    in the data pipeline's fixed validation order, so every evaluation sees the same tokens. A
-    non-finite result raises FloatingPointError (naming `step`) instead of being reported.
-    """
-    ce_sum, tokens, l0_sum = 0.0, 0.0, None
-    for batch in data.val_batches(cfg.train.eval_batch_size, max_batches=cfg.train.eval_batches):
-        placed = parallel.host_to_global({"tokens": np.asarray(batch["tokens"], np.int32)}, mesh)
-        out = jax.device_get(eval_fn(params, placed["tokens"]))
-        ce_sum += float(out["ce_sum"])
-        tokens += float(out["tokens"])
-        l0 = np.asarray(out["l0_sum_per_layer"], np.float64)
-        l0_sum = l0 if l0_sum is None else l0_sum + l0
-    if tokens == 0:
-        raise ValueError("the validation split produced no batches; lower train.eval_batch_size or raise "
-                         "data.val_fraction")
-    loss = ce_sum / tokens
-    check_finite(step, {"val_loss": loss, "val_l0_per_layer": l0_sum}, ("val_loss", "val_l0_per_layer"),
-                 hint="the parameters evaluated are broken (a diverged run or a damaged checkpoint)")
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens,
-            "l0_per_layer": (l0_sum / tokens).tolist()}
-
-
 def _memory_analysis_text(compiled: Any) -> str:
     try:
         analysis = compiled.memory_analysis()
@@ -1158,47 +630,16 @@ def _memory_analysis_text(compiled: Any) -> str:
     return "memory analysis: " + ", ".join(parts)
 
 
-def _json_ready(value: Any) -> Any:
-    """Grain iterator states are dicts of ints/strings (or bytes); make them JSON-serialisable."""
-    if isinstance(value, bytes):
-        return {"__bytes__": value.decode("latin-1")}
-    if isinstance(value, dict):
-        return {k: _json_ready(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_ready(v) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
-
-
-def _from_json_ready(value: Any) -> Any:
-    """Inverse of `_json_ready`."""
-    if isinstance(value, dict):
-        if set(value) == {"__bytes__"}:
-            return value["__bytes__"].encode("latin-1")
-        return {k: _from_json_ready(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_from_json_ready(v) for v in value]
-    return value
-
-
-def with_saved_tokenizer(cfg: ExperimentConfig, run_dir: str | Path) -> ExperimentConfig:
-    """`cfg` reading the tokenizer saved in `run_dir` (when there is one) instead of re-training it:
-    what a resumed or evaluated run builds its data with (its saved config is left unchanged)."""
-    saved = ckpt_lib.saved_tokenizer(run_dir)
-    if saved is None:
-        return cfg
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(saved.absolute())))
-
-
 def train(cfg: ExperimentConfig, run_dir: str | Path | None = None, *, resume: bool = False,
           echo: Callable[[str], None] = print, trainer_cls: type[Trainer] = Trainer, **kwargs: Any) -> TrainResult:
     """Convenience wrapper: build a `trainer_cls` (a Trainer) for `cfg` and run it (kwargs go to it);
     run_dir None reserves a new runs/<name>-<time>, removed again if the run fails before using it.
     In a multi-process run process 0 reserves it and every process trains in that one."""
     reserved = run_dir is None
-    run_dir = Path(parallel.lead_value("the run directory", lambda: str(default_run_dir(cfg)))) if reserved \
-        else Path(run_dir)
+    if reserved:
+        run_dir = Path(parallel.lead_value("the run directory", lambda: str(run_dir_lib.default_run_dir(cfg))))
+    else:
+        run_dir = Path(run_dir)
     try:
         return trainer_cls(cfg, run_dir, resume=resume, echo=echo, **kwargs).run()
     except BaseException:

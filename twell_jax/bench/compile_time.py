@@ -1,0 +1,113 @@
+"""Start-up cost of each preset: the init program and the training step's compile, against depth.
+
+    python experiments/bench_compile.py --configs 0.5b,1b,1.5b,2b --variants relu_gated,twell@pallas
+    python experiments/bench_compile.py --dry-run      # micro shapes at 2 and 24 layers, on CPU
+
+Per preset and variant (`kind[@backend]`, as bench_step's without the remat, which is the
+preset's or --set's): seconds to compile `jit(init_model)` and to run it, seconds to lower and to
+compile the training step (jax.grad of CE + L1 and the AdamW update, bench_step.build_step), the
+size of the lowered step's StableHLO text, and the first step's time (compile excluded). The
+layers are scanned (twell_jax.model), so every number but the init's run time should be about flat
+in depth. Printed last: one table; `--out` gets the rows as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from twell_jax.bench.step import DRY_RUN_SETS, build_step, variant_config
+from twell_jax.configs import get_config
+from twell_jax import config as config_lib
+from twell_jax.model import init_model, split_model
+
+
+def measure(base: config_lib.ExperimentConfig, kind: str, backend: str | None, micro_batch: int) -> dict[str, Any]:
+    """One (preset, variant): init and step compile seconds, lowered size, first step seconds."""
+    cfg = variant_config(base, kind, backend, base.model.remat)
+    row: dict[str, Any] = {"config": base.name, "n_layers": cfg.model.n_layers, "variant": f"{kind}"
+                           + (f"@{backend}" if backend else ""), "remat": cfg.model.remat}
+    try:
+        init = jax.jit(lambda: split_model(init_model(cfg.model, seed=0))[1])
+        t0 = time.perf_counter()
+        compiled_init = init.lower().compile()
+        row["init_compile_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        params = jax.block_until_ready(compiled_init())
+        row["init_run_s"] = time.perf_counter() - t0
+        step, state, _, _ = build_step(cfg, kind, optimizer=True, params=params)
+        del params
+        tokens = jax.random.randint(jax.random.key(1), (micro_batch, cfg.seq_len + 1), 0, cfg.model.vocab_size)
+        t0 = time.perf_counter()
+        lowered = jax.jit(step, donate_argnums=0).lower(state, tokens)
+        row["step_lower_s"] = time.perf_counter() - t0
+        row["step_hlo_chars"] = len(lowered.as_text())
+        t0 = time.perf_counter()
+        compiled = lowered.compile()
+        row["step_compile_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(state, tokens))
+        row["first_step_s"] = time.perf_counter() - t0
+    except Exception as err:  # noqa: BLE001 (an OOM or a refused shape: report it, go on)
+        row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]
+    finally:
+        jax.clear_caches()
+    return row
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| config | layers | variant | remat | init compile s | init run s | step lower s | step compile s "
+             "| step HLO kchars | first step s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['config']} | {r['n_layers']} | {r['variant']} | {r['remat']} | failed: "
+                         f"{r['error'][:90]} | | | | | |")
+            continue
+        lines.append(f"| {r['config']} | {r['n_layers']} | {r['variant']} | {r['remat']} | {r['init_compile_s']:.1f} | "
+                     f"{r['init_run_s']:.1f} | {r['step_lower_s']:.1f} | {r['step_compile_s']:.1f} | "
+                     f"{r['step_hlo_chars'] / 1e3:.0f} | {r['first_step_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--configs", default="0.5b,1b,1.5b,2b", help="comma-separated presets (configs/)")
+    parser.add_argument("--variants", default="relu_gated,twell@pallas",
+                        help="comma-separated kind[@backend] (bench_step's variants without the remat)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="SECTION.FIELD=VALUE", help="overrides for every preset")
+    parser.add_argument("--micro-batch", type=int, default=None, help="sequences per step (default: the preset's)")
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--dry-run", action="store_true", help="micro shapes at 2 and 24 layers on CPU")
+    args = parser.parse_args(argv)
+    if args.out and Path(args.out).is_dir():  # checked before compiling anything, not when writing the rows
+        parser.error(f"--out {args.out} is a directory; give the JSON file to write")
+    variants = []
+    for item in filter(None, (v.strip() for v in args.variants.split(","))):
+        kind, _, backend = item.partition("@")
+        variants.append((kind, backend or None))
+    if args.dry_run:
+        bases = [config_lib.apply_overrides(get_config("micro"), DRY_RUN_SETS + [f"model.n_layers={n}"] + args.set)
+                 for n in (2, 24)]
+    else:
+        bases = [config_lib.apply_overrides(get_config(name), args.set) for name in args.configs.split(",")]
+    print(f"[bench_compile] on {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    rows = []
+    for base in bases:
+        for kind, backend in variants:
+            row = measure(base, kind, backend, args.micro_batch or (2 if args.dry_run else base.train.micro_batch))
+            print(f"[bench_compile] {json.dumps(row)}", flush=True)
+            rows.append(row)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                                              "rows": rows}, indent=2))
+    print(format_table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
