@@ -726,14 +726,9 @@ def test_more_rows_than_the_gate_block_run_the_fused_path():
 
 
 def _bench_decode_ffn_step():
-    import importlib.util
-    from pathlib import Path
+    from twell_jax.bench import decode_ffn_step
 
-    path = Path(__file__).resolve().parents[1] / "experiments" / "bench_decode_ffn_step.py"
-    spec = importlib.util.spec_from_file_location("bench_decode_ffn_step", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return decode_ffn_step
 
 
 def test_bench_decode_ffn_step_refuses_bad_arguments_and_places_the_active_neurons():

@@ -12,7 +12,7 @@ import pytest
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 README = EXPERIMENTS / "README.md"
 # The full scripts experiments/README.md lists as exceptions, with why.
-EXCEPTIONS = {"make_hf_fixture.py", "bench_decode_ffn_step.py", "bench_decode_matvec.py", "bench_ffn_decode.py"}
+EXCEPTIONS = {"make_hf_fixture.py"}
 
 
 def scripts() -> list[Path]:

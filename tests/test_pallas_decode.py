@@ -291,14 +291,10 @@ def test_prefer_decode_path():
 
 @pytest.mark.slow
 def test_bench_ffn_decode_interpret(tmp_path):
-    import importlib.util
     import json
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "experiments" / "bench_ffn_decode.py"
-    spec = importlib.util.spec_from_file_location("bench_ffn_decode", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from twell_jax.bench import ffn_decode as module
+
     results = module.main(["--interpret", "--out", str(tmp_path)])
     assert [row["m"] for row in results["rows"]] == [1, 8]
     for row in results["rows"]:

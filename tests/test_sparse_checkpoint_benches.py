@@ -170,13 +170,8 @@ def test_the_decode_floor_counts_every_weight_once_and_the_sparse_rows_union():
 
 @pytest.mark.slow
 def test_the_matvec_sweep_runs_on_the_cpu(tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
+    from twell_jax.bench import decode_matvec as module
 
-    path = Path(__file__).resolve().parents[1] / "experiments" / "bench_decode_matvec.py"
-    spec = importlib.util.spec_from_file_location("bench_decode_matvec", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     rows = module.main(["--dry-run", "--rows", "1", "--out", str(tmp_path / "m.json")])
     # Each role's fastest blocks, printed as decode_matvec.ROLE_BLOCK_SIZES entries.
     printed = capsys.readouterr().out
