@@ -109,10 +109,10 @@ def store_partition(active_L: jax.Array, order_ref, n_ref, *, h: int,
 NORM_BLOCK_K = 512
 # Live rows of a program up to which the prologue loads each row whole, one load a row with no loop
 # (its latency once), instead of the pass in NORM_BLOCK_K steps over the program's row block. On the
-# H100 (2026-11-25, `decode_matvec` alone at the 0.5b shapes, timed as experiments/bench_decode_matvec.py
-# times a call; BENCHMARKS.md, Decode): at 1 row q/k/v 12.7 us against 14.2 (11.9 without a norm),
-# the twin's gate/up 20.0 against 23.1, the LM head 71.4 against 79.3; at 8 rows mixed (q/k/v 15.2
-# against 14.8, gate/up 23.0 against 24.3), so only a program of one live row takes it.
+# H100 (`decode_matvec` alone at the 0.5b shapes, timed as experiments/bench_decode_matvec.py times a
+# call; BENCHMARKS.md, Decode): at 1 row the whole-row load was faster for q/k/v, the twin's gate/up
+# and the LM head; at 8 rows the result was mixed (q/k/v slower, gate/up faster), so only a program
+# of one live row takes it.
 NORM_ROWWISE_MAX_ROWS = 1
 
 

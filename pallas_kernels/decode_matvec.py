@@ -2,8 +2,9 @@
 
 A decode step multiplies a few token rows (M = the batch, 1 to 64) by every weight matrix of the
 model once: a memory-bound GEMV whose cost is reading the weights. XLA emits these as reductions
-or small GEMMs that reached 1.0-2.2 TB/s on an H100 (of 3.35), and the norms, activations and
-residual adds around them as separate kernels. This kernel reads the weight once at full width and
+or small GEMMs that fell well short of an H100's 3.35 TB/s (BENCHMARKS.md, Decode), and the
+norms, activations and residual adds around them as separate kernels. This kernel reads the
+weight once at full width and
 does the rest in its prologue and epilogue:
 
     out = round( residual + round( act(round(xn . gate)) * round(xn . w) ) )      (all optional)
@@ -19,7 +20,7 @@ embedding as the LM head) or "kn" ([K, N], x @ w: the attention projections and 
 weights ([L, N, K] / [L, K, N], and norm scales [L, K]) with a traced `layer` (int32 [1]) are read
 in place at that layer: the decode loop over the stacked layers (lax.scan) hands the whole stack
 to the kernel, so no layer's weights are copied out of it (XLA's slice of a scanned operand feeding
-a GEMM is a copy: 0.34-0.37 ms of a 1.5-1.7 ms step of the 0.5b model, BENCHMARKS.md, Decode).
+a GEMM is a copy: a sizeable share of the 0.5b model's step, BENCHMARKS.md, Decode).
 
 Grid (cdiv(N, block_n), cdiv(M, block_m)): program (j, i) owns output columns [j*bn, (j+1)*bn)
 of rows [i*bm, (i+1)*bm) (with MatvecBlockSizes.programs_n, exactly that many column programs of
@@ -120,7 +121,7 @@ class MatvecBlockSizes:
 
 
 # What a call without block_sizes uses: among the variants of `experiments/bench_decode_matvec.py
-# --rows 1` (H100, 2026-11-24, a sweep whose timings still held ~10 us per call of its loop's own
+# --rows 1` (H100, a sweep whose timings still held the per-call overhead of its loop's own
 # work) within 10% of the best summed time over the qkv, output, gate/up and down shapes, the one
 # whose three-part q/k/v launch fits the H100's shared memory (block_k 512 did not: 244 KiB).
 DEFAULT_BLOCK_SIZES = MatvecBlockSizes(block_n=32, block_k=256, num_warps=8, num_stages=3)
@@ -129,28 +130,25 @@ DEFAULT_BLOCK_SIZES = MatvecBlockSizes(block_n=32, block_k=256, num_warps=8, num
 # gate/up, W_down, the LM head, the sparse layers' gate; and "qkv_nk", "out_nk", "down_nk": the
 # first three read from decode.transposed's output-major copies (another layout, other best
 # tiles). The `nk` roles hold the fastest blocks of `experiments/bench_decode_matvec.py --rows 1
-# --reps 2 --shapes qkv_nk,down_nk,gate_up,out_nk,head,gate --blocks-out FILE` (H100, 2026-11-24:
-# 12.2 / 6.5 / 11.7 us for q/k/v, output and W_down, 19.6 us gate/up, 71.1 us the LM head, 2.0-2.8
-# TB/s; experiments/results/bench_decode_matvec_nk_h100_2026-11-24.json). The `kn` roles
+# --reps 2 --shapes qkv_nk,down_nk,gate_up,out_nk,head,gate --blocks-out FILE` (H100;
+# experiments/results/bench_decode_matvec_nk_h100_2026-11-24.json, BENCHMARKS.md). The `kn` roles
 # (q/k/v, output and W_down as stored, read only with decode.transposed off) keep
 # DEFAULT_BLOCK_SIZES: their sweep ran with the old loop timing, whose figures were not usable.
 # programs_n (an even load on the SMs) swept for q/k/v, gate/up and the gate (`--programs 0,132,264`,
-# H100, 2026-11-24): within 1% of these blocks alone, and no faster in the model's step; not used.
+# H100): within noise of these blocks alone, and no faster in the model's step; not used.
 # num_stages (the K loop's software-pipelining depth; those sweeps held it at 3) swept at these blocks
-# (`--role-blocks-only --stages 2,3,4,5 --rows 1,4`, H100, 2026-11-25,
-# experiments/results/bench_decode_matvec_stages_h100_2026-11-25.json): 4 stages for q/k/v (11.6
-# against 12.0 us at 1 row), the output projection (6.2 against 6.4; 5.3 against 6.4 at 4 rows), gate/up
-# (19.3 against 19.5) and W_down in the switch (13.8 against 15.9); W_down and the LM head within
-# noise of 3, kept. The sparse gate: `GATE_FEW_ROWS`.
+# (`--role-blocks-only --stages 2,3,4,5 --rows 1,4`, H100,
+# experiments/results/bench_decode_matvec_stages_h100_2026-11-25.json): 4 stages were faster than 3
+# for q/k/v, the output projection (at 1 and 4 rows), gate/up and W_down in the switch; W_down and
+# the LM head within noise of 3, kept. The sparse gate: `GATE_FEW_ROWS`.
 # max_block_m 32 for the dense products (q/k/v, the output projection, gate/up, W_down, the LM head):
 # a step of 17-32 rows reads each weight once, where blocks of 16 read it once per 16 rows; the
 # gates keep 16 ("tiles" and "packed" need every row in one gate program) and so does the switch's
-# W_down (64 above MANY_ROWS rows, below). The twin's step (0.5b, H100, 2026-11-25, a random init, in alternation with plain JAX):
-# 2.412 ms at 32 rows (1.075x plain JAX; 2.430 and 1.061x with blocks of 16 in another process), 16
-# rows unchanged (one block either way);
-# experiments/results/bench_inference_0.5b_decode_rows32_h100_2026-11-25.json. At 64 rows blocks
-# of 32 read each weight twice (the twin 0.944x plain JAX, stop notes): above MANY_ROWS rows the
-# dense products take ROLE_BLOCK_SIZES_MANY_ROWS (below).
+# W_down (64 above MANY_ROWS rows, below). The twin's step (0.5b, H100, a random init, in alternation
+# with plain JAX): at 32 rows a little faster than with blocks of 16, 16 rows unchanged (one block
+# either way); experiments/results/bench_inference_0.5b_decode_rows32_h100_2026-11-25.json. At 64
+# rows blocks of 32 read each weight twice (the twin slower than plain JAX, stop notes): above
+# MANY_ROWS rows the dense products take ROLE_BLOCK_SIZES_MANY_ROWS (below).
 # "down_nk_switch": W_down in the device switch's dense side (a sparse layer's step at several rows),
 # disabled on most steps: one launch (no split-K partials summed in XLA, a launch of its own even
 # when disabled), 128 column programs.
@@ -173,12 +171,11 @@ ROLE_BLOCK_SIZES: dict[str, MatvecBlockSizes] = {
 # (a step of 33-64 rows reads each weight once), block_k 128 so that the deeper row block's
 # pipeline fits shared memory (64 rows x 256 at 4 stages asked for 256 KiB), each role's fastest of
 # `experiments/bench_decode_matvec.py --rows 64 --shapes qkv_nk,out_nk,gate_up,down_nk,head
-# --role-blocks-only --max-block-m 32,64 --stages 3,4 --block-k 128,256` (H100, 2026-11-25,
-# experiments/results/bench_decode_matvec_rows64_h100_2026-11-25.json): at 64 rows q/k/v 13.4 us
-# against 15.5 in blocks of 32 (XLA's dot 16.3), the output projection 6.9 against 7.7 (9.4),
-# gate/up 23.0 against 26.7 (26.3), W_down 13.4 against 15.6 (15.7), the LM head 76.2 against
-# 142.0 (75.0); the switch's W_down (one launch: split_k 1, 16 columns a program) 14.4 against 17.2.
-# The twin's step at 64 rows 1.032x plain JAX, at 48 1.034x (in alternation;
+# --role-blocks-only --max-block-m 32,64 --stages 3,4 --block-k 128,256` (H100,
+# experiments/results/bench_decode_matvec_rows64_h100_2026-11-25.json): at 64 rows each role beat
+# its blocks of 32, and all but the LM head (on par) beat XLA's dot; the switch's W_down (one
+# launch: split_k 1, 16 columns a program) too. The twin's step at 64 and at 48 rows is then
+# faster than plain JAX (in alternation; BENCHMARKS.md, Decode;
 # experiments/results/bench_inference_0.5b_decode_batch3264_h100_2026-11-25.json, a trained
 # checkpoint, and bench_inference_0.5b_decode_rows64_h100_2026-11-25.json, a random init).
 # At one row they would not be these roles' best (their K loops swept there), so
@@ -197,11 +194,10 @@ ROLE_BLOCK_SIZES_MANY_ROWS: dict[str, MatvecBlockSizes] = {
 
 
 # Rows of a decode step up to which the sparse gate runs as role "gate_few_rows" (`gate_role`): its
-# K loop one stage deeper. With the tile values' epilogue (`packed`; H100, 2026-11-25,
+# K loop one stage deeper. With the tile values' epilogue (`packed`; H100,
 # experiments/bench_decode_ffn_step.py --gate-blocks, 32 and 96 active neurons spread): 4 stages
-# took 0.5-0.8 us a layer less than 3 at 1 and 2 rows; in the model's step at 4 rows they took 25 us a
-# step more (0.770 against 0.745 ms: the epilogue's four unrolled rows and the deeper pipeline
-# compete for registers). BENCHMARKS.md, Decode.
+# were faster than 3 at 1 and 2 rows; in the model's step at 4 rows they were slower (the
+# epilogue's four unrolled rows and the deeper pipeline compete for registers). BENCHMARKS.md, Decode.
 GATE_FEW_ROWS = 2
 
 

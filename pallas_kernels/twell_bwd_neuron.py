@@ -41,7 +41,7 @@ class NeuronBwdBlockSizes:
     """Static launch parameters of the neuron-major backward kernel."""
 
     # One neuron per program, 4 warps: the fastest of block_n 1/2/4 x 2/4/8 warps on the H100 at
-    # k 29 (0.73 ms; 2 or 8 warps 1.02 ms, 2 neurons per program 1.05 ms or more; BENCHMARKS.md,
+    # k 29 (2 or 8 warps and 2 or more neurons per program were slower; BENCHMARKS.md,
     # experiments/bench_ffn_train.py --sweep-blocks).
     block_n: int = 1  # neurons per program (power of two)
     num_warps: int = 4  # warps per program

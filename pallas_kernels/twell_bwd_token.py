@@ -53,9 +53,9 @@ from .common import (check_launch_sizes, compiler_params, is_pow2 as _is_pow2,
 class TokenBwdBlockSizes:
     """Static launch parameters of the token-major backward kernel."""
 
-    # One token per program, 2 warps (H100, k 29, experiments/bench_ffn_train.py --sweep-blocks):
-    # 2 and 4 warps tie (1.74 and 1.72 ms), 8 warps 1.90 ms, 2 or 4 tokens per program 2.3-3.1 ms
-    # (rows with fewer entries idle while the block's longest list runs).
+    # One token per program, 2 warps (H100, k 29, experiments/bench_ffn_train.py --sweep-blocks;
+    # BENCHMARKS.md): 2 and 4 warps tie, 8 warps are slower, and 2 or 4 tokens per program slower
+    # still (rows with fewer entries idle while the block's longest list runs).
     block_t: int = 1  # token rows per program (power of two)
     num_warps: int = 2  # warps per program
     num_stages: int = 1  # pipelining depth of the slot loop (dynamic trip counts: 1 = none)
@@ -79,7 +79,7 @@ class TokenBwdBlockSizes:
 class ListsBlockSizes:
     """Static launch parameters of the list-building kernel (`token_lists`)."""
 
-    block_rows: int = 32  # token rows per program (power of two): 0.112 ms at 32, 0.134 at 16 (H100, k 29)
+    block_rows: int = 32  # token rows per program (power of two): faster than 16 (H100, k 29; BENCHMARKS.md)
     num_warps: int = 4  # warps per program
     num_stages: int = 1  # pipelining depth of the tile loop
 

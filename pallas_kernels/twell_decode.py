@@ -40,10 +40,10 @@ are read from HBM once per call, whatever the number of tokens M:
                      redundant hidden work (each of the D / block_d programs recomputes all of h;
                      the U rows then come from L2) for one launch fewer and no h round trip
                      through HBM. Meant for decode's few active neurons, where the two launches
-                     are latency-bound (H100, 0.5b, batch 1: 8.5 us a layer against 7.9 + 2.2 us
-                     for `hidden` and `down` plus the residual's XLA add; the model's step 0.637
-                     against 0.697 ms in an earlier build: issue 24's stop notes, not a current
-                     figure). It loses with many actives: each program runs
+                     are latency-bound (H100, 0.5b, batch 1: faster a layer than `hidden` and
+                     `down` plus the residual's XLA add, and the model's step faster with it in an
+                     earlier build: issue 24's stop notes, not a current figure). It loses with
+                     many actives: each program runs
                      ceil(n / block_h) x ceil(D / block_k) sequential steps that `hidden` spreads
                      over C / block_n programs.
 
@@ -78,9 +78,8 @@ from .twell_pack import _dot_precision
 @dataclasses.dataclass(frozen=True)
 class DecodeBlockSizes:
     """Static launch parameters of the decode kernels. block_k and num_stages are the best of the
-    `bench_ffn_decode.py --sweep` variants on the H100 (BENCHMARKS.md, 2026-11-22: 3-10% faster
-    than 128 / 2 at 1 and 8 tokens per call); the rest spread a one-token call over >= 32
-    programs in `down`."""
+    `bench_ffn_decode.py --sweep` variants on the H100 (BENCHMARKS.md: faster than 128 / 2 at 1
+    and 8 tokens per call); the rest spread a one-token call over >= 32 programs in `down`."""
 
     block_n: int = 16  # hidden: active neurons per program (power of two, >= 16 for the dot)
     block_k: int = 512  # hidden: D step of the u = x U^T loop (power of two, >= 16)

@@ -55,9 +55,8 @@ class FFNBlockSizes:
     # carry), so tile t starts with its row gathers at once; its head slots are processed
     # unconditionally (row loads masked off for slots >= count: no bytes move, h = 0) and only the
     # slots beyond them take the dynamic loop. 0 = round 1's kernel.
-    # Measured (H200, round 2, a figure of its stop notes, not on the current page): no gain (0.648
-    # vs 0.643 ms at 29 actives, 5% slower at 112): the kernel is bound by the row gathers, not by
-    # these loads. Default 0.
+    # Measured (H200, round 2, in its stop notes, not on the current page): no gain at 29 actives
+    # and slower at 112: the kernel is bound by the row gathers, not by these loads. Default 0.
     head_slots: int = 0
 
     def __post_init__(self) -> None:

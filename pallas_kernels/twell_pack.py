@@ -43,8 +43,8 @@ class PackBlockSizes:
     """Static launch parameters of the pack kernel."""
 
     # Defaults measured (BENCHMARKS.md): 128x64 and 8 warps on an H200; the launch order and the
-    # pipeline depth on the H100 (`bench_ffn_train.py --sweep-blocks`, M 16384, k 29: 0.66-0.70
-    # ms against 0.78 for the row-major order; 3 and 4 stages within noise once grouped).
+    # pipeline depth on the H100 (`bench_ffn_train.py --sweep-blocks`, M 16384, k 29: grouped
+    # faster than the row-major order; 3 and 4 stages within noise once grouped).
     block_m: int = 128  # token rows per program (power of two, >= 16 for the tensor-core dot)
     block_k: int = 64  # K step of the GEMM loop (power of two, >= 16)
     num_warps: int = 8  # warps per program

@@ -57,8 +57,8 @@ Lists = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # (start_H, count_H, 
 class TransposeBlockSizes:
     """Static launch parameters of the two transpose kernels (histogram, rank + scatter)."""
 
-    # Swept on the H100 (experiments/bench_transpose.py --sweep, M 16384, k 29, 2026-11-22): 8 rows
-    # x 128-row chunks took 0.433 ms against 0.996 for 32 x 256 and 0.844 for XLA's sort: smaller
+    # Swept on the H100 (experiments/bench_transpose.py --sweep, M 16384, k 29; BENCHMARKS.md): 8
+    # rows x 128-row chunks beat 32 x 256 and XLA's sort: smaller
     # [block_rows, tile] int32 register tiles (8 x 256 over 4 warps: 16 registers per thread each)
     # and 4x the programs.
     block_rows: int = 8  # token rows per inner step (power of two)

@@ -2,8 +2,8 @@
 kernel: where the microseconds of `decode.sparse_ffn` "packed_down", "packed", "tiles" and "fused"
 go, against the dense twin's two launches. Every figure is microseconds per layer of a lax.scan over --layers
 stacked weight copies (more bytes than the L2 cache, as a decode step reads its layers), walked
---reps times in one scan, the scan's time divided by its steps (the program's own launch, ~0.1 ms,
-shared by layers x reps steps: ~1 us a step at the defaults, the same in every row). The model's
+--reps times in one scan, the scan's time divided by its steps (the program's own launch, shared
+by layers x reps steps: a small part of a step at the defaults, the same in every row). The model's
 step now unrolls its layers (`decode.layer_unroll`), so a scan step here adds the loop's own
 per-iteration cost, the same in every row but `plain`, whose layers are unrolled in one step.
 

@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             nbytes = 2 * n * k * (2 if gated else parts)
             spec = "mk,nk->mn" if layout == "nk" else "mk,kn->mn"
             # XLA's dot on each layer's weights (a static index of the stack; were XLA to copy the slice, its
-            # time would include the copy: its 1.7-2.9 TB/s on the H100 says it did not)
+            # time would include the copy: its bandwidth on the H100, near the HBM peak, says it did not)
             if gated:
                 xla = lambda x, w, g, i: jax.nn.relu(jnp.einsum(spec, x, g[i])) * jnp.einsum(spec, x, w[i])
             elif parts > 1:

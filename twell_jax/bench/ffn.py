@@ -209,8 +209,8 @@ def main() -> None:
 
     # 2. fused FFN kernel: warps x head-slot prefetch.
     # (block_t, warps, stages, head_slots). Round 2 probes (BENCHMARKS.md): walking 2-8 tiles per
-    # step (more gather chains per program) was SLOWER (0.79-1.60 vs 0.63 ms at k = 29); head-slot
-    # prefetch no gain; 1 warp ~4% faster at k = 29 only.
+    # step (more gather chains per program) was SLOWER at k = 29; head-slot prefetch no gain;
+    # 1 warp slightly faster at k = 29 only.
     ffn_variants = [FFNBlockSizes(), FFNBlockSizes(1, 4, 1, 1), FFNBlockSizes(1, 1, 1, 0),
                     FFNBlockSizes(1, 1, 1, 1), FFNBlockSizes(1, 2, 1, 0)]
     if args.quick:

@@ -103,9 +103,9 @@ def variants(interpret: bool, sweep: bool = False) -> dict:
 def calls_in_one_jit(fn, calls: int, unroll: int = 1):
     """jit(x, weights) -> x after `calls` dependent calls of fn, `unroll` calls per loop iteration.
 
-    Measured on the H100 (BENCHMARKS.md, 2026-11-22): 1 or 10 calls per iteration changed the
-    variants without a lax.cond by under 5%, and those with one (pallas; auto with its NaN/Inf
-    check) by up to 1.6x; 10 is closer to a model step, where the layers' calls run back to back."""
+    Measured on the H100 (BENCHMARKS.md): 1 or 10 calls per iteration barely changed the
+    variants without a lax.cond, and those with one (pallas; auto with its NaN/Inf check) a lot;
+    10 is closer to a model step, where the layers' calls run back to back."""
     def loop(x, w_gate, w_up, w_down):
         def body(_, x):
             y = fn(x, w_gate, w_up, w_down)

@@ -59,7 +59,7 @@ class SparseEnough:
 # The recipe of the benchmark checkpoints at the paper's sizes (BENCHMARKS.md cites these runs): 8
 # sequences per step and these remat policies, whatever the presets' measured execution (which is
 # the sparse backends' and the twin's in long runs). This script trains through the dense path, whose
-# `2b` step at remat none peaks within 7 GiB of an 80 GB H100's memory: full keeps a margin.
+# `2b` step at remat none peaks close to an 80 GB H100's memory (BENCHMARKS.md): full keeps a margin.
 RECIPE_MICRO_BATCH = 8
 RECIPE_REMAT = {"0.5b": "none", "1b": "none", "1.5b": "none", "2b": "full"}
 

@@ -23,8 +23,8 @@ _worker_state: dict[str, object] = {}
 
 # With data.tokenize_workers=0, corpora of fewer chunks are encoded in this process (the Rust
 # library's own threads): a spawned worker's start-up (importing the package, loading the
-# tokenizer: 1-3 s) costs more than it saves there (the stdlib's 4 chunks: 4.1 s in this
-# process, 10.8 s with 2 workers on the shared 2-core machine, 2026-11-24).
+# tokenizer) costs more than it saves there (the stdlib's 4 chunks took longer with 2 workers
+# than in this process on the shared 2-core machine).
 POOL_MIN_CHUNKS = 16
 
 

@@ -371,11 +371,12 @@ class Generator:
 
         # Chunks are dispatched one ahead: chunk k + 1 is queued on the device, from chunk k's device
         # outputs, before the host waits for chunk k's tokens, so the device runs it while the host
-        # reads and books chunk k (at ~0.65 ms a step, the host's per-chunk work and copy left the
-        # GPU idle ~0.2 ms a token). A row the host ends (a stop string) in chunk k is only known to
-        # chunk k + 2 on; its tokens from k + 1 are ignored here, as those of a chunk's later steps
-        # always were. After the last chunk the host needed, one dispatched chunk may be left: it is
-        # waited for (its device time counts in decode_s) and dropped.
+        # reads and books chunk k (at decode's short steps, the host's per-chunk work and copy left
+        # the GPU idle a sizeable share of each token). A row the host ends (a stop string) in
+        # chunk k is only known to chunk k + 2 on; its tokens from k + 1 are ignored here, as those
+        # of a chunk's later steps always were. After the last chunk the host needed, one
+        # dispatched chunk may be left: it is waited for (its device time counts in decode_s) and
+        # dropped.
         pending = launch(token_B, cache, 0, host_done()) if total > 0 and not all(done) else None
         while pending is not None:
             (tokens_BxC, n_run, token_B, cache, device_done_B), end = pending

@@ -133,8 +133,8 @@ class SparseFFNConfig:
     # Pallas "auto" with a hint, a layer it plans dense in both directions: False = the plain dense
     # backend (autodiff keeps the FFN's [M, H] pre-activations: the fastest); True = the dense
     # formula inside the op's custom_vjp, which keeps x only and recomputes them in the backward
-    # (2 more GEMMs gated, ~1 ms at M 16384, D 2048, H 5632 on an H100; ~0.5 GB less per such
-    # layer there), like the sparse plans, which keep no [M, H] tensor either.
+    # (2 more GEMMs gated; the [M, H] pre-activations less memory per such layer), like the
+    # sparse plans, which keep no [M, H] tensor either.
     auto_dense_recompute: bool = False
     # Pallas backward knobs (None = pallas_config.BackwardConfig's defaults).
     backward: BackwardConfig | None = None

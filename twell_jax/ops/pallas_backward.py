@@ -83,9 +83,9 @@ class Kept(NamedTuple):
         # Dead slots (past a tile's count) are never read; their offsets may wrap. The barrier
         # makes XLA materialise the small arrays here: without one it may fuse the narrowing into
         # the backward's readers and keep the pack's int32 indices (46 MB at M 16384) alive as the
-        # residual instead. Seen on the H100 when this forward ran outside the op's NaN cond (block
-        # temporaries 579 MiB without the barrier, 533 with it); inside that cond, as now, both give
-        # 533 (BENCHMARKS.md, sixth day).
+        # residual instead. Seen on the H100 when this forward ran outside the op's NaN cond (larger
+        # block temporaries without the barrier than with it); inside that cond, as now, both give
+        # the same (BENCHMARKS.md, sixth day).
         return Kept(*jax.lax.optimization_barrier(
             (ranked, (indices - base).astype(small), counts.astype(jnp.int16), hist, ranked_u)))
 
@@ -204,7 +204,7 @@ def _chunked(mask_N: jax.Array, capacity: int, chunk: int, small_chunk: int,
     over blocks of `chunk` (whose trip count is the only other device value the host reads): no
     host sync beyond those predicates, and a tail that fits one block costs one predicate (each
     device-side predicate of a conditional or a loop is a round trip to the host on the GPU, which
-    leaves the GPU idle while the host catches up: ~0.1 ms each in a lone FFN block)."""
+    leaves the GPU idle while the host catches up, measurably so in a lone FFN block)."""
     n = mask_N.shape[0]
     count = jnp.minimum(jnp.sum(mask_N, dtype=jnp.int32), capacity)
 
@@ -237,8 +237,8 @@ def dense_rows_backward(gated: bool, x_RxD: jax.Array, gy_RxD: jax.Array, weight
     Operands in x's dtype with fp32 accumulation, as XLA's dense backward computes them (the
     per-row values dt, dR, dG are rounded to x's dtype for the GEMMs that consume them, as it
     rounds them). The GEMMs are skinny ([R, D] x [D, H]) and read the weights whole: fp32 copies
-    of the weights per block, as this function made until 2026-11-22, cost more than the GEMMs
-    (a 256-row block: 0.5-0.7 ms on the H100)."""
+    of the weights per block, as an earlier version of this function made, cost more than the GEMMs
+    (a 256-row block on the H100; BENCHMARKS.md)."""
     w_act, w_up, w_down = _split(gated, weights)
     dtype, f32 = x_RxD.dtype, jnp.float32
     gy_RxD = gy_RxD.astype(dtype)
@@ -338,7 +338,7 @@ def hot_neuron_backward(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, weight
     Each block recomputes its neurons' columns with dense GEMMs, [M, chunk] at a time (g, u and
     dt = gy . W_j + l1 term), then dW_j = t^T gY, dU_j = dR^T X, dG_j = dG^T X and dx += dR U_C +
     dG G_C: the dense formula restricted to those columns. Hot neurons fire on hundreds to
-    thousands of tokens (83-87% of a trained layer's entries), so their columns are dense enough
+    thousands of tokens (most of a trained layer's entries), so their columns are dense enough
     for GEMMs, and the token-major kernel skips their entries (no row gathers).
     Operands in x's dtype with fp32 accumulation, like XLA's dense backward: the GEMMs are skinny
     ([M, D] x [D, chunk]) and read x and gy whole, so fp32 copies of them would double the bytes.

@@ -24,19 +24,19 @@ class BackwardConfig:
     # ceil(rows / chunk) blocks of [chunk, H] (a tail of at most small_tail_chunk rows: one small
     # block; tail_block_sizes: 16, 64, 256, 512, 1024). Each block reads the three weights and updates
     # the f32 weight-gradient accumulators whole, so large tails want large blocks: on a trained
-    # 0.5b (H100, BENCHMARKS.md) tails of 741, 1214 and 1897 rows took 0.90, 1.40 and 1.46 ms in
-    # 1024-row blocks against 1.30, 1.98 and 3.04 in 256-row ones (1.20, 1.63, 1.91 in 512-row
-    # ones); tails of 100-240 rows (one 256-row block either way) were unchanged.
+    # 0.5b (H100, BENCHMARKS.md) tails of several hundred to about two thousand rows ran faster in
+    # 1024-row blocks than in 256- or 512-row ones; tails of 100-240 rows (one 256-row block
+    # either way) were unchanged.
     token_tail_chunk: int = 1024
     # Hot neurons per dense block of the neuron tail ([M, chunk] columns by GEMMs with x and gy).
     # 256: each block reads x and gy whole, so larger blocks read them fewer times (a trained 0.5b
-    # on the H100: 0.47-0.55 ms for 118-243 hot neurons against 0.55-1.02 ms with 64; BENCHMARKS.md).
+    # on the H100, 118-243 hot neurons: faster than with 64; BENCHMARKS.md).
     neuron_tail_chunk: int = 256
     # The smallest dense block of a tail. A tail of n rows (neurons) runs as ONE block of the
     # smallest of small_tail_chunk, x4, x16, ..., chunk / 2 (below the tail's chunk) that holds
     # n, or in blocks of token_tail_chunk / neuron_tail_chunk (tail_block_sizes): the first
     # tokens of 8 sequences or one hot neuron cost a [16, .] block, not a [256, .] one (a
-    # 256-neuron block took 0.9 ms for one hot neuron on the H100). The size is picked on the
+    # 256-neuron block was slow for one hot neuron on the H100). The size is picked on the
     # device from the count.
     small_tail_chunk: int = 16
     # Rows per block of the dense backward that the op runs instead of the kernels (a tail over its

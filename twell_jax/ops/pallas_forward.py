@@ -22,7 +22,7 @@ dense path can no longer win; the choice must come first. Two ways:
     ops as the op's "dense" backend, so picking it costs exactly what backend="dense" costs.
   * fallback, no hint: the gate pre-activations of a strided sample of `auto_sample_rows` tokens
     are computed on the device and `lax.cond` picks the branch (costs the sample GEMM and a
-    device-side branch: ~0.02-0.05 ms, BENCHMARKS.md).
+    device-side branch, BENCHMARKS.md).
 The choice only affects speed; both branches are exact.
 
 Config: a `twell_jax.ops.SparseFFNConfig` (validated there, once) or None for its defaults;

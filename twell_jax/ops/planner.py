@@ -457,7 +457,7 @@ def prefer_decode_path(m: int, d: int, h: int, expected_active: float | None, ga
     expected_active None (no telemetry hint): False; the caller keeps its own choice.
     check_finite (the op's NaN/Inf pass before a sparse call): False. The pass reads x and every
     weight, which is all the bytes dense reads at decode sizes, plus a lax.cond: on the H100 the
-    checked decode path took 56-90 us against 35 us dense at 1 and 8 tokens (BENCHMARKS.md), so
+    checked decode path was slower than dense at 1 and 8 tokens (BENCHMARKS.md), so
     with the check the dense formula is the faster exact choice. (Generation turns the check off:
     `inference.load_run` verifies the weights once.)"""
     if expected_active is None or m < 1 or check_finite:

@@ -69,9 +69,9 @@ def distributed_request() -> str | None:
 
 
 # The share of each GPU's memory JAX's allocator may take. JAX's own default is 0.75 (it preallocates
-# that much); the measured presets need more: the `2b` dense twin at remat none peaked at 73.2 GiB of
-# an 80 GB H100 (BENCHMARKS.md, "The paper's sizes"), which fits with 0.95 (75.2 GiB) and not with
-# 0.75 (59.7 GiB). One process drives all of a host's GPUs here, so nothing else shares them.
+# that much); the measured presets need more: the `2b` dense twin at remat none peaked between the
+# two shares of an 80 GB H100 (BENCHMARKS.md, "The paper's sizes"), so it fits with 0.95 and not
+# with 0.75. One process drives all of a host's GPUs here, so nothing else shares them.
 DEVICE_MEMORY_FRACTION = 0.95
 MEMORY_FRACTION_VARIABLE = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 

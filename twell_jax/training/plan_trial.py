@@ -2,7 +2,7 @@
 
 The training "auto" decides per layer from a cost model fitted on synthetic sparsity patterns.
 Trained patterns differ (hot neurons, dense first tokens, a skewed per-neuron load), and on a
-trained-sparse 0.5b the plan it chose ran at 0.79-0.88x its dense twin (BENCHMARKS.md), below the
+trained-sparse 0.5b the plan it chose ran slower than its dense twin (BENCHMARKS.md), below the
 0.98x floor the op promises. So the trainer checks the plan on the run itself: after compiling a
 plan with a sparse piece it times `steps` training steps with it, then `steps` with the dense
 program (compiled once per run), and keeps the sparse plan only when its median step time is at
