@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, TextIO
