@@ -220,7 +220,7 @@ def test_bad_inputs():
 def test_per_layer_auto_hints_reach_each_layers_op_config(tmp_path):
     import json
 
-    from twell_jax.training.evaluate import expected_active_from_run, with_auto_hints
+    from twell_jax.training.hints import expected_active_from_run, with_auto_hints
 
     cfg = get_config("micro")
     assert all(config is None for config in init_model(cfg.model, 0).op_configs)

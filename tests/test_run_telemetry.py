@@ -1,6 +1,7 @@
 """What a run records around its steps (twell_jax/training/metrics.py, profiling.py): MFU from the
 device table, the optional Weights & Biases sink (offline mode: no network) and the profiler window
 train.profile_steps."""
+import dataclasses
 import glob
 import json
 import sys
@@ -22,6 +23,11 @@ def test_peak_flops_table_and_model_flops():
         assert metrics.peak_bf16_flops(unknown) is None  # no made-up number: MFU is left out
     cfg = ModelConfig(vocab_size=49152, d_model=2048, n_layers=8, n_heads=32, d_ff=5632, max_seq_len=2048)
     assert metrics.model_flops_per_token(cfg, 2048) == 6 * cfg.num_params() + 12 * 8 * 2048 * 2048
+    # Untied: one more [V, D] matrix, but the input embedding is a gather; the output head's product is
+    # the same one the tied model runs with its embedding: the same FLOPs.
+    untied = dataclasses.replace(cfg, tie_embeddings=False)
+    assert untied.num_params() == cfg.num_params() + 49152 * 2048
+    assert metrics.model_flops_per_token(untied, 2048) == metrics.model_flops_per_token(cfg, 2048)
     assert metrics.mfu(1000.0, 3e9, 1e13) == pytest.approx(0.3)
     assert metrics.mfu(1000.0, 3e9, None) is None
 

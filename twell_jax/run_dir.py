@@ -18,8 +18,8 @@ A run directory (`twell train --out DIR`) holds ONE run:
 Nothing else: `--overwrite` deletes only these entries, and only in a directory that holds nothing
 else (`check_new_run_dir`), so a directory that is not a run is never emptied.
 
-This module imports only the config (the bottom of the import graph), so that every level above
-it reads a run the same way.
+This module imports only the config (below the data, the model and everything that reads a run),
+so that every level above it reads a run the same way.
 """
 from __future__ import annotations
 
@@ -96,11 +96,15 @@ def saved_config(run_dir: str | Path) -> ExperimentConfig | None:
     path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
         return None
-    values = read_json_file(path, "run config")
+    return config_from_values(read_json_file(path, "run config"), str(path))
+
+
+def config_from_values(values: Any, where: str) -> ExperimentConfig:
+    """A saved config's values as an ExperimentConfig; a ValueError naming `where` when invalid."""
     try:
         return config_lib.from_dict(values)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"the config saved in {path} is not valid: {err}") from None
+        raise ValueError(f"the config saved in {where} is not valid: {err}") from None
 
 
 def write_summary(run_dir: str | Path, summary: dict[str, Any]) -> Path:

@@ -38,10 +38,11 @@ TASK = "twell_speed_mc"
 
 def make_task(run_dir: str, where: Path, items: int, context_tokens: int, choice_tokens: int, seed: int) -> Path:
     """The task YAML (and its jsonl) of `items` items from the run's validation text."""
-    from twell_jax.inference.load import load_run, validation_tokens
+    from twell_jax.inference.load import load_tokenizer_for_run, validation_tokens
+    from twell_jax.training.checkpoint import load_run_config
 
-    loaded = load_run(run_dir, dtype="float32")
-    if loaded.tokenizer is None:
+    tokenizer = load_tokenizer_for_run(run_dir, load_run_config(run_dir))  # the text only: no weights
+    if tokenizer is None:
         raise ValueError(f"{run_dir} has no tokenizer: the task is text")
     span = context_tokens + choice_tokens
     rows = validation_tokens(run_dir, 64, cycle=True)
@@ -56,9 +57,9 @@ def make_task(run_dir: str, where: Path, items: int, context_tokens: int, choice
             piece = pieces[n % len(pieces)]
             others = rng.sample([p for i, p in enumerate(pieces) if i != n % len(pieces)], 3)
             answer = rng.randrange(4)
-            choices = [loaded.tokenizer.decode(list(p[context_tokens:])) for p in others]
-            choices.insert(answer, loaded.tokenizer.decode(list(piece[context_tokens:])))
-            f.write(json.dumps({"question": loaded.tokenizer.decode(list(piece[:context_tokens])),
+            choices = [tokenizer.decode(list(p[context_tokens:])) for p in others]
+            choices.insert(answer, tokenizer.decode(list(piece[context_tokens:])))
+            f.write(json.dumps({"question": tokenizer.decode(list(piece[:context_tokens])),
                                 "choices": choices, "answer": answer}) + "\n")
     yaml = where / f"{TASK}.yaml"
     yaml.write_text(textwrap.dedent(f"""\

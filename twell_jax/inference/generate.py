@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -50,6 +49,7 @@ from flax import nnx
 from twell_jax.config import DEFAULT_DECODE_CHUNK
 from twell_jax.inference import decode_engine
 from twell_jax.model import init_cache
+from twell_jax.pallas_kernels.common import next_pow2
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from twell_jax.inference.load import LoadedModel
@@ -153,10 +153,6 @@ def _checked_chunk(chunk: object) -> int:
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk (decode steps per program call) must be an int >= 1, got {chunk!r}")
     return chunk
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
 class Generator:
@@ -300,7 +296,7 @@ class Generator:
             raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} does not fit the "
                              f"cache of {self.cache_len} tokens (model.max_seq_len); shorten the prompt or "
                              "max_new_tokens, or pass truncate='left'")
-        return min(max(_next_pow2(longest), MIN_PROMPT_BUCKET), self.cache_len - max_new_tokens + 1)
+        return min(max(next_pow2(longest), MIN_PROMPT_BUCKET), self.cache_len - max_new_tokens + 1)
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int = 64,
                  sampling: SamplingConfig = SamplingConfig(), eos: int | Sequence[int] | None = None,
@@ -312,7 +308,7 @@ class Generator:
         ids = self.fit_prompts(self.encode(prompts), max_new_tokens, truncate)
         stop = _stop_strings(stop, self.loaded.tokenizer)
         eos_ids = _eos_set(eos, self.loaded.eos_id)
-        n_rows, rows = len(ids), _next_pow2(len(ids))
+        n_rows, rows = len(ids), next_pow2(len(ids))
         lengths = [len(p) for p in ids]
         bucket = self.prompt_bucket(max(lengths), max_new_tokens)
         tokens_BxP = np.zeros((rows, bucket), np.int32)
@@ -324,7 +320,7 @@ class Generator:
         settings = (jnp.float32(sampling.temperature), jnp.int32(sampling.top_k), jnp.float32(sampling.top_p))
         start = jnp.asarray(start_B)
         # EOS ids padded to a power of two with -1 (never a token): few distinct program shapes.
-        eos_E = np.full((_next_pow2(max(len(eos_ids), 1)),), -1, np.int32)
+        eos_E = np.full((next_pow2(max(len(eos_ids), 1)),), -1, np.int32)
         eos_E[:len(eos_ids)] = sorted(eos_ids)
         eos_E = jnp.asarray(eos_E)
         began = time.perf_counter()

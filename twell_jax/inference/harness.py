@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import logging
@@ -58,15 +59,14 @@ GENERATION_KEYS = frozenset({"until", "max_gen_toks", "do_sample", "temperature"
 class TwellLM(LM):
     """lm-eval's LM interface over a loaded twell model (`inference.load_run`, `hf.import_hf`).
 
-    `batch_size`: rows per forward (scoring) and prompts per generation call; `max_length`: the
-    context window (default model.max_seq_len); `progress`: tqdm bars on stderr."""
+    `batch_size`: rows per forward (scoring) and prompts per generation call (the context window is
+    the model's, model.max_seq_len, for both); `progress`: tqdm bars on stderr."""
 
-    def __init__(self, loaded: "LoadedModel", *, batch_size: int = DEFAULT_BATCH_SIZE, max_length: int | None = None,
-                 progress: bool = True):
+    def __init__(self, loaded: "LoadedModel", *, batch_size: int = DEFAULT_BATCH_SIZE, progress: bool = True):
         super().__init__()
         check_tokenizer(loaded)
         self.loaded = loaded
-        self.scorer = Scorer(loaded, batch_size=batch_size, max_length=max_length)
+        self.scorer = Scorer(loaded, batch_size=batch_size)
         self.batch_size = batch_size
         self.progress = progress
         self._warned_budget = False
@@ -76,10 +76,10 @@ class TwellLM(LM):
 
         bar = tqdm(total=total, desc=what, unit="req", disable=disable or not self.progress)
 
-        def update(done: int, _total: int) -> None:
-            bar.n = done
+        def update(done: int, of: int) -> None:  # of: the scorer's units (rolling: window pairs)
+            bar.total, bar.n = of, done
             bar.refresh()
-            if done >= total:
+            if done >= of:
                 bar.close()
 
         return update
@@ -196,6 +196,12 @@ def _label(text: str) -> str:
 
 
 def _task_manager(include_paths: Sequence[str], registry: bool) -> Any:
+    return _cached_task_manager(tuple(include_paths), registry)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_task_manager(include_paths: tuple[str, ...], registry: bool) -> Any:
+    """lm-eval's task index (seconds to build over its registry): once per process and arguments."""
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=list(include_paths) or None, include_defaults=registry)
@@ -358,9 +364,10 @@ def format_table(results: dict[str, Any]) -> str:
 
 
 def results_path(run_dir: str | Path, step: int | None, selection: TaskSelection,
-                 limit: int | None = None) -> Path:
-    """Where an evaluation of `run_dir`'s step `step` on `selection` keeps lm-eval's results."""
-    suffix = f"-limit{limit}" if limit is not None else ""
+                 limit: int | None = None, num_fewshot: int | None = None) -> Path:
+    """Where an evaluation of `run_dir`'s step `step` on `selection` keeps lm-eval's results (one
+    file per limit and few-shot setting, so that one does not overwrite another)."""
+    suffix = (f"-limit{limit}" if limit is not None else "") + (f"-fewshot{num_fewshot}" if num_fewshot is not None else "")
     return Path(run_dir) / run_dir_lib.LM_EVAL_SUBDIR / f"step-{step}-{selection.label}{suffix}.json"
 
 
@@ -390,7 +397,7 @@ def evaluate_run(run_dir: str | Path, selection: TaskSelection, *, step: int | N
 
     run_dir = run_dir_lib.run_dir_of(run_dir)
     if reuse and step is not None:
-        path = results_path(run_dir, step, selection, limit)
+        path = results_path(run_dir, step, selection, limit, num_fewshot)
         if path.is_file():
             results = run_dir_lib.read_json_file(path, "lm-eval results")
             if (results.get("config") or {}).get("twell_num_fewshot") == num_fewshot:
@@ -405,7 +412,7 @@ def evaluate_run(run_dir: str | Path, selection: TaskSelection, *, step: int | N
          f"backend {model_cfg.ffn_backend}, {dtype}, batch {batch_size})")
     results = evaluate_loaded(loaded, selection, batch_size=batch_size, limit=limit, num_fewshot=num_fewshot,
                               progress=progress, loaded_tasks=loaded_tasks, flag=flag)
-    path = results_path(run_dir, loaded.step, selection, limit)
+    path = results_path(run_dir, loaded.step, selection, limit, num_fewshot)
     path.parent.mkdir(parents=True, exist_ok=True)
     run_dir_lib.atomic_write_text(path, json.dumps(results, indent=2))
     echo(f"[twell] tasks: lm-eval results -> {path}")

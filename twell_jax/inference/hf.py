@@ -2,7 +2,8 @@
 export ours as a `LlamaForCausalLM`.
 
 A checkpoint directory holds `config.json` and `model.safetensors` (or shards listed in
-`model.safetensors.index.json`), and optionally `tokenizer.json`. An export writes one
+`model.safetensors.index.json`), and optionally `tokenizer.json` (an export adds its
+`tokenizer_config.json`, for transformers' AutoTokenizer). An export writes one
 `model.safetensors`, or, above `max_shard_bytes` (default 5 GB, transformers' own), shards
 `model-0000i-of-0000n.safetensors` and their index. Layouts (Mistral's are Llama's):
 
@@ -411,9 +412,10 @@ def shard_names(tensors: dict[str, jax.Array], max_shard_bytes: int) -> dict[str
 
 def export_hf(model: LoadedModel | Transformer, out_dir: str | Path, *, cfg: ModelConfig | None = None,
               tokenizer: Any = None, dtype: str = "float32", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
-    """Write `out_dir` = config.json + generation_config.json + the weights (+ tokenizer.json) in the
-    Llama layout: model.safetensors, or, when the weights exceed `max_shard_bytes`, shards and
-    their model.safetensors.index.json (`shard_names`; transformers and `read_safetensors` read both).
+    """Write `out_dir` = config.json + generation_config.json + the weights (+ tokenizer.json and
+    tokenizer_config.json) in the Llama layout: model.safetensors, or, when the weights exceed
+    `max_shard_bytes`, shards and their model.safetensors.index.json (`shard_names`; transformers
+    and `read_safetensors` read both).
 
     `out_dir` must not exist or be empty; everything is written to a temporary sibling first and
     renamed into place, so a failed export leaves nothing behind."""

@@ -27,13 +27,14 @@ sparse kernels where the run's hints say they win), its attention, its dtype; lo
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from twell_jax.pallas_kernels.common import next_pow2
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from twell_jax.inference.load import LoadedModel
@@ -45,10 +46,6 @@ DEFAULT_BATCH_SIZE = 16
 TokenPair = tuple[Sequence[int], Sequence[int]]  # (context ids, continuation ids)
 # progress(done, total): called after each batch's results are on the host.
 ProgressFn = Callable[[int, int], None]
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
 def rolling_pairs(tokens: Sequence[int], prefix_id: int, max_length: int) -> list[tuple[list[int], list[int]]]:
@@ -187,8 +184,8 @@ class Scorer:
     def _launch(self, batch: list[tuple[list[int], int]]) -> tuple[jax.Array, jax.Array]:
         """Dispatch one batch's forward (asynchronous): rows right-padded to the bucket shapes."""
         longest = max(len(full) - 1 for full, _ in batch)
-        length = min(max(_next_pow2(longest), MIN_LENGTH_BUCKET), self.max_length)
-        n_rows = min(_next_pow2(len(batch)), _next_pow2(self.batch_size))
+        length = min(max(next_pow2(longest), MIN_LENGTH_BUCKET), self.max_length)
+        n_rows = min(next_pow2(len(batch)), next_pow2(self.batch_size))
         tokens_BxS = np.zeros((n_rows, length), np.int32)
         targets_BxS = np.zeros((n_rows, length), np.int32)
         for b, (full, _) in enumerate(batch):

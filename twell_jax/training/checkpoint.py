@@ -97,10 +97,7 @@ def load_run_config(run_dir: str | Path) -> config_lib.ExperimentConfig:
         values, where = store.restore_meta()["config"], str(store.directory)
     finally:
         store.close()
-    try:
-        return config_lib.from_dict(values)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"the config saved in {where} is not valid: {err}") from None
+    return run_dir_lib.config_from_values(values, where)
 
 
 def iterator_state_to_json(value: Any) -> Any:

@@ -23,7 +23,7 @@ from twell_jax.data import DataSource, build_data, build_experiment_data
 from twell_jax.data.batching import val_batches
 from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax.training import parallel
-from twell_jax.training.hints import expected_active_from_run, with_auto_hints
+from twell_jax.training.hints import with_auto_hints
 from twell_jax.training.metrics import check_finite
 from twell_jax.training.planning import abstract_graphdef
 from twell_jax.training.step import make_eval_step
@@ -164,6 +164,4 @@ def evaluate_model(cfg: ExperimentConfig, params: Any, *, split: str = "val", li
     return _summarise(result, cfg, echo)
 
 
-# Older import site of the run-hint readers (twell_jax/training/hints.py holds them).
-__all__ = ["SPLITS", "WholeCorpus", "evaluate_checkpoint", "evaluate_model", "evaluate_params", "split_data",
-           "with_auto_hints", "expected_active_from_run"]
+__all__ = ["SPLITS", "WholeCorpus", "evaluate_checkpoint", "evaluate_model", "evaluate_params", "split_data"]

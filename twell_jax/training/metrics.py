@@ -61,8 +61,10 @@ def model_flops_per_token(cfg: Any, seq_len: int) -> float:
     """Model FLOPs of one training token, forward and backward: 6 N + 12 L S D (PaLM, appendix B:
     N parameters (ModelConfig.num_params), L layers, S the sequence length, D d_model; the attention
     term counts the whole S x S score matrix). The dense model's FLOPs whatever the FFN skips, so a
-    sparse run's MFU is its speed in its dense twin's units."""
-    return 6.0 * cfg.num_params() + 12.0 * cfg.n_layers * seq_len * cfg.d_model
+    sparse run's MFU is its speed in its dense twin's units. N counts the matrices that multiply: an
+    untied model's input embedding is a gather (its output head is counted)."""
+    gathered = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
+    return 6.0 * (cfg.num_params() - gathered) + 12.0 * cfg.n_layers * seq_len * cfg.d_model
 
 
 def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak_flops: float | None) -> float | None:
