@@ -407,11 +407,11 @@ class DecodeConfig:
     # With the decode kernels: read q/k/v, the attention output projection and W_down from
     # output-major copies ([L, N, K], made once per generator by `decode_engine.prepare_decode`)
     # instead of the stored input-major stacks ([L, K, N]): those weights held twice, for a faster
-    # step (BENCHMARKS.md, Decode). false: the weights once. Callers of `decode_engine.decode` pass
+    # step (measured in issue 24's stop notes; git history of BENCHMARKS.md). false: the weights once. Callers of `decode_engine.decode` pass
     # the copies.
     transposed: bool = True
     # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN; BENCHMARKS.md, Decode,
-    # has each way's measurements). "tiles" and "fused" lose to "split" in a layer with many active
+    # has the current ways' measurements, git history the others'). "tiles" and "fused" lose to "split" in a layer with many active
     # neurons (their every program walks them all); "packed" does not (each column tile makes its
     # own neurons' values), and "packed_down" also makes their down product in the same launch.
     sparse_ffn: Literal["auto", "tiles", "packed", "packed_down", "fused", "split"] = "auto"
