@@ -9,6 +9,13 @@ walks the NT tiles of its rows, and for slot k = 0 .. max(min(count, S)) - 1 gat
 rows U[j] and W[j] of the k-th active neuron of each of its rows (masked for rows that have fewer).
 The hidden activation never reaches HBM.
 
+Split (gated; `FFNBlockSizes.split`, by default when the training forward asks for the ranked
+entries): the same walk in two launches, each gathering rows of one weight matrix, so that each
+launch's row gathers come from an L2-resident table half the size: "up" computes u = x_i . U_j,
+h = a u, l1 and the ranked entries, and writes h (fp32) into the stored slots of an [M, NT, S]
+array beside the pack; "down" reads h back and accumulates y. The same bits as one launch; the
+fp32 h is the only extra traffic (the entries' slots only).
+
 Precision ("tensor-core exact", the default and only mode): inputs and weights are upcast to fp32,
 products and sums are fp32 (so x . U_j is what a tensor-core GEMM with fp32 accumulation gives, up to
 summation order), h = fp32(a) * u is NOT rounded, the down-projection accumulates in fp32, and only
@@ -58,6 +65,13 @@ class FFNBlockSizes:
     # Measured (H200, round 2, in its stop notes, not on the current page): no gain at 29 actives
     # and slower at 112: the kernel is bound by the row gathers, not by these loads. Default 0.
     head_slots: int = 0
+    # Gated only: two launches instead of one, each gathering rows of ONE weight matrix, so each
+    # launch's gathers are served by L2 from a table half the size: first u = x . U_j and
+    # h = a * u of every stored entry (written fp32 beside the pack's values), then
+    # y = sum h W_j. The same arithmetic in the same order as one launch (the same bits).
+    # None: split when the ranked (a, u) are asked for (the training forward), one launch
+    # otherwise (BENCHMARKS.md, "the fused FFN in two launches", has the measurements behind it).
+    split: bool | None = None
 
     def __post_init__(self) -> None:
         if not _is_pow2(self.block_t) or self.block_t > 64:
@@ -66,20 +80,30 @@ class FFNBlockSizes:
         if not isinstance(self.head_slots, int) or not 0 <= self.head_slots <= 4:
             raise ValueError(f"FFNBlockSizes.head_slots must be an int in [0, 4], got "
                              f"{self.head_slots!r}")
+        if self.split is not None and not isinstance(self.split, bool):
+            raise ValueError(f"FFNBlockSizes.split must be None or a bool, got {self.split!r}")
 
 
 def _ffn_kernel(*refs, gated: bool, slots: int, n_tiles: int, d: int, d_block: int,
-                head_slots: int, ranked_width: int) -> None:
-    """Refs: x [BT, D], counts [BT, NT], values/indices [BT, NT, S], (w_up [H, D]), w_down [H, D];
-    outputs y [BT, D], l1 [BT], and with ranked_width W > 0: a (values' dtype), (u f32, gated)
-    [BT, W] in rank order."""
+                head_slots: int, ranked_width: int, phase: str) -> None:
+    """phase "fused": refs x [BT, D], counts [BT, NT], values/indices [BT, NT, S], (w_up [H, D]),
+    w_down [H, D]; outputs y [BT, D], l1 [BT], and with ranked_width W > 0: a (values' dtype),
+    (u f32, gated) [BT, W] in rank order.
+    phase "up" (gated, the split's first launch): refs x, counts, values, indices, w_up; outputs
+    h [BT, NT, S] f32 (stored slots only), l1, ranked.
+    phase "down" (the split's second launch): refs counts, h [BT, NT, S] f32, indices, w_down;
+    output y."""
     refs = list(refs)
-    x_ref, counts_ref, values_ref, indices_ref = refs[:4]
-    del refs[:4]
-    w_up_ref = refs.pop(0) if gated else None
-    w_down_ref, y_ref, l1_ref = refs[:3]
-    ranked_refs = refs[3:]  # (a, u) gated, (a,) non-gated; empty without ranked_width
-    block_t = x_ref.shape[0]
+    x_ref = refs.pop(0) if phase != "down" else None
+    counts_ref, values_ref, indices_ref = refs[:3]  # "down": values_ref holds h
+    del refs[:3]
+    w_up_ref = refs.pop(0) if gated and phase != "down" else None
+    w_down_ref = refs.pop(0) if phase != "up" else None
+    y_ref = refs.pop(0) if phase != "up" else None
+    h_ref = refs.pop(0) if phase == "up" else None
+    l1_ref = refs.pop(0) if phase != "down" else None
+    ranked_refs = refs  # (a, u) gated, (a,) non-gated; empty without ranked_width
+    block_t = counts_ref.shape[0]
     row_BT = lax.broadcasted_iota(jnp.int32, (block_t,), 0)
     n_head = min(head_slots, slots)
     col_D = lax.broadcasted_iota(jnp.int32, (d_block,), 0)
@@ -89,17 +113,22 @@ def _ffn_kernel(*refs, gated: bool, slots: int, n_tiles: int, d: int, d_block: i
     # discharge does not support mixing an int-array index with a slice.
     col_1xD = col_D[None, :]
     full_d = d == d_block
-    x_BTxD = plgpu.load(x_ref.at[:, pl.ds(0, d_block)], mask=None if full_d else col_ok_1xD,
-                        other=None if full_d else 0).astype(jnp.float32)
+    x_BTxD = None if x_ref is None else plgpu.load(
+        x_ref.at[:, pl.ds(0, d_block)], mask=None if full_d else col_ok_1xD,
+        other=None if full_d else 0).astype(jnp.float32)
 
     def load_rows(j_BT, live_BT):
         row_mask = live_BT[:, None] & col_ok_1xD  # all off: the load moves no bytes
         u_rows = (plgpu.load(w_up_ref.at[j_BT[:, None], col_1xD], mask=row_mask, other=0)
-                  if gated else None)
-        w_rows = plgpu.load(w_down_ref.at[j_BT[:, None], col_1xD], mask=row_mask, other=0)
+                  if w_up_ref is not None else None)
+        w_rows = (plgpu.load(w_down_ref.at[j_BT[:, None], col_1xD], mask=row_mask, other=0)
+                  if w_down_ref is not None else None)
         return u_rows, w_rows
 
-    def accumulate(acc_BTxD, l1_BT, a_BT, u_rows, w_rows, live_BT, rank_BT, k):
+    def accumulate(acc_BTxD, l1_BT, a_BT, u_rows, w_rows, live_BT, rank_BT, tile, k):
+        if phase == "down":  # a_BT is the entry's h, computed by the "up" launch
+            h_BT = jnp.where(live_BT, a_BT, 0.0)
+            return acc_BTxD + h_BT[:, None] * w_rows.astype(jnp.float32), l1_BT
         h_BT = a_BT.astype(jnp.float32)
         u_BT = jnp.sum(x_BTxD * u_rows.astype(jnp.float32), axis=1) if gated else None
         if gated:
@@ -115,6 +144,11 @@ def _ffn_kernel(*refs, gated: bool, slots: int, n_tiles: int, d: int, d_block: i
             for ref, v_BT in zip(ranked_refs, (a_BT, u_BT)):
                 plgpu.store(ref.at[row_BT, col_BT], v_BT.astype(ref.dtype), mask=stored_BT)
         h_BT = jnp.where(live_BT, h_BT, 0.0)
+        if phase == "up":
+            # Each lane its own row's (tile, slot): distinct addresses, dead lanes masked.
+            plgpu.store(h_ref.at[row_BT, jnp.broadcast_to(tile, (block_t,)),
+                                 jnp.broadcast_to(k, (block_t,))], h_BT, mask=live_BT)
+            return acc_BTxD, l1_BT + jnp.abs(h_BT)
         return acc_BTxD + h_BT[:, None] * w_rows.astype(jnp.float32), l1_BT + jnp.abs(h_BT)
 
     def load_tile_head(tile):
@@ -136,7 +170,7 @@ def _ffn_kernel(*refs, gated: bool, slots: int, n_tiles: int, d: int, d_block: i
         rows = [load_rows(j_BT, live_BT) for (j_BT, _), live_BT in zip(heads, lives)]
         for k, ((_, a_BT), (u_rows, w_rows), live_BT) in enumerate(zip(heads, rows, lives)):
             acc_BTxD, l1_BT = accumulate(acc_BTxD, l1_BT, a_BT, u_rows, w_rows, live_BT,
-                                         first_BT + k, jnp.int32(k))
+                                         first_BT + k, t, jnp.int32(k))
 
         def slot_step(k, carry):
             acc_BTxD, l1_BT = carry
@@ -144,18 +178,21 @@ def _ffn_kernel(*refs, gated: bool, slots: int, n_tiles: int, d: int, d_block: i
             j_BT = plgpu.load(indices_ref.at[:, t, k])
             a_BT = plgpu.load(values_ref.at[:, t, k])
             u_rows, w_rows = load_rows(j_BT, live_BT)
-            return accumulate(acc_BTxD, l1_BT, a_BT, u_rows, w_rows, live_BT, first_BT + k, k)
+            return accumulate(acc_BTxD, l1_BT, a_BT, u_rows, w_rows, live_BT, first_BT + k, t, k)
 
         acc_BTxD, l1_BT = lax.fori_loop(n_head, jnp.maximum(jnp.max(live_count_BT), n_head),
                                         slot_step, (acc_BTxD, l1_BT))
         return acc_BTxD, l1_BT, first_BT + live_count_BT, *next_head
 
-    init = (jnp.zeros((block_t, d_block), jnp.float32), jnp.zeros((block_t,), jnp.float32),
+    acc_width = 1 if phase == "up" else d_block  # "up" accumulates no output row
+    init = (jnp.zeros((block_t, acc_width), jnp.float32), jnp.zeros((block_t,), jnp.float32),
             jnp.zeros((block_t,), jnp.int32), *load_tile_head(0))
     acc_BTxD, l1_BT, _, _, _ = lax.fori_loop(0, n_tiles, tile_step, init)
-    plgpu.store(y_ref.at[:, pl.ds(0, d_block)], acc_BTxD.astype(y_ref.dtype),
-                mask=None if full_d else jnp.broadcast_to(col_ok_1xD, acc_BTxD.shape))
-    l1_ref[...] = l1_BT
+    if y_ref is not None:
+        plgpu.store(y_ref.at[:, pl.ds(0, d_block)], acc_BTxD.astype(y_ref.dtype),
+                    mask=None if full_d else jnp.broadcast_to(col_ok_1xD, acc_BTxD.shape))
+    if l1_ref is not None:
+        l1_ref[...] = l1_BT
 
 
 def validate_ffn_args(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD) -> None:
@@ -167,37 +204,60 @@ def validate_ffn_args(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD) -> N
             raise ValueError(f"{name} must be {x_MxD.dtype}[H, D={d}], got {w.dtype}{w.shape}")
 
 
+def _ffn_call(phase: str, inputs: tuple, *, m: int, d: int, n_tiles: int, slots: int, gated: bool,
+              x_dtype, values_dtype, block_sizes: FFNBlockSizes, ranked_width: int, interpret: bool,
+              debug: bool):
+    """One pallas_call of `_ffn_kernel` in `phase`; inputs in the kernel's ref order."""
+    bt = block_sizes.block_t
+    kernel = functools.partial(_ffn_kernel, gated=gated, slots=slots, n_tiles=n_tiles, d=d,
+                               d_block=_next_pow2(d), head_slots=block_sizes.head_slots,
+                               ranked_width=ranked_width, phase=phase)
+    row_spec = pl.BlockSpec((bt, d), lambda i: (i, 0))
+    pack_spec = pl.BlockSpec((bt, n_tiles, slots), lambda i: (i, 0, 0))
+    n_weights = 1 if phase != "fused" or not gated else 2
+    in_specs = ([] if phase == "down" else [row_spec]) + [
+        pl.BlockSpec((bt, n_tiles), lambda i: (i, 0)), pack_spec, pack_spec] + [
+        pl.BlockSpec((inputs[-1].shape[0], d), lambda i: (0, 0)) for _ in range(n_weights)]
+    out_specs, out_shape = [], []
+    if phase != "up":
+        out_specs.append(row_spec)
+        out_shape.append(jax.ShapeDtypeStruct((m, d), x_dtype))
+    if phase == "up":
+        out_specs.append(pack_spec)
+        out_shape.append(jax.ShapeDtypeStruct((m, n_tiles, slots), jnp.float32))
+    if phase != "down":
+        out_specs.append(pl.BlockSpec((bt,), lambda i: (i,)))
+        out_shape.append(jax.ShapeDtypeStruct((m,), jnp.float32))
+        ranked_dtypes = ((values_dtype, jnp.float32) if gated else (values_dtype,)) if ranked_width else ()
+        out_specs += [pl.BlockSpec((bt, ranked_width), lambda i: (i, 0)) for _ in ranked_dtypes]
+        out_shape += [jax.ShapeDtypeStruct((m, ranked_width), dt) for dt in ranked_dtypes]
+    name = {"fused": "twell_gated_ffn" if gated else "twell_ffn", "up": "twell_ffn_up",
+            "down": "twell_ffn_down"}[phase]
+    return pl.pallas_call(kernel, grid=(m // bt,), in_specs=in_specs, out_specs=out_specs,
+                          out_shape=out_shape, compiler_params=compiler_params(block_sizes),
+                          interpret=interpret, debug=debug, name=name)(*inputs)
+
+
+def launches(block_sizes: FFNBlockSizes, gated: bool, ranked_width: int) -> tuple[str, ...]:
+    """The kernel phases one `sparse_ffn` call runs: ("up", "down") split, ("fused",) otherwise."""
+    split = block_sizes.split if block_sizes.split is not None else ranked_width > 0
+    return ("up", "down") if gated and split else ("fused",)
+
+
 def _ffn_triton(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD, *, block_sizes: FFNBlockSizes,
                 ranked_width: int, interpret: bool, debug: bool):
     m, d = x_MxD.shape
-    n_tiles, slots = values.shape[1], values.shape[2]
-    bt = block_sizes.block_t
     gated = w_up_HxD is not None
-    kernel = functools.partial(_ffn_kernel, gated=gated, slots=slots, n_tiles=n_tiles, d=d,
-                               d_block=_next_pow2(d), head_slots=block_sizes.head_slots,
-                               ranked_width=ranked_width)
-    weights = (w_up_HxD, w_down_HxD) if gated else (w_down_HxD,)
-    weight_specs = [pl.BlockSpec(w.shape, lambda i: (0, 0)) for w in weights]
-    ranked_dtypes = ((values.dtype, jnp.float32) if gated else (values.dtype,)) if ranked_width else ()
-    return pl.pallas_call(
-        kernel,
-        grid=(m // bt,),
-        in_specs=[pl.BlockSpec((bt, d), lambda i: (i, 0)),
-                  pl.BlockSpec((bt, n_tiles), lambda i: (i, 0)),
-                  pl.BlockSpec((bt, n_tiles, slots), lambda i: (i, 0, 0)),
-                  pl.BlockSpec((bt, n_tiles, slots), lambda i: (i, 0, 0)),
-                  *weight_specs],
-        out_specs=[pl.BlockSpec((bt, d), lambda i: (i, 0)),
-                   pl.BlockSpec((bt,), lambda i: (i,)),
-                   *[pl.BlockSpec((bt, ranked_width), lambda i: (i, 0)) for _ in ranked_dtypes]],
-        out_shape=[jax.ShapeDtypeStruct((m, d), x_MxD.dtype),
-                   jax.ShapeDtypeStruct((m,), jnp.float32),
-                   *[jax.ShapeDtypeStruct((m, ranked_width), dt) for dt in ranked_dtypes]],
-        compiler_params=compiler_params(block_sizes),
-        interpret=interpret,
-        debug=debug,
-        name="twell_gated_ffn" if gated else "twell_ffn",
-    )(x_MxD, counts, values, indices, *weights)
+    call = functools.partial(_ffn_call, m=m, d=d, n_tiles=values.shape[1], slots=values.shape[2],
+                             gated=gated, x_dtype=x_MxD.dtype, values_dtype=values.dtype,
+                             block_sizes=block_sizes, ranked_width=ranked_width,
+                             interpret=interpret, debug=debug)
+    if launches(block_sizes, gated, ranked_width) == ("fused",):
+        weights = (w_up_HxD, w_down_HxD) if gated else (w_down_HxD,)
+        return call("fused", (x_MxD, counts, values, indices, *weights))
+    h, l1_M, *ranked = call("up", (x_MxD, counts, values, indices, w_up_HxD))
+    (y_MxD,) = call("down", (counts, h, indices, w_down_HxD))
+    return (y_MxD, l1_M, *ranked)
 
 
 def _check_ranked_width(ranked_width: int) -> None:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from twell_jax.pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn, sparse_ffn_reference
+from twell_jax.pallas_kernels.twell_ffn import FFNBlockSizes, launches, sparse_ffn, sparse_ffn_reference
 from twell_jax.pallas_kernels.twell_pack import pack_gate_reference
 from oracles import rel_err
 
@@ -65,6 +65,8 @@ def test_sparse_ffn_validates_arguments():
         FFNBlockSizes(block_t=3)
     with pytest.raises(ValueError, match="head_slots"):
         FFNBlockSizes(head_slots=5)
+    with pytest.raises(ValueError, match="split"):
+        FFNBlockSizes(split=1)
     x, w_gate, w_up, w_down = make_case(jnp.float32, m=8, d=16, h=40)
     values, indices, counts = pack_gate_reference(x, w_gate, tile=TILE, slots=SLOTS)
     with pytest.raises(ValueError, match="counts"):
@@ -112,3 +114,34 @@ def test_sparse_ffn_ranked_outputs_are_the_rows_entries_in_rank_order(dtype, gat
         np.testing.assert_allclose(np.asarray(ranked[1][i, :len(js)]), want_u, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="ranked_width"):
         sparse_ffn(x, values, indices, counts, up, w_down, ranked_width=12, interpret=True)
+
+
+@pytest.mark.parametrize("dtype,block_t,head_slots", [(jnp.bfloat16, 1, 0), (jnp.float32, 2, 1),
+                                                      (jnp.bfloat16, 4, 4)])
+def test_sparse_ffn_split_launches_equal_the_fused_kernel(dtype, block_t, head_slots):
+    """split: the up launch (u, h of every stored entry, l1, the ranked (a, u)) then the down launch
+    (y from h): the same arithmetic in the same order as the one fused launch, so the same bits;
+    the dense token's tiles overflow (the reader stops at S), the empty token gives 0. The default
+    (split None) splits exactly when the ranked outputs are asked for."""
+    x, w_gate, w_up, w_down = make_case(dtype, seed=5)
+    values, indices, counts = pack_gate_reference(x, w_gate, tile=TILE, slots=SLOTS)
+    fused = sparse_ffn(x, values, indices, counts, w_up, w_down, ranked_width=16, interpret=True,
+                       block_sizes=FFNBlockSizes(block_t=block_t, head_slots=head_slots, split=False))
+    split = sparse_ffn(x, values, indices, counts, w_up, w_down, ranked_width=16, interpret=True,
+                       block_sizes=FFNBlockSizes(block_t=block_t, head_slots=head_slots, split=True))
+    for a, b in zip(fused[:2], split[:2]):  # y, l1
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    n_stored = np.asarray(jnp.sum(jnp.minimum(counts, SLOTS), axis=1))
+    stored = np.arange(16)[None, :] < np.minimum(n_stored, 16)[:, None]  # the rest is unspecified
+    for a, b in zip(fused[2], split[2]):  # the ranked a, u
+        np.testing.assert_array_equal(np.asarray(a)[stored], np.asarray(b)[stored])
+    y_oracle, l1_oracle = dense_from_stored(x, values, indices, counts, w_up, w_down)
+    assert rel_err(split[0], y_oracle) < TOL[dtype] and rel_err(split[1], l1_oracle) < 1e-5
+    assert not bool(jnp.any(split[0][4]))
+    y2, l12 = sparse_ffn(x, values, indices, counts, w_up, w_down, interpret=True,
+                         block_sizes=FFNBlockSizes(block_t=block_t, split=True))  # no ranked output
+    np.testing.assert_array_equal(np.asarray(y2), np.asarray(fused[0]))
+    assert launches(FFNBlockSizes(), gated=True, ranked_width=16) == ("up", "down")  # training
+    assert launches(FFNBlockSizes(), gated=True, ranked_width=0) == ("fused",)  # inference
+    assert launches(FFNBlockSizes(split=True), gated=False, ranked_width=16) == ("fused",)  # one matrix
+    assert launches(FFNBlockSizes(split=False), gated=True, ranked_width=16) == ("fused",)
