@@ -141,3 +141,36 @@ def test_check_finite_off_reads_only_active_rows_and_is_validated():
     assert not np.all(np.isfinite(np.asarray(y_checked))) and int(aux_checked["dense_fallback"]) == 1
     with pytest.raises(ValueError, match="check_finite"):
         ops.SparseFFNConfig(check_finite=1)
+
+
+def _conds(jaxpr) -> int:
+    """The cond / switch equations of a jaxpr and of every jaxpr inside it."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == "cond"
+        for value in eqn.params.values():
+            for sub in (value if isinstance(value, (tuple, list)) else (value,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    n += _conds(inner)
+    return n
+
+
+@pytest.mark.parametrize("backend,extra", [("pallas", 0), ("reference", 2)])
+def test_the_pallas_forward_folds_the_nan_check_into_its_own_branch(backend, extra):
+    """check_finite costs the Pallas training step no branch of its own: the flag joins the
+    forward's overflow switch and the backward's switch (a device-side branch makes the host wait
+    for the GPU). The reference backend keeps the op's cond around its forward, and its backward
+    one of its own."""
+    x, weights = _inputs(True, "x", 1.0)
+
+    def step(check):
+        config = ops.SparseFFNConfig(**{**CONFIG.__dict__, "check_finite": check})
+
+        def loss(x_, w):
+            y, aux = ops.gated_ffn(x_, w["w_gate"], w["w_up"], w["w_down"], backend=backend,
+                                   config=config, interpret=backend == "pallas")
+            return jnp.sum(y) + 0.1 * aux["l1"]
+        return jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, weights).jaxpr
+
+    assert _conds(step(True)) == _conds(step(False)) + extra

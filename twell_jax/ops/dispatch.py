@@ -36,14 +36,16 @@ def _implementations(plan: Plan) -> tuple[Implementation, Implementation]:
     return backends.get(plan.forward), backends.get(plan.backward)
 
 
-def _run_sparse_forward(plan: Plan, config: SparseFFNConfig, x_MxD: jax.Array,
-                        weights: Weights) -> tuple[jax.Array, Aux, Any]:
-    """The plan's forward, assuming finite inputs (see `_run_forward`): (y, aux, the residual its
-    backward keeps). A forward whose backward is another implementation with dense tails reports
-    them as -1 (it builds no pattern to count them on)."""
+def _run_sparse_forward(plan: Plan, config: SparseFFNConfig, x_MxD: jax.Array, weights: Weights,
+                        non_finite: jax.Array | None = None) -> tuple[jax.Array, Aux, Any]:
+    """The plan's forward, assuming finite inputs unless it folds the NaN/Inf flag (`non_finite`
+    given: see `_with_dense_fallback`): (y, aux, the residual its backward keeps). A forward whose
+    backward is another implementation with dense tails reports them as -1 (it builds no pattern
+    to count them on)."""
     fwd, bwd = _implementations(plan)
     keep = fwd is bwd
-    y, aux, residual = fwd.forward(plan.gated, x_MxD, weights, config, plan.interpret, keep)
+    flag = {} if non_finite is None else dict(non_finite=non_finite)
+    y, aux, residual = fwd.forward(plan.gated, x_MxD, weights, config, plan.interpret, keep, **flag)
     if bwd.reports_tails and not keep:
         unknown = jnp.full((), 0 if x_MxD.shape[0] == 0 else -1, jnp.int32)
         aux = {**aux, "backward_tail_rows": unknown, "backward_hot_neurons": unknown}
@@ -69,16 +71,20 @@ def _same_variance(anchor: jax.Array, tree: Any) -> Any:
 
 def _with_dense_fallback(non_finite: jax.Array, plan: Plan, config: SparseFFNConfig,
                          x_MxD: jax.Array, weights: Weights,
-                         sparse: Callable[[], Any]) -> Any:
-    """`sparse()` (whose first two outputs are (y, aux)), or the exact dense forward when
+                         sparse: Callable[[jax.Array | None], Any]) -> Any:
+    """`sparse(None)` (whose first two outputs are (y, aux)), or the exact dense forward when
     `non_finite`; the dense branch fills any further outputs (the residual the backward keeps,
-    e.g. the Pallas pattern) with zeros. No cond
-    when the check is off, or when the plan's forward is the dense formula already (both branches
-    would be the same dense forward; `non_finite` still sends the backward to the dense formula)."""
-    if not config.check_finite or backends.get(plan.forward).dense_formula:
-        return sparse()
+    e.g. the Pallas pattern) with zeros. No cond when the check is off, when the plan's forward is
+    the dense formula already (both branches would be the same dense forward; `non_finite` still
+    sends the backward to the dense formula), or when the forward folds the flag into a branch of
+    its own (`Implementation.folds_non_finite`: `sparse(non_finite)`)."""
+    fwd = backends.get(plan.forward)
+    if not config.check_finite or fwd.dense_formula:
+        return sparse(None)
+    if fwd.folds_non_finite:
+        return sparse(non_finite)
     gated = plan.gated
-    shapes = jax.eval_shape(sparse)
+    shapes = jax.eval_shape(lambda: sparse(None))
 
     def dense() -> Any:
         y, aux = dense_fallback_ffn(gated, x_MxD, weights, neuron_counts=config.neuron_counts)
@@ -86,15 +92,15 @@ def _with_dense_fallback(non_finite: jax.Array, plan: Plan, config: SparseFFNCon
         rest = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tuple(shapes[2:]))
         return _same_variance(non_finite, out + rest)
 
-    return jax.lax.cond(non_finite, dense, lambda: _same_variance(non_finite, sparse()))
+    return jax.lax.cond(non_finite, dense, lambda: _same_variance(non_finite, sparse(None)))
 
 
 def _run_forward(plan: Plan, config: SparseFFNConfig, x_MxD: jax.Array,
                  weights: Weights) -> tuple[jax.Array, Aux, Any]:
     """The plan's forward; the exact dense forward when an input or weight is not finite. Nothing
     is differentiated here, so no residual leaves the branch (None in its place)."""
-    def sparse() -> tuple[jax.Array, Aux, None]:
-        y, aux, _ = _run_sparse_forward(plan, config, x_MxD, weights)
+    def sparse(flag: jax.Array | None) -> tuple[jax.Array, Aux, None]:
+        y, aux, _ = _run_sparse_forward(plan, config, x_MxD, weights, flag)
         return y, aux, None
 
     return _with_dense_fallback(_non_finite(config, x_MxD, weights), plan, config, x_MxD, weights, sparse)
@@ -117,8 +123,9 @@ def _sparse_op_fwd(plan: Plan, config: SparseFFNConfig, x_MxD: jax.Array, weight
     # also sends the backward to the dense formula. Named RESIDUAL_NAME, so that a caller's remat
     # policy can keep them (the model's layer scan does) instead of rerunning this forward.
     non_finite = _non_finite(config, x_MxD, weights)
-    y, aux, residual = _with_dense_fallback(non_finite, plan, config, x_MxD, weights,
-                                            lambda: _run_sparse_forward(plan, config, x_MxD, weights))
+    y, aux, residual = _with_dense_fallback(
+        non_finite, plan, config, x_MxD, weights,
+        lambda flag: _run_sparse_forward(plan, config, x_MxD, weights, flag))
     return (y, aux), checkpoint_name((x_MxD, weights, non_finite, residual), RESIDUAL_NAME)
 
 

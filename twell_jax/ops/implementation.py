@@ -10,8 +10,9 @@ from twell_jax.ops.config import Aux, SparseFFNConfig, Weights
 
 # forward(gated, x_MxD, weights, config, interpret, keep) -> (y, aux, residual). keep: the
 # implementation's own backward follows, so keep what it wants (residual) and report its tails in
-# aux; otherwise residual is None.
-Forward = Callable[[bool, jax.Array, Weights, SparseFFNConfig, bool, bool], tuple[jax.Array, Aux, Any]]
+# aux; otherwise residual is None. An implementation with `folds_non_finite` also takes the
+# keyword `non_finite` (see there).
+Forward = Callable[..., tuple[jax.Array, Aux, Any]]
 # backward(gated, x_MxD, weights, gy_MxD, gl1, config, interpret, residual, non_finite) -> (dx,
 # weight gradients); non_finite: the op's NaN/Inf flag (None when config.check_finite is off): on
 # it the backward must run the exact dense formula.
@@ -37,6 +38,11 @@ class Implementation:
     dense_formula: bool = False
     # Its backward has dense tails that its own forward reports in aux (-1 after another forward).
     reports_tails: bool = False
+    # Its forward takes `non_finite=` (the op's NaN/Inf flag, a bool scalar) and returns, when it
+    # is set, the dense formula's y and aux (aux["dense_fallback"] = 1) from a branch it has
+    # anyway; the op then puts no lax.cond of its own around it (each device-side branch makes
+    # the host wait for the GPU before it can queue the work after it).
+    folds_non_finite: bool = False
     # A value of gated_ffn's `backend=` (the decode path is planned by "auto" only).
     selectable: bool = True
 

@@ -26,17 +26,20 @@ def _unavailable(interpret: bool) -> str | None:
 
 
 def _pallas_forward(gated: bool, x_MxD: jax.Array, weights: Weights, config: SparseFFNConfig,
-                    interpret: bool, keep: bool) -> tuple[jax.Array, Aux, Any]:
+                    interpret: bool, keep: bool, non_finite: jax.Array | None = None
+                    ) -> tuple[jax.Array, Aux, Any]:
     """keep (the Pallas backward follows): the training forward, which keeps the pattern and
-    reports the backward's tails; else pack + fused FFN alone (a dense backward follows)."""
+    reports the backward's tails; else pack + fused FFN alone (a dense backward follows).
+    non_finite: the op's NaN/Inf flag, folded into the forward's own overflow branch (its dense
+    arm runs on it), so the op needs no cond around the kernels."""
     if keep:
         from twell_jax.ops import pallas_backward
 
-        return pallas_backward.forward(gated, x_MxD, weights, config, interpret)
+        return pallas_backward.forward(gated, x_MxD, weights, config, interpret, non_finite=non_finite)
     from twell_jax.ops import pallas_forward
 
     fn = pallas_forward.gated_ffn_forward if gated else pallas_forward.ffn_forward
-    y, aux = fn(x_MxD, *weights, config, interpret=interpret)
+    y, aux = fn(x_MxD, *weights, config, interpret=interpret, non_finite=non_finite)
     return y, aux, None
 
 
@@ -82,5 +85,5 @@ def _decode_cost(shape: tuple[int, int, int, int], config: SparseFFNConfig, gate
 
 
 PALLAS = Implementation("pallas", _pallas_forward, _pallas_backward, _unavailable, cost=_pallas_cost,
-                        reports_tails=True)
+                        reports_tails=True, folds_non_finite=True)
 DECODE = Implementation("decode", _decode_forward, None, _unavailable, cost=_decode_cost, selectable=False)

@@ -139,14 +139,18 @@ def backward_tails(tail_M: jax.Array, hist_CxHp: jax.Array, h: int, config: Spar
 
 
 def forward(gated: bool, x_MxD: jax.Array, weights: Weights, config: SparseFFNConfig,
-            interpret: bool) -> tuple[jax.Array, Aux, Kept | None]:
+            interpret: bool, non_finite: jax.Array | None = None) -> tuple[jax.Array, Aux, Kept | None]:
     """The training forward: pack + fused FFN (pallas_forward) and (y, aux, what the backward keeps
     (the pattern and the transpose's first pass) or None: recomputed there).
 
     From the pattern, aux reports the backward's dense tails ("backward_tail_rows",
     "backward_hot_neurons") and "dense_fallback" also a backward that will run the dense formula
     because a tail exceeds its capacity. Finding the hot neurons is the transpose's first pass,
-    which the backward then skips (when the pattern is kept)."""
+    which the backward then skips (when the pattern is kept).
+
+    non_finite (the op's NaN/Inf flag): when set, y and aux are the dense formula's
+    (`pallas_forward.sparse_forward`'s dense arm; no tails reported) and the backward, which gets
+    the same flag, runs the dense formula: what is kept is then never read for values."""
     pallas_forward.require_runnable(interpret)
     w_act, w_up, w_down = _split(gated, weights)
     m, h = x_MxD.shape[0], w_act.shape[0]
@@ -162,7 +166,7 @@ def forward(gated: bool, x_MxD: jax.Array, weights: Weights, config: SparseFFNCo
     # of the backward's lists, so no pass of its own ranks them.
     y, aux, *ranked = pallas_forward.sparse_forward(
         x_MxD, w_act, w_up, w_down, s, interpret, pack=pack,
-        ranked_width=ell_width_pow2(config) if bc.keep_gate_pattern else 0)
+        ranked_width=ell_width_pow2(config) if bc.keep_gate_pattern else 0, non_finite=non_finite)
     tail_M, kernel_counts = kernel_pattern(pack[2], config)
     hist = chunk_histograms(pack[1], kernel_counts, h, block_sizes=bc.transpose_block_sizes,
                             interpret=interpret)
@@ -171,6 +175,9 @@ def forward(gated: bool, x_MxD: jax.Array, weights: Weights, config: SparseFFNCo
     aux["dense_fallback"] = jnp.maximum(aux["dense_fallback"], over.astype(jnp.int32))
     aux["backward_tail_rows"] = jnp.sum(tail_M, dtype=jnp.int32)
     aux["backward_hot_neurons"] = jnp.sum(hot_H, dtype=jnp.int32)
+    if non_finite is not None:  # the dense formula's counters (dense.dense_aux)
+        for key in ("backward_tail_rows", "backward_hot_neurons"):
+            aux[key] = jnp.where(non_finite, 0, aux[key])
     if not bc.keep_gate_pattern:
         return y, aux, None
     ranked_a, ranked_u = ranked[0] if gated else (*ranked[0], None)

@@ -111,13 +111,17 @@ def _dense_rows(x_RxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | No
 def sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
                     w_down_HxD: jax.Array, s: dict[str, Any], interpret: bool,
                     pack: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-                    ranked_width: int = 0) -> tuple:
+                    ranked_width: int = 0, non_finite: jax.Array | None = None) -> tuple:
     """Pack + fused FFN + exact fix-up of overflowing rows: (y, aux). w_up None = non-gated.
     `pack`: the (values, indices, counts) of pack_gate(x, w_act) when the caller already has it
     (the training forward keeps it for the Pallas backward, twell_jax/ops/pallas_backward.py).
     ranked_width > 0: (y, aux, ranked), ranked = the fused FFN's entries in rank order up to that
     width (`sparse_ffn`'s ranked output: (a, u) gated, (a,) non-gated), as the kernel computed
-    them (rows the fix-up recomputes keep the kernel's values: the backward's token tail)."""
+    them (rows the fix-up recomputes keep the kernel's values: the backward's token tail).
+    non_finite (the op's NaN/Inf flag, a bool scalar): when set, the overflow branch takes its
+    dense arm (the dense formula on every row: y, l1, l0 and the counts as the dense formula gives
+    them, dense_fallback 1), so NaN/Inf propagate as the dense formula's do without a second
+    branch; the kernels' outputs are then discarded."""
     m, h = x_MxD.shape[0], w_act_HxD.shape[0]
     values, indices, counts = pack if pack is not None else pack_gate(
         x_MxD, w_act_HxD, tile=s["tile"], slots=s["slots"], block_sizes=s["pack_block_sizes"],
@@ -143,7 +147,7 @@ def sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array |
         return operands
 
     def fix_rows(operands):
-        y, l1, neurons = operands
+        y, l1, neurons, l0 = operands
         # Fixed-capacity gather of the overflowing rows; fill slots point past the end and are
         # dropped by the scatter.
         rows_R = jnp.nonzero(row_overflow_M, size=capacity, fill_value=m)[0]
@@ -151,18 +155,26 @@ def sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array |
                                               w_down_HxD)
         if want_counts:  # the overflowing rows' neurons, fill rows masked out
             neurons = neurons + jnp.sum(active_RxH & (rows_R < m)[:, None], axis=0, dtype=jnp.int32)
-        return y.at[rows_R].set(y_RxD, mode="drop"), l1.at[rows_R].set(l1_R, mode="drop"), neurons
+        return (y.at[rows_R].set(y_RxD, mode="drop"), l1.at[rows_R].set(l1_R, mode="drop"), neurons,
+                l0)
 
     def all_dense(operands):
         y, l1, active_MxH = _dense_rows(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD)
-        return y, l1, jnp.sum(active_MxH, axis=0, dtype=jnp.int32)
+        return (y, l1, jnp.sum(active_MxH, axis=0, dtype=jnp.int32),
+                jnp.sum(active_MxH, dtype=jnp.float32))
 
     branch = jnp.where(n_row_overflow == 0, 0, jnp.where(n_row_overflow <= capacity, 1, 2))
-    y_MxD, l1_M, neuron_H = lax.switch(branch, (keep, fix_rows, all_dense), (y_MxD, l1_M, neuron_H))
+    if non_finite is not None:
+        branch = jnp.where(non_finite, 2, branch)
+    # The pack's counts are the true counts, overflow included (l0 exact); the dense arm's active
+    # count is the same on finite inputs and the dense formula's on others.
+    l0_sum = jnp.sum(counts, dtype=jnp.float32)
+    y_MxD, l1_M, neuron_H, l0_sum = lax.switch(branch, (keep, fix_rows, all_dense),
+                                               (y_MxD, l1_M, neuron_H, l0_sum))
     tokens = max(m, 1)
     aux = {
         "l1": jnp.sum(l1_M) / tokens,
-        "l0": jnp.sum(counts, dtype=jnp.float32) / tokens,  # true counts: exact even on overflow
+        "l0": l0_sum / tokens,
         "tile_overflow": jnp.sum(tile_overflow_MxNT, dtype=jnp.int32),
         "row_overflow": n_row_overflow,
         "dense_fallback": (branch == 2).astype(jnp.int32),
@@ -174,6 +186,9 @@ def sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array |
     if want_counts:
         aux["neuron_active_count"] = neuron_H
         aux["token_active_count"] = jnp.sum(counts, axis=1, dtype=jnp.int32)
+    if non_finite is not None:  # the dense formula's counters (dense.dense_aux): no overflow
+        for key in ("tile_overflow", "row_overflow"):
+            aux[key] = jnp.where(non_finite, 0, aux[key])
     return (y_MxD, aux, *ranked)
 
 
@@ -215,7 +230,7 @@ def _auto_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | 
 
 def _entry(forward: Callable[..., tuple[jax.Array, Aux]], x_MxD: jax.Array, w_act_HxD: jax.Array,
            w_up_HxD: jax.Array | None, w_down_HxD: jax.Array, config: SparseFFNConfig | None,
-           interpret: bool) -> tuple[jax.Array, Aux]:
+           interpret: bool, **flag: Any) -> tuple[jax.Array, Aux]:
     """Checks, then `forward` (w_up None = non-gated); an empty batch takes the dense formula (the
     kernels need a row)."""
     require_runnable(interpret)
@@ -225,20 +240,25 @@ def _entry(forward: Callable[..., tuple[jax.Array, Aux]], x_MxD: jax.Array, w_ac
     if x_MxD.shape[0] == 0:
         return dense_fallback_ffn(w_up_HxD is not None, x_MxD, weight_tuple(w_act_HxD, w_up_HxD, w_down_HxD),
                                       neuron_counts=s["neuron_counts"])
-    return forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret)
+    return forward(x_MxD, w_act_HxD, w_up_HxD, w_down_HxD, s, interpret, **flag)
 
 
 def gated_ffn_forward(x_MxD: jax.Array, w_gate_HxD: jax.Array, w_up_HxD: jax.Array,
                       w_down_HxD: jax.Array, config: SparseFFNConfig | None = None, *,
-                      interpret: bool = False) -> tuple[jax.Array, Aux]:
-    """y = (relu(x W_gate^T) * (x W_up^T)) W_down through the Pallas kernels; returns (y, aux)."""
-    return _entry(sparse_forward, x_MxD, w_gate_HxD, w_up_HxD, w_down_HxD, config, interpret)
+                      interpret: bool = False, non_finite: jax.Array | None = None) -> tuple[jax.Array, Aux]:
+    """y = (relu(x W_gate^T) * (x W_up^T)) W_down through the Pallas kernels; returns (y, aux).
+    non_finite (a bool scalar): when set, the dense formula's result (`sparse_forward`)."""
+    return _entry(sparse_forward, x_MxD, w_gate_HxD, w_up_HxD, w_down_HxD, config, interpret,
+                  non_finite=non_finite)
 
 
 def ffn_forward(x_MxD: jax.Array, w_up_HxD: jax.Array, w_down_HxD: jax.Array,
-                config: SparseFFNConfig | None = None, *, interpret: bool = False) -> tuple[jax.Array, Aux]:
-    """y = relu(x W_up^T) W_down through the Pallas kernels; returns (y, aux)."""
-    return _entry(sparse_forward, x_MxD, w_up_HxD, None, w_down_HxD, config, interpret)
+                config: SparseFFNConfig | None = None, *, interpret: bool = False,
+                non_finite: jax.Array | None = None) -> tuple[jax.Array, Aux]:
+    """y = relu(x W_up^T) W_down through the Pallas kernels; returns (y, aux). non_finite: as
+    gated_ffn_forward's."""
+    return _entry(sparse_forward, x_MxD, w_up_HxD, None, w_down_HxD, config, interpret,
+                  non_finite=non_finite)
 
 
 def auto_gated_ffn_forward(x_MxD: jax.Array, w_gate_HxD: jax.Array, w_up_HxD: jax.Array,
