@@ -59,6 +59,29 @@ _LONGEST_FIRST = (
 )
 
 
+# ----------------------------------------------------------------------------- shared fixtures
+
+
+@pytest.fixture(scope="session")
+def data_cache_dir(tmp_path_factory) -> str:
+    """One tokenized-corpus cache for the session's runs of the default corpus (each worker its own):
+    the first test that builds the data tokenizes it, the others read it."""
+    return str(tmp_path_factory.getbasetemp() / "twell_data_cache")
+
+
+@pytest.fixture
+def cli(capsys):
+    """`cli(argv)`: the `twell` command in this process, as (exit code, stdout, stderr)."""
+    from twell_jax.cli import main
+
+    def run(argv):
+        code = main(argv)
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return run
+
+
 # Two tiers (README): the fast one (`-m "not slow"`, the README's test command) keeps every module's
 # core checks; the slow one (`-m slow`; .ci/run runs both) holds the benchmark dry runs, the
 # end-to-end runs that repeat a fast test's check at more cost, and the parametrizations that repeat

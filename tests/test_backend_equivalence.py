@@ -210,11 +210,11 @@ def _first_step_loss(cfg: config_lib.ExperimentConfig, params) -> float:
 
 
 @pytest.fixture(scope="module")
-def init_study(script, tmp_path_factory):
+def init_study(script, tmp_path_factory, data_cache_dir):
     """A micro run trained for 4 steps on text (the stdlib, its BPE), then the study with --init-run
     on it (2 steps a run; the data default to the run's corpus and saved tokenizer)."""
     root = tmp_path_factory.mktemp("init_run")
-    cache = f"data.cache_dir={tmp_path_factory.getbasetemp() / 'twell_data_cache'}"
+    cache = f"data.cache_dir={data_cache_dir}"
     trained = root / "trained"
     train(config_lib.apply_overrides(get_config("micro"), ["train.steps=4", "optim.lr=1e-2", cache]), trained,
           echo=lambda _: None)

@@ -14,26 +14,21 @@ from twell_jax.training.checkpoint import CheckpointStore
 from twell_jax.training.train import Trainer
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.getbasetemp() / "twell_data_cache")
-
-
-def cfg_with(cache_dir, *overrides):
-    return config_lib.apply_overrides(get_config("micro"), [f"data.cache_dir={cache_dir}", *overrides])
+def cfg_with(data_cache_dir, *overrides):
+    return config_lib.apply_overrides(get_config("micro"), [f"data.cache_dir={data_cache_dir}", *overrides])
 
 
 @pytest.fixture(scope="module")
-def killed_run(tmp_path_factory, cache_dir):
+def killed_run(tmp_path_factory, data_cache_dir):
     """A 4-step run "killed" after its step-2 checkpoint (shared: tests copy it before changing it)."""
     path = tmp_path_factory.mktemp("killed") / "run"
-    Trainer(cfg_with(cache_dir, "train.steps=4", "train.checkpoint_every=2"), path).run(stop_after_step=2)
+    Trainer(cfg_with(data_cache_dir, "train.steps=4", "train.checkpoint_every=2"), path).run(stop_after_step=2)
     return path
 
 
-def test_resume_equals_uninterrupted_bitwise(tmp_path, cache_dir, killed_run):
+def test_resume_equals_uninterrupted_bitwise(tmp_path, data_cache_dir, killed_run):
     """Real data pipeline (Grain iterator state in the checkpoint), 4 steps vs 2 + resume + 2."""
-    cfg = cfg_with(cache_dir, "train.steps=4", "train.checkpoint_every=2")
+    cfg = cfg_with(data_cache_dir, "train.steps=4", "train.checkpoint_every=2")
     full = Trainer(cfg, tmp_path / "full").run()
     shutil.copytree(killed_run, tmp_path / "split")
     store = CheckpointStore(tmp_path / "split" / "checkpoints")
@@ -50,7 +45,7 @@ def test_resume_equals_uninterrupted_bitwise(tmp_path, cache_dir, killed_run):
     assert full.summary["val_loss"] == resumed.summary["val_loss"]
 
 
-def test_interrupted_save_leaves_previous_checkpoint_usable(tmp_path, cache_dir, killed_run):
+def test_interrupted_save_leaves_previous_checkpoint_usable(tmp_path, data_cache_dir, killed_run):
     shutil.copytree(killed_run, tmp_path, dirs_exist_ok=True)
     ckpt = tmp_path / "checkpoints"
     # What a save killed midway leaves behind: Orbax's temporary directory, never renamed.
@@ -60,13 +55,13 @@ def test_interrupted_save_leaves_previous_checkpoint_usable(tmp_path, cache_dir,
     store = CheckpointStore(ckpt)
     assert store.latest_step() == 2
     store.close()
-    cfg_more = cfg_with(cache_dir, "train.steps=3")
+    cfg_more = cfg_with(data_cache_dir, "train.steps=3")
     result = Trainer(cfg_more, tmp_path, resume=True).run()
     assert [r["step"] for r in result.history] == [1, 2, 3]
 
 
-def test_restore_into_different_model_names_the_fields(cache_dir, killed_run):
-    other = cfg_with(cache_dir, "train.steps=2", "model.d_ff=96", "model.n_layers=3")
+def test_restore_into_different_model_names_the_fields(data_cache_dir, killed_run):
+    other = cfg_with(data_cache_dir, "train.steps=2", "model.d_ff=96", "model.n_layers=3")
     before = sorted(p.relative_to(killed_run) for p in killed_run.rglob("*"))
     with pytest.raises(ValueError, match=r"model\.d_ff: checkpoint has 64, config has 96.*model\.n_layers"):
         Trainer(other, killed_run, resume=True).run()
@@ -95,7 +90,7 @@ def test_a_run_saved_before_grouped_heads_untied_heads_and_rope_scaling_loads_un
     np.testing.assert_array_equal(a.model(tokens)[0], b.model(tokens)[0])
 
 
-def test_a_run_saved_with_the_decode_fields_under_model_loads_and_resumes(tmp_path, cache_dir, killed_run):
+def test_a_run_saved_with_the_decode_fields_under_model_loads_and_resumes(tmp_path, data_cache_dir, killed_run):
     """A config.json from before the decode section (model.decode_kernels, decode_transposed,
     decode_sparse_ffn, decode_layer_unroll) loads them into config.decode, and the run resumes."""
     import json
@@ -112,7 +107,7 @@ def test_a_run_saved_with_the_decode_fields_under_model_loads_and_resumes(tmp_pa
     assert load_run_config(old).decode == config_lib.DecodeConfig(transposed=False)
     assert load_run(old, dtype="float32").step == 2  # (its parameters come with the checkpoint's own config)
     # Resuming it: the old override name sets the same field (decode.* may change on resume).
-    trainer = Trainer(cfg_with(cache_dir, "train.steps=4", "train.checkpoint_every=2", "model.decode_transposed=false"),
+    trainer = Trainer(cfg_with(data_cache_dir, "train.steps=4", "train.checkpoint_every=2", "model.decode_transposed=false"),
                       old, resume=True)
     try:
         assert trainer.cfg.decode == config_lib.DecodeConfig(transposed=False)

@@ -18,7 +18,8 @@ from twell_jax.pallas_kernels.twell_bwd_token import (ListsBlockSizes, TokenBwdB
                                             token_lists_reference)
 from twell_jax.pallas_kernels.twell_pack import pack_gate_reference
 from twell_jax.pallas_kernels.twell_transpose import neuron_lists_reference
-from test_ops import TOL, loss_of, make_inputs, oracle, rel_err
+from oracles import TOL, rel_err
+from test_ops import loss_of, make_inputs, oracle
 from twell_jax import ops
 from twell_jax.ops import dispatch, pallas_backward, pallas_forward, planner
 

@@ -14,7 +14,8 @@ import pytest
 from jax.sharding import AxisType
 
 from twell_jax.pallas_kernels.twell_pack import pack_gate_reference
-from test_ops import TOL, loss_of, make_inputs, oracle, rel_err
+from oracles import TOL, rel_err
+from test_ops import loss_of, make_inputs, oracle
 from twell_jax import ops
 from twell_jax.ops import dispatch, pallas_backward
 
@@ -212,26 +213,31 @@ def _forbid_dense_backward(monkeypatch) -> None:
 
 
 def test_op_gradients_keep_vs_recompute_pattern_and_determinism(monkeypatch):
-    """Through ops.gated_ffn (custom_vjp wiring): gradients match the dense oracle; recomputing
-    the pattern in the backward gives the same bits as keeping it; two runs give the same bits."""
+    """Through ops.gated_ffn (custom_vjp wiring, the training forward with tile overflow, the
+    fix-up rows and a token tail): y and the gradients (L1 term included) match the dense oracle;
+    recomputing the pattern in the backward gives the same bits as keeping it; two runs give the
+    same bits."""
     _forbid_dense_backward(monkeypatch)
     x, weights = make_inputs(True, 21, 16, 47, jnp.float32, 0.92, seed=11,
                              adversarial="dense_first_tokens")
     cot = jnp.asarray(np.random.default_rng(12).standard_normal((21, 16)), jnp.float32)
 
-    def grads(config):
+    def y_and_grads(config):
         def loss(x_, w_):
             y, aux = ops.gated_ffn(x_, *w_, backend="pallas", config=config, interpret=True)
-            return loss_of(y, aux["l1"], cot)
-        return jax.jit(jax.grad(loss, argnums=(0, 1)))(x, weights)
+            return loss_of(y, aux["l1"], cot), (y, aux)
+        (_, (y, aux)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, weights)
+        assert int(aux["tile_overflow"]) > 0 and int(aux["backward_tail_rows"]) > 0  # the paths it claims
+        assert int(aux["dense_fallback"]) == 0
+        return (y, grads)
 
-    keep = grads(CONFIG)
-    recompute = grads(dataclasses.replace(CONFIG, backward=dataclasses.replace(
+    keep = y_and_grads(CONFIG)
+    recompute = y_and_grads(dataclasses.replace(CONFIG, backward=dataclasses.replace(
         CONFIG.backward, keep_gate_pattern=False)))
-    again = grads(CONFIG)
-    _, _, _, _, ref = oracle(True, x, weights, cot)
+    again = y_and_grads(CONFIG)
+    y_ref, _, _, _, grads_ref = oracle(True, x, weights, cot)
     for a, b, c, r in zip(jax.tree.leaves(keep), jax.tree.leaves(recompute), jax.tree.leaves(again),
-                          jax.tree.leaves(ref)):
+                          jax.tree.leaves((y_ref, grads_ref))):
         assert rel_err(a, r) < 1e-5
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))

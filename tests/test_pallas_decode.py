@@ -9,31 +9,17 @@ from twell_jax.pallas_kernels.twell_decode import (DecodeBlockSizes, compact_act
                                          sparse_decode_ffn, sparse_decode_ffn_reference)
 from twell_jax import ops
 from twell_jax.ops import pallas_decode, planner
-from oracles import dense_forward as dense, rel_err
+from oracles import TOL as TOL_DENSE, dense_forward as dense, rel_err, sparse_gate_inputs
 
-# rel. error (Frobenius) vs the fp32 HIGHEST dense formula / vs the kernel's own reference. bf16
-# rounds h once (like the op's dense backend): a rounding flip of h moves y by ~1 bf16 ulp.
-TOL_DENSE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+# rel. error (Frobenius) vs the kernel's own reference (TOL_DENSE: vs the fp32 HIGHEST dense
+# formula). bf16 rounds h once (like the op's dense backend): a rounding flip of h moves y by ~1
+# bf16 ulp.
 TOL_REF = {jnp.float32: 1e-6, jnp.bfloat16: 8e-3}
 SMALL = DecodeBlockSizes(block_n=16, block_k=16, block_h=16, block_d=16, max_block_m=16)
 
 
 def make_inputs(dtype, m=8, d=45, h=150, pattern="sparse", seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(m, d)).astype(np.float32)
-    x[:, 0] = 1.0
-    ws = [rng.normal(size=(h, d)).astype(np.float32) / np.sqrt(d) for _ in range(3)]
-    ws[0][:, 0] = -2.3  # ~1% of the gate fires
-    if pattern == "all_zero":
-        ws[0][:, 0] = -40.0
-    elif pattern == "one_hot":  # one neuron fires on every token, no other
-        ws[0][:, 0] = -40.0
-        ws[0][h // 2, 0] = 40.0
-    elif pattern == "dense_token":  # token 0 fires every neuron (a dense first token)
-        x[0, 0] = -40.0
-    elif pattern != "sparse":
-        raise ValueError(pattern)
-    return [jnp.asarray(a, dtype) for a in (x, *ws)]
+    return sparse_gate_inputs(dtype, m, d, h, pattern=pattern, seed=seed)
 
 
 def config(capacity=None, block_sizes=SMALL, expected=None):

@@ -86,12 +86,13 @@ def test_zero_lr_from_is_where_the_schedule_reaches_0(warmup, horizon):
     assert float(lr(zero - 1)) > 0 and all(float(lr(i)) == 0.0 for i in range(zero, zero + 3))
 
 
-def test_cli_resume_past_the_schedule_exits_2_and_changes_nothing(finished, tmp_path, capsys):
+def test_cli_dry_run_of_a_resume_past_the_schedule_exits_2_and_changes_nothing(finished, tmp_path, capsys):
+    """A dry run checks as the resume does (the resume itself: test_run_trust.py,
+    test_resume_uses_the_saved_config_and_never_trains_at_lr_0)."""
     run = _copy(finished[0], tmp_path)
     before = _snapshot(run)
-    for extra in ([], ["--dry-run"]):  # a dry run checks as the resume does
-        assert main(["train", "--out", str(run), "--resume", "--set", "train.steps=8", *extra]) == 2
-        assert "--set optim.schedule_steps=8" in capsys.readouterr().err
+    assert main(["train", "--out", str(run), "--resume", "--set", "train.steps=8", "--dry-run"]) == 2
+    assert "--set optim.schedule_steps=8" in capsys.readouterr().err
     assert _snapshot(run) == before
 
 
