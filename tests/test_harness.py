@@ -194,6 +194,30 @@ def test_compare_tasks_adds_the_accuracy_column_dense_against_sparse(study, task
     assert captured.err.count("kept") < capsys.readouterr().err.count("kept")
 
 
+def test_compare_tasks_loads_the_tasks_once_for_every_run(study, tasks, tmp_path, monkeypatch, capsys):
+    """`twell compare --tasks` loads lm-eval's tasks once per invocation and evaluates every run on
+    those task objects: each run's results equal its own evaluation on freshly loaded tasks."""
+    copy = shutil.copytree(study, tmp_path / "cmp", ignore=shutil.ignore_patterns("lm_eval"))
+    spec = f"{tasks / 'tiny_mc.yaml'},{tasks / 'tiny_ppl.yaml'}"
+    loads, load_tasks = [], harness.load_tasks
+
+    def counted(selection, **kwargs):
+        loads.append(selection.names)
+        return load_tasks(selection, **kwargs)
+
+    monkeypatch.setattr(harness, "load_tasks", counted)
+    assert main(["compare", "--out", str(copy), "--resume", "--tasks", spec, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert loads == [("tiny_mc", "tiny_ppl")]  # once, for the dense twin and the sparse run
+    monkeypatch.setattr(harness, "load_tasks", load_tasks)
+    selection = harness.select_tasks(spec)
+    for row in report["runs"]:
+        saved = json.loads((copy / row["key"] / "lm_eval" / "step-2-tiny_mc+tiny_ppl.json").read_text())
+        fresh, _ = harness.evaluate_run(copy / row["key"], selection, step=2, progress=False, echo=lambda line: None)
+        assert saved["results"] == fresh["results"] and set(fresh["results"]) == {"tiny_mc", "tiny_ppl"}
+        assert row["mean_acc"] == fresh["results"]["tiny_mc"]["acc,none"]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--tasks", "no_such_task_anywhere"], "--tasks no_such_task_anywhere: not an lm-eval task"),
     (["--tasks", "missing/quiz.yaml"], "--tasks missing/quiz.yaml: no such task file or directory"),

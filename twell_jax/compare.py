@@ -8,8 +8,9 @@ over all layers, per layer (validation) and per token position (the training ste
 profile, averaged over the last quarter of the logged steps), the dead-neuron share at the end
 (runs with and without `sparsity.reinit_dead` when asked), and tokens/s. With `--tasks` (lm-eval,
 `inference/harness.py`) also each run's accuracy on downstream tasks: the paper's accuracy column,
-the twin's dense FFN against the sparse runs' op (evaluated once a run has finished; its results
-JSON in `<run>/lm_eval/`, read back when a resumed study has it already).
+the twin's dense FFN against the sparse runs' op (evaluated once a run has finished, every run on
+the same task objects, loaded once; its results JSON in `<run>/lm_eval/`, read back when a
+resumed study has it already). Every run must share the twin's tokenizer (`check_same_tokenizer`).
 
 `out_dir` holds `compare_plan.json` (what the study trains: written first, so a directory is
 recognisably a comparison) and one run directory per run. An interrupted study (SIGTERM, a crash,
@@ -244,6 +245,8 @@ def _trainer(run: StudyRun, run_dir: Path, state: str, *, study_resumed: bool,
              echo: Callable[[str], None]) -> Any:
     """The Trainer of one run in `state` ("resume": from its own checkpoint; "new": from
     `run.init_run`'s parameters when it has one, else from the init)."""
+    from twell_jax.data import tokenizer as tokenizer_lib
+    from twell_jax.training.run_tokenizer import run_tokenizer_hash
     from twell_jax.training import checkpoint as ckpt_lib
     from twell_jax.training.train import InitFromParams, Trainer
 
@@ -254,7 +257,10 @@ def _trainer(run: StudyRun, run_dir: Path, state: str, *, study_resumed: bool,
     params, _, step = ckpt_lib.restore_params(run.init_run, warn=echo)
     echo(f"[twell] compare: {run.key} starts from the parameters of {run.init_run} (step {step}) with a fresh "
          "optimizer state")
-    return InitFromParams(run.cfg, run_dir, init_params=params, **common)  # its state takes them over
+    init_tokenizer = (run_tokenizer_hash(run_dir_lib.run_dir_of(run.init_run), warn=echo),
+                      f"--init-run {run.init_run}")
+    # Its state takes them over; its data must tokenize as theirs did.
+    return InitFromParams(run.cfg, run_dir, init_params=params, init_tokenizer=init_tokenizer, **common)
 
 
 def run_report(run: StudyRun, run_dir: Path) -> dict[str, Any]:
@@ -292,11 +298,31 @@ def run_report(run: StudyRun, run_dir: Path) -> dict[str, Any]:
     }
 
 
+def check_same_tokenizer(runs: list[StudyRun], out_dir: Path, *, echo: Callable[[str], None] = print) -> str | None:
+    """The hash of the tokenizer every run of the study was trained with (the dense twin's; None
+    without one); a ValueError naming both hashes when a run's differs (e.g. data.source changed on
+    --resume before it started). A run whose tokenizer is unknown is warned about and not compared."""
+    from twell_jax.data import tokenizer as tokenizer_lib
+    from twell_jax.training.run_tokenizer import run_tokenizer_hash
+
+    twin_dir = out_dir / runs[0].key
+    twin = run_tokenizer_hash(twin_dir, warn=echo)
+    for run in runs[1:]:
+        run_dir = out_dir / run.key
+        tokenizer_lib.check_same_tokenizer(
+            run_tokenizer_hash(run_dir, warn=echo), f"the tokenizer of run {run.key} ({run_dir})", twin,
+            f"the dense twin's ({twin_dir})", f"their figures are not comparable; train it again with the twin's data "
+            f"(remove {run_dir}, then twell compare --out {out_dir} --resume without changing data.*)")
+    return twin
+
+
 def write_report(runs: list[StudyRun], out_dir: Path, *, echo: Callable[[str], None] = print,
                  task_results: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """compare.json, compare.md and compare.png from the runs' own files; returns the report (the
-    `twell compare` command prints its table on stdout). `task_results`: per run key, its lm-eval
-    results (`task_accuracy`), which add the accuracy columns."""
+    """compare.json, compare.md and compare.png from the runs' own files, once every run is known
+    to share the twin's tokenizer (`check_same_tokenizer`); returns the report (the `twell compare`
+    command prints its table on stdout). `task_results`: per run key, its lm-eval results
+    (`task_accuracy`), which add the accuracy columns."""
+    tokenizer = check_same_tokenizer(runs, out_dir, echo=echo)
     rows = [run_report(run, out_dir / run.key) for run in runs]
     twin = rows[0]
     for row in rows:
@@ -304,7 +330,7 @@ def write_report(runs: list[StudyRun], out_dir: Path, *, echo: Callable[[str], N
         row["equal_tokens"] = row["tokens"] == twin["tokens"]
         if task_results is not None:
             row.update(task_results[row["key"]])
-    report = {"twin": twin["key"], "runs": rows, "out_dir": str(out_dir)}
+    report = {"twin": twin["key"], "runs": rows, "out_dir": str(out_dir), "tokenizer_hash": tokenizer}
     table = markdown_table(rows)
     (out_dir / "compare.json").write_text(json.dumps(report, indent=1))
     (out_dir / "compare.md").write_text(table + "\n")
@@ -427,10 +453,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def task_accuracy(runs: list[StudyRun], out_dir: Path, selection: Any, *, limit: int | None = None,
+                  loaded_tasks: tuple[Any, list[Any]] | None = None,
                   echo: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
     """Per run key: {"mean_acc", "task_acc": {task: acc}, "lm_eval_results": path} of the run's
     final checkpoint on the selected lm-eval tasks (`harness.evaluate_run`; a results file of that
-    step and these tasks already in the run directory is read back)."""
+    step and these tasks already in the run directory is read back). `loaded_tasks`:
+    `harness.load_tasks(selection)`, loaded once for every run (None: each run loads them)."""
     from twell_jax.inference import harness
 
     out = {}
@@ -438,7 +466,7 @@ def task_accuracy(runs: list[StudyRun], out_dir: Path, selection: Any, *, limit:
         run_dir = out_dir / run.key
         step = run_dir_lib.read_summary(run_dir)["steps"]
         results, path = harness.evaluate_run(run_dir, selection, step=step, limit=limit, reuse=True, echo=echo,
-                                             flag="--tasks")
+                                             loaded_tasks=loaded_tasks, flag="--tasks")
         summary = harness.summarize(results)
         out[run.key] = {"mean_acc": summary["mean_acc"],
                         "task_acc": {task: row["acc"] for task, row in summary["tasks"].items()},
@@ -499,13 +527,13 @@ def main_from_args(args: argparse.Namespace, load_config: Callable[[str, list[st
         echo("[twell] compare: --dry-run: nothing trained")
         return {"dry_run": True, "out_dir": str(out.absolute()), "plan": _plan_dict(runs, options)}
     try:
-        if selection is not None:  # the tasks' data (a download) before the first run trains
-            lm_eval_harness().load_tasks(selection)
+        # The tasks and their data (a download), before the first run trains: once for every run.
+        loaded_tasks = None if selection is None else lm_eval_harness().load_tasks(selection)
         report = run_study(runs, out, resume=args.resume, options=options, echo=echo)
         if selection is None:
             return report
-        return write_report(runs, out, echo=echo,
-                            task_results=task_accuracy(runs, out, selection, limit=args.tasks_limit, echo=echo))
+        return write_report(runs, out, echo=echo, task_results=task_accuracy(
+            runs, out, selection, limit=args.tasks_limit, loaded_tasks=loaded_tasks, echo=echo))
     except BaseException:
         if not args.resume and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # a study that failed before writing anything leaves no directory behind

@@ -7,8 +7,9 @@ A run directory (`twell train --out DIR`) holds ONE run:
   once the run has been validated, so a command that fails never replaces it);
 - `tokenizer.json` + `data_fingerprint.json`: the tokenizer the run was trained with and its data's
   `source_fingerprint` (the SHA-256 of the corpus's document text in source order; for the
-  synthetic source, of its settings), so evaluation, resumption and generation never re-train a
-  tokenizer, and a changed corpus is reported;
+  synthetic source, of its settings) with the tokenizer's hash (`data.tokenizer.tokenizer_record`),
+  so evaluation, resumption and generation never re-train a tokenizer, a changed corpus is
+  reported, and a different tokenizer is refused where two things must share one;
 - `checkpoints/<step>/`: the Orbax checkpoints (`training/checkpoint.py`), and
   `superseded_checkpoints/` where a resume moves those after the step it continues from;
 - `metrics.jsonl` (one JSON object per logged step or evaluation, `training/metrics.py`),
@@ -173,9 +174,22 @@ def with_saved_tokenizer(cfg: ExperimentConfig, run_dir: str | Path) -> Experime
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(saved.absolute())))
 
 
-def save_corpus_fingerprint(run_dir: str | Path, fingerprint: str) -> None:
-    """Record the data's `source_fingerprint` in the run (`data_fingerprint.json`)."""
-    atomic_write_text(Path(run_dir) / FINGERPRINT_FILE, json.dumps({"corpus": fingerprint}, indent=2))
+def save_corpus_fingerprint(run_dir: str | Path, fingerprint: str, tokenizer: dict[str, Any] | None = None) -> None:
+    """Record the data's `source_fingerprint` in the run (`data_fingerprint.json`), with `tokenizer`:
+    its tokenizer's identity (`data.tokenizer.tokenizer_record`)."""
+    atomic_write_text(Path(run_dir) / FINGERPRINT_FILE, json.dumps({"corpus": fingerprint, **(tokenizer or {})},
+                                                                   indent=2))
+
+
+def read_corpus_fingerprint(run_dir: str | Path) -> dict[str, Any]:
+    """The run's `data_fingerprint.json` ({} when it has none); a DamagedFileError naming it."""
+    path = Path(run_dir) / FINGERPRINT_FILE
+    if not path.is_file():
+        return {}
+    values = read_json_file(path, "data fingerprint")
+    if not isinstance(values, dict):
+        raise DamagedFileError(f"data fingerprint {path} is not a JSON object; the file is damaged")
+    return values
 
 
 def check_corpus_fingerprint(run_dir: str | Path, fingerprint: str, warn: Callable[[str], None]) -> None:
@@ -184,7 +198,7 @@ def check_corpus_fingerprint(run_dir: str | Path, fingerprint: str, warn: Callab
     path = Path(run_dir) / FINGERPRINT_FILE
     if not path.is_file():
         return
-    old = read_json_file(path, "data fingerprint").get("corpus")
+    old = read_corpus_fingerprint(run_dir).get("corpus")
     if old != fingerprint:
         warn(f"[twell] warning: the corpus differs from the one this run was trained on (fingerprint "
              f"{old} -> {fingerprint}, {path}): the data source changed since; results are not comparable")

@@ -3,13 +3,21 @@
 Both paths return a HF `tokenizers.Tokenizer` whose end-of-text token exists; the data pipeline
 appends that token to every document. `tokenizers` is imported lazily so that code reading an
 already-tokenized cache does not need it at import time.
+
+A tokenizer's identity is `tokenizer_hash`, a content hash; a run records its tokenizer's in
+`data_fingerprint.json` (`tokenizer_record`), and `training.run_tokenizer.run_tokenizer_hash` reads
+it back (old runs: computed from their tokenizer.json). Wherever two things must share a tokenizer (the runs of a
+comparison, a checkpoint and the data it is trained or evaluated on, an export and its import)
+`check_same_tokenizer` compares the hashes.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -155,3 +163,52 @@ def get_tokenizer(
     publish(tmp_dir, final_dir)
     log(cfg, f"BPE trained in {time.perf_counter() - start:.1f}s ({trained.get_vocab_size()} tokens)")
     return load_tokenizer(path), path, True
+
+
+# ----------------------------------------------------------------------------- identity
+
+# Top-level fields of a tokenizer's serialization that do not decide which ids a text gets: the
+# format's version, and the encoder's runtime settings (enable_truncation, enable_padding).
+_NOT_IDENTITY = ("version", "truncation", "padding")
+
+
+def tokenizer_hash(tokenizer: "Tokenizer") -> str:
+    """The tokenizer's content hash: hex SHA-256 of its serialization (model with vocabulary and
+    merges, added and special tokens, normalizer, pre-tokenizer, post-processor, decoder) as
+    canonical JSON (sorted keys, no whitespace). The same tokenizer hashes equal whichever file it
+    was read from (pretty or compact, a run's copy, an export); a changed token, merge or special
+    token changes it. The serialization is the installed `tokenizers`' own, so a hash is compared
+    with hashes of the same library version (`training.run_tokenizer.run_tokenizer_hash`)."""
+    document = json.loads(tokenizer.to_str())
+    for key in _NOT_IDENTITY:
+        document.pop(key, None)
+    text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def tokenizer_file_hash(path: str | Path) -> str:
+    """`tokenizer_hash` of a tokenizer.json (a file or a directory holding one)."""
+    return tokenizer_hash(load_tokenizer(str(path)))
+
+
+def library_version() -> str:
+    """The installed `tokenizers` version (a hash is compared with hashes of the same version)."""
+    import tokenizers
+
+    return tokenizers.__version__
+
+
+def tokenizer_record(tokenizer_json_path: str | None) -> dict[str, Any]:
+    """What a run records of its tokenizer in data_fingerprint.json: {"tokenizer": its hash,
+    "tokenizers": the library version that serialized it}, or {"tokenizer": None} for a run
+    without one (the synthetic source)."""
+    if tokenizer_json_path is None:
+        return {"tokenizer": None}
+    return {"tokenizer": tokenizer_file_hash(tokenizer_json_path), "tokenizers": library_version()}
+
+
+def check_same_tokenizer(have: str | None, have_what: str, want: str | None, want_what: str, fix: str) -> None:
+    """A one-line ValueError "`have_what` (hash ...) is not `want_what` (hash ...): `fix`" (16 hex
+    digits of each hash) unless the two tokenizers are the same; an unknown one (None) is not compared."""
+    if have is not None and want is not None and have != want:
+        raise ValueError(f"{have_what} (hash {have[:16]}) is not {want_what} (hash {want[:16]}): {fix}")

@@ -161,7 +161,10 @@ class TwellLM(LM):
 
 def check_tokenizer(loaded: "LoadedModel") -> None:
     """A ValueError unless the model has a tokenizer that fits it: one exists, its ids fit the
-    embedding, and it has the run's end-of-text token (data.eot_token)."""
+    embedding, it has the run's end-of-text token (data.eot_token), and it is the one the weights
+    were trained with (`loaded.tokenizer_hash`, where known)."""
+    from twell_jax.data import tokenizer as tokenizer_lib
+
     cfg = loaded.config
     if loaded.tokenizer is None:
         raise ValueError("the model has no tokenizer (a run on synthetic tokens, or a checkpoint without "
@@ -173,6 +176,11 @@ def check_tokenizer(loaded: "LoadedModel") -> None:
     if loaded.eos_id is None:
         raise ValueError(f"the tokenizer has no end-of-text token {cfg.data.eot_token!r} (data.eot_token): not the "
                          "tokenizer this model was trained with")
+    if loaded.tokenizer_hash is not None:
+        tokenizer_lib.check_same_tokenizer(
+            tokenizer_lib.tokenizer_hash(loaded.tokenizer), "the model's tokenizer", loaded.tokenizer_hash,
+            "the one its weights were trained with (recorded with the run, or the checkpoint's own tokenizer.json)",
+            "evaluate with the tokenizer.json the model was trained with")
 
 
 # ----------------------------------------------------------------------------- tasks

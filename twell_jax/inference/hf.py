@@ -298,16 +298,19 @@ def import_hf(path: str | Path, *, dtype: str = "float32", ffn_kind: str | None 
     "relu_gated" (dense); for silu "swiglu" (default), or "twell" / "relu_gated" to sparsify it
     (the gate's SiLU becomes a ReLU: not the checkpoint's function until fine-tuned, docs/training.md).
     `tokenizer`: a tokenizer.json (or a directory holding one) to use, an error when it does not
-    exist; default the checkpoint's own tokenizer.json when it has one, else no tokenizer
-    (generation then takes token ids). `max_seq_len`: the context (default the checkpoint's
+    exist or, for a checkpoint with its own tokenizer.json, when it is not that one (their
+    `tokenizer_hash`es differ); default the checkpoint's own tokenizer.json when it has one, else no
+    tokenizer (generation then takes token ids). The result's `tokenizer_hash` is the checkpoint's
+    own tokenizer's (None without one). `max_seq_len`: the context (default the checkpoint's
     max_position_embeddings; a Mistral sliding_window must be at least this long)."""
     from twell_jax.data import tokenizer as tokenizer_lib
 
     path = Path(path)
     if not (path / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{path} has no {CONFIG_FILE} (expected a Hugging Face checkpoint directory)")
+    own_file = path / TOKENIZER_FILE if (path / TOKENIZER_FILE).is_file() else None
     if tokenizer is None:
-        tokenizer_file = path / TOKENIZER_FILE if (path / TOKENIZER_FILE).is_file() else None
+        tokenizer_file = own_file
     else:
         tokenizer_file = Path(tokenizer).expanduser()
         tokenizer_file = tokenizer_file / TOKENIZER_FILE if tokenizer_file.is_dir() else tokenizer_file
@@ -332,12 +335,20 @@ def import_hf(path: str | Path, *, dtype: str = "float32", ffn_kind: str | None 
     if tok is not None and tok.get_vocab_size() > model_cfg.vocab_size:
         raise ValueError(f"the tokenizer {tokenizer_file} has {tok.get_vocab_size()} tokens but the model's "
                          f"vocab_size is {model_cfg.vocab_size}: not this model's tokenizer")
+    own_hash = None  # the identity of the tokenizer the weights come with
+    if own_file is not None and tokenizer_file == own_file:
+        own_hash = tokenizer_lib.tokenizer_hash(tok)
+    elif own_file is not None:  # another tokenizer given for a checkpoint that has its own: the same one only
+        own_hash = tokenizer_lib.tokenizer_file_hash(own_file)
+        tokenizer_lib.check_same_tokenizer(tokenizer_lib.tokenizer_hash(tok), f"tokenizer={str(tokenizer)!r}",
+                                           own_hash, f"the checkpoint's own ({own_file})",
+                                           "leave the tokenizer out to use the checkpoint's own")
     eos = hf.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
     cfg = experiment_config_for(model_cfg, name=path.name or "hf",
                                 tokenizer_path=None if tokenizer_file is None else str(tokenizer_file))
     return LoadedModel(model=model_with_params(model_cfg, params, dtype), config=cfg, tokenizer=tok,
-                       step=None, eos_id=None if eos is None else int(eos))
+                       step=None, eos_id=None if eos is None else int(eos), tokenizer_hash=own_hash)
 
 
 def hf_config_from_model(cfg: ModelConfig, *, eos_id: int | None = None, dtype: str = "float32") -> dict[str, Any]:
@@ -417,11 +428,21 @@ def export_hf(model: LoadedModel | Transformer, out_dir: str | Path, *, cfg: Mod
     `max_shard_bytes`, shards and their model.safetensors.index.json (`shard_names`; transformers
     and `read_safetensors` read both).
 
+    `tokenizer`: the one to write (default a LoadedModel's own); it must be the one the weights
+    were trained with where that is known (`LoadedModel.tokenizer_hash`): the export's
+    tokenizer.json imports with that hash.
+
     `out_dir` must not exist or be empty; everything is written to a temporary sibling first and
     renamed into place, so a failed export leaves nothing behind."""
     from safetensors.flax import save_file
 
+    from twell_jax.data import tokenizer as tokenizer_lib
+
     if isinstance(model, LoadedModel):
+        if tokenizer is not None and model.tokenizer_hash is not None:
+            tokenizer_lib.check_same_tokenizer(tokenizer_lib.tokenizer_hash(tokenizer), "tokenizer=",
+                                               model.tokenizer_hash, "the one the model's weights were trained with",
+                                               "leave tokenizer= out to export the model's own")
         cfg, tokenizer, eos_id, module = model.config.model, tokenizer or model.tokenizer, model.eos_id, model.model
     else:
         if cfg is None:

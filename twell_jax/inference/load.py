@@ -41,6 +41,10 @@ class LoadedModel:
     tokenizer: "Tokenizer | None"  # None when neither the run nor its data section provides one
     step: int | None  # checkpoint step (None for a model that did not come from a run)
     eos_id: int | None = None  # end-of-text id (the data section's eot_token), None if unknown
+    # `data.tokenizer.tokenizer_hash` of the tokenizer the weights were trained with (the run's
+    # record, an imported checkpoint's own tokenizer.json); None if unknown. A tokenizer used with
+    # them (lm-eval's adapter, an export) must hash equal.
+    tokenizer_hash: str | None = None
     # The compiled programs of `generate(loaded, ...)`, made on first use and reused by later calls.
     _generator: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
@@ -122,6 +126,8 @@ def load_run(run_dir: str | Path, step: int | None = None, dtype: str = "bfloat1
     `step`: the checkpoint step (default: the latest). `dtype`: compute dtype, and the dtype the
     parameters are cast to ("bfloat16" or "float32"). `overrides`: `--set` items applied to the
     checkpoint's config, config.RESUMABLE_FIELDS only (e.g. model.ffn_backend=dense)."""
+    from twell_jax.training.run_tokenizer import run_tokenizer_hash
+
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     run_path = run_dir_lib.run_dir_of(run_dir)
@@ -148,7 +154,8 @@ def load_run(run_dir: str | Path, step: int | None = None, dtype: str = "bfloat1
         raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is "
                          f"{cfg.model.vocab_size}: not this run's tokenizer")
     model = model_with_params(cfg.model, params, dtype)
-    return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, step=step, eos_id=eos_id_of(tokenizer, cfg))
+    return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, step=step, eos_id=eos_id_of(tokenizer, cfg),
+                       tokenizer_hash=run_tokenizer_hash(run_path, warn=logger.warning))
 
 
 def validation_tokens(run_dir: str | Path, batch_size: int, *, cycle: bool = False) -> np.ndarray:
