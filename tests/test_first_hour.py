@@ -15,25 +15,19 @@ import types
 import pytest
 
 from twell_jax import config as config_lib
-from twell_jax.cli import main
 from twell_jax.configs import get_config
 from twell_jax.training import preflight
 from twell_jax.training import train as train_lib
 
 
-def _run(argv, capsys):
-    code = main(argv)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
 
 @pytest.fixture
 def fake_corpus(monkeypatch):
-    """`build_experiment_data` replaced by a corpus whose tokenizer has `vocab[0]` tokens (no corpus read)."""
-    import twell_jax.data
+    """The CLI's data builder replaced by a corpus whose tokenizer has `vocab[0]` tokens (no corpus read)."""
+    import twell_jax.training.shared_data
 
     vocab = [300]
-    monkeypatch.setattr(twell_jax.data, "build_experiment_data", lambda cfg: types.SimpleNamespace(
+    monkeypatch.setattr(twell_jax.training.shared_data, "build_experiment_data", lambda cfg: types.SimpleNamespace(
         vocab_size=vocab[0], num_train_sequences=100, num_val_sequences=10))
     return vocab
 
@@ -74,12 +68,12 @@ def test_numbers_that_mean_the_same_pass():
         config_lib.apply_overrides(get_config("micro"), ['model.ffn_expected_active=[1, "x"]'])
 
 
-def test_the_cli_names_the_field_of_a_config_file_and_exits_2(tmp_path, capsys):
+def test_the_cli_names_the_field_of_a_config_file_and_exits_2(tmp_path, cli):
     values = config_lib.to_dict(get_config("micro"))
     values["train"]["steps"] = "10"
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(values))
-    code, out, err = _run(["train", "--config", str(path), "--print-config"], capsys)
+    code, out, err = cli(["train", "--config", str(path), "--print-config"])
     assert code == 2 and out == "" and len(err.splitlines()) == 1
     assert f"--config {path}: train.steps: expected int, got str '10'" in err
 
@@ -112,52 +106,51 @@ def test_a_model_is_refused_only_when_its_parameters_and_optimizer_state_exceed_
         preflight.check_fits_memory(cfg, 1)
 
 
-def test_a_model_too_large_for_the_device_is_refused_before_any_directory(tmp_path, monkeypatch, capsys,
-                                                                          fake_corpus):
+def test_a_model_too_large_for_the_device_is_refused_before_any_directory(tmp_path, monkeypatch, fake_corpus, cli):
     def built(*args, **kwargs):  # (XLA would abort the test process allocating it)
         raise AssertionError("the run got past the memory check")
 
     monkeypatch.setattr(train_lib.Trainer, "_build", built)
     huge = ["--set", "model.d_model=1000000000"]
     out_dir = tmp_path / "run"
-    code, out, err = _run(["train", "--config", "micro", "--out", str(out_dir), *huge], capsys)
+    code, out, err = cli(["train", "--config", "micro", "--out", str(out_dir), *huge])
     assert code == 2 and out == "" and not out_dir.exists()
     errors = [line for line in err.splitlines() if "error" in line]
     assert len(errors) == 1 and "cannot fit" in errors[0] and "8e+18 parameters" in errors[0]
     assert "host memory available" in errors[0]  # the device's memory and where it comes from (a CPU here)
     monkeypatch.chdir(tmp_path)  # without --out: no runs/<name>-<time> is left either
-    code, _, err = _run(["train", "--config", "micro", *huge], capsys)
+    code, _, err = cli(["train", "--config", "micro", *huge])
     assert code == 2 and not any((tmp_path / "runs").glob("*"))
-    code, _, err = _run(["train", "--config", "micro", "--dry-run", *huge], capsys)  # the dry run refuses too
+    code, _, err = cli(["train", "--config", "micro", "--dry-run", *huge])  # the dry run refuses too
     assert code == 2 and "cannot fit" in err
-    code, out, err = _run(["train", "--config", "micro", "--dry-run", "--json"], capsys)
+    code, out, err = cli(["train", "--config", "micro", "--dry-run", "--json"])
     plan = json.loads(out)
     assert code == 0 and plan["memory_estimate_bytes"]["total"] > 0 and plan["device_memory_bytes"] > 0
-    code, out, _ = _run(["train", "--config", "micro", "--dry-run"], capsys)
+    code, out, _ = cli(["train", "--config", "micro", "--dry-run"])
     assert code == 0 and "memory estimate: ~" in out and "per micro-batch" in out
 
 
 # ----------------------------------------------------------------------------- the tokenizer's vocabulary
 
 
-def test_the_dry_run_checks_the_tokenizer_against_the_model(fake_corpus, capsys):
+def test_the_dry_run_checks_the_tokenizer_against_the_model(fake_corpus, cli):
     fake_corpus[0] = 548
-    code, out, err = _run(["train", "--config", "micro", "--dry-run"], capsys)
+    code, out, err = cli(["train", "--config", "micro", "--dry-run"])
     assert code == 2 and out == ""
     assert "the tokenizer has 548 tokens but model.vocab_size=300" in err
 
 
-def test_a_bpe_smaller_than_asked_is_named(fake_corpus, capsys):
+def test_a_bpe_smaller_than_asked_is_named(fake_corpus, cli):
     """tiny asks for 2048 tokens; a small corpus gives fewer: the embedding keeps 2048 rows (so that a
     config means one model), and the run says so."""
     fake_corpus[0] = 548
     one = ["--set", "train.num_devices=1"]  # (the tests' 8 CPU devices do not divide tiny's batch)
-    code, _, err = _run(["train", "--config", "tiny", "--dry-run", *one], capsys)
+    code, _, err = cli(["train", "--config", "tiny", "--dry-run", *one])
     warning = [line for line in err.splitlines() if "warning" in line]
     assert code == 0 and len(warning) == 1
     assert "learned 548 tokens of the data.vocab_size=2048" in warning[0] and "1500 of which" in warning[0]
     fake_corpus[0] = 2048
-    code, _, err = _run(["train", "--config", "tiny", "--dry-run", *one], capsys)
+    code, _, err = cli(["train", "--config", "tiny", "--dry-run", *one])
     assert code == 0 and "warning" not in err
 
 
@@ -200,14 +193,14 @@ def test_ctrl_c_in_a_native_call_is_acknowledged_at_once_and_a_second_one_aborts
 # ----------------------------------------------------------------------------- eval's corpus
 
 
-def test_eval_names_its_corpus_and_the_weights_of_an_import(tmp_path, monkeypatch, capsys):
-    from twell_jax import cli
+def test_eval_names_its_corpus_and_the_weights_of_an_import(tmp_path, monkeypatch, cli):
+    from twell_jax import cli as cli_lib
     from twell_jax.model import init_model
     from twell_jax.training import evaluate
 
     cfg = get_config("micro")
     imported = types.SimpleNamespace(config=cfg, model=init_model(cfg.model, 0), tokenizer=object())
-    monkeypatch.setattr(cli, "_imported", lambda *args, **kwargs: imported)
+    monkeypatch.setattr(cli_lib, "_imported", lambda *args, **kwargs: imported)
     seen = []
 
     def evaluated(cfg, *args, step=None, **kwargs):
@@ -216,28 +209,28 @@ def test_eval_names_its_corpus_and_the_weights_of_an_import(tmp_path, monkeypatc
                 "split": "val"}
 
     monkeypatch.setattr(evaluate, "evaluate_model", evaluated)
-    code, out, err = _run(["eval", "--hf", "hf_dir"], capsys)
+    code, out, err = cli(["eval", "--hf", "hf_dir"])
     assert code == 0 and "step None" not in out and "imported weights" in out and "corpus stdlib" in out
     assert "no --set data.source given: evaluating on the default corpus 'stdlib'" in err
-    code, out, err = _run(["eval", "--hf", "hf_dir", "--json", "--set", "data.source=synthetic"], capsys)
+    code, out, err = cli(["eval", "--hf", "hf_dir", "--json", "--set", "data.source=synthetic"])
     assert code == 0 and json.loads(out)["corpus"] == "synthetic" and "default corpus" not in err
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.json").write_text(config_lib.to_json(cfg))
     monkeypatch.setattr(evaluate, "evaluate_checkpoint", lambda run_dir, step=None, **kwargs: evaluated(cfg, step=4))
-    code, out, _ = _run(["eval", "--checkpoint", str(run), "--set", "data.source=other.jsonl"], capsys)
+    code, out, _ = cli(["eval", "--checkpoint", str(run), "--set", "data.source=other.jsonl"])
     assert code == 0 and "step 4" in out and "corpus other.jsonl" in out
 
 
 # ----------------------------------------------------------------------------- warm-ups
 
 
-def test_a_warm_up_longer_than_the_run_is_named(fake_corpus, capsys):
+def test_a_warm_up_longer_than_the_run_is_named(fake_corpus, cli):
     cfg = config_lib.apply_overrides(get_config("micro"), ["train.steps=4", "optim.warmup_steps=10",
                                                            "sparsity.l1_warmup_end=8"])
     lines = preflight.schedule_warnings(cfg)
     assert len(lines) == 2 and "optim.warmup_steps=10 exceeds train.steps=4" in lines[0]
     assert "sparsity.l1_warmup_start=0, l1_warmup_end=8" in lines[1]
     assert preflight.schedule_warnings(get_config("micro")) == []  # micro: 2 warm-up steps of 4
-    code, _, err = _run(["train", "--config", "micro", "--dry-run", "--set", "optim.warmup_steps=10"], capsys)
+    code, _, err = cli(["train", "--config", "micro", "--dry-run", "--set", "optim.warmup_steps=10"])
     assert code == 0 and sum("optim.warmup_steps=10 exceeds" in line for line in err.splitlines()) == 1

@@ -8,7 +8,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
@@ -142,34 +142,65 @@ def build_tokenizer(cfg: DataConfig) -> "Tokenizer | None":
     return tok
 
 
-def build_data(cfg: DataConfig, *, global_batch: int, process_index: int = 0, process_count: int = 1) -> DataBundle:
+# How a multi-process run builds the caches once: coordinate(cfg, build) calls build(progress) as
+# it sees fit and returns a process's bundle (the trainer's: training/shared_data.build_once).
+Coordinate = Callable[[DataConfig, Callable[["cache_dir.BuildProgress | None"], "DataBundle"]], "DataBundle"]
+
+
+def build_data(cfg: DataConfig, *, global_batch: int, process_index: int = 0, process_count: int = 1,
+               coordinate: Coordinate | None = None) -> DataBundle:
     """Builds (or loads from cache) the tokenizer and token streams and returns the batch pipeline;
-    `source="synthetic"` gives `synthetic_data(cfg, ...)`."""
+    `source="synthetic"` gives `synthetic_data(cfg, ...)`.
+
+    `coordinate` (with process_count > 1, in a multi-process run where every process calls this):
+    how the processes share the build, e.g. process 0 builds the caches while the others wait, then
+    open them (twell_jax/training/shared_data.py); None: each process builds (or finds) them itself."""
     _check_layout(global_batch, process_index, process_count)
     if cfg.is_synthetic:
         return synthetic_data(cfg, global_batch=global_batch, process_index=process_index,
                               process_count=process_count)
+
+    def build(progress: cache_dir.BuildProgress | None) -> DataBundle:
+        return _build_from_corpus(cfg, global_batch, process_index, process_count,
+                                  progress or cache_dir.BuildProgress())
+
+    if process_count > 1 and coordinate is not None:
+        return coordinate(cfg, build)
+    return build(None)
+
+
+def _build_from_corpus(cfg: DataConfig, global_batch: int, process_index: int, process_count: int,
+                       progress: cache_dir.BuildProgress) -> DataBundle:
     start = time.perf_counter()
     files = list_source_files(cfg)
     listing = listing_fingerprint(cfg, files)
     is_val_cache: list[np.ndarray] = []
+    in_get_tokenizer = False  # get_tokenizer asks for the split only when it trains a BPE next
 
     def is_val_fn() -> np.ndarray:
         # Counting documents reads the corpus once more; only done when something must be built.
         if not is_val_cache:
+            progress.start("counting the corpus's documents")
             is_val_cache.append(select_validation(sum(1 for _ in iter_documents(cfg, files)), cfg))
+        if in_get_tokenizer:
+            progress.start("training the BPE tokenizer")
         return is_val_cache[0]
 
+    progress.start("looking for the tokenizer")
+    in_get_tokenizer = True
     tok, tokenizer_path, built_tokenizer = tokenizer_lib.get_tokenizer(cfg, files, listing, is_val_fn)
+    in_get_tokenizer = False
+    progress.start("looking for the token cache")
     eot_id = tokenizer_lib.eot_token_id(tok, cfg.eot_token, where=repr(cfg.tokenizer))
     tokens_key = cache_dir.cache_key({"source": listing, "tokenizer": tokenizer_lib.file_sha256(tokenizer_path),
                                       "eot_token": cfg.eot_token, "version": cache_lib.TOKEN_CACHE_VERSION})
     cache_path = os.path.join(os.path.expanduser(cfg.cache_dir), "tokens", tokens_key)
     built_tokens = not cache_lib.has_token_cache(cache_path)
     if built_tokens:
-        cache_lib.build_token_cache(cfg, files, tok, tokenizer_path, eot_id, is_val_fn(), cache_path)
+        cache_lib.build_token_cache(cfg, files, tok, tokenizer_path, eot_id, is_val_fn(), cache_path, progress)
     else:
         cache_dir.log(cfg, f"tokens: cached at {cache_path}")
+    progress.start("opening the token cache")
     tokens = cache_lib.load_token_cache(cache_path)
     train_sequences = pack(tokens.train_tokens, cfg.seq_len)
     if len(train_sequences) < global_batch:
@@ -225,13 +256,14 @@ def synthetic_data(cfg: DataConfig, *, global_batch: int, process_index: int = 0
     )
 
 
-def build_experiment_data(cfg: ExperimentConfig) -> DataBundle:
+def build_experiment_data(cfg: ExperimentConfig, coordinate: Coordinate | None = None) -> DataBundle:
     """The trainer's data: `cfg.data` for this process's slice of `train.global_batch`, checked up
-    front against the evaluation the run will do (a run must not train and then fail to evaluate)."""
+    front against the evaluation the run will do (a run must not train and then fail to evaluate).
+    coordinate: `build_data`'s (the trainer passes training/shared_data.build_once)."""
     import jax
 
     bundle = build_data(cfg.data, global_batch=cfg.train.global_batch, process_index=jax.process_index(),
-                        process_count=jax.process_count())
+                        process_count=jax.process_count(), coordinate=coordinate)
     eval_batch = cfg.train.eval_batch_size
     if bundle.num_val_sequences < eval_batch:
         hint = (" (a single .txt file is one document: split it with data.txt_separator, e.g. '\\n\\n')"

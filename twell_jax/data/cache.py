@@ -1,6 +1,6 @@
-"""The token cache: build (every document tokenized by `encode_pool`'s processes) and load. It is
-built in a private temporary directory and renamed into place (`cache_dir`), so concurrent
-processes or an interrupted build never leave a half-written cache behind."""
+"""The token cache: build (every document tokenized by `encode_pool`'s processes, streamed to disk)
+and load. It is built in a private temporary directory and renamed into place (`cache_dir`), so
+concurrent processes or an interrupted build never leave a half-written cache behind."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from twell_jax.config import DataConfig
-from twell_jax.data.cache_dir import log, new_tmp_dir, publish
+from twell_jax.data.cache_dir import BuildProgress, log, new_tmp_dir, publish
 from twell_jax.data.encode_pool import encode_chunks, resolve_workers
 from twell_jax.data.sources import DocumentHasher, SourceFile, iter_documents
 
@@ -29,7 +29,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def _write_npy_from_raw(raw_path: str, npy_path: str, dtype: np.dtype) -> int:
-    """Turns a raw token file into an .npy (so np.load can memory-map it); returns its length."""
+    """Turns a raw file of `dtype` items into an .npy (so np.load can memory-map it); returns its length."""
     num_tokens = os.path.getsize(raw_path) // dtype.itemsize
     if num_tokens == 0:
         np.save(npy_path, np.zeros(0, dtype))
@@ -45,26 +45,34 @@ def _write_npy_from_raw(raw_path: str, npy_path: str, dtype: np.dtype) -> int:
     return num_tokens
 
 
+# What the build streams to disk, per split: the tokens and, per document, its id and token count.
+_STREAMS = ("", "_doc_ids", "_doc_lengths")
+
+
 def build_token_cache(
     cfg: DataConfig, files: list[SourceFile], tokenizer: Any, tokenizer_json_path: str,
-    eot_id: int, is_val: np.ndarray, final_dir: str,
+    eot_id: int, is_val: np.ndarray, final_dir: str, progress: BuildProgress | None = None,
 ) -> None:
     """Tokenizes every document (no special tokens, then `eot_id`) into train.npy / val.npy,
     document ids and lengths, and meta.json (with the corpus content hash); chunks of
-    `encode_chunk_documents` documents are encoded by `data.tokenize_workers` processes."""
+    `encode_chunk_documents` documents are encoded by `data.tokenize_workers` processes. Everything
+    is streamed to files chunk by chunk: memory holds a few chunks, whatever the corpus's size
+    (and `is_val`, one byte per document). `progress` (when given) counts the documents done."""
     from tqdm.auto import tqdm
 
     vocab_size = tokenizer.get_vocab_size()
     dtype = token_dtype(vocab_size)
     tmp_dir = new_tmp_dir(final_dir)
-    raw = {split: open(os.path.join(tmp_dir, f"{split}.raw"), "wb") for split in ("train", "val")}
-    doc_lengths: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+    raw = {split + stream: open(os.path.join(tmp_dir, f"{split}{stream}.raw"), "wb")
+           for split in ("train", "val") for stream in _STREAMS}
     hasher = DocumentHasher()
     start = time.perf_counter()
     chunk = cfg.encode_chunk_documents
     workers = resolve_workers(cfg.tokenize_workers, -(-len(is_val) // chunk))
     progress_bar = tqdm(total=len(is_val), unit="doc", disable=not cfg.progress,
                         desc=f"tokenizing {cfg.source} ({workers} process{'es' if workers > 1 else ''}) -> {final_dir}")
+    if progress is not None:
+        progress.start("tokenizing", len(is_val))
 
     def chunks():
         batch: list[str] = []
@@ -85,12 +93,15 @@ def build_token_cache(
                 break  # more documents than counted: reported below
             in_val = is_val[first_doc:first_doc + len(lengths)]
             doc_of_token = np.repeat(in_val, lengths)
-            raw["val"].write(flat[doc_of_token].tobytes())
-            raw["train"].write(flat[~doc_of_token].tobytes())
-            doc_lengths["val"].append(lengths[in_val])
-            doc_lengths["train"].append(lengths[~in_val])
+            doc_ids = np.arange(first_doc, first_doc + len(lengths), dtype=np.int64)
+            for split, mask in (("val", in_val), ("train", ~in_val)):
+                raw[split].write(flat[doc_of_token if split == "val" else ~doc_of_token].tobytes())
+                raw[f"{split}_doc_ids"].write(doc_ids[mask].tobytes())
+                raw[f"{split}_doc_lengths"].write(lengths[mask].tobytes())
             first_doc += len(lengths)
             progress_bar.update(len(lengths))
+            if progress is not None:
+                progress.done = first_doc
     finally:
         progress_bar.close()
         for handle in raw.values():
@@ -102,13 +113,12 @@ def build_token_cache(
     meta: dict[str, Any] = {"version": TOKEN_CACHE_VERSION, "vocab_size": vocab_size, "eot_id": eot_id,
                             "dtype": dtype.name, "documents_sha256": hasher.hexdigest()}
     for split, mask in (("train", ~is_val), ("val", is_val)):
-        num_tokens = _write_npy_from_raw(
-            os.path.join(tmp_dir, f"{split}.raw"), os.path.join(tmp_dir, f"{split}.npy"), dtype
-        )
-        np.save(os.path.join(tmp_dir, f"{split}_doc_ids.npy"), np.flatnonzero(mask).astype(np.int64))
-        np.save(os.path.join(tmp_dir, f"{split}_doc_lengths.npy"),
-                np.concatenate(doc_lengths[split] or [np.zeros(0, np.int64)]))
-        meta[f"num_{split}_tokens"] = num_tokens
+        for stream in _STREAMS:
+            num_items = _write_npy_from_raw(os.path.join(tmp_dir, f"{split}{stream}.raw"),
+                                            os.path.join(tmp_dir, f"{split}{stream}.npy"),
+                                            dtype if stream == "" else np.dtype(np.int64))
+            if stream == "":
+                meta[f"num_{split}_tokens"] = num_items
         meta[f"num_{split}_documents"] = int(mask.sum())
     with open(os.path.join(tmp_dir, _META), "w") as handle:
         json.dump(meta, handle, indent=1)

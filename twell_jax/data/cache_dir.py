@@ -1,7 +1,9 @@
 """Cache directories (the tokenizer cache, the token cache): a key from what their content depends
-on, a private directory to build in, an atomic publish, and the data pipeline's progress lines."""
+on, a private directory to build in, an atomic publish, and the data pipeline's progress (lines on
+stderr, and `BuildProgress` for the processes waiting for a build)."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -17,6 +19,23 @@ def log(cfg: DataConfig, message: str) -> None:
     """A progress line on stderr (when `data.progress`)."""
     if cfg.progress:
         print(f"[twell_jax.data] {message}", file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass
+class BuildProgress:
+    """Where a data build is (written by the building thread, read by the one reporting it)."""
+
+    phase: str = "listing the corpus"  # what the build does now, in words
+    done: int = 0  # documents done in this phase
+    total: int | None = None  # documents in this phase, when known
+
+    def start(self, phase: str, total: int | None = None) -> None:
+        self.phase, self.done, self.total = phase, 0, total
+
+    def describe(self) -> str:
+        if self.total is None:
+            return self.phase
+        return f"{self.phase}: {self.done} of {self.total} documents"
 
 
 def cache_key(payload: Any) -> str:

@@ -19,7 +19,8 @@ import numpy as np
 from twell_jax import config as config_lib
 from twell_jax import run_dir as run_dir_lib
 from twell_jax.config import ExperimentConfig
-from twell_jax.data import DataSource, build_data, build_experiment_data
+from twell_jax.data import DataSource, build_data
+from twell_jax.training.shared_data import build_experiment_data, build_once
 from twell_jax.data.batching import val_batches
 from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax.training import parallel
@@ -96,7 +97,8 @@ def split_data(cfg: ExperimentConfig, split: str, *, limit_batches: bool,
             raise ValueError(f"{text} (data.val_fraction is the run's own: it picked the held-out documents when "
                              "the run was trained)") from None
     bundle = build_data(dataclasses.replace(cfg.data, val_fraction=0.0), global_batch=cfg.train.global_batch,
-                        process_index=jax.process_index(), process_count=jax.process_count())
+                        process_index=jax.process_index(), process_count=jax.process_count(),
+                        coordinate=build_once)
     return WholeCorpus(bundle, cfg.train.eval_batches if limit_batches else None)
 
 
