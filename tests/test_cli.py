@@ -1,4 +1,5 @@
-"""The `twell` CLI end to end on the micro preset: train, eval, compare, errors."""
+"""The `twell` CLI end to end on the micro preset: eval, generate, hf, the command line's surface,
+errors (`twell train` itself: tests/test_run_trust.py; `twell compare`: tests/test_compare.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,26 +12,21 @@ from twell_jax.cli import main
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.getbasetemp() / "twell_data_cache")
+def trained_run(tmp_path_factory, data_cache_dir):
+    """One `twell train` of micro (the sparse `twell` model with micro's L1, backend "auto"), 2 steps,
+    for the eval, generate and hf tests."""
+    run = tmp_path_factory.mktemp("cli") / "run"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["train", "--config", "micro", "--out", str(run),
+                     "--set", f"data.cache_dir={data_cache_dir}", "train.steps=2"]) == 0
+    return run
 
 
-@pytest.fixture(scope="module")
-def compared(tmp_path_factory, cache_dir):
-    """One `twell compare` (a dense and a sparse 2-step run) for the eval tests (`twell train` itself
-    is exercised by tests/test_run_trust.py, `twell compare` by tests/test_compare.py)."""
-    out = tmp_path_factory.mktemp("cli") / "cmp"
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        assert main(["compare", "--config", "micro", "--out", str(out),
-                     "--set", f"data.cache_dir={cache_dir}", "train.steps=2"]) == 0
-    return out, printed.getvalue()
-
-
-def test_eval_reproduces_the_runs_validation(compared, capsys):
-    run = compared[0] / "twell-l1-0.001"  # the sparse run (micro's L1); the study's own tests: test_compare.py
-    assert main(["eval", "--checkpoint", str(run), "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)  # stdout holds the JSON document and nothing else
+def test_eval_reproduces_the_runs_validation(trained_run, cli):
+    run = trained_run
+    code, out, _ = cli(["eval", "--checkpoint", str(run), "--json"])
+    assert code == 0
+    result = json.loads(out)  # stdout holds the JSON document and nothing else
     summary = json.loads((run / "summary.json").read_text())
     assert result["step"] == 2
     assert result["loss"] == pytest.approx(summary["val_loss"], rel=1e-6)  # same params, same val batches
@@ -43,26 +39,21 @@ def test_eval_reproduces_the_runs_validation(compared, capsys):
     (["train", "--config", "nope"], "unknown config 'nope'"),
     (["train", "--config", "micro", "--resume"], "--resume needs --out"),
 ])
-def test_errors_are_reported_cleanly(argv, message, capsys):
-    assert main(argv) == 2
-    assert message in capsys.readouterr().err
+def test_errors_are_reported_cleanly(argv, message, cli):
+    code, _, err = cli(argv)
+    assert code == 2 and message in err
 
 
-def test_eval_of_missing_checkpoint(tmp_path, capsys):
-    assert main(["eval", "--checkpoint", str(tmp_path / "none")]) == 2
-    assert "no checkpoint" in capsys.readouterr().err
+def test_eval_of_missing_checkpoint(tmp_path, cli):
+    code, _, err = cli(["eval", "--checkpoint", str(tmp_path / "none")])
+    assert code == 2 and "no checkpoint" in err
 
 
 # ----------------------------------------------------------------------------- the command line's surface
 
 
-def _run(argv, capsys):
-    code = main(argv)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
-
-def test_version_help_with_examples_and_one_line_per_preset(capsys):
+def test_version_help_with_examples_and_one_line_per_preset(capsys, cli):
     from twell_jax import __version__
     from twell_jax.cli import _parser
     from twell_jax.configs import list_configs
@@ -75,44 +66,44 @@ def test_version_help_with_examples_and_one_line_per_preset(capsys):
     for name, sub in commands.items():
         text = sub.format_help()
         assert sub.description and "examples:" in text and f"twell {name}" in text.split("examples:")[1], name
-    code, out, _ = _run(["configs"], capsys)
+    code, out, _ = cli(["configs"])
     lines = out.splitlines()
     assert code == 0 and [line.split()[0] for line in lines] == list_configs()
     assert "2 layers, d_model 32" in lines[0]  # read from the preset itself
 
 
-def test_print_config_and_a_config_file(tmp_path, capsys):
+def test_print_config_and_a_config_file(tmp_path, cli):
     from twell_jax import config as config_lib
     from twell_jax.configs import get_config
 
-    code, out, _ = _run(["train", "--config", "micro", "--set", "train.steps=7", "--print-config"], capsys)
+    code, out, _ = cli(["train", "--config", "micro", "--set", "train.steps=7", "--print-config"])
     printed = config_lib.from_dict(json.loads(out))
     assert code == 0 and printed.train.steps == 7 and printed.model == get_config("micro").model
     path = tmp_path / "mine.json"
     path.write_text(out)
-    code, out, _ = _run(["train", "--config", str(path), "--set", "model.n_layers=3", "--print-config"], capsys)
+    code, out, _ = cli(["train", "--config", str(path), "--set", "model.n_layers=3", "--print-config"])
     assert code == 0 and json.loads(out)["model"]["n_layers"] == 3 and json.loads(out)["train"]["steps"] == 7
     assert not (tmp_path / "runs").exists()
     path.write_text('{"model": ')
-    code, out, err = _run(["train", "--config", str(path), "--print-config"], capsys)
+    code, out, err = cli(["train", "--config", str(path), "--print-config"])
     assert code == 2 and out == "" and f"--config {path}: not valid JSON" in err and len(err.splitlines()) == 1
 
 
-def test_dry_run_checks_and_writes_nothing(tmp_path, cache_dir, capsys):
+def test_dry_run_checks_and_writes_nothing(tmp_path, data_cache_dir, cli):
     out_dir = tmp_path / "dry"
-    code, out, _ = _run(["train", "--config", "micro", "--out", str(out_dir), "--dry-run", "--json",
-                         "--set", f"data.cache_dir={cache_dir}"], capsys)
+    code, out, _ = cli(["train", "--config", "micro", "--out", str(out_dir), "--dry-run", "--json",
+                         "--set", f"data.cache_dir={data_cache_dir}"])
     plan = json.loads(out)
     assert code == 0 and plan["parameters"] > 0 and plan["tokens_per_step"] == 8 * 16 and plan["run_dir_state"] == "new"
     assert not out_dir.exists()
-    code, _, err = _run(["train", "--config", "micro", "--dry-run", "--set", "train.global_batch=7"], capsys)
+    code, _, err = cli(["train", "--config", "micro", "--dry-run", "--set", "train.global_batch=7"])
     assert code == 2 and "global_batch" in err
 
 
 
-def test_dry_run_of_a_resume_reads_the_runs_tokenizer(tmp_path, monkeypatch, capsys):
+def test_dry_run_of_a_resume_reads_the_runs_tokenizer(tmp_path, monkeypatch, cli):
     """As the resumed run will: the run's saved tokenizer.json, not a tokenizer built anew from the config."""
-    import twell_jax.data
+    import twell_jax.training.shared_data
     from twell_jax import config as config_lib
     from twell_jax.configs import get_config
 
@@ -127,14 +118,14 @@ def test_dry_run_of_a_resume_reads_the_runs_tokenizer(tmp_path, monkeypatch, cap
         seen.append(cfg.data.tokenizer)
         raise ValueError("data: stopped here")
 
-    monkeypatch.setattr(twell_jax.data, "build_experiment_data", builder)
-    code, _, err = _run(["train", "--out", str(run), "--resume", "--dry-run"], capsys)
+    monkeypatch.setattr(twell_jax.training.shared_data, "build_experiment_data", builder)
+    code, _, err = cli(["train", "--out", str(run), "--resume", "--dry-run"])
     assert code == 2 and "stopped here" in err
     assert seen == [str((run / "tokenizer.json").absolute())]
 
 
 @pytest.mark.slow
-def test_readme_generate_example_runs(compared, capsys):
+def test_readme_generate_example_runs(trained_run, cli):
     """The README's `twell generate` command, on a micro run (16-token context) in place of runs/micro."""
     import pathlib
     import re
@@ -145,8 +136,8 @@ def test_readme_generate_example_runs(compared, capsys):
     assert len(lines) >= 2, "README.md shows no twell generate command of a run"
     for line in lines:
         argv = shlex.split(line, comments=True)[1:]
-        argv[argv.index("--checkpoint") + 1] = str(compared[0] / "twell-l1-0.001")  # the sparse run
-        code, out, err = _run(argv, capsys)
+        argv[argv.index("--checkpoint") + 1] = str(trained_run)
+        code, out, err = cli(argv)
         assert code == 0, err
         prompt = argv[argv.index("--prompt") + 1]
         if "--json" in argv:
@@ -155,14 +146,14 @@ def test_readme_generate_example_runs(compared, capsys):
             assert out.startswith(prompt) and "[twell]" not in out  # the text on stdout, the notes on stderr
 
 
-def test_generate_checks_everything_before_printing_and_truncates_on_request(compared, capsys):
-    run = str(compared[0] / "twell-l1-0.001")
+def test_generate_checks_everything_before_printing_and_truncates_on_request(trained_run, cli):
+    run = str(trained_run)
     long_prompt = "def main(argv):\n    return sorted(set(argv)) + list(range(10))\n" * 3
-    code, out, err = _run(["generate", "--checkpoint", run, "--prompt", long_prompt, "--max-new-tokens", "4"], capsys)
+    code, out, err = cli(["generate", "--checkpoint", run, "--prompt", long_prompt, "--max-new-tokens", "4"])
     assert code == 2 and out == "" and len(err.splitlines()) == 1
     assert "--prompt 0 has" in err and "--truncate-prompt left" in err
-    code, out, err = _run(["generate", "--checkpoint", run, "--prompt", long_prompt, "--max-new-tokens", "4",
-                           "--truncate-prompt", "left", "--json"], capsys)
+    code, out, err = cli(["generate", "--checkpoint", run, "--prompt", long_prompt, "--max-new-tokens", "4",
+                           "--truncate-prompt", "left", "--json"])
     report = json.loads(out)
     assert code == 0 and report["prompts"][0]["prompt_tokens"] == 16 - 4 + 1 and "truncated to its last" in err
     for argv, message in ((["--prompt", "x\udcff"], "--prompt 0: not valid UTF-8"),
@@ -170,53 +161,53 @@ def test_generate_checks_everything_before_printing_and_truncates_on_request(com
                           (["--prompt", "x", "--top-p", "0"], "--top-p"),
                           (["--prompt", "x", "--decode-chunk", "0"], "--decode-chunk 0"),
                           (["--prompt", "x", "--max-new-tokens", "40"], "--max-new-tokens 40 does not fit")):
-        code, out, err = _run(["generate", "--checkpoint", run, *argv], capsys)
+        code, out, err = cli(["generate", "--checkpoint", run, *argv])
         assert code == 2 and out == "" and message in err and len(err.splitlines()) == 1, (argv, err)
 
 
 @pytest.mark.slow
-def test_generate_samples_and_stop_strings_as_json(compared, capsys):
-    run = str(compared[0] / "twell-l1-0.001")
+def test_generate_samples_and_stop_strings_as_json(trained_run, cli):
+    run = str(trained_run)
     argv = ["generate", "--checkpoint", run, "--prompt", "def", "--prompt", "import", "--max-new-tokens", "6",
             "--temperature", "1.0", "--num-samples", "3", "--json"]
-    code, out, _ = _run(argv, capsys)
+    code, out, _ = cli(argv)
     report = json.loads(out)
     assert code == 0 and [len(p["samples"]) for p in report["prompts"]] == [3, 3]
     free = report["prompts"][0]["samples"][0]
     assert len({tuple(s["tokens"]) for p in report["prompts"] for s in p["samples"]}) > 1  # samples differ
     assert report["decode_chunk"] == 16 and report["compile_s"] > 0 and report["decode_tokens_per_s"] > 0
-    code, out, _ = _run(argv + ["--decode-chunk", "1"], capsys)  # a device call per token: the same samples
+    code, out, _ = cli(argv + ["--decode-chunk", "1"])  # a device call per token: the same samples
     assert code == 0 and json.loads(out)["prompts"] == report["prompts"]
     assert report["decode_layout"] == "transposed"  # the default of runs made now
-    code, out, _ = _run(argv + ["--decode-layout", "stored"], capsys)  # (a CPU: XLA's steps, no copies made)
+    code, out, _ = cli(argv + ["--decode-layout", "stored"])  # (a CPU: XLA's steps, no copies made)
     stored = json.loads(out)
     assert code == 0 and stored["prompts"] == report["prompts"] and stored["decode_layout"] == "stored"
     stop = free["text"][2:4] if len(free["text"]) >= 4 else free["text"]
-    code, out, _ = _run(argv + ["--stop", stop], capsys)
+    code, out, _ = cli(argv + ["--stop", stop])
     first = json.loads(out)["prompts"][0]["samples"][0]  # same seed and rows: the same sample, cut at the stop
     assert code == 0 and first["finish_reason"] == "stop" and first["text"] == free["text"][:free["text"].find(stop)]
 
 
-def test_eval_accepts_a_step_directory_and_the_whole_of_another_corpus(compared, tmp_path, capsys):
+def test_eval_accepts_a_step_directory_and_the_whole_of_another_corpus(trained_run, tmp_path, cli):
     import dataclasses
 
     from twell_jax.data import build_data
     from twell_jax.training import checkpoint as ckpt_lib
 
-    run = compared[0] / "twell-l1-0.001"
-    code, out, _ = _run(["eval", "--checkpoint", str(run / "checkpoints" / "2"), "--json"], capsys)
+    run = trained_run
+    code, out, _ = cli(["eval", "--checkpoint", str(run / "checkpoints" / "2"), "--json"])
     assert code == 0 and json.loads(out)["step"] == 2
-    code, _, err = _run(["eval", "--checkpoint", str(run / "checkpoints" / "2"), "--step", "1"], capsys)
+    code, _, err = cli(["eval", "--checkpoint", str(run / "checkpoints" / "2"), "--step", "1"])
     assert code == 2 and "pick one" in err
     corpus = tmp_path / "other.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i * i}\n"}) + "\n"
                               for i in range(60)))
     overrides = [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}"]
-    code, _, err = _run(["eval", "--checkpoint", str(run), "--set", *overrides], capsys)
+    code, _, err = cli(["eval", "--checkpoint", str(run), "--set", *overrides])
     assert code == 2 and "--split all" in err and "raise data.val_fraction" not in err  # 5% of 60 documents
-    code, _, err = _run(["eval", "--checkpoint", str(run), "--set", "data.val_fraction=0.5"], capsys)
+    code, _, err = cli(["eval", "--checkpoint", str(run), "--set", "data.val_fraction=0.5"])
     assert code == 2 and "--split all" in err
-    code, out, _ = _run(["eval", "--checkpoint", str(run), "--split", "all", "--json", "--set", *overrides], capsys)
+    code, out, _ = cli(["eval", "--checkpoint", str(run), "--split", "all", "--json", "--set", *overrides])
     result = json.loads(out)
     cfg = ckpt_lib.load_run_config(run)
     whole = build_data(dataclasses.replace(cfg.data, source=str(corpus), cache_dir=str(tmp_path / "cache"),
@@ -227,18 +218,18 @@ def test_eval_accepts_a_step_directory_and_the_whole_of_another_corpus(compared,
 
 
 @pytest.mark.slow
-def test_hf_export_import_eval_and_fine_tuning_from_the_command_line(compared, tmp_path, cache_dir, capsys):
+def test_hf_export_import_eval_and_fine_tuning_from_the_command_line(trained_run, tmp_path, data_cache_dir, cli):
     import numpy as np
 
     from twell_jax.inference.hf import import_hf
     from twell_jax.training.checkpoint import restore_params
 
-    run = compared[0] / "twell-l1-0.001"
+    run = trained_run
     exported = tmp_path / "hf"
-    code, out, _ = _run(["hf", "export", "--checkpoint", str(run), "--out", str(exported), "--json"], capsys)
+    code, out, _ = cli(["hf", "export", "--checkpoint", str(run), "--out", str(exported), "--json"])
     assert code == 0 and json.loads(out)["files"] == ["config.json", "generation_config.json", "model.safetensors",
                                                       "tokenizer.json", "tokenizer_config.json"]
-    code, out, _ = _run(["hf", "import", str(exported), "--json"], capsys)
+    code, out, _ = cli(["hf", "import", str(exported), "--json"])
     assert code == 0 and json.loads(out)["model"]["n_layers"] == 2
     # An export into a non-empty directory is refused before the checkpoint is loaded.
     from twell_jax.inference import load as load_lib
@@ -248,18 +239,17 @@ def test_hf_export_import_eval_and_fine_tuning_from_the_command_line(compared, t
 
     original, load_lib.load_run = load_lib.load_run, no_load
     try:
-        code, _, err = _run(["hf", "export", "--checkpoint", str(run), "--out", str(exported)], capsys)
+        code, _, err = cli(["hf", "export", "--checkpoint", str(run), "--out", str(exported)])
     finally:
         load_lib.load_run = original
     assert code == 2 and "is not an empty directory" in err, err
-    code, out, _ = _run(["eval", "--hf", str(exported), "--json", "--set", f"data.cache_dir={cache_dir}",
-                         "train.eval_batches=1"], capsys)
+    code, out, _ = cli(["eval", "--hf", str(exported), "--json", "--set", f"data.cache_dir={data_cache_dir}",
+                         "train.eval_batches=1"])
     assert code == 0 and json.loads(out)["loss"] > 0
     # Fine-tuning starts from the imported weights: one step at a negligible learning rate keeps them.
     tuned = tmp_path / "tuned"
-    code, _, err = _run(["train", "--config", "micro", "--init-from", str(exported), "--out", str(tuned), "--set",
-                         "train.steps=1", "optim.lr=1e-12", "optim.weight_decay=0", f"data.cache_dir={cache_dir}"],
-                        capsys)
+    code, _, err = cli(["train", "--config", "micro", "--init-from", str(exported), "--out", str(tuned), "--set",
+                         "train.steps=1", "optim.lr=1e-12", "optim.weight_decay=0", f"data.cache_dir={data_cache_dir}"])
     assert code == 0, err
     params = restore_params(tuned)[0]
     original = import_hf(exported)
@@ -267,19 +257,19 @@ def test_hf_export_import_eval_and_fine_tuning_from_the_command_line(compared, t
 
     expected = split_model(original.model)[1]
     np.testing.assert_allclose(np.asarray(params["embed"]), np.asarray(expected["embed"]), atol=1e-6)
-    code, _, err = _run(["train", "--config", "micro", "--init-from", str(exported), "--set", "model.d_model=64",
-                         "--print-config"], capsys)
+    code, _, err = cli(["train", "--config", "micro", "--init-from", str(exported), "--set", "model.d_model=64",
+                         "--print-config"])
     assert code == 2 and "model.d_model" in err
 
 
-def test_every_error_is_one_line_and_exit_2_with_a_traceback_only_on_debug(compared, tmp_path, monkeypatch, capsys):
+def test_every_error_is_one_line_and_exit_2_with_a_traceback_only_on_debug(trained_run, tmp_path, monkeypatch, cli):
     import errno
 
     from twell_jax.training import evaluate
 
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
-    code, out, err = _run(["train", "--config", "micro", "--out", str(a_file / "run")], capsys)
+    code, out, err = cli(["train", "--config", "micro", "--out", str(a_file / "run")])
     errors = [line for line in err.splitlines() if line.startswith("twell train: error: ")]
     assert code == 2 and out == "" and "Traceback" not in err  # a real OSError, named by its file
     assert len(errors) == 1 and f"{a_file / 'run'}: Not a directory" in errors[0]
@@ -290,7 +280,7 @@ def test_every_error_is_one_line_and_exit_2_with_a_traceback_only_on_debug(compa
         except OSError as inner:
             raise RuntimeError("TensorStore write failed:\n" + "    at frame\n" * 500) from inner
 
-    run = str(compared[0] / "twell-l1-0.001")
+    run = str(trained_run)
     def tensorstore_says(*args, **kwargs):  # a library's ValueError whose errno text sits deep in its message
         raise ValueError("Error writing local file \"/runs/x/d/1\":\n" + "  context\n" * 50
                          + "[RESOURCE_EXHAUSTED] No space left on device")
@@ -305,9 +295,9 @@ def test_every_error_is_one_line_and_exit_2_with_a_traceback_only_on_debug(compa
             raise _error
 
         monkeypatch.setattr(evaluate, "evaluate_checkpoint", raise_)
-        code, out, err = _run(["eval", "--checkpoint", run], capsys)
+        code, out, err = cli(["eval", "--checkpoint", run])
         assert code == 2 and out == "" and len(err.splitlines()) == 1 and expected in err, err
-        code, _, err = _run(["eval", "--checkpoint", run, "--debug"], capsys)
+        code, _, err = cli(["eval", "--checkpoint", run, "--debug"])
         assert code == 2 and "Traceback" in err and expected in err.splitlines()[-1]
 
     def interrupted(*args, **kwargs):
@@ -321,7 +311,7 @@ def test_every_error_is_one_line_and_exit_2_with_a_traceback_only_on_debug(compa
 
     for raiser in (interrupted, import_interrupted):
         monkeypatch.setattr(evaluate, "evaluate_checkpoint", raiser)
-        code, out, err = _run(["eval", "--checkpoint", run], capsys)
+        code, out, err = cli(["eval", "--checkpoint", run])
         assert code == 130 and out == "" and len(err.splitlines()) == 1 and "interrupted" in err
 
 
@@ -360,16 +350,16 @@ def test_the_console_script_exits_130_on_ctrl_c_and_2_on_an_error(tmp_path):
         assert len(done.stderr.splitlines()) == 1 and message in done.stderr
 
 
-def test_a_damaged_run_config_or_tokenizer_is_named(compared, tmp_path, capsys):
+def test_a_damaged_run_config_or_tokenizer_is_named(trained_run, tmp_path, cli):
     import shutil
 
-    run = shutil.copytree(compared[0] / "twell-l1-0.001", tmp_path / "run")
+    run = shutil.copytree(trained_run, tmp_path / "run")
     (run / "config.json").write_bytes(b"\xff\xfe{")
-    code, _, err = _run(["eval", "--checkpoint", str(run)], capsys)
+    code, _, err = cli(["eval", "--checkpoint", str(run)])
     assert code == 2 and f"{run / 'config.json'} is not valid JSON" in err
-    shutil.copy(compared[0] / "twell-l1-0.001" / "config.json", run / "config.json")
+    shutil.copy(trained_run / "config.json", run / "config.json")
     (run / "tokenizer.json").write_text("{bad")
-    code, _, err = _run(["generate", "--checkpoint", str(run), "--prompt", "x"], capsys)
+    code, _, err = cli(["generate", "--checkpoint", str(run), "--prompt", "x"])
     assert code == 2 and f"{run / 'tokenizer.json'}: not a valid tokenizer.json" in err
 
 

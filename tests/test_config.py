@@ -192,6 +192,44 @@ def test_a_config_saved_with_the_decode_fields_under_model_loads_them_into_the_d
         config_lib.apply_overrides(get_config("micro"), ["decode.sparse_ffn=one"])
 
 
+def test_a_config_saved_with_train_fsdp_loads_as_the_layout_it_ran_with():
+    """Runs saved before train.sharding hold train.fsdp (a bool): from_dict converts it (true ->
+    "fsdp", false -> "replicate", the layouts they ran with), `--set train.fsdp=...` still works
+    (also on a resume), and a bad value or both fields set is one error naming the field."""
+    for fsdp, sharding in ((True, "fsdp"), (False, "replicate")):
+        old = config_lib.to_dict(get_config("micro"))
+        del old["train"]["sharding"]
+        old["train"]["fsdp"] = fsdp
+        loaded = config_lib.from_dict(json.loads(json.dumps(old)))
+        assert loaded.train.sharding == sharding and "fsdp" in old["train"]  # the caller's dict as it was
+        assert loaded == config_lib.apply_overrides(get_config("micro"), [f"train.sharding={sharding}"])
+        assert config_lib.apply_overrides(get_config("micro"), [f"train.fsdp={str(fsdp).lower()}"]
+                                          ).train.sharding == sharding
+    assert {"train.fsdp", "train.sharding", "train.fsdp_size"} <= config_lib.RESUMABLE_FIELDS
+    assert get_config("micro").train.sharding == "auto" and get_config("micro").train.fsdp_size is None
+    both = config_lib.to_dict(get_config("micro"))
+    both["train"]["fsdp"] = True
+    with pytest.raises(ValueError, match="train.fsdp was replaced by train.sharding, and both are set"):
+        config_lib.from_dict(both)
+    with pytest.raises(ValueError, match=r"train.fsdp expects a bool \(true/false\), got 'yes please'"):
+        config_lib.apply_overrides(get_config("micro"), ["train.fsdp=yes please"])
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["train.sharding=zero3"], r"train.sharding must be one of \('auto', 'replicate', 'fsdp', 'hybrid'\), "
+                               r"got 'zero3'"),
+    (["train.fsdp_size=0"], r"train.fsdp_size must be >= 1 or None"),
+    (["train.sharding=replicate", "train.fsdp_size=4"], r"train.fsdp_size=4 sizes the FSDP groups of "
+                                                         r"train.sharding 'hybrid' or 'auto', not 'replicate'"),
+    (["train.fsdp_size=two"], r"train.fsdp_size"),
+])
+def test_bad_sharding_settings_name_the_field(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        config_lib.apply_overrides(get_config("micro"), overrides)
+    assert config_lib.apply_overrides(get_config("micro"), ["train.sharding=hybrid", "train.fsdp_size=4"]
+                                      ).train.fsdp_size == 4
+
+
 def test_the_model_asks_the_ffn_kind_table():
     """Each kind's activation and gating come from FFN_KIND_TABLE; the kinds a checkpoint of an
     activation loads as are the table's kinds of that activation and gating."""

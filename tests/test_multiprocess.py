@@ -62,10 +62,11 @@ def _start(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def _start_group(per_process: list[list[str]], cwd: Path, **extra: str) -> list[subprocess.Popen]:
-    """One CLI process per argument list, joined as process 0, 1, ... of one jax.distributed run."""
+def _start_group(per_process: list[list[str]], cwd: Path, devices: int = 1, **extra: str) -> list[subprocess.Popen]:
+    """One CLI process of `devices` CPU devices per argument list, joined as process 0, 1, ... of one
+    jax.distributed run."""
     address = f"127.0.0.1:{_free_port()}"
-    return [_start(args, _env(1, JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES=str(len(per_process)),
+    return [_start(args, _env(devices, JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES=str(len(per_process)),
                               JAX_PROCESS_ID=str(index), **extra), cwd)
             for index, args in enumerate(per_process)]
 
@@ -95,9 +96,9 @@ def _finish(procs: list[subprocess.Popen], timeout: float = LAUNCH_TIMEOUT_S) ->
     return results
 
 
-def _run_group(per_process: list[list[str]], cwd: Path, timeout: float = LAUNCH_TIMEOUT_S,
+def _run_group(per_process: list[list[str]], cwd: Path, timeout: float = LAUNCH_TIMEOUT_S, devices: int = 1,
                **extra: str) -> list[tuple[int, str, str]]:
-    return _finish(_start_group(per_process, cwd, **extra), timeout)
+    return _finish(_start_group(per_process, cwd, devices, **extra), timeout)
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -147,6 +148,35 @@ def test_two_processes_train_resume_and_match_one_process(tmp_path):
     assert summary["steps"] == 6 and summary["num_devices"] == 2
     assert summary["val_loss"] == pytest.approx(json.loads((one / "summary.json").read_text())["val_loss"], rel=1e-6)
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [3, 6]
+
+
+@pytest.mark.slow
+def test_two_processes_of_two_devices_train_hybrid_like_one_replicated_process(tmp_path):
+    """The two-level mesh across processes: 2 processes x 2 CPU devices with train.sharding=hybrid
+    (FSDP over each process's 2 devices, data parallel across the processes: a data 2 x fsdp 2 mesh)
+    train, checkpoint and evaluate with the losses of one process of 4 devices replicated, and every
+    process prints that layout."""
+    settings = ["data.source=synthetic", "train.num_devices=4", "train.micro_batch=2", "train.steps=3",
+                "optim.schedule_steps=3"]
+    run = tmp_path / "hybrid"
+    results = _run_group([["train", "--config", "micro", "--set", *settings, "train.sharding=hybrid",
+                           "--out", str(run)]] * 2, tmp_path, devices=2)
+    _assert_ok(results)
+    for _, out, err in results:
+        assert ("[twell] sharding: hybrid (mesh data 2 x fsdp 2): train.sharding=hybrid, FSDP groups of one "
+                "process's 2 devices") in out + err
+    one = tmp_path / "one"
+    _assert_ok(_finish([_start(["train", "--config", "micro", "--set", *settings, "train.sharding=replicate",
+                                "--out", str(one)], _env(4), tmp_path)]))
+    hybrid_records, one_records = _train_records(run), _train_records(one)
+    assert [r["step"] for r in hybrid_records] == [r["step"] for r in one_records] == [1, 2, 3]
+    for key in ("loss", "ce", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in hybrid_records], [r[key] for r in one_records], rtol=1e-5,
+                                   err_msg=f"{key}: hybrid over two processes vs one replicated process")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["num_devices"] == 4 and summary["val_loss"] == pytest.approx(
+        json.loads((one / "summary.json").read_text())["val_loss"], rel=1e-5)
+    assert [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()] == [3]
 
 
 @pytest.mark.slow

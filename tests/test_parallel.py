@@ -1,5 +1,5 @@
-"""Tests of twell_jax/training/parallel.py (mesh, batch layout, shardings, host->global) on 8 simulated CPU
-devices (tests/conftest.py sets the XLA flag)."""
+"""Tests of twell_jax/training/parallel.py (mesh, layouts, batch layout, shardings, host->global) on 8
+simulated CPU devices (tests/conftest.py sets the XLA flag)."""
 from __future__ import annotations
 
 import os
@@ -23,10 +23,18 @@ pytestmark = pytest.mark.skipif(
 def test_make_mesh_sizes(num_devices):
     mesh = par.make_mesh(num_devices)
     expected = jax.device_count() if num_devices is None else num_devices
-    assert mesh.axis_names == (par.DATA_AXIS,)
+    assert mesh.axis_names == par.BATCH_AXES == ("data", "fsdp")
+    assert dict(mesh.shape) == {"data": expected, "fsdp": 1}  # default: every device a replica
     assert par.mesh_size(mesh) == expected
     assert list(mesh.devices.flat) == jax.devices()[:expected]
-    assert mesh.axis_types == (jax.sharding.AxisType.Auto,)
+    assert mesh.axis_types == (jax.sharding.AxisType.Auto,) * 2
+
+
+def test_make_mesh_groups_consecutive_devices_into_fsdp_rows():
+    mesh = par.make_mesh(8, fsdp_size=4)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4}
+    devices = jax.devices()
+    assert [list(row) for row in mesh.devices] == [devices[:4], devices[4:8]]
 
 
 @pytest.mark.parametrize("bad", [0, -1, 9, 2.0, True])
@@ -35,20 +43,88 @@ def test_make_mesh_rejects_bad_counts(bad):
         par.make_mesh(bad)
 
 
-def test_mesh_works_with_set_mesh_jit_and_shard_map():
-    """The mesh must serve both GSPMD (jit over NamedSharding) and shard_map over "data"."""
-    mesh = par.make_mesh(8)
+@pytest.mark.parametrize("bad", [0, 3, 16, 2.0, None])
+def test_make_mesh_rejects_fsdp_sizes_that_do_not_divide(bad):
+    with pytest.raises(ValueError, match=r"fsdp_size must be a positive int dividing num_devices=8"):
+        par.make_mesh(8, fsdp_size=bad)
+
+
+@pytest.mark.parametrize("fsdp_size", [1, 4, 8])
+def test_mesh_works_with_set_mesh_jit_and_shard_map(fsdp_size):
+    """The mesh must serve both GSPMD (jit over NamedSharding) and shard_map over both axes."""
+    mesh = par.make_mesh(8, fsdp_size)
     x_np = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
     with jax.set_mesh(mesh):
         x = jax.device_put(x_np, par.batch_sharding(mesh))
         via_jit = jax.jit(lambda a: jnp.sum(a * a))(x)
         per_shard = jax.shard_map(
-            lambda a: jax.lax.psum(jnp.sum(a * a), par.DATA_AXIS),
-            in_specs=P(par.DATA_AXIS), out_specs=P(),
+            lambda a: jax.lax.psum(jnp.sum(a * a), par.BATCH_AXES),
+            in_specs=P(par.BATCH_AXES), out_specs=P(),
         )
         via_shard_map = jax.jit(per_shard)(x)
     np.testing.assert_allclose(via_jit, np.sum(x_np * x_np))
     np.testing.assert_allclose(via_shard_map, np.sum(x_np * x_np))
+    # Row i of the batch lives on device i of jax.devices(), whatever the mesh's shape.
+    for shard in x.addressable_shards:
+        assert shard.index[0].start == jax.devices().index(shard.device)
+
+
+# ----------------------------------------------------------------------------- layouts
+
+_GIB = 2**30
+
+
+@pytest.mark.parametrize("sharding, fsdp_size, shape, name", [
+    ("replicate", None, (8, 1), "replicate"),
+    ("fsdp", None, (1, 8), "fsdp"),
+    ("hybrid", None, (2, 4), "hybrid"),  # one process's 4 devices per group
+    ("hybrid", 2, (4, 2), "hybrid"),
+    ("hybrid", 8, (1, 8), "fsdp"),  # a group of two whole processes: the shape is plain FSDP
+])
+def test_resolve_layout_as_asked(sharding, fsdp_size, shape, name):
+    layout = par.resolve_layout(sharding, 8, fsdp_size=fsdp_size, local_devices=4)
+    assert (layout.replicas, layout.fsdp_size) == shape and layout.sharding == name
+    assert f"mesh data {shape[0]} x fsdp {shape[1]}" in layout.describe()
+    assert f"train.sharding={sharding}" in layout.reason
+
+
+@pytest.mark.parametrize("limit_gib, shape, words", [
+    (None, (8, 1), "; cpu reports no memory limit: taken to fit, replicated"),
+    (80.0, (8, 1), " fit in 0.5 x 80.00 GiB of device memory: replicated"),
+    (30.0, (2, 4), " exceed 0.5 x 30.00 GiB of device memory: split over FSDP groups of one process's 4 devices, "
+                   "10.00 GiB per device"),
+    (12.0, (1, 8), " exceed 0.5 x 12.00 GiB of device memory (10.00 GiB per device over groups of one process's "
+                   "4 devices): split over all 8 devices, 5.00 GiB per device"),
+])
+def test_auto_replicates_what_fits_and_splits_what_does_not(limit_gib, shape, words):
+    """40 GiB of f32 state on 2 processes x 4 devices: replicated where half the device holds it,
+    FSDP within a process where a quarter fits, FSDP over every device otherwise."""
+    layout = par.resolve_layout("auto", 8, local_devices=4, state_bytes=40 * _GIB, platform="cpu",
+                                memory_limit=None if limit_gib is None else int(limit_gib * _GIB))
+    assert (layout.replicas, layout.fsdp_size) == shape
+    assert layout.reason == "auto: the f32 parameters, AdamW state and gradients (40.00 GiB unsharded)" + words
+
+
+def test_auto_on_one_device_and_with_a_group_size():
+    assert (par.resolve_layout("auto", 1, state_bytes=10 * _GIB, memory_limit=_GIB).fsdp_size) == 1
+    layout = par.resolve_layout("auto", 8, fsdp_size=2, local_devices=8, state_bytes=10 * _GIB,
+                                memory_limit=12 * _GIB)
+    assert (layout.replicas, layout.fsdp_size, layout.sharding) == (4, 2, "hybrid")
+    assert "groups of train.fsdp_size=2" in layout.reason
+
+
+@pytest.mark.parametrize("args, kwargs, message", [
+    (("zero", 8), {}, r"train.sharding must be one of \('auto', 'replicate', 'fsdp', 'hybrid'\), got 'zero'"),
+    (("hybrid", 8), {"fsdp_size": 3, "local_devices": 4}, r"train.fsdp_size=3 must divide the 8 devices"),
+    (("hybrid", 16), {"fsdp_size": 8, "local_devices": 3}, r"train.fsdp_size=8 must divide the 16 devices and "
+                                                            r"either divide a process's 3 devices"),
+    (("replicate", 8), {"fsdp_size": 2}, r"train.fsdp_size=2 sizes the FSDP groups of train.sharding 'hybrid' or "
+                                         r"'auto', not 'replicate'"),
+    (("auto", 8), {}, r"state_bytes must be the bytes of the unsharded training state"),
+])
+def test_resolve_layout_refuses_bad_input_naming_the_field(args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        par.resolve_layout(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- batch layout
@@ -89,12 +165,12 @@ def test_check_batch_layout_requires_divisibility_by_process_count(monkeypatch):
 # ----------------------------------------------------------------------------- shardings
 
 def test_batch_and_replicated_shardings():
-    mesh = par.make_mesh(8)
-    assert par.batch_sharding(mesh) == NamedSharding(mesh, P(par.DATA_AXIS))
+    mesh = par.make_mesh(8, fsdp_size=4)
+    assert par.batch_sharding(mesh) == NamedSharding(mesh, P(("data", "fsdp")))
     assert par.replicated(mesh) == NamedSharding(mesh, P())
 
 
-def test_param_shardings_replicated_by_default():
+def test_param_shardings_replicated_on_a_replicate_mesh():
     mesh = par.make_mesh(8)
     tree = {"w": jnp.zeros((16, 24)), "b": jnp.zeros((5,)), "step": jnp.zeros((), jnp.int32)}
     shardings = par.param_shardings(mesh, tree)
@@ -102,24 +178,38 @@ def test_param_shardings_replicated_by_default():
     assert all(s.spec == P() for s in jax.tree.leaves(shardings))
 
 
+def test_param_shardings_of_a_hybrid_mesh_split_within_a_row_and_copy_across_rows():
+    """A 2 x 4 mesh: each leaf split 4 ways over "fsdp", the same 4 pieces on both rows."""
+    mesh = par.make_mesh(8, fsdp_size=4)
+    w = np.arange(16 * 24, dtype=np.float32).reshape(16, 24)
+    placed = jax.device_put(w, par.param_shardings(mesh, {"w": jax.ShapeDtypeStruct(w.shape, w.dtype)})["w"])
+    assert placed.sharding.spec == P(None, "fsdp")
+    pieces = {shard.device: (shard.index, np.asarray(shard.data)) for shard in placed.addressable_shards}
+    for row in mesh.devices:
+        assert [pieces[d][1].shape for d in row] == [(16, 6)] * 4
+    for first, second in zip(mesh.devices[0], mesh.devices[1]):
+        assert pieces[first][0] == pieces[second][0]
+        np.testing.assert_array_equal(pieces[first][1], pieces[second][1])
+
+
 @pytest.mark.parametrize(
     "shape, mesh_devices, spec",
     [
-        ((16, 24), 8, P(None, "data")),   # largest divisible dim wins
-        ((24, 16), 8, P("data")),
-        ((16, 16), 8, P("data")),          # tie: first dim
-        ((16, 6), 8, P("data")),           # only one dim divisible
+        ((16, 24), 8, P(None, "fsdp")),   # largest divisible dim wins
+        ((24, 16), 8, P("fsdp")),
+        ((16, 16), 8, P("fsdp")),          # tie: first dim
+        ((16, 6), 8, P("fsdp")),           # only one dim divisible
         ((6, 10), 8, P()),                 # none divisible: replicate
         ((7,), 2, P()),
         ((), 8, P()),                      # scalar (e.g. optimizer count)
         ((3, 5), 1, P()),                  # 1-device mesh: nothing to split
-        ((4, 2, 12), 2, P(None, None, "data")),
+        ((4, 2, 12), 2, P(None, None, "fsdp")),
     ],
 )
 def test_param_shardings_fsdp_picks_largest_divisible_dim(shape, mesh_devices, spec):
-    mesh = par.make_mesh(mesh_devices)
+    mesh = par.make_mesh(mesh_devices, fsdp_size=mesh_devices)
     tree = {"leaf": jax.ShapeDtypeStruct(shape, jnp.float32)}
-    assert par.param_shardings(mesh, tree, fsdp=True)["leaf"].spec == spec
+    assert par.param_shardings(mesh, tree)["leaf"].spec == spec
 
 
 def test_param_shardings_fsdp_places_nnx_optimizer_state():
@@ -130,13 +220,13 @@ def test_param_shardings_fsdp_places_nnx_optimizer_state():
     model = nnx.Linear(16, 24, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     _, state = nnx.split(optimizer)
-    mesh = par.make_mesh(8)
-    shardings = par.param_shardings(mesh, state, fsdp=True)
+    mesh = par.make_mesh(8, fsdp_size=8)
+    shardings = par.param_shardings(mesh, state)
     placed = jax.device_put(state, shardings)
     for before, after in zip(jax.tree.leaves(state), jax.tree.leaves(placed)):
         np.testing.assert_array_equal(np.asarray(before), np.asarray(after))
         if after.shape == (16, 24):
-            assert after.sharding.spec == P(None, "data")
+            assert after.sharding.spec == P(None, "fsdp")
             assert after.addressable_shards[0].data.shape == (16, 3)
         if after.shape == ():
             assert after.sharding.spec == P()
@@ -144,9 +234,9 @@ def test_param_shardings_fsdp_places_nnx_optimizer_state():
 
 # ----------------------------------------------------------------------------- host -> global
 
-@pytest.mark.parametrize("num_devices", [1, 2, 8])
-def test_host_to_global_places_rows_in_order(num_devices):
-    mesh = par.make_mesh(num_devices)
+@pytest.mark.parametrize("num_devices, fsdp_size", [(1, 1), (2, 1), (8, 1), (8, 4), (8, 8)])
+def test_host_to_global_places_rows_in_order(num_devices, fsdp_size):
+    mesh = par.make_mesh(num_devices, fsdp_size)
     tokens = np.arange(8 * 5, dtype=np.int32).reshape(8, 5)
     mask = (tokens % 3 == 0)
     batch = par.host_to_global({"tokens": tokens, "mask": mask}, mesh)
@@ -257,7 +347,7 @@ _VOCAB = 300
 
 
 def _micro_config(ffn_kind: str, backend: str, num_devices: int, steps: int = 4,
-                  checkpoint_every: int = 0) -> ExperimentConfig:
+                  checkpoint_every: int = 0, sharding: str = "auto", fsdp_size: int | None = None) -> ExperimentConfig:
     sparse = ffn_kind == "twell"
     return ExperimentConfig(
         name=f"dp-{ffn_kind}-{backend}-{num_devices}",
@@ -273,7 +363,8 @@ def _micro_config(ffn_kind: str, backend: str, num_devices: int, steps: int = 4,
         # micro_batch=1: 8 / 4 / 1 accumulation steps on 1 / 2 / 8 devices.
         train=TrainConfig(steps=steps, global_batch=_GLOBAL_BATCH, micro_batch=1,
                           num_devices=num_devices, log_every=1, eval_batches=1, checkpoint_every=checkpoint_every,
-                          eval_batch_size=_GLOBAL_BATCH, tensorboard=False, progress_bar=False),
+                          eval_batch_size=_GLOBAL_BATCH, tensorboard=False, progress_bar=False,
+                          sharding=sharding, fsdp_size=fsdp_size),
         # The library's synthetic source: random ids keyed by (seed, row), no tokenizer or corpus,
         # and every device count sees exactly the same global batches.
         data=DataConfig(source="synthetic", vocab_size=_VOCAB, seq_len=_SEQ_LEN, synthetic_sequences=4096,
@@ -392,6 +483,151 @@ def test_step_telemetry_reports_throughput(dense_runs):
         assert record["tokens_per_s_per_device"] == pytest.approx(record["tokens_per_s"] / 2)
 
 
+# ============================================================================= two-level mesh
+# The hybrid layout (FSDP within a group, data parallel across groups) on 4 devices as a 2 x 2 mesh,
+# against plain replication on the same 4 devices and the same global batch.
+
+
+def _specs(tree) -> list:
+    return [leaf.sharding.spec for leaf in jax.tree.leaves(tree) if leaf.ndim]
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory) -> dict:
+    """The dense micro model trained 4 steps on 4 devices, replicated and hybrid 2 x 2, checkpointing at
+    step 2."""
+    root = tmp_path_factory.mktemp("layout_runs")
+    runs = {"root": root}
+    for name, fsdp_size in (("replicate", None), ("hybrid", 2)):
+        cfg = _micro_config("relu_gated", "dense", 4, checkpoint_every=2, sharding=name, fsdp_size=fsdp_size)
+        runs[name] = _train(cfg, root / name)
+    return runs
+
+
+def test_hybrid_mesh_trains_like_replicate_with_its_state_split_within_rows(layout_runs):
+    hybrid, replicate = layout_runs["hybrid"], layout_runs["replicate"]
+    got, want = _trajectory(hybrid), _trajectory(replicate)
+    assert len(want["loss"]) == 4 and not np.allclose(want["loss"][1:], want["loss"][:-1])
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"hybrid 2x2 vs replicate: {key}")
+    # Replicated: every array whole on every device. Hybrid: params and both Adam moments split over
+    # "fsdp" (never over "data"), each device holding half of every split dimension.
+    assert set(_specs(replicate.state)) == {P()}
+    for part in ("params", "opt_state"):
+        specs = _specs(hybrid.state[part])
+        assert specs and all(spec == P() or "fsdp" in spec for spec in specs)
+        assert all("data" not in spec for spec in specs)
+        assert sum(spec != P() for spec in specs) >= len(specs) // 2, f"{part}: few leaves split: {specs}"
+    embedding = hybrid.state["params"]["embed"]
+    assert dict(embedding.sharding.mesh.shape) == {"data": 2, "fsdp": 2}
+    assert embedding.sharding.spec == P("fsdp") and embedding.addressable_shards[0].data.shape == (_VOCAB // 2, 16)
+    assert len(embedding.sharding.device_set) == 4
+
+
+def test_a_hybrid_checkpoint_resumes_onto_another_layout(tmp_path, layout_runs):
+    """Orbax restores the hybrid run's step-2 checkpoint onto a 1 x 4 FSDP mesh: steps 3-4 match the
+    uninterrupted replicated run, and the restored state is split 4 ways."""
+    import shutil
+
+    run_dir = tmp_path / "interrupted"
+    shutil.copytree(layout_runs["root"] / "hybrid", run_dir)
+    cfg = _micro_config("relu_gated", "dense", 4, checkpoint_every=2, sharding="fsdp")
+    resumed = train_lib.Trainer(cfg, run_dir, resume=True, resume_step=2, echo=lambda _: None).run()
+    embedding = resumed.state["params"]["embed"]
+    assert dict(embedding.sharding.mesh.shape) == {"data": 1, "fsdp": 4}
+    assert embedding.addressable_shards[0].data.shape == (_VOCAB // 4, 16)
+    _assert_same_trajectory(_trajectory(resumed), _trajectory(layout_runs["replicate"]),
+                            "resumed (hybrid 2x2 -> fsdp 1x4) vs replicated")
+
+
+def test_the_sparse_op_splits_tokens_over_both_axes_and_gathers_fsdp_weights(monkeypatch):
+    """Under a 2 x 2 mesh the op's shard_map splits the tokens 4 ways (both axes) and takes its
+    FSDP-split weights whole: output, aux and gradients equal the call without a mesh."""
+    from twell_jax.ops import dispatch
+
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((13, 9)), jnp.float32)  # 13 tokens: padded to 16
+    weights = tuple(jnp.asarray(rng.standard_normal((20, 9)) / 3, jnp.float32) for _ in range(3))
+    config = ops_lib.SparseFFNConfig(tile=8, slots=2, ell_width=4, tail_rows=1.0)
+
+    def loss(x_, w_):
+        y, aux = ops_lib.gated_ffn(x_, *w_, backend="reference", config=config)
+        return jnp.sum(y * y) + aux["l1"], (y, aux)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    (_, (y, aux)), grads = step(x, weights)
+    shards = []
+    original = dispatch._sharded_call
+    monkeypatch.setattr(dispatch, "_sharded_call", lambda *a: shards.append(a[-1]) or original(*a))
+    mesh = par.make_mesh(4, fsdp_size=2)
+    with jax.set_mesh(mesh):
+        split = jax.device_put(weights, par.param_shardings(mesh, weights))
+        assert split[0].sharding.spec == P("fsdp")
+        (_, (y_m, aux_m)), grads_m = step(x, split)
+    assert shards == [4]
+    np.testing.assert_allclose(y_m, y, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(aux_m["l1"], aux["l1"], rtol=1e-5)
+    assert float(aux_m["l0"]) == pytest.approx(float(aux["l0"]), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_m), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow  # ~55 s; the op's own check under a 2 x 2 mesh is in the fast tier (above)
+def test_the_sparse_op_under_a_hybrid_mesh_matches_replicate(tmp_path, pallas_interpret):
+    """The twell FFN's Pallas kernels (interpreted) inside the op's shard_map over both axes, its
+    weights all-gathered from their FSDP shards as they enter: the same trajectory as replicated."""
+    runs = {name: _train(_micro_config("twell", "pallas", 4, steps=2, sharding=name, fsdp_size=size), tmp_path / name)
+            for name, size in (("replicate", None), ("hybrid", 2))}
+    got, want = _trajectory(runs["hybrid"]), _trajectory(runs["replicate"])
+    assert np.all(want["l1"] > 0)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"sparse, hybrid 2x2 vs replicate: {key}")
+    assert any("fsdp" in spec for spec in _specs(runs["hybrid"].state["params"]["blocks"]["ffn"]))
+
+
+def test_auto_with_a_small_device_memory_picks_fsdp_and_says_why(tmp_path, monkeypatch):
+    """A device limit of twice the unsharded state: replicated it would take all of the share auto
+    allows (0.5), split over the 4 devices it fits, so auto chooses FSDP and prints why."""
+    from twell_jax.training import preflight
+
+    cfg = _micro_config("relu_gated", "dense", 4, steps=1)
+    estimate = preflight.memory_estimate(cfg, 4, fsdp_size=1)
+    state_bytes = estimate["parameters"] + estimate["optimizer_state"] + estimate["gradients"]
+    monkeypatch.setattr(preflight, "device_memory_limit_bytes", lambda: state_bytes + 1024)
+    lines = []
+    result = train_lib.Trainer(cfg, tmp_path / "auto", echo=lines.append).run()
+    [line] = [line for line in lines if line.startswith("[twell] sharding:")]
+    assert line.startswith("[twell] sharding: fsdp (mesh data 1 x fsdp 4): auto: the f32 parameters, AdamW state "
+                           "and gradients (")
+    assert "GiB of device memory (" not in line  # one process: its group is every device, no second tier
+    assert " exceed 0.5 x " in line and "split over FSDP groups of one process's 4 devices" in line
+    embedding = result.state["params"]["embed"]
+    assert embedding.sharding.spec == P("fsdp") and dict(embedding.sharding.mesh.shape) == {"data": 1, "fsdp": 4}
+
+
+@pytest.mark.parametrize("data_axis, refused", [("data", True), (["fsdp"], True), (None, False),
+                                                 (["data", "fsdp"], False), (["fsdp", "data", "x"], False)])
+def test_an_op_data_axis_must_cover_both_mesh_axes(data_axis, refused):
+    import dataclasses as dc
+
+    from twell_jax.training import preflight
+
+    cfg = _micro_config("twell", "pallas", 4)
+    cfg = dc.replace(cfg, model=dc.replace(cfg.model, ffn_op_config={**cfg.model.ffn_op_config, "data_axis": data_axis}))
+    if refused:
+        with pytest.raises(ValueError, match=r"data_axis=.* must name both mesh axes the trainer splits the batch "
+                                             r"over, \['data', 'fsdp'\], or be None"):
+            preflight.check_op_config(cfg)
+    else:
+        preflight.check_op_config(cfg)
+
+
+def test_the_default_auto_on_a_cpu_replicates_and_says_so(dense_runs):
+    result = dense_runs[8]
+    assert set(_specs(result.state)) == {P()}
+    assert dict(jax.tree.leaves(result.state["params"])[0].sharding.mesh.shape) == {"data": 8, "fsdp": 1}
+
+
 # ============================================================================= two processes
 _TWO_PROCESS_WORKER = r'''
 import json
@@ -491,3 +727,23 @@ def test_claim_device_memory_keeps_the_users_setting_and_a_started_backend(monke
     monkeypatch.delenv(par.MEMORY_FRACTION_VARIABLE)
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)  # too late: nothing set
     assert par.claim_device_memory() is None and par.MEMORY_FRACTION_VARIABLE not in os.environ
+
+
+def test_default_xla_flags_add_what_the_user_did_not_name(monkeypatch):
+    from jax._src import xla_bridge
+
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    added = par.default_xla_flags()
+    assert added == " ".join(f"--{k}={v}" for k, v in par.DEFAULT_XLA_FLAGS)
+    assert os.environ["XLA_FLAGS"] == added
+    assert par.default_xla_flags() == ""  # all named now: nothing added twice
+    first_key = par.DEFAULT_XLA_FLAGS[0][0]
+    monkeypatch.setenv("XLA_FLAGS", f"--{first_key}=false --xla_dump_to=/tmp/x")
+    par.default_xla_flags()
+    flags = os.environ["XLA_FLAGS"].split()
+    assert f"--{first_key}=false" in flags and f"--{first_key}=true" not in flags  # the user's value stands
+    assert "--xla_dump_to=/tmp/x" in flags and len(flags) == 1 + len(par.DEFAULT_XLA_FLAGS)
+    monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+    assert par.default_xla_flags() is None and "XLA_FLAGS" not in os.environ  # too late: says so

@@ -173,6 +173,7 @@ def _with_imported_model(cfg: config_lib.ExperimentConfig, imported: Any, overri
                                     max_seq_len=cfg.model.max_seq_len if keep_seq else model.max_seq_len)
     data = cfg.data
     if imported.tokenizer is not None:
+        _check_imported_tokenizer(data, imported, flag)
         data = dataclasses.replace(data, tokenizer=imported.config.data.tokenizer)
     elif not data.is_synthetic:
         raise ValueError(f"{flag}: the checkpoint has no tokenizer.json, so text cannot be tokenized for it; add "
@@ -181,6 +182,24 @@ def _with_imported_model(cfg: config_lib.ExperimentConfig, imported: Any, overri
     if not new_model.kind.l1 and sparsity.l1_coef:
         sparsity = dataclasses.replace(sparsity, l1_coef=0.0)  # a dense kind trains without L1
     return dataclasses.replace(cfg, model=new_model, data=data, sparsity=sparsity)
+
+
+def _check_imported_tokenizer(data: config_lib.DataConfig, imported: Any, flag: str) -> None:
+    """A tokenizer.json the config names (data.tokenizer, not "bpe") must be the imported
+    checkpoint's own (equal `tokenizer_hash`es): its weights were trained with that one."""
+    from twell_jax.data import tokenizer as tokenizer_lib
+
+    own = imported.config.data.tokenizer
+    if data.is_synthetic or data.tokenizer == "bpe":
+        return  # no tokenizer named
+    if Path(data.tokenizer).expanduser().resolve() == Path(own).resolve():
+        return  # the checkpoint's own file
+    given = tokenizer_lib.resolve_tokenizer_path(data.tokenizer)
+    tokenizer_lib.check_same_tokenizer(
+        tokenizer_lib.tokenizer_file_hash(given), f"data.tokenizer={data.tokenizer}",
+        imported.tokenizer_hash or tokenizer_lib.tokenizer_hash(imported.tokenizer),
+        f"the tokenizer of {flag}'s checkpoint ({own})",
+        "leave data.tokenizer out: the checkpoint's own tokenizer is used")
 
 
 # ----------------------------------------------------------------------------- output
@@ -285,10 +304,10 @@ def _dry_run(args: argparse.Namespace, cfg: config_lib.ExperimentConfig, target:
     """Check what a run would do (config, data, batch layout over the devices) and write no run."""
     import jax
 
-    from twell_jax.data import build_experiment_data
+    from twell_jax.training.shared_data import build_experiment_data
     from twell_jax.training import parallel
     from twell_jax.training.preflight import (check_fits_memory, check_vocab, checked_run_config, describe_memory,
-                                              schedule_warnings)
+                                              schedule_warnings, training_layout)
 
     # The run's own checks (schedule, op config, resumable checkpoint, what --out holds, the memory the
     # model needs): a dry run that passes is a run that starts. Without --out the run gets a new directory.
@@ -296,7 +315,8 @@ def _dry_run(args: argparse.Namespace, cfg: config_lib.ExperimentConfig, target:
     tc = cfg.train
     devices = parallel.mesh_size(parallel.make_mesh(tc.num_devices))
     accum = parallel.check_batch_layout(tc.global_batch, tc.micro_batch, devices)
-    estimate, available, memory_source = check_fits_memory(cfg, devices)
+    layout = training_layout(cfg, devices)
+    estimate, available, memory_source = check_fits_memory(cfg, devices, layout)
     for warning in schedule_warnings(cfg):
         print(warning)
     # The corpus, tokenizer and splits, checked as training checks them (a resume reads the run's tokenizer).
@@ -307,7 +327,7 @@ def _dry_run(args: argparse.Namespace, cfg: config_lib.ExperimentConfig, target:
     plan = {"config": cfg.name, "run_dir": str(target.absolute()) if target else None, "run_dir_state": state,
             "parameters": _param_count(cfg.model), "steps": tc.steps,
             "tokens_per_step": tc.global_batch * cfg.seq_len, "devices": devices,
-            "platform": jax.devices()[0].platform, "accumulation_steps": accum,
+            "platform": jax.devices()[0].platform, "accumulation_steps": accum, "sharding": layout.describe(),
             "train_sequences": data.num_train_sequences, "val_sequences": data.num_val_sequences,
             "vocab_size": data.vocab_size, "memory_estimate_bytes": estimate, "device_memory_bytes": available,
             "device_memory_source": memory_source}
@@ -701,6 +721,7 @@ def main(argv: list[str] | None = None) -> int:
     # Before any command touches a device: JAX's allocator may use most of each GPU (the presets' measured
     # configurations need more than JAX's default 75%; the user's own allocator settings stand).
     parallel.claim_device_memory()
+    parallel.default_xla_flags()
     if args.command in CACHED_COMMANDS:
         from twell_jax import compile_cache
 

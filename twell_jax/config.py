@@ -18,7 +18,7 @@ import types
 import typing
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 from twell_jax.ops import backends as op_backends  # the op registry, asked when a config is checked
 
@@ -430,6 +430,26 @@ class DecodeConfig:
             raise ValueError(f"decode.layer_unroll must be an int >= 0 (0 = every layer), got {self.layer_unroll!r}")
 
 
+# train.sharding's choices (twell_jax/training/parallel.py:resolve_layout resolves them).
+SHARDINGS = ("auto", "replicate", "fsdp", "hybrid")
+
+
+def _sharding_from_fsdp(value: Any, where: str) -> str:
+    """train.sharding for a saved train.fsdp: the layout the run had ("fsdp" or "replicate")."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: expected bool, got {_describe_value(value)}")
+    return "fsdp" if value else "replicate"
+
+
+# Fields replaced by another whose value follows from theirs: old name -> (new name, the old field's
+# type, conversion of (value, old name) that raises a ValueError naming the field). `from_dict`
+# converts them in a saved config (`migrate_dict`); `apply_overrides` parses the old name by its old
+# type and converts it (`--set train.fsdp=true` is train.sharding=fsdp); the resume checks take it.
+CONVERTED_FIELDS: dict[str, tuple[str, type, Callable[[Any, str], Any]]] = {
+    "train.fsdp": ("train.sharding", bool, _sharding_from_fsdp),
+}
+
+
 # Fields that moved between sections: old name -> new name. `from_dict` moves them in a saved
 # config (a run's config.json from before the move loads as it was), and `apply_overrides` and the
 # resume checks take the old names on the command line too.
@@ -504,7 +524,14 @@ class TrainConfig:
     global_batch: int = 16  # sequences per optimizer step, over all devices and accumulation steps
     micro_batch: int = 16  # sequences per device per forward/backward (accum = global/(micro*devices))
     num_devices: int | None = None  # data-parallel devices (None = all visible devices)
-    fsdp: bool = False  # shard params/optimizer state over the data axis (ZeRO-3 style) instead of replicating
+    # Where the parameters and optimizer state live (the batch is always split over every device):
+    # "replicate" = a copy on each device; "fsdp" = split over all devices (ZeRO-3 style); "hybrid" =
+    # split within a group of train.fsdp_size devices (default: one process's, i.e. a host's) and
+    # replicated across groups; "auto" = replicate when it fits the device memory with a margin, else
+    # hybrid, else fsdp (twell_jax/training/parallel.py:resolve_layout; the choice is printed at start).
+    sharding: Literal["auto", "replicate", "fsdp", "hybrid"] = "auto"
+    # Devices per FSDP group for train.sharding "hybrid" and "auto" (None = the devices of one process).
+    fsdp_size: int | None = None
     seed: int = 42  # parameter init seed (the data has its own seed in data.seed)
     log_every: int = 10  # log metrics (console, JSONL, TensorBoard) every this many steps
     eval_every: int = 0  # validation every this many steps (0 = only at the end)
@@ -551,6 +578,12 @@ class TrainConfig:
                         keep_checkpoints=self.keep_checkpoints)
         if self.num_devices is not None and self.num_devices < 1:
             raise ValueError(f"train.num_devices must be >= 1 or None, got {self.num_devices}")
+        _check_choice("train", "sharding", self.sharding, SHARDINGS)
+        if self.fsdp_size is not None and self.fsdp_size < 1:
+            raise ValueError(f"train.fsdp_size must be >= 1 or None (the devices of one process), got {self.fsdp_size}")
+        if self.fsdp_size is not None and self.sharding not in ("hybrid", "auto"):
+            raise ValueError(f"train.fsdp_size={self.fsdp_size} sizes the FSDP groups of train.sharding 'hybrid' or "
+                             f"'auto', not {self.sharding!r}: unset it (None)")
         if isinstance(self.time_limit_s, bool) or not self.time_limit_s >= 0:
             raise ValueError(f"train.time_limit_s must be >= 0 seconds (0 = no limit), got {self.time_limit_s!r}")
         _check_non_negative("train", eval_every=self.eval_every, checkpoint_every=self.checkpoint_every)
@@ -589,8 +622,9 @@ class DataConfig:
 
     # "stdlib" = the Python standard library's own .py files (present offline on every machine);
     # "synthetic" = deterministic random token ids (no corpus, no tokenizer: tests, benchmarks); or
-    # a path to a .txt file, a .jsonl file (one JSON object per line), a .parquet file, or a
-    # directory searched recursively for those three kinds of file (other files are ignored);
+    # a path to a .txt file, a .jsonl file (one JSON object per line), a .parquet file (.txt and
+    # .jsonl also as .gz / .zst, read as a stream), or a directory searched recursively for those
+    # kinds of file, read in sorted path order (shards; other files are ignored);
     # "installed" = the standard library plus every installed package's sources and docs
     # (site-packages, dist-packages, share/doc; see twell_jax/data/tree.py).
     source: str = "stdlib"
@@ -743,12 +777,13 @@ RESUMABLE_FIELDS = frozenset({
     "name",  # a label (the default run directory name)
     "train.steps", "train.time_limit_s", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.eval_batch_size", "train.checkpoint_every", "train.keep_checkpoints", "train.tensorboard",
-    "train.progress_bar", "train.num_devices", "train.micro_batch", "train.fsdp", "train.auto_refresh_every",
+    "train.progress_bar", "train.num_devices", "train.micro_batch", "train.sharding", "train.fsdp_size",
+    "train.auto_refresh_every",
     "train.auto_trial_steps", "train.wandb_project", "train.profile_steps", "optim.schedule_steps",
     "model.ffn_backend", "model.ffn_op_config", "model.ffn_interpret", "model.ffn_expected_active",
     "model.ffn_expected_tails", "model.remat", "model.attention_impl",
     "decode.kernels", "decode.transposed", "decode.sparse_ffn", "decode.layer_unroll",
-    *MOVED_FIELDS,  # their old names, which apply_overrides moves
+    *MOVED_FIELDS, *CONVERTED_FIELDS,  # their old names, which apply_overrides moves or converts
     "data.source", "data.cache_dir", "data.progress", "data.num_threads", "data.prefetch", "data.tokenize_workers",
 })
 
@@ -861,21 +896,27 @@ def _typed_value(value: Any, hint: Any, where: str) -> Any:
 
 
 def migrate_dict(values: dict[str, Any]) -> dict[str, Any]:
-    """A saved config dict with every field of MOVED_FIELDS at its new place (a copy; `values` as
-    it is when nothing moved). Both places set is an error naming them."""
-    moved = [(old.split("."), new.split(".")) for old, new in MOVED_FIELDS.items()
-             if isinstance(values.get(old.split(".")[0]), dict) and old.split(".")[1] in values[old.split(".")[0]]]
-    if not moved:
+    """A saved config dict with every field of MOVED_FIELDS at its new place and every field of
+    CONVERTED_FIELDS converted to its replacement (a copy; `values` as it is when nothing changed).
+    Both the old and the new field set is an error naming them."""
+    renamed = {old: (new, None) for old, new in MOVED_FIELDS.items()} | {
+        old: (new, convert) for old, (new, _, convert) in CONVERTED_FIELDS.items()}
+    present = [(old.split("."), new.split("."), convert) for old, (new, convert) in renamed.items()
+               if isinstance(values.get(old.split(".")[0]), dict) and old.split(".")[1] in values[old.split(".")[0]]]
+    if not present:
         return values
     values = {key: dict(value) if isinstance(value, dict) else value for key, value in values.items()}
-    for (old_section, old_name), (new_section, new_name) in moved:
+    for (old_section, old_name), (new_section, new_name), convert in present:
         target = values.setdefault(new_section, {})
         if not isinstance(target, dict):
             break  # not a section: _section_from_dict names the field
+        value = values[old_section].pop(old_name)
+        value = value if convert is None else convert(value, f"{old_section}.{old_name}")  # names a bad old value
         if new_name in target:
-            raise ValueError(f"config field {old_section}.{old_name} moved to {new_section}.{new_name}, and both "
+            how = "moved to" if convert is None else "was replaced by"
+            raise ValueError(f"config field {old_section}.{old_name} {how} {new_section}.{new_name}, and both "
                              "are set: keep the new one")
-        target[new_name] = values[old_section].pop(old_name)
+        target[new_name] = value
     return values
 
 
@@ -967,6 +1008,11 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str]) -> ExperimentCo
             raise ValueError(f"override {item!r} must look like section.field=value")
         key, text = (part.strip() for part in item.split("=", 1))
         key = MOVED_FIELDS.get(key, key)
+        if key in CONVERTED_FIELDS:  # e.g. train.fsdp=true: parsed as the old field, set as the new one
+            new_key, old_type, convert = CONVERTED_FIELDS[key]
+            section, name = new_key.split(".")
+            values[section][name] = convert(_parse_value(text, old_type, key), key)
+            continue
         parts = key.split(".")
         cls, target = type(cfg), values
         for depth, name in enumerate(parts):

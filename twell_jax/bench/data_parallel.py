@@ -45,7 +45,7 @@ import numpy as np
 from twell_jax.configs import get_config
 from twell_jax.training import parallel
 from twell_jax.training import train as train_lib
-from twell_jax.config import ExperimentConfig
+from twell_jax.config import ExperimentConfig, apply_overrides
 
 
 def synthetic(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -85,6 +85,7 @@ def run_one(cfg: ExperimentConfig, warmup: int, workdir: Path) -> dict[str, Any]
     losses = [record["loss"] for record in result.history]
     return {
         "ffn_kind": cfg.model.ffn_kind, "ffn_backend": cfg.model.ffn_backend, "num_devices": n,
+        "sharding": cfg.train.sharding,
         "global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch,
         "seq_len": cfg.seq_len, "tokens_per_step": tokens_per_step,
         "median_step_s": step_s, "mean_step_s": float(np.mean(steady)),
@@ -96,10 +97,13 @@ def run_one(cfg: ExperimentConfig, warmup: int, workdir: Path) -> dict[str, Any]
     }
 
 
-def check_equivalence(config_name: str, device_counts: list[int], steps: int, workdir: Path) -> dict[str, Any]:
+def check_equivalence(config_name: str, device_counts: list[int], steps: int, workdir: Path,
+                      overrides: list[str] = ()) -> dict[str, Any]:
     """Same global batch on each device count: the loss trajectories must agree (the real NCCL
-    all-reduce and, for the sparse FFN, the op's shard_map around its kernels on this machine)."""
-    base = get_config(config_name)
+    all-reduce and, for the sparse FFN, the op's shard_map around its kernels on this machine).
+    `overrides`: the timed runs' --set, applied to this preset too (e.g. train.sharding=fsdp,
+    model.ffn_backend=pallas)."""
+    base = apply_overrides(get_config(config_name), list(overrides))
     global_batch = base.train.global_batch
     counts = [n for n in device_counts if global_batch % n == 0]
     out: dict[str, Any] = {"config": config_name, "ffn_kind": base.model.ffn_kind,
@@ -134,10 +138,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="preset trained with ONE global batch on every device count to compare "
                              "losses ('' to skip)")
     parser.add_argument("--equivalence-steps", type=int, default=3, help="steps of that check")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="config overrides, as `twell train --set` (e.g. train.sharding=fsdp), for the "
+                             "timed runs and the equivalence check's preset alike")
+    parser.add_argument("--baseline", default=None, metavar="FILE",
+                        help="an earlier bench_data_parallel.json of the same config on this machine: "
+                             "its 1-device runs are the efficiency's reference (run --devices 2 only, "
+                             "e.g. with other XLA_FLAGS or --set)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"),
                         help="output directory (default: $OUT or ./bench_out)")
     args = parser.parse_args(argv)
 
+    added = parallel.default_xla_flags()  # the twell commands' XLA options (XLA_FLAGS overrides them)
     parallel.initialize_distributed()
     device_counts = [int(n) for n in args.devices.split(",")]
     kinds = [k.strip() for k in args.ffn_kinds.split(",") if k.strip()]
@@ -146,7 +158,21 @@ def main(argv: list[str] | None = None) -> int:
     available = jax.device_count()
     if max(device_counts) > available:
         parser.error(f"--devices asks for {max(device_counts)} but only {available} are visible")
-    base = get_config(args.config)
+    try:
+        base = apply_overrides(get_config(args.config), args.set)
+    except ValueError as err:
+        parser.error(f"--set: {err}")
+    baseline_runs: list[dict[str, Any]] = []
+    if args.baseline is not None:
+        try:
+            earlier = json.loads(Path(args.baseline).read_text())
+        except (OSError, ValueError) as err:
+            parser.error(f"--baseline {args.baseline}: cannot read it ({err})")
+        if earlier.get("config") != args.config:
+            parser.error(f"--baseline {args.baseline} is of config {earlier.get('config')!r}, not {args.config!r}")
+        baseline_runs = [r for r in earlier.get("runs", []) if r.get("num_devices") == 1 and "error" not in r]
+        if not baseline_runs:
+            parser.error(f"--baseline {args.baseline} holds no successful 1-device run")
     micro = args.micro_batch or base.train.micro_batch
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -175,15 +201,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"{device_counts} devices", flush=True)
             try:
                 equivalence = check_equivalence(args.equivalence_config, device_counts,
-                                                args.equivalence_steps, Path(tmp))
+                                                args.equivalence_steps, Path(tmp), args.set)
             except Exception as err:  # noqa: BLE001
                 traceback.print_exc()
                 equivalence = {"error": f"{type(err).__name__}: {err}"}
             print(f"[bench] equivalence: {json.dumps(equivalence)}", flush=True)
 
-    for record in runs:  # efficiency against the same FFN kind's 1-device run
-        one = next((r for r in runs if r["ffn_kind"] == record["ffn_kind"] and r["num_devices"] == 1
-                    and "error" not in r), None)
+    for record in runs:  # efficiency against the same FFN kind's 1-device run (this one's, or --baseline's)
+        one = next((r for r in runs + baseline_runs if r["ffn_kind"] == record["ffn_kind"]
+                    and r["num_devices"] == 1 and "error" not in r), None)
         if one is not None and "error" not in record:
             record["scaling_efficiency"] = parallel.scaling_efficiency(
                 record["tokens_per_s"], one["tokens_per_s"], record["num_devices"])
@@ -210,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         "backend": jax.default_backend(), "jax_version": jax.__version__,
         "python": platform.python_version(), "steps": args.steps, "warmup": args.warmup,
         "micro_batch_per_device": micro, "model": dataclasses.asdict(base.model), "runs": runs,
+        "overrides": list(args.set), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "default_xla_flags_added": added,
+        "baseline": args.baseline, "baseline_runs": baseline_runs,
         "table": table, "equivalence": equivalence,
     }
     path = out_dir / "bench_data_parallel.json"

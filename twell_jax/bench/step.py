@@ -313,6 +313,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from twell_jax.training import parallel
 
     parallel.claim_device_memory()  # before anything touches a device (the presets need most of a GPU)
+    parallel.default_xla_flags()  # the trainer's XLA options, as the twell commands run it
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="0.5b", help="preset whose model shapes are used (configs/)")
     parser.add_argument("--checkpoint", default=None,

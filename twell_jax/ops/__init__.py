@@ -85,10 +85,11 @@ path otherwise avoids: `SparseFFNConfig(check_finite=False)` drops it (and its c
 verified finite once (`inference.load_run` does); the sparse paths then read only the rows of
 active neurons, and a non-finite value elsewhere does not reach y (docs/format.md).
 
-Under a mesh (`jax.set_mesh`) whose `config.data_axis` has size > 1, the sparse backends run inside
-`jax.shard_map` over that axis (tokens split, weights replicated, aux reduced to global scalars),
-because Pallas calls are not partitioned by XLA. Tokens are zero-padded to a multiple of the axis
-size (a zero token activates nothing).
+Under a mesh (`jax.set_mesh`) with any of the `config.data_axis` axes (default "data" and "fsdp",
+the trainer's) of size > 1, the sparse backends run inside `jax.shard_map` over those axes (tokens
+split, weights whole on every device: FSDP-split weights are all-gathered as they enter, aux reduced
+to global scalars), because Pallas calls are not partitioned by XLA. Tokens are zero-padded to a
+multiple of the shard count (a zero token activates nothing).
 
 Limits: indices are int32, so H and the token count per call are only bounded by memory. The
 reference backend is a correctness oracle, not a fast path: it computes the gate densely.

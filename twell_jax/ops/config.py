@@ -85,8 +85,11 @@ class SparseFFNConfig:
     transpose_ell_width: int | float = 1 / 64
     # Tail capacity of the transposed hybrids: int = rows, float = fraction of the neurons H.
     transpose_tail_rows: int | float = 0.25
-    # Mesh axis that splits the tokens; the sparse backends shard_map over it. None = never.
-    data_axis: str | None = "data"
+    # Mesh axes that split the tokens: the sparse backends shard_map over those of them the current
+    # mesh has (with size > 1). A name or a tuple of names; None = never. The default names the
+    # trainer's two axes (twell_jax/training/parallel.py: replicas "data" x FSDP group "fsdp", the batch
+    # split over both), so a plain 1-D "data" mesh is covered too.
+    data_axis: str | tuple[str, ...] | None = ("data", "fsdp")
     # Pallas: rows with tile overflow recomputed in a fixed block (None = the backend's default).
     overflow_rows: int | None = None
     # Pallas "auto" without a hint: tokens sampled on the device to estimate the active count
@@ -162,8 +165,14 @@ class SparseFFNConfig:
             raise ValueError(f"SparseFFNConfig.auto_dense_recompute must be a bool, got {self.auto_dense_recompute!r}")
         if not isinstance(self.neuron_counts, bool):
             raise ValueError(f"SparseFFNConfig.neuron_counts must be a bool, got {self.neuron_counts!r}")
-        if self.data_axis is not None and not isinstance(self.data_axis, str):
-            raise ValueError(f"SparseFFNConfig.data_axis must be a str or None, got {self.data_axis!r}")
+        if isinstance(self.data_axis, list):  # from JSON (model.ffn_op_config): a tuple keeps the config hashable
+            object.__setattr__(self, "data_axis", tuple(self.data_axis))
+        axes = self.data_axis
+        names = (axes,) if isinstance(axes, str) else axes
+        if axes is not None and not (isinstance(names, tuple) and names and len(set(names)) == len(names)
+                                     and all(isinstance(a, str) for a in names)):
+            raise ValueError(f"SparseFFNConfig.data_axis must be a mesh axis name, a tuple of distinct names or None, "
+                             f"got {self.data_axis!r}")
         for name in ("overflow_rows", "auto_sample_rows", "decode_capacity"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

@@ -177,15 +177,24 @@ def _op_body(plan: Plan, config: SparseFFNConfig, x_MxD: jax.Array,
 # Dispatch: validation, backend choice, shard_map
 # ----------------------------------------------------------------------------------------------
 
-def _data_axis_size(config: SparseFFNConfig) -> int:
+def _token_axes(config: SparseFFNConfig) -> tuple[str, ...]:
+    """The axes of the current mesh that split this call's tokens: those `config.data_axis` names,
+    in the mesh's order (so that P(axes) is the batch's own layout and nothing moves), leaving out
+    axes of size 1 and Manual ones (the caller is already inside a shard_map over them: x is local)."""
     if config.data_axis is None:
-        return 1
+        return ()
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or config.data_axis not in mesh.axis_names:
-        return 1
-    if dict(zip(mesh.axis_names, mesh.axis_types))[config.data_axis] == AxisType.Manual:
-        return 1  # the caller is already inside a shard_map over the data axis: x is local
-    return int(mesh.shape[config.data_axis])
+    if mesh.empty:
+        return ()
+    names = {config.data_axis} if isinstance(config.data_axis, str) else set(config.data_axis)
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    return tuple(axis for axis in mesh.axis_names
+                 if axis in names and types[axis] != AxisType.Manual and int(mesh.shape[axis]) > 1)
+
+
+def _data_axis_size(config: SparseFFNConfig) -> int:
+    """How many shards the call's tokens are split into (1: no shard_map)."""
+    return math.prod(int(jax.sharding.get_abstract_mesh().shape[axis]) for axis in _token_axes(config))
 
 
 def backward_tail_shares(token_active_count: jax.Array, neuron_active_count: jax.Array,
@@ -199,8 +208,9 @@ def backward_tail_shares(token_active_count: jax.Array, neuron_active_count: jax
 
 def _sharded_call(plan: Plan, config: SparseFFNConfig, x_MxD: jax.Array, weights: Weights,
                   n_shards: int) -> tuple[jax.Array, Aux]:
-    """The op inside shard_map over config.data_axis: tokens split, weights replicated."""
-    axis = config.data_axis
+    """The op inside shard_map over the token axes (`_token_axes`): tokens split, weights whole on
+    every device (weights sharded by FSDP are all-gathered as they enter, one layer's at a time)."""
+    axis = _token_axes(config)  # psum and PartitionSpec take the tuple of axes as one
     n_tokens = x_MxD.shape[0]
     pad = (-n_tokens) % n_shards
     x_pad = jnp.pad(x_MxD, ((0, pad), (0, 0)))
@@ -234,10 +244,11 @@ def _sharded_call(plan: Plan, config: SparseFFNConfig, x_MxD: jax.Array, weights
     # check_vma=False: a pallas_call inside shard_map needs per-output variance annotations whose
     # spelling differs between JAX 0.10 and 0.11; the specs here are simple enough to state.
     sharded = jax.shard_map(local, in_specs=(PartitionSpec(axis), PartitionSpec()),
-                            out_specs=(PartitionSpec(axis), aux_specs), axis_names={axis},
+                            out_specs=(PartitionSpec(axis), aux_specs), axis_names=set(axis),
                             check_vma=False)
     mesh = jax.sharding.get_abstract_mesh()
-    explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis] == AxisType.Explicit
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    explicit = any(types[name] == AxisType.Explicit for name in axis)
     if explicit:
         # Explicit axes carry shardings in the types: shard_map wants inputs already laid out.
         x_pad = jax.sharding.reshard(x_pad, PartitionSpec(axis))

@@ -1,10 +1,16 @@
 """Data-parallel plumbing: process start-up, the device mesh, batch and parameter shardings.
 
-One choke point for everything that knows about devices. The trainer builds the mesh with
-`make_mesh`, enters it with `jax.set_mesh(mesh)`, places parameters with `param_shardings` and feeds
-each step with `host_to_global`; `jax.jit` + `NamedSharding` (GSPMD) then inserts the gradient
-all-reduce. The sparse op (`twell_jax/ops/`) wraps its Pallas calls in `jax.shard_map` over
-`DATA_AXIS`, because Pallas kernels cannot be partitioned by GSPMD. docs/parallel.md explains why.
+One choke point for everything that knows about devices. The mesh has two axes, `DATA_AXIS` x
+`FSDP_AXIS` (replicas x the devices of one FSDP group): the batch is split over both, the parameters
+and optimizer state over `FSDP_AXIS` only and replicated along `DATA_AXIS`. The layout
+(`train.sharding`) is only the mesh's shape: "replicate" is N x 1, "fsdp" 1 x N, "hybrid" (FSDP
+within a host, data parallel across hosts) processes x devices per process; "auto" picks one from
+the memory the state needs (`resolve_layout`). The trainer builds the mesh with `make_mesh`, enters
+it with `jax.set_mesh(mesh)`, places parameters with `param_shardings` and feeds each step with
+`host_to_global`; `jax.jit` + `NamedSharding` (GSPMD) then inserts the gradient all-reduce (and,
+under FSDP, the per-layer all-gathers and reduce-scatters). The sparse op (`twell_jax/ops/`) wraps
+its Pallas calls in `jax.shard_map` over `BATCH_AXES`, because Pallas kernels cannot be partitioned
+by GSPMD. docs/parallel.md explains why.
 
 Multi-host: every process calls `initialize_distributed()` first, reads only its own slice of the
 data (`data_shard_index()` of `data_shard_count()`), and `host_to_global` stitches the per-process
@@ -17,6 +23,7 @@ JSON values in the key-value store of JAX's coordination service, every wait bou
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -33,9 +40,20 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from twell_jax.config import SHARDINGS  # train.sharding's choices, which resolve_layout resolves
+
 logger = logging.getLogger(__name__)
 
+# The mesh's axes. DATA_AXIS: replicas (pure data parallelism: the state is replicated along it;
+# across hosts under "hybrid"). FSDP_AXIS: the devices of one FSDP group, which split the parameters
+# and optimizer state (within a host under "hybrid"). The batch is split over both, in this order.
 DATA_AXIS = "data"
+FSDP_AXIS = "fsdp"
+BATCH_AXES = (DATA_AXIS, FSDP_AXIS)
+# "auto" replicates when the f32 parameters, AdamW state and gradients take at most this share of a
+# device's memory; the rest is the working margin for activations and XLA's buffers.
+AUTO_REPLICATE_SHARE = 0.5
+
 
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
@@ -99,6 +117,35 @@ def claim_device_memory(fraction: float = DEVICE_MEMORY_FRACTION) -> str | None:
     return f"{MEMORY_FRACTION_VARIABLE}={fraction}"
 
 
+# XLA options every twell command sets unless XLA_FLAGS names them: the data-parallel gradient
+# all-reduce pipelined into the layer loop's backward (each layer's reduction overlaps the next
+# layer's backward instead of all of them after the loop) and combined into few large transfers.
+# Measured on two H100s (BENCHMARKS.md, "Scaling"); numerically the same reduction (the bench's
+# equivalence check). GPU options: other backends ignore them.
+DEFAULT_XLA_FLAGS = (("xla_gpu_enable_pipelined_all_reduce", "true"),
+                     ("xla_gpu_all_reduce_combine_threshold_bytes", str(4 << 30)))
+
+
+def default_xla_flags(flags: tuple[tuple[str, str], ...] = DEFAULT_XLA_FLAGS) -> str | None:
+    """Add `flags` to XLA_FLAGS, each unless XLA_FLAGS already names it (the user's value stands).
+    XLA reads XLA_FLAGS when JAX starts its backend, so this must run before anything touches a
+    device; once the backend is up it changes nothing and says so. Returns the options added as
+    text ("" when the user's XLA_FLAGS names them all), or None where they could not be set."""
+    from jax._src import xla_bridge  # noqa: PLC0415 (the only way to ask whether the backend started)
+
+    current = os.environ.get("XLA_FLAGS", "")
+    named = {item.lstrip("-").split("=", 1)[0] for item in current.split()}
+    missing = [f"--{key}={value}" for key, value in flags if key not in named]
+    if not missing:
+        return ""
+    if getattr(xla_bridge, "backends_are_initialized", lambda: False)():
+        logger.info("default_xla_flags: JAX's backend already started; %s would take no effect",
+                    " ".join(missing))
+        return None
+    os.environ["XLA_FLAGS"] = " ".join([*current.split(), *missing])
+    return " ".join(missing)
+
+
 def _distributed_is_initialized() -> bool:
     is_initialized = getattr(jax.distributed, "is_initialized", None)
     if is_initialized is not None:
@@ -118,7 +165,9 @@ AGREE_TIMEOUT_VARIABLE, DEFAULT_AGREE_TIMEOUT_S = "TWELL_AGREE_TIMEOUT_S", 300.0
 _JAX_INIT_MARGIN_S = 60
 
 
-def _env_seconds(name: str, default: float) -> float:
+def env_seconds(name: str, default: float) -> float:
+    """The environment variable `name` as a positive number of seconds (`default` when unset or
+    empty); anything else is a ValueError naming the variable."""
     value = os.environ.get(name)
     if value is None or value == "":
         return default
@@ -182,7 +231,7 @@ def initialize_distributed() -> None:
     request = distributed_request()
     if request is None:
         return
-    seconds = _env_seconds(INIT_TIMEOUT_VARIABLE, DEFAULT_INIT_TIMEOUT_S)
+    seconds = env_seconds(INIT_TIMEOUT_VARIABLE, DEFAULT_INIT_TIMEOUT_S)
     kwargs: dict[str, Any] = {"initialization_timeout": int(seconds) + _JAX_INIT_MARGIN_S}
     if request == "jax_env":
         # JAX reads JAX_COORDINATOR_ADDRESS itself but not these two, so pass them through.
@@ -289,7 +338,7 @@ def _failure(client: Any) -> tuple[int, str] | None:
 def _wait(client: Any, key: str, what: str, owner: int) -> str:
     """The value at `key` (set by process `owner`), waiting at most TWELL_AGREE_TIMEOUT_S seconds;
     ProcessGroupError as soon as another process publishes a failure."""
-    timeout = _env_seconds(AGREE_TIMEOUT_VARIABLE, DEFAULT_AGREE_TIMEOUT_S)
+    timeout = env_seconds(AGREE_TIMEOUT_VARIABLE, DEFAULT_AGREE_TIMEOUT_S)
     deadline = time.monotonic() + timeout
     me, count = jax.process_index(), jax.process_count()
     while True:
@@ -383,18 +432,30 @@ def data_shard_count() -> int:
     return jax.process_count()
 
 
-def make_mesh(num_devices: int | None = None) -> Mesh:
-    """A 1-D mesh with axis `DATA_AXIS` over all devices, or over the first `num_devices`.
+def _is_count(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
 
-    The axis is `AxisType.Auto` (GSPMD propagation): model code stays free of sharding annotations,
-    and `jax.shard_map` over "data" works the same on JAX 0.10 and 0.11. (`jax.make_mesh` defaults
+
+def make_mesh(num_devices: int | None = None, fsdp_size: int = 1) -> Mesh:
+    """A 2-D mesh `DATA_AXIS` x `FSDP_AXIS` of shape (num_devices / fsdp_size, fsdp_size), over all
+    devices or over the first `num_devices`.
+
+    fsdp_size=1 (the default) is plain data parallelism (every device holds a replica), fsdp_size =
+    num_devices one FSDP group of every device; in between, each row of the mesh (an FSDP group) is
+    `fsdp_size` consecutive devices of `jax.devices()`. That list holds each process's devices
+    consecutively, so a group whose size divides a process's device count stays inside the process
+    (its all-gathers never cross the network), and the batch, split over (DATA_AXIS, FSDP_AXIS) in
+    that row-major order, keeps each process's rows on its own devices.
+
+    Both axes are `AxisType.Auto` (GSPMD propagation): model code stays free of sharding annotations,
+    and `jax.shard_map` over them works the same on JAX 0.10 and 0.11. (`jax.make_mesh` defaults
     to Explicit axes, whose sharding-in-types would make every reshape in the model declare its
     output sharding.)
     """
     devices = jax.devices()
     if num_devices is None:
         num_devices = len(devices)
-    if not isinstance(num_devices, (int, np.integer)) or isinstance(num_devices, bool) or num_devices < 1:
+    if not _is_count(num_devices):
         raise ValueError(f"num_devices must be a positive int or None, got {num_devices!r}")
     if num_devices > len(devices):
         raise ValueError(
@@ -407,9 +468,103 @@ def make_mesh(num_devices: int | None = None) -> Mesh:
             f"num_devices={num_devices} must equal the global device count {len(devices)} "
             f"in a multi-process run ({jax.process_count()} processes)"
         )
-    # jax.devices() lists each process's devices contiguously, so a 1-D mesh in that order keeps a
-    # process's batch rows on its own devices.
-    return Mesh(np.asarray(devices[:num_devices]), (DATA_AXIS,), axis_types=(AxisType.Auto,))
+    if not _is_count(fsdp_size) or num_devices % fsdp_size:
+        raise ValueError(f"fsdp_size must be a positive int dividing num_devices={num_devices}, got {fsdp_size!r}")
+    grid = np.asarray(devices[:num_devices]).reshape(num_devices // fsdp_size, fsdp_size)
+    return Mesh(grid, BATCH_AXES, axis_types=(AxisType.Auto,) * len(BATCH_AXES))
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the training state lives: a `make_mesh` of `replicas` x `fsdp_size` devices. The
+    parameters and optimizer state are split over the `fsdp_size` devices of a row (FSDP_AXIS) and
+    replicated over the `replicas` rows (DATA_AXIS); the batch is split over all of them."""
+
+    replicas: int  # size of DATA_AXIS: copies of the state
+    fsdp_size: int  # size of FSDP_AXIS: devices one copy is split over
+    reason: str  # why: train.sharding as set, or auto's rule with its sizes
+
+    def __post_init__(self) -> None:
+        if not (_is_count(self.replicas) and _is_count(self.fsdp_size)):
+            raise ValueError(f"Layout needs positive replicas and fsdp_size, got {self.replicas!r} x "
+                             f"{self.fsdp_size!r}")
+
+    @property
+    def sharding(self) -> str:
+        """What the shape is: "replicate" (fsdp_size 1), "fsdp" (one group) or "hybrid"."""
+        return "replicate" if self.fsdp_size == 1 else "fsdp" if self.replicas == 1 else "hybrid"
+
+    def describe(self) -> str:
+        """The start-up line's text: the layout, the mesh's shape, and why."""
+        return f"{self.sharding} (mesh {DATA_AXIS} {self.replicas} x {FSDP_AXIS} {self.fsdp_size}): {self.reason}"
+
+
+def _host_group(num_devices: int, fsdp_size: int | None, local_devices: int) -> tuple[int, str]:
+    """(devices per FSDP group of a hybrid layout, how it was chosen): train.fsdp_size, else the
+    devices of one process. A group is part of one process's devices or several whole processes'
+    (e.g. the 8 single-GPU processes of one host); anything else is refused, naming the field."""
+    if fsdp_size is None:
+        return local_devices, f"one process's {local_devices} devices"
+    if not _is_count(fsdp_size):
+        raise ValueError(f"train.fsdp_size must be a positive int or None (the devices of one process), "
+                         f"got {fsdp_size!r}")
+    if num_devices % fsdp_size or (local_devices % fsdp_size and fsdp_size % local_devices):
+        raise ValueError(f"train.fsdp_size={fsdp_size} must divide the {num_devices} devices and either divide a "
+                         f"process's {local_devices} devices or be a multiple of them (an FSDP group is part of one "
+                         "process's devices or whole processes')")
+    return fsdp_size, f"train.fsdp_size={fsdp_size}"
+
+
+def resolve_layout(sharding: str, num_devices: int, *, fsdp_size: int | None = None,
+                   local_devices: int | None = None, state_bytes: int | None = None,
+                   memory_limit: int | None = None, platform: str = "the device") -> Layout:
+    """The `Layout` that `train.sharding` asks for over `num_devices` devices.
+
+    "replicate": N x 1. "fsdp": 1 x N (every FSDP all-gather spans all devices, across hosts too).
+    "hybrid": FSDP within a group of `fsdp_size` devices (default: the `local_devices` of one
+    process, i.e. a host that one process drives) and data parallel across groups.
+    "auto": replicate when `state_bytes` (the unsharded f32 parameters, AdamW state and gradients)
+    fit in AUTO_REPLICATE_SHARE of `memory_limit` (one device's bytes; None, e.g. a CPU, counts as
+    fitting), else hybrid when a group's share fits, else FSDP over all devices. A pure function:
+    the trainer agrees on its answer across processes (`lead_value`)."""
+    if sharding not in SHARDINGS:
+        raise ValueError(f"train.sharding must be one of {SHARDINGS}, got {sharding!r}")
+    if not _is_count(num_devices):
+        raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
+    if fsdp_size is not None and sharding in ("replicate", "fsdp"):
+        raise ValueError(f"train.fsdp_size={fsdp_size!r} sizes the FSDP groups of train.sharding 'hybrid' or 'auto', "
+                         f"not {sharding!r}: unset it (None)")
+    local = min(num_devices, jax.local_device_count()) if local_devices is None else local_devices
+    if sharding == "replicate":
+        return Layout(num_devices, 1, "train.sharding=replicate")
+    if sharding == "fsdp":
+        return Layout(1, num_devices, "train.sharding=fsdp")
+    group, chosen = _host_group(num_devices, fsdp_size, local)
+    if sharding == "hybrid":
+        return Layout(num_devices // group, group, f"train.sharding=hybrid, FSDP groups of {chosen}")
+    if num_devices == 1:
+        return Layout(1, 1, "auto: one device")
+    if state_bytes is None or state_bytes < 0:
+        raise ValueError(f"state_bytes must be the bytes of the unsharded training state for train.sharding=auto, "
+                         f"got {state_bytes!r}")
+    state = f"auto: the f32 parameters, AdamW state and gradients ({_gib(state_bytes)} unsharded)"
+    if memory_limit is None:
+        return Layout(num_devices, 1, f"{state}; {platform} reports no memory limit: taken to fit, replicated")
+    budget = AUTO_REPLICATE_SHARE * memory_limit
+    limit = f"{AUTO_REPLICATE_SHARE:g} x {_gib(memory_limit)} of device memory"
+    if state_bytes <= budget:
+        return Layout(num_devices, 1, f"{state} fit in {limit}: replicated")
+    if group > 1 and state_bytes / group <= budget:
+        return Layout(num_devices // group, group, f"{state} exceed {limit}: split over FSDP groups of {chosen}, "
+                                                   f"{_gib(state_bytes / group)} per device")
+    over_groups = (f" ({_gib(state_bytes / group)} per device over groups of {chosen})"
+                   if 1 < group < num_devices else "")
+    return Layout(1, num_devices, f"{state} exceed {limit}{over_groups}: split over all {num_devices} devices, "
+                                  f"{_gib(state_bytes / num_devices)} per device")
 
 
 def check_batch_layout(global_batch: int, micro_batch: int, num_devices: int) -> int:
@@ -437,8 +592,8 @@ def check_batch_layout(global_batch: int, micro_batch: int, num_devices: int) ->
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Leading (batch) dimension split over `DATA_AXIS`, the rest whole."""
-    return NamedSharding(mesh, P(DATA_AXIS))
+    """Leading (batch) dimension split over `BATCH_AXES` (every device of the mesh), the rest whole."""
+    return NamedSharding(mesh, P(BATCH_AXES))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -451,30 +606,29 @@ def _leaf_shape(leaf: Any) -> tuple[int, ...]:
     return tuple(shape) if shape is not None else ()
 
 
-def fsdp_spec(shape: tuple[int, ...], mesh_size: int) -> P:
-    """P("data") on the largest dimension divisible by `mesh_size` (first on ties), else P()."""
-    if mesh_size <= 1:
+def fsdp_spec(shape: tuple[int, ...], fsdp_size: int) -> P:
+    """P(FSDP_AXIS) on the largest dimension divisible by `fsdp_size` (first on ties), else P()."""
+    if fsdp_size <= 1:
         return P()
     best_dim = None
     for dim, size in enumerate(shape):
-        if size % mesh_size == 0 and (best_dim is None or size > shape[best_dim]):
+        if size % fsdp_size == 0 and (best_dim is None or size > shape[best_dim]):
             best_dim = dim
     if best_dim is None:
         return P()
-    return P(*([None] * best_dim), DATA_AXIS)
+    return P(*([None] * best_dim), FSDP_AXIS)
 
 
-def param_shardings(mesh: Mesh, tree: Any, fsdp: bool = False) -> Any:
+def param_shardings(mesh: Mesh, tree: Any) -> Any:
     """A tree of NamedSharding matching `tree` (params, optimizer state, an nnx.State...).
 
-    Default: every leaf replicated (plain data parallelism). With fsdp=True each leaf is split along
-    its largest dimension divisible by the mesh size (ZeRO-3 style; GSPMD all-gathers it where it
-    is used); scalars and leaves with no divisible dimension stay replicated. Leaves may be arrays,
-    jax.ShapeDtypeStruct or anything with `.shape` (no shape = scalar).
+    Each leaf is split along its largest dimension divisible by the mesh's `FSDP_AXIS` size
+    (ZeRO-3 style; GSPMD all-gathers it where it is used) and replicated along `DATA_AXIS`; scalars
+    and leaves with no divisible dimension stay replicated. On a mesh whose FSDP_AXIS has size 1
+    ("replicate") every leaf is replicated. Leaves may be arrays, jax.ShapeDtypeStruct or anything
+    with `.shape` (no shape = scalar).
     """
-    size = mesh.shape[DATA_AXIS]
-    if not fsdp:
-        return jax.tree.map(lambda _: replicated(mesh), tree)
+    size = int(mesh.shape[FSDP_AXIS])
     return jax.tree.map(lambda leaf: NamedSharding(mesh, fsdp_spec(_leaf_shape(leaf), size)), tree)
 
 
@@ -483,7 +637,7 @@ def host_to_global(
     mesh: Mesh,
     sharding: NamedSharding | None = None,
 ) -> dict[str, jax.Array]:
-    """Stitch each process's rows into global arrays split over `DATA_AXIS` (multi-host correct).
+    """Stitch each process's rows into global arrays split over `BATCH_AXES` (multi-host correct).
 
     batch_local[k] holds this process's rows, [B_local, ...]; the global array is
     [B_local * process_count, ...]. B_local must be divisible by the number of this process's
@@ -531,12 +685,13 @@ def scaling_efficiency(throughput_n: float, throughput_1: float, n: int) -> floa
 
 
 def mesh_size(mesh: Mesh) -> int:
-    """Number of devices along `DATA_AXIS`."""
-    return int(mesh.shape[DATA_AXIS])
+    """Number of devices of the mesh: the batch is split over all of them (`BATCH_AXES`)."""
+    return int(mesh.devices.size)
 
 
 __all__ = [
-    "DATA_AXIS", "initialize_distributed", "distributed_request", "data_shard_index",
+    "DATA_AXIS", "FSDP_AXIS", "BATCH_AXES", "SHARDINGS", "AUTO_REPLICATE_SHARE", "Layout", "resolve_layout",
+    "initialize_distributed", "distributed_request", "data_shard_index",
     "ProcessGroupError", "PeerFailed", "multi_process", "is_lead", "publish_failure", "lead_value", "gather", "barrier",
     "check_same", "all_or_none",
     "data_shard_count", "make_mesh", "check_batch_layout", "batch_sharding", "replicated",

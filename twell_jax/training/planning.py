@@ -70,8 +70,9 @@ def auto_decisions(cfg: ExperimentConfig, hints: Sequence[float], num_devices: i
     decisions = []
     for layer in range(model.n_layers):
         op_config = build_op_config(model, layer)
-        # The op splits the micro-batch over the mesh's data axis (when its config names it).
-        per_shard = cfg.train.micro_batch * (1 if op_config.data_axis == parallel.DATA_AXIS else num_devices)
+        # The op splits the batch over all the mesh's axes, or (data_axis None) sees all of it: a
+        # data_axis naming only some of parallel.BATCH_AXES is refused before training (preflight).
+        per_shard = cfg.train.micro_batch * (num_devices if op_config.data_axis is None else 1)
         shape = (per_shard * cfg.seq_len, model.d_model, model.d_ff, itemsize)
         decisions.append(ops.auto_decision(model.kind.gated, op_config, shape, model.ffn_interpret))
     return tuple(decisions)

@@ -60,14 +60,20 @@ def check_resume_steps(cfg: ExperimentConfig, run_dir: Path, start_step: int) ->
 
 
 def check_op_config(cfg: ExperimentConfig) -> None:
-    """`model.ffn_op_config` holds valid SparseFFNConfig fields (checked by constructing one)."""
+    """`model.ffn_op_config` holds valid SparseFFNConfig fields (checked by constructing one), and a
+    data_axis that splits the tokens over every axis of the trainer's mesh (or None: no shard_map):
+    a Pallas call left on an axis it does not name would be partitioned by GSPMD."""
     try:
-        ops.SparseFFNConfig(**cfg.model.ffn_op_config)
+        op_config = ops.SparseFFNConfig(**cfg.model.ffn_op_config)
     except TypeError as err:
         known = ", ".join(f.name for f in dataclasses.fields(ops.SparseFFNConfig))
         raise ValueError(f"model.ffn_op_config={cfg.model.ffn_op_config!r}: {err} (known keys: {known})") from None
     except ValueError as err:
         raise ValueError(f"model.ffn_op_config={cfg.model.ffn_op_config!r}: {err}") from None
+    axes = op_config.data_axis
+    if axes is not None and not set(parallel.BATCH_AXES) <= ({axes} if isinstance(axes, str) else set(axes)):
+        raise ValueError(f"model.ffn_op_config data_axis={axes!r} must name both mesh axes the trainer splits the "
+                         f"batch over, {list(parallel.BATCH_AXES)}, or be None (the op then sees the whole batch)")
 
 
 def check_vocab(cfg: ExperimentConfig, tokenizer_vocab: int, echo: Callable[[str], None]) -> None:
@@ -108,15 +114,16 @@ def schedule_warnings(cfg: ExperimentConfig) -> list[str]:
 _PARAM_BYTES, _ADAM_BYTES, _GRAD_BYTES = 4, 8, 4
 
 
-def memory_estimate(cfg: ExperimentConfig, num_devices: int) -> dict[str, int]:
+def memory_estimate(cfg: ExperimentConfig, num_devices: int, fsdp_size: int | None = None) -> dict[str, int]:
     """A rough estimate of one device's memory for training `cfg` over `num_devices` devices, in bytes:
-    the f32 parameters, AdamW's state and the gradients (sharded over the devices with train.fsdp,
-    else a full copy on each), and the activations one micro-batch keeps for its backward without
-    rematerialisation (per layer: the block's [tokens, d_model] tensors, the FFN's hidden
-    activations, the attention probabilities; then the f32 logits and their softmax). XLA's own
-    figure is the compiled step's memory analysis, which the run logs."""
+    the f32 parameters, AdamW's state and the gradients (split over the `fsdp_size` devices of an
+    FSDP group; None = the group of the layout train.sharding resolves to, `training_layout`), and
+    the activations one micro-batch keeps for its backward without rematerialisation (per layer:
+    the block's [tokens, d_model] tensors, the FFN's hidden activations, the attention
+    probabilities; then the f32 logits and their softmax). XLA's own figure is the compiled step's
+    memory analysis, which the run logs."""
     m, tc = cfg.model, cfg.train
-    shards = num_devices if tc.fsdp else 1
+    shards = training_layout(cfg, num_devices, agree=False).fsdp_size if fsdp_size is None else fsdp_size
     params = m.num_params()
     tokens = tc.micro_batch * cfg.seq_len
     act = 2 if m.compute_dtype == "bfloat16" else 4
@@ -128,6 +135,24 @@ def memory_estimate(cfg: ExperimentConfig, num_devices: int) -> dict[str, int]:
                 "activations_per_micro_batch": m.n_layers * per_layer + 2 * tokens * m.vocab_size * 4}
     estimate["total"] = sum(estimate.values())
     return estimate
+
+
+def training_layout(cfg: ExperimentConfig, num_devices: int, *, agree: bool = True) -> parallel.Layout:
+    """The layout train.sharding resolves to over `num_devices` devices (`parallel.resolve_layout`):
+    "auto" weighs the unsharded f32 parameters, AdamW state and gradients against the memory JAX
+    may use on a device (memory_stats' bytes_limit; none on a CPU: taken to fit). With `agree`, a
+    multi-process run takes process 0's answer (the devices' limits may differ by a few bytes)."""
+    def resolve() -> parallel.Layout:
+        state = memory_estimate(cfg, num_devices, fsdp_size=1)
+        return parallel.resolve_layout(
+            cfg.train.sharding, num_devices, fsdp_size=cfg.train.fsdp_size,
+            state_bytes=state["parameters"] + state["optimizer_state"] + state["gradients"],
+            memory_limit=device_memory_limit_bytes() if cfg.train.sharding == "auto" else None,
+            platform=jax.local_devices()[0].platform)
+
+    if not agree or not parallel.multi_process():
+        return resolve()
+    return parallel.Layout(**parallel.lead_value("the sharding layout", lambda: dataclasses.asdict(resolve())))
 
 
 def device_memory_bytes(num_devices: int) -> tuple[int | None, str]:
@@ -170,11 +195,14 @@ def describe_memory(estimate: dict[str, int]) -> str:
             "(no remat; rough)")
 
 
-def check_fits_memory(cfg: ExperimentConfig, num_devices: int) -> tuple[dict[str, int], int | None, str]:
-    """(`memory_estimate`, the device memory, its source); a ValueError naming both when the
-    parameters and optimizer state alone exceed the device memory. Only that clear case is refused:
-    XLA's allocation would abort the process later with a C++ trace, after the run directory was made."""
-    estimate = memory_estimate(cfg, num_devices)
+def check_fits_memory(cfg: ExperimentConfig, num_devices: int, layout: parallel.Layout | None = None
+                      ) -> tuple[dict[str, int], int | None, str]:
+    """(`memory_estimate` under `layout` (None: `training_layout`), the device memory, its source);
+    a ValueError naming both when the parameters and optimizer state alone exceed the device memory.
+    Only that clear case is refused: XLA's allocation would abort the process later with a C++
+    trace, after the run directory was made."""
+    layout = training_layout(cfg, num_devices, agree=False) if layout is None else layout
+    estimate = memory_estimate(cfg, num_devices, fsdp_size=layout.fsdp_size)
     available, source = device_memory_bytes(num_devices)
     state = estimate["parameters"] + estimate["optimizer_state"]
     if available is not None and state > available:
@@ -184,7 +212,7 @@ def check_fits_memory(cfg: ExperimentConfig, num_devices: int) -> tuple[dict[str
                          f"{_bytes_text(state)} per device for the f32 parameters and AdamW state alone "
                          f"(~{_bytes_text(estimate['total'])} with gradients and activations), but a device has "
                          f"{_bytes_text(available)} ({source}); shrink the model"
-                         + (" or shard it with train.fsdp=true" if num_devices > 1 and not cfg.train.fsdp else ""))
+                         + (" or shard it with train.sharding=fsdp" if layout.fsdp_size < num_devices else ""))
     return estimate, available, source
 
 

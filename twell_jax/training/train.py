@@ -6,9 +6,10 @@ checkpoints (`checkpoint.py`), evaluation (`evaluate.py`), the op's "auto" plann
 (`planning.py`), the metrics sink (`metrics.py`), stop signals (`signals.py`), meshes and
 processes (`parallel.py`).
 
-All mesh plumbing lives in `Trainer.__init__` (one place): a 1-D "data" mesh over
-`train.num_devices` devices (`twell_jax.training.parallel.make_mesh`), params / optimizer state replicated
-(or FSDP-sharded with `train.fsdp`), the batch split over "data". The step is `jax.jit` with
+All mesh plumbing lives in `Trainer.__init__` (one place): a "data" x "fsdp" mesh over
+`train.num_devices` devices (`twell_jax.training.parallel.make_mesh`) whose shape is the layout
+`train.sharding` resolves to (`preflight.training_layout`, printed at the start), params / optimizer
+state split over "fsdp" and replicated over "data", the batch split over both. The step is `jax.jit` with
 NamedSharding in/out shardings and the state donated, compiled before the loop (its memory
 analysis logged) and run under `jax.set_mesh(mesh)` so the sparse op can `shard_map` its kernels.
 
@@ -57,7 +58,9 @@ from flax import nnx
 from twell_jax import config as config_lib
 from twell_jax import run_dir as run_dir_lib
 from twell_jax.config import ExperimentConfig
-from twell_jax.data import DataSource, build_experiment_data
+from twell_jax.data import DataSource
+from twell_jax.training.shared_data import build_experiment_data
+from twell_jax.data import tokenizer as tokenizer_lib
 from twell_jax.model import describe_execution, init_model, split_model
 from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax.training import parallel
@@ -68,7 +71,7 @@ from twell_jax.training.optimizer import build_optimizer, learning_rate_schedule
 from twell_jax.training.planning import PlanController, abstract_graphdef
 from twell_jax.training.preflight import (check_fits_memory, check_processes_agree, check_processes_read_same_data,
                                           check_resume_steps, check_shared_run_dir, check_vocab, checked_run_config,
-                                          schedule_warnings)
+                                          schedule_warnings, training_layout)
 from twell_jax.training.profiling import ProfileWindow
 from twell_jax.training.signals import StopSignals
 from twell_jax.training.sparsity import init_counters
@@ -142,8 +145,11 @@ class Trainer:
         # A multi-process run: a check that fails on one process stops every process (all_or_none).
         with parallel.all_or_none("checking the run"):
             cfg, self._saved_cfg = checked_run_config(cfg, self.run_dir, resume=resume, overwrite=overwrite)
+            num_devices = parallel.mesh_size(parallel.make_mesh(cfg.train.num_devices))
+            # Where the state lives (agreed: every process builds the same mesh).
+            self.layout = training_layout(cfg, num_devices)
             # A model that cannot fit is refused before the run directory is made (XLA would abort the process).
-            check_fits_memory(cfg, parallel.mesh_size(parallel.make_mesh(cfg.train.num_devices)))
+            check_fits_memory(cfg, num_devices, self.layout)
         check_processes_agree(cfg)
         # One process at a time in a run directory (multi-process runs: process 0 holds it for all).
         created = not self.run_dir.exists()
@@ -173,7 +179,7 @@ class Trainer:
         self.cfg = cfg
         tc = cfg.train
         # ---- mesh plumbing (the one place that knows about devices)
-        self.mesh = parallel.make_mesh(tc.num_devices)
+        self.mesh = parallel.make_mesh(tc.num_devices, self.layout.fsdp_size)
         self.num_devices = parallel.mesh_size(self.mesh)
         self.accum_steps = parallel.check_batch_layout(tc.global_batch, tc.micro_batch, self.num_devices)
         if tc.eval_batch_size % self.num_devices:
@@ -194,6 +200,9 @@ class Trainer:
         check_processes_read_same_data(self.data)
         if resume:
             run_dir_lib.check_corpus_fingerprint(self.run_dir, self.data.source_fingerprint, echo)
+        else:  # what a new run records of its tokenizer, checked first against its parameters' own
+            tokenizer = tokenizer_lib.tokenizer_record(self.data.tokenizer_json_path)
+            self.check_tokenizer(tokenizer["tokenizer"])
 
         abstract_model = nnx.eval_shape(lambda: init_model(cfg.model, tc.seed))
         abstract_params = nnx.to_pure_dict(nnx.split(abstract_model)[1])
@@ -204,7 +213,7 @@ class Trainer:
             "step": jax.ShapeDtypeStruct((), jnp.int32),
             "since_active": jax.ShapeDtypeStruct((cfg.model.n_layers, cfg.model.d_ff), jnp.int32),
         }
-        self.state_shardings = parallel.param_shardings(self.mesh, abstract_train_state, fsdp=tc.fsdp)
+        self.state_shardings = parallel.param_shardings(self.mesh, abstract_train_state)
         self.abstract_state = abstract_train_state
         # The op-planning policy ("auto" hints, re-plans, the plan trial): planning.py.
         self.planner = PlanController(cfg, num_devices=self.num_devices, mesh=self.mesh, data=self.data,
@@ -215,12 +224,17 @@ class Trainer:
             run_dir_lib.prepare_new_run_dir(self.run_dir, overwrite=overwrite)
             if self.data.tokenizer_json_path:
                 run_dir_lib.save_tokenizer(self.run_dir, self.data.tokenizer_json_path)
-            run_dir_lib.save_corpus_fingerprint(self.run_dir, self.data.source_fingerprint)
+            run_dir_lib.save_corpus_fingerprint(self.run_dir, self.data.source_fingerprint, tokenizer)
             run_dir_lib.write_config(self.run_dir, cfg)
         # Orbax opens the checkpoints on every process together, after --overwrite removed the old ones.
         parallel.barrier("preparing the run directory")
         self.store = ckpt_lib.CheckpointStore(self.run_dir / run_dir_lib.CHECKPOINT_SUBDIR,
                                               max_to_keep=tc.keep_checkpoints)
+
+    def check_tokenizer(self, tokenizer_hash: str | None) -> None:
+        """A new run's check of its data's tokenizer (`tokenizer_hash`, None: none) before its
+        directory is prepared; nothing to check for a run from an initialisation (InitFromParams
+        checks its parameters' own)."""
 
     # ------------------------------------------------------------------ state
     def init_state(self) -> TrainState:
@@ -488,6 +502,7 @@ class Trainer:
         self.echo(f"[twell] devices: {self.num_devices} x {jax.devices()[0].platform}{usable}; global batch "
                   f"{tc.global_batch} x {cfg.seq_len} tokens = {tokens_per_step} tokens/step; micro-batch "
                   f"{tc.micro_batch}/device, {self.accum_steps} accumulation step(s)")
+        self.echo(f"[twell] sharding: {self.layout.describe()}")
         if parallel.multi_process():  # e.g. a launcher that gave each process one GPU of its host
             self.echo(f"[twell] processes: this is process {jax.process_index()} of {jax.process_count()}, "
                       f"{jax.local_device_count()} device(s) each; process 0 writes the run's files")
@@ -575,13 +590,25 @@ class InitFromParams(Trainer):
 
     `init_params`: the plain dict of `model.split_model` for `cfg.model`, in any dtype (cast to the
     state's). They start a new run only: a resumed run continues from its own checkpoint.
+    `init_tokenizer`: (hash, where) of the tokenizer they were trained with (`data.tokenizer.
+    run_tokenizer_hash`; `where` names their source in the error): the run's data must share it.
     """
 
-    def __init__(self, *args: Any, init_params: Any, **kwargs: Any):
+    def __init__(self, *args: Any, init_params: Any, init_tokenizer: tuple[str | None, str] | None = None,
+                 **kwargs: Any):
         if kwargs.get("resume"):
             raise ValueError("init_params start a new run; resume=True continues one from its checkpoint")
         self._init_params = init_params
+        self._init_tokenizer = init_tokenizer
         super().__init__(*args, **kwargs)
+
+    def check_tokenizer(self, tokenizer_hash: str | None) -> None:
+        if self._init_tokenizer is None:
+            return
+        want, where = self._init_tokenizer
+        tokenizer_lib.check_same_tokenizer(
+            tokenizer_hash, f"the run's data.tokenizer={self.cfg.data.tokenizer!r}", want, f"the tokenizer of {where}",
+            "set data.tokenizer to the tokenizer.json the parameters were trained with")
 
     def init_state(self) -> TrainState:
         state = super().init_state()  # optimizer moments start at zero whatever the parameters
