@@ -62,6 +62,7 @@ from .common import (NORM_BLOCK_K, check_launch_sizes, compiler_params, is_pow2,
 from .twell_pack import _dot_precision
 
 LAYOUTS = ("nk", "kn")
+BF16_ITEMSIZE = 2  # the operand size the block sizes below are tuned for (`MatvecBlockSizes.fitted`)
 ACTIVATIONS = (None, "relu", "silu")
 # tile_values: the elements of W_up a step of the hidden values' epilogue holds in registers (fp32):
 # values_chunk(K) active neurons' rows whole, 4 at the 0.5b model's width (2048), fewer when wider.
@@ -107,6 +108,28 @@ class MatvecBlockSizes:
 
     def block_m(self, m: int) -> int:
         return max(16, min(self.max_block_m, next_pow2(m)))
+
+    def pipeline_bytes(self, m: int, itemsize: int, n_parts: int = 1) -> int:
+        """Shared memory of the K loop's software pipeline at m rows: num_stages buffers of an x
+        block [block_m, block_k] and `n_parts` weight blocks [block_k, block_n] of `itemsize` bytes."""
+        return self.num_stages * (self.block_m(m) + n_parts * self.block_n) * self.block_k * itemsize
+
+    def fitted(self, m: int, itemsize: int, n_parts: int = 1) -> "MatvecBlockSizes":
+        """These sizes for operands of `itemsize` bytes: the sizes here are tuned (and compile) for
+        bf16, and at fp32 the same pipeline needs twice the shared memory (the H100's limit was
+        exceeded: the output projection's four stages of [256, 64] fp32 blocks). The pipeline is
+        kept within its bf16 size, first by fewer stages (down to 2), then by a shorter K step
+        (down to 16); unchanged for 2-byte operands."""
+        limit = self.pipeline_bytes(m, BF16_ITEMSIZE, n_parts)
+        sizes = self
+        while sizes.pipeline_bytes(m, itemsize, n_parts) > limit:
+            if sizes.num_stages > 2:
+                sizes = dataclasses.replace(sizes, num_stages=sizes.num_stages - 1)
+            elif sizes.block_k > 16:
+                sizes = dataclasses.replace(sizes, block_k=sizes.block_k // 2)
+            else:
+                break
+        return sizes
 
     def columns(self, n: int) -> tuple[int, int]:
         """(column programs, columns each owns) for an output of n columns; ValueError when
@@ -575,6 +598,9 @@ def decode_matvec(x_MxK: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, lay
                             enable, block_sizes.block_n, block_sizes.split_k, enable_above)
     parts = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     m = x_MxK.shape[0]
+    # fp32 operands: the pipeline kept within the shared memory the (bf16-tuned) sizes take at bf16.
+    block_sizes = block_sizes.fitted(m, jnp.dtype(parts[0].dtype).itemsize,
+                                     len(parts) + (gate is not None))
     bm, bn, bk = block_sizes.block_m(m), block_sizes.block_n, block_sizes.block_k
     m_pad = round_up(m, bm)
     if block_sizes.programs_n and len(parts) > 1:

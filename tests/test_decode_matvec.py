@@ -225,6 +225,34 @@ def test_steps_of_many_rows_take_their_own_blocks():
     assert dm.role_block_sizes("gate", 64).block_m(64) == 16
 
 
+def test_fp32_operands_keep_the_pipeline_within_its_bf16_shared_memory():
+    """The block sizes are tuned for bf16; at fp32 every role's pipeline is cut (stages first, then
+    the K step) to at most its bf16 bytes (the output projection's four fp32 stages of [256, 64]
+    blocks exceeded the H100's shared memory); bf16 keeps every size as tuned; the result is the
+    reference's with the cut sizes (interpret mode)."""
+    from twell_jax.pallas_kernels import decode_matvec as dm
+
+    for table in (dm.ROLE_BLOCK_SIZES, dm.ROLE_BLOCK_SIZES_MANY_ROWS):
+        for role, sizes in table.items():
+            for m in (1, 4, 33, 64):
+                for parts in (1, 3):
+                    assert sizes.fitted(m, 2, parts) is sizes, role
+                    cut = sizes.fitted(m, 4, parts)
+                    assert cut.pipeline_bytes(m, 4, parts) <= sizes.pipeline_bytes(m, 2, parts), role
+                    assert cut.num_stages >= 2 and cut.block_k >= 16 and cut.block_n == sizes.block_n
+    out = dm.ROLE_BLOCK_SIZES["out_nk"]
+    assert (out.num_stages, out.block_k) == (4, 256)
+    assert (out.fitted(1, 4).num_stages, out.fitted(1, 4).block_k) == (2, 256)
+    tiny = MatvecBlockSizes(block_n=16, block_k=32, num_stages=2)  # no stage left to cut: K halves
+    assert tiny.fitted(1, 4).block_k == 16
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((3, 96)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((40, 96)) / 10, jnp.float32)
+    sizes = MatvecBlockSizes(block_n=16, block_k=64, num_stages=4)
+    got = decode_matvec(x, w, block_sizes=sizes, interpret=True)
+    assert _rel(got, decode_matvec_reference(x, w)) <= TOL[jnp.float32]
+
+
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 @pytest.mark.parametrize("m,n,programs", [(1, 40, 3), (17, 33, 4), (3, 64, 5)])
 @pytest.mark.fast_params("1-40-3-kn", "17-33-4-nk", "3-64-5-kn")
