@@ -170,7 +170,7 @@ DEFAULT_BLOCK_SIZES = MatvecBlockSizes(block_n=32, block_k=256, num_warps=8, num
 # W_down (64 above MANY_ROWS rows, below). The twin's step (0.5b, H100, a random init, in alternation
 # with plain JAX): at 32 rows a little faster than with blocks of 16, 16 rows unchanged (one block
 # either way); experiments/results/bench_inference_0.5b_decode_rows32_h100_2026-11-25.json. At 64
-# rows blocks of 32 read each weight twice (the twin slower than plain JAX, stop notes): above
+# rows blocks of 32 read each weight twice (the twin slower than plain JAX): above
 # MANY_ROWS rows the dense products take ROLE_BLOCK_SIZES_MANY_ROWS (below).
 # "down_nk_switch": W_down in the device switch's dense side (a sparse layer's step at several rows),
 # disabled on most steps: one launch (no split-K partials summed in XLA, a launch of its own even

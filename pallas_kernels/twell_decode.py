@@ -42,7 +42,7 @@ are read from HBM once per call, whatever the number of tokens M:
                      through HBM. Meant for decode's few active neurons, where the two launches
                      are latency-bound (H100, 0.5b, batch 1: faster a layer than `hidden` and
                      `down` plus the residual's XLA add, and the model's step faster with it in an
-                     earlier build: issue 24's stop notes, not a current figure). It loses with
+                     earlier build: git history of BENCHMARKS.md, not a current figure). It loses with
                      many actives: each program runs
                      ceil(n / block_h) x ceil(D / block_k) sequential steps that `hidden` spreads
                      over C / block_n programs.

@@ -62,8 +62,9 @@ class FFNBlockSizes:
     # carry), so tile t starts with its row gathers at once; its head slots are processed
     # unconditionally (row loads masked off for slots >= count: no bytes move, h = 0) and only the
     # slots beyond them take the dynamic loop. 0 = round 1's kernel.
-    # Measured (H200, round 2, in its stop notes, not on the current page): no gain at 29 actives
-    # and slower at 112: the kernel is bound by the row gathers, not by these loads. Default 0.
+    # Measured (H200, round 2, git history of BENCHMARKS.md, not on the current page): no gain at
+    # 29 actives and slower at 112: the kernel is bound by the row gathers, not by these loads.
+    # Default 0.
     head_slots: int = 0
     # Gated only: two launches instead of one, each gathering rows of ONE weight matrix, so each
     # launch's gathers are served by L2 from a table half the size: first u = x . U_j and

@@ -407,8 +407,8 @@ class DecodeConfig:
     # With the decode kernels: read q/k/v, the attention output projection and W_down from
     # output-major copies ([L, N, K], made once per generator by `decode_engine.prepare_decode`)
     # instead of the stored input-major stacks ([L, K, N]): those weights held twice, for a faster
-    # step (measured in issue 24's stop notes; git history of BENCHMARKS.md). false: the weights once. Callers of `decode_engine.decode` pass
-    # the copies.
+    # step (git history of BENCHMARKS.md, Decode). false: the weights once. Callers of
+    # `decode_engine.decode` pass the copies.
     transposed: bool = True
     # The sparse layers' FFN in the decode kernels' step (DECODE_SPARSE_FFN; BENCHMARKS.md, Decode,
     # has the current ways' measurements, git history the others'). "tiles" and "fused" lose to "split" in a layer with many active

@@ -173,12 +173,11 @@ H100 = DeviceCosts(
                 "the two-launch token-major backward with u kept, the neuron-major kernel's longest lists "
                 "first: least squares of the fixed part, the "
                 "gather rate and the hot tail's rate over uniform k 16, 29, 39, 56 and the trained-like "
-                "pattern at k 29 and 39 (227 and 481 hot neurons, 18% and 30% of the entries), the "
-                "forward's model subtracted, the hot tail's fixed part kept at 0.30 (2.96-6.17 ms fwd+bwd, "
-                "residuals within 0.09 ms); dense_bwd_flops_per_ms from `auto`'s dense plan in the same "
-                "run (4.54-4.56 ms fwd+bwd); the token tail's constants are the 2026-11-23 fit (commit "
-                "1968cc4, seven trained layers of a 0.5b with 0-1684 tail rows): no row of this run has a "
-                "token tail within its capacity. M 16384, D 2048, H 5632, bf16")),
+                "pattern at k 29 and 39, the forward's model subtracted, the hot tail's fixed part kept; "
+                "dense_bwd_flops_per_ms from `auto`'s dense plan in the same run (the rows: "
+                "experiments/results/bench_ffn_train_h100_2026-11-27c.json, in git history); the token "
+                "tail's constants are the 2026-11-23 fit (commit 1968cc4, seven trained layers of a 0.5b): "
+                "no row of this run has a token tail within its capacity. M 16384, D 2048, H 5632, bf16")),
     decode=DecodeCosts(
         gemm_launch_us=5.0, hbm_bytes_per_us=3.35e6, gemm_flops_per_us=6.0e8,
         decode_fixed_us=12.0, decode_row_bytes_per_us=2.6e5, decode_flops_per_us=2.0e8,
