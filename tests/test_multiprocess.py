@@ -1,16 +1,19 @@
-"""Multi-process runs (issue 43): `twell train` started as two processes joined by jax.distributed on
-127.0.0.1 (CPU devices, Gloo collectives), the way docs/parallel.md launches them on several hosts.
+"""Multi-process runs (issue 43): `twell train`, `twell eval` and `twell compare` started as two
+processes joined by jax.distributed on 127.0.0.1 (CPU devices, Gloo collectives), the way
+docs/parallel.md launches them on several hosts.
 
 The tests that start processes of the CLI run each under a hard timeout: a run that hangs fails here
-instead of blocking CI. Those that train are in the slow tier; two refusals (different configs, an
-unreachable coordinator) stay in the fast one. The others check the single-process side of the same
-code (the agreement helpers are no-ops there, the stop vote's wrapper, the sink of a process that
-writes no files).
+instead of blocking CI. Those that train are in the slow tier; refusals that need no training
+(different configs or arguments, an unreachable coordinator, a checkpoint the processes do not see
+alike) stay in the fast one. The others check the single-process side of the same code (the
+agreement helpers are no-ops there, the stop vote's wrapper, the sink of a process that writes no
+files, the agreed verdict on a checkpoint).
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -287,6 +290,154 @@ def test_an_unreachable_coordinator_is_one_line_and_exit_2_within_the_timeout(tm
     assert not (tmp_path / "run").exists()
 
 
+# ============================================================================= eval and compare as two processes
+
+
+def _json_result(results: list[tuple[int, str, str]], command: str) -> dict:
+    """Process 0's JSON result; every other process printed none and said so on stderr."""
+    _assert_ok(results)
+    for index, (_, out, err) in enumerate(results[1:], 1):
+        assert out == "", f"process {index} printed a result:\n{out[-2000:]}"
+        assert f"[twell] {command}: process {index} of {len(results)} done; process 0 prints the result" in err
+    return json.loads(results[0][1])
+
+
+@pytest.mark.slow
+def test_two_processes_evaluate_a_checkpoint_like_one_process(tmp_path):
+    """`twell eval` launched as two processes (each reads its rows of every batch): the validation
+    split's loss is the one the one-process run logged for that checkpoint, and --split all equals a
+    one-process eval of the same checkpoint, within 1e-6 relative; only process 0 prints."""
+    run = tmp_path / "run"
+    _assert_ok(_finish([_start(["train", "--config", "micro", "--set", *RUN_SETTINGS, "train.steps=3", "--out",
+                                str(run)], _env(2), tmp_path)]))
+    summary = json.loads((run / "summary.json").read_text())
+
+    val = _json_result(_run_group([["eval", "--checkpoint", str(run), "--json"]] * 2, tmp_path), "eval")
+    assert val["step"] == 3 and val["split"] == "val"
+    assert val["loss"] == pytest.approx(summary["val_loss"], rel=1e-6)
+    np.testing.assert_allclose(val["l0_per_layer"], summary["val_l0_per_layer"], rtol=1e-6)
+
+    every = ["eval", "--checkpoint", str(run), "--split", "all", "--set", "train.eval_batches=3", "--json"]
+    two = _json_result(_run_group([every] * 2, tmp_path), "eval")
+    one = _json_result(_finish([_start(every, _env(2), tmp_path)]), "eval")
+    assert two["split"] == "all" and two["tokens"] == one["tokens"] == 3 * 8 * 16  # 3 batches of 8 x 16 tokens
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6) and two["loss"] != pytest.approx(val["loss"], rel=1e-6)
+    np.testing.assert_allclose(two["l0_per_layer"], one["l0_per_layer"], rtol=1e-6)
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.json", "data_fingerprint.json",
+                                                      "metrics.jsonl", "summary.json"]  # eval wrote nothing
+
+
+@pytest.mark.slow
+def test_two_processes_evaluate_a_hugging_face_checkpoint_like_one_process(tmp_path):
+    """`twell eval --hf` as two processes: each imports the checkpoint (their weights' checksums
+    agree) and evaluates its rows; the result is a one-process eval's."""
+    args = ["eval", "--hf", str(REPO / "tests" / "fixtures" / "llama_relu"), "--set", "data.source=synthetic",
+            "train.eval_batch_size=8", "train.eval_batches=2", "--json"]
+    two = _json_result(_run_group([args] * 2, tmp_path), "eval")
+    one = _json_result(_finish([_start(args, _env(2), tmp_path)]), "eval")
+    assert two["step"] is None and two["tokens"] == one["tokens"] > 0
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6)
+    np.testing.assert_allclose(two["l0_per_layer"], one["l0_per_layer"], rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_two_processes_compare_like_one_process(tmp_path):
+    """`twell compare` of the micro preset as two processes: each run trains as a two-process run,
+    process 0 alone writes the plan and the report and prints it, and the report equals a
+    one-process study of the same global batch (losses and curves within 1e-6 relative)."""
+    settings = ["--config", "micro", "--set", *RUN_SETTINGS, "train.steps=3"]
+    two_dir, one_dir = tmp_path / "two", tmp_path / "one"
+    results = _run_group([["compare", *settings, "--out", str(two_dir), "--json"]] * 2, tmp_path)
+    two = _json_result(results, "compare")
+    assert not [line for line in results[1][2].splitlines() if "compare: wrote" in line]  # process 0 writes it
+    one = _json_result(_finish([_start(["compare", *settings, "--out", str(one_dir), "--json"], _env(2), tmp_path)]),
+                       "compare")
+
+    assert json.loads((two_dir / "compare.json").read_text()) == two
+    assert sorted(p.name for p in two_dir.iterdir()) == sorted(p.name for p in one_dir.iterdir()) == [
+        "compare.json", "compare.md", "compare.png", "compare_plan.json", "dense", "twell-l1-0.001"]
+    assert (two_dir / "compare_plan.json").read_text() == (one_dir / "compare_plan.json").read_text()
+    assert [r["key"] for r in two["runs"]] == [r["key"] for r in one["runs"]] == ["dense", "twell-l1-0.001"]
+    for row_two, row_one in zip(two["runs"], one["runs"]):
+        assert row_two["tokens"] == row_one["tokens"] == 3 * 8 * 16 and row_two["steps"] == 3
+        for key in ("val_loss", "ce_gap_to_twin", "active_per_token", "dead_share"):
+            assert row_two[key] == pytest.approx(row_one[key], rel=1e-6, abs=1e-9), f"{row_two['key']}: {key}"
+        np.testing.assert_allclose(row_two["curve_ce"], row_one["curve_ce"], rtol=1e-6)
+        np.testing.assert_allclose(row_two["active_per_layer"], row_one["active_per_layer"], rtol=1e-6)
+        assert [r["step"] for r in _train_records(two_dir / row_two["key"])] == [1, 2, 3]  # each step once
+    # --resume of the finished study, two processes: every run is kept (process 0's view), the same report.
+    resumed = _run_group([["compare", "--out", str(two_dir), "--resume", "--json"]] * 2, tmp_path)
+    assert _json_result(resumed, "compare") == two
+    assert "run 1/2 dense (relu_gated, L1 0) finished earlier: kept" in resumed[1][2]
+
+
+def _same_line_everywhere(results: list[tuple[int, str, str]], expected: str) -> str:
+    """Every process exited 2 with one error line holding `expected`; that line (process 0's)."""
+    lines = []
+    for index, (code, out, err) in enumerate(results):
+        assert code == 2, f"process {index} exited {code}:\n{err[-3000:]}"
+        assert out == "" and len(_error_lines(err)) == 1, err[-3000:]
+        lines.append(_error_lines(err)[0])
+        assert expected in lines[-1], lines[-1]
+    return lines[0]
+
+
+def test_eval_processes_started_with_different_arguments_all_refuse(tmp_path):
+    started = time.monotonic()
+    base = ["eval", "--checkpoint", str(tmp_path / "run")]
+    results = _run_group([base, [*base, "--step", "3", "--set", "train.eval_batches=1"]], tmp_path, REFUSAL_TIMEOUT_S)
+    line = _same_line_everywhere(results, "the processes were started with different arguments (process 1: ")
+    assert "--set ['train.eval_batches=1'] (process 0: [])" in line and "--step 3 (process 0: None)" in line
+    assert len({_error_lines(err)[0] for _, _, err in results}) == 1  # the same line on every process
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("process_1_sees", ["nothing", pytest.param("another step", marks=pytest.mark.slow),
+                                            "another checkpoint"])
+def test_eval_of_a_checkpoint_the_processes_do_not_see_alike_is_refused_by_every_process(tmp_path, process_1_sees):
+    """The same `--checkpoint run` relative to each process's own working directory (a file system
+    that is not shared, simulated): every process refuses with one line before Orbax reads anything."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    meta = tmp_path / "a" / "run" / "checkpoints" / "3" / "meta"
+    meta.mkdir(parents=True)
+    (meta / "metadata").write_text('{"step": 3}')
+    (tmp_path / "a" / "run" / "config.json").write_text("{}")
+    if process_1_sees != "nothing":
+        shutil.copytree(tmp_path / "a" / "run", tmp_path / "b" / "run")
+        if process_1_sees == "another step":
+            (tmp_path / "b" / "run" / "checkpoints" / "3").rename(tmp_path / "b" / "run" / "checkpoints" / "6")
+        else:
+            (tmp_path / "b" / "run" / "checkpoints" / "3" / "meta" / "metadata").write_text('{"step": 3, "x": 1}')
+    address = f"127.0.0.1:{_free_port()}"
+    procs = [_start(["eval", "--checkpoint", "run"],
+                    _env(1, JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(index)),
+                    tmp_path / name) for index, name in enumerate("ab")]
+    expected = {"nothing": "no checkpoint directory at",
+                "another step": "(process 1: no step 3; step 6 that process 0 lacks)",
+                "another checkpoint": "(process 1: other contents of step 3)"}[process_1_sees]
+    _same_line_everywhere(_finish(procs, REFUSAL_TIMEOUT_S), expected)
+
+
+@pytest.mark.slow
+def test_compare_refuses_lm_eval_tasks_and_an_out_the_processes_do_not_share(tmp_path):
+    """--tasks in a two-process launch is refused on every process, naming why; a study whose --out
+    the processes do not share (each its own working directory) is refused once process 0 wrote its
+    plan, which it removes again: nothing is left."""
+    settings = ["compare", "--config", "micro", "--set", *RUN_SETTINGS, "--out", "study"]
+    line = _same_line_everywhere(_run_group([[*settings, "--tasks", "arc_easy"]] * 2, tmp_path, REFUSAL_TIMEOUT_S),
+                                 "--tasks: lm-eval tasks run in one process")
+    assert "--resume --tasks" in line and not (tmp_path / "study").exists()
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    address = f"127.0.0.1:{_free_port()}"
+    procs = [_start(settings, _env(1, JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2",
+                                   JAX_PROCESS_ID=str(index)), tmp_path / name) for index, name in enumerate("ab")]
+    _same_line_everywhere(_finish(procs, REFUSAL_TIMEOUT_S), "process 1 does not see the comparison process 0 started")
+    assert not any((tmp_path / "a").iterdir()) and not any((tmp_path / "b").iterdir())
+
+
 # ============================================================================= one process
 
 
@@ -382,3 +533,48 @@ def test_the_plan_trial_decides_on_process_0s_step_times(monkeypatch):
         planner.timed(7, seconds, lambda _: None)
     assert asked == ["the plan trial's step times"]
     assert planner.plan_in_use == "auto" and planner.trials[0]["auto_vs_dense"] == 2.0
+
+
+def test_a_checkpoint_another_process_fails_to_verify_is_passed_over_by_every_process(tmp_path, monkeypatch):
+    """Which checkpoint a run restores is agreed: one that another process fails to verify (simulated:
+    process 1's verdict on step 2) is not used here either, whatever this process read, and the
+    newest one every process verified is restored; a --step that another process cannot verify is
+    an error naming that process."""
+    from twell_jax.training import checkpoint as ckpt_lib
+
+    store = ckpt_lib.CheckpointStore(tmp_path / "checkpoints")
+    for step in (1, 2):
+        store.save(step, {"w": jnp.arange(5.0) + step}, {"n": jnp.int32(step)}, {"config": {}, "step": step})
+    asked = []
+
+    def gather(what, value):  # process 1 verifies every checkpoint but step 2
+        asked.append(what)
+        return [value, "checkpoint 2 fails its checksum" if what == "verifying checkpoint 2" else None]
+
+    monkeypatch.setattr(par, "gather", gather)
+    monkeypatch.setattr(par, "multi_process", lambda: True)
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {ckpt_lib.PARAMS_ITEM: {"w": jax.ShapeDtypeStruct((5,), jnp.float32, sharding=one_device)}}
+    warned = []
+    items, meta, step = store.restore_verified(target, warn=warned.append)
+    assert step == 1 and meta["step"] == 1 and asked == ["verifying checkpoint 2", "verifying checkpoint 1"]
+    np.testing.assert_array_equal(items[ckpt_lib.PARAMS_ITEM]["w"], np.arange(5.0) + 1)
+    assert warned == ["[twell] warning: checkpoint 2 fails its checksum (on process 1); trying an older checkpoint"]
+    with pytest.raises(ckpt_lib.CorruptCheckpointError, match=r"checkpoint 2 fails its checksum \(on process 1\)"):
+        store.restore_verified(target, step=2)
+    store.close()
+
+
+def test_the_files_digest_names_the_config_and_each_step_and_tells_contents_apart(tmp_path):
+    from twell_jax.training import checkpoint as ckpt_lib
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    for step in (3, 12):
+        (checkpoints / str(step) / "meta").mkdir(parents=True)
+        (checkpoints / str(step) / "meta" / "metadata").write_text(f'{{"step": {step}}}')
+    (checkpoints / "12.orbax-checkpoint-tmp-1").mkdir()  # an unfinished save: not a step
+    seen = ckpt_lib.saved_files_digest(checkpoints)
+    assert list(seen) == ["config.json", "step 3", "step 12"] and seen["config.json"] is None
+    assert seen["step 3"] != seen["step 12"] and None not in (seen["step 3"], seen["step 12"])
+    (checkpoints / "3" / "meta" / "metadata").write_text('{"step": 3} ')
+    assert ckpt_lib.saved_files_digest(checkpoints)["step 3"] != seen["step 3"]

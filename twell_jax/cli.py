@@ -241,6 +241,69 @@ def _native_output_to_stderr(result_out: TextIO) -> TextIO:
     return os.fdopen(copy, "w")
 
 
+# Arguments each process of a multi-process launch may set for itself: they change neither what is
+# computed nor the result (a host's own compilation cache, a traceback on one process).
+_PROCESS_LOCAL_ARGUMENTS = frozenset({"debug", "compile_cache"})
+
+
+def _join_processes(name: str, args: argparse.Namespace, result_out: TextIO) -> TextIO:
+    """A multi-process launch of `twell NAME` (docs/parallel.md; nothing happens in one process):
+    join the others, point the collectives' native output at stderr, and refuse on every process,
+    naming the flags, unless every process was given the same arguments (they read the same
+    checkpoint or plan, compile the same programs and stop together). Returns the stream for the
+    results (a copy of stdout in a multi-process run)."""
+    from twell_jax.training import parallel
+
+    # Multi-host launch (SLURM, Open MPI, JAX_COORDINATOR_ADDRESS): before anything touches devices.
+    parallel.initialize_distributed()
+    if _process_and_count()[1] == 1:
+        return result_out
+    result_out = _native_output_to_stderr(result_out)
+    mine = json.loads(json.dumps({key: value for key, value in vars(args).items()
+                                  if key not in _PROCESS_LOCAL_ARGUMENTS}))  # as process 0's arrives: JSON
+    lead = parallel.lead_value(f"process 0's arguments of twell {name}", lambda: mine)
+    text = "; ".join(f"--{key.replace('_', '-')} {mine.get(key)!r} (process 0: {lead.get(key)!r})"
+                     for key in sorted(set(lead) | set(mine)) if mine.get(key) != lead.get(key))
+    differ = [f"process {p}: {t}" for p, t in enumerate(parallel.gather(f"the arguments of twell {name}", text)) if t]
+    if differ:
+        raise ValueError(f"the processes were started with different arguments ({'; '.join(differ)}); start every "
+                         f"process with the same `twell {name}` command")
+    return result_out
+
+
+def _process_and_count() -> tuple[int, int]:
+    """(this process's index, the process count) once `_join_processes` ran; (0, 1) without a
+    multi-process launch, asked without starting JAX's backend (a --dry-run need not claim a GPU)."""
+    from twell_jax.training import parallel
+
+    if parallel.distributed_request() is None:
+        return 0, 1
+    import jax
+
+    return jax.process_index(), jax.process_count()
+
+
+def _refuse_tasks_in_multi_process(instead: str) -> None:
+    """lm-eval tasks (--tasks) in a multi-process launch: one line on every process, saying why and
+    `instead` (what to run). The adapter (inference/harness.py) drives the model from one process's
+    loop over the tasks' requests: it neither splits them over processes nor gathers their answers."""
+    count = _process_and_count()[1]
+    if count > 1:
+        raise ValueError(f"--tasks: lm-eval tasks run in one process (the adapter drives the model from one "
+                         f"process's loop over the requests and does not split them over {count} processes); "
+                         f"{instead}")
+
+
+def _result_on_process_0(name: str) -> bool:
+    """True where the command's result is printed: one process, or process 0 of several (the others
+    say so on stderr)."""
+    index, count = _process_and_count()
+    if index == 0:
+        return True
+    print(f"[twell] {name}: process {index} of {count} done; process 0 prints the result")
+    return False
+
+
 def _train(args: argparse.Namespace, result_out: TextIO) -> None:
     from twell_jax.training import parallel
     from twell_jax.training.train import train
@@ -348,11 +411,15 @@ _CORPUS_WORDS = {"stdlib": "the Python standard library's .py files",
 
 
 def _eval(args: argparse.Namespace, out: TextIO) -> None:
+    from twell_jax.training import parallel
     from twell_jax.training.evaluate import evaluate_checkpoint, evaluate_model
 
+    out = _join_processes("eval", args, out)
     if (args.checkpoint is None) == (args.hf is None):
         raise ValueError("give one of --checkpoint RUN (a trained run) or --hf DIR (a Hugging Face checkpoint)")
     if args.tasks is not None:
+        _refuse_tasks_in_multi_process("start `twell eval --tasks` as a single process (no "
+                                       "JAX_COORDINATOR_ADDRESS, SLURM or mpirun launch)")
         _eval_tasks(args, out)
         return
     given = [flag for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot),
@@ -372,9 +439,10 @@ def _eval(args: argparse.Namespace, out: TextIO) -> None:
             raise ValueError("--step picks a checkpoint of a run; a --hf checkpoint has no steps")
         from twell_jax.model import split_model
 
-        imported = _imported(args.hf, dtype="float32")
-        cfg = config_lib.apply_overrides(imported.config, args.set)
-        cfg = _with_imported_model(cfg, imported, args.set, "--hf")
+        with parallel.all_or_none("importing the Hugging Face checkpoint"):  # every process reads it, or none goes on
+            imported = _imported(args.hf, dtype="float32")
+            cfg = config_lib.apply_overrides(imported.config, args.set)
+            cfg = _with_imported_model(cfg, imported, args.set, "--hf")
         corpus = cfg.data.source
         if "data.source" not in _override_keys(args.set):  # an imported model has no corpus of its own
             print(f"[twell] eval: no --set data.source given: evaluating on the default corpus {corpus!r} "
@@ -382,6 +450,8 @@ def _eval(args: argparse.Namespace, out: TextIO) -> None:
         limit = "train.eval_batches" in _override_keys(args.set)
         result = evaluate_model(cfg, split_model(imported.model)[1], split=args.split, limit_batches=limit)
     result["corpus"] = corpus
+    if not _result_on_process_0("eval"):
+        return
     weights = f"step {result['step']}" if result["step"] is not None else "imported weights"
     _emit(out, args, result, lambda: (
         f"loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}  tokens {int(result['tokens'])}  "
@@ -427,13 +497,21 @@ def _eval_tasks(args: argparse.Namespace, out: TextIO) -> None:
 def _compare(args: argparse.Namespace, out: TextIO) -> None:
     from twell_jax.compare import PLAN_FILE, main_from_args, markdown_table
 
+    out = _join_processes("compare", args, out)
+    if args.tasks is not None:
+        _refuse_tasks_in_multi_process("train the study without --tasks, then add the accuracy column with "
+                                       "`twell compare --out DIR --resume --tasks ...` started as a single process")
     if args.print_config:
         if args.resume:  # the base config would be tiny's, not the study's
             raise ValueError(f"--print-config shows a new study's config; the configs of the comparison being "
                              f"resumed are in {Path(args.out or 'DIR') / PLAN_FILE}")
-        out.write(config_lib.to_json(_load_config(args.config or "tiny", args.set)) + "\n")
+        cfg = _load_config(args.config or "tiny", args.set)
+        if _result_on_process_0("compare"):
+            out.write(config_lib.to_json(cfg) + "\n")
         return
     report = main_from_args(args, _load_config)
+    if not _result_on_process_0("compare"):
+        return
     if report.get("dry_run"):
         if args.json:  # the plan (without --json it was printed on stderr)
             _emit(out, args, report, str)

@@ -19,11 +19,18 @@ interrupted one resumes from its newest checkpoint, the rest start.
 
 A run of a plan may start from a trained run's parameters instead of an initialisation
 (`StudyRun.init_run`, recorded in the plan; experiments/backend_equivalence.py's --init-run).
+
+Several processes (jax.distributed, docs/parallel.md) run a study together: every process checks
+`out_dir` and plans the same study (a digest of the plan compared), process 0 alone writes
+`compare_plan.json` and the report (the others check that they see the plan), whether a run is
+done, resumed or new is process 0's view, and each run trains as a multi-process `twell train`
+(its own checks and agreements). lm-eval tasks (`--tasks`) run in one process only.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -210,17 +217,24 @@ def run_study(runs: list[StudyRun], out_dir: str | Path, *, resume: bool = False
     `options`: the study options recorded in the plan (what --resume checks against). A run that
     starts (not one resumed) from a trained run's parameters (`init_run`) is checked to fit it
     before anything trains."""
+    from twell_jax.training import parallel
     from twell_jax.training.train import TrainingInterrupted
 
     out_dir = Path(out_dir)
-    check_out_dir(out_dir, resume=resume)
-    states = [_run_state(out_dir / run.key, run.cfg) if resume else "new" for run in runs]
-    for run, state in zip(runs, states):
-        if run.init_run is not None and state == "new":
-            check_init_run(run.init_run, run.cfg)
+    with parallel.all_or_none("checking the comparison directory"):  # every process, or none goes on
+        check_out_dir(out_dir, resume=resume)
+        states = [_run_state(out_dir / run.key, run.cfg) if resume else "new" for run in runs]
+        for run, state in zip(runs, states):
+            if run.init_run is not None and state == "new":
+                check_init_run(run.init_run, run.cfg)
+    # Whether a run is kept, resumed or started decides what every process trains: process 0's view.
+    states = parallel.lead_value("the states of the comparison's runs", lambda: states)
+    plan = json.dumps(_plan_dict(runs, options or {}), indent=1)
+    parallel.check_same("the comparison plan (a digest of its compare_plan.json)",
+                        hashlib.sha256(plan.encode()).hexdigest()[:16],
+                        "start every process with the same study (--config, --set, --l1 and the other options)")
     if not resume:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        run_dir_lib.atomic_write_text(out_dir / PLAN_FILE, json.dumps(_plan_dict(runs, options or {}), indent=1))
+        _write_plan(out_dir, plan)
     for i, (run, state) in enumerate(zip(runs, states), 1):
         run_dir = out_dir / run.key
         what = f"{run.cfg.model.ffn_kind}, L1 {run.cfg.sparsity.l1_coef:g}" + (
@@ -238,7 +252,32 @@ def run_study(runs: list[StudyRun], out_dir: str | Path, *, resume: bool = False
                         f"comparison with: twell compare --out {out_dir} --resume",)
             raise
         echo(f"[twell] compare: {run.key} trained in {time.perf_counter() - start:.0f}s")
-    return write_report(runs, out_dir, echo=echo)
+    with parallel.all_or_none("writing the comparison's report"):  # every process reads it, process 0 writes it
+        return write_report(runs, out_dir, echo=echo, write_files=parallel.is_lead())
+
+
+def _write_plan(out_dir: Path, plan: str) -> None:
+    """Start the study in `out_dir` with its compare_plan.json: process 0 writes it, and every other
+    process of a multi-process run must then see it (--out on a shared file system), else every
+    process raises, naming the directory, and the plan is removed again."""
+    import jax
+
+    from twell_jax.training import parallel
+
+    with parallel.all_or_none("writing the comparison plan"):
+        if parallel.is_lead():
+            out_dir.mkdir(parents=True, exist_ok=True)
+            run_dir_lib.atomic_write_text(out_dir / PLAN_FILE, plan)
+    try:
+        with parallel.all_or_none("checking that every process sees the comparison directory"):
+            if not parallel.is_lead() and not (out_dir / PLAN_FILE).is_file():
+                raise ValueError(f"--out {out_dir.absolute()}: process {jax.process_index()} does not see the "
+                                 f"comparison process 0 started there ({PLAN_FILE}): every process of a multi-process "
+                                 "run needs --out on a file system they share, at the same path")
+    except BaseException:
+        if parallel.is_lead():
+            (out_dir / PLAN_FILE).unlink(missing_ok=True)  # the study's caller removes the directory left empty
+        raise
 
 
 def _trainer(run: StudyRun, run_dir: Path, state: str, *, study_resumed: bool,
@@ -317,11 +356,12 @@ def check_same_tokenizer(runs: list[StudyRun], out_dir: Path, *, echo: Callable[
 
 
 def write_report(runs: list[StudyRun], out_dir: Path, *, echo: Callable[[str], None] = print,
-                 task_results: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+                 task_results: dict[str, dict[str, Any]] | None = None, write_files: bool = True) -> dict[str, Any]:
     """compare.json, compare.md and compare.png from the runs' own files, once every run is known
     to share the twin's tokenizer (`check_same_tokenizer`); returns the report (the `twell compare`
     command prints its table on stdout). `task_results`: per run key, its lm-eval results
-    (`task_accuracy`), which add the accuracy columns."""
+    (`task_accuracy`), which add the accuracy columns. `write_files=False`: the report only (the
+    processes of a multi-process run but process 0)."""
     tokenizer = check_same_tokenizer(runs, out_dir, echo=echo)
     rows = [run_report(run, out_dir / run.key) for run in runs]
     twin = rows[0]
@@ -331,6 +371,8 @@ def write_report(runs: list[StudyRun], out_dir: Path, *, echo: Callable[[str], N
         if task_results is not None:
             row.update(task_results[row["key"]])
     report = {"twin": twin["key"], "runs": rows, "out_dir": str(out_dir), "tokenizer_hash": tokenizer}
+    if not write_files:
+        return report
     table = markdown_table(rows)
     (out_dir / "compare.json").write_text(json.dumps(report, indent=1))
     (out_dir / "compare.md").write_text(table + "\n")
@@ -486,6 +528,8 @@ def main_from_args(args: argparse.Namespace, load_config: Callable[[str, list[st
                    echo: Callable[[str], None] = print) -> dict[str, Any]:
     """`twell compare`: plan (or, with --resume, reload) the study, then train and report it; with
     --dry-run only plan it ({"dry_run": True, "out_dir", "plan": what compare_plan.json would hold})."""
+    from twell_jax.training import parallel
+
     options = dict(l1_values=args.l1, dense_kind=args.dense_kind, reinit=args.reinit_dead,
                    l1_warmup_steps=args.l1_warmup_steps)
     selection = None
@@ -496,25 +540,27 @@ def main_from_args(args: argparse.Namespace, load_config: Callable[[str, list[st
         from twell_jax.inference import lm_eval_harness
 
         selection = lm_eval_harness().select_tasks(args.tasks)
-    if args.resume:
-        if args.out is None:
-            raise ValueError("--resume needs --out DIR (the comparison to continue)")
-        out = Path(args.out)
-        check_out_dir(out, resume=True)
-        if args.config is not None:
-            raise ValueError(f"--config {args.config!r}: leave it out with --resume (the comparison's saved plan "
-                             "is used)")
-        runs = resumed_runs(out, args.set, options)
-    else:
-        cfg = load_config(args.config or "tiny", args.set)
-        runs = study_runs(cfg, **options)
-        if args.out:
+    with parallel.all_or_none("planning the comparison"):  # a multi-process run: every process, or none goes on
+        if args.resume:
+            if args.out is None:
+                raise ValueError("--resume needs --out DIR (the comparison to continue)")
             out = Path(args.out)
-        elif args.dry_run:  # nothing is written: the name a real run would start from
-            out = Path("runs") / f"compare-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        else:  # reserved atomically, so two studies started in the same second never share one
-            out = run_dir_lib.default_run_dir(dataclasses.replace(cfg, name=f"compare-{cfg.name}"))
-        check_out_dir(out, resume=False)
+            check_out_dir(out, resume=True)
+            if args.config is not None:
+                raise ValueError(f"--config {args.config!r}: leave it out with --resume (the comparison's saved plan "
+                                 "is used)")
+            runs = resumed_runs(out, args.set, options)
+        else:
+            cfg = load_config(args.config or "tiny", args.set)
+            runs = study_runs(cfg, **options)
+            if args.out:
+                out = Path(args.out)
+            elif args.dry_run:  # nothing is written: the name a real run would start from
+                out = Path("runs") / f"compare-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+            else:  # reserved atomically (by process 0), so two studies started in the same second never share one
+                out = Path(parallel.lead_value("the comparison directory", lambda: str(run_dir_lib.default_run_dir(
+                    dataclasses.replace(cfg, name=f"compare-{cfg.name}")))))
+            check_out_dir(out, resume=False)
     first = runs[0].cfg
     echo(f"[twell] compare: {len(runs)} runs of {first.train.steps} steps x {first.train.global_batch} x "
          f"{first.seq_len} tokens, data {first.data.source!r} (seed {first.data.seed}) -> {out.absolute()}"
@@ -535,7 +581,7 @@ def main_from_args(args: argparse.Namespace, load_config: Callable[[str, list[st
         return write_report(runs, out, echo=echo, task_results=task_accuracy(
             runs, out, selection, limit=args.tasks_limit, loaded_tasks=loaded_tasks, echo=echo))
     except BaseException:
-        if not args.resume and out.is_dir() and not any(out.iterdir()):
+        if not args.resume and parallel.is_lead() and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # a study that failed before writing anything leaves no directory behind
         raise
 

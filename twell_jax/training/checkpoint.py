@@ -7,7 +7,8 @@ since_active}) and "meta" (JSON: config, data-iterator position (`iterator_state
 metric history, and a checksum of every array of the other two items).
 
 In a multi-process run (docs/parallel.md) Orbax saves and restores each checkpoint with every
-process.
+process. A checkpoint is used only when every process verified it (`restore_verified`), and a
+reader first compares what each process sees (`saved_files_digest`, before Orbax reads anything).
 
 Orbax writes into a temporary directory and renames it on success, so a save killed midway leaves
 the previous checkpoint as the latest (the tmp directory is ignored). A restore checks Orbax's own
@@ -16,6 +17,7 @@ error, and `restore(step=None)` falls back to the newest intact one with a warni
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import shutil
 import uuid
@@ -122,6 +124,31 @@ def iterator_state_from_json(value: Any) -> Any:
     if isinstance(value, list):
         return [iterator_state_from_json(v) for v in value]
     return value
+
+
+def _file_digest(path: Path) -> str | None:
+    """SHA-256 of a file's bytes (the first 16 hex digits), or None when it cannot be read."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    except OSError:
+        return None
+
+
+# The file Orbax's JsonSave writes in the "meta" item's directory (JsonCheckpointHandler's default).
+_META_FILENAME = "metadata"
+
+
+def saved_files_digest(directory: str | Path) -> dict[str, str | None]:
+    """What this process sees of a run's saved state, read from the files alone (no Orbax: in a
+    multi-process run Orbax reads collectively, so the processes compare this first): a digest of
+    the run's config.json and, per checkpoint step, of that step's meta (the config, the step and
+    every array's checksum, so equal digests mean the same arrays). `directory`: the run's
+    checkpoints/ directory. None for a file that cannot be read."""
+    directory = Path(directory)
+    seen = {run_dir_lib.CONFIG_FILE: _file_digest(directory.parent / run_dir_lib.CONFIG_FILE)}
+    steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+    seen.update({f"step {step}": _file_digest(directory / str(step) / "meta" / _META_FILENAME) for step in steps})
+    return seen
 
 
 # ----------------------------------------------------------------------------- checksums
@@ -250,18 +277,32 @@ class CheckpointStore:
             if step not in self.all_steps():
                 raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory} (steps: "
                                         f"{self.all_steps() or 'none'})")
-            return (*self.restore(targets, step), step)
+            return (*self._restore_everywhere(targets, step), step)
         steps = self.all_steps()
         if not steps:
             raise FileNotFoundError(f"no checkpoint found in {self.directory}")
         failures = []
         for candidate in reversed(steps):
             try:
-                return (*self.restore(targets, candidate), candidate)
+                return (*self._restore_everywhere(targets, candidate), candidate)
             except CorruptCheckpointError as err:
                 failures.append(str(err))
                 warn(f"[twell] warning: {err}; trying an older checkpoint")
         raise CorruptCheckpointError(f"no intact checkpoint in {self.directory}: " + "; ".join(failures))
+
+    def _restore_everywhere(self, targets: dict[str, Any], step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """`restore`, whose verdict every process of a multi-process run shares: a checkpoint one
+        process fails to verify fails on all (naming that process), so all fall back to the same
+        older step and compile the same program."""
+        try:
+            restored, failure = self.restore(targets, step), None
+        except CorruptCheckpointError as err:
+            restored, failure = None, str(err)
+        failed = [(p, text) for p, text in enumerate(parallel.gather(f"verifying checkpoint {step}", failure)) if text]
+        if not failed:
+            return restored
+        process, text = next(((p, t) for p, t in failed if p == jax.process_index()), failed[0])
+        raise CorruptCheckpointError(text if not parallel.multi_process() else f"{text} (on process {process})")
 
     def quarantine_after(self, step: int, run_dir: str | Path) -> list[Path]:
         """Move every checkpoint newer than `step` to `<run>/superseded_checkpoints/` (kept for

@@ -5,10 +5,19 @@ Restores the parameters alone (checkpoint.restore_params_with_meta: no optimizer
 gives backend "auto" the checkpoint's hints (hints.with_auto_hints), builds the data with the
 tokenizer saved in the run, and evaluates on the run's validation split, or with split="all" on
 every sequence of the corpus (another corpus's whole text, not only its held-out share).
+
+Several processes (jax.distributed, docs/parallel.md) evaluate together: each reads its rows of every
+batch and the sums are over the global batch, so the result is a one-process evaluation's. Before
+Orbax reads the checkpoint with every process, they check that they see the same files
+(`preflight.check_processes_see_same_checkpoints`) and the same config; a process that cannot read
+the run or build the data stops them all (`parallel.all_or_none`); the "auto" hints, which choose the
+compiled program, are process 0's.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -24,9 +33,11 @@ from twell_jax.training.shared_data import build_experiment_data, build_once
 from twell_jax.data.batching import val_batches
 from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax.training import parallel
-from twell_jax.training.hints import with_auto_hints
+from twell_jax.training.hints import with_auto_hints, with_hints
 from twell_jax.training.metrics import check_finite
 from twell_jax.training.planning import abstract_graphdef
+from twell_jax.training.preflight import (check_processes_agree, check_processes_read_same_data,
+                                          check_processes_see_same_checkpoints)
 from twell_jax.training.step import make_eval_step
 
 # "val": the corpus's validation split (data.val_fraction of it, chosen at training time); "all":
@@ -46,6 +57,14 @@ class WholeCorpus:
     @property
     def source_fingerprint(self) -> str:
         return self.bundle.source_fingerprint
+
+    @property
+    def tokenizer_json_path(self) -> str | None:
+        return self.bundle.tokenizer_json_path
+
+    @property
+    def vocab_size(self) -> int:
+        return self.bundle.vocab_size
 
     def val_batches(self, batch_size: int, max_batches: int | None = None) -> Iterator[dict[str, Any]]:
         del max_batches  # the whole corpus, or self.max_batches
@@ -102,6 +121,19 @@ def split_data(cfg: ExperimentConfig, split: str, *, limit_batches: bool,
     return WholeCorpus(bundle, cfg.train.eval_batches if limit_batches else None)
 
 
+def _agreed_hints(cfg: ExperimentConfig) -> ExperimentConfig:
+    """`cfg` with process 0's "auto" hints (`model.ffn_expected_active`): they choose the program each
+    layer compiles, which must be the same on every process. Unchanged in a one-process run."""
+    if not parallel.multi_process():
+        return cfg
+    hints = parallel.lead_value("the 'auto' hints", lambda: list(cfg.model.ffn_expected_active))
+    if tuple(hints) == tuple(cfg.model.ffn_expected_active):
+        return cfg
+    if not hints:
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, ffn_expected_active=()))
+    return with_hints(cfg, hints)
+
+
 def _summarise(result: dict[str, Any], cfg: ExperimentConfig, echo: Callable[[str], None]) -> dict[str, Any]:
     result["l0_mean"] = float(np.mean(result["l0_per_layer"]))
     result["sparsity"] = 1.0 - result["l0_mean"] / cfg.model.d_ff
@@ -124,22 +156,33 @@ def evaluate_checkpoint(path: str | Path, *, step: int | None = None, overrides:
     train.eval_batches=32, train.num_devices=1, data.source=<the moved corpus, or another one>). A
     non-finite loss raises FloatingPointError.
     """
-    ckpt_dir = run_dir_lib.checkpoint_dir(path)
-    if not ckpt_dir.is_dir():
-        raise FileNotFoundError(f"no checkpoint directory at {ckpt_dir}")
+    # A multi-process run: every process finds the checkpoints, and sees the same files there, before
+    # Orbax reads them together (a process that cannot would leave the others waiting inside Orbax).
+    with parallel.all_or_none("finding the checkpoint"):
+        ckpt_dir = run_dir_lib.checkpoint_dir(path)
+        if not ckpt_dir.is_dir():
+            raise FileNotFoundError(f"no checkpoint directory at {ckpt_dir}" + (
+                " (every process needs the run on a file system they share, at the same path)"
+                if parallel.multi_process() else ""))
+        seen = ckpt_lib.saved_files_digest(ckpt_dir)
+    check_processes_see_same_checkpoints(ckpt_dir, seen)
     run_dir = ckpt_dir.parent
-    saved = ckpt_lib.load_run_config(run_dir)
-    cfg = config_lib.apply_overrides(saved, overrides or [])
-    ckpt_lib.check_compatible(config_lib.to_dict(saved), cfg)
+    with parallel.all_or_none("reading the run's config"):
+        saved = ckpt_lib.load_run_config(run_dir)
+        cfg = config_lib.apply_overrides(saved, overrides or [])
+        ckpt_lib.check_compatible(config_lib.to_dict(saved), cfg)
+        mesh = parallel.make_mesh(cfg.train.num_devices)
+    check_processes_agree(cfg)
     limit = any(item.split("=", 1)[0].strip() == "train.eval_batches" for item in overrides or [])
-    mesh = parallel.make_mesh(cfg.train.num_devices)
     with jax.set_mesh(mesh):
         params, meta, step = ckpt_lib.restore_params_with_meta(run_dir, step, mesh=mesh, warn=echo)
         # The hints that checkpoint was trained with (its meta, already read), else its logged l0.
-        cfg = with_auto_hints(cfg, run_dir, step, meta=meta, echo=echo)
+        cfg = _agreed_hints(with_auto_hints(cfg, run_dir, step, meta=meta, echo=echo))
         echo(f"[twell] evaluating {ckpt_dir} (step {step}, config {cfg.name!r}, split {split!r})")
-        data = split_data(run_dir_lib.with_saved_tokenizer(cfg, run_dir), split, limit_batches=limit,
-                          data_builder=data_builder)
+        with parallel.all_or_none("building the evaluation data"):
+            data = split_data(run_dir_lib.with_saved_tokenizer(cfg, run_dir), split, limit_batches=limit,
+                              data_builder=data_builder)
+        check_processes_read_same_data(data)
         run_dir_lib.check_corpus_fingerprint(run_dir, data.source_fingerprint, echo)
         graphdef = abstract_graphdef(cfg.model, cfg.train.seed)
         result = evaluate_params(cfg, data, jax.jit(make_eval_step(cfg, graphdef)), params, mesh, step=step)
@@ -154,11 +197,21 @@ def evaluate_model(cfg: ExperimentConfig, params: Any, *, split: str = "val", li
                    data_builder: Callable[[ExperimentConfig], DataSource] = build_experiment_data) -> dict[str, Any]:
     """Evaluate `params` (the plain dict of `model.split_model`, e.g. an imported Hugging Face
     model's) of the model `cfg.model` on `cfg.data`'s validation split or whole corpus."""
-    mesh = parallel.make_mesh(cfg.train.num_devices)
+    with parallel.all_or_none("building the mesh"):
+        mesh = parallel.make_mesh(cfg.train.num_devices)
+    check_processes_agree(cfg)
+    if parallel.multi_process():  # every process imported the whole model itself: the same weights
+        checksums = json.dumps(ckpt_lib.tree_checksums(params), sort_keys=True)
+        parallel.check_same("the weights (a digest of every array's checksum)",
+                            hashlib.sha256(checksums.encode()).hexdigest()[:16],
+                            "every process must import the same checkpoint (--hf on a file system they share, or "
+                            "identical copies)")
     with jax.set_mesh(mesh):
         params = jax.device_put(params, parallel.replicated(mesh))
         echo(f"[twell] evaluating {cfg.name!r} on {cfg.data.source!r} (split {split!r})")
-        data = split_data(cfg, split, limit_batches=limit_batches, data_builder=data_builder)
+        with parallel.all_or_none("building the evaluation data"):
+            data = split_data(cfg, split, limit_batches=limit_batches, data_builder=data_builder)
+        check_processes_read_same_data(data)
         graphdef = abstract_graphdef(cfg.model, cfg.train.seed)
         result = evaluate_params(cfg, data, jax.jit(make_eval_step(cfg, graphdef)), params, mesh)
     result["step"] = None

@@ -248,6 +248,30 @@ def check_processes_read_same_data(data: DataSource) -> None:
                         "on a file system they share, or identical copies)")
 
 
+def check_processes_see_same_checkpoints(directory: str | Path, seen: dict[str, str | None]) -> None:
+    """A multi-process run that reads a run's checkpoints (evaluation): every process must see the
+    same files (`seen`: `checkpoint.saved_files_digest(directory)`) before Orbax reads them with all
+    of them; otherwise every process raises the same ValueError naming what differs where."""
+    if not parallel.multi_process():
+        return
+    lead = parallel.lead_value("process 0's checkpoints", lambda: seen)
+
+    def differences() -> str:
+        missing = [key for key in lead if key not in seen]
+        extra = [key for key in seen if key not in lead]
+        changed = [key for key in lead if key in seen and seen[key] != lead[key]]
+        return "; ".join(part for part in (
+            f"no {', '.join(missing)}" if missing else "", f"{', '.join(extra)} that process 0 lacks" if extra else "",
+            f"other contents of {', '.join(changed)}" if changed else "") if part)
+
+    differ = [f"process {p}: {text}" for p, text in enumerate(parallel.gather("the checkpoints", differences()))
+              if text]
+    if differ:
+        raise ValueError(f"the processes see different checkpoints at {Path(directory).absolute()} "
+                         f"({'; '.join(differ)}); every process needs the run on a file system they share, at the "
+                         "same path (or identical copies)")
+
+
 def check_shared_run_dir(run_dir: str | Path, lock: run_dir_lib.RunLock | None) -> None:
     """A multi-process run: every process must see the run directory that process 0 locked (`lock`,
     None on the other processes), else every process raises a ValueError naming the directory. Run
