@@ -23,6 +23,13 @@ def test_the_accuracy_is_found_in_either_sides_results():
     assert math.isnan(eval_speed._find_acc({"results": {"other": {"acc,none": 1.0}}}))  # another task's: none
 
 
+def test_a_run_ending_on_a_partial_batch_is_noted():
+    assert eval_speed.partial_batch_note(2000, 64, 32) is None  # 8000 and 256 requests: whole batches
+    note = eval_speed.partial_batch_note(400, 50, 32)  # 200 requests: 6 batches of 32 and one of 8
+    assert note.startswith("--warm-items 50 ends on a batch of 8 of --batch-size 32 rows") and "--items" not in note
+    assert "--items 7 ends on a batch of 12" in eval_speed.partial_batch_note(7, 2, 16)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--checkpoint", "x", "--items", "10", "--warm-items", "10"], "--warm-items must be >= 1 and less than --items"),
     (["--checkpoint", "x", "--batch-size", "0"], "must be >= 1"),

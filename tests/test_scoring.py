@@ -1,6 +1,9 @@
 """Log-likelihood scoring (twell_jax/inference/scoring.py, no lm-eval): batched, length-sorted and
-padded scores equal each pair scored alone; rolling windows predict every token once; and the
-scores equal those of the same model exported to Hugging Face and run by `transformers` (CPU)."""
+padded scores equal each pair scored alone, whatever the batch size and the batches in flight;
+the greedy test equals argmax's, ties included; text pairs encoded in one batch call equal each
+encoded alone; rolling windows predict every token once; and the scores equal those of the same
+model exported to Hugging Face and run by `transformers` (CPU)."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,7 +11,8 @@ import pytest
 from twell_jax.config import ModelConfig
 from twell_jax.inference import experiment_config_for
 from twell_jax.inference.load import LoadedModel, eos_id_of
-from twell_jax.inference.scoring import Scorer, rolling_pairs
+from twell_jax.inference import scoring
+from twell_jax.inference.scoring import Scorer, rolling_pairs, target_scores
 from twell_jax.model import init_model
 
 WINDOW = 32
@@ -74,6 +78,68 @@ def test_batched_scores_equal_each_pair_scored_alone_in_request_order(loaded):
     assert got[-1][1] is True
     # Programs: one per (rows, length) bucket used, not one per batch.
     assert scorer.traces <= 2 * 2
+
+
+@pytest.mark.parametrize("batch_size, in_flight", [(5, 1), (5, 3), (16, 2)])
+def test_scores_do_not_depend_on_batching_or_batches_in_flight(loaded, monkeypatch, batch_size, in_flight):
+    """Sorted, bucketed, several batches dispatched before the first is read back: each request's
+    result equals it scored in a batch of its own, in request order (duplicates included)."""
+    pairs = _pairs(np.random.default_rng(2), 23)
+    pairs += [pairs[3], pairs[0]]
+    want = Scorer(loaded, batch_size=1).loglikelihoods(pairs)
+    monkeypatch.setattr(scoring, "IN_FLIGHT", in_flight)
+    seen = []
+    got = Scorer(loaded, batch_size=batch_size).loglikelihoods(pairs, progress=lambda done, total: seen.append(done))
+    assert len(got) == len(pairs)
+    for (logp, greedy), (want_logp, want_greedy) in zip(got, want):
+        assert logp == pytest.approx(want_logp, rel=1e-6) and greedy is want_greedy
+    assert seen == sorted(seen) and seen[-1] == len(pairs) and len(seen) == -(-len(pairs) // batch_size)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_target_scores_equal_log_softmax_and_argmax_ties_included(dtype):
+    """Logits of a few integer values: most rows have several maxima; targets at the first maximum
+    (greedy), at a later one (not: argmax takes the first) and anywhere."""
+    rng = np.random.default_rng(3)
+    logits_BxSxV = jnp.asarray(rng.integers(0, 3, size=(3, 37, 11)), dtype)
+    first_BxS = jnp.argmax(logits_BxSxV, axis=-1)
+    last_BxS = 10 - jnp.argmax(logits_BxSxV[..., ::-1], axis=-1)
+    assert bool((first_BxS != last_BxS).any())  # ties where the two differ
+    for targets_BxS in (first_BxS, last_BxS, jnp.asarray(rng.integers(0, 11, size=(3, 37)))):
+        targets_BxS = targets_BxS.astype(jnp.int32)
+        logp_BxS, greedy_BxS = jax.jit(target_scores)(logits_BxSxV, targets_BxS)
+        want_BxSxV = jax.nn.log_softmax(logits_BxSxV.astype(jnp.float32), axis=-1)
+        want_logp_BxS = jnp.take_along_axis(want_BxSxV, targets_BxS[..., None], axis=-1)[..., 0]
+        np.testing.assert_array_equal(np.asarray(logp_BxS), np.asarray(want_logp_BxS))
+        np.testing.assert_array_equal(np.asarray(greedy_BxS), np.asarray(first_BxS == targets_BxS))
+
+
+def test_text_pairs_are_encoded_in_one_batch_call_each_text_once(loaded, monkeypatch):
+    from twell_jax.data import tokenizer as tokenizer_lib
+
+    text_pairs = [("for i in  ", "range(10):"), ("", "import os"), ("  \n", "x = 1"), ("def main(", "argv):"),
+                  ("def main(", " self)"), ("for i in  ", "range(10):"), ("x", "")]
+    scorer = Scorer(loaded)
+    enc = lambda text: loaded.tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
+    want = []
+    for context, continuation in text_pairs:  # the rule, one text at a time
+        if not context.strip():
+            want.append(([scorer.prefix_id], enc(context + continuation)))
+        else:
+            ids = enc(context.rstrip())
+            want.append((ids, enc(context + continuation)[len(ids):]))
+    calls, encode_documents = [], tokenizer_lib.encode_documents
+
+    def counted(tokenizer, documents):
+        calls.append(documents)
+        return encode_documents(tokenizer, documents)
+
+    monkeypatch.setattr(tokenizer_lib, "encode_documents", counted)
+    assert scorer.encode_pairs(text_pairs) == want
+    # 12 texts (5 stripped contexts, 7 wholes), 8 of them distinct: one call, each text once.
+    assert len(calls) == 1 and len(calls[0]) == len(set(calls[0])) == 8
+    assert scorer.encode_many(["import os", "", "import os"]) == [enc("import os"), [], enc("import os")]
+    assert len(calls) == 2 and calls[1] == ["import os", ""]
 
 
 def test_rolling_pairs_predict_every_token_once_with_the_most_context():

@@ -18,7 +18,9 @@ command of its own, in its own process, once on --warm-items items and once on -
 
 Per item = (wall(items) - wall(warm items)) / (items - warm items): the start-up (imports, loading
 the model, our compilations of the batch shapes: without the persistent cache, which would let the
-second run skip the first's) cancels, what remains is the time each item adds. The wall times and the two accuracies (which must agree: the same model, the same
+second run skip the first's) cancels, what remains is the time each item adds. It cancels where the
+two runs compile the same shapes: a run whose requests (4 per item) are not a whole number of
+batches ends on a smaller batch, a shape of its own (a note says so; the defaults avoid it). The wall times and the two accuracies (which must agree: the same model, the same
 requests) go to bench_eval.json in --out; the table is printed last.
 """
 from __future__ import annotations
@@ -78,6 +80,18 @@ def make_task(run_dir: str, where: Path, items: int, context_tokens: int, choice
           - metric: acc
         """))
     return yaml
+
+
+def partial_batch_note(items: int, warm_items: int, batch_size: int, choices: int = 4) -> str | None:
+    """Why the start-up may not cancel: a run whose requests are not a whole number of batches ends on
+    a smaller batch, which our side compiles as a program of its own (None when both runs are whole)."""
+    partial = {f"--{name} {n}": (choices * n) % batch_size
+               for name, n in (("warm-items", warm_items), ("items", items)) if (choices * n) % batch_size}
+    if not partial:
+        return None
+    runs = ", ".join(f"{run} ends on a batch of {rows}" for run, rows in partial.items())
+    return (f"{runs} of --batch-size {batch_size} rows ({choices} requests per item): a shape compiled in one run "
+            "alone does not cancel in the per-item time; give item counts whose requests fill whole batches")
 
 
 def _timed(argv: list[str], log: Path, timeout: float) -> tuple[float, str]:
@@ -147,6 +161,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--warm-items must be >= 1 and less than --items")
     if min(args.batch_size, args.context_tokens, args.choice_tokens) < 1:
         parser.error("--batch-size, --context-tokens and --choice-tokens must be >= 1")
+    note = partial_batch_note(args.items, args.warm_items, args.batch_size)
+    if note:
+        print(f"[bench_eval] note: {note}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     yaml = make_task(args.checkpoint, out / "task", args.items, args.context_tokens, args.choice_tokens, args.seed)

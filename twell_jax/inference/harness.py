@@ -4,8 +4,9 @@
 `inference.scoring.Scorer` (the model's own forward, batched and length-sorted: the sparse kernels
 where the run's "auto" hints choose them on a GPU), `generate_until` through
 `inference.generate` (the KV-cached generation of `twell generate`, greedy unless a task asks to
-sample). Text is encoded with the run's tokenizer as its documents were; the end-of-text token is
-the prefix of an empty context and of a document. Results come back in request order.
+sample). Text is encoded with the run's tokenizer as its documents were (all of a call's requests in
+one batch call of the tokenizer); the end-of-text token is the prefix of an empty context and of a
+document. Results come back in request order.
 
 `run_tasks(lm, select_tasks("paper"))` runs lm-eval's `simple_evaluate` on lm-eval task names (a
 group or tag name too), local task YAML files or directories of them, or `paper`: the seven tasks
@@ -85,14 +86,14 @@ class TwellLM(LM):
         return update
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        pairs = [self.scorer.encode_pair(*request.args) for request in requests]
+        pairs = self.scorer.encode_pairs([request.args for request in requests])  # one batch call
         results = self.scorer.loglikelihoods(pairs, self._bar("loglikelihood", len(pairs), disable_tqdm))
         for request, result in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood", request.args, result)
         return results
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
-        docs = [self.scorer.encode(request.args[0]) for request in requests]
+        docs = self.scorer.encode_many([request.args[0] for request in requests])
         results = self.scorer.rolling_loglikelihoods(docs, self._bar("loglikelihood_rolling", len(docs), disable_tqdm))
         for request, result in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, result)
@@ -102,8 +103,9 @@ class TwellLM(LM):
         from twell_jax.inference.generate import generate
 
         settings = [self._generation_settings(request.args[1]) for request in requests]
-        prompts = [self.scorer.encode(request.args[0]) if request.args[0] else [self.scorer.prefix_id]
-                   for request in requests]
+        prompt_texts = [request.args[0] for request in requests]
+        encoded = iter(self.scorer.encode_many([text for text in prompt_texts if text]))
+        prompts = [next(encoded) if text else [self.scorer.prefix_id] for text in prompt_texts]
         # Batches of equal settings, longest prompts first (the first batch is the largest).
         order = sorted(range(len(requests)), key=lambda i: (repr(settings[i]), -len(prompts[i])))
         texts: list[str | None] = [None] * len(requests)

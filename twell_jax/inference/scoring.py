@@ -16,6 +16,8 @@ their own. Three requests, in tokens:
   whitespace that ends the context moves to the continuation, the two are encoded together and
   split where the context's own encoding ends (a BPE merges across the boundary otherwise
   differently from the text as trained); an empty context becomes the prefix token.
+  `encode_pairs` and `encode_many` do the same for many at once: the distinct texts (a
+  multiple-choice item's choices share its context) in one batch call of the tokenizer.
 
 Batches: requests are sorted by length (longest first, so a batch that does not fit memory fails at
 once), cut into batches of `batch_size` rows, right-padded to a power-of-two length (at least
@@ -24,9 +26,15 @@ bounded by (row buckets) x (length buckets). Right padding changes nothing befor
 model, so every row scores exactly what it would alone. Results come back in request order. The
 forward is the model's own (`Transformer.__call__`): its FFN op backend ("auto" on a GPU runs the
 sparse kernels where the run's hints say they win), its attention, its dtype; log-softmax in fp32.
+
+Host work per batch is kept off the device's path: one int32 array per batch (inputs and targets
+are its two shifted views, sliced in the program), `IN_FLIGHT` batches dispatched before the host
+waits for the oldest, the results' copy to the host started at dispatch, and each batch's sums and
+greedy flags taken with array operations (fp64) rather than per request.
 """
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import jax
@@ -42,6 +50,9 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 # Shortest padded length: short requests share one program.
 MIN_LENGTH_BUCKET = 16
 DEFAULT_BATCH_SIZE = 16
+# Batches dispatched and not yet read back: the host prepares batch k + IN_FLIGHT - 1 while the
+# device runs batch k. Each holds its program's buffers until read back (peak memory grows with it).
+IN_FLIGHT = 2
 
 TokenPair = tuple[Sequence[int], Sequence[int]]  # (context ids, continuation ids)
 # progress(done, total): called after each batch's results are on the host.
@@ -61,6 +72,22 @@ def rolling_pairs(tokens: Sequence[int], prefix_id: int, max_length: int) -> lis
         end = min(start + max_length, len(tokens))
         pairs.append((seq[max(0, end - max_length):start + 1], seq[start + 1:end + 1]))
     return pairs
+
+
+def target_scores(logits_BxSxV: jax.Array, targets_BxS: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(log p(target) at every position [B, S] (log-softmax in fp32), whether the target is the
+    argmax of its logits [B, S]).
+
+    The argmax test is "the target's logit is the maximum and no lower id's logit is": argmax's
+    first-maximum rule, the same for every row without NaN, as plain reductions (XLA's argmax on a
+    CPU, a two-operand reduction, is several times slower than they are)."""
+    logp_BxSxV = jax.nn.log_softmax(logits_BxSxV.astype(jnp.float32), axis=-1)
+    target_logp_BxS = jnp.take_along_axis(logp_BxSxV, targets_BxS[..., None], axis=-1)[..., 0]
+    max_BxS = jnp.max(logits_BxSxV, axis=-1)
+    target_logit_BxS = jnp.take_along_axis(logits_BxSxV, targets_BxS[..., None], axis=-1)[..., 0]
+    vocab_V = jnp.arange(logits_BxSxV.shape[-1], dtype=targets_BxS.dtype)
+    lower_max_BxS = jnp.any((logits_BxSxV == max_BxS[..., None]) & (vocab_V < targets_BxS[..., None]), axis=-1)
+    return target_logp_BxS, (target_logit_BxS == max_BxS) & ~lower_max_BxS
 
 
 class Scorer:
@@ -84,14 +111,11 @@ class Scorer:
         self.graphdef, self.state = nnx.split(loaded.model)
         self.traces = 0  # programs traced so far (one per (rows, length) bucket)
 
-        def score(state: nnx.State, tokens_BxS: jax.Array, targets_BxS: jax.Array) -> tuple[jax.Array, jax.Array]:
-            """(log p(target) at every position [B, S] in fp32, whether the target is the argmax [B, S])."""
+        def score(state: nnx.State, sequence_BxS1: jax.Array) -> tuple[jax.Array, jax.Array]:
+            """`target_scores` of the inputs `sequence_BxS1[:, :-1]` and their targets `sequence_BxS1[:, 1:]`."""
             self.traces += 1
-            logits_BxSxV, _ = nnx.merge(self.graphdef, state)(tokens_BxS)
-            logp_BxSxV = jax.nn.log_softmax(logits_BxSxV.astype(jnp.float32), axis=-1)
-            target_logp_BxS = jnp.take_along_axis(logp_BxSxV, targets_BxS[..., None], axis=-1)[..., 0]
-            greedy_BxS = jnp.argmax(logits_BxSxV, axis=-1) == targets_BxS
-            return target_logp_BxS, greedy_BxS
+            logits_BxSxV, _ = nnx.merge(self.graphdef, state)(sequence_BxS1[:, :-1])
+            return target_scores(logits_BxSxV, sequence_BxS1[:, 1:])
 
         self._score = jax.jit(score)
 
@@ -116,82 +140,117 @@ class Scorer:
     def encode(self, text: str) -> list[int]:
         """`text`'s ids as the run's documents were encoded (no special tokens; the literal text of a
         special token encoded as text: `data.tokenizer.encode_documents`)."""
+        return self.encode_many([text])[0]
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text's ids (as `encode`), in order; the distinct texts encoded in one batch call."""
+        encoded = self._encode_distinct(texts)
+        return [list(encoded[text]) for text in texts]
+
+    def _encode_distinct(self, texts: Sequence[str]) -> dict[str, list[int]]:
+        """{text: its ids} over the distinct `texts`: one call of the tokenizer's batch encoder (its
+        threads), each text once however often it repeats."""
         from twell_jax.data.tokenizer import encode_documents
 
-        ids = encode_documents(self.tokenizer, [text])[0]
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"the tokenizer gives ids outside the model's vocabulary [0, {self.vocab_size}): "
-                             f"{bad[:5]}; not this run's tokenizer")
-        return ids
+        distinct = list(dict.fromkeys(texts))
+        encoded = dict(zip(distinct, encode_documents(self.tokenizer, distinct)))
+        for ids in encoded.values():  # ids are never negative (the tokenizer's are unsigned)
+            if ids and max(ids) >= self.vocab_size:
+                bad = [t for t in ids if not 0 <= t < self.vocab_size]
+                raise ValueError(f"the tokenizer gives ids outside the model's vocabulary [0, {self.vocab_size}): "
+                                 f"{bad[:5]}; not this run's tokenizer")
+        return encoded
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """(context ids, continuation ids) of a text pair (see the module docstring)."""
-        if not context:
-            cont = self.encode(continuation)
-            return [self.prefix_id], cont
-        stripped = context.rstrip()
-        continuation = context[len(stripped):] + continuation
-        if not stripped:  # a context of whitespace only: all of it moved to the continuation
-            return [self.prefix_id], self.encode(continuation)
-        whole = self.encode(stripped + continuation)
-        ctx = self.encode(stripped)
-        return ctx, whole[len(ctx):]
+        return self.encode_pairs([(context, continuation)])[0]
+
+    def encode_pairs(self, pairs: Sequence[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
+        """`encode_pair` of each (context, continuation) text pair, in order; every text they need
+        (each stripped context and each whole) encoded in one batch call, each distinct one once."""
+        plans = []  # (stripped context or None: the prefix token, the whole text)
+        for context, continuation in pairs:
+            stripped = context.rstrip()
+            # The context's trailing whitespace moves to the continuation, so the whole text is
+            # context + continuation; a context of whitespace only (or none) becomes the prefix token.
+            plans.append((stripped or None, context + continuation))
+        encoded = self._encode_distinct([text for plan in plans for text in plan if text is not None])
+        out = []
+        for stripped, whole in plans:
+            if stripped is None:
+                out.append(([self.prefix_id], list(encoded[whole])))
+            else:
+                context_ids = encoded[stripped]
+                out.append((list(context_ids), encoded[whole][len(context_ids):]))
+        return out
 
     # ------------------------------------------------------------------ scoring
 
     def loglikelihoods(self, pairs: Sequence[TokenPair],
                        progress: ProgressFn | None = None) -> list[tuple[float, bool]]:
         """(log p(continuation | context), greedy) per pair, in the order given."""
-        rows = []
-        for i, (context, continuation) in enumerate(pairs):
-            context, continuation = [int(t) for t in context], [int(t) for t in continuation]
-            if not continuation:
-                raise ValueError(f"request {i}: the continuation is empty (nothing to score)")
-            if not context:
-                raise ValueError(f"request {i}: the context is empty (give at least the prefix token, "
-                                 f"{self.loaded.eos_id})")
-            if len(continuation) > self.max_length:
-                raise ValueError(f"request {i}: the continuation has {len(continuation)} tokens, more than the "
-                                 f"context window of {self.max_length} (model.max_seq_len) can score at once")
-            full = (context + continuation)[-(self.max_length + 1):]
-            bad = [t for t in full if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"request {i}: token ids outside [0, {self.vocab_size}): {bad[:5]}")
-            rows.append((full, len(continuation)))
+        rows = [self._row(i, context, continuation) for i, (context, continuation) in enumerate(pairs)]
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
-        results: list[tuple[float, bool] | None] = [None] * len(rows)
-        batches = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        logp_N = np.zeros(len(rows), np.float64)
+        greedy_N = np.zeros(len(rows), bool)
         done = 0
-        pending = None
-        # One batch ahead: the next batch is dispatched before the host waits for this one's results.
-        for batch in batches + [None]:
-            launched = (batch, self._launch([rows[i] for i in batch])) if batch is not None else None
-            if pending is not None:
-                indices, (logp_BxS, greedy_BxS) = pending
-                logp_BxS, greedy_BxS = np.asarray(logp_BxS, np.float64), np.asarray(greedy_BxS)
-                for b, i in enumerate(indices):
-                    full, n_cont = rows[i]
-                    end = len(full) - 1  # input positions 0..end-1 predict full[1..end]
-                    scored = slice(end - n_cont, end)
-                    results[i] = (float(logp_BxS[b, scored].sum()), bool(greedy_BxS[b, scored].all()))
-                done += len(indices)
-                if progress is not None:
-                    progress(done, len(rows))
-            pending = launched
-        return results  # type: ignore[return-value]
 
-    def _launch(self, batch: list[tuple[list[int], int]]) -> tuple[jax.Array, jax.Array]:
-        """Dispatch one batch's forward (asynchronous): rows right-padded to the bucket shapes."""
-        longest = max(len(full) - 1 for full, _ in batch)
-        length = min(max(next_pow2(longest), MIN_LENGTH_BUCKET), self.max_length)
+        def read_back(indices: list[int], outputs: tuple[jax.Array, jax.Array], scored_BxS: np.ndarray) -> None:
+            nonlocal done
+            logp_BxS, greedy_BxS = (np.asarray(x)[:len(indices)] for x in outputs)  # padding rows dropped
+            logp_N[indices] = np.where(scored_BxS, logp_BxS.astype(np.float64), 0.0).sum(axis=1)
+            greedy_N[indices] = np.where(scored_BxS, greedy_BxS, True).all(axis=1)
+            done += len(indices)
+            if progress is not None:
+                progress(done, len(rows))
+
+        in_flight: collections.deque = collections.deque()
+        for start in range(0, len(order), self.batch_size):
+            indices = order[start:start + self.batch_size]
+            in_flight.append((indices, *self._launch([rows[i] for i in indices])))
+            if len(in_flight) >= IN_FLIGHT:
+                read_back(*in_flight.popleft())
+        while in_flight:
+            read_back(*in_flight.popleft())
+        return list(zip(logp_N.tolist(), greedy_N.tolist()))
+
+    def _row(self, i: int, context: Sequence[int], continuation: Sequence[int]) -> tuple[list[int], int]:
+        """(the request's tokens, cut to the window's max_length + 1, the continuation's length);
+        a request that cannot be scored is a ValueError naming it (`i`)."""
+        context, continuation = list(context), list(continuation)
+        if not continuation:
+            raise ValueError(f"request {i}: the continuation is empty (nothing to score)")
+        if not context:
+            raise ValueError(f"request {i}: the context is empty (give at least the prefix token, "
+                             f"{self.loaded.eos_id})")
+        if len(continuation) > self.max_length:
+            raise ValueError(f"request {i}: the continuation has {len(continuation)} tokens, more than the "
+                             f"context window of {self.max_length} (model.max_seq_len) can score at once")
+        full = (context + continuation)[-(self.max_length + 1):]
+        if min(full) < 0 or max(full) >= self.vocab_size:
+            bad = [int(t) for t in full if not 0 <= t < self.vocab_size]
+            raise ValueError(f"request {i}: token ids outside [0, {self.vocab_size}): {bad[:5]}")
+        return full, len(continuation)
+
+    def _launch(self, batch: list[tuple[list[int], int]]) -> tuple[tuple[jax.Array, jax.Array], np.ndarray]:
+        """Dispatch one batch's forward (asynchronous; the results' copy to the host started): rows
+        right-padded to the bucket shapes. Returns (the program's outputs, which [row, position] of
+        them each row's continuation is: [rows of the batch, bucket length] bool)."""
+        lengths_B = np.array([len(full) for full, _ in batch])
+        length = min(max(next_pow2(int(lengths_B.max()) - 1), MIN_LENGTH_BUCKET), self.max_length)
         n_rows = min(next_pow2(len(batch)), next_pow2(self.batch_size))
-        tokens_BxS = np.zeros((n_rows, length), np.int32)
-        targets_BxS = np.zeros((n_rows, length), np.int32)
+        sequence_BxS1 = np.zeros((n_rows, length + 1), np.int32)
         for b, (full, _) in enumerate(batch):
-            tokens_BxS[b, :len(full) - 1] = full[:-1]
-            targets_BxS[b, :len(full) - 1] = full[1:]
-        return self._score(self.state, jnp.asarray(tokens_BxS), jnp.asarray(targets_BxS))
+            sequence_BxS1[b, :len(full)] = full
+        outputs = self._score(self.state, sequence_BxS1)
+        for x in outputs:
+            x.copy_to_host_async()
+        # Input positions 0..end-1 predict full[1..end]; the continuation is the last n of them.
+        end_B = lengths_B - 1
+        start_B = end_B - np.array([n for _, n in batch])
+        position_S = np.arange(length)
+        scored_BxS = (position_S >= start_B[:, None]) & (position_S < end_B[:, None])
+        return outputs, scored_BxS
 
     def rolling_loglikelihoods(self, docs: Sequence[Sequence[int]],
                                progress: ProgressFn | None = None) -> list[float]:
