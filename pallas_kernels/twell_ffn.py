@@ -71,7 +71,7 @@ class FFNBlockSizes:
     # h = a * u of every stored entry (written fp32 beside the pack's values), then
     # y = sum h W_j. The same arithmetic in the same order as one launch (the same bits).
     # None: split when the ranked (a, u) are asked for (the training forward), one launch
-    # otherwise (BENCHMARKS.md, "the fused FFN in two launches", has the measurements behind it).
+    # otherwise (BENCHMARKS.md, "Forward + backward": the piece rows and the same-machine before/after).
     split: bool | None = None
 
     def __post_init__(self) -> None:

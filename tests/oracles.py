@@ -53,3 +53,17 @@ def sparse_gate_inputs(dtype, m: int, d: int = 45, h: int = 150, *, dense_rows=(
     elif pattern != "sparse":
         raise ValueError(pattern)
     return [jnp.asarray(a, dtype) for a in (x, *ws)]
+
+
+def run_cli(argv):
+    """The `twell` command in this process, its output captured by redirection (usable where the
+    `cli` fixture's capsys is not: module-scoped fixtures): (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from twell_jax.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()

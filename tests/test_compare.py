@@ -3,8 +3,6 @@ report (table, JSON, PNG; per layer and per position), continuation after SIGTER
 and the refusals (a training run as --out, a non-empty --out, changed options on --resume)."""
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import pytest
@@ -12,8 +10,8 @@ import pytest
 from twell_jax.configs import get_config
 from twell_jax import compare as compare_lib
 from twell_jax import config as config_lib
-from twell_jax.cli import main
 from twell_jax.training import train as train_lib
+from oracles import run_cli
 
 
 def _micro(**overrides):
@@ -53,35 +51,28 @@ def test_study_plan_errors(options, message):
         compare_lib.study_runs(_micro(), **options)
 
 
-def _run_cli(argv):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
-
-
 def test_refuses_training_runs_and_non_empty_out(tmp_path):
     run = tmp_path / "a_run"
     run.mkdir()
     (run / "config.json").write_text("{}")
     for extra in ([], ["--resume"]):
-        code, _, err = _run_cli(["compare", "--config", "micro", "--out", str(run), *extra])
+        code, _, err = run_cli(["compare", "--config", "micro", "--out", str(run), *extra])
         assert code == 2 and "training run of `twell train`, not a comparison" in err, err
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("keep me")
-    code, _, err = _run_cli(["compare", "--config", "micro", "--out", str(other)])
+    code, _, err = run_cli(["compare", "--config", "micro", "--out", str(other)])
     assert code == 2 and "is not empty" in err and (other / "notes.txt").read_text() == "keep me"
-    code, _, err = _run_cli(["compare", "--out", str(tmp_path / "none"), "--resume"])
+    code, _, err = run_cli(["compare", "--out", str(tmp_path / "none"), "--resume"])
     assert code == 2 and "holds no comparison" in err
     (tmp_path / "a_file").write_text("x")
-    code, _, err = _run_cli(["compare", "--config", "micro", "--out", str(tmp_path / "a_file")])
+    code, _, err = run_cli(["compare", "--config", "micro", "--out", str(tmp_path / "a_file")])
     assert code == 2 and "not a directory" in err
     # --dry-run plans and prints, trains and writes nothing.
-    code, text, err = _run_cli(["compare", "--config", "micro", "--out", str(tmp_path / "dry"), "--l1", "0", "1e-3",
+    code, text, err = run_cli(["compare", "--config", "micro", "--out", str(tmp_path / "dry"), "--l1", "0", "1e-3",
                                 "--dry-run"])
     assert code == 0 and text == "" and "twell-l1-0.001" in err and not (tmp_path / "dry").exists()
-    code, text, _ = _run_cli(["compare", "--config", "micro", "--out", str(tmp_path / "dry"), "--l1", "0", "1e-3",
+    code, text, _ = run_cli(["compare", "--config", "micro", "--out", str(tmp_path / "dry"), "--l1", "0", "1e-3",
                               "--dry-run", "--json"])  # --json: the plan as one document on stdout
     plan = json.loads(text)["plan"]
     assert code == 0 and [r["key"] for r in plan["runs"]] == ["dense", "twell-l1-0", "twell-l1-0.001"]
@@ -92,10 +83,10 @@ def test_refuses_training_runs_and_non_empty_out(tmp_path):
     bad_config = '{"version": 1, "runs": [{"key": "dense", "config": {"nope": 1}}], "options": {}}'
     for text in ('{"version": 1}', '[1]', bad_config):
         (damaged / compare_lib.PLAN_FILE).write_text(text)
-        code, _, err = _run_cli(["compare", "--out", str(damaged), "--resume"])
+        code, _, err = run_cli(["compare", "--out", str(damaged), "--resume"])
         assert code == 2 and str(damaged / compare_lib.PLAN_FILE) in err, err
     # --print-config prints a new study's config: with --resume it would be tiny's, whatever was planned.
-    code, text, err = _run_cli(["compare", "--out", str(tmp_path / "dry"), "--resume", "--print-config"])
+    code, text, err = run_cli(["compare", "--out", str(tmp_path / "dry"), "--resume", "--print-config"])
     assert code == 2 and text == "" and "compare_plan.json" in err
 
 
@@ -116,16 +107,16 @@ def interrupted_then_resumed(tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setattr(train_lib.Trainer, "run", run_stopped_by_sigterm)
     argv = ["compare", "--config", "micro", "--out", str(out), "--l1", "0", "1e-3",
             "--set", f"data.cache_dir={cache}", "train.steps=4", "train.checkpoint_every=2"]
-    first = _run_cli(argv)
+    first = run_cli(argv)
     monkeypatch_module.setattr(train_lib.Trainer, "run", original_run)
     twin_metrics = (out / "dense" / "metrics.jsonl").read_text()
     first = (*first, sorted(p.name for p in out.iterdir()))  # what the interrupted study left
     # Changed study options or fixed fields are refused before anything runs.
-    refused = [_run_cli(["compare", "--out", str(out), "--resume", "--l1", "5e-3"]),
-               _run_cli(["compare", "--out", str(out), "--resume", "--set", "model.d_ff=32"]),
-               _run_cli(argv),  # the same study again without --resume
-               _run_cli(["compare", "--config", "micro", "--out", str(out), "--resume"])]
-    resumed = _run_cli(["compare", "--out", str(out), "--resume"])
+    refused = [run_cli(["compare", "--out", str(out), "--resume", "--l1", "5e-3"]),
+               run_cli(["compare", "--out", str(out), "--resume", "--set", "model.d_ff=32"]),
+               run_cli(argv),  # the same study again without --resume
+               run_cli(["compare", "--config", "micro", "--out", str(out), "--resume"])]
+    resumed = run_cli(["compare", "--out", str(out), "--resume"])
     return out, first, refused, resumed, twin_metrics
 
 
@@ -194,7 +185,7 @@ def test_default_out_is_reserved_per_study(tmp_path, monkeypatch):
     monkeypatch.setattr(time_module, "strftime", lambda fmt, *a: "20260101-000000")
     failing = ["compare", "--config", "micro", "--set", f"data.source={tmp_path / 'no_such_corpus.jsonl'}"]
     for _ in range(2):
-        code, _, err = _run_cli(failing)
+        code, _, err = run_cli(failing)
         assert code == 2 and "no_such_corpus" in err, err
     made = sorted(p.name for p in (tmp_path / "runs").glob("compare-*"))
     assert made == ["compare-micro-20260101-000000", "compare-micro-20260101-000000-2"]

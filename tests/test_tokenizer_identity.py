@@ -5,9 +5,7 @@ one: the runs of `twell compare`, `twell train --init-from` (and a study's --ini
 adapter, an HF import or export given another tokenizer. Old runs (no recorded hash) still load."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
 import re
 import shutil
@@ -15,10 +13,10 @@ import shutil
 import pytest
 
 from twell_jax import run_dir as run_dir_lib
-from twell_jax.cli import main
 from twell_jax.data import tokenizer as tokenizer_lib
 from twell_jax.data.tokenizer import load_tokenizer, tokenizer_file_hash, tokenizer_hash
 from twell_jax.training.run_tokenizer import run_tokenizer_hash
+from oracles import run_cli
 
 TEXTS = ["def main(argv):\n    return 0\n", "import os\nimport sys\n", "for i in range(10):\n    print(i)\n"] * 20
 
@@ -120,13 +118,6 @@ def test_lm_eval_adapter_refuses_a_tokenizer_the_weights_were_not_trained_with(t
 # ----------------------------------------------------------------------------- runs
 
 
-def _run_cli(argv):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
-
-
 def _error_lines(err):
     return [line for line in err.splitlines() if " error: " in line]
 
@@ -136,7 +127,7 @@ def study(tmp_path_factory):
     """A finished `twell compare` (dense twin + one sparse run, 2 steps)."""
     out = tmp_path_factory.mktemp("study") / "cmp"
     cache = tmp_path_factory.getbasetemp() / "twell_data_cache"
-    code, _, err = _run_cli(["compare", "--config", "micro", "--out", str(out), "--set", f"data.cache_dir={cache}",
+    code, _, err = run_cli(["compare", "--config", "micro", "--out", str(out), "--set", f"data.cache_dir={cache}",
                              "train.steps=2"])
     assert code == 0, err
     return out, cache
@@ -173,7 +164,7 @@ def test_eval_tasks_refuses_a_run_whose_tokenizer_json_is_not_the_recorded_one(s
     recorded = run_dir_lib.read_corpus_fingerprint(run)["tokenizer"]
     swapped = _variant(load_tokenizer(str(run)), _drop_last_merge)
     swapped.save(str(run / "tokenizer.json"))
-    code, _, err = _run_cli(["eval", "--checkpoint", str(run), "--tasks", str(tasks / "tiny_mc.yaml")])
+    code, _, err = run_cli(["eval", "--checkpoint", str(run), "--tasks", str(tasks / "tiny_mc.yaml")])
     errors = _error_lines(err)
     assert code == 2 and len(errors) == 1, err
     assert (f"the model's tokenizer (hash {tokenizer_hash(swapped)[:16]}) is not the one its weights were trained "
@@ -192,7 +183,7 @@ def test_compare_refuses_runs_trained_with_another_tokenizer(study, tmp_path):
     for record in ({"corpus": recorded["corpus"]},  # an old run: its hash computed from its tokenizer.json
                    {**recorded, "tokenizer": tokenizer_hash(swapped)}):  # a run that recorded another tokenizer
         fingerprint.write_text(json.dumps(record))
-        code, text, err = _run_cli(["compare", "--out", str(copy), "--resume"])
+        code, text, err = run_cli(["compare", "--out", str(copy), "--resume"])
         errors = _error_lines(err)
         assert code == 2 and text == "" and len(errors) == 1, err
         assert (f"the tokenizer of run twell-l1-0.001 ({sparse}) (hash {tokenizer_hash(swapped)[:16]}) is not the "
@@ -201,14 +192,14 @@ def test_compare_refuses_runs_trained_with_another_tokenizer(study, tmp_path):
     # An old run without a record or a tokenizer.json: warned about, not compared.
     fingerprint.write_text(json.dumps({"corpus": recorded["corpus"]}))
     (sparse / "tokenizer.json").unlink()
-    code, _, err = _run_cli(["compare", "--out", str(copy), "--resume"])
+    code, _, err = run_cli(["compare", "--out", str(copy), "--resume"])
     assert code == 0 and err.count("records no tokenizer hash") == 1, err
 
 
 def test_init_from_refuses_a_tokenizer_other_than_the_checkpoints(study, tmp_path):
     out, cache = study
     hf = tmp_path / "hf"
-    code, _, err = _run_cli(["hf", "export", "--checkpoint", str(out / "dense"), "--out", str(hf)])
+    code, _, err = run_cli(["hf", "export", "--checkpoint", str(out / "dense"), "--out", str(hf)])
     assert code == 0, err
     twin = tokenizer_file_hash(out / "dense" / "tokenizer.json")
     assert tokenizer_file_hash(hf) == twin  # the export's tokenizer.json is the run's tokenizer
@@ -216,13 +207,13 @@ def test_init_from_refuses_a_tokenizer_other_than_the_checkpoints(study, tmp_pat
     swapped.save(str(tmp_path / "swapped.json"))
     shutil.copy(hf / "tokenizer.json", tmp_path / "same.json")
     base = ["train", "--config", "micro", "--init-from", str(hf), "--print-config", "--set", f"data.cache_dir={cache}"]
-    code, text, err = _run_cli([*base, f"data.tokenizer={tmp_path / 'swapped.json'}"])
+    code, text, err = run_cli([*base, f"data.tokenizer={tmp_path / 'swapped.json'}"])
     errors = _error_lines(err)
     assert code == 2 and text == "" and len(errors) == 1, err
     assert (f"data.tokenizer={tmp_path / 'swapped.json'} (hash {tokenizer_hash(swapped)[:16]}) is not the tokenizer "
             f"of --init-from's checkpoint ({hf / 'tokenizer.json'}) (hash {twin[:16]}): leave data.tokenizer out") \
         in errors[0]
-    code, text, err = _run_cli([*base, f"data.tokenizer={tmp_path / 'same.json'}"])  # a copy: the same tokenizer
+    code, text, err = run_cli([*base, f"data.tokenizer={tmp_path / 'same.json'}"])  # a copy: the same tokenizer
     assert code == 0 and json.loads(text)["data"]["tokenizer"] == str(hf / "tokenizer.json"), err
 
 

@@ -284,7 +284,6 @@ def _trainer(run: StudyRun, run_dir: Path, state: str, *, study_resumed: bool,
              echo: Callable[[str], None]) -> Any:
     """The Trainer of one run in `state` ("resume": from its own checkpoint; "new": from
     `run.init_run`'s parameters when it has one, else from the init)."""
-    from twell_jax.data import tokenizer as tokenizer_lib
     from twell_jax.training.run_tokenizer import run_tokenizer_hash
     from twell_jax.training import checkpoint as ckpt_lib
     from twell_jax.training.train import InitFromParams, Trainer

@@ -120,8 +120,8 @@ def claim_device_memory(fraction: float = DEVICE_MEMORY_FRACTION) -> str | None:
 # XLA options every twell command sets unless XLA_FLAGS names them: the data-parallel gradient
 # all-reduce pipelined into the layer loop's backward (each layer's reduction overlaps the next
 # layer's backward instead of all of them after the loop) and combined into few large transfers.
-# Measured on two H100s (BENCHMARKS.md, "Scaling"); numerically the same reduction (the bench's
-# equivalence check). GPU options: other backends ignore them.
+# Measured on two H100s (BENCHMARKS.md, "Weak scaling on two H100s"); numerically the same
+# reduction (the bench's equivalence check). GPU options: other backends ignore them.
 DEFAULT_XLA_FLAGS = (("xla_gpu_enable_pipelined_all_reduce", "true"),
                      ("xla_gpu_all_reduce_combine_threshold_bytes", str(4 << 30)))
 

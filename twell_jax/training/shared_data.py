@@ -17,22 +17,19 @@ is not on a file system they share) builds its own copy meanwhile, as every proc
 """
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
 from twell_jax.config import DataConfig, ExperimentConfig
-from twell_jax.data import bundle as bundle_lib
+from twell_jax.data.bundle import DataBundle, build_experiment_data as build_data_for
 from twell_jax.data.cache_dir import BuildProgress, log
 from twell_jax.training import parallel
-
-DataBundle = bundle_lib.DataBundle
 
 # How long the other processes wait for process 0's data build, in all (it reports on the way).
 BUILD_TIMEOUT_VARIABLE, DEFAULT_BUILD_TIMEOUT_S = "TWELL_DATA_TIMEOUT_S", 6 * 3600.0
@@ -47,7 +44,7 @@ def build_timeout_s() -> float:
     return parallel.env_seconds(BUILD_TIMEOUT_VARIABLE, DEFAULT_BUILD_TIMEOUT_S)
 
 
-def build_once(cfg: DataConfig, build: Callable[[BuildProgress | None], "DataBundle"]) -> "DataBundle":
+def build_once(cfg: DataConfig, build: Callable[[BuildProgress | None], DataBundle]) -> DataBundle:
     """`build(progress)` run by process 0 alone first, then (finding its caches) by the others; in a
     run of one process, `build(None)`. Every process of the run must call it (it is an agreement)."""
     if not parallel.multi_process():
@@ -100,7 +97,7 @@ def _sees_lead_cache_dir(cache_root: str) -> bool:
     return sees
 
 
-def _build_and_report(build: Callable[[BuildProgress | None], "DataBundle"], timeout: float) -> "DataBundle":
+def _build_and_report(build: Callable[[BuildProgress | None], DataBundle], timeout: float) -> DataBundle:
     """Process 0: `build` in a thread, a report to the others every `_report_every_s()` seconds and
     when it ends (its error, or passing `timeout` seconds, raised here, reaches them through
     `lead_value`)."""
@@ -148,7 +145,7 @@ def _report_every_s() -> float:
     return min(REPORT_EVERY_S, agree / 4)
 
 
-def build_experiment_data(cfg: ExperimentConfig) -> "DataBundle":
+def build_experiment_data(cfg: ExperimentConfig) -> DataBundle:
     """`data.build_experiment_data` with the caches built once in a multi-process run
     (`build_once`): the trainer's, evaluation's and the CLI's data builder."""
-    return bundle_lib.build_experiment_data(cfg, coordinate=build_once)
+    return build_data_for(cfg, coordinate=build_once)
