@@ -26,9 +26,10 @@ run). Tokens/s, each at its best (the sparse model against the twin):
           memory), 1.230x (1.236x in a second process). The twin at remat none peaks at 73.2 GiB:
           it needs the 95% memory fraction the twell commands set (`parallel.claim_device_memory`).
 The layer loop (`LAYER_UNROLL`, model.layer_unroll): `0.5b` runs all 8 layers in one loop
-iteration (layer_unroll 0; the loop copies each layer's saved values, docs/model.md: the twin
-there was 0.913x plain JAX against 1.005x unrolled); the larger sizes run the loop (layer_unroll 1),
-whose compile stays at 5-40 s per step program (all 38 layers of `2b` unrolled: 184 s).
+iteration (layer_unroll 0) for both models. From `1b` on "auto": the dense twin unrolled (its
+step compiles in seconds, as plain JAX's does, and runs at plain JAX's speed, without the loop's
+copies of each layer's saved values: docs/model.md, "The loop", and BENCHMARKS.md, "Model training
+step"), the sparse model in the loop, whose step unrolled compiles for minutes at these depths.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ EXECUTION = {
     "1.5b": {"sparse": ("none", 8), "twin": ("dots", 16)},
     "2b": {"sparse": ("none", 8), "twin": ("none", 8)},
 }
-LAYER_UNROLL = {"0.5b": 0, "1b": 1, "1.5b": 1, "2b": 1}  # module docstring says why
+LAYER_UNROLL = {"0.5b": 0, "1b": "auto", "1.5b": "auto", "2b": "auto"}  # module docstring says why
 
 
 def names() -> list[str]:

@@ -117,8 +117,9 @@ def test_a_single_plan_is_one_scan_and_unroll_changes_nothing():
     base, _ = model(tokens)
     unrolled = init_model(dataclasses.replace(cfg, layer_unroll=0), seed=4)
     np.testing.assert_allclose(unrolled(tokens)[0], base, rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="model.layer_unroll must be an int >= 0"):
-        dataclasses.replace(cfg, layer_unroll=-1)
+    for bad in (-1, "all", 1.5, True):
+        with pytest.raises(ValueError, match='model.layer_unroll must be "auto" or an int >= 0'):
+            dataclasses.replace(cfg, layer_unroll=bad)
     with pytest.raises(ValueError, match="model.layer_scan"):
         dataclasses.replace(cfg, layer_scan="unrolled")
 
@@ -224,3 +225,37 @@ def test_a_run_written_before_the_layers_were_stacked_restores_and_resumes(tmp_p
     assert step == 3
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), old3, new3))
     assert not jnp.array_equal(old3["blocks"]["ffn"]["w_up"], old_params["blocks"]["ffn"]["w_up"])
+
+
+def test_layer_unroll_auto_unrolls_only_where_no_sparse_op_kernel_runs():
+    """"auto" (the default): a dense FFN (a twin's kind, or backend "dense") runs every layer in one
+    iteration, the sparse op's kernels keep the loop; an int is kept as given; the CLI spelling
+    parses; the start-up line says which; and the twin's lowered step has no loop left."""
+    from twell_jax import config as config_lib
+    from twell_jax.model import describe_execution
+    assert ModelConfig().layer_unroll == "auto"
+    resolved = {(kind, backend): dataclasses.replace(CFG, ffn_kind=kind, ffn_backend=backend).layers_per_iteration
+                for kind in ("twell", "relu_gated", "swiglu") for backend in ("auto", "pallas", "reference", "dense")}
+    assert resolved == {(kind, backend): 1 if kind == "twell" and backend != "dense" else 0
+                        for kind, backend in resolved}
+    assert dataclasses.replace(CFG, ffn_kind="relu_gated", layer_unroll=2).layers_per_iteration == 2
+    assert dataclasses.replace(CFG, layer_unroll=0).layers_per_iteration == 0
+    from twell_jax.configs import get_config
+    base = get_config("micro")
+    assert config_lib.apply_overrides(base, ["model.layer_unroll=auto"]).model.layer_unroll == "auto"
+    assert config_lib.apply_overrides(base, ["model.layer_unroll=3"]).model.layer_unroll == 3
+    twin = dataclasses.replace(CFG, ffn_kind="relu_gated", layer_unroll="auto")
+    assert "layers unrolled (no loop) (model.layer_unroll=auto)" in describe_execution(twin, seq_len=8)
+    assert "layers in a loop (model.layer_unroll=auto)" in describe_execution(
+        dataclasses.replace(CFG, ffn_backend="reference", ffn_interpret=False, layer_unroll="auto"), seq_len=8)
+
+    def lowered(cfg: ModelConfig) -> str:
+        graphdef, params = split_model(init_model(cfg, 0))
+
+        def loss(params, tokens):
+            return jnp.mean(apply_model(graphdef, params, tokens)[0])
+
+        return jax.jit(jax.grad(loss)).lower(params, _tokens()).as_text()
+
+    assert "stablehlo.while" not in lowered(twin)
+    assert "stablehlo.while" in lowered(dataclasses.replace(twin, layer_unroll=1))

@@ -296,8 +296,10 @@ class ModelConfig:
     layer_scan: Literal["groups", "switch"] = "groups"
     # Layers per iteration of the layer scan's loop (lax.scan's `unroll`): 1 = a loop over layers
     # (compile time flat in depth); n > 1 = n layers per iteration; 0 = all (no loop: compile time
-    # grows with depth again, as for an unrolled model).
-    layer_unroll: int = 1
+    # grows with depth again, as for an unrolled model); "auto" (`layers_per_iteration`): 0 where
+    # the FFN runs no sparse-op kernel (a dense kind, or backend "dense"), 1 otherwise. The loop
+    # copies each layer's saved values in and out of stacked buffers (docs/model.md, "The loop").
+    layer_unroll: int | Literal["auto"] = "auto"
     def __post_init__(self) -> None:
         _check_finite("model", self)
         _check_positive("model", vocab_size=self.vocab_size, d_model=self.d_model,
@@ -322,8 +324,10 @@ class ModelConfig:
         _check_choice("model", "compute_dtype", self.compute_dtype, DTYPES)
         _check_choice("model", "attention_impl", self.attention_impl, ATTENTION_IMPLS)
         _check_choice("model", "layer_scan", self.layer_scan, tuple(LAYER_SCANS))
-        if isinstance(self.layer_unroll, bool) or not isinstance(self.layer_unroll, int) or self.layer_unroll < 0:
-            raise ValueError(f"model.layer_unroll must be an int >= 0 (0 = every layer), got {self.layer_unroll!r}")
+        if self.layer_unroll != "auto" and (isinstance(self.layer_unroll, bool) or not isinstance(self.layer_unroll, int)
+                                            or self.layer_unroll < 0):
+            raise ValueError(f"model.layer_unroll must be \"auto\" or an int >= 0 (0 = every layer), got "
+                             f"{self.layer_unroll!r}")
         if isinstance(self.remat, bool):  # configs saved before remat became a policy
             object.__setattr__(self, "remat", "full" if self.remat else "none")
         _check_choice("model", "remat", self.remat, tuple(REMAT_POLICIES))
@@ -372,6 +376,17 @@ class ModelConfig:
     def kind(self) -> FFNKind:
         """The properties of `ffn_kind` (FFN_KIND_TABLE)."""
         return FFN_KIND_TABLE[self.ffn_kind]
+
+    @property
+    def layers_per_iteration(self) -> int:
+        """`layer_unroll` resolved to lax.scan's (0 = every layer in one iteration, no loop): "auto"
+        is 0 where the FFN runs no sparse-op kernel (its backend is "dense": a dense kind such as a
+        twin, or backend "dense"), whose unrolled step compiles about as fast as a plain-JAX model's
+        and leaves out the loop's copies of saved values; 1 (the loop) where the op runs its
+        kernels, whose step unrolled compiles for minutes at the largest presets (docs/model.md)."""
+        if self.layer_unroll != "auto":
+            return self.layer_unroll
+        return 0 if self.kind.backend(self.ffn_backend) == "dense" else 1
 
     @property
     def is_relu_family(self) -> bool:

@@ -451,7 +451,7 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         # Plain static attributes (not the config object, whose dict field is unhashable).
         self.max_seq_len, self.compute_dtype, self.remat = cfg.max_seq_len, cfg.compute_dtype, cfg.remat
-        self.n_layers, self.layer_scan, self.layer_unroll = cfg.n_layers, cfg.layer_scan, cfg.layer_unroll
+        self.n_layers, self.layer_scan, self.layer_unroll = cfg.n_layers, cfg.layer_scan, cfg.layers_per_iteration
         self.gated, self.backend, self.interpret = cfg.kind.gated, cfg.kind.backend(cfg.ffn_backend), cfg.ffn_interpret
         self.through_op, self.activation = cfg.kind.through_op, cfg.kind.activation
         self.d_model, self.d_ff = cfg.d_model, cfg.d_ff
@@ -635,7 +635,15 @@ def describe_execution(cfg: ModelConfig, seq_len: int) -> str:
     return (f"model execution: compute {cfg.compute_dtype} (fp32 master weights), remat {cfg.remat!r} "
             f"({REMAT_POLICIES[cfg.remat]}), attention {attention} (model.attention_impl="
             f"{cfg.attention_impl!r}, seq {seq_len}, {cfg.heads_text()}, head dim {cfg.head_dim}), FFN {cfg.ffn_kind} "
-            f"({cfg.kind.backend(cfg.ffn_backend)})")
+            f"({cfg.kind.backend(cfg.ffn_backend)}), layers {_layers_text(cfg)}")
+
+
+def _layers_text(cfg: ModelConfig) -> str:
+    """How the layer scan runs, in words (model.layer_unroll resolved)."""
+    unroll = cfg.layers_per_iteration
+    how = ("unrolled (no loop)" if unroll == 0 or unroll >= cfg.n_layers else
+           "in a loop" if unroll == 1 else f"in a loop, {unroll} layers an iteration")
+    return f"{how} (model.layer_unroll={cfg.layer_unroll})"
 
 
 def init_model(cfg: ModelConfig, seed: int) -> Transformer:
