@@ -27,9 +27,10 @@ run). Tokens/s, each at its best (the sparse model against the twin):
           it needs the 95% memory fraction the twell commands set (`parallel.claim_device_memory`).
 The layer loop (`LAYER_UNROLL`, model.layer_unroll): `0.5b` runs all 8 layers in one loop
 iteration (layer_unroll 0) for both models. From `1b` on "auto": the dense twin unrolled (its
-step compiles in seconds, as plain JAX's does, and runs at plain JAX's speed, without the loop's
-copies of each layer's saved values: docs/model.md, "The loop", and BENCHMARKS.md, "Model training
-step"), the sparse model in the loop, whose step unrolled compiles for minutes at these depths.
+step compiles in seconds, as plain JAX's does, and runs at about plain JAX's speed, without the
+loop's copies of each layer's saved values: docs/model.md, "The loop", and BENCHMARKS.md, "The dense
+twin at every size, unrolled"), the sparse model in the loop, whose step unrolled compiles for
+minutes at these depths.
 """
 from __future__ import annotations
 
