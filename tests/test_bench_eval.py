@@ -33,6 +33,9 @@ def test_a_run_ending_on_a_partial_batch_is_noted():
 @pytest.mark.parametrize("argv, message", [
     (["--checkpoint", "x", "--items", "10", "--warm-items", "10"], "--warm-items must be >= 1 and less than --items"),
     (["--checkpoint", "x", "--batch-size", "0"], "must be >= 1"),
+    (["--checkpoint", "x", "--backends", "cuda"], "--backends must list distinct op backends"),
+    (["--checkpoint", "x", "--backends", "dense,dense"], "--backends must list distinct op backends"),
+    (["--checkpoint", "x", "--backends", ","], "--backends must list distinct op backends"),
 ])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -52,12 +55,19 @@ def test_the_benchmark_runs_both_sides_on_a_micro_run(tmp_path):
     out = tmp_path / "bench"
     done = subprocess.run([sys.executable, "-m", "twell_jax.bench.eval_speed", "--checkpoint", str(run), "--items", "6",
                            "--warm-items", "2", "--batch-size", "4", "--context-tokens", "8", "--choice-tokens", "4",
-                           "--device", "cpu", "--out", str(out)], capture_output=True, text=True, timeout=900)
+                           "--device", "cpu", "--backends", "dense,reference", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / "bench_eval.json").read_text())
-    ours, hf = result["sides"]["ours"], result["sides"]["hf"]
-    # The same model and requests: the same accuracy (float32 here, so no tie flips).
-    assert ours["acc"] == hf["acc"] and 0 <= ours["acc"] <= 1
-    assert result["items"] == 6 and "ours / hf per item" in done.stdout
+    assert list(result["sides"]) == ["ours@dense", "ours@reference", "hf"]
+    assert set(result["vs_hf_per_item"]) == {"ours@dense", "ours@reference"}
+    assert result["speedup_per_item"] == result["vs_hf_per_item"]["ours@dense"]
+    # Each side ran with its backend (its command log) ...
+    assert "model.ffn_backend=reference" in (out / "ours@reference_6.log").read_text()
+    hf = result["sides"]["hf"]
+    # ... and the same model and requests give the same accuracy (float32 here, so no tie flips).
+    for side in ("ours@dense", "ours@reference"):
+        assert result["sides"][side]["acc"] == hf["acc"] and 0 <= hf["acc"] <= 1
+    assert result["items"] == 6 and "| hf / side per item |" in done.stdout and "| ours@reference |" in done.stdout
     lines = (out / "task" / f"{eval_speed.TASK}.jsonl").read_text().splitlines()
     assert len(lines) == 6 and all(len(json.loads(line)["choices"]) == 4 for line in lines)

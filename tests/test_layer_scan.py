@@ -244,6 +244,8 @@ def test_layer_unroll_auto_unrolls_only_where_no_sparse_op_kernel_runs():
     base = get_config("micro")
     assert config_lib.apply_overrides(base, ["model.layer_unroll=auto"]).model.layer_unroll == "auto"
     assert config_lib.apply_overrides(base, ["model.layer_unroll=3"]).model.layer_unroll == 3
+    # A saved run may be resumed or evaluated with another loop (the same function, the same weights).
+    assert "model.layer_unroll" in config_lib.RESUMABLE_FIELDS
     twin = dataclasses.replace(CFG, ffn_kind="relu_gated", layer_unroll="auto")
     assert "layers unrolled (no loop) (model.layer_unroll=auto)" in describe_execution(twin, seq_len=8)
     assert "layers in a loop (model.layer_unroll=auto)" in describe_execution(

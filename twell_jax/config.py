@@ -796,7 +796,7 @@ RESUMABLE_FIELDS = frozenset({
     "train.auto_refresh_every",
     "train.auto_trial_steps", "train.wandb_project", "train.profile_steps", "optim.schedule_steps",
     "model.ffn_backend", "model.ffn_op_config", "model.ffn_interpret", "model.ffn_expected_active",
-    "model.ffn_expected_tails", "model.remat", "model.attention_impl",
+    "model.ffn_expected_tails", "model.remat", "model.attention_impl", "model.layer_unroll",
     "decode.kernels", "decode.transposed", "decode.sparse_ffn", "decode.layer_unroll",
     *MOVED_FIELDS, *CONVERTED_FIELDS,  # their old names, which apply_overrides moves or converts
     "data.source", "data.cache_dir", "data.progress", "data.num_threads", "data.prefetch", "data.tokenize_workers",

@@ -12,7 +12,8 @@ elsewhere. The run is exported (`twell hf export`, bfloat16) into --out; then ea
 command of its own, in its own process, once on --warm-items items and once on --items items:
 
     ours  twell eval --checkpoint RUN --tasks TASK.yaml --batch-size B --dtype bfloat16 --json
-          --compile-cache off
+          --compile-cache off [--set model.ffn_backend=NAME]   (once per --backends NAME, e.g.
+          auto,dense: the sparse kernels against the dense path; default: once, the run's backend)
     hf    python -m lm_eval --model hf --model_args pretrained=EXPORT,dtype=bfloat16 --tasks TASK
           --include_path DIR --batch_size B --device DEVICE --output_path ...
 
@@ -20,8 +21,9 @@ Per item = (wall(items) - wall(warm items)) / (items - warm items): the start-up
 the model, our compilations of the batch shapes: without the persistent cache, which would let the
 second run skip the first's) cancels, what remains is the time each item adds. It cancels where the
 two runs compile the same shapes: a run whose requests (4 per item) are not a whole number of
-batches ends on a smaller batch, a shape of its own (a note says so; the defaults avoid it). The wall times and the two accuracies (which must agree: the same model, the same
-requests) go to bench_eval.json in --out; the table is printed last.
+batches ends on a smaller batch, a shape of its own (a note says so; the defaults avoid it). The wall times and each side's accuracy (which must agree: the same model, the same
+requests) go to bench_eval.json in --out, with hf's time per item over each of our sides'
+(`vs_hf_per_item`); the table is printed last.
 """
 from __future__ import annotations
 
@@ -104,11 +106,20 @@ def _timed(argv: list[str], log: Path, timeout: float) -> tuple[float, str]:
     return seconds, done.stdout
 
 
-def ours(run_dir: str, yaml: Path, limit: int, batch: int, out: Path, timeout: float) -> tuple[float, float]:
+def side_name(backend: str | None) -> str:
+    """The result's key of our side: "ours" (the run's own op backend) or "ours@BACKEND"."""
+    return "ours" if backend is None else f"ours@{backend}"
+
+
+def ours(run_dir: str, yaml: Path, limit: int, batch: int, out: Path, timeout: float,
+         backend: str | None = None) -> tuple[float, float]:
+    """`twell eval --tasks` on `limit` items: (wall seconds, acc); `backend` overrides the run's
+    model.ffn_backend (None: the run's)."""
+    sets = [] if backend is None else ["--set", f"model.ffn_backend={backend}"]
     seconds, stdout = _timed([sys.executable, "-m", "twell_jax.cli", "eval", "--checkpoint", run_dir,
                               "--tasks", str(yaml), "--limit", str(limit), "--batch-size", str(batch),
-                              "--dtype", "bfloat16", "--json", "--compile-cache", "off"], out / f"ours_{limit}.log",
-                             timeout)
+                              "--dtype", "bfloat16", "--json", "--compile-cache", "off", *sets],
+                             out / f"{side_name(backend)}_{limit}.log", timeout)
     result = json.loads(stdout)
     return seconds, _find_acc(result)
 
@@ -153,6 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context-tokens", type=int, default=96)
     parser.add_argument("--choice-tokens", type=int, default=24)
     parser.add_argument("--device", default="cuda:0", help="lm-eval's hf backend's device")
+    parser.add_argument("--backends", default=None, metavar="NAME,...",
+                        help="our side once per op backend (model.ffn_backend set for `twell eval`), e.g. "
+                             "auto,dense: the sparse kernels against the dense path (default: once, the run's own)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per command")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
@@ -161,6 +175,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--warm-items must be >= 1 and less than --items")
     if min(args.batch_size, args.context_tokens, args.choice_tokens) < 1:
         parser.error("--batch-size, --context-tokens and --choice-tokens must be >= 1")
+    backends: list[str | None] = [None]
+    if args.backends is not None:
+        from twell_jax.ops import backend_names
+        backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+        unknown = [b for b in backends if b not in backend_names()]
+        if not backends or unknown or len(set(backends)) != len(backends):
+            parser.error(f"--backends must list distinct op backends of {backend_names()}, got {args.backends!r}")
     note = partial_batch_note(args.items, args.warm_items, args.batch_size)
     if note:
         print(f"[bench_eval] note: {note}", flush=True)
@@ -173,8 +194,10 @@ def main(argv: list[str] | None = None) -> None:
     result: dict = dict(checkpoint=args.checkpoint, items=args.items, warm_items=args.warm_items, device=args.device,
                         batch_size=args.batch_size, context_tokens=args.context_tokens,
                         choice_tokens=args.choice_tokens, choices=4, sides={})
-    for side, run in (("ours", lambda n: ours(args.checkpoint, yaml, n, args.batch_size, out, args.timeout)),
-                      ("hf", lambda n: hf(export, yaml, n, args.batch_size, args.device, out, args.timeout))):
+    runs = [(side_name(b), lambda n, b=b: ours(args.checkpoint, yaml, n, args.batch_size, out, args.timeout, b))
+            for b in backends]
+    runs.append(("hf", lambda n: hf(export, yaml, n, args.batch_size, args.device, out, args.timeout)))
+    for side, run in runs:
         warm_s, warm_acc = run(args.warm_items)
         full_s, acc = run(args.items)
         result["sides"][side] = dict(warm_s=warm_s, full_s=full_s, acc=acc, warm_acc=warm_acc,
@@ -182,12 +205,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[bench_eval] {side}: {warm_s:.1f} s for {args.warm_items} items, {full_s:.1f} s for {args.items}, "
               f"acc {acc:.4f}", flush=True)
     s = result["sides"]
-    result["speedup_per_item"] = s["hf"]["ms_per_item"] / s["ours"]["ms_per_item"]
+    first = side_name(backends[0])
+    # hf's time per item over each of our sides' (the first side's as `speedup_per_item`).
+    result["vs_hf_per_item"] = {k: s["hf"]["ms_per_item"] / v["ms_per_item"] for k, v in s.items() if k != "hf"}
+    result["speedup_per_item"] = result["vs_hf_per_item"][first]
     (out / "bench_eval.json").write_text(json.dumps(result, indent=1))
-    print("\n".join([f"| side | ms/item | start-up s ({args.warm_items} items) | acc ({args.items} items) |",
-                     "|---|---|---|---|"]
-                    + [f"| {k} | {v['ms_per_item']:.2f} | {v['warm_s']:.1f} | {v['acc']:.4f} |" for k, v in s.items()]
-                    + [f"ours / hf per item: {result['speedup_per_item']:.2f}x faster"]))
+    print("\n".join([f"| side | ms/item | start-up s ({args.warm_items} items) | acc ({args.items} items) | hf / side per item |",
+                     "|---|---|---|---|---|"]
+                    + [f"| {k} | {v['ms_per_item']:.2f} | {v['warm_s']:.1f} | {v['acc']:.4f} | "
+                       + (f"{result['vs_hf_per_item'][k]:.2f}x |" if k != "hf" else " |") for k, v in s.items()]))
 
 
 if __name__ == "__main__":
