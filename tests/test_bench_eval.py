@@ -64,6 +64,11 @@ def test_the_benchmark_runs_both_sides_on_a_micro_run(tmp_path):
     assert result["speedup_per_item"] == result["vs_hf_per_item"]["ours@dense"]
     # Each side ran with its backend (its command log) ...
     assert "model.ffn_backend=reference" in (out / "ours@reference_6.log").read_text()
+    # ... after an untimed run on all the items that filled the side's own compilation cache, which
+    # both timed runs read.
+    assert result["sides"]["ours@dense"]["prime_s"] > 0 and "prime_s" not in result["sides"]["hf"]
+    cache = out / "xla_cache" / "ours@dense"
+    assert any(cache.iterdir()) and f"--compile-cache {cache}" in (out / "ours@dense_2.log").read_text()
     hf = result["sides"]["hf"]
     # ... and the same model and requests give the same accuracy (float32 here, so no tie flips).
     for side in ("ours@dense", "ours@reference"):

@@ -18,10 +18,13 @@ command of its own, in its own process, once on --warm-items items and once on -
           --include_path DIR --batch_size B --device DEVICE --output_path ...
 
 Per item = (wall(items) - wall(warm items)) / (items - warm items): the start-up (imports, loading
-the model, our compilations of the batch shapes: without the persistent cache, which would let the
-second run skip the first's) cancels, what remains is the time each item adds. It cancels where the
-two runs compile the same shapes: a run whose requests (4 per item) are not a whole number of
-batches ends on a smaller batch, a shape of its own (a note says so; the defaults avoid it). The wall times and each side's accuracy (which must agree: the same model, the same
+the model) cancels, what remains is the time each item adds. Our side compiles nothing in either
+timed run: an untimed first run on all the items fills a persistent compilation cache of that
+side's own (every program, `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0`), which both timed runs
+load; without it a batch shape met only in the longer run (a longer power-of-two length bucket, a
+last partial batch) would count its compile as per-item time, more for the kernels' programs than
+for the dense path's. A run whose requests (4 per item) are not a whole number of batches is still
+noted (the defaults avoid it). The wall times and each side's accuracy (which must agree: the same model, the same
 requests) go to bench_eval.json in --out, with hf's time per item over each of our sides'
 (`vs_hf_per_item`); the table is printed last.
 """
@@ -36,6 +39,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Callable
 
 TASK = "twell_speed_mc"
 
@@ -85,8 +89,9 @@ def make_task(run_dir: str, where: Path, items: int, context_tokens: int, choice
 
 
 def partial_batch_note(items: int, warm_items: int, batch_size: int, choices: int = 4) -> str | None:
-    """Why the start-up may not cancel: a run whose requests are not a whole number of batches ends on
-    a smaller batch, which our side compiles as a program of its own (None when both runs are whole)."""
+    """Why the start-up may not cancel exactly: a run whose requests are not a whole number of batches
+    ends on a smaller batch, a program of its own (loaded from the primed cache in that run alone;
+    None when both runs are whole)."""
     partial = {f"--{name} {n}": (choices * n) % batch_size
                for name, n in (("warm-items", warm_items), ("items", items)) if (choices * n) % batch_size}
     if not partial:
@@ -96,9 +101,10 @@ def partial_batch_note(items: int, warm_items: int, batch_size: int, choices: in
             "alone does not cancel in the per-item time; give item counts whose requests fill whole batches")
 
 
-def _timed(argv: list[str], log: Path, timeout: float) -> tuple[float, str]:
+def _timed(argv: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[float, str]:
     start = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
     seconds = time.perf_counter() - start
     log.write_text(f"$ {' '.join(argv)}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
     if done.returncode != 0:
@@ -112,14 +118,16 @@ def side_name(backend: str | None) -> str:
 
 
 def ours(run_dir: str, yaml: Path, limit: int, batch: int, out: Path, timeout: float,
-         backend: str | None = None) -> tuple[float, float]:
+         backend: str | None = None, cache: Path | None = None, tag: str = "") -> tuple[float, float]:
     """`twell eval --tasks` on `limit` items: (wall seconds, acc); `backend` overrides the run's
-    model.ffn_backend (None: the run's)."""
+    model.ffn_backend (None: the run's); `cache`: the persistent compilation cache it reads and
+    writes, every program in it however short its compile (None: off)."""
     sets = [] if backend is None else ["--set", f"model.ffn_backend={backend}"]
     seconds, stdout = _timed([sys.executable, "-m", "twell_jax.cli", "eval", "--checkpoint", run_dir,
                               "--tasks", str(yaml), "--limit", str(limit), "--batch-size", str(batch),
-                              "--dtype", "bfloat16", "--json", "--compile-cache", "off", *sets],
-                             out / f"{side_name(backend)}_{limit}.log", timeout)
+                              "--dtype", "bfloat16", "--json", "--compile-cache", str(cache or "off"), *sets],
+                             out / f"{side_name(backend)}_{limit}{tag}.log", timeout,
+                             env={"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"} if cache else None)
     result = json.loads(stdout)
     return seconds, _find_acc(result)
 
@@ -194,14 +202,24 @@ def main(argv: list[str] | None = None) -> None:
     result: dict = dict(checkpoint=args.checkpoint, items=args.items, warm_items=args.warm_items, device=args.device,
                         batch_size=args.batch_size, context_tokens=args.context_tokens,
                         choice_tokens=args.choice_tokens, choices=4, sides={})
-    runs = [(side_name(b), lambda n, b=b: ours(args.checkpoint, yaml, n, args.batch_size, out, args.timeout, b))
-            for b in backends]
-    runs.append(("hf", lambda n: hf(export, yaml, n, args.batch_size, args.device, out, args.timeout)))
-    for side, run in runs:
+    def our_side(backend: str | None) -> tuple[Callable[[int], tuple[float, float]], dict]:
+        # Primed: one untimed run on all the items fills a compilation cache of this side's own with
+        # every program the timed runs meet, so neither timed run compiles (a shape met only in the
+        # longer run would otherwise count its compile as per-item time).
+        cache = out / "xla_cache" / side_name(backend)
+        prime_s, _ = ours(args.checkpoint, yaml, args.items, args.batch_size, out, args.timeout, backend, cache,
+                          tag="_prime")
+        return (lambda n: ours(args.checkpoint, yaml, n, args.batch_size, out, args.timeout, backend, cache),
+                {"prime_s": prime_s})
+
+    runs = [(side_name(b), lambda b=b: our_side(b)) for b in backends]
+    runs.append(("hf", lambda: ((lambda n: hf(export, yaml, n, args.batch_size, args.device, out, args.timeout)), {})))
+    for side, prepare in runs:
+        run, extra = prepare()
         warm_s, warm_acc = run(args.warm_items)
         full_s, acc = run(args.items)
         result["sides"][side] = dict(warm_s=warm_s, full_s=full_s, acc=acc, warm_acc=warm_acc,
-                                     ms_per_item=1e3 * (full_s - warm_s) / (args.items - args.warm_items))
+                                     ms_per_item=1e3 * (full_s - warm_s) / (args.items - args.warm_items), **extra)
         print(f"[bench_eval] {side}: {warm_s:.1f} s for {args.warm_items} items, {full_s:.1f} s for {args.items}, "
               f"acc {acc:.4f}", flush=True)
     s = result["sides"]
