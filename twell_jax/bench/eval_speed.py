@@ -12,7 +12,7 @@ elsewhere. The run is exported (`twell hf export`, bfloat16) into --out; then ea
 command of its own, in its own process, once on --warm-items items and once on --items items:
 
     ours  twell eval --checkpoint RUN --tasks TASK.yaml --batch-size B --dtype bfloat16 --json
-          --compile-cache off [--set model.ffn_backend=NAME]   (once per --backends NAME, e.g.
+          --compile-cache OUT/xla_cache/SIDE [--set model.ffn_backend=NAME]   (once per --backends NAME, e.g.
           auto,dense: the sparse kernels against the dense path; default: once, the run's backend)
     hf    python -m lm_eval --model hf --model_args pretrained=EXPORT,dtype=bfloat16 --tasks TASK
           --include_path DIR --batch_size B --device DEVICE --output_path ...
@@ -97,7 +97,7 @@ def partial_batch_note(items: int, warm_items: int, batch_size: int, choices: in
     if not partial:
         return None
     runs = ", ".join(f"{run} ends on a batch of {rows}" for run, rows in partial.items())
-    return (f"{runs} of --batch-size {batch_size} rows ({choices} requests per item): a shape compiled in one run "
+    return (f"{runs} of --batch-size {batch_size} rows ({choices} requests per item): a program met in one run "
             "alone does not cancel in the per-item time; give item counts whose requests fill whole batches")
 
 
@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     result: dict = dict(checkpoint=args.checkpoint, items=args.items, warm_items=args.warm_items, device=args.device,
                         batch_size=args.batch_size, context_tokens=args.context_tokens,
                         choice_tokens=args.choice_tokens, choices=4, sides={})
+
     def our_side(backend: str | None) -> tuple[Callable[[int], tuple[float, float]], dict]:
         # Primed: one untimed run on all the items fills a compilation cache of this side's own with
         # every program the timed runs meet, so neither timed run compiles (a shape met only in the
