@@ -39,7 +39,6 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Callable
 
 TASK = "twell_speed_mc"
 
@@ -203,20 +202,21 @@ def main(argv: list[str] | None = None) -> None:
                         batch_size=args.batch_size, context_tokens=args.context_tokens,
                         choice_tokens=args.choice_tokens, choices=4, sides={})
 
-    def our_side(backend: str | None) -> tuple[Callable[[int], tuple[float, float]], dict]:
-        # Primed: one untimed run on all the items fills a compilation cache of this side's own with
-        # every program the timed runs meet, so neither timed run compiles (a shape met only in the
-        # longer run would otherwise count its compile as per-item time).
-        cache = out / "xla_cache" / side_name(backend)
-        prime_s, _ = ours(args.checkpoint, yaml, args.items, args.batch_size, out, args.timeout, backend, cache,
-                          tag="_prime")
-        return (lambda n: ours(args.checkpoint, yaml, n, args.batch_size, out, args.timeout, backend, cache),
-                {"prime_s": prime_s})
+    for side, backend in [(side_name(b), b) for b in backends] + [("hf", None)]:
+        extra = {}
+        if side == "hf":
+            def run(n: int) -> tuple[float, float]:
+                return hf(export, yaml, n, args.batch_size, args.device, out, args.timeout)
+        else:
+            # Primed: one untimed run on all the items fills a compilation cache of this side's own
+            # with every program the timed runs meet, so neither timed run compiles (a shape met
+            # only in the longer run would otherwise count its compile as per-item time).
+            cache = out / "xla_cache" / side
 
-    runs = [(side_name(b), lambda b=b: our_side(b)) for b in backends]
-    runs.append(("hf", lambda: ((lambda n: hf(export, yaml, n, args.batch_size, args.device, out, args.timeout)), {})))
-    for side, prepare in runs:
-        run, extra = prepare()
+            def run(n: int, tag: str = "") -> tuple[float, float]:
+                return ours(args.checkpoint, yaml, n, args.batch_size, out, args.timeout, backend, cache, tag)
+
+            extra["prime_s"], _ = run(args.items, "_prime")
         warm_s, warm_acc = run(args.warm_items)
         full_s, acc = run(args.items)
         result["sides"][side] = dict(warm_s=warm_s, full_s=full_s, acc=acc, warm_acc=warm_acc,
