@@ -70,16 +70,12 @@ def data_cache_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture
-def cli(capsys):
-    """`cli(argv)`: the `twell` command in this process, as (exit code, stdout, stderr)."""
-    from twell_jax.cli import main
+def cli():
+    """`cli(argv)`: the `twell` command in this process, as (exit code, stdout, stderr)
+    (`oracles.run_cli`, which module-scoped fixtures call directly)."""
+    from oracles import run_cli
 
-    def run(argv):
-        code = main(argv)
-        captured = capsys.readouterr()
-        return code, captured.out, captured.err
-
-    return run
+    return run_cli
 
 
 # Two tiers (README): the fast one (`-m "not slow"`, the README's test command) keeps every module's

@@ -56,8 +56,8 @@ def sparse_gate_inputs(dtype, m: int, d: int = 45, h: int = 150, *, dense_rows=(
 
 
 def run_cli(argv):
-    """The `twell` command in this process, its output captured by redirection (usable where the
-    `cli` fixture's capsys is not: module-scoped fixtures): (exit code, stdout, stderr)."""
+    """The `twell` command in this process, its output captured by redirection (the `cli` fixture;
+    module-scoped fixtures call it directly): (exit code, stdout, stderr)."""
     import contextlib
     import io
 

@@ -180,12 +180,15 @@ def test_a_process_that_does_not_share_the_cache_dir_builds_its_own_copy(tmp_pat
     assert (code0, code1) == (0, 0), err0[-3000:] + err1[-3000:]
     assert lead["built_tokens"] and other["built_tokens"]
     assert "data.cache_dir='cache' is not the directory process 0 builds the data caches in" in err1
+    # Its own copy built, it takes process 0's reports without printing them as if it were waiting.
+    assert "waiting for process 0" not in err1 and "process 0 builds the data (" not in err1
     assert _files(tmp_path / "a" / lead["cache_path"]) == _files(tmp_path / "b" / other["cache_path"])
     assert lead["batches"] != other["batches"]  # each its own slice
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf"])
-def test_the_build_timeout_must_be_positive_seconds(monkeypatch, value):
+def test_the_build_timeout_is_read_from_its_variable(monkeypatch):
+    # The parsing is parallel.env_seconds' (tests/test_multiprocess.py): here, which variable.
+    value = "0"
     monkeypatch.setenv(shared_data.BUILD_TIMEOUT_VARIABLE, value)
     with pytest.raises(ValueError, match=f"^environment variable TWELL_DATA_TIMEOUT_S must be a positive number "
                                          f"of seconds, got '{value}'$"):

@@ -225,7 +225,7 @@ def test_steps_of_many_rows_take_their_own_blocks():
     assert dm.role_block_sizes("gate", 64).block_m(64) == 16
 
 
-def test_fp32_operands_keep_the_pipeline_within_its_bf16_shared_memory():
+def test_fp32_operands_keep_the_pipeline_within_its_bf16_shared_memory(monkeypatch):
     """The block sizes are tuned for bf16; at fp32 every role's pipeline is cut (stages first, then
     the K step) to at most its bf16 bytes (the output projection's four fp32 stages of [256, 64]
     blocks exceeded the H100's shared memory); bf16 keeps every size as tuned; the result is the
@@ -245,12 +245,18 @@ def test_fp32_operands_keep_the_pipeline_within_its_bf16_shared_memory():
     assert (out.fitted(1, 4).num_stages, out.fitted(1, 4).block_k) == (2, 256)
     tiny = MatvecBlockSizes(block_n=16, block_k=32, num_stages=2)  # no stage left to cut: K halves
     assert tiny.fitted(1, 4).block_k == 16
+    # The launch gets the fitted sizes (the interpreter ignores the stages, so ask the launch itself).
+    import twell_jax.pallas_kernels.decode_matvec as dm_module
+    launched = []
+    real = dm_module.compiler_params
+    monkeypatch.setattr(dm_module, "compiler_params", lambda s: launched.append(s) or real(s))
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.standard_normal((3, 96)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((40, 96)) / 10, jnp.float32)
     sizes = MatvecBlockSizes(block_n=16, block_k=64, num_stages=4)
     got = decode_matvec(x, w, block_sizes=sizes, interpret=True)
     assert _rel(got, decode_matvec_reference(x, w)) <= TOL[jnp.float32]
+    assert launched and all(s == sizes.fitted(3, 4) != sizes for s in launched)
 
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])

@@ -622,10 +622,11 @@ def test_an_op_data_axis_must_cover_both_mesh_axes(data_axis, refused):
         preflight.check_op_config(cfg)
 
 
-def test_the_default_auto_on_a_cpu_replicates_and_says_so(dense_runs):
+def test_the_default_auto_on_a_cpu_replicates_the_trained_state(dense_runs):
     result = dense_runs[8]
     assert set(_specs(result.state)) == {P()}
     assert dict(jax.tree.leaves(result.state["params"])[0].sharding.mesh.shape) == {"data": 8, "fsdp": 1}
+    assert result.summary["mesh"] == {"data": 8, "fsdp": 1}  # the layout that ran, in summary.json
 
 
 # ============================================================================= two processes

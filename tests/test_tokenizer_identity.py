@@ -9,6 +9,7 @@ import dataclasses
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -123,10 +124,10 @@ def _error_lines(err):
 
 
 @pytest.fixture(scope="module")
-def study(tmp_path_factory):
+def study(tmp_path_factory, data_cache_dir):
     """A finished `twell compare` (dense twin + one sparse run, 2 steps)."""
     out = tmp_path_factory.mktemp("study") / "cmp"
-    cache = tmp_path_factory.getbasetemp() / "twell_data_cache"
+    cache = Path(data_cache_dir)
     code, _, err = run_cli(["compare", "--config", "micro", "--out", str(out), "--set", f"data.cache_dir={cache}",
                              "train.steps=2"])
     assert code == 0, err

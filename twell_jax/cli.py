@@ -798,8 +798,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Before any command touches a device: JAX's allocator may use most of each GPU (the presets' measured
     # configurations need more than JAX's default 75%; the user's own allocator settings stand).
-    parallel.claim_device_memory()
-    parallel.default_xla_flags()
+    parallel.prepare_process()
     if args.command in CACHED_COMMANDS:
         from twell_jax import compile_cache
 

@@ -174,11 +174,10 @@ def with_saved_tokenizer(cfg: ExperimentConfig, run_dir: str | Path) -> Experime
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(saved.absolute())))
 
 
-def save_corpus_fingerprint(run_dir: str | Path, fingerprint: str, tokenizer: dict[str, Any] | None = None) -> None:
+def save_corpus_fingerprint(run_dir: str | Path, fingerprint: str, tokenizer: dict[str, Any]) -> None:
     """Record the data's `source_fingerprint` in the run (`data_fingerprint.json`), with `tokenizer`:
     its tokenizer's identity (`data.tokenizer.tokenizer_record`)."""
-    atomic_write_text(Path(run_dir) / FINGERPRINT_FILE, json.dumps({"corpus": fingerprint, **(tokenizer or {})},
-                                                                   indent=2))
+    atomic_write_text(Path(run_dir) / FINGERPRINT_FILE, json.dumps({"corpus": fingerprint, **tokenizer}, indent=2))
 
 
 def read_corpus_fingerprint(run_dir: str | Path) -> dict[str, Any]:
@@ -196,10 +195,8 @@ def check_corpus_fingerprint(run_dir: str | Path, fingerprint: str, warn: Callab
     """Compare the data's `source_fingerprint` (SHA-256 of the corpus's document text) with the one
     saved in the run; warn (old/new) when they differ."""
     path = Path(run_dir) / FINGERPRINT_FILE
-    if not path.is_file():
-        return
-    old = read_corpus_fingerprint(run_dir).get("corpus")
-    if old != fingerprint:
+    old = read_corpus_fingerprint(run_dir).get("corpus")  # None: no file (or no record of the corpus)
+    if old is not None and old != fingerprint:
         warn(f"[twell] warning: the corpus differs from the one this run was trained on (fingerprint "
              f"{old} -> {fingerprint}, {path}): the data source changed since; results are not comparable")
 

@@ -85,7 +85,7 @@ def run_one(cfg: ExperimentConfig, warmup: int, workdir: Path) -> dict[str, Any]
     losses = [record["loss"] for record in result.history]
     return {
         "ffn_kind": cfg.model.ffn_kind, "ffn_backend": cfg.model.ffn_backend, "num_devices": n,
-        "sharding": cfg.train.sharding,
+        "sharding": cfg.train.sharding, "mesh": result.summary.get("mesh"),  # as set; the layout that ran
         "global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch,
         "seq_len": cfg.seq_len, "tokens_per_step": tokens_per_step,
         "median_step_s": step_s, "mean_step_s": float(np.mean(steady)),
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="output directory (default: $OUT or ./bench_out)")
     args = parser.parse_args(argv)
 
-    added = parallel.default_xla_flags()  # the twell commands' XLA options (XLA_FLAGS overrides them)
+    added = parallel.prepare_process()  # the twell commands' memory share and XLA options (XLA_FLAGS overrides them)
     parallel.initialize_distributed()
     device_counts = [int(n) for n in args.devices.split(",")]
     kinds = [k.strip() for k in args.ffn_kinds.split(",") if k.strip()]

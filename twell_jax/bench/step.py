@@ -312,8 +312,7 @@ def format_best(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from twell_jax.training import parallel
 
-    parallel.claim_device_memory()  # before anything touches a device (the presets need most of a GPU)
-    parallel.default_xla_flags()  # the trainer's XLA options, as the twell commands run it
+    parallel.prepare_process()  # the twell commands' memory share and XLA options, before any device use
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="0.5b", help="preset whose model shapes are used (configs/)")
     parser.add_argument("--checkpoint", default=None,

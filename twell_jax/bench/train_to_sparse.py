@@ -94,8 +94,7 @@ def build_config(args: argparse.Namespace) -> ExperimentConfig:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from twell_jax.training import parallel
 
-    parallel.claim_device_memory()  # before anything touches a device (the presets need most of a GPU)
-    parallel.default_xla_flags()  # the trainer's XLA options, as the twell commands run it
+    parallel.prepare_process()  # the twell commands' memory share and XLA options, before any device use
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="0.5b", help="preset (configs/); --dry-run uses micro")
     parser.add_argument("--out", required=True, help="run directory to create (must be empty or absent)")

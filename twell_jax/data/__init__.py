@@ -11,7 +11,7 @@ One job per module, in pipeline order:
 - `synthetic`: random token ids in place of the first four stages (tests, benchmarks);
 - `batching`: shuffled, sharded training batches through Grain; fixed-order validation batches;
 - `bundle`: `DataSource`, the interface the trainer uses, and the builders of a `DataBundle` (a
-  multi-process run builds the caches once: twell_jax/training/shared_data.py, its `coordinate`).
+  multi-process run builds the caches once: twell_jax/training/shared_data.py, its `build_once`).
 `python -m twell_jax.data` builds (warms) a cache and prints its statistics.
 """
 from twell_jax.config import DataConfig

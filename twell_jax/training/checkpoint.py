@@ -17,7 +17,6 @@ error, and `restore(step=None)` falls back to the newest intact one with a warni
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import shutil
 import uuid
@@ -31,6 +30,7 @@ import orbax.checkpoint as ocp
 
 from twell_jax import config as config_lib
 from twell_jax import run_dir as run_dir_lib
+from twell_jax.data.tokenizer import file_sha256
 from twell_jax.run_dir import DamagedFileError, checkpoint_dir
 from twell_jax.training import parallel
 
@@ -129,7 +129,7 @@ def iterator_state_from_json(value: Any) -> Any:
 def _file_digest(path: Path) -> str | None:
     """SHA-256 of a file's bytes (the first 16 hex digits), or None when it cannot be read."""
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        return file_sha256(str(path))[:16]
     except OSError:
         return None
 

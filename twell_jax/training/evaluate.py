@@ -129,8 +129,6 @@ def _agreed_hints(cfg: ExperimentConfig) -> ExperimentConfig:
     hints = parallel.lead_value("the 'auto' hints", lambda: list(cfg.model.ffn_expected_active))
     if tuple(hints) == tuple(cfg.model.ffn_expected_active):
         return cfg
-    if not hints:
-        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, ffn_expected_active=()))
     return with_hints(cfg, hints)
 
 
@@ -164,7 +162,7 @@ def evaluate_checkpoint(path: str | Path, *, step: int | None = None, overrides:
             raise FileNotFoundError(f"no checkpoint directory at {ckpt_dir}" + (
                 " (every process needs the run on a file system they share, at the same path)"
                 if parallel.multi_process() else ""))
-        seen = ckpt_lib.saved_files_digest(ckpt_dir)
+        seen = ckpt_lib.saved_files_digest(ckpt_dir) if parallel.multi_process() else {}
     check_processes_see_same_checkpoints(ckpt_dir, seen)
     run_dir = ckpt_dir.parent
     with parallel.all_or_none("reading the run's config"):

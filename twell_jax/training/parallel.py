@@ -146,6 +146,13 @@ def default_xla_flags(flags: tuple[tuple[str, str], ...] = DEFAULT_XLA_FLAGS) ->
     return " ".join(missing)
 
 
+def prepare_process() -> str | None:
+    """What every twell command and benchmark does before anything touches a device: the memory
+    share (`claim_device_memory`) and the XLA options (`default_xla_flags`, whose result it returns)."""
+    claim_device_memory()
+    return default_xla_flags()
+
+
 def _distributed_is_initialized() -> bool:
     is_initialized = getattr(jax.distributed, "is_initialized", None)
     if is_initialized is not None:
@@ -529,8 +536,9 @@ def resolve_layout(sharding: str, num_devices: int, *, fsdp_size: int | None = N
     process, i.e. a host that one process drives) and data parallel across groups.
     "auto": replicate when `state_bytes` (the unsharded f32 parameters, AdamW state and gradients)
     fit in AUTO_REPLICATE_SHARE of `memory_limit` (one device's bytes; None, e.g. a CPU, counts as
-    fitting), else hybrid when a group's share fits, else FSDP over all devices. A pure function:
-    the trainer agrees on its answer across processes (`lead_value`)."""
+    fitting), else hybrid when a group's share fits, else FSDP over all devices. Pure in its
+    arguments (with `local_devices` None it reads `jax.local_device_count()`); the trainer agrees on
+    its answer across processes (`lead_value`)."""
     if sharding not in SHARDINGS:
         raise ValueError(f"train.sharding must be one of {SHARDINGS}, got {sharding!r}")
     if not _is_count(num_devices):

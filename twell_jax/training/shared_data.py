@@ -2,7 +2,7 @@
 (`build_once`, which the trainer hands to `data.build_data` as its `coordinate`).
 
 Process 0 builds the tokenizer and the token cache in `data.cache_dir` (a thread runs `build`) and
-tells the others where it is every few seconds (`parallel.lead_value`); the others print that, and
+tells the others where it is every `REPORT_EVERY_S` seconds (`parallel.lead_value`); the others print that, and
 once process 0 is done they open the published caches: only process 0 reads and tokenizes the
 corpus. The caches are byte for byte those of a one-process build (it is the same build), so a run
 of P processes trains on the batches of a one-process run of the same global batch.
@@ -59,11 +59,13 @@ def build_once(cfg: DataConfig, build: Callable[[BuildProgress | None], DataBund
         own = build(None)
     if parallel.is_lead():
         return _build_and_report(build, timeout)
-    log(cfg, f"process {me} of {count}: waiting for process 0 to build the data caches in {cache_root} (at most "
-             f"{timeout:g} s, {BUILD_TIMEOUT_VARIABLE})")
+    if own is None:
+        log(cfg, f"process {me} of {count}: waiting for process 0 to build the data caches in {cache_root} (at "
+                 f"most {timeout:g} s, {BUILD_TIMEOUT_VARIABLE})")
     while not (status := parallel.lead_value(_WHAT, _only_on_process_0))["done"]:
-        log(cfg, f"process {me} of {count}: process 0 builds the data ({status['progress']}; "
-                 f"{status['seconds']} s so far)")
+        if own is None:  # a process with its own copy only takes the reports (they are an agreement)
+            log(cfg, f"process {me} of {count}: process 0 builds the data ({status['progress']}; "
+                     f"{status['seconds']} s so far)")
     if own is not None:
         return own
     bundle = build(None)

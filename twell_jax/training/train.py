@@ -564,6 +564,8 @@ class Trainer:
             "name": cfg.name, "ffn_kind": cfg.model.ffn_kind, "ffn_backend": cfg.model.ffn_backend,
             "l1_coef": cfg.sparsity.l1_coef, "d_ff": cfg.model.d_ff, "n_layers": cfg.model.n_layers,
             "steps": int(state["step"]), "num_devices": self.num_devices,
+            # The layout train.sharding resolved to (its "auto" chose one): the mesh's two axes.
+            "mesh": {parallel.DATA_AXIS: self.layout.replicas, parallel.FSDP_AXIS: self.layout.fsdp_size},
             "val_loss": val.get("loss"), "val_perplexity": val.get("perplexity"),
             "val_l0_per_layer": l0, "val_l0_mean": float(np.mean(l0)) if l0 is not None else None,
             "val_sparsity": (1.0 - float(np.mean(l0)) / cfg.model.d_ff) if l0 is not None else None,
