@@ -13,7 +13,8 @@ instructions, conditionals, while loops, custom calls, Triton calls, sorts), and
 time (compile excluded). Where the layers loop (model.layer_unroll 1: the sparse op's kinds under
 "auto"), every number but the init's run time should be about flat in depth; unrolled (the dense
 kinds under "auto", or 0) the step's compile grows with depth, as a plain-JAX model's does.
-`--profile-compile` traces each step's compile with jax.profiler and keeps its host events summed
+Nothing comes from JAX's persistent compilation cache (it is turned off here: a hit would time a
+load). `--profile-compile` traces each step's compile with jax.profiler and keeps its host events summed
 by name (`host_events`: the compiler's passes and stages, autotuning, kernel codegen).
 Printed last: one table; `--out` gets the rows as JSON.
 """
@@ -146,6 +147,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                  for n in (2, 24)]
     else:
         bases = [config_lib.apply_overrides(get_config(name), args.set) for name in args.configs.split(",")]
+    # Every program compiled here, never loaded from JAX's persistent cache (JAX_COMPILATION_CACHE_DIR
+    # or a run's: a hit would time, and profile, a load instead of a compile).
+    jax.config.update("jax_enable_compilation_cache", False)
     print(f"[bench_compile] on {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     rows = []
     for base in bases:
