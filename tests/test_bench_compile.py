@@ -45,6 +45,26 @@ def test_the_twin_unrolls_and_the_sparse_op_loops_and_the_compile_is_profiled(tm
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
 
 
+def test_a_warm_persistent_cache_is_not_timed():
+    # A process that compiled with JAX's persistent cache on (as an earlier test in this worker may
+    # have, or a notebook), every compile written to it: a second run of the same steps must compile
+    # them again, not load them (the compiler's events are in its profile).
+    import jax
+    import jax.numpy as jnp
+    previous = (jax.config.jax_enable_compilation_cache, jax.config.jax_persistent_cache_min_compile_time_secs)
+    try:
+        jax.config.update("jax_enable_compilation_cache", True)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.jit(lambda x: x * 3 - 1)(jnp.ones(4)).block_until_ready()
+        argv = ["--dry-run", "--variants", "relu_gated", "--micro-batch", "1", "--profile-compile"]
+        compile_time.main(argv)
+        rows = compile_time.main(argv)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", previous[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", previous[1])
+    assert all(any("ompile" in name for name, _, _ in r["compile_events"]) for r in rows), rows
+
+
 def test_measure_reports_a_failure_in_its_row():
     base = config_lib.apply_overrides(get_config("micro"), DRY_RUN_SETS)
     row = compile_time.measure(base, "twell", "pallas", 2)  # no GPU here: the kernels cannot compile

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 from twell_jax.bench.kernel_trace import read_profile_dir
 from twell_jax.bench.step import DRY_RUN_SETS, build_step, variant_config
@@ -148,8 +149,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     else:
         bases = [config_lib.apply_overrides(get_config(name), args.set) for name in args.configs.split(",")]
     # Every program compiled here, never loaded from JAX's persistent cache (JAX_COMPILATION_CACHE_DIR
-    # or a run's: a hit would time, and profile, a load instead of a compile).
+    # or a run's: a hit would time, and profile, a load instead of a compile). JAX decides whether
+    # the cache is used once per process, at its first compile: reset that decision too, or a
+    # process that compiled before (a test session, a notebook) keeps loading from it.
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     print(f"[bench_compile] on {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     rows = []
     for base in bases:
