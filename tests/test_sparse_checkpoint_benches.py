@@ -19,11 +19,13 @@ from twell_jax.inference.load import load_run, validation_tokens  # noqa: E402
 
 @pytest.fixture(scope="module")
 def sparse_run(tmp_path_factory):
-    """A micro run stopped by the sparsity criterion (a target every step meets, 2 steps in a row),
-    with sequences long enough for bench_inference's dry-run context of 32."""
+    """A micro run stopped by the sparsity criterion (per-layer targets of the default profile, a
+    tolerance every step meets, 2 steps in a row), with sequences long enough for bench_inference's
+    dry-run context of 32. Its config carries the targets, which the benchmarks' dense twins drop."""
     out = tmp_path_factory.mktemp("sparse") / "run"
     summary = out.parent / "summary.json"
-    reached = train_to_sparse.main(["--dry-run", "--out", str(out), "--target-active", "1000", "--patience", "2",
+    reached = train_to_sparse.main(["--dry-run", "--out", str(out), "--target-active", "30", "--tolerance", "0.99",
+                                    "--patience", "2",
                                     "--steps", "6", "--summary", str(summary),
                                     "--set", "data.seq_len=40", "model.max_seq_len=64"])
     return out, reached, json.loads(summary.read_text())
@@ -41,6 +43,7 @@ def test_the_stop_criterion_ends_the_run_checkpointed_and_loadable(sparse_run):
     assert saved["first_step_done_s"] >= startup["data"] + startup["init"] + startup["train step compile"]
     loaded = load_run(out, dtype="float32")
     assert loaded.step == 2 and loaded.config.model.ffn_kind == "twell"
+    assert len(loaded.config.sparsity.target_active) == 2 and len(reached["l1_coef_per_layer_reached"]) == 2
 
 
 def test_the_criterion_needs_the_streak_and_restarts_it_on_a_miss():

@@ -97,7 +97,7 @@ def study_runs(cfg: ExperimentConfig, *, l1_values: list[float] | None = None, d
     sparse_kind = cfg.model.ffn_kind if cfg.model.kind.sparse_op else "twell"
     runs = [StudyRun(TWIN, dataclasses.replace(
         cfg, name=f"{cfg.name}-{TWIN}", model=dataclasses.replace(cfg.model, ffn_kind=dense_kind),
-        sparsity=dataclasses.replace(sparsity, l1_coef=0.0, reinit_dead=False)))]
+        sparsity=dataclasses.replace(sparsity.without_l1(), reinit_dead=False)))]
     for l1 in l1_values:
         for flag in reinits:
             key = l1_key(l1, flag)

@@ -521,9 +521,28 @@ class SparsityConfig:
     position_buckets: int = 8  # the active-count profile averages positions into this many buckets
     reinit_dead: bool = False  # re-sample dead gate rows (rule in twell_jax/training/sparsity.py:reinit_dead_rows)
     reinit_every: int = 100  # check for dead neurons to re-initialise every this many optimizer steps
+    # Active FFN neurons per token each layer should train to, one number per layer (empty: off). The
+    # step then scales each layer's L1 penalty by a factor it adapts every step (training/loss.py,
+    # `adapt_l1_control`): the factors' shape moves the layers towards the targets' profile, their
+    # common level only ever lowers the penalty, to hold the layers' mean at the targets' mean once
+    # the coefficient's schedule has brought it there.
+    target_active: tuple[float, ...] = ()
+    target_rate: float = 0.05  # how fast the factors adapt: log-factor per step per unit of log error
 
     def __post_init__(self) -> None:
         _check_finite("sparsity", self)
+        targets = self.target_active
+        if isinstance(targets, list):  # a JSON config's list
+            targets = tuple(targets)
+            object.__setattr__(self, "target_active", targets)
+        if not isinstance(targets, tuple) or any(isinstance(v, bool) or not isinstance(v, (int, float))
+                                                 or not 0 < v < float("inf") for v in targets):
+            raise ValueError(f"sparsity.target_active must be empty or numbers > 0 (one per layer), got {targets!r}")
+        _check_positive("sparsity", target_rate=self.target_rate)
+
+    def without_l1(self) -> "SparsityConfig":
+        """These settings for a dense kind, trained without L1 (nor per-layer targets)."""
+        return dataclasses.replace(self, l1_coef=0.0, target_active=())
         _check_non_negative("sparsity", l1_coef=self.l1_coef, l1_warmup_start=self.l1_warmup_start,
                             l1_warmup_end=self.l1_warmup_end, dead_window_tokens=self.dead_window_tokens)
         _check_positive("sparsity", position_buckets=self.position_buckets, reinit_every=self.reinit_every)
@@ -766,6 +785,17 @@ class ExperimentConfig:
                 f"sparsity.l1_coef=0, or use ffn_kind='twell' (any backend) for an L1-regularised model")
         if self.sparsity.reinit_dead and not self.model.is_relu_family:
             raise ValueError("sparsity.reinit_dead needs a ReLU FFN (ffn_kind twell/relu_gated/relu)")
+        targets = self.sparsity.target_active
+        if targets and len(targets) != self.model.n_layers:
+            raise ValueError(f"sparsity.target_active has {len(targets)} numbers; the model has "
+                             f"model.n_layers={self.model.n_layers} layers (one target each)")
+        if targets and max(targets) > self.model.d_ff:
+            raise ValueError(f"sparsity.target_active asks for {max(targets):g} active neurons per token in a layer "
+                             f"of model.d_ff={self.model.d_ff}")
+        if targets and not (self.model.kind.l1 and self.sparsity.l1_coef > 0):
+            raise ValueError("sparsity.target_active adapts the L1 penalty per layer: it needs an L1-regularised "
+                             f"model (ffn_kind 'twell', sparsity.l1_coef > 0), got ffn_kind={self.model.ffn_kind!r}, "
+                             f"l1_coef={self.sparsity.l1_coef:g}")
 
     @property
     def seq_len(self) -> int:

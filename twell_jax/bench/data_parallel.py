@@ -61,7 +61,7 @@ def bench_config(base: ExperimentConfig, ffn_kind: str, num_devices: int, micro_
     model = dataclasses.replace(base.model, ffn_kind=ffn_kind)
     sparsity = base.sparsity
     if not model.kind.l1:
-        sparsity = dataclasses.replace(sparsity, l1_coef=0.0)  # dense baselines train without L1
+        sparsity = sparsity.without_l1()  # dense baselines train without L1
     train = dataclasses.replace(
         base.train, steps=steps, num_devices=num_devices, micro_batch=micro_batch,
         global_batch=micro_batch * num_devices, eval_every=0, eval_batches=1,

@@ -1,6 +1,7 @@
 """Train a model until its FFN layers are sparse: the checkpoint the model-level sparse benchmarks use.
 
-    python experiments/train_to_sparse.py --config 0.5b --target-active 40 --minutes 6 --out runs/0.5b-sparse
+    python experiments/train_to_sparse.py --config 0.5b --minutes 10 --out runs/0.5b-sparse
+    python experiments/train_to_sparse.py --config 0.5b --profile none --target-active 40 --out runs/0.5b-sparser
     python experiments/train_to_sparse.py --dry-run --out /tmp/sparse-dry      # micro shapes on CPU (the test)
 
 The result is an ordinary `twell train` run directory (config.json, verified checkpoints,
@@ -10,13 +11,21 @@ it as it is. What this script adds to the preset:
   gradients as every other backend, one compiled program for the whole run (no re-planning while
   the layers sparsify), and the fastest step while most neurons are still active;
 - the L1 coefficient ramped linearly from 0 at step 0 to `--l1` at `--l1-ramp-steps`: a short
-  schedule needs a much stronger penalty than the paper's 2e-5 over 30000 steps of 1M tokens, and
-  with the stop below the ramp ends at about the weakest coefficient that reaches the target;
-- a stop (`Hooks.should_stop`) once the mean over layers of the active neurons per token has been
-  at or under `--target-active` for `--patience` consecutive steps; otherwise `--steps` or
-  `--minutes` ends the run. Either way the run is checkpointed and evaluated.
-Printed last: the step and L1 coefficient reached, the validation loss and the per-layer active
-neurons per token (training batch and validation). `--summary` gets that and the logged trajectory.
+  schedule needs a much stronger penalty than the paper's 2e-5 over 30000 steps of 1M tokens;
+- per-layer targets (`--profile`, default "small"): the active neurons per token the paper reports
+  for the preset (`--target-active`, PAPER_ACTIVE) spread over the layers in the shape of a
+  trained model's profile (SMALL_STUDY_PROFILE: rising with depth), the L1 penalty of each layer
+  adapted every step towards its target (`sparsity.target_active`; docs/training.md, "Per-layer
+  targets"): a short strong schedule alone sparsifies the first layers least and the others far
+  past the paper's mean (a `0.5b` stopped at 31.6 active/token with 125 in layer 0, 9-38 in the
+  others and 55% dead neurons). The run stops once every layer has been within `--tolerance` of its
+  target for `--patience` consecutive steps. `--profile none` is the older recipe: no per-layer
+  targets, a stop once the layers' mean has been at or under `--target-active` for `--patience`
+  steps (checkpoints sparser than trained models);
+- otherwise `--steps` or `--minutes` ends the run. Either way the run is checkpointed and evaluated.
+Printed last: the step and L1 coefficient reached, the validation loss, the per-layer active
+neurons per token (training batch and validation) beside their targets, and each layer's share of
+dead neurons. `--summary` gets that and the logged trajectory.
 """
 from __future__ import annotations
 
@@ -35,6 +44,67 @@ from twell_jax.training.train import Hooks, Trainer
 
 # --dry-run: the micro preset's shapes, a handful of steps, synthetic tokens.
 DRY_RUN_SETS = ["train.eval_batch_size=4", "train.eval_batches=1"]
+
+
+# The active FFN neurons per token the paper reports after training at its L1 (arXiv 2603.23198, its
+# text on activity: 39 at 0.5B, 29 at 1.5B, 24 at 2B). It gives no figure at 1B: 29, the 1.5B one.
+PAPER_ACTIVE = {"0.5b": 39.0, "1b": 29.0, "1.5b": 29.0, "2b": 24.0}
+
+# The per-layer profile of a trained model at about the paper's sparsity: the quality study's `small`
+# (8 layers) trained with L1 1e-3, 28.3 active/token on average, 6.2% dead neurons (`twell compare
+# --config small --l1 1e-3 3e-3 1e-2 --l1-warmup-steps 300 --set data.source=installed
+# train.steps=6000`, H100, 2026-11-24; validation active neurons per token of each layer). Rising
+# with depth, layer 1 the least active, the last about twice the mean.
+SMALL_STUDY_PROFILE = (23.33, 13.26, 17.55, 28.01, 24.46, 31.02, 35.85, 52.96)
+PROFILES = {"small": SMALL_STUDY_PROFILE, "flat": (1.0,)}
+
+
+def parse_profile(text: str) -> tuple[float, ...] | None:
+    """--profile: a name of PROFILES, comma-separated numbers > 0, or "none" (None)."""
+    if text == "none":
+        return None
+    if text in PROFILES:
+        return PROFILES[text]
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"expected none, {', '.join(PROFILES)} or comma-separated numbers, got {text!r}") from None
+    if any(not 0 < v < float("inf") for v in values):
+        raise ValueError(f"the numbers must be > 0 and finite, got {text!r}")
+    return values
+
+
+def layer_targets(profile: tuple[float, ...], n_layers: int, mean: float) -> tuple[float, ...]:
+    """Per-layer targets of the profile's shape over `n_layers` layers with mean `mean`: the profile
+    read at each layer's relative depth (linear between the profile's layers, its end values
+    beyond them), then scaled."""
+    if not profile or any(not v > 0 for v in profile):
+        raise ValueError(f"a profile needs numbers > 0, got {profile!r}")
+    source = (np.arange(len(profile)) + 0.5) / len(profile)
+    shape = np.interp((np.arange(n_layers) + 0.5) / n_layers, source, np.asarray(profile, np.float64))
+    return tuple(float(v) for v in shape * (mean / shape.mean()))
+
+
+class ProfileReached:
+    """`Hooks.should_stop` with per-layer targets: stop once every layer's active count of the step's
+    batch has been within `tolerance` (relative) of its target for `patience` steps in a row; keeps
+    the trajectory of every step."""
+
+    def __init__(self, targets: tuple[float, ...], tolerance: float, patience: int):
+        self.targets, self.tolerance, self.patience = np.asarray(targets), tolerance, patience
+        self.streak = 0
+        self.trajectory: list[dict[str, float]] = []
+
+    def __call__(self, record: dict[str, Any]) -> str | None:
+        active = np.asarray(record["l0_per_layer"], np.float64)
+        worst = float(np.max(np.abs(active / self.targets - 1.0)))
+        self.trajectory.append({"step": record["step"], "ce": float(record["ce"]), "l0_mean": float(active.mean()),
+                                "worst_layer_error": worst})
+        self.streak = self.streak + 1 if worst <= self.tolerance else 0
+        if self.streak >= self.patience:
+            return (f"every layer's active FFN neurons/token within {self.tolerance:.0%} of its target for "
+                    f"{self.patience} consecutive steps (mean {active.mean():.1f})")
+        return None
 
 
 class SparseEnough:
@@ -99,9 +169,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--config", default="0.5b", help="preset (configs/); --dry-run uses micro")
     parser.add_argument("--out", required=True, help="run directory to create (must be empty or absent)")
     parser.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
-    parser.add_argument("--target-active", type=float, default=40.0,
-                        help="stop at this mean over layers of active FFN neurons per token")
-    parser.add_argument("--patience", type=int, default=20, help="consecutive steps at or under the target")
+    parser.add_argument("--target-active", type=float, default=None,
+                        help="mean over layers of active FFN neurons per token to train to (default: the "
+                             "paper's at its sizes, 39 at 0.5b, 29 at 1b and 1.5b, 24 at 2b; else 40)")
+    parser.add_argument("--profile", default="small",
+                        help="per-layer targets of this shape with that mean, the L1 penalty adapted per layer "
+                             "(sparsity.target_active): 'small' (a trained model's profile: the quality study's), "
+                             "'flat', or comma-separated numbers (any scale, read over relative depth); 'none': "
+                             "no per-layer targets, stop at the mean (the checkpoints sparser than trained)")
+    parser.add_argument("--tolerance", type=float, default=0.15,
+                        help="with a profile: stop when every layer is within this relative error of its target")
+    parser.add_argument("--patience", type=int, default=20, help="consecutive steps meeting the target")
     parser.add_argument("--l1", type=float, default=5e-3, help="L1 coefficient at the end of the ramp")
     parser.add_argument("--l1-ramp-steps", type=int, default=2000, help="steps of the linear L1 ramp from 0")
     parser.add_argument("--steps", type=int, default=3000, help="most optimizer steps (also the lr schedule)")
@@ -123,21 +201,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in ("patience", "steps", "l1_ramp_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if not args.target_active > 0 or not args.l1 > 0 or args.minutes < 0:
-        parser.error("--target-active and --l1 must be > 0, --minutes >= 0")
+    if args.target_active is None:
+        args.target_active = PAPER_ACTIVE.get(args.config, 40.0)
+    if not args.target_active > 0 or not args.l1 > 0 or args.minutes < 0 or not 0 < args.tolerance < 1:
+        parser.error("--target-active and --l1 must be > 0, --minutes >= 0, --tolerance in (0, 1)")
+    try:
+        profile = parse_profile(args.profile)
+    except ValueError as err:
+        parser.error(f"--profile: {err}")
     if args.global_batch is None:
         args.global_batch = args.micro_batch or (RECIPE_MICRO_BATCH if args.config in RECIPE_REMAT
                                                  else get_config(args.config).train.micro_batch)
     cfg = build_config(args)
+    targets = None
+    if profile is not None:
+        targets = layer_targets(profile, cfg.model.n_layers, args.target_active)
+        cfg = config_lib.apply_overrides(cfg, ["sparsity.target_active=" + ",".join(f"{t:.4g}" for t in targets)])
+        print(f"[train_to_sparse] per-layer targets ({args.profile} profile, mean {args.target_active:g}): "
+              + " ".join(f"{t:.1f}" for t in targets), flush=True)
 
-    stop = SparseEnough(args.target_active, args.patience)
+    stop = (SparseEnough(args.target_active, args.patience) if targets is None
+            else ProfileReached(targets, args.tolerance, args.patience))
     result = Trainer(cfg, args.out, overwrite=args.overwrite, hooks=Hooks(should_stop=stop)).run()
     summary = result.summary
     last = result.last_metrics or {}
     reached = {
         "run_dir": str(Path(args.out).absolute()), "config": args.config, "target_active": args.target_active,
+        "profile": args.profile, "target_active_per_layer": list(targets) if targets else None,
         "reached_target": bool(summary.get("stopped_by_hook")), "steps": summary["steps"],
         "l1_coef_reached": float(l1_coefficient(cfg.sparsity, np.int32(summary["steps"] - 1))),
+        # With targets: each layer's coefficient after the last step's adaptation.
+        "l1_coef_per_layer_reached": last.get("l1_coef_per_layer"),
         "val_loss": summary["val_loss"], "val_l0_per_layer": summary["val_l0_per_layer"],
         "train_l0_per_layer": [float(v) for v in last.get("l0_per_layer", [])],
         "dead_share_per_layer": summary["dead_share_per_layer"], "tokens_per_s": summary["tokens_per_s"],
@@ -149,12 +243,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.summary:
         Path(args.summary).write_text(json.dumps(reached, indent=2))
     fmt = lambda values: " ".join(f"{v:.1f}" for v in values) if values else "n/a"  # noqa: E731
-    print(f"[train_to_sparse] {'reached' if reached['reached_target'] else 'did NOT reach'} <= "
-          f"{args.target_active:g} active/token at step {reached['steps']} (L1 {reached['l1_coef_reached']:.3g}); "
-          f"val loss {reached['val_loss']:.4f}")
-    print(f"| layer-mean active | train batch | validation |\n|---|---|---|\n"
-          f"| {np.mean(reached['train_l0_per_layer'] or [np.nan]):.1f} | {fmt(reached['train_l0_per_layer'])} | "
-          f"{fmt(reached['val_l0_per_layer'])} |")
+    goal = (f"<= {args.target_active:g} active/token" if targets is None else
+            f"every layer within {args.tolerance:.0%} of its target ({args.profile} profile, mean {args.target_active:g})")
+    print(f"[train_to_sparse] {'reached' if reached['reached_target'] else 'did NOT reach'} {goal} at step "
+          f"{reached['steps']} (L1 {reached['l1_coef_reached']:.3g}"
+          + (f", per layer {' '.join(f'{v:.3g}' for v in reached['l1_coef_per_layer_reached'])}"
+             if reached["l1_coef_per_layer_reached"] else "") + f"); val loss {reached['val_loss']:.4f}")
+    dead = reached["dead_share_per_layer"]
+    print("| layer-mean active | train batch | validation |" + (" target |" if targets else "") + " dead share |\n"
+          + "|---|---|---|" + ("---|" if targets else "") + "---|\n"
+          + f"| {np.mean(reached['train_l0_per_layer'] or [np.nan]):.1f} | {fmt(reached['train_l0_per_layer'])} | "
+          f"{fmt(reached['val_l0_per_layer'])} |" + (f" {fmt(targets)} |" if targets else "")
+          + (f" {' '.join(f'{v:.2f}' for v in dead)} |" if dead else " n/a |"))
     return reached
 
 

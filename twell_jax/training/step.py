@@ -20,11 +20,15 @@ from flax import nnx
 from twell_jax import ops
 from twell_jax.config import ExperimentConfig
 from twell_jax.model import apply_model
-from twell_jax.training.loss import cross_entropy, l1_coefficient, total_loss
+from twell_jax.training.loss import (adapt_l1_control, cross_entropy, l1_coefficient, l1_control_init,
+                                     layer_l1_coefficients, total_loss)
 from twell_jax.training.optimizer import learning_rate_schedule
-from twell_jax.training.sparsity import dead_share, position_profile, reinit_dead_rows, update_counters
+from twell_jax.training.sparsity import (dead_share, init_counters, position_profile, reinit_dead_rows,
+                                         update_counters)
 
-TrainState = dict[str, Any]  # {"params", "opt_state", "step": int32, "since_active": int32[L, H]}
+# {"params", "opt_state", "step": int32, "since_active": int32[L, H]} and, with sparsity.target_active,
+# "l1_control" (loss.adapt_l1_control's state): `state_extras`.
+TrainState = dict[str, Any]
 
 # optax.tree.norm on newer optax (global_norm is deprecated there), global_norm on older ones.
 _global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
@@ -43,8 +47,16 @@ class StepMetric:
     source: str
     reduce: str  # a key of REDUCTIONS, or "step" (the step's value as it is)
     # "always"; "tracked": only where the run tracks neurons (`tracks_neurons`); "reinit": only with
-    # sparsity.reinit_dead.
+    # sparsity.reinit_dead; "targets": only with sparsity.target_active.
     when: str = "always"
+
+
+def state_extras(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The train state's entries besides params, opt_state and step, at their initial values."""
+    extras: dict[str, Any] = {"since_active": init_counters(cfg.model)}
+    if cfg.sparsity.target_active:
+        extras["l1_control"] = l1_control_init(cfg.model.n_layers)
+    return extras
 
 
 # How a per-micro-batch value [micro-batches, ...] becomes the step's.
@@ -64,6 +76,8 @@ STEP_METRICS: tuple[StepMetric, ...] = (
     StepMetric("ce", "ce", "mean"),
     StepMetric("l1", "l1", "mean_all"),  # the model's penalty is the mean over layers
     StepMetric("l1_coef", "l1_coef", "step"),
+    # With sparsity.target_active: each layer's lambda after the step's adaptation (its next step's).
+    StepMetric("l1_coef_per_layer", "l1_coef_per_layer", "step", when="targets"),
     StepMetric("lr", "lr", "step"),
     StepMetric("grad_norm", "grad_norm", "step"),
     StepMetric("l1_per_layer", "l1", "mean"),
@@ -95,7 +109,8 @@ def tracks_neurons(cfg: ExperimentConfig) -> bool:
 
 def step_metrics_of(cfg: ExperimentConfig) -> tuple[StepMetric, ...]:
     """The rows of `STEP_METRICS` a step of `cfg` reports."""
-    applies = {"always": True, "tracked": tracks_neurons(cfg), "reinit": cfg.sparsity.reinit_dead}
+    applies = {"always": True, "tracked": tracks_neurons(cfg), "reinit": cfg.sparsity.reinit_dead,
+               "targets": bool(cfg.sparsity.target_active)}
     return tuple(metric for metric in STEP_METRICS if applies[metric.when])
 
 
@@ -152,9 +167,11 @@ def make_train_step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, optimizer: op
 
     def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         l1_coef = l1_coefficient(cfg.sparsity, state["step"])
+        control = state.get("l1_control")
         params = state["params"]
-        grads, since, per_micro = accumulate_gradients(cfg, graphdef, params, batch["tokens"],
-                                                       state["since_active"], l1_coef, accum_steps)
+        grads, since, per_micro = accumulate_gradients(
+            cfg, graphdef, params, batch["tokens"], state["since_active"],
+            l1_coef if control is None else layer_l1_coefficients(l1_coef, control), accum_steps)
         grad_norm = _global_norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, updates)
@@ -176,9 +193,15 @@ def make_train_step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, optimizer: op
                        "reinit_count": reinit_count}
         if track:
             step_values["dead_share"] = dead_share(since, window)
+        new_state = {"params": params, "opt_state": opt_state, "step": step, "since_active": since}
+        if control is not None:
+            new_state["l1_control"] = adapt_l1_control(
+                control, jnp.mean(per_micro["l0"], axis=0), jnp.asarray(cfg.sparsity.target_active, jnp.float32),
+                cfg.sparsity.target_rate)
+            step_values["l1_coef_per_layer"] = layer_l1_coefficients(
+                l1_coefficient(cfg.sparsity, step), new_state["l1_control"])
         metrics = {metric.name: step_values[metric.source] if metric.reduce == "step"
                    else REDUCTIONS[metric.reduce](per_micro[metric.source], cfg) for metric in reported}
-        new_state = {"params": params, "opt_state": opt_state, "step": step, "since_active": since}
         return new_state, metrics
 
     return train_step

@@ -74,9 +74,8 @@ from twell_jax.training.preflight import (check_fits_memory, check_processes_agr
                                           schedule_warnings, training_layout)
 from twell_jax.training.profiling import ProfileWindow
 from twell_jax.training.signals import StopSignals
-from twell_jax.training.sparsity import init_counters
 from twell_jax.training.step import (GUARDED_METRICS, STOP_REASONS, STOP_VOTE, TrainState, dead_share_per_layer,
-                                     make_eval_step, make_train_step, tracks_neurons, with_stop_vote)
+                                     make_eval_step, make_train_step, state_extras, tracks_neurons, with_stop_vote)
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +210,7 @@ class Trainer:
             "params": abstract_params,
             "opt_state": jax.eval_shape(self.optimizer.init, abstract_params),
             "step": jax.ShapeDtypeStruct((), jnp.int32),
-            "since_active": jax.ShapeDtypeStruct((cfg.model.n_layers, cfg.model.d_ff), jnp.int32),
+            **jax.eval_shape(lambda: state_extras(cfg)),
         }
         self.state_shardings = parallel.param_shardings(self.mesh, abstract_train_state)
         self.abstract_state = abstract_train_state
@@ -243,7 +242,7 @@ class Trainer:
         def init() -> TrainState:
             params = split_model(init_model(cfg.model, cfg.train.seed))[1]
             return {"params": params, "opt_state": self.optimizer.init(params),
-                    "step": jnp.zeros((), jnp.int32), "since_active": init_counters(cfg.model)}
+                    "step": jnp.zeros((), jnp.int32), **state_extras(cfg)}
 
         return jax.jit(init, out_shardings=self.state_shardings)()
 
@@ -493,7 +492,10 @@ class Trainer:
         self.echo(f"[twell] model: {cfg.model.ffn_kind} FFN (backend {cfg.model.kind.backend(cfg.model.ffn_backend)}), "
                   f"{cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.n_layers} layers, d_model "
                   f"{cfg.model.d_model}, d_ff {cfg.model.d_ff}, {cfg.model.heads_text()}; L1 coef "
-                  f"{cfg.sparsity.l1_coef:g}")
+                  f"{cfg.sparsity.l1_coef:g}" + (
+                      f", adapted per layer towards sparsity.target_active (mean "
+                      f"{sum(cfg.sparsity.target_active) / cfg.model.n_layers:.1f} active/token)"
+                      if cfg.sparsity.target_active else ""))
         self.echo(f"[twell] {describe_execution(cfg.model, cfg.seq_len)}")
         for warning in schedule_warnings(cfg):
             self.echo(warning)
