@@ -448,6 +448,8 @@ def test_agreement_helpers_are_no_ops_in_one_process():
     assert calls == [1]
     assert par.gather("values", {"a": 1}) == [{"a": 1}]
     par.check_same("a value", 3, "hint")
+    par.check_like_lead("a value", 3, lambda lead, mine: calls.append(2) or "differs", "problem", "hint")
+    assert calls == [1]  # nothing compared, nothing raised
     par.barrier("a place")
     with par.all_or_none("a block"):
         pass

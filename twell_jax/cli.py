@@ -259,15 +259,11 @@ def _join_processes(name: str, args: argparse.Namespace, result_out: TextIO) -> 
     if _process_and_count()[1] == 1:
         return result_out
     result_out = _native_output_to_stderr(result_out)
-    mine = json.loads(json.dumps({key: value for key, value in vars(args).items()
-                                  if key not in _PROCESS_LOCAL_ARGUMENTS}))  # as process 0's arrives: JSON
-    lead = parallel.lead_value(f"process 0's arguments of twell {name}", lambda: mine)
-    text = "; ".join(f"--{key.replace('_', '-')} {mine.get(key)!r} (process 0: {lead.get(key)!r})"
-                     for key in sorted(set(lead) | set(mine)) if mine.get(key) != lead.get(key))
-    differ = [f"process {p}: {t}" for p, t in enumerate(parallel.gather(f"the arguments of twell {name}", text)) if t]
-    if differ:
-        raise ValueError(f"the processes were started with different arguments ({'; '.join(differ)}); start every "
-                         f"process with the same `twell {name}` command")
+    parallel.check_like_lead(
+        f"arguments of twell {name}", {key: value for key, value in vars(args).items() if key not in _PROCESS_LOCAL_ARGUMENTS},
+        lambda lead, mine: "; ".join(f"--{key.replace('_', '-')} {mine.get(key)!r} (process 0: {lead.get(key)!r})"
+                                     for key in sorted(set(lead) | set(mine)) if mine.get(key) != lead.get(key)),
+        "the processes were started with different arguments", f"start every process with the same `twell {name}` command")
     return result_out
 
 

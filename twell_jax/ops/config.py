@@ -193,6 +193,12 @@ class SparseFFNConfig:
                              f"got {expected!r}")
 
     @property
+    def data_axes(self) -> tuple[str, ...]:
+        """`data_axis` as a tuple of names (() for None)."""
+        axes = self.data_axis
+        return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+    @property
     def keeps_gate_pattern(self) -> bool:
         """Whether the Pallas training forward keeps its TwELL pack for the backward
         (`backward.keep_gate_pattern`; without a BackwardConfig, its default: True)."""

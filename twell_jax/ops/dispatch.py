@@ -181,12 +181,10 @@ def _token_axes(config: SparseFFNConfig) -> tuple[str, ...]:
     """The axes of the current mesh that split this call's tokens: those `config.data_axis` names,
     in the mesh's order (so that P(axes) is the batch's own layout and nothing moves), leaving out
     axes of size 1 and Manual ones (the caller is already inside a shard_map over them: x is local)."""
-    if config.data_axis is None:
-        return ()
+    names = set(config.data_axes)
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if not names or mesh.empty:
         return ()
-    names = {config.data_axis} if isinstance(config.data_axis, str) else set(config.data_axis)
     types = dict(zip(mesh.axis_names, mesh.axis_types))
     return tuple(axis for axis in mesh.axis_names
                  if axis in names and types[axis] != AxisType.Manual and int(mesh.shape[axis]) > 1)

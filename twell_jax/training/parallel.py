@@ -410,6 +410,20 @@ def check_same(what: str, value: Any, hint: str) -> None:
         raise ValueError(f"the processes differ in {what} ({shown}); {hint}")
 
 
+def check_like_lead(what: str, value: Any, differences: Callable[[Any, Any], str], problem: str, hint: str) -> None:
+    """Raise the same ValueError on every process unless every process's `value` matches process
+    0's: `differences(lead, mine)` (both as JSON gives them back: lists for tuples) says how this
+    process's differs, "" where it does not; the error lists each differing process's, after
+    `problem` and before `hint` (what to fix). A no-op in a single-process run."""
+    if not multi_process():
+        return
+    mine = json.loads(json.dumps(value))
+    lead = lead_value(f"process 0's {what}", lambda: mine)
+    differ = [f"process {p}: {text}" for p, text in enumerate(gather(what, differences(lead, mine))) if text]
+    if differ:
+        raise ValueError(f"{problem} ({'; '.join(differ)}); {hint}")
+
+
 @contextlib.contextmanager
 def all_or_none(what: str) -> Iterator[None]:
     """Every process passes the block, or every process raises: the one that failed its own error

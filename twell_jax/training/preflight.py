@@ -71,7 +71,7 @@ def check_op_config(cfg: ExperimentConfig) -> None:
     except ValueError as err:
         raise ValueError(f"model.ffn_op_config={cfg.model.ffn_op_config!r}: {err}") from None
     axes = op_config.data_axis
-    if axes is not None and not set(parallel.BATCH_AXES) <= ({axes} if isinstance(axes, str) else set(axes)):
+    if axes is not None and not set(parallel.BATCH_AXES) <= set(op_config.data_axes):
         raise ValueError(f"model.ffn_op_config data_axis={axes!r} must name both mesh axes the trainer splits the "
                          f"batch over, {list(parallel.BATCH_AXES)}, or be None (the op then sees the whole batch)")
 
@@ -225,13 +225,11 @@ def check_processes_agree(cfg: ExperimentConfig) -> None:
     parallel.check_same("devices per process", jax.local_device_count(),
                         "start every process with the same number of devices (the batch is split evenly "
                         "over the processes)")
-    lead = parallel.lead_value("process 0's config", lambda: config_lib.to_dict(cfg))
-    mine = "; ".join(f"{path} {new!r} (process 0: {old!r})"
-                     for path, old, new in config_lib.diff(lead, config_lib.to_dict(cfg)))
-    differ = [f"process {p}: {text}" for p, text in enumerate(parallel.gather("the config", mine)) if text]
-    if differ:
-        raise ValueError(f"the processes were started with different configs ({'; '.join(differ)}); start every "
-                         "process with the same command (--config, --set, --out, --resume)")
+    parallel.check_like_lead(
+        "config", config_lib.to_dict(cfg),
+        lambda lead, mine: "; ".join(f"{path} {new!r} (process 0: {old!r})" for path, old, new in config_lib.diff(lead, mine)),
+        "the processes were started with different configs",
+        "start every process with the same command (--config, --set, --out, --resume)")
 
 
 def check_processes_read_same_data(data: DataSource) -> None:
@@ -252,24 +250,19 @@ def check_processes_see_same_checkpoints(directory: str | Path, seen: dict[str, 
     """A multi-process run that reads a run's checkpoints (evaluation): every process must see the
     same files (`seen`: `checkpoint.saved_files_digest(directory)`) before Orbax reads them with all
     of them; otherwise every process raises the same ValueError naming what differs where."""
-    if not parallel.multi_process():
-        return
-    lead = parallel.lead_value("process 0's checkpoints", lambda: seen)
 
-    def differences() -> str:
-        missing = [key for key in lead if key not in seen]
-        extra = [key for key in seen if key not in lead]
-        changed = [key for key in lead if key in seen and seen[key] != lead[key]]
+    def differences(lead: dict[str, str | None], mine: dict[str, str | None]) -> str:
+        missing = [key for key in lead if key not in mine]
+        extra = [key for key in mine if key not in lead]
+        changed = [key for key in lead if key in mine and mine[key] != lead[key]]
         return "; ".join(part for part in (
             f"no {', '.join(missing)}" if missing else "", f"{', '.join(extra)} that process 0 lacks" if extra else "",
             f"other contents of {', '.join(changed)}" if changed else "") if part)
 
-    differ = [f"process {p}: {text}" for p, text in enumerate(parallel.gather("the checkpoints", differences()))
-              if text]
-    if differ:
-        raise ValueError(f"the processes see different checkpoints at {Path(directory).absolute()} "
-                         f"({'; '.join(differ)}); every process needs the run on a file system they share, at the "
-                         "same path (or identical copies)")
+    parallel.check_like_lead("checkpoints", seen, differences,
+                             f"the processes see different checkpoints at {Path(directory).absolute()}",
+                             "every process needs the run on a file system they share, at the same path (or "
+                             "identical copies)")
 
 
 def check_shared_run_dir(run_dir: str | Path, lock: run_dir_lib.RunLock | None) -> None:
