@@ -249,6 +249,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{reached['steps']} (L1 {reached['l1_coef_reached']:.3g}"
           + (f", per layer {' '.join(f'{v:.3g}' for v in reached['l1_coef_per_layer_reached'])}"
              if reached["l1_coef_per_layer_reached"] else "") + f"); val loss {reached['val_loss']:.4f}")
+    train_mean = float(np.mean(reached["train_l0_per_layer"])) if reached["train_l0_per_layer"] else None
+    if not reached["reached_target"] and train_mean is not None and train_mean > args.target_active:
+        ramp_done = reached["steps"] >= args.l1_ramp_steps
+        print(f"[train_to_sparse] the layers average {train_mean:.1f} active/token, above {args.target_active:g}: "
+              + ("the L1 schedule reached --l1 without getting there: raise --l1" if ramp_done else
+                 f"the run ended inside the L1 ramp (step {reached['steps']} of --l1-ramp-steps {args.l1_ramp_steps}): "
+                 "give it more --steps / --minutes, or a stronger --l1"))
     dead = reached["dead_share_per_layer"]
     print("| layer-mean active | train batch | validation |" + (" target |" if targets else "") + " dead share |\n"
           + "|---|---|---|" + ("---|" if targets else "") + "---|\n"
