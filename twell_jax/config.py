@@ -539,15 +539,15 @@ class SparsityConfig:
                                                  or not 0 < v < float("inf") for v in targets):
             raise ValueError(f"sparsity.target_active must be empty or numbers > 0 (one per layer), got {targets!r}")
         _check_positive("sparsity", target_rate=self.target_rate)
-
-    def without_l1(self) -> "SparsityConfig":
-        """These settings for a dense kind, trained without L1 (nor per-layer targets)."""
-        return dataclasses.replace(self, l1_coef=0.0, target_active=())
         _check_non_negative("sparsity", l1_coef=self.l1_coef, l1_warmup_start=self.l1_warmup_start,
                             l1_warmup_end=self.l1_warmup_end, dead_window_tokens=self.dead_window_tokens)
         _check_positive("sparsity", position_buckets=self.position_buckets, reinit_every=self.reinit_every)
         if self.reinit_dead and not self.track_neurons:
             raise ValueError("sparsity.reinit_dead needs sparsity.track_neurons=True (it reads the dead counters)")
+
+    def without_l1(self) -> "SparsityConfig":
+        """These settings for a dense kind, trained without L1 (nor per-layer targets)."""
+        return dataclasses.replace(self, l1_coef=0.0, target_active=())
 
 
 @dataclass(frozen=True)
