@@ -216,7 +216,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     targets = None
     if profile is not None:
         targets = layer_targets(profile, cfg.model.n_layers, args.target_active)
-        cfg = config_lib.apply_overrides(cfg, ["sparsity.target_active=" + ",".join(f"{t:.4g}" for t in targets)])
+        try:
+            cfg = config_lib.apply_overrides(cfg, ["sparsity.target_active=" + ",".join(f"{t:.4g}" for t in targets)])
+        except ValueError as err:  # a target past d_ff
+            parser.error(f"--target-active {args.target_active:g} with --profile {args.profile}: {err}")
         print(f"[train_to_sparse] per-layer targets ({args.profile} profile, mean {args.target_active:g}): "
               + " ".join(f"{t:.1f}" for t in targets), flush=True)
 
