@@ -25,13 +25,22 @@ def test_dry_run_times_every_variant_and_writes_json(tmp_path, capsys):
     assert table[0].startswith("| variant |") and table[2].startswith("| ref:none") and "| 1.000 |" in table[2]
 
 
+def test_the_reference_on_fp32_master_parameters_trains_like_the_model():
+    # ref@f32: the plain-JAX model in the model's mixed precision (fp32 parameters cast to bf16 in the
+    # step, the trainer's optimizer): its state holds twice the parameter bytes of the bf16 one's.
+    rows = bench_step.main(["--dry-run", "--config", "micro", "--optimizer", "--variants", "ref:none,ref@f32:none"])
+    assert [r["variant"] for r in rows] == ["ref:none", "ref@f32:none"] and not any("error" in r for r in rows)
+    assert "bf16 params" in rows[0]["how"] and "fp32 master params" in rows[1]["how"]
+    assert rows[1]["compiled_memory_bytes"] > rows[0]["compiled_memory_bytes"]
+
+
 def test_a_failing_variant_is_reported_and_the_rest_run(monkeypatch, capsys):
     real = bench_step.build_step
 
-    def build_step(cfg, kind, optimizer, params=None):
+    def build_step(cfg, kind, optimizer, params=None, **options):
         if kind == "relu_gated":
             raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 99 GiB")
-        return real(cfg, kind, optimizer, params)
+        return real(cfg, kind, optimizer, params, **options)
 
     monkeypatch.setattr(bench_step, "build_step", build_step)
     rows = bench_step.main(["--dry-run", "--config", "micro", "--variants", "relu_gated:none,twell:none"])
@@ -80,6 +89,7 @@ def test_the_best_table_skips_a_failed_row_and_is_left_out_for_one_configuration
 
 @pytest.mark.parametrize("text,match", [("gelu:none", "unknown kind 'gelu'"), ("twell:often", "unknown remat"),
                                         ("ref:ffn", "reference model takes"), ("", "empty"),
+                                        ("ref@f16:none", "the reference model takes @f32"),
                                         ("twell:none:0", "must be a positive integer"),
                                         ("twell:none:x8", "must be a positive integer")])
 def test_bad_variants_are_rejected(text, match):

@@ -95,7 +95,7 @@ def test_bench_inference_feeds_the_runs_text(sparse_run, tmp_path):
     assert dense["hidden_rel_diff_vs_plain"] < 1e-5 and dense["speed_vs_plain"] > 0
 
 
-@pytest.mark.parametrize("text,match", [("ref@pallas:none", "only kinds that run the sparse op"),
+@pytest.mark.parametrize("text,match", [("ref@pallas:none", "the reference model takes @f32"),
                                         ("relu_gated@pallas", "only kinds that run the sparse op"),
                                         ("twell@gpu:none", "unknown backend 'gpu'")])
 def test_bad_backend_variants_are_rejected(text, match):

@@ -7,7 +7,9 @@
     python experiments/bench_step.py --dry-run          # tiny shapes on CPU (what the test runs)
 
 A variant is `kind[@backend]:remat[:micro_batch]` with kind an FFN kind of the model (model.ffn_kind) or
-`ref` (the plain-JAX Llama of twell_jax/bench/plain_llama.py, bf16 parameters), backend an op backend
+`ref` (the plain-JAX Llama of twell_jax/bench/plain_llama.py, bf16 parameters and, with --optimizer,
+optax.adamw on them; `ref@f32`: the same model on fp32 parameters cast to bf16 in the step, with the
+trainer's optimizer: the mixed precision the model trains in), backend an op backend
 for the kinds that run the sparse op (default: the config's), remat a policy of model.remat, and
 micro_batch the variant's sequences per step (default: --micro-batch), so that one process can time a
 sparse model at a larger micro-batch than its twin (what its saved memory buys). Compare such rows by
@@ -72,6 +74,9 @@ DRY_RUN_SETS = ["model.vocab_size=512", "model.d_model=32", "model.n_layers=2", 
 
 # ----------------------------------------------------------------------------- variants
 
+# `ref@f32`: the plain-JAX model on fp32 parameters (cast to bf16 in the step), with the trainer's optimizer.
+REF_PRECISIONS = ("f32",)
+
 
 def parse_variants(text: str) -> list[tuple[str, str | None, str, int | None]]:
     """"kind[@backend]:remat[:micro_batch],..." -> [(kind, backend or None, remat, micro_batch or None)],
@@ -91,9 +96,12 @@ def parse_variants(text: str) -> list[tuple[str, str | None, str, int | None]]:
         if kind != "ref" and kind not in FFN_KIND_TABLE:
             raise ValueError(f"--variants: unknown kind {kind!r} in {item!r}; expected 'ref' or one of "
                              f"{', '.join(FFN_KIND_TABLE)}")
-        if backend and (kind == "ref" or not FFN_KIND_TABLE[kind].sparse_op):
+        if kind == "ref" and backend not in ("", *REF_PRECISIONS):
+            raise ValueError(f"--variants: {item!r}: the reference model takes @{' or @'.join(REF_PRECISIONS)} "
+                             "(its parameters' precision) or nothing")
+        if backend and kind != "ref" and not FFN_KIND_TABLE[kind].sparse_op:
             raise ValueError(f"--variants: {item!r}: only kinds that run the sparse op take @backend")
-        if backend and backend not in BACKENDS:
+        if backend and kind != "ref" and backend not in BACKENDS:
             raise ValueError(f"--variants: unknown backend {backend!r} in {item!r}; expected one of "
                              f"{', '.join(BACKENDS)}")
         if kind == "ref" and remat not in REFERENCE_REMATS:
@@ -130,9 +138,11 @@ def variant_config(base: ExperimentConfig, kind: str, backend: str | None, remat
 
 
 def build_step(cfg: ExperimentConfig, kind: str, optimizer: bool,
-               params: dict[str, Any] | None = None) -> tuple[Callable, Any, str, Callable | None]:
+               params: dict[str, Any] | None = None, precision: str | None = None
+               ) -> tuple[Callable, Any, str, Callable | None]:
     """(step(state, tokens) -> state, initial state, a note on how it runs, tokens -> per-layer
-    active FFN neurons per token or None). `params`: trained parameters (default: a random init)."""
+    active FFN neurons per token or None). `params`: trained parameters (default: a random init);
+    `precision`: the reference model's ("f32": REF_PRECISIONS; None: bf16)."""
     active = None
     if kind == "ref":
         # The model's own per-shape choice (cuDNN on an NVIDIA GPU where it takes the shape).
@@ -140,8 +150,13 @@ def build_step(cfg: ExperimentConfig, kind: str, optimizer: bool,
                                      seq_len=cfg.seq_len)
         attention = None if attention == "xla" else attention
         params = reference_init(cfg.model, jax.random.key(0))
-        loss_fn = lambda p, t: reference_loss(cfg.model, cfg.model.remat, attention, p, t)  # noqa: E731
-        note = f"plain JAX, bf16 params, attention {attention or 'xla'}"
+        if precision == "f32":  # fp32 master parameters, each cast to bf16 where the step uses it
+            params = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+            loss_fn = lambda p, t: reference_loss(  # noqa: E731
+                cfg.model, cfg.model.remat, attention, jax.tree.map(lambda a: a.astype(jnp.bfloat16), p), t)
+        else:
+            loss_fn = lambda p, t: reference_loss(cfg.model, cfg.model.remat, attention, p, t)  # noqa: E731
+        note = f"plain JAX, {'fp32 master' if precision == 'f32' else 'bf16'} params, attention {attention or 'xla'}"
     else:
         if params is None:
             graphdef, params = split_model(init_model(cfg.model, seed=0))
@@ -159,7 +174,8 @@ def build_step(cfg: ExperimentConfig, kind: str, optimizer: bool,
             active = lambda t, p=params: measure_activity(graphdef, p, t, tails=True)  # noqa: E731
         note = describe_execution(cfg.model, cfg.seq_len)
     if optimizer:
-        opt = build_optimizer(cfg.optim, cfg.train.steps) if kind != "ref" else optax.adamw(1e-4)
+        opt = (optax.adamw(1e-4) if kind == "ref" and precision != "f32"
+               else build_optimizer(cfg.optim, cfg.train.steps))
         state = (params, opt.init(params))
 
         def step(state, tokens_BxT):
@@ -208,7 +224,8 @@ def run_variant(base: ExperimentConfig, kind: str, backend: str | None, remat: s
     row: dict[str, Any] = {"variant": variant_label(kind, backend, remat, label_batch), "kind": kind,
                            "backend": backend, "remat": remat, "micro_batch": micro_batch, "seq_len": seq_len}
     try:
-        step, state, row["how"], active = build_step(cfg, kind, optimizer, params)
+        step, state, row["how"], active = build_step(cfg, kind, optimizer, params,
+                                                     precision=backend if kind == "ref" else None)
         if active is not None:
             l0, tails = active(tokens)
             row["active_per_layer"] = [round(float(v), 2) for v in l0]
