@@ -270,3 +270,21 @@ def test_without_lm_eval_tasks_name_the_extra(monkeypatch):
     monkeypatch.delattr(inference, "harness")
     with pytest.raises(ValueError, match=r"--tasks: lm-eval tasks need the `eval` extra: pip install "):
         inference.lm_eval_harness()
+
+
+def test_prompt_templates_are_compiled_once_inside_the_evaluation_and_render_the_same():
+    import lm_eval.utils as lm_eval_utils
+
+    env = lm_eval_utils.env
+    assert env.from_string("{{question}}") is not env.from_string("{{question}}")  # lm-eval compiles each call
+    plain = [lm_eval_utils.apply_template("{{choices}}", {"choices": item[1]}) for item in ITEMS]
+    with harness.cached_prompt_templates():
+        assert env.from_string("{{question}}") is env.from_string("{{question}}")
+        assert [lm_eval_utils.apply_template("{{choices}}", {"choices": item[1]}) for item in ITEMS] == plain
+        with harness.cached_prompt_templates():  # nested: the outer block's cache stays in place
+            assert env.from_string("{{question}}") is env.from_string("{{question}}")
+        assert "from_string" in vars(env)
+    assert "from_string" not in vars(env)
+    with pytest.raises(KeyError), harness.cached_prompt_templates():
+        raise KeyError("restored on the way out too")
+    assert "from_string" not in vars(env)

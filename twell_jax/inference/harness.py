@@ -10,7 +10,8 @@ document. Results come back in request order.
 
 `run_tasks(lm, select_tasks("paper"))` runs lm-eval's `simple_evaluate` on lm-eval task names (a
 group or tag name too), local task YAML files or directories of them, or `paper`: the seven tasks
-of the paper's accuracy column (`PAPER_TASKS`). `summarize` reduces lm-eval's results to accuracy
+of the paper's accuracy column (`PAPER_TASKS`), with each prompt template compiled once
+(`cached_prompt_templates`). `summarize` reduces lm-eval's results to accuracy
 per task and their mean; `evaluate_run` is what `twell eval --tasks` and `twell compare --tasks`
 run: a run's checkpoint through the tasks, lm-eval's results JSON written into the run directory
 (`<run>/lm_eval/step-<N>-<tasks>.json`).
@@ -20,6 +21,7 @@ rest of twell imports it only when tasks are asked for.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -29,11 +31,12 @@ import logging
 import re
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 EXTRA_HINT = "lm-eval tasks need the `eval` extra: pip install 'twell-jax[eval]' (lm-eval 0.4.x)"
 try:
     import lm_eval
+    import lm_eval.utils
     from lm_eval.api.model import LM
 except ImportError as _err:  # pragma: no cover - exercised where lm-eval is absent
     raise ImportError(f"{EXTRA_HINT} ({_err})") from _err
@@ -312,6 +315,33 @@ def load_tasks(selection: TaskSelection, *, flag: str = "--tasks") -> tuple[Any,
     return manager, objects
 
 
+@contextlib.contextmanager
+def cached_prompt_templates() -> Iterator[None]:
+    """lm-eval renders a task's prompt fields (doc_to_text, doc_to_choice, doc_to_target, ...) with
+    Jinja and compiles the template's source anew for every document and field
+    (`lm_eval.utils.apply_template`: `env.from_string(template).render(**doc)`), the largest host
+    cost per item that lm-eval adds (a profile of `twell eval --tasks` on a CPU). Inside this block
+    its environment keeps each compiled template by its source: the same strings, each template
+    compiled once. Where lm-eval has no such environment nothing changes."""
+    env = getattr(getattr(lm_eval, "utils", None), "env", None)
+    compile_template = getattr(env, "from_string", None)
+    if compile_template is None or "from_string" in vars(env):  # not lm-eval 0.4's, or already wrapped
+        yield
+        return
+    compiled = functools.lru_cache(maxsize=1024)(compile_template)
+
+    def from_string(source: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs or not isinstance(source, str):
+            return compile_template(source, *args, **kwargs)
+        return compiled(source)
+
+    env.from_string = from_string
+    try:
+        yield
+    finally:
+        del env.from_string  # the class's method again
+
+
 def run_tasks(lm: LM, selection: TaskSelection, *, limit: int | None = None, num_fewshot: int | None = None,
               log_samples: bool = False, loaded_tasks: tuple[Any, list[Any]] | None = None,
               flag: str = "--tasks") -> dict[str, Any]:
@@ -325,7 +355,7 @@ def run_tasks(lm: LM, selection: TaskSelection, *, limit: int | None = None, num
                                     or num_fewshot < 0):
         raise ValueError(f"num_fewshot must be an int >= 0, got {num_fewshot!r}")
     manager, objects = loaded_tasks if loaded_tasks is not None else load_tasks(selection, flag=flag)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), cached_prompt_templates():
         warnings.filterwarnings("ignore", message=".*limit.*")
         results = lm_eval.simple_evaluate(model=lm, tasks=objects, task_manager=manager, limit=limit,
                                           num_fewshot=num_fewshot, log_samples=log_samples,
