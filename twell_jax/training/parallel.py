@@ -167,6 +167,10 @@ def _distributed_is_initialized() -> bool:
 # for the others at an agreement point (`lead_value`, `gather`, `all_or_none`), in seconds.
 INIT_TIMEOUT_VARIABLE, DEFAULT_INIT_TIMEOUT_S = "TWELL_INIT_TIMEOUT_S", 120.0
 AGREE_TIMEOUT_VARIABLE, DEFAULT_AGREE_TIMEOUT_S = "TWELL_AGREE_TIMEOUT_S", 300.0
+# How long a process may go on after another one published its failure before `watch_peer_failures`
+# ends it (one that stops at an agreement point does so within seconds, its clean-up included).
+PEER_GRACE_VARIABLE, DEFAULT_PEER_GRACE_S = "TWELL_PEER_FAILURE_GRACE_S", 15.0
+_PEER_POLL_S = 1.0
 # JAX's own initialization timeout is set this much longer than ours: when it expires first, its
 # coordination client aborts the process with a C++ check failure instead of an error.
 _JAX_INIT_MARGIN_S = 60
@@ -268,6 +272,41 @@ def initialize_distributed() -> None:
         "jax.distributed initialised via %s: process %d of %d, %d local / %d global devices",
         request, jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count(),
     )
+    if multi_process():
+        watch_peer_failures(env_seconds(PEER_GRACE_VARIABLE, DEFAULT_PEER_GRACE_S))
+
+
+def watch_peer_failures(grace_s: float) -> threading.Thread:
+    """A daemon thread that ends this process (one line on stderr, exit status 2) once another
+    process has published its failure (`publish_failure`: the CLI does it for every error) and this
+    one is still running `grace_s` seconds later. A process waiting at an agreement point stops on
+    such a failure by itself, within seconds; one blocked inside a collective (a training step's
+    all-reduce, an Orbax save) cannot see it, and would wait until JAX's coordination service ends
+    it on a missed heartbeat (about 100 s, with "another task died" and no word of why). A thread
+    is the only way out of that wait, as for the join's timeout (`initialize_distributed`)."""
+    me = jax.process_index()
+
+    def watch() -> None:
+        seen = None
+        while True:
+            time.sleep(_PEER_POLL_S)
+            try:
+                failure = _failure(_client())
+            except Exception:  # noqa: BLE001 (the coordinator is gone: JAX's own error handling ends us)
+                return
+            if failure is None:
+                continue
+            seen = time.monotonic() if seen is None else seen
+            if time.monotonic() - seen >= grace_s:
+                process, message = failure
+                sys.stderr.write(f"twell: error: process {process} failed ({message}); process {me} stopped "
+                                 f"waiting for it after {grace_s:g} s ({PEER_GRACE_VARIABLE})\n")
+                sys.stderr.flush()
+                os._exit(2)
+
+    thread = threading.Thread(target=watch, name="twell-peer-failures", daemon=True)
+    thread.start()
+    return thread
 
 
 # ----------------------------------------------------------------------------- agreement
