@@ -114,6 +114,13 @@ def schedule_warnings(cfg: ExperimentConfig) -> list[str]:
 _PARAM_BYTES, _ADAM_BYTES, _GRAD_BYTES = 4, 8, 4
 
 
+def _state_bytes(cfg: ExperimentConfig, shards: int) -> dict[str, int]:
+    """One device's share of the f32 parameters, AdamW's state and the gradients, split over `shards`."""
+    params = cfg.model.num_params()
+    return {"parameters": -(-params * _PARAM_BYTES // shards), "optimizer_state": -(-params * _ADAM_BYTES // shards),
+            "gradients": -(-params * _GRAD_BYTES // shards)}
+
+
 def memory_estimate(cfg: ExperimentConfig, num_devices: int, fsdp_size: int | None = None) -> dict[str, int]:
     """A rough estimate of one device's memory for training `cfg` over `num_devices` devices, in bytes:
     the f32 parameters, AdamW's state and the gradients (split over the `fsdp_size` devices of an
@@ -124,14 +131,11 @@ def memory_estimate(cfg: ExperimentConfig, num_devices: int, fsdp_size: int | No
     memory analysis, which the run logs."""
     m, tc = cfg.model, cfg.train
     shards = training_layout(cfg, num_devices, agree=False).fsdp_size if fsdp_size is None else fsdp_size
-    params = m.num_params()
     tokens = tc.micro_batch * cfg.seq_len
     act = 2 if m.compute_dtype == "bfloat16" else 4
     per_layer = tokens * (6 * m.d_model + 2 * m.kv_dim + (3 if m.kind.gated else 2) * m.d_ff) * act \
         + tc.micro_batch * m.n_heads * cfg.seq_len ** 2 * act
-    estimate = {"parameters": -(-params * _PARAM_BYTES // shards),
-                "optimizer_state": -(-params * _ADAM_BYTES // shards),
-                "gradients": -(-params * _GRAD_BYTES // shards),
+    estimate = {**_state_bytes(cfg, shards),
                 "activations_per_micro_batch": m.n_layers * per_layer + 2 * tokens * m.vocab_size * 4}
     estimate["total"] = sum(estimate.values())
     return estimate
@@ -143,10 +147,9 @@ def training_layout(cfg: ExperimentConfig, num_devices: int, *, agree: bool = Tr
     may use on a device (memory_stats' bytes_limit; none on a CPU: taken to fit). With `agree`, a
     multi-process run takes process 0's answer (the devices' limits may differ by a few bytes)."""
     def resolve() -> parallel.Layout:
-        state = memory_estimate(cfg, num_devices, fsdp_size=1)
         return parallel.resolve_layout(
             cfg.train.sharding, num_devices, fsdp_size=cfg.train.fsdp_size,
-            state_bytes=state["parameters"] + state["optimizer_state"] + state["gradients"],
+            state_bytes=sum(_state_bytes(cfg, 1).values()),
             memory_limit=device_memory_limit_bytes() if cfg.train.sharding == "auto" else None,
             platform=jax.local_devices()[0].platform)
 
