@@ -175,21 +175,21 @@ def _build_from_corpus(cfg: DataConfig, global_batch: int, process_index: int, p
     files = list_source_files(cfg)
     listing = listing_fingerprint(cfg, files)
     is_val_cache: list[np.ndarray] = []
-    in_get_tokenizer = False  # get_tokenizer asks for the split only when it trains a BPE next
 
     def is_val_fn() -> np.ndarray:
         # Counting documents reads the corpus once more; only done when something must be built.
         if not is_val_cache:
             progress.start("counting the corpus's documents")
             is_val_cache.append(select_validation(sum(1 for _ in iter_documents(cfg, files)), cfg))
-        if in_get_tokenizer:
-            progress.start("training the BPE tokenizer")
         return is_val_cache[0]
 
+    def split_for_bpe() -> np.ndarray:  # get_tokenizer asks for the split only when it trains a BPE next
+        split = is_val_fn()
+        progress.start("training the BPE tokenizer")
+        return split
+
     progress.start("looking for the tokenizer")
-    in_get_tokenizer = True
-    tok, tokenizer_path, built_tokenizer = tokenizer_lib.get_tokenizer(cfg, files, listing, is_val_fn)
-    in_get_tokenizer = False
+    tok, tokenizer_path, built_tokenizer = tokenizer_lib.get_tokenizer(cfg, files, listing, split_for_bpe)
     progress.start("looking for the token cache")
     eot_id = tokenizer_lib.eot_token_id(tok, cfg.eot_token, where=repr(cfg.tokenizer))
     tokens_key = cache_dir.cache_key({"source": listing, "tokenizer": tokenizer_lib.file_sha256(tokenizer_path),
