@@ -46,6 +46,12 @@ def test_the_adaptation_moves_each_layer_towards_its_target_without_wind_up():
     np.testing.assert_allclose(np.asarray(coefs), [2.0, 4.0], rtol=1e-6)
 
 
+def test_one_target_is_every_layers():
+    cfg = config_lib.apply_overrides(get_config("micro"), ["sparsity.target_active=7"])
+    assert cfg.sparsity.target_active == (7, 7)  # micro: 2 layers
+    assert config_lib.from_dict(json.loads(json.dumps(config_lib.to_dict(cfg)))) == cfg  # as config.json holds it
+
+
 @pytest.mark.parametrize("sets, words", [
     (["sparsity.target_active=5,5,5"], "has 3 numbers; the model has model.n_layers=2"),
     (["sparsity.target_active=5,0"], "numbers > 0"),

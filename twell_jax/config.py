@@ -521,7 +521,8 @@ class SparsityConfig:
     position_buckets: int = 8  # the active-count profile averages positions into this many buckets
     reinit_dead: bool = False  # re-sample dead gate rows (rule in twell_jax/training/sparsity.py:reinit_dead_rows)
     reinit_every: int = 100  # check for dead neurons to re-initialise every this many optimizer steps
-    # Active FFN neurons per token each layer should train to, one number per layer (empty: off). The
+    # Active FFN neurons per token each layer should train to, one number per layer or one for all
+    # (empty: off). The
     # step then scales each layer's L1 penalty by a factor it adapts every step (training/loss.py,
     # `adapt_l1_control`): the factors' shape moves the layers towards the targets' profile, their
     # common level only ever lowers the penalty, to hold the layers' mean at the targets' mean once
@@ -532,8 +533,8 @@ class SparsityConfig:
     def __post_init__(self) -> None:
         _check_finite("sparsity", self)
         targets = self.target_active
-        if isinstance(targets, list):  # a JSON config's list
-            targets = tuple(targets)
+        if isinstance(targets, list) or (isinstance(targets, (int, float)) and not isinstance(targets, bool)):
+            targets = tuple(targets) if isinstance(targets, list) else (targets,)  # a JSON list; one number
             object.__setattr__(self, "target_active", targets)
         if not isinstance(targets, tuple) or any(isinstance(v, bool) or not isinstance(v, (int, float))
                                                  or not 0 < v < float("inf") for v in targets):
@@ -786,6 +787,9 @@ class ExperimentConfig:
         if self.sparsity.reinit_dead and not self.model.is_relu_family:
             raise ValueError("sparsity.reinit_dead needs a ReLU FFN (ffn_kind twell/relu_gated/relu)")
         targets = self.sparsity.target_active
+        if len(targets) == 1 and self.model.n_layers > 1:  # one number: every layer's target
+            targets = targets * self.model.n_layers
+            object.__setattr__(self, "sparsity", dataclasses.replace(self.sparsity, target_active=targets))
         if targets and len(targets) != self.model.n_layers:
             raise ValueError(f"sparsity.target_active has {len(targets)} numbers; the model has "
                              f"model.n_layers={self.model.n_layers} layers (one target each)")
@@ -1033,6 +1037,8 @@ def _parse_value(text: str, hint: Any, where: str) -> Any:
             raise ValueError(f"{where} expects JSON for {hint}, got {text!r}") from None
         if origin is tuple and isinstance(value, list):
             return tuple(value)
+        if origin is tuple and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return (value,)  # one number for a tuple field (sparsity.target_active=39: every layer's)
         expected = dict if (origin is dict or hint is dict) else list
         if origin is not tuple and not isinstance(value, expected):
             raise ValueError(f"{where} expects {hint}, got {text!r}")
