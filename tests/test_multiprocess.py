@@ -496,13 +496,14 @@ def test_agreement_helpers_are_no_ops_in_one_process():
     par.publish_failure("nothing to tell")  # no coordinator: nothing happens
 
 
+@pytest.mark.parametrize("variable", [par.INIT_TIMEOUT_VARIABLE, par.PEER_GRACE_VARIABLE])
 @pytest.mark.parametrize("value", ["0", "-3", "soon", "inf"])
-def test_timeouts_from_the_environment_must_be_positive_seconds(monkeypatch, value):
-    monkeypatch.setenv(par.INIT_TIMEOUT_VARIABLE, value)
+def test_timeouts_from_the_environment_must_be_positive_seconds(monkeypatch, value, variable):
+    monkeypatch.setenv(variable, value)
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: pytest.fail("must not start"))
-    with pytest.raises(ValueError, match=f"{par.INIT_TIMEOUT_VARIABLE} must be a positive number of seconds"):
+    with pytest.raises(ValueError, match=f"{variable} must be a positive number of seconds"):
         par.initialize_distributed()
 
 

@@ -243,6 +243,7 @@ def initialize_distributed() -> None:
     if request is None:
         return
     seconds = env_seconds(INIT_TIMEOUT_VARIABLE, DEFAULT_INIT_TIMEOUT_S)
+    grace = env_seconds(PEER_GRACE_VARIABLE, DEFAULT_PEER_GRACE_S)  # read (and checked) before joining
     kwargs: dict[str, Any] = {"initialization_timeout": int(seconds) + _JAX_INIT_MARGIN_S}
     if request == "jax_env":
         # JAX reads JAX_COORDINATOR_ADDRESS itself but not these two, so pass them through.
@@ -273,7 +274,7 @@ def initialize_distributed() -> None:
         request, jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count(),
     )
     if multi_process():
-        watch_peer_failures(env_seconds(PEER_GRACE_VARIABLE, DEFAULT_PEER_GRACE_S))
+        watch_peer_failures(grace)
 
 
 def watch_peer_failures(grace_s: float) -> threading.Thread:
