@@ -291,18 +291,17 @@ def test_an_unreachable_coordinator_is_one_line_and_exit_2_within_the_timeout(tm
 
 
 # A process blocked where no agreement point reaches it (in a collective, as here in a long sleep)
-# while another one has failed: the first publishes its failure (as the CLI does for every error)
-# and stays up, so that neither JAX's heartbeat nor a gone coordinator ends the other.
+# while another one failed: process 0 publishes its failure (as the CLI does for every error) and
+# exits, which holds it at JAX's shutdown barrier until process 1 comes (the service stays up).
 _BLOCKED_PEER = """
 import sys, time
 from twell_jax.training import parallel
 parallel.initialize_distributed()
 import jax
-if jax.process_index() == 1:
+if jax.process_index() == 0:
     parallel.publish_failure("broke on purpose")
-    time.sleep(60)
-else:
-    time.sleep(90)
+    sys.exit(2)
+time.sleep(90)
 print("still running", flush=True)
 """
 
@@ -314,16 +313,12 @@ def test_a_process_blocked_while_another_failed_stops_with_its_message(tmp_path)
                               env=_env(1, JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2",
                                        JAX_PROCESS_ID=str(index), TWELL_PEER_FAILURE_GRACE_S="2"))
              for index in (0, 1)]
-    try:
-        out, err = procs[0].communicate(timeout=45)
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.communicate()
-    assert procs[0].returncode == 2 and "still running" not in out, err[-3000:]
+    [(code_0, _, err_0), (code_1, out, err)] = _finish(procs, 45)
+    assert code_1 == 2 and "still running" not in out, err[-3000:]
     [line] = _error_lines(err)
-    assert line == ("twell: error: process 1 failed (broke on purpose); process 0 stopped waiting for it after 2 s "
+    assert line == ("twell: error: process 0 failed (broke on purpose); process 1 stopped waiting for it after 2 s "
                     "(TWELL_PEER_FAILURE_GRACE_S)")
+    assert code_0 == 2, err_0[-3000:]  # both met at JAX's shutdown barrier: neither was aborted
     assert time.monotonic() - started < 40
 
 

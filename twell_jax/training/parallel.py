@@ -22,6 +22,7 @@ JSON values in the key-value store of JAX's coordination service, every wait bou
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import itertools
@@ -171,6 +172,8 @@ AGREE_TIMEOUT_VARIABLE, DEFAULT_AGREE_TIMEOUT_S = "TWELL_AGREE_TIMEOUT_S", 300.0
 # ends it (one that stops at an agreement point does so within seconds, its clean-up included).
 PEER_GRACE_VARIABLE, DEFAULT_PEER_GRACE_S = "TWELL_PEER_FAILURE_GRACE_S", 15.0
 _PEER_POLL_S = 1.0
+# How long a process that `watch_peer_failures` ends waits at JAX's shutdown barrier for the others.
+_PEER_SHUTDOWN_WAIT_S = 30.0
 # JAX's own initialization timeout is set this much longer than ours: when it expires first, its
 # coordination client aborts the process with a C++ check failure instead of an error.
 _JAX_INIT_MARGIN_S = 60
@@ -284,13 +287,26 @@ def watch_peer_failures(grace_s: float) -> threading.Thread:
     such a failure by itself, within seconds; one blocked inside a collective (a training step's
     all-reduce, an Orbax save) cannot see it, and would wait until JAX's coordination service ends
     it on a missed heartbeat (about 100 s, with "another task died" and no word of why). A thread
-    is the only way out of that wait, as for the join's timeout (`initialize_distributed`)."""
+    is the only way out of that wait, as for the join's timeout (`initialize_distributed`). Before
+    it exits it meets the others at JAX's shutdown barrier (a process that leaves without it makes
+    the ones waiting there fail), waiting at most `_PEER_SHUTDOWN_WAIT_S` seconds. The thread stops
+    when the interpreter exits, before JAX shuts its client down (a call into a client that is shut
+    down, or whose service is gone, aborts the process)."""
     me = jax.process_index()
+    stop = threading.Event()
+
+    def end_process(process: int, message: str) -> None:
+        sys.stderr.write(f"twell: error: process {process} failed ({message}); process {me} stopped waiting for "
+                         f"it after {grace_s:g} s ({PEER_GRACE_VARIABLE})\n")
+        sys.stderr.flush()
+        leaving = threading.Thread(target=_shutdown_quietly, name="twell-shutdown", daemon=True)
+        leaving.start()
+        leaving.join(_PEER_SHUTDOWN_WAIT_S)
+        os._exit(2)
 
     def watch() -> None:
         seen = None
-        while True:
-            time.sleep(_PEER_POLL_S)
+        while not stop.wait(_PEER_POLL_S):
             try:
                 failure = _failure(_client())
             except Exception:  # noqa: BLE001 (the coordinator is gone: JAX's own error handling ends us)
@@ -299,15 +315,24 @@ def watch_peer_failures(grace_s: float) -> threading.Thread:
                 continue
             seen = time.monotonic() if seen is None else seen
             if time.monotonic() - seen >= grace_s:
-                process, message = failure
-                sys.stderr.write(f"twell: error: process {process} failed ({message}); process {me} stopped "
-                                 f"waiting for it after {grace_s:g} s ({PEER_GRACE_VARIABLE})\n")
-                sys.stderr.flush()
-                os._exit(2)
+                end_process(*failure)
 
     thread = threading.Thread(target=watch, name="twell-peer-failures", daemon=True)
     thread.start()
+
+    def stop_watching() -> None:  # atexit runs this before JAX's own clean-up (registered earlier)
+        stop.set()
+        thread.join(2 * _PEER_POLL_S)
+
+    atexit.register(stop_watching)
     return thread
+
+
+def _shutdown_quietly() -> None:
+    try:
+        jax.distributed.shutdown()
+    except Exception:  # noqa: BLE001 (the others are gone or failed: this process exits all the same)
+        pass
 
 
 # ----------------------------------------------------------------------------- agreement
