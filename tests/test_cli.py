@@ -325,8 +325,10 @@ def test_without_a_terminal_progress_is_plain_lines_on_each_logged_step(tmp_path
     sink.progress(1, {"loss": 1.0})
     sink.write({"step": 2, "loss": 5.5, "ce": 5.4, "lr": 1e-3, "l0_per_layer": [3.0, 5.0], "tokens_per_s": 100.0})
     sink.write({"step": 2, "val_loss": 5.0})
+    sink.write({"step": 4, "loss": 5.0, "l0_per_layer": [3.0], "l1_coef_per_layer": [2e-4, 1.5e-3]})
     sink.close()
-    assert lines == ["[twell] step 2/4 loss 5.5 ce 5.4 lr 0.001 l0 4.0 100 tok/s"]
+    assert lines == ["[twell] step 2/4 loss 5.5 ce 5.4 lr 0.001 l0 4.0 100 tok/s",
+                     "[twell] step 4/4 loss 5 l0 3.0 L1/layer 0.0002-0.0015"]
 
 
 @pytest.mark.slow

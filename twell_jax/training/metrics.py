@@ -229,6 +229,8 @@ def progress_line(record: dict[str, Any], total_steps: int) -> str:
             parts.append(f"{label} {record[key]:.4g}")
     if record.get("l0_per_layer"):
         parts.append(f"l0 {sum(record['l0_per_layer']) / len(record['l0_per_layer']):.1f}")
+    if record.get("l1_coef_per_layer"):  # sparsity.target_active: the adapted coefficients' range
+        parts.append(f"L1/layer {min(record['l1_coef_per_layer']):.3g}-{max(record['l1_coef_per_layer']):.3g}")
     if isinstance(record.get("tokens_per_s"), (int, float)):
         parts.append(f"{record['tokens_per_s']:.0f} tok/s")
     return " ".join(parts)
