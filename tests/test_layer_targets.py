@@ -123,7 +123,9 @@ def test_the_profile_criterion_needs_every_layer_within_tolerance():
 def test_the_recipe_passes_its_targets_to_the_run(tmp_path, capsys):
     out = tmp_path / "run"
     reached = train_to_sparse.main(["--dry-run", "--out", str(out), "--steps", "3", "--profile", "1,3",
-                                    "--target-active", "8", "--summary", str(tmp_path / "s.json")])
+                                    "--target-active", "8", "--summary", str(tmp_path / "s.json"),
+                                    "--plot", str(tmp_path / "plot" / "profile.png")])
+    assert (tmp_path / "plot" / "profile.png").read_bytes()[:4] == b"\x89PNG"
     assert reached["target_active_per_layer"] == pytest.approx([4.0, 12.0])
     assert json.loads((out / "config.json").read_text())["sparsity"]["target_active"] == pytest.approx([4.0, 12.0])
     printed = capsys.readouterr().out

@@ -25,7 +25,7 @@ it as it is. What this script adds to the preset:
 - otherwise `--steps` or `--minutes` ends the run. Either way the run is checkpointed and evaluated.
 Printed last: the step and L1 coefficient reached, the validation loss, the per-layer active
 neurons per token (training batch and validation) beside their targets, and each layer's share of
-dead neurons. `--summary` gets that and the logged trajectory.
+dead neurons. `--summary` gets that and the logged trajectory, `--plot` a picture of both.
 """
 from __future__ import annotations
 
@@ -83,6 +83,50 @@ def layer_targets(profile: tuple[float, ...], n_layers: int, mean: float) -> tup
     source = (np.arange(len(profile)) + 0.5) / len(profile)
     shape = np.interp((np.arange(n_layers) + 0.5) / n_layers, source, np.asarray(profile, np.float64))
     return tuple(float(v) for v in shape * (mean / shape.mean()))
+
+
+def plot(reached: dict[str, Any], trajectory: list[dict[str, float]], path: Path) -> None:
+    """Two panels: each layer's active neurons per token (training batch, validation, the targets)
+    with its dead share, and the run's trajectory (the layers' mean and, with targets, the worst
+    layer's relative error, against the step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_layers, ax_steps) = plt.subplots(1, 2, figsize=(13, 4.5))
+    layers = np.arange(len(reached["val_l0_per_layer"]))
+    ax_layers.plot(layers, reached["val_l0_per_layer"], "o-", label="validation")
+    if reached["train_l0_per_layer"]:
+        ax_layers.plot(layers, reached["train_l0_per_layer"], ".--", label="last training batch")
+    if reached["target_active_per_layer"]:
+        ax_layers.plot(layers, reached["target_active_per_layer"], "k_", markersize=14, mew=2, label="target")
+    ax_layers.set_xticks(layers[::max(1, len(layers) // 20)])
+    ax_layers.set_xlabel("layer")
+    ax_layers.set_ylabel("active FFN neurons per token")
+    ax_layers.set_title(f"{reached['config']}, step {reached['steps']} ({reached['profile']} profile)")
+    ax_layers.legend(fontsize=8, loc="upper left")
+    if reached["dead_share_per_layer"]:
+        ax_dead = ax_layers.twinx()
+        ax_dead.bar(layers, reached["dead_share_per_layer"], alpha=0.2, color="gray")
+        ax_dead.set_ylabel("dead share (bars)")
+        ax_dead.set_ylim(0, 1)
+    steps = [t["step"] for t in trajectory]
+    ax_steps.plot(steps, [t["l0_mean"] for t in trajectory], label="layers' mean")
+    ax_steps.axhline(reached["target_active"], color="black", linestyle="--", label="target mean")
+    ax_steps.set_yscale("log")
+    ax_steps.set_xlabel("step")
+    ax_steps.set_ylabel("active FFN neurons per token")
+    if trajectory and "worst_layer_error" in trajectory[0]:
+        ax_error = ax_steps.twinx()
+        ax_error.plot(steps, [t["worst_layer_error"] for t in trajectory], color="tab:red", alpha=0.6)
+        ax_error.set_yscale("log")
+        ax_error.set_ylabel("worst layer's relative error (red)")
+    ax_steps.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 class ProfileReached:
@@ -194,6 +238,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.FIELD=VALUE",
                         help="further config overrides, applied last")
     parser.add_argument("--summary", default=None, help="write the result and trajectory as JSON here")
+    parser.add_argument("--plot", default=None, help="draw the per-layer profile against the targets and the "
+                                                     "trajectory into this PNG")
     parser.add_argument("--dry-run", action="store_true", help="micro shapes, synthetic tokens, CPU")
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -245,6 +291,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if args.summary:
         Path(args.summary).write_text(json.dumps(reached, indent=2))
+    if args.plot:
+        plot(reached, stop.trajectory, Path(args.plot))
     fmt = lambda values: " ".join(f"{v:.1f}" for v in values) if values else "n/a"  # noqa: E731
     goal = (f"<= {args.target_active:g} active/token" if targets is None else
             f"every layer within {args.tolerance:.0%} of its target ({args.profile} profile, mean {args.target_active:g})")
