@@ -266,6 +266,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cfg = config_lib.apply_overrides(cfg, ["sparsity.target_active=" + ",".join(f"{t:.4g}" for t in targets)])
         except ValueError as err:  # a target past d_ff
             parser.error(f"--target-active {args.target_active:g} with --profile {args.profile}: {err}")
+        targets = tuple(float(t) for t in cfg.sparsity.target_active)  # as the run's config holds them
         print(f"[train_to_sparse] per-layer targets ({args.profile} profile, mean {args.target_active:g}): "
               + " ".join(f"{t:.1f}" for t in targets), flush=True)
 
