@@ -131,11 +131,14 @@ def test_the_recipe_passes_its_targets_to_the_run(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "per-layer targets (1,3 profile, mean 8): 4.0 12.0" in printed and "| target |" in printed
     assert "above 8: the run ended inside the L1 ramp (step 3 of --l1-ramp-steps 2000)" in printed
-    for bad in (["--profile", "steep"], ["--target-active", "60"]):  # micro: d_ff 64, the last layer's target 82
+    for bad in (["--profile", "steep"], ["--target-active", "60"],  # micro: d_ff 64, the last layer's target 82
+                ["--profile", "none", "--tolerance", "0.1"]):
         with pytest.raises(SystemExit):
             train_to_sparse.main(["--dry-run", "--out", str(tmp_path / "bad"), *bad])
         assert not (tmp_path / "bad").exists()
-    assert "--target-active 60 with --profile small: sparsity.target_active asks for" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--target-active 60 with --profile small: sparsity.target_active asks for" in err
+    assert "--tolerance applies to per-layer targets" in err
     shutil.rmtree(out)
 
 

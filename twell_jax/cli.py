@@ -179,7 +179,7 @@ def _with_imported_model(cfg: config_lib.ExperimentConfig, imported: Any, overri
         raise ValueError(f"{flag}: the checkpoint has no tokenizer.json, so text cannot be tokenized for it; add "
                          "its tokenizer.json to the directory, or use --set data.source=synthetic")
     sparsity = cfg.sparsity
-    if not new_model.kind.l1 and (sparsity.l1_coef or sparsity.target_active):
+    if not new_model.kind.l1:
         sparsity = sparsity.without_l1()  # a dense kind trains without L1
     return dataclasses.replace(cfg, model=new_model, data=data, sparsity=sparsity)
 

@@ -37,6 +37,7 @@ first `ref` row. Shapes come from a preset (`--config`, configs.get_config), ove
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -130,7 +131,7 @@ def variant_config(base: ExperimentConfig, kind: str, backend: str | None, remat
         if backend:
             sets.append(f"model.ffn_backend={backend}")
         if not FFN_KIND_TABLE[kind].l1:
-            sets += ["sparsity.l1_coef=0", "sparsity.target_active=[]"]  # SparsityConfig.without_l1
+            base = dataclasses.replace(base, sparsity=base.sparsity.without_l1())
     cfg = config_lib.apply_overrides(base, sets)
     if hints and kind != "ref" and FFN_KIND_TABLE[kind].sparse_op and not cfg.model.ffn_expected_active:
         cfg = with_hints(cfg, hints, tails)

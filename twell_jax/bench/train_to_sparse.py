@@ -221,8 +221,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "(sparsity.target_active): 'small' (a trained model's profile: the quality study's), "
                              "'flat', or comma-separated numbers (any scale, read over relative depth); 'none': "
                              "no per-layer targets, stop at the mean (the checkpoints sparser than trained)")
-    parser.add_argument("--tolerance", type=float, default=0.15,
-                        help="with a profile: stop when every layer is within this relative error of its target")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="with a profile: stop when every layer is within this relative error of its target "
+                             "(default 0.15)")
     parser.add_argument("--patience", type=int, default=20, help="consecutive steps meeting the target")
     parser.add_argument("--l1", type=float, default=5e-3, help="L1 coefficient at the end of the ramp")
     parser.add_argument("--l1-ramp-steps", type=int, default=2000, help="steps of the linear L1 ramp from 0")
@@ -249,12 +250,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.target_active is None:
         args.target_active = PAPER_ACTIVE.get(args.config, 40.0)
-    if not args.target_active > 0 or not args.l1 > 0 or args.minutes < 0 or not 0 < args.tolerance < 1:
-        parser.error("--target-active and --l1 must be > 0, --minutes >= 0, --tolerance in (0, 1)")
     try:
         profile = parse_profile(args.profile)
     except ValueError as err:
         parser.error(f"--profile: {err}")
+    if profile is None and args.tolerance is not None:
+        parser.error("--tolerance applies to per-layer targets; --profile none stops at the mean (--target-active)")
+    args.tolerance = 0.15 if args.tolerance is None else args.tolerance
+    if not args.target_active > 0 or not args.l1 > 0 or args.minutes < 0 or not 0 < args.tolerance < 1:
+        parser.error("--target-active and --l1 must be > 0, --minutes >= 0, --tolerance in (0, 1)")
     if args.global_batch is None:
         args.global_batch = args.micro_batch or (RECIPE_MICRO_BATCH if args.config in RECIPE_REMAT
                                                  else get_config(args.config).train.micro_batch)
