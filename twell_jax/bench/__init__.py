@@ -18,5 +18,5 @@ Benchmarks and experiments (one command each, experiments/README.md has the tabl
     train_to_sparse  train until the FFN layers are sparse: the checkpoint the model-level
                  benchmarks use (`experiments/train_to_sparse.py`)
     transpose, compile_time, data_parallel, metrics_fetch, eval_speed, backend_equivalence,
-    compare_profiles, measure_corpus, explore_token_kernel
+    compare_profiles, measure_corpus, explore_token_kernel, explore_slice_kernel
 """
