@@ -130,7 +130,7 @@ def test_the_recipe_passes_its_targets_to_the_run(tmp_path, capsys):
     assert json.loads((out / "config.json").read_text())["sparsity"]["target_active"] == pytest.approx([4.0, 12.0])
     printed = capsys.readouterr().out
     assert "per-layer targets (1,3 profile, mean 8): 4.0 12.0" in printed and "| target |" in printed
-    assert "above 8: the run ended inside the L1 ramp (step 3 of --l1-ramp-steps 2000)" in printed
+    assert "above 8: the run ended inside the L1 ramp (step 3 of --l1-ramp-steps 300)" in printed
     for bad in (["--profile", "steep"], ["--target-active", "60"],  # micro: d_ff 64, the last layer's target 82
                 ["--profile", "none", "--tolerance", "0.1"]):
         with pytest.raises(SystemExit):

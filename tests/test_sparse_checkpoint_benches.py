@@ -36,8 +36,8 @@ def test_the_stop_criterion_ends_the_run_checkpointed_and_loadable(sparse_run):
     assert reached["reached_target"] and reached["steps"] == 2  # streak of 2 reached at step 2 of 6
     assert saved["steps"] == 2 and [t["step"] for t in saved["trajectory"]] == [1, 2]
     assert len(reached["val_l0_per_layer"]) == len(reached["train_l0_per_layer"]) == 2
-    # The L1 ramp: coefficient at step index 1 of a 2000-step ramp to 5e-3.
-    assert reached["l1_coef_reached"] == pytest.approx(5e-3 * 1 / 2000)
+    # The default L1 ramp: coefficient at step index 1 of a 300-step ramp to 1e-3.
+    assert reached["l1_coef_reached"] == pytest.approx(1e-3 * 1 / 300)
     startup = saved["startup_s"]  # where the start-up went, as the trainer's start-up line says
     assert {"data", "init", "train step compile"} <= set(startup)
     assert saved["first_step_done_s"] >= startup["data"] + startup["init"] + startup["train step compile"]
