@@ -241,9 +241,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="sequences per device (default: the preset's; 8 at the paper's sizes)")
     parser.add_argument("--data", default="installed",
-                        help="data.source (default: every installed package's sources, ~138M tokens: a run of "
-                             "a few thousand steps sees no token twice; 'stdlib', 2.4M tokens, is seen ~16 times "
-                             "by 2400 steps of 0.5b and came out less sparse than asked)")
+                        help="data.source (default: every installed package's sources, 138M tokens on the GPU "
+                             "image: a run of a few thousand steps sees no token twice; 'stdlib', 2.4M tokens "
+                             "there, is seen ~16 times by 2400 steps of 0.5b and came out less sparse than asked)")
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.FIELD=VALUE",
                         help="further config overrides, applied last")
     parser.add_argument("--summary", default=None, help="write the result and trajectory as JSON here")
