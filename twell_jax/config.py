@@ -529,6 +529,11 @@ class SparsityConfig:
     # the coefficient's schedule has brought it there.
     target_active: tuple[float, ...] = ()
     target_rate: float = 0.05  # how fast the factors adapt: log-factor per step per unit of log error
+    # Steps over which the targets themselves move, from half of each layer's neurons (about a ReLU
+    # layer's activity at initialisation) to target_active, linearly in log(1 + active), counted from
+    # l1_warmup_start; 0: the targets hold from the first step. A slower approach to sparsity
+    # (training/loss.py, `moving_targets`).
+    target_approach_steps: int = 0
 
     def __post_init__(self) -> None:
         _check_finite("sparsity", self)
@@ -541,14 +546,18 @@ class SparsityConfig:
             raise ValueError(f"sparsity.target_active must be empty or numbers > 0 (one per layer), got {targets!r}")
         _check_positive("sparsity", target_rate=self.target_rate)
         _check_non_negative("sparsity", l1_coef=self.l1_coef, l1_warmup_start=self.l1_warmup_start,
-                            l1_warmup_end=self.l1_warmup_end, dead_window_tokens=self.dead_window_tokens)
+                            l1_warmup_end=self.l1_warmup_end, dead_window_tokens=self.dead_window_tokens,
+                            target_approach_steps=self.target_approach_steps)
+        if self.target_approach_steps and not targets:
+            raise ValueError("sparsity.target_approach_steps moves the per-layer targets: it needs "
+                             "sparsity.target_active")
         _check_positive("sparsity", position_buckets=self.position_buckets, reinit_every=self.reinit_every)
         if self.reinit_dead and not self.track_neurons:
             raise ValueError("sparsity.reinit_dead needs sparsity.track_neurons=True (it reads the dead counters)")
 
     def without_l1(self) -> "SparsityConfig":
         """These settings for a dense kind, trained without L1 (nor per-layer targets)."""
-        return dataclasses.replace(self, l1_coef=0.0, target_active=())
+        return dataclasses.replace(self, l1_coef=0.0, target_active=(), target_approach_steps=0)
 
 
 @dataclass(frozen=True)

@@ -229,6 +229,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="with a profile: stop when every layer is within this relative error of its target "
                              "(default 0.15)")
     parser.add_argument("--patience", type=int, default=20, help="consecutive steps meeting the target")
+    parser.add_argument("--approach-steps", type=int, default=0,
+                        help="with a profile: move the targets from half of each layer's neurons to their "
+                             "final values over this many steps (sparsity.target_approach_steps; 0: hold the "
+                             "final targets from the first step)")
     parser.add_argument("--l1", type=float, default=1e-3,
                         help="L1 coefficient at the end of the ramp (the quality study's trained `small`'s)")
     parser.add_argument("--l1-ramp-steps", type=int, default=300, help="steps of the linear L1 ramp from 0")
@@ -264,6 +268,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--profile: {err}")
     if profile is None and args.tolerance is not None:
         parser.error("--tolerance applies to per-layer targets; --profile none stops at the mean (--target-active)")
+    if args.approach_steps and profile is None:
+        parser.error("--approach-steps moves per-layer targets; --profile none has none")
+    if args.approach_steps < 0:
+        parser.error("--approach-steps must be >= 0")
     args.tolerance = 0.15 if args.tolerance is None else args.tolerance
     if not args.target_active > 0 or not args.l1 > 0 or args.minutes < 0 or not 0 < args.tolerance < 1:
         parser.error("--target-active and --l1 must be > 0, --minutes >= 0, --tolerance in (0, 1)")
@@ -275,7 +283,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if profile is not None:
         targets = layer_targets(profile, cfg.model.n_layers, args.target_active)
         try:
-            cfg = config_lib.apply_overrides(cfg, ["sparsity.target_active=" + ",".join(f"{t:.4g}" for t in targets)])
+            cfg = config_lib.apply_overrides(cfg, ["sparsity.target_active=" + ",".join(f"{t:.4g}" for t in targets),
+                                                   f"sparsity.target_approach_steps={args.approach_steps}"])
         except ValueError as err:  # a target past d_ff
             parser.error(f"--target-active {args.target_active:g} with --profile {args.profile}: {err}")
         targets = tuple(float(t) for t in cfg.sparsity.target_active)  # as the run's config holds them

@@ -59,6 +59,21 @@ def layer_l1_coefficients(l1_coef: jax.Array, control: dict[str, jax.Array]) -> 
     return l1_coef * jnp.exp(control["level"] + control["shape"])
 
 
+def moving_targets(cfg: SparsityConfig, d_ff: int, step: jax.Array) -> jax.Array:
+    """The targets the adaptation holds the layers to at optimizer step `step`: f32[L].
+
+    With `target_approach_steps` = N > 0 they move from d_ff / 2 (about a ReLU layer's activity at
+    initialisation) to `target_active`, linearly in log(1 + active) over the N steps from
+    `l1_warmup_start`: the level then lowers the penalty whenever the schedule would take the layers
+    down faster than that. N = 0: the targets themselves from the first step."""
+    target_L = jnp.asarray(cfg.target_active, jnp.float32)
+    if not cfg.target_approach_steps:
+        return target_L
+    done = jnp.clip((step.astype(jnp.float32) - cfg.l1_warmup_start) / cfg.target_approach_steps, 0.0, 1.0)
+    start = jnp.log1p(jnp.maximum(jnp.float32(d_ff / 2), target_L))
+    return jnp.expm1(start + done * (jnp.log1p(target_L) - start))
+
+
 def adapt_l1_control(control: dict[str, jax.Array], active_L: jax.Array, target_L: jax.Array,
                      rate: float) -> dict[str, jax.Array]:
     """One step of the adaptation, from the step's measured active neurons per token of each layer

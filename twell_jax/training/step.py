@@ -21,7 +21,7 @@ from twell_jax import ops
 from twell_jax.config import ExperimentConfig
 from twell_jax.model import apply_model
 from twell_jax.training.loss import (adapt_l1_control, cross_entropy, l1_coefficient, l1_control_init,
-                                     layer_l1_coefficients, total_loss)
+                                     layer_l1_coefficients, moving_targets, total_loss)
 from twell_jax.training.optimizer import learning_rate_schedule
 from twell_jax.training.sparsity import (dead_share, init_counters, position_profile, reinit_dead_rows,
                                          update_counters)
@@ -196,8 +196,8 @@ def make_train_step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, optimizer: op
         new_state = {"params": params, "opt_state": opt_state, "step": step, "since_active": since}
         if control is not None:
             new_state["l1_control"] = adapt_l1_control(
-                control, jnp.mean(per_micro["l0"], axis=0), jnp.asarray(cfg.sparsity.target_active, jnp.float32),
-                cfg.sparsity.target_rate)
+                control, jnp.mean(per_micro["l0"], axis=0),
+                moving_targets(cfg.sparsity, cfg.model.d_ff, state["step"]), cfg.sparsity.target_rate)
             step_values["l1_coef_per_layer"] = layer_l1_coefficients(
                 l1_coefficient(cfg.sparsity, step), new_state["l1_control"])
         metrics = {metric.name: step_values[metric.source] if metric.reduce == "step"
