@@ -3,6 +3,7 @@
 bit, and train_to_sparse's profile recipe."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -46,6 +47,41 @@ def test_the_adaptation_moves_each_layer_towards_its_target_without_wind_up():
     np.testing.assert_allclose(np.asarray(coefs), [2.0, 4.0], rtol=1e-6)
 
 
+def test_moving_targets_go_from_half_the_neurons_to_the_targets_in_log_space():
+    cfg = config_lib.apply_overrides(get_config("micro"), [
+        "sparsity.target_active=3,15", "sparsity.target_approach_steps=100", "sparsity.l1_warmup_start=20",
+        "sparsity.l1_warmup_end=50"]).sparsity
+    at = lambda step: np.asarray(loss.moving_targets(cfg, 64, jnp.int32(step)))  # noqa: E731
+    np.testing.assert_allclose(at(0), [32.0, 32.0], rtol=1e-6)  # d_ff 64: half the neurons
+    np.testing.assert_allclose(at(20), [32.0, 32.0], rtol=1e-6)  # counted from l1_warmup_start
+    np.testing.assert_allclose(at(120), [3.0, 15.0], rtol=1e-5)
+    np.testing.assert_allclose(at(10_000), [3.0, 15.0], rtol=1e-5)
+    halfway = np.log1p(at(70))
+    np.testing.assert_allclose(halfway, (np.log1p(32.0) + np.log1p([3.0, 15.0])) / 2, rtol=1e-5)
+    steps = np.stack([at(s) for s in range(0, 140, 7)])
+    assert np.all(np.diff(steps, axis=0) <= 1e-5)  # never rising
+    # A target above half the neurons starts where it is; N = 0 holds the targets from the start.
+    high = dataclasses.replace(cfg, target_active=(40.0, 3.0))
+    np.testing.assert_allclose(np.asarray(loss.moving_targets(high, 64, jnp.int32(0))), [40.0, 32.0], rtol=1e-6)
+    still = dataclasses.replace(cfg, target_approach_steps=0)
+    np.testing.assert_allclose(np.asarray(loss.moving_targets(still, 64, jnp.int32(0))), [3.0, 15.0])
+
+
+def test_moving_targets_lower_the_penalty_while_the_layers_fall_below_them(tmp_path, data_cache_dir):
+    # micro, 40 steps, L1 0.05 (which takes both layers to about one active neuron per token): against
+    # targets moving over 200 steps (still 21-26 at step 40) the layers are far below, so the level
+    # lowers the coefficients further than against the final targets (3 and 15): none higher, their
+    # product (the common level) over 4x lower (measured: 0.0019 and 0.0015 against 0.0129 and 0.0016,
+    # layer 1's near the shape's limit in both).
+    coefs = {}
+    for steps in (0, 200):
+        records = []
+        Trainer(_cfg(data_cache_dir, "train.steps=40", f"sparsity.target_approach_steps={steps}"),
+                tmp_path / f"run{steps}", hooks=Hooks(on_step=records.append, save_final=False)).run()
+        coefs[steps] = np.asarray(records[-1]["l1_coef_per_layer"])
+    assert np.all(coefs[200] <= coefs[0] * 1.001) and np.prod(coefs[200]) < 0.25 * np.prod(coefs[0]), coefs
+
+
 def test_one_target_is_every_layers():
     cfg = config_lib.apply_overrides(get_config("micro"), ["sparsity.target_active=7"])
     assert cfg.sparsity.target_active == (7, 7)  # micro: 2 layers
@@ -58,6 +94,9 @@ def test_one_target_is_every_layers():
     (["sparsity.target_active=5,65"], "65 active neurons per token in a layer of model.d_ff=64"),
     (["sparsity.target_active=5,5", "sparsity.l1_coef=0"], "needs an L1-regularised model"),
     (["sparsity.target_active=5,5", "sparsity.target_rate=0"], "sparsity.target_rate must be > 0"),
+    (["sparsity.target_approach_steps=10"], "target_approach_steps moves the per-layer targets: it needs "
+                                            "sparsity.target_active"),
+    (["sparsity.target_active=5,5", "sparsity.target_approach_steps=-1"], "target_approach_steps must be >= 0"),
 ])
 def test_bad_targets_are_refused_naming_the_field(sets, words):
     with pytest.raises(ValueError, match=words):
@@ -132,13 +171,16 @@ def test_the_recipe_passes_its_targets_to_the_run(tmp_path, capsys):
     assert "per-layer targets (1,3 profile, mean 8): 4.0 12.0" in printed and "| target |" in printed
     assert "above 8: the run ended inside the L1 ramp (step 3 of --l1-ramp-steps 300)" in printed
     for bad in (["--profile", "steep"], ["--target-active", "60"],  # micro: d_ff 64, the last layer's target 82
-                ["--profile", "none", "--tolerance", "0.1"]):
+                ["--profile", "none", "--tolerance", "0.1"], ["--profile", "none", "--approach-steps", "5"],
+                ["--approach-steps", "-1"]):
         with pytest.raises(SystemExit):
             train_to_sparse.main(["--dry-run", "--out", str(tmp_path / "bad"), *bad])
         assert not (tmp_path / "bad").exists()
     err = capsys.readouterr().err
     assert "--target-active 60 with --profile small: sparsity.target_active asks for" in err
     assert "--tolerance applies to per-layer targets" in err
+    assert "--approach-steps moves per-layer targets; --profile none has none" in err
+    assert "--approach-steps must be >= 0" in err
     shutil.rmtree(out)
 
 
