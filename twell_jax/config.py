@@ -532,7 +532,7 @@ class SparsityConfig:
     # Steps over which the targets themselves move, from half of each layer's neurons (about a ReLU
     # layer's activity at initialisation) to target_active, linearly in log(1 + active), counted from
     # l1_warmup_start; 0: the targets hold from the first step. A slower approach to sparsity
-    # (training/loss.py, `moving_targets`).
+    # (training/loss.py, `moving_targets`); it did not keep more neurons alive (docs/training.md).
     target_approach_steps: int = 0
 
     def __post_init__(self) -> None:

@@ -16,8 +16,9 @@ it as it is. What this script adds to the preset:
   the paper's 2e-5 over 30000 steps of 1M tokens;
 - a peak learning rate of 3e-4 (`--lr`): with Adam each parameter moves by about the learning
   rate per step whatever its gradient's size, so once the L1 term dominates a gate row's gradient
-  the row is pushed below zero on every input within a few steps; at the preset's 1e-3 a `0.5b`
-  lost 74-92% of its middle layers' neurons, at 3e-4 9-61% (and reached a lower validation loss);
+  the row is pushed below zero on every input within a few steps: at the preset's 1e-3 a `0.5b`
+  lost most of its middle layers' neurons, at 3e-4 far fewer, at a lower validation loss
+  (BENCHMARKS.md, "Checkpoints at the paper's sparsity": checkpoints A and D);
 - the `installed` corpus by default (`--data`): large enough that a run of minutes sees each
   token once;
 - per-layer targets (`--profile`, default "small"): the active neurons per token the paper reports
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=3000, help="most optimizer steps (also the lr schedule)")
     parser.add_argument("--minutes", type=float, default=0.0, help="wall-clock limit of the loop (0 = none)")
     parser.add_argument("--lr", type=float, default=3e-4,
-                        help="peak learning rate (at 1e-3 a `0.5b` lost 74-92%% of its middle layers' neurons)")
+                        help="peak learning rate (at the presets' 1e-3 most neurons of a `0.5b`'s middle layers died)")
     parser.add_argument("--warmup-steps", type=int, default=100)
     parser.add_argument("--global-batch", type=int, default=None,
                         help="sequences per step (default: the micro-batch; 8 at the paper's sizes)")
