@@ -163,16 +163,18 @@ def test_the_recipe_passes_its_targets_to_the_run(tmp_path, capsys):
     out = tmp_path / "run"
     reached = train_to_sparse.main(["--dry-run", "--out", str(out), "--steps", "3", "--profile", "1,3",
                                     "--target-active", "8", "--summary", str(tmp_path / "s.json"),
-                                    "--plot", str(tmp_path / "plot" / "profile.png")])
+                                    "--plot", str(tmp_path / "plot" / "profile.png"),
+                                    "--set", "sparsity.target_approach_steps=7"])  # --set is applied last
     assert (tmp_path / "plot" / "profile.png").read_bytes()[:4] == b"\x89PNG"
     assert reached["target_active_per_layer"] == pytest.approx([4.0, 12.0])
-    assert json.loads((out / "config.json").read_text())["sparsity"]["target_active"] == pytest.approx([4.0, 12.0])
+    written = json.loads((out / "config.json").read_text())["sparsity"]
+    assert written["target_active"] == pytest.approx([4.0, 12.0]) and written["target_approach_steps"] == 7
     printed = capsys.readouterr().out
     assert "per-layer targets (1,3 profile, mean 8): 4.0 12.0" in printed and "| target |" in printed
     assert "above 8: the run ended inside the L1 ramp (step 3 of --l1-ramp-steps 300)" in printed
     for bad in (["--profile", "steep"], ["--target-active", "60"],  # micro: d_ff 64, the last layer's target 82
                 ["--profile", "none", "--tolerance", "0.1"], ["--profile", "none", "--approach-steps", "5"],
-                ["--approach-steps", "-1"]):
+                ["--approach-steps", "-1"], ["--set", "model.no_such_field=1"]):
         with pytest.raises(SystemExit):
             train_to_sparse.main(["--dry-run", "--out", str(tmp_path / "bad"), *bad])
         assert not (tmp_path / "bad").exists()
@@ -181,6 +183,7 @@ def test_the_recipe_passes_its_targets_to_the_run(tmp_path, capsys):
     assert "--tolerance applies to per-layer targets" in err
     assert "--approach-steps moves per-layer targets; --profile none has none" in err
     assert "--approach-steps must be >= 0" in err
+    assert "--set: unknown config field 'model.no_such_field'" in err
     shutil.rmtree(out)
 
 

@@ -1,7 +1,7 @@
 """Train a model until its FFN layers are sparse: the checkpoint the model-level sparse benchmarks use.
 
     python experiments/train_to_sparse.py --config 0.5b --minutes 10 --out runs/0.5b-sparse
-    python experiments/train_to_sparse.py --config 0.5b --profile none --target-active 40 --data stdlib \
+    python experiments/train_to_sparse.py --config 0.5b --lr 1e-3 --profile none --target-active 40 --data stdlib \
         --l1 5e-3 --l1-ramp-steps 2000 --out runs/0.5b-sparser           # the older checkpoints' recipe
     python experiments/train_to_sparse.py --dry-run --out /tmp/sparse-dry      # micro shapes on CPU (the test)
 
@@ -187,8 +187,14 @@ RECIPE_MICRO_BATCH = 8
 RECIPE_REMAT = {"0.5b": "none", "1b": "none", "1.5b": "none", "2b": "full"}
 
 
-def build_config(args: argparse.Namespace) -> ExperimentConfig:
-    """The preset with the script's training settings, then the user's --set overrides."""
+# The fields --profile and --approach-steps set (a --set of them, applied last, wins).
+PROFILE_FIELDS = ("sparsity.target_active", "sparsity.target_approach_steps")
+
+
+def build_config(args: argparse.Namespace, profile_sets: list[str] | None = None) -> ExperimentConfig:
+    """The preset with the script's training settings, then `profile_sets` (the per-layer targets),
+    then the user's --set overrides; without `profile_sets` the user's settings of PROFILE_FIELDS
+    are left out too (the model's shape, to size the targets from)."""
     base = get_config(args.config)
     recipe = []
     if args.config in RECIPE_REMAT:
@@ -211,7 +217,9 @@ def build_config(args: argparse.Namespace) -> ExperimentConfig:
         sets.append(f"train.micro_batch={args.micro_batch}")
     if args.dry_run:
         sets += DRY_RUN_SETS
-    return config_lib.apply_overrides(base, sets + list(args.set))
+    user = list(args.set) if profile_sets is not None else [
+        item for item in args.set if item.split("=", 1)[0].strip() not in PROFILE_FIELDS]
+    return config_lib.apply_overrides(base, sets + (profile_sets or []) + user)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -284,13 +292,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.global_batch is None:
         args.global_batch = args.micro_batch or (RECIPE_MICRO_BATCH if args.config in RECIPE_REMAT
                                                  else get_config(args.config).train.micro_batch)
-    cfg = build_config(args)
+    try:
+        cfg = build_config(args)
+    except ValueError as err:
+        parser.error(f"--set: {err}")
     targets = None
     if profile is not None:
         targets = layer_targets(profile, cfg.model.n_layers, args.target_active)
         try:
-            cfg = config_lib.apply_overrides(cfg, ["sparsity.target_active=" + ",".join(f"{t:.4g}" for t in targets),
-                                                   f"sparsity.target_approach_steps={args.approach_steps}"])
+            cfg = build_config(args, ["sparsity.target_active=" + ",".join(f"{t:.4g}" for t in targets),
+                                      f"sparsity.target_approach_steps={args.approach_steps}"])
         except ValueError as err:  # a target past d_ff
             parser.error(f"--target-active {args.target_active:g} with --profile {args.profile}: {err}")
         targets = tuple(float(t) for t in cfg.sparsity.target_active)  # as the run's config holds them
