@@ -186,3 +186,38 @@ def test_sweep_blocks_takes_a_list_of_kernels(capsys):
     with pytest.raises(SystemExit):
         bench_ffn_train.main(["--sweep-blocks", "token,gemm", "--dry-run"])
     assert "--sweep-blocks takes kernels among token, neuron, pack, ffn, got 'token,gemm'" in capsys.readouterr().err
+
+
+def test_collective_overlap_per_gpu():
+    """Two GPUs, two steps: GPU 0's all-reduce runs 40 us beside a GEMM and 60 us after it (60
+    exposed of 100); GPU 1's all-reduce is fully overlapped; derived and host lines do not count."""
+    nccl = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+    events = [_meta(HOST, "/host:CPU"), _meta(HOST, "python", 1), _meta(GPU, "/device:GPU:0"),
+              _meta(GPU, "Stream #13(Compute)", COMPUTE), _meta(GPU, "Stream #20(Nccl)", COPY),
+              _meta(GPU, "XLA Ops", DERIVED), _meta(OTHER_GPU, "/device:GPU:1"),
+              _meta(OTHER_GPU, "Stream #13(Compute)", COMPUTE), _meta(OTHER_GPU, "Stream #20(Nccl)", COPY)]
+    for step in range(2):
+        t0 = 1000.0 * step
+        events += [_x(GPU, COMPUTE, t0, 100, CUTLASS), _x(GPU, COPY, t0 + 60, 100, nccl),
+                   _x(GPU, DERIVED, t0 + 100, 200, "all-reduce-start"), _x(HOST, 1, t0 + 170, 50, nccl),
+                   _x(OTHER_GPU, COMPUTE, t0, 300, "loop_fusion"), _x(OTHER_GPU, COPY, t0 + 100, 50, nccl)]
+    first, second = kernel_trace.collective_overlap({"traceEvents": events}, steps=2)
+    assert first.gpu == "/device:GPU:0" and second.gpu == "/device:GPU:1"
+    assert first.collective_ms == pytest.approx(0.1) and first.exposed_ms == pytest.approx(0.06)
+    assert first.compute_busy_ms == pytest.approx(0.1) and first.launches == 1
+    assert first.span_ms == pytest.approx(1.16 / 2)  # first start to last end (1160 us), over 2 steps
+    assert first.kernels[0][0].startswith("ncclDevKernel_AllReduce") and first.kernels[0][1:] == (1, pytest.approx(0.1))
+    assert second.collective_ms == pytest.approx(0.05) and second.exposed_ms == 0
+    assert "0.06 exposed" in first.line()
+    with pytest.raises(ValueError, match="steps"):
+        kernel_trace.collective_overlap({"traceEvents": events}, steps=0)
+    with pytest.raises(ValueError, match="traceEvents"):
+        kernel_trace.collective_overlap({}, steps=1)
+
+
+def test_uncovered_length_of_spans():
+    spans = [(0.0, 10.0), (20.0, 30.0)]
+    assert kernel_trace._uncovered(spans, []) == 20
+    assert kernel_trace._uncovered(spans, [(2.0, 4.0), (5.0, 25.0)]) == pytest.approx(2 + 1 + 5)
+    assert kernel_trace._uncovered(spans, [(-5.0, 40.0)]) == 0
+    assert kernel_trace._union([(5.0, 6.0), (0.0, 2.0), (1.0, 3.0)]) == [(0.0, 3.0), (5.0, 6.0)]

@@ -42,6 +42,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from twell_jax import run_dir as run_dir_lib
+from twell_jax.bench import kernel_trace
 from twell_jax.configs import get_config
 from twell_jax.training import parallel
 from twell_jax.training import train as train_lib
@@ -56,8 +58,9 @@ def synthetic(cfg: ExperimentConfig) -> ExperimentConfig:
 
 
 def bench_config(base: ExperimentConfig, ffn_kind: str, num_devices: int, micro_batch: int,
-                 steps: int) -> ExperimentConfig:
-    """`base` on `num_devices` devices, `micro_batch` sequences per device, one accumulation step."""
+                 steps: int, trace_steps: str = "") -> ExperimentConfig:
+    """`base` on `num_devices` devices, `micro_batch` sequences per device, one accumulation step;
+    `trace_steps` ("START:END") the profiler window of the runs on more than one device."""
     model = dataclasses.replace(base.model, ffn_kind=ffn_kind)
     sparsity = base.sparsity
     if not model.kind.l1:
@@ -66,16 +69,25 @@ def bench_config(base: ExperimentConfig, ffn_kind: str, num_devices: int, micro_
         base.train, steps=steps, num_devices=num_devices, micro_batch=micro_batch,
         global_batch=micro_batch * num_devices, eval_every=0, eval_batches=1,
         eval_batch_size=num_devices, checkpoint_every=0, log_every=max(1, steps),
-        tensorboard=False, progress_bar=False)
+        tensorboard=False, progress_bar=False, profile_steps=trace_steps if num_devices > 1 else "")
     return synthetic(dataclasses.replace(base, name=f"dp-{ffn_kind}-{num_devices}dev", model=model,
                                          sparsity=sparsity, train=train))
 
 
 def run_one(cfg: ExperimentConfig, warmup: int, workdir: Path) -> dict[str, Any]:
-    """Train `cfg` once; timing of the steps after `warmup`."""
+    """Train `cfg` once; timing of the steps after `warmup`; with `train.profile_steps` set, each
+    GPU's collective kernels against its other kernels in that window (`collective_overlap`)."""
     # save_final=False: a throw-away run; writing params + Adam state would only cost time and disk.
     result = train_lib.train(cfg, workdir / cfg.name, echo=lambda line: print("   ", line, flush=True),
                              hooks=train_lib.Hooks(save_final=False))
+    overlap = None
+    window = cfg.train.profile_window
+    if window is not None:
+        trace = kernel_trace.read_profile_dir(workdir / cfg.name / run_dir_lib.PROFILE_SUBDIR)
+        overlap = ([] if trace is None else
+                   [o.__dict__ for o in kernel_trace.collective_overlap(trace, window[1] - window[0])])
+        for o in overlap:
+            print("    [trace]", kernel_trace.CollectiveOverlap(**o).line(), flush=True)
     times = np.array([record["step_time_s"] for record in result.history], np.float64)
     steady = times[warmup:]
     step_s = float(np.median(steady))
@@ -94,6 +106,7 @@ def run_one(cfg: ExperimentConfig, warmup: int, workdir: Path) -> dict[str, Any]
         "compile_s": result.summary.get("compile_time_s"),
         "peak_memory_bytes": result.summary.get("peak_memory_bytes"),
         "first_loss": losses[0], "last_loss": losses[-1], "step_times_s": times.tolist(),
+        **({} if overlap is None else {"trace_steps": cfg.train.profile_steps, "collectives": overlap}),
     }
 
 
@@ -145,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="an earlier bench_data_parallel.json of the same config on this machine: "
                              "its 1-device runs are the efficiency's reference (run --devices 2 only, "
                              "e.g. with other XLA_FLAGS or --set)")
+    parser.add_argument("--trace-steps", default="", metavar="START:END",
+                        help="profile these steps of each run on more than one device and report, per GPU, "
+                             "the collective (NCCL) kernels' time per step and how much of it no other "
+                             "kernel overlapped (exposed); the trace's syncs at the window's edges touch "
+                             "two steps, so put the window after --warmup")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"),
                         help="output directory (default: $OUT or ./bench_out)")
     args = parser.parse_args(argv)
@@ -174,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         if not baseline_runs:
             parser.error(f"--baseline {args.baseline} holds no successful 1-device run")
     micro = args.micro_batch or base.train.micro_batch
+    if args.trace_steps:
+        try:
+            bench_config(base, kinds[0] if kinds else "twell", 2, micro, args.steps, args.trace_steps)
+        except ValueError as err:
+            parser.error(f"--trace-steps: {err}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"[bench] {available} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
@@ -184,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_dp_") as tmp:
         for kind in kinds:
             for n in device_counts:
-                cfg = bench_config(base, kind, n, micro, args.steps)
+                cfg = bench_config(base, kind, n, micro, args.steps, args.trace_steps)
                 print(f"[bench] {kind} on {n} device(s): global batch {cfg.train.global_batch}", flush=True)
                 start = time.perf_counter()
                 try:

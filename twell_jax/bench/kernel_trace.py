@@ -146,14 +146,7 @@ def parse_trace(trace_json: dict, repeats: int, units_per_call: int = 1) -> Kern
         stat[1] += dur
         intervals.append((start, start + dur))
     intervals.sort()
-    busy, cur_start, cur_end = 0.0, *intervals[0]
-    for start, end in intervals[1:]:
-        if start > cur_end:
-            busy += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    busy += cur_end - cur_start
+    busy = sum(end - start for start, end in _union(intervals))
     total = sum(dur for _, dur in per_name.values())
     units = repeats * units_per_call
     per_unit_ms = 1e-3 / units
@@ -162,6 +155,101 @@ def parse_trace(trace_json: dict, repeats: int, units_per_call: int = 1) -> Kern
     span = max(end for _, end in intervals) - intervals[0][0]
     return KernelProfile(repeats, stats, span_ms=span * per_unit_ms, kernel_ms=total * per_unit_ms,
                          busy_ms=busy * per_unit_ms, gpu_processes=gpu_names, units_per_call=units_per_call)
+
+
+def _union(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals as sorted disjoint intervals."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+def _uncovered(spans: Sequence[tuple[float, float]], cover: Sequence[tuple[float, float]]) -> float:
+    """Total length of the disjoint sorted `spans` not inside the disjoint sorted `cover`."""
+    out, j = 0.0, 0
+    for start, end in spans:
+        while j < len(cover) and cover[j][1] <= start:
+            j += 1
+        pos, k = start, j
+        while k < len(cover) and cover[k][0] < end:
+            if cover[k][0] > pos:
+                out += cover[k][0] - pos
+            pos = max(pos, cover[k][1])
+            k += 1
+        if pos < end:
+            out += end - pos
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveOverlap:
+    """One GPU's collective kernels (NCCL) against its other kernels over a trace of `steps` steps,
+    figures per step: `exposed_ms` is the collectives' time while no other kernel of that GPU ran
+    (what they add to the step if the rest of the GPU's work is fixed)."""
+
+    gpu: str  # the device plane's name
+    steps: int
+    collective_ms: float  # union of the collective kernels' intervals
+    exposed_ms: float  # of which no other kernel of the GPU overlapped
+    compute_busy_ms: float  # union of the other kernels' intervals
+    span_ms: float  # first kernel start to last kernel end, over `steps`
+    launches: float  # collective kernel launches
+    kernels: tuple[tuple[str, float, float], ...] = ()  # (short name, launches, ms), largest first
+
+    def line(self) -> str:
+        """One line for a console."""
+        return (f"{self.gpu}: collectives {self.collective_ms:.2f} ms/step in {self.launches:.0f} launches, "
+                f"{self.exposed_ms:.2f} exposed; other kernels busy {self.compute_busy_ms:.2f} of a "
+                f"{self.span_ms:.2f} ms span")
+
+
+def collective_overlap(trace_json: dict, steps: int,
+                       pattern: str = r"nccl|all_?reduce|all_?gather|reduce_?scatter") -> list[CollectiveOverlap]:
+    """Per GPU plane of a trace (parse_trace's kernel events), its collective kernels (names matching
+    `pattern`, case-insensitive) against the GPU's other kernels, per step of `steps` traced steps."""
+    if not isinstance(trace_json, dict) or not isinstance(trace_json.get("traceEvents"), list):
+        raise ValueError("trace_json must be a dict with a 'traceEvents' list (the profiler's trace.json)")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    events = trace_json["traceEvents"]
+    processes = _names(events, "process_name")
+    threads = _names(events, "thread_name")
+    collective = re.compile(pattern, re.IGNORECASE)
+    out = []
+    for pid in sorted(p for p, name in processes.items() if GPU_PROCESS_MARK in name):
+        kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") == pid and "dur" in e
+                   and threads.get((pid, e.get("tid")), "").startswith(STREAM_THREAD_PREFIX)]
+        if not kernels:
+            continue
+        comm, other = [], []
+        per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        for e in kernels:
+            start, dur = float(e["ts"]), float(e["dur"])
+            name = str(e.get("name", "?"))
+            if collective.search(name):
+                comm.append((start, start + dur))
+                stat = per_name[short_name(name)]
+                stat[0] += 1
+                stat[1] += dur
+            else:
+                other.append((start, start + dur))
+        comm_u, other_u = _union(comm), _union(other)
+        every = [iv for ivs in (comm, other) for iv in ivs]
+        per_ms = 1e-3 / steps
+        out.append(CollectiveOverlap(
+            gpu=processes[pid], steps=steps,
+            collective_ms=sum(b - a for a, b in comm_u) * per_ms,
+            exposed_ms=_uncovered(comm_u, other_u) * per_ms,
+            compute_busy_ms=sum(b - a for a, b in other_u) * per_ms,
+            span_ms=(max(b for _, b in every) - min(a for a, _ in every)) * per_ms,
+            launches=len(comm) / steps,
+            kernels=tuple(sorted(((name, n / steps, dur * per_ms) for name, (n, dur) in per_name.items()),
+                                 key=lambda k: -k[2]))))
+    return out
 
 
 def kernel_times(fn: Callable[..., Any], args: Sequence[Any], *, repeats: int = 5,

@@ -1,0 +1,27 @@
+"""experiments/bench_data_parallel.py's profiler window (--trace-steps): only the runs on more than
+one device are traced, and a bad window is a one-line usage error before anything runs (the overlap
+figures themselves: tests/test_kernel_trace.py)."""
+from __future__ import annotations
+
+import pytest
+
+from twell_jax.bench import data_parallel
+from twell_jax.configs import get_config
+
+
+def test_only_multi_device_runs_are_traced():
+    base = get_config("micro")
+    assert data_parallel.bench_config(base, "relu_gated", 1, 2, 6, "3:5").train.profile_steps == ""
+    assert data_parallel.bench_config(base, "relu_gated", 2, 2, 6, "3:5").train.profile_steps == "3:5"
+    assert data_parallel.bench_config(base, "relu_gated", 2, 2, 6).train.profile_steps == ""
+
+
+@pytest.mark.parametrize("window, says", [("5", "START:END"), ("4:3", "START:END"), ("9:10", "after the last step")])
+def test_a_bad_trace_window_is_a_usage_error(window, says, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        data_parallel.main(["--config", "micro", "--devices", "1", "--steps", "6", "--warmup", "1",
+                            "--trace-steps", window, "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--trace-steps:" in err and says in err
+    assert not (tmp_path / "out").exists()
