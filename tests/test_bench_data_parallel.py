@@ -1,6 +1,6 @@
-"""experiments/bench_data_parallel.py's profiler window (--trace-steps): only the runs on more than
-one device are traced, and a bad window is a one-line usage error before anything runs (the overlap
-figures themselves: tests/test_kernel_trace.py)."""
+"""experiments/bench_data_parallel.py's profiler window (--trace-steps): every run is traced, and a
+bad window is a one-line usage error before anything runs (the overlap figures themselves:
+tests/test_kernel_trace.py)."""
 from __future__ import annotations
 
 import pytest
@@ -9,9 +9,9 @@ from twell_jax.bench import data_parallel
 from twell_jax.configs import get_config
 
 
-def test_only_multi_device_runs_are_traced():
+def test_the_window_goes_to_every_run():
     base = get_config("micro")
-    assert data_parallel.bench_config(base, "relu_gated", 1, 2, 6, "3:5").train.profile_steps == ""
+    assert data_parallel.bench_config(base, "relu_gated", 1, 2, 6, "3:5").train.profile_steps == "3:5"
     assert data_parallel.bench_config(base, "relu_gated", 2, 2, 6, "3:5").train.profile_steps == "3:5"
     assert data_parallel.bench_config(base, "relu_gated", 2, 2, 6).train.profile_steps == ""
 

@@ -209,6 +209,24 @@ def test_collective_overlap_per_gpu():
     assert first.kernels[0][0].startswith("ncclDevKernel_AllReduce") and first.kernels[0][1:] == (1, pytest.approx(0.1))
     assert second.collective_ms == pytest.approx(0.05) and second.exposed_ms == 0
     assert "0.06 exposed" in first.line()
+    # GPU 0 per step: kernels over [0, 160] of a 1160 us span: idle 1000 - 160 = 840 us, one gap of
+    # 840 us between the steps (after the all-reduce, before the next step's GEMM)
+    assert first.idle_ms == pytest.approx(0.84 / 2)
+    assert first.gaps[0][:2] == (pytest.approx(0.16), pytest.approx(0.84))
+    assert first.gaps[0][2].startswith("ncclDevKernel") and first.gaps[0][3].startswith("gemm:")
+    assert second.idle_ms == pytest.approx(0.7 / 2) and len(second.gaps) == 1
+    assert first.step_ms == pytest.approx(first.span_ms)  # the window starts with a kernel: no leading gap
+
+
+def test_the_windows_leading_gap_is_left_out_of_the_step_time():
+    """A window that starts with the batch copy, 50 us idle, then 100 us of compute, 10 us idle, 40
+    us of compute: a span of 210 us, of which the step's GPU time is 160 (all but the leading gap)."""
+    events = [_meta(GPU, "/device:GPU:0"), _meta(GPU, "Stream #13(Compute)", COMPUTE),
+              _x(GPU, COMPUTE, 0, 10, "MemcpyH2D"), _x(GPU, COMPUTE, 60, 100, CUTLASS),
+              _x(GPU, COMPUTE, 170, 40, "loop_fusion")]
+    (gpu,) = kernel_trace.collective_overlap({"traceEvents": events}, steps=1)
+    assert gpu.span_ms == pytest.approx(0.21) and gpu.idle_ms == pytest.approx(0.06)
+    assert gpu.step_ms == pytest.approx(0.16) and gpu.collective_ms == 0
     with pytest.raises(ValueError, match="steps"):
         kernel_trace.collective_overlap({"traceEvents": events}, steps=0)
     with pytest.raises(ValueError, match="traceEvents"):

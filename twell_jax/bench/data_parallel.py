@@ -60,7 +60,7 @@ def synthetic(cfg: ExperimentConfig) -> ExperimentConfig:
 def bench_config(base: ExperimentConfig, ffn_kind: str, num_devices: int, micro_batch: int,
                  steps: int, trace_steps: str = "") -> ExperimentConfig:
     """`base` on `num_devices` devices, `micro_batch` sequences per device, one accumulation step;
-    `trace_steps` ("START:END") the profiler window of the runs on more than one device."""
+    `trace_steps` ("START:END") the profiler window of the run."""
     model = dataclasses.replace(base.model, ffn_kind=ffn_kind)
     sparsity = base.sparsity
     if not model.kind.l1:
@@ -69,9 +69,30 @@ def bench_config(base: ExperimentConfig, ffn_kind: str, num_devices: int, micro_
         base.train, steps=steps, num_devices=num_devices, micro_batch=micro_batch,
         global_batch=micro_batch * num_devices, eval_every=0, eval_batches=1,
         eval_batch_size=num_devices, checkpoint_every=0, log_every=max(1, steps),
-        tensorboard=False, progress_bar=False, profile_steps=trace_steps if num_devices > 1 else "")
+        tensorboard=False, progress_bar=False, profile_steps=trace_steps)
     return synthetic(dataclasses.replace(base, name=f"dp-{ffn_kind}-{num_devices}dev", model=model,
                                          sparsity=sparsity, train=train))
+
+
+def trace_summary(trace: dict | None, steps: int) -> tuple[dict[str, Any], list[str]]:
+    """What a run's profiler window shows, per step: the first GPU's kernels (parse_trace) and each
+    GPU's collectives, exposed collective time, idle time and longest idle gaps
+    (collective_overlap), as a record's fields and console lines."""
+    if trace is None:
+        return {"collectives": []}, ["no trace was written"]
+    events = trace["traceEvents"]
+    gpus = sorted(e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                  and kernel_trace.GPU_PROCESS_MARK in str(e.get("args", {}).get("name", "")))
+    profile = kernel_trace.parse_trace(
+        {"traceEvents": [e for e in events if not gpus or e.get("pid") == gpus[0]]}, steps)
+    overlap = kernel_trace.collective_overlap(trace, steps)
+    lines = kernel_trace.format_profile(profile, top=10)
+    for gpu in overlap:
+        lines.append(gpu.line())
+        lines += [f"  idle {length:.2f} ms at +{at:.2f} ms, after {before}, before {after}"
+                  for at, length, before, after in gpu.gaps[:3]]
+    return {"collectives": [dataclasses.asdict(gpu) for gpu in overlap],
+            "first_gpu_kernels": profile.to_json()}, lines
 
 
 def run_one(cfg: ExperimentConfig, warmup: int, workdir: Path) -> dict[str, Any]:
@@ -80,14 +101,13 @@ def run_one(cfg: ExperimentConfig, warmup: int, workdir: Path) -> dict[str, Any]
     # save_final=False: a throw-away run; writing params + Adam state would only cost time and disk.
     result = train_lib.train(cfg, workdir / cfg.name, echo=lambda line: print("   ", line, flush=True),
                              hooks=train_lib.Hooks(save_final=False))
-    overlap = None
+    traced = None
     window = cfg.train.profile_window
     if window is not None:
         trace = kernel_trace.read_profile_dir(workdir / cfg.name / run_dir_lib.PROFILE_SUBDIR)
-        overlap = ([] if trace is None else
-                   [o.__dict__ for o in kernel_trace.collective_overlap(trace, window[1] - window[0])])
-        for o in overlap:
-            print("    [trace]", kernel_trace.CollectiveOverlap(**o).line(), flush=True)
+        traced, lines = trace_summary(trace, window[1] - window[0])
+        for line in lines:
+            print("    [trace]", line, flush=True)
     times = np.array([record["step_time_s"] for record in result.history], np.float64)
     steady = times[warmup:]
     step_s = float(np.median(steady))
@@ -106,7 +126,7 @@ def run_one(cfg: ExperimentConfig, warmup: int, workdir: Path) -> dict[str, Any]
         "compile_s": result.summary.get("compile_time_s"),
         "peak_memory_bytes": result.summary.get("peak_memory_bytes"),
         "first_loss": losses[0], "last_loss": losses[-1], "step_times_s": times.tolist(),
-        **({} if overlap is None else {"trace_steps": cfg.train.profile_steps, "collectives": overlap}),
+        **({} if traced is None else {"trace_steps": cfg.train.profile_steps, **traced}),
     }
 
 
@@ -159,10 +179,10 @@ def main(argv: list[str] | None = None) -> int:
                              "its 1-device runs are the efficiency's reference (run --devices 2 only, "
                              "e.g. with other XLA_FLAGS or --set)")
     parser.add_argument("--trace-steps", default="", metavar="START:END",
-                        help="profile these steps of each run on more than one device and report, per GPU, "
-                             "the collective (NCCL) kernels' time per step and how much of it no other "
-                             "kernel overlapped (exposed); the trace's syncs at the window's edges touch "
-                             "two steps, so put the window after --warmup")
+                        help="profile these steps of each run and report, per GPU, the collective (NCCL) "
+                             "kernels' time per step, how much of it no other kernel overlapped (exposed), "
+                             "the GPU's idle time and its longest idle gaps; the trace's syncs at the "
+                             "window's edges touch two steps, so put the window after --warmup")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"),
                         help="output directory (default: $OUT or ./bench_out)")
     args = parser.parse_args(argv)

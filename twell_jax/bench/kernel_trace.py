@@ -21,6 +21,7 @@ what the trace did hold; host events are never counted in their place.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import gzip
 import json
@@ -185,6 +186,18 @@ def _uncovered(spans: Sequence[tuple[float, float]], cover: Sequence[tuple[float
     return out
 
 
+_COPY = re.compile(r"^(Memcpy|Memset)", re.IGNORECASE)
+
+
+def _leading_gap(kernels: Sequence[dict], busy: Sequence[tuple[float, float]]) -> float:
+    """The idle time before the first kernel that is not a copy or memset (the window's batch copy
+    and the wait for the first traced step's dispatch); 0 when the window starts with computation."""
+    first = min((float(e["ts"]) for e in kernels if not _COPY.match(str(e.get("name", "")))), default=None)
+    if first is None:
+        return 0.0
+    return sum(min(b_start, first) - a_end for (_, a_end), (b_start, _) in zip(busy, busy[1:]) if a_end < first)
+
+
 @dataclasses.dataclass(frozen=True)
 class CollectiveOverlap:
     """One GPU's collective kernels (NCCL) against its other kernels over a trace of `steps` steps,
@@ -199,18 +212,29 @@ class CollectiveOverlap:
     span_ms: float  # first kernel start to last kernel end, over `steps`
     launches: float  # collective kernel launches
     kernels: tuple[tuple[str, float, float], ...] = ()  # (short name, launches, ms), largest first
+    idle_ms: float = 0.0  # of the span, no kernel of the GPU running
+    # The GPU's time per step with the window's leading gap left out (the trace starts before the
+    # first traced step is dispatched: its batch copy, then idle until the host has dispatched the
+    # step, which in a steady run overlaps the step before): (span - that gap) / steps.
+    step_ms: float = 0.0
+    # The longest idle gaps of the window: (ms from the window's first kernel, length ms, the kernel
+    # that ended before it, the kernel that started after it), longest first.
+    gaps: tuple[tuple[float, float, str, str], ...] = ()
 
     def line(self) -> str:
         """One line for a console."""
         return (f"{self.gpu}: collectives {self.collective_ms:.2f} ms/step in {self.launches:.0f} launches, "
-                f"{self.exposed_ms:.2f} exposed; other kernels busy {self.compute_busy_ms:.2f} of a "
-                f"{self.span_ms:.2f} ms span")
+                f"{self.exposed_ms:.2f} exposed; other kernels busy {self.compute_busy_ms:.2f}, idle "
+                f"{self.idle_ms:.2f} of a {self.span_ms:.2f} ms span; {self.step_ms:.2f} ms a step without "
+                f"the window's leading gap")
 
 
 def collective_overlap(trace_json: dict, steps: int,
-                       pattern: str = r"nccl|all_?reduce|all_?gather|reduce_?scatter") -> list[CollectiveOverlap]:
+                       pattern: str = r"nccl|all_?reduce|all_?gather|reduce_?scatter",
+                       top_gaps: int = 5) -> list[CollectiveOverlap]:
     """Per GPU plane of a trace (parse_trace's kernel events), its collective kernels (names matching
-    `pattern`, case-insensitive) against the GPU's other kernels, per step of `steps` traced steps."""
+    `pattern`, case-insensitive) against the GPU's other kernels, per step of `steps` traced steps,
+    and the `top_gaps` longest stretches with no kernel at all."""
     if not isinstance(trace_json, dict) or not isinstance(trace_json.get("traceEvents"), list):
         raise ValueError("trace_json must be a dict with a 'traceEvents' list (the profiler's trace.json)")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -240,12 +264,27 @@ def collective_overlap(trace_json: dict, steps: int,
         comm_u, other_u = _union(comm), _union(other)
         every = [iv for ivs in (comm, other) for iv in ivs]
         per_ms = 1e-3 / steps
+        busy = _union(every)
+        origin = busy[0][0]
+        ordered = sorted(kernels, key=lambda e: float(e["ts"]) + float(e["dur"]))
+        ends = [float(e["ts"]) + float(e["dur"]) for e in ordered]
+        starts = sorted(kernels, key=lambda e: float(e["ts"]))
+        holes = []
+        for (_, end), (start, _) in zip(busy, busy[1:]):
+            before = ordered[max(0, bisect.bisect_right(ends, end) - 1)]
+            after = next(e for e in starts if float(e["ts"]) >= start)
+            holes.append(((end - origin) * 1e-3, (start - end) * 1e-3, short_name(str(before.get("name", "?"))),
+                          short_name(str(after.get("name", "?")))))
+        holes.sort(key=lambda h: -h[1])
         out.append(CollectiveOverlap(
             gpu=processes[pid], steps=steps,
             collective_ms=sum(b - a for a, b in comm_u) * per_ms,
             exposed_ms=_uncovered(comm_u, other_u) * per_ms,
             compute_busy_ms=sum(b - a for a, b in other_u) * per_ms,
-            span_ms=(max(b for _, b in every) - min(a for a, _ in every)) * per_ms,
+            span_ms=(busy[-1][1] - origin) * per_ms,
+            idle_ms=(busy[-1][1] - origin - sum(b - a for a, b in busy)) * per_ms,
+            step_ms=(busy[-1][1] - origin - _leading_gap(kernels, busy)) * per_ms,
+            gaps=tuple(holes[:top_gaps]),
             launches=len(comm) / steps,
             kernels=tuple(sorted(((name, n / steps, dur * per_ms) for name, (n, dur) in per_name.items()),
                                  key=lambda k: -k[2]))))
