@@ -44,6 +44,9 @@ def _resolve_capacity(spec: int | float, n: int) -> int:
     return min(n, spec) if isinstance(spec, int) else min(n, math.ceil(spec * n))
 
 
+# SparseFFNConfig.pack_backend's values.
+PACK_BACKENDS = ("auto", "triton", "mosaic")
+
 # SparseFFNConfig's fields typed by the kernels' own dataclasses (checked by _check_kernel_configs).
 _KERNEL_CONFIG_FIELDS = ("pack_block_sizes", "ffn_block_sizes", "decode_block_sizes", "backward")
 
@@ -115,6 +118,11 @@ class SparseFFNConfig:
     expected_hot_entries: float | None = None
     # Pallas: block sizes of the pack kernel (None = the kernel's defaults).
     pack_block_sizes: PackBlockSizes | None = None
+    # Pallas: the gate GEMM + TwELL pack's GPU backend (the same outputs bit for bit): "triton"
+    # (pallas_kernels/twell_pack.py), "mosaic" (Pallas Mosaic GPU, Hopper, 16-bit activations, tile
+    # 256: pallas_kernels/twell_pack_mgpu.py) or "auto" (mosaic where it runs and was measured
+    # faster, else triton: pallas_forward.resolve_pack_backend).
+    pack_backend: str = "auto"
     # Pallas: block sizes of the fused FFN kernel (None = the kernel's defaults).
     ffn_block_sizes: FFNBlockSizes | None = None
     # Pallas decode path (pallas_decode): static length of the list of active neurons of a call; a
@@ -155,6 +163,9 @@ class SparseFFNConfig:
                              f"in (0, 1] (a fraction of the tokens), got {width!r}")
         if self.slots > self.tile:
             raise ValueError(f"SparseFFNConfig.slots ({self.slots}) must be <= tile ({self.tile})")
+        if self.pack_backend not in PACK_BACKENDS:
+            raise ValueError(f"SparseFFNConfig.pack_backend must be one of {', '.join(PACK_BACKENDS)}, "
+                             f"got {self.pack_backend!r}")
         _check_capacity_spec("SparseFFNConfig.tail_rows", self.tail_rows)
         _check_capacity_spec("SparseFFNConfig.transpose_tail_rows", self.transpose_tail_rows)
         if any(getattr(self, name) is not None for name in _KERNEL_CONFIG_FIELDS):

@@ -47,7 +47,6 @@ from jax import lax
 from twell_jax.pallas_kernels.twell_bwd_neuron import neuron_backward
 from twell_jax.pallas_kernels.twell_bwd_token import (rank_values, token_backward,
                                             token_lists)
-from twell_jax.pallas_kernels.twell_pack import PackBlockSizes, pack_gate
 from twell_jax.pallas_kernels.common import next_pow2
 from twell_jax.pallas_kernels.twell_transpose import chunk_histograms, neuron_lists, pack_tile
 from twell_jax.ops import pallas_forward
@@ -160,8 +159,7 @@ def forward(gated: bool, x_MxD: jax.Array, weights: Weights, config: SparseFFNCo
         return y, {**aux, "backward_tail_rows": jnp.zeros((), jnp.int32),
                    "backward_hot_neurons": jnp.zeros((), jnp.int32)}, None
     bc = config.backward or BackwardConfig()
-    pack = pack_gate(x_MxD, w_act, tile=s["tile"], slots=s["slots"],
-                     block_sizes=s["pack_block_sizes"], interpret=interpret)
+    pack = pallas_forward.run_pack(x_MxD, w_act, s, interpret)
     # Kept: the fused FFN also writes its entries' values (and u, gated) in rank order, the order
     # of the backward's lists, so no pass of its own ranks them.
     y, aux, *ranked = pallas_forward.sparse_forward(
@@ -418,9 +416,7 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
         ranked_u = kept.ranked_u
     else:
         if kept is None:
-            kept = pack_gate(x_MxD, w_act, tile=config.tile, slots=slots,
-                             block_sizes=config.pack_block_sizes or PackBlockSizes(),
-                             interpret=interpret)
+            kept = pallas_forward.run_pack(x_MxD, w_act, pallas_forward.settings(config, m), interpret)
         values, indices, counts = kept
     gy_MxD = gy_MxD.astype(x_MxD.dtype)
     l1_scale = gl1.astype(jnp.float32) / m

@@ -53,6 +53,55 @@ def available() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def _hopper() -> bool:
+    """Whether JAX's first device is a CUDA GPU of compute capability 9.x (H100, H200)."""
+    if jax.default_backend() != "gpu":
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+
+
+def mosaic_pack_refusal(dtype: Any, tile: int, slots: int, interpret: bool) -> str | None:
+    """Why the Mosaic GPU pack cannot run this call (None: it can)."""
+    from twell_jax.pallas_kernels import twell_pack_mgpu  # noqa: PLC0415 (only where a pack runs)
+
+    if interpret:
+        return "it has no interpreter on this JAX (interpret=True runs the Triton kernel)"
+    if not twell_pack_mgpu.available():
+        return f"this JAX ({jax.__version__}) lacks Mosaic GPU names it uses"
+    if not _hopper():
+        return "it needs a Hopper GPU (compute capability 9.x)"
+    if jnp.dtype(dtype).itemsize != 2:
+        return f"it takes 16-bit activations, not {jnp.dtype(dtype).name}"
+    if tile != 256 or not 8 <= slots <= 128:
+        return f"it wants tile 256 and 8 <= slots <= 128, not tile {tile}, slots {slots}"
+    return None
+
+
+def resolve_pack_backend(config: SparseFFNConfig, dtype: Any, interpret: bool) -> str:
+    """The pack kernel a call runs: SparseFFNConfig.pack_backend, "auto" resolved (Mosaic GPU where
+    it can run, i.e. on Hopper: measured faster than the Triton kernel there, BENCHMARKS.md, "The
+    pack on Mosaic GPU"; Triton elsewhere); "mosaic" where it cannot run is a ValueError saying why."""
+    if config.pack_backend == "triton":
+        return "triton"
+    refusal = mosaic_pack_refusal(dtype, config.tile, config.slots, interpret)
+    if config.pack_backend == "mosaic" and refusal is not None:
+        raise ValueError(f"SparseFFNConfig.pack_backend='mosaic' cannot run here: {refusal}; use 'auto' "
+                         f"or 'triton'")
+    return "triton" if refusal is not None else "mosaic"
+
+
+def run_pack(x_MxD: jax.Array, w_act_HxD: jax.Array, s: dict[str, Any], interpret: bool
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The gate GEMM + TwELL pack of a call with settings `s` (values, indices, counts), on the
+    backend resolve_pack_backend chose: the op's one call site of the pack kernels."""
+    if resolve_pack_backend(s["config"], x_MxD.dtype, interpret) == "mosaic":
+        from twell_jax.pallas_kernels.twell_pack_mgpu import pack_gate_mgpu  # noqa: PLC0415
+
+        return pack_gate_mgpu(x_MxD, w_act_HxD, tile=s["tile"], slots=s["slots"])
+    return pack_gate(x_MxD, w_act_HxD, tile=s["tile"], slots=s["slots"], block_sizes=s["pack_block_sizes"],
+                     interpret=interpret)
+
+
 def require_runnable(interpret: bool) -> None:
     if not interpret and not available():
         raise RuntimeError(
@@ -123,9 +172,7 @@ def sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array |
     them, dense_fallback 1), so NaN/Inf propagate as the dense formula's do without a second
     branch; the kernels' outputs are then discarded."""
     m, h = x_MxD.shape[0], w_act_HxD.shape[0]
-    values, indices, counts = pack if pack is not None else pack_gate(
-        x_MxD, w_act_HxD, tile=s["tile"], slots=s["slots"], block_sizes=s["pack_block_sizes"],
-        interpret=interpret)
+    values, indices, counts = pack if pack is not None else run_pack(x_MxD, w_act_HxD, s, interpret)
     y_MxD, l1_M, *ranked = sparse_ffn(x_MxD, values, indices, counts, w_up_HxD, w_down_HxD,
                                       block_sizes=s["ffn_block_sizes"], ranked_width=ranked_width,
                                       interpret=interpret)
