@@ -25,3 +25,11 @@ def test_a_bad_trace_window_is_a_usage_error(window, says, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--trace-steps:" in err and says in err
     assert not (tmp_path / "out").exists()
+
+
+def test_gpu_time_efficiency_takes_the_slowest_gpu():
+    one = {"collectives": [{"step_ms": 190.0}]}
+    two = {"collectives": [{"step_ms": 195.0}, {"step_ms": 200.0}]}
+    assert data_parallel.gpu_time_efficiency(two, one) == pytest.approx(0.95)
+    assert data_parallel.gpu_time_efficiency(two, {"collectives": []}) is None  # a CPU trace: no GPU planes
+    assert data_parallel.gpu_time_efficiency({}, one) is None  # not traced
