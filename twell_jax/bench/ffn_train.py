@@ -56,8 +56,9 @@ each kernel's launches, ms and share per fwd+bwd call, the wall span and busy ti
 rows ("trace"; the xla_bf16 and pallas forward programs: "trace_fwd", "trace_infer") and the
 table (top 12). --sweep-blocks [token,neuron,pack,ffn] (synthetic; default all four): those kernels
 timed alone over their launch parameters (TOKEN_SWEEP: split x block_t x num_warps x num_stages;
-NEURON_SWEEP: block_n x num_warps; PACK_SWEEP: launch order group_m x num_stages, beside XLA's
-relu(x W_gate^T); FFN_SWEEP: block_t x num_warps) at the first case's shape (with --shape: the
+NEURON_SWEEP: block_n x num_warps; PACK_SWEEP: the Triton pack's launch order group_m x
+num_stages, beside XLA's relu(x W_gate^T) (the pieces' "pack" is the one the op runs,
+`SparseFFNConfig.pack_backend`: Mosaic GPU on Hopper; its layouts are bench_pack.py's); FFN_SWEEP: block_t x num_warps) at the first case's shape (with --shape: the
 first trained-like case's), each variant's outputs compared bit for bit with the default launch's
 (`sweep_block_sizes`); a "sweep_blocks" JSON row and a table sorted by time with the default marked.
 """
@@ -85,11 +86,11 @@ from twell_jax.pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes, neuro
 from twell_jax.pallas_kernels.twell_bwd_token import TokenBwdBlockSizes, rank_values, token_backward, token_lists
 from twell_jax.pallas_kernels.twell_transpose import neuron_lists
 from twell_jax.pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn
-from twell_jax.pallas_kernels.twell_pack import PackBlockSizes, pack_gate
+from twell_jax.pallas_kernels.twell_pack import PackBlockSizes
 from twell_jax import ops
 from twell_jax.config import FFN_KIND_TABLE
 from twell_jax.model import FeedForward, Transformer
-from twell_jax.ops import pallas_backward, planner
+from twell_jax.ops import pallas_backward, pallas_forward, planner
 
 L1_COEF = 3e-4 / 8  # the 0.5b recipe's lambda over its 8 layers (docs/training.md, "L1 penalty")
 BACKENDS = ("xla_bf16", "dense", "reference", "pallas", "pallas_recompute", "auto")
@@ -208,10 +209,10 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
     token_tail / neuron_tail are the backward's own pallas_backward.token_tail_backward /
     hot_neuron_backward, so they take the tails as the backward does on this pattern; `measure`
     checks both against xla_bf16's gradients on their rows."""
-    s = dict(tile=config.tile, slots=config.slots)
     bc = config.backward or pallas_backward.BackwardConfig()
-    pack = jax.jit(lambda x, wg: pack_gate(x, wg, **s, interpret=interpret,
-                                           block_sizes=config.pack_block_sizes or PackBlockSizes()))
+    # the pack the op runs (config.pack_backend: Mosaic GPU on Hopper, else Triton)
+    pack = jax.jit(lambda x, wg: pallas_forward.run_pack(x, wg, pallas_forward.settings(config, x.shape[0]),
+                                                         interpret))
 
     def token_inputs(pack_out):
         """(values, indices, the kernels' counts (tail rows 0), the token-tail mask)."""
@@ -550,8 +551,9 @@ def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: op
     def neuron_run(sizes: NeuronBwdBlockSizes):
         return pieces(neuron_block_sizes=sizes)["neuron"], (x, gy, lists, values_E)
 
-    def pack_run(sizes: PackBlockSizes):
-        return piece_fns(dataclasses.replace(config, pack_block_sizes=sizes), interpret, h)["pack"], (x, wg)
+    def pack_run(sizes: PackBlockSizes):  # the Triton kernel's launch parameters (the Mosaic pack: bench_pack.py)
+        swept = dataclasses.replace(config, pack_block_sizes=sizes, pack_backend="triton")
+        return piece_fns(swept, interpret, h)["pack"], (x, wg)
 
     def ffn_run(sizes: FFNBlockSizes):
         return (functools.partial(sparse_ffn, block_sizes=sizes, interpret=interpret),
