@@ -57,15 +57,16 @@ class MgpuPackBlockSizes:
     # tile 256); 128 = the warp-specialized persistent layout: two compute warpgroups of 64 rows
     # each and a third that only issues the TMA copies, one program per SM looping over the tiles.
     block_m: int = 128
-    block_k: int = 64  # K step of the pipeline (64 bf16 = one 128-byte swizzled row)
+    block_k: int = 64  # K step of the pipeline (64 16-bit values = one 128-byte swizzled row; the only one run)
     max_concurrent_steps: int = 4  # K steps in flight (shared-memory stages)
 
     def __post_init__(self) -> None:
         if self.block_m not in (64, 128):
             raise ValueError(f"MgpuPackBlockSizes.block_m must be 64 (one warpgroup) or 128 (two, "
                              f"warp-specialized), got {self.block_m}")
-        if self.block_k not in (32, 64):
-            raise ValueError(f"MgpuPackBlockSizes.block_k must be 32 or 64, got {self.block_k}")
+        if self.block_k != 64:
+            raise ValueError(f"MgpuPackBlockSizes.block_k must be 64 (the 128-byte swizzle the kernel was "
+                             f"checked with), got {self.block_k}")
         if not isinstance(self.max_concurrent_steps, int) or not 1 <= self.max_concurrent_steps <= 8:
             raise ValueError(f"MgpuPackBlockSizes.max_concurrent_steps must be an int in [1, 8], "
                              f"got {self.max_concurrent_steps!r}")
