@@ -20,7 +20,7 @@ from twell_jax.ops import pallas_forward
 from twell_jax.pallas_kernels import twell_pack_mgpu as mg
 from twell_jax.pallas_kernels.twell_pack import pack_gate, pack_gate_reference
 
-HOPPER = pallas_forward._hopper()
+HOPPER = pallas_forward.is_hopper()
 on_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (the kernel has no CPU interpreter here)")
 
 

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--k and --op-k take sparsities in (0, {bench_ffn.H})")
     if args.m < 1 or args.repeats < 1:
         parser.error("--m and --repeats must be >= 1")
-    if not pallas_forward._hopper() or not mg.available():
+    if not pallas_forward.is_hopper() or not mg.available():
         parser.error(f"needs a Hopper GPU and a JAX with Pallas Mosaic GPU (backend {jax.default_backend()}, "
                      f"jax {jax.__version__})")
     out_dir = Path(args.out)

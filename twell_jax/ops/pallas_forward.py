@@ -53,7 +53,7 @@ def available() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def _hopper() -> bool:
+def is_hopper() -> bool:
     """Whether JAX's first device is a CUDA GPU of compute capability 9.x (H100, H200)."""
     if jax.default_backend() != "gpu":
         return False
@@ -68,7 +68,7 @@ def mosaic_pack_refusal(dtype: Any, tile: int, slots: int, interpret: bool) -> s
         return "it has no interpreter on this JAX (interpret=True runs the Triton kernel)"
     if not twell_pack_mgpu.available():
         return f"this JAX ({jax.__version__}) lacks Mosaic GPU names it uses"
-    if not _hopper():
+    if not is_hopper():
         return "it needs a Hopper GPU (compute capability 9.x)"
     if jnp.dtype(dtype).itemsize != 2:
         return f"it takes 16-bit activations, not {jnp.dtype(dtype).name}"
