@@ -5,19 +5,18 @@ epilogue, with the same outputs as `twell_pack.pack_gate` (the Triton kernel), b
     indices [M, NT, S]  int32   global column of the k-th positive element, ascending; unused 0
     values  [M, NT, S]  dtype   acc rounded to the activation dtype; unused 0
 
-Per (block of rows, tile of `tile` hidden columns): a pipelined K loop of TMA copies into shared
-memory and wgmma products into an fp32 register accumulator [64, tile] per warpgroup (x rows times
-a transposed view of w's [tile, block_k] block: w stays neuron-major), then the epilogue of
-`twell_pack` ("extract by successive minimum": one int32 key (tile-local column << 16 | value
-bits) per element, slot k = the row's smallest key above slot k-1's, for min(largest count in the
-block, S) slots), written to shared memory and copied out by TMA. The counts are written
-tile-major ([NT, M]: a TMA row of 64 counts) and transposed by the wrapper. Two launch layouts
-(`MgpuPackBlockSizes.block_m`): 128 (default), persistent and warp-specialized, one program per SM
-looping over (128-row block, tile) pairs, two compute warpgroups of 64 rows and one that issues
-the copies; 64, a grid of programs of one warpgroup each (simpler, slower).
+A persistent, warp-specialized kernel: one program per SM loops over (128-row block, tile of
+`tile` hidden columns) pairs, the tile varying fastest; warpgroups 0 and 1 each own 64 rows (a
+wgmma M of 64; an fp32 accumulator [64, tile]) and warpgroup 2 issues the TMA copies of the K
+pipeline (x rows and w's [tile, 64] block, w read through a transposed view: it stays
+neuron-major). The epilogue is `twell_pack`'s ("extract by successive minimum": one int32 key
+(tile-local column << 16 | value bits) per element, slot k = the row's smallest key above slot
+k-1's, for min(largest count in the block, S) slots), written to shared memory and copied out by
+TMA. The counts are written tile-major ([NT, M]: a TMA row of 64 counts) and transposed by the
+wrapper.
 
 Scope: 16-bit activations (bf16/f16) only (the fp32 pack needs the value's 32 bits beside the
-column), H % tile == 0 and D % block_k == 0 after the wrapper's padding, Hopper (sm_90a) GPUs.
+column), H % tile == 0 and D % 64 == 0 after the wrapper's padding, Hopper (sm_90a) GPUs.
 `available()` says whether this JAX has the Mosaic GPU API the kernel is written against. No CPU
 interpreter covers it on JAX 0.10 (`plgpu` has no `InterpretGPUParams` there), so it is tested on
 the GPU against `pack_gate_reference` and the Triton kernel (tests/test_pack_mgpu.py).
@@ -32,14 +31,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .common import is_pow2 as _is_pow2, round_up
+from .common import round_up
 
 try:  # the Mosaic GPU Pallas API (JAX >= 0.7 ships it; its names move between versions)
     from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover (every supported JAX has the module)
     plgpu = None
 
-_NEEDED = ("kernel", "emit_pipeline", "wgmma", "ACC", "SMEM", "BlockSpec", "transpose_ref",
+_NEEDED = ("kernel", "wgmma", "ACC", "SMEM", "BlockSpec", "transpose_ref",
            "copy_smem_to_gmem", "commit_smem", "wait_smem_to_gmem", "TilingTransform", "SwizzleTransform",
            "broadcasted_iota", "Layout", "emit_pipeline_warp_specialized", "nd_loop")
 
@@ -51,33 +50,28 @@ def available() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class MgpuPackBlockSizes:
-    """Static launch parameters of the Mosaic GPU pack kernel."""
+    """Static launch parameters of the Mosaic GPU pack kernel (rows per block 128, K step 64: fixed)."""
 
-    # Token rows per program: 64 = one warpgroup (acc [64, tile] fp32 = 128 registers a thread at
-    # tile 256); 128 = the warp-specialized persistent layout: two compute warpgroups of 64 rows
-    # each and a third that only issues the TMA copies, one program per SM looping over the tiles.
-    block_m: int = 128
-    block_k: int = 64  # K step of the pipeline (64 16-bit values = one 128-byte swizzled row; the only one run)
-    max_concurrent_steps: int = 4  # K steps in flight (shared-memory stages)
+    # K steps in flight (shared-memory stages of x [128, 64] and w [tile, 64]; 5 no longer fit)
+    max_concurrent_steps: int = 4
 
     def __post_init__(self) -> None:
-        if self.block_m not in (64, 128):
-            raise ValueError(f"MgpuPackBlockSizes.block_m must be 64 (one warpgroup) or 128 (two, "
-                             f"warp-specialized), got {self.block_m}")
-        if self.block_k != 64:
-            raise ValueError(f"MgpuPackBlockSizes.block_k must be 64 (the 128-byte swizzle the kernel was "
-                             f"checked with), got {self.block_k}")
-        if not isinstance(self.max_concurrent_steps, int) or not 1 <= self.max_concurrent_steps <= 8:
-            raise ValueError(f"MgpuPackBlockSizes.max_concurrent_steps must be an int in [1, 8], "
+        if isinstance(self.max_concurrent_steps, bool) or not isinstance(self.max_concurrent_steps, int) \
+                or not 1 <= self.max_concurrent_steps <= 4:
+            raise ValueError(f"MgpuPackBlockSizes.max_concurrent_steps must be an int in [1, 4], "
                              f"got {self.max_concurrent_steps!r}")
+
+
+BLOCK_M = 128  # token rows per block: two compute warpgroups of 64
+BLOCK_K = 64  # K step: 64 16-bit values, one 128-byte swizzled row
 
 
 _INT32_MAX = 2**31 - 1
 
 
-def _epilogue_keys(acc, counts_smem, *, tile: int, slots: int, dtype) -> tuple[jax.Array, jax.Array]:
-    """(keys [BM, S] int32 of the first S active columns, -1 where none; counts [BM]) of one tile's
-    fp32 accumulator, by successive minimum (module doc). The counts go to `counts_smem` first: the
+def _epilogue_keys(acc, counts_smem, *, tile: int, slots: int, dtype) -> jax.Array:
+    """keys [BM, S] int32 of the first S active columns (-1 where none) of one tile's fp32
+    accumulator, by successive minimum (module doc); the counts [BM] go to `counts_smem`, whence the
     loop's bound (the block's largest count) is read back from there, since a cross-warp reduction
     (`jnp.max`) would use the kernel's one reduction scratch, which two compute warpgroups share."""
     block_m = acc.shape[0]
@@ -109,46 +103,7 @@ def _epilogue_keys(acc, counts_smem, *, tile: int, slots: int, dtype) -> tuple[j
     # would carry a layout the loop's results do not have.
     init = (counts * 0 - 1, slot * 0 - 1)
     _, out = lax.fori_loop(0, n_extract, extract, init)
-    return out, counts
-
-
-def _pack_body(x_gmem, w_gmem, values_gmem, indices_gmem, counts_gmem, *, tile: int, slots: int,
-               block_m: int, block_k: int, n_k: int, max_concurrent_steps: int) -> None:
-    """One program (grid axes "t", "m"; the tile varies fastest, so the programs running at once
-    share their rows' x block and every W tile stays in L2): rows [m * BM, (m+1) * BM) x hidden
-    tile t."""
-    m_idx = lax.axis_index("m")
-    t_idx = lax.axis_index("t")
-    dtype = x_gmem.dtype
-    swizzle = 128 if block_k * jnp.dtype(dtype).itemsize >= 128 else 64
-    swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
-    transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
-
-    def acc_scope(acc_ref):
-        def step(_, x_smem, w_smem):
-            plgpu.wgmma(acc_ref, x_smem, plgpu.transpose_ref(w_smem, (1, 0)))
-
-        # delay_release=1: a step's buffers are refilled only after the next step, when its
-        # (asynchronous) wgmma is known to be done with them.
-        plgpu.emit_pipeline(
-            step, grid=(n_k,),
-            in_specs=[plgpu.BlockSpec((block_m, block_k), lambda k: (m_idx, k), transforms=transforms,
-                                      delay_release=1),
-                      plgpu.BlockSpec((tile, block_k), lambda k: (t_idx, k), transforms=transforms,
-                                      delay_release=1)],
-            max_concurrent_steps=max_concurrent_steps,
-        )(x_gmem, w_gmem)
-        return acc_ref[...]
-
-    acc = pl.run_scoped(acc_scope, plgpu.ACC((block_m, tile), jnp.float32))
-
-    def store_scope(values_smem, indices_smem, counts_smem):
-        _write_tile(acc, (values_smem, indices_smem, counts_smem), (values_gmem, indices_gmem, counts_gmem),
-                    pl.ds(m_idx * block_m, block_m), t_idx, tile=tile, slots=slots, dtype=dtype)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    pl.run_scoped(store_scope, plgpu.SMEM((block_m, slots), dtype), plgpu.SMEM((block_m, slots), jnp.int32),
-                  plgpu.SMEM((block_m,), jnp.int32))
+    return out
 
 
 def _write_tile(acc, smem, gmem, rows, t_idx, *, tile: int, slots: int, dtype) -> None:
@@ -157,7 +112,7 @@ def _write_tile(acc, smem, gmem, rows, t_idx, *, tile: int, slots: int, dtype) -
     before it reuses the buffers)."""
     values_smem, indices_smem, counts_smem = smem
     values_gmem, indices_gmem, counts_gmem = gmem
-    keys, _ = _epilogue_keys(acc, counts_smem, tile=tile, slots=slots, dtype=dtype)
+    keys = _epilogue_keys(acc, counts_smem, tile=tile, slots=slots, dtype=dtype)
     stored = keys >= 0
     values_smem[...] = lax.bitcast_convert_type(jnp.where(stored, keys & 0xFFFF, 0).astype(jnp.int16), dtype)
     indices_smem[...] = jnp.where(stored, (keys >> 16) + t_idx * tile, 0)
@@ -167,11 +122,11 @@ def _write_tile(acc, smem, gmem, rows, t_idx, *, tile: int, slots: int, dtype) -
     plgpu.copy_smem_to_gmem(counts_smem, counts_gmem.at[t_idx, rows])
 
 
-def _pack_ws_body(x_gmem, w_gmem, values_gmem, indices_gmem, counts_gmem, *, tile: int, slots: int,
+def _pack_body(x_gmem, w_gmem, values_gmem, indices_gmem, counts_gmem, *, tile: int, slots: int,
                   block_k: int, n_k: int, n_m: int, n_tiles: int, max_concurrent_steps: int) -> None:
-    """The warp-specialized persistent layout (MgpuPackBlockSizes.block_m 128): each program (one
-    per SM, grid axis "sm") loops over (128-row block, tile) pairs, the tile varying fastest;
-    warpgroups 0 and 1 ("wg") compute 64 rows each, warpgroup 2 issues the TMA copies."""
+    """The kernel: each program (one per SM, grid axis "sm") loops over (128-row block, tile) pairs,
+    the tile varying fastest; warpgroups 0 and 1 ("wg") compute 64 rows each, warpgroup 2 issues the
+    TMA copies."""
     dtype = x_gmem.dtype
     swizzle = 128 if block_k * jnp.dtype(dtype).itemsize >= 128 else 64
     swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
@@ -237,28 +192,20 @@ def _sm_count() -> int:
 
 def _pack_mgpu(x_MxD: jax.Array, w_HxD: jax.Array, *, tile: int, slots: int,
                block_sizes: MgpuPackBlockSizes) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The launch on aligned shapes (M % block_m, D % block_k, H % tile == 0)."""
+    """The launch on aligned shapes (M % BLOCK_M, D % BLOCK_K, H % tile == 0)."""
     m, d = x_MxD.shape
     h = w_HxD.shape[0]
-    bm, bk = block_sizes.block_m, block_sizes.block_k
     n_tiles = h // tile
 
     def twell_pack_mgpu(*refs):  # the kernel's name in profiles
-        _pack_body(*refs, tile=tile, slots=slots, block_m=bm, block_k=bk, n_k=d // bk,
-                   max_concurrent_steps=block_sizes.max_concurrent_steps)
+        _pack_body(*refs, tile=tile, slots=slots, block_k=BLOCK_K, n_k=d // BLOCK_K, n_m=m // BLOCK_M,
+                      n_tiles=n_tiles, max_concurrent_steps=block_sizes.max_concurrent_steps)
 
     out_types = (jax.ShapeDtypeStruct((m, n_tiles, slots), x_MxD.dtype),
                  jax.ShapeDtypeStruct((m, n_tiles, slots), jnp.int32),
                  jax.ShapeDtypeStruct((n_tiles, m), jnp.int32))
-    if bm == 64:
-        launch = plgpu.kernel(twell_pack_mgpu, out_type=out_types, grid=(n_tiles, m // bm), grid_names=("t", "m"))
-    else:
-        def twell_pack_mgpu(*refs):  # noqa: F811 (the same name in profiles)
-            _pack_ws_body(*refs, tile=tile, slots=slots, block_k=bk, n_k=d // bk, n_m=m // bm, n_tiles=n_tiles,
-                          max_concurrent_steps=block_sizes.max_concurrent_steps)
-
-        launch = plgpu.kernel(twell_pack_mgpu, out_type=out_types, grid=(min(_sm_count(), (m // bm) * n_tiles),),
-                              grid_names=("sm",), num_threads=3, thread_name="wg")
+    launch = plgpu.kernel(twell_pack_mgpu, out_type=out_types, grid=(min(_sm_count(), (m // BLOCK_M) * n_tiles),),
+                          grid_names=("sm",), num_threads=3, thread_name="wg")
     values, indices, counts_t = launch(x_MxD, w_HxD)
     return values, indices, counts_t.T
 
@@ -289,7 +236,7 @@ def pack_gate_mgpu(x_MxD: jax.Array, w_HxD: jax.Array, *, tile: int = 256, slots
     validate_mgpu_pack_args(x_MxD, w_HxD, tile, slots)
     m, d = x_MxD.shape
     h = w_HxD.shape[0]
-    m_pad, d_pad, h_pad = round_up(m, block_sizes.block_m), round_up(d, block_sizes.block_k), round_up(h, tile)
+    m_pad, d_pad, h_pad = round_up(m, BLOCK_M), round_up(d, BLOCK_K), round_up(h, tile)
     if (m_pad, d_pad) != (m, d):
         x_MxD = jnp.pad(x_MxD, ((0, m_pad - m), (0, d_pad - d)))
     if (h_pad, d_pad) != (h, d):

@@ -233,6 +233,14 @@ def test_the_windows_leading_gap_is_left_out_of_the_step_time():
         kernel_trace.collective_overlap({}, steps=1)
 
 
+def test_gpu_trace_keeps_one_gpus_events():
+    events = [_meta(HOST, "/host:CPU"), _meta(GPU, "/device:GPU:0"), _meta(OTHER_GPU, "/device:GPU:1"),
+              _x(GPU, COMPUTE, 0, 1, "a"), _x(OTHER_GPU, COMPUTE, 0, 1, "b"), _x(HOST, 1, 0, 1, "c")]
+    assert [e.get("name") for e in kernel_trace.gpu_trace({"traceEvents": events}, 1)["traceEvents"]] == ["process_name", "b"]
+    host_only = {"traceEvents": events[:1]}
+    assert kernel_trace.gpu_trace(host_only) is host_only
+
+
 def test_uncovered_length_of_spans():
     spans = [(0.0, 10.0), (20.0, 30.0)]
     assert kernel_trace._uncovered(spans, []) == 20

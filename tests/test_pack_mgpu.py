@@ -3,7 +3,7 @@
 This machine's JAX (0.10) has no CPU interpreter for Pallas Mosaic GPU kernels (no
 `plgpu.InterpretGPUParams`), so on the CPU the kernel is checked as far as it goes without a GPU:
 its argument checks, and its lowering to a Mosaic GPU module for CUDA (`lower(lowering_platforms=
-("cuda",))`: layouts, shapes and the kernel body are checked there), for both launch layouts. On a
+("cuda",))`: layouts, shapes and the kernel body are checked there). On a
 Hopper GPU (`pytest tests/test_pack_mgpu.py` on the device) the outputs are compared with the
 pure-jnp reference and with the Triton kernel, bit for bit, on fresh random inputs and the
 adversarial patterns (all zero, fully dense rows, one hot neuron, dense first tokens, odd shapes),
@@ -25,12 +25,9 @@ on_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (the kerne
 
 
 def test_block_sizes_and_arguments_are_checked():
-    with pytest.raises(ValueError, match="block_m must be 64"):
-        mg.MgpuPackBlockSizes(block_m=256)
-    with pytest.raises(ValueError, match="block_k must be 64"):
-        mg.MgpuPackBlockSizes(block_k=32)
-    with pytest.raises(ValueError, match="max_concurrent_steps"):
-        mg.MgpuPackBlockSizes(max_concurrent_steps=0)
+    for steps in (0, 5, True):
+        with pytest.raises(ValueError, match="max_concurrent_steps must be an int in"):
+            mg.MgpuPackBlockSizes(max_concurrent_steps=steps)
     x = jnp.zeros((64, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="16-bit activations"):
         mg.validate_mgpu_pack_args(x.astype(jnp.float32), jnp.zeros((256, 64), jnp.float32), 256, 32)
@@ -40,13 +37,13 @@ def test_block_sizes_and_arguments_are_checked():
         mg.validate_mgpu_pack_args(x, jnp.zeros((256, 32), jnp.bfloat16), 256, 32)
 
 
-@pytest.mark.parametrize("block_m", [64, 128])
-def test_the_kernel_lowers_for_cuda_on_this_jax(block_m):
-    """Both launch layouts lower to a Mosaic GPU custom call (odd M, D and H: the wrapper pads)."""
+@pytest.mark.parametrize("steps", [3, 4])
+def test_the_kernel_lowers_for_cuda_on_this_jax(steps):
+    """The kernel lowers to a Mosaic GPU custom call (odd M, D and H: the wrapper pads)."""
     assert mg.available()
     x = jax.ShapeDtypeStruct((200, 320), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((300, 320), jnp.bfloat16)
-    fn = jax.jit(lambda a, b: mg.pack_gate_mgpu(a, b, block_sizes=mg.MgpuPackBlockSizes(block_m=block_m)))
+    fn = jax.jit(lambda a, b: mg.pack_gate_mgpu(a, b, block_sizes=mg.MgpuPackBlockSizes(steps)))
     text = fn.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -91,9 +88,9 @@ def _patterns(dtype):
 
 @on_hopper
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("block_m", [64, 128])
-def test_mosaic_pack_matches_the_triton_kernel_and_the_reference(dtype, block_m):
-    sizes = mg.MgpuPackBlockSizes(block_m=block_m)
+@pytest.mark.parametrize("steps", [3, 4])
+def test_mosaic_pack_matches_the_triton_kernel_and_the_reference(dtype, steps):
+    sizes = mg.MgpuPackBlockSizes(steps)
     for name, x, w in _patterns(dtype):
         x, w = x.astype(dtype), w.astype(dtype)
         got = mg.pack_gate_mgpu(x, w, block_sizes=sizes)

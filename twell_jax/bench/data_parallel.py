@@ -80,11 +80,7 @@ def trace_summary(trace: dict | None, steps: int) -> tuple[dict[str, Any], list[
     (collective_overlap), as a record's fields and console lines."""
     if trace is None:
         return {"collectives": []}, ["no trace was written"]
-    events = trace["traceEvents"]
-    gpus = sorted(e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                  and kernel_trace.GPU_PROCESS_MARK in str(e.get("args", {}).get("name", "")))
-    profile = kernel_trace.parse_trace(
-        {"traceEvents": [e for e in events if not gpus or e.get("pid") == gpus[0]]}, steps)
+    profile = kernel_trace.parse_trace(kernel_trace.gpu_trace(trace), steps)
     overlap = kernel_trace.collective_overlap(trace, steps)
     lines = kernel_trace.format_profile(profile, top=10)
     for gpu in overlap:
@@ -224,11 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         if not baseline_runs:
             parser.error(f"--baseline {args.baseline} holds no successful 1-device run")
     micro = args.micro_batch or base.train.micro_batch
-    if args.trace_steps:
-        try:
-            bench_config(base, kinds[0] if kinds else "twell", 2, micro, args.steps, args.trace_steps)
-        except ValueError as err:
-            parser.error(f"--trace-steps: {err}")
+    try:  # the window checked against --steps by the run's own config check
+        dataclasses.replace(base.train, steps=args.steps, profile_steps=args.trace_steps)
+    except ValueError as err:
+        parser.error(f"--trace-steps: {err}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"[bench] {available} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "

@@ -229,6 +229,16 @@ class CollectiveOverlap:
                 f"the window's leading gap")
 
 
+def gpu_trace(trace_json: dict, index: int = 0) -> dict:
+    """The trace with only the events of its `index`-th GPU device process (in process-id order;
+    the whole trace when it has no GPU process), e.g. for parse_trace of one GPU of several."""
+    events = trace_json["traceEvents"]
+    gpus = sorted(pid for pid, name in _names(events, "process_name").items() if GPU_PROCESS_MARK in name)
+    if not gpus:
+        return trace_json
+    return {"traceEvents": [e for e in events if e.get("pid") == gpus[index]]}
+
+
 def collective_overlap(trace_json: dict, steps: int,
                        pattern: str = r"nccl|all_?reduce|all_?gather|reduce_?scatter",
                        top_gaps: int = 5) -> list[CollectiveOverlap]:

@@ -4,12 +4,12 @@
 
 For each uniform sparsity k (synthetic: `bench.ffn.make_inputs`, M 16384, D 2048, H 5632, bf16):
 the gate GEMM + TwELL pack alone on each backend (`triton`: pallas_kernels/twell_pack.py, `mosaic`:
-pallas_kernels/twell_pack_mgpu.py, each launch layout) beside XLA's dense `relu(x @ W^T)` (plain
+pallas_kernels/twell_pack_mgpu.py, at 4 and 3 pipeline stages) beside XLA's dense `relu(x @ W^T)` (plain
 JAX), timed in alternation in this process, with the Mosaic outputs compared bit for bit to the
 Triton kernel's; then, at the `--op-k` sparsities, the op's training step (forward + backward, the
 `pallas` backend, `SparseFFNConfig.pack_backend` triton or mosaic) and its inference forward beside
-plain JAX's bf16 FFN of the same shapes (`bench.ffn_train.xla_bf16_loss_parts`), also in
-alternation. Needs a Hopper GPU (the Mosaic kernel's only target). Writes OUT/bench_pack.json and
+the op's dense backend and plain JAX's bf16 FFN of the same shapes
+(`bench.ffn_train.xla_bf16_loss_parts`), also in alternation. Needs a Hopper GPU (the Mosaic kernel's only target). Writes OUT/bench_pack.json and
 prints a table; exit 1 if a Mosaic output differs from the Triton kernel's.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from twell_jax.ops import pallas_forward
 from twell_jax.pallas_kernels import twell_pack_mgpu as mg
 from twell_jax.pallas_kernels.twell_pack import pack_gate
 
-LAYOUTS = {"mosaic": mg.MgpuPackBlockSizes(), "mosaic_bm64": mg.MgpuPackBlockSizes(block_m=64)}
+LAYOUTS = {"mosaic": mg.MgpuPackBlockSizes(), "mosaic_3stages": mg.MgpuPackBlockSizes(3)}
 
 
 def pack_row(k: float, m: int, repeats: int) -> dict[str, Any]:
@@ -59,9 +59,9 @@ def op_row(k: float, m: int, repeats: int) -> dict[str, Any]:
     xs, wg, wu, wd = bench_ffn.make_inputs(jax.random.PRNGKey(1), m, k)
     gy = jax.random.normal(jax.random.PRNGKey(2), xs[0].shape, jnp.float32).astype(xs[0].dtype)
     configs = {name: ops.SparseFFNConfig(pack_backend=name) for name in ("triton", "mosaic")}
-    steps = {"xla_bf16": ffn_train.make_train_step("xla_bf16", ops.SparseFFNConfig(), False)}
+    steps = {name: ffn_train.make_train_step(name, ops.SparseFFNConfig(), False) for name in ("xla_bf16", "dense")}
     steps.update({f"pallas_{name}": ffn_train.make_train_step("pallas", cfg, False) for name, cfg in configs.items()})
-    forwards = {"xla_bf16": ffn_train.make_forward("xla_bf16", ops.SparseFFNConfig(), False, False)}
+    forwards = {name: ffn_train.make_forward(name, ops.SparseFFNConfig(), False, False) for name in ("xla_bf16", "dense")}
     forwards.update({f"pallas_{name}": ffn_train.make_forward("pallas", cfg, False, False)
                      for name, cfg in configs.items()})
     y_t = steps["pallas_triton"](xs[0], wg, wu, wd, gy)
@@ -108,15 +108,15 @@ def main(argv: list[str] | None = None) -> int:
         report["op"].append(row)
         print(json.dumps(row), flush=True)
     (out_dir / "bench_pack.json").write_text(json.dumps(report, indent=1))
-    print(f"\n{'k':>5} {'XLA relu GEMM':>14} {'triton':>8} {'mosaic':>8} {'bm64':>8}   (ms; mosaic vs XLA, vs triton)")
+    print(f"\n{'k':>5} {'XLA relu GEMM':>14} {'triton':>8} {'mosaic':>8} {'3 stages':>9}   (ms; mosaic vs XLA, vs triton)")
     for r in report["pack"]:
         t = r["ms"]
         print(f"{r['k']:>5.0f} {t['xla_relu_gemm']:>14.3f} {t['triton']:>8.3f} {t['mosaic']:>8.3f} "
-              f"{t['mosaic_bm64']:>8.3f}   {r['vs_xla']['mosaic']:.3f}x, {t['triton'] / t['mosaic']:.3f}x")
+              f"{t['mosaic_3stages']:>9.3f}   {r['vs_xla']['mosaic']:.3f}x, {t['triton'] / t['mosaic']:.3f}x")
     for r in report["op"]:
         s, f = r["fwd_bwd_ms"], r["inference_fwd_ms"]
-        print(f"op k {r['k']:.0f}: fwd+bwd plain {s['xla_bf16']:.3f}, triton {s['pallas_triton']:.3f}, mosaic "
-              f"{s['pallas_mosaic']:.3f} ms; inference fwd plain {f['xla_bf16']:.3f}, triton "
+        print(f"op k {r['k']:.0f}: fwd+bwd plain {s['xla_bf16']:.3f}, dense {s['dense']:.3f}, triton "
+              f"{s['pallas_triton']:.3f}, mosaic {s['pallas_mosaic']:.3f} ms; inference fwd plain {f['xla_bf16']:.3f}, dense {f['dense']:.3f}, triton "
               f"{f['pallas_triton']:.3f}, mosaic {f['pallas_mosaic']:.3f}; same bits {r['same_bits_triton_vs_mosaic']}")
     bad = [r for r in report["pack"] if any(any(v) for v in r["mismatches_vs_triton"].values())]
     bad += [r for r in report["op"] if not r["same_bits_triton_vs_mosaic"]]
