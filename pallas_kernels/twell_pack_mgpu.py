@@ -9,9 +9,12 @@ A persistent, warp-specialized kernel: one program per SM loops over (128-row bl
 `tile` hidden columns) pairs, the tile varying fastest; warpgroups 0 and 1 each own 64 rows (a
 wgmma M of 64; an fp32 accumulator [64, tile]) and warpgroup 2 issues the TMA copies of the K
 pipeline (x rows and w's [tile, 64] block, w read through a transposed view: it stays
-neuron-major). The epilogue is `twell_pack`'s ("extract by successive minimum": one int32 key
-(tile-local column << 16 | value bits) per element, slot k = the row's smallest key above slot
-k-1's, for min(largest count in the block, S) slots), written to shared memory and copied out by
+neuron-major). The epilogue ("compact", the default) gives each positive element its slot from
+bit masks of the positive columns that the four threads sharing a row swap by shuffles, each
+thread storing its own (`_compact_epilogue`); "scan" is `twell_pack`'s ("extract by successive
+minimum": one int32 key (tile-local column << 16 | value bits) per element, slot k = the row's
+smallest key above slot k-1's, for min(largest count in the block, S) slots), slower: its loop
+runs over the whole tile once per slot. Either writes the slots to shared memory, copied out by
 TMA. The counts are written tile-major ([NT, M]: a TMA row of 64 counts) and transposed by the
 wrapper.
 
@@ -25,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+
+import numpy as np
 
 import jax
 import jax.numpy as jnp
@@ -48,14 +53,22 @@ def available() -> bool:
     return plgpu is not None and all(hasattr(plgpu, name) for name in _NEEDED)
 
 
+EPILOGUES = ("compact", "scan")
+
+
 @dataclasses.dataclass(frozen=True)
 class MgpuPackBlockSizes:
     """Static launch parameters of the Mosaic GPU pack kernel (rows per block 128, K step 64: fixed)."""
 
     # K steps in flight (shared-memory stages of x [128, 64] and w [tile, 64]; 5 no longer fit)
     max_concurrent_steps: int = 4
+    # the TwELL epilogue: "compact" (each thread places its own positives, from bit masks shared
+    # within its quad) or "scan" (successive minima over the whole tile, as the Triton kernel)
+    epilogue: str = "compact"
 
     def __post_init__(self) -> None:
+        if self.epilogue not in EPILOGUES:
+            raise ValueError(f"MgpuPackBlockSizes.epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
         if isinstance(self.max_concurrent_steps, bool) or not isinstance(self.max_concurrent_steps, int) \
                 or not 1 <= self.max_concurrent_steps <= 4:
             raise ValueError(f"MgpuPackBlockSizes.max_concurrent_steps must be an int in [1, 4], "
@@ -67,6 +80,9 @@ BLOCK_K = 64  # K step: 64 16-bit values, one 128-byte swizzled row
 
 
 _INT32_MAX = 2**31 - 1
+# The compaction's elements (of one row of a thread) per loop: the fastest of 8, 16, 32, 64 on the
+# GPU (one H200, M 16384, k 29 and 110; the same bits at each)
+COMPACT_CHUNK = 32
 
 
 def _epilogue_keys(acc, counts_smem, *, tile: int, slots: int, dtype) -> jax.Array:
@@ -106,16 +122,149 @@ def _epilogue_keys(acc, counts_smem, *, tile: int, slots: int, dtype) -> jax.Arr
     return out
 
 
-def _write_tile(acc, smem, gmem, rows, t_idx, *, tile: int, slots: int, dtype) -> None:
+def _compact_epilogue(tile: int, slots: int, chunk_size: int = COMPACT_CHUNK):
+    """The TwELL compaction of one warpgroup's [64, tile] fp32 accumulator, written with Mosaic GPU's
+    own IR (`plgpu.inline_mgpu`). Each thread holds, of the wgmma layout, two rows and in each of
+    them the two adjacent columns 2q, 2q + 1 of every 8-column group (q = its place in the quad of
+    four threads that share the rows). Per row it builds a bit mask of its positive elements (64
+    bits at tile 256) and swaps it with the quad's three other threads (shuffles); then a loop per
+    chunk of `chunk_size` of its elements visits only the positive ones (lowest bit first, both
+    rows in each step), and gives each its slot = the positive columns before it in the row,
+    counted from the four masks, and stores (value, tile-local column + 1) where slot < `slots`
+    into the shared output tiles, which the caller zeroed. The slots are ascending by column by
+    construction, each (row, slot) is written by one thread, nothing depends on timing. The
+    quad's first thread stores the row's true count in `counts_ref`. (Code per element instead of
+    the loops was predicated by the compiler: every element paid for the rare positive one.)"""
+    from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
+    from jaxlib.mlir import ir  # noqa: PLC0415
+    from jaxlib.mlir.dialects import arith, memref, vector  # noqa: PLC0415
+    from jaxlib.mlir.dialects import math as mlir_math  # noqa: PLC0415
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
+    def compact(_ctx, acc, values_ref, indices_ref, counts_ref):
+        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        index = ir.IndexType.get()
+        layout = acc.layout
+        shape = tuple(acc.shape)
+        regs = acc.registers
+        out_type = ir.MemRefType(values_ref.type).element_type
+        # Each register's place relative to the thread's first one (row * width + column), from
+        # the layout's own tiling, as its thread_idxs computes it.
+        strides = layout.tiling.tile_strides(tuple(mgpu_utils.get_contiguous_strides(shape)))
+        by_row: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+        for reg_idx in np.ndindex(regs.shape):
+            offset = sum(i * s for i, s in zip(reg_idx, strides))
+            row, col = divmod(offset, shape[1])
+            by_row.setdefault(row, []).append((col, reg_idx))
+        groups = tile // 8
+        if (layout.vector_length != 2 or len(by_row) != 2
+                or any(sorted(c for c, _ in regs_) != list(range(0, tile, 8)) for regs_ in by_row.values())):
+            raise NotImplementedError(f"the compaction epilogue expects the wgmma layout (two rows of "
+                                      f"{groups} pairs a thread), got {layout} over {shape}")
+        row0, col0 = next(iter(layout.thread_idxs(shape)))
+        quad_pos = arith.divui(arith.index_cast(i32, col0), mgpu.c(2, i32))  # 0..3: the thread's pair
+        zero_f = mgpu.c(0.0, ir.F32Type.get())
+
+        def c64(bits: int):  # an i64 constant from its 64 bits
+            return mgpu.c(bits - (1 << 64) if bits >= 1 << 63 else bits, i64)
+
+        zero64 = c64(0)
+
+        def low_bits(n_bits):  # the mask of the first n_bits (an i64 value, 0..64) bits
+            shifted = arith.subi(arith.shli(c64(1), n_bits), c64(1))  # (poison at 64: not selected)
+            return arith.select(arith.cmpi(arith.CmpIPredicate.uge, n_bits, c64(64)), c64(-1 + (1 << 64)), shifted)
+
+        def popc(x):
+            return mlir_math.ctpop(x)
+
+        peer_before = [arith.cmpi(arith.CmpIPredicate.ult, arith.xori(quad_pos, mgpu.c(d, i32)), quad_pos)
+                       for d in (1, 2, 3)]
+        rows = []  # per row of the thread: (row, its mask, the peers' masks, its elements' values)
+        for srow, entries in sorted(by_row.items()):
+            entries.sort()
+            mask = zero64
+            values = []
+            for g, (_, reg_idx) in enumerate(entries):
+                reg = regs[reg_idx]
+                for e in range(2):
+                    a = vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e]))
+                    live = arith.cmpf(arith.CmpFPredicate.OGT, a, zero_f)
+                    mask = arith.ori(mask, arith.select(live, c64(1 << (2 * g + e)), zero64))
+                    values.append(a)
+            peers = [mgpu_utils.shfl_bfly(mask, d) for d in (1, 2, 3)]
+            total = popc(mask)
+            for p in peers:
+                total = arith.addi(total, popc(p))
+            row = arith.addi(row0, mgpu.c(srow, index))
+            with mgpu.when(arith.cmpi(arith.CmpIPredicate.eq, quad_pos, mgpu.c(0, i32))):
+                memref.store(arith.trunci(i32, total), counts_ref, [row])
+            rows.append((row, mask, peers, values))
+
+        def place(row, mask, peers, chunk_values, chunk, left):
+            """Stores the lowest positive element left in `left` (if any) at its slot."""
+            bit64 = mlir_math.cttz(left)  # 64 when none is left
+            bit = arith.trunci(i32, bit64)
+            j = arith.andi(arith.subi(bit, mgpu.c(chunk, i32)), mgpu.c(len(chunk_values) - 1, i32))
+            level = chunk_values  # the element's value: a select tree on j's bits
+            for b in range(len(chunk_values).bit_length() - 1):
+                odd = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(j, mgpu.c(1 << b, i32)), mgpu.c(0, i32))
+                level = [arith.select(odd, level[n + 1], level[n]) for n in range(0, len(level), 2)]
+            group = arith.shrui(bit, mgpu.c(1, i32))
+            # positives before it: its own earlier bits, and the peers' pairs of earlier groups (and
+            # of this group where the peer's pair comes first)
+            slot = popc(arith.andi(mask, low_bits(bit64)))
+            earlier = low_bits(arith.extui(i64, arith.shli(group, mgpu.c(1, i32))))
+            through = low_bits(arith.extui(i64, arith.addi(arith.shli(group, mgpu.c(1, i32)), mgpu.c(2, i32))))
+            for p, first in zip(peers, peer_before):
+                slot = arith.addi(slot, popc(arith.andi(p, arith.select(first, through, earlier))))
+            slot = arith.trunci(i32, slot)
+            store = arith.andi(arith.cmpi(arith.CmpIPredicate.ne, left, zero64),
+                               arith.cmpi(arith.CmpIPredicate.ult, slot, mgpu.c(slots, i32)))
+            with mgpu.when(store):
+                at = [row, arith.index_cast(index, slot)]
+                memref.store(arith.truncf(out_type, level[0]), values_ref, at)
+                # tile-local column + 1 = 8 group + 2 quad_pos + (bit & 1) + 1
+                col = arith.addi(arith.addi(arith.shli(group, mgpu.c(3, i32)), arith.shli(quad_pos, mgpu.c(1, i32))),
+                                 arith.addi(arith.andi(bit, mgpu.c(1, i32)), mgpu.c(1, i32)))
+                memref.store(col, indices_ref, at)
+            return arith.andi(left, arith.subi(left, c64(1)))
+
+        n_elems = len(rows[0][3])
+        for chunk in range(0, n_elems, chunk_size):
+            # one loop per chunk, over the positive elements only (lowest bit first, both rows of
+            # the thread in each step): no code per element, so nothing for the compiler to predicate
+            chunk_bits = c64(((1 << chunk_size) - 1) << chunk)
+            lefts = [arith.andi(mask, chunk_bits) for _, mask, _, _ in rows]
+            steps = arith.maxui(popc(lefts[0]), popc(lefts[1]))
+
+            @mgpu.fori(arith.trunci(i32, steps), lefts)
+            def _(_i, left, chunk=chunk):
+                return [place(row, mask, peers, values[chunk:chunk + chunk_size], chunk, lft)
+                        for (row, mask, peers, values), lft in zip(rows, left)]
+
+    return compact
+
+
+def _write_tile(acc, smem, gmem, rows, t_idx, *, tile: int, slots: int, dtype, epilogue: str) -> None:
     """The epilogue of one [rows, tile] accumulator: its TwELL slots and counts into the shared
     buffers `smem` (values, indices, counts), then TMA copies of them to `gmem` (the caller waits
     before it reuses the buffers)."""
     values_smem, indices_smem, counts_smem = smem
     values_gmem, indices_gmem, counts_gmem = gmem
-    keys = _epilogue_keys(acc, counts_smem, tile=tile, slots=slots, dtype=dtype)
-    stored = keys >= 0
-    values_smem[...] = lax.bitcast_convert_type(jnp.where(stored, keys & 0xFFFF, 0).astype(jnp.int16), dtype)
-    indices_smem[...] = jnp.where(stored, (keys >> 16) + t_idx * tile, 0)
+    if epilogue == "compact":
+        values_smem[...] = jnp.zeros(values_smem.shape, dtype)
+        indices_smem[...] = jnp.zeros(indices_smem.shape, jnp.int32)
+        plgpu.commit_smem()  # (a warpgroup barrier) every zero lands before any thread's slots
+        _compact_epilogue(tile, slots)(acc, values_smem, indices_smem, counts_smem)
+        plgpu.commit_smem()
+        local = indices_smem[...]  # tile-local column + 1; 0 = unused slot
+        indices_smem[...] = jnp.where(local > 0, local - 1 + t_idx * tile, 0)
+    else:
+        keys = _epilogue_keys(acc, counts_smem, tile=tile, slots=slots, dtype=dtype)
+        stored = keys >= 0
+        values_smem[...] = lax.bitcast_convert_type(jnp.where(stored, keys & 0xFFFF, 0).astype(jnp.int16), dtype)
+        indices_smem[...] = jnp.where(stored, (keys >> 16) + t_idx * tile, 0)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(values_smem, values_gmem.at[rows, t_idx])
     plgpu.copy_smem_to_gmem(indices_smem, indices_gmem.at[rows, t_idx])
@@ -123,7 +272,8 @@ def _write_tile(acc, smem, gmem, rows, t_idx, *, tile: int, slots: int, dtype) -
 
 
 def _pack_body(x_gmem, w_gmem, values_gmem, indices_gmem, counts_gmem, *, tile: int, slots: int,
-                  block_k: int, n_k: int, n_m: int, n_tiles: int, max_concurrent_steps: int) -> None:
+                  block_k: int, n_k: int, n_m: int, n_tiles: int, max_concurrent_steps: int,
+                  epilogue: str) -> None:
     """The kernel: each program (one per SM, grid axis "sm") loops over (128-row block, tile) pairs,
     the tile varying fastest; warpgroups 0 and 1 ("wg") compute 64 rows each, warpgroup 2 issues the
     TMA copies."""
@@ -169,7 +319,7 @@ def _pack_body(x_gmem, w_gmem, values_gmem, indices_gmem, counts_gmem, *, tile: 
                     _write_tile(acc, (values_smem.at[wg], indices_smem.at[wg], counts_smem.at[wg]),
                                 (values_gmem, indices_gmem, counts_gmem),
                                 pl.ds(m_idx * 2 * half + wg * half, half), t_idx, tile=tile, slots=slots,
-                                dtype=dtype)
+                                dtype=dtype, epilogue=epilogue)
 
                 pl.run_scoped(acc_scope, plgpu.ACC((half, tile), jnp.float32))
 
@@ -199,7 +349,8 @@ def _pack_mgpu(x_MxD: jax.Array, w_HxD: jax.Array, *, tile: int, slots: int,
 
     def twell_pack_mgpu(*refs):  # the kernel's name in profiles
         _pack_body(*refs, tile=tile, slots=slots, block_k=BLOCK_K, n_k=d // BLOCK_K, n_m=m // BLOCK_M,
-                      n_tiles=n_tiles, max_concurrent_steps=block_sizes.max_concurrent_steps)
+                      n_tiles=n_tiles, max_concurrent_steps=block_sizes.max_concurrent_steps,
+                      epilogue=block_sizes.epilogue)
 
     out_types = (jax.ShapeDtypeStruct((m, n_tiles, slots), x_MxD.dtype),
                  jax.ShapeDtypeStruct((m, n_tiles, slots), jnp.int32),

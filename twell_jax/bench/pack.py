@@ -4,7 +4,8 @@
 
 For each uniform sparsity k (synthetic: `bench.ffn.make_inputs`, M 16384, D 2048, H 5632, bf16):
 the gate GEMM + TwELL pack alone on each backend (`triton`: pallas_kernels/twell_pack.py, `mosaic`:
-pallas_kernels/twell_pack_mgpu.py, at 4 and 3 pipeline stages) beside XLA's dense `relu(x @ W^T)` (plain
+pallas_kernels/twell_pack_mgpu.py: its default, 3 pipeline stages instead of 4, and the "scan"
+epilogue instead of "compact") beside XLA's dense `relu(x @ W^T)` (plain
 JAX), timed in alternation in this process, with the Mosaic outputs compared bit for bit to the
 Triton kernel's; then, at the `--op-k` sparsities, the op's training step (forward + backward, the
 `pallas` backend, `SparseFFNConfig.pack_backend` triton or mosaic) and its inference forward beside
@@ -32,7 +33,8 @@ from twell_jax.ops import pallas_forward
 from twell_jax.pallas_kernels import twell_pack_mgpu as mg
 from twell_jax.pallas_kernels.twell_pack import pack_gate
 
-LAYOUTS = {"mosaic": mg.MgpuPackBlockSizes(), "mosaic_3stages": mg.MgpuPackBlockSizes(3)}
+LAYOUTS = {"mosaic": mg.MgpuPackBlockSizes(), "mosaic_3stages": mg.MgpuPackBlockSizes(3),
+           "mosaic_scan": mg.MgpuPackBlockSizes(epilogue="scan")}
 
 
 def pack_row(k: float, m: int, repeats: int) -> dict[str, Any]:
@@ -108,11 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         report["op"].append(row)
         print(json.dumps(row), flush=True)
     (out_dir / "bench_pack.json").write_text(json.dumps(report, indent=1))
-    print(f"\n{'k':>5} {'XLA relu GEMM':>14} {'triton':>8} {'mosaic':>8} {'3 stages':>9}   (ms; mosaic vs XLA, vs triton)")
+    print(f"\n{'k':>5} {'XLA relu GEMM':>14} {'triton':>8} {'mosaic':>8} {'3 stages':>9} {'scan':>8}"
+          f"   (ms; mosaic vs XLA, vs triton)")
     for r in report["pack"]:
         t = r["ms"]
         print(f"{r['k']:>5.0f} {t['xla_relu_gemm']:>14.3f} {t['triton']:>8.3f} {t['mosaic']:>8.3f} "
-              f"{t['mosaic_3stages']:>9.3f}   {r['vs_xla']['mosaic']:.3f}x, {t['triton'] / t['mosaic']:.3f}x")
+              f"{t['mosaic_3stages']:>9.3f} {t['mosaic_scan']:>8.3f}   {r['vs_xla']['mosaic']:.3f}x, "
+              f"{t['triton'] / t['mosaic']:.3f}x")
     for r in report["op"]:
         s, f = r["fwd_bwd_ms"], r["inference_fwd_ms"]
         print(f"op k {r['k']:.0f}: fwd+bwd plain {s['xla_bf16']:.3f}, dense {s['dense']:.3f}, triton "
