@@ -65,8 +65,14 @@ class MgpuPackBlockSizes:
     # the TwELL epilogue: "compact" (each thread places its own positives, from bit masks shared
     # within its quad) or "scan" (successive minima over the whole tile, as the Triton kernel)
     epilogue: str = "compact"
+    # CTAs per cluster: 2 (the default) = the two programs of a cluster take row blocks 2i and 2i + 1
+    # of the same tile and share each step's W block by one multicast TMA copy (half W's L2 reads:
+    # faster on the H100, the same bits); 1 = each program loads its own
+    cluster: int = 2
 
     def __post_init__(self) -> None:
+        if self.cluster not in (1, 2) or isinstance(self.cluster, bool):
+            raise ValueError(f"MgpuPackBlockSizes.cluster must be 1 or 2, got {self.cluster!r}")
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"MgpuPackBlockSizes.epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
         if isinstance(self.max_concurrent_steps, bool) or not isinstance(self.max_concurrent_steps, int) \
@@ -273,7 +279,7 @@ def _write_tile(acc, smem, gmem, rows, t_idx, *, tile: int, slots: int, dtype, e
 
 def _pack_body(x_gmem, w_gmem, values_gmem, indices_gmem, counts_gmem, *, tile: int, slots: int,
                   block_k: int, n_k: int, n_m: int, n_tiles: int, max_concurrent_steps: int,
-                  epilogue: str) -> None:
+                  epilogue: str, cluster: int) -> None:
     """The kernel: each program (one per SM, grid axis "sm") loops over (128-row block, tile) pairs,
     the tile varying fastest; warpgroups 0 and 1 ("wg") compute 64 rows each, warpgroup 2 issues the
     TMA copies."""
@@ -289,7 +295,8 @@ def _pack_body(x_gmem, w_gmem, values_gmem, indices_gmem, counts_gmem, *, tile: 
             in_specs=[plgpu.BlockSpec((2 * half, block_k), lambda k: (0, k), transforms=transforms,
                                       memory_space=plgpu.SMEM),
                       plgpu.BlockSpec((tile, block_k), lambda k: (0, k), transforms=transforms,
-                                      memory_space=plgpu.SMEM)],
+                                      memory_space=plgpu.SMEM,
+                                      collective_axes=("cluster",) if cluster > 1 else ())],
             wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=max_concurrent_steps,
             compute_context=context)
 
@@ -306,10 +313,12 @@ def _pack_body(x_gmem, w_gmem, values_gmem, indices_gmem, counts_gmem, *, tile: 
     def scope(allocations, values_smem, indices_smem, counts_smem):
         wg = lax.axis_index("wg")
 
-        @plgpu.nd_loop((n_m * n_tiles,), collective_axes="sm")
+        @plgpu.nd_loop((n_m // cluster * n_tiles,), collective_axes="sm")
         def tiles(info):
             (linear,) = info.index
             m_idx, t_idx = lax.div(linear, n_tiles), lax.rem(linear, n_tiles)
+            if cluster > 1:  # the cluster's programs: row blocks 2i and 2i + 1 of one tile
+                m_idx = m_idx * cluster + lax.axis_index("cluster")
 
             def context(run_pipeline):
                 def acc_scope(acc_ref):
@@ -342,7 +351,7 @@ def _sm_count() -> int:
 
 def _pack_mgpu(x_MxD: jax.Array, w_HxD: jax.Array, *, tile: int, slots: int,
                block_sizes: MgpuPackBlockSizes) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The launch on aligned shapes (M % BLOCK_M, D % BLOCK_K, H % tile == 0)."""
+    """The launch on aligned shapes (M % (BLOCK_M * cluster), D % BLOCK_K, H % tile == 0)."""
     m, d = x_MxD.shape
     h = w_HxD.shape[0]
     n_tiles = h // tile
@@ -350,13 +359,16 @@ def _pack_mgpu(x_MxD: jax.Array, w_HxD: jax.Array, *, tile: int, slots: int,
     def twell_pack_mgpu(*refs):  # the kernel's name in profiles
         _pack_body(*refs, tile=tile, slots=slots, block_k=BLOCK_K, n_k=d // BLOCK_K, n_m=m // BLOCK_M,
                       n_tiles=n_tiles, max_concurrent_steps=block_sizes.max_concurrent_steps,
-                      epilogue=block_sizes.epilogue)
+                      epilogue=block_sizes.epilogue, cluster=block_sizes.cluster)
 
     out_types = (jax.ShapeDtypeStruct((m, n_tiles, slots), x_MxD.dtype),
                  jax.ShapeDtypeStruct((m, n_tiles, slots), jnp.int32),
                  jax.ShapeDtypeStruct((n_tiles, m), jnp.int32))
-    launch = plgpu.kernel(twell_pack_mgpu, out_type=out_types, grid=(min(_sm_count(), (m // BLOCK_M) * n_tiles),),
-                          grid_names=("sm",), num_threads=3, thread_name="wg")
+    cluster = block_sizes.cluster
+    programs = min(_sm_count() // cluster, (m // BLOCK_M // cluster) * n_tiles)
+    clusters = dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}
+    launch = plgpu.kernel(twell_pack_mgpu, out_type=out_types, grid=(programs,), grid_names=("sm",),
+                          num_threads=3, thread_name="wg", **clusters)
     values, indices, counts_t = launch(x_MxD, w_HxD)
     return values, indices, counts_t.T
 
@@ -387,7 +399,7 @@ def pack_gate_mgpu(x_MxD: jax.Array, w_HxD: jax.Array, *, tile: int = 256, slots
     validate_mgpu_pack_args(x_MxD, w_HxD, tile, slots)
     m, d = x_MxD.shape
     h = w_HxD.shape[0]
-    m_pad, d_pad, h_pad = round_up(m, BLOCK_M), round_up(d, BLOCK_K), round_up(h, tile)
+    m_pad, d_pad, h_pad = round_up(m, BLOCK_M * block_sizes.cluster), round_up(d, BLOCK_K), round_up(h, tile)
     if (m_pad, d_pad) != (m, d):
         x_MxD = jnp.pad(x_MxD, ((0, m_pad - m), (0, d_pad - d)))
     if (h_pad, d_pad) != (h, d):

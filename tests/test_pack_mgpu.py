@@ -30,6 +30,9 @@ def test_block_sizes_and_arguments_are_checked():
             mg.MgpuPackBlockSizes(max_concurrent_steps=steps)
     with pytest.raises(ValueError, match="epilogue must be one of"):
         mg.MgpuPackBlockSizes(epilogue="sort")
+    for cluster in (0, 4, True):
+        with pytest.raises(ValueError, match="cluster must be 1 or 2"):
+            mg.MgpuPackBlockSizes(cluster=cluster)
     x = jnp.zeros((64, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="16-bit activations"):
         mg.validate_mgpu_pack_args(x.astype(jnp.float32), jnp.zeros((256, 64), jnp.float32), 256, 32)
@@ -39,15 +42,16 @@ def test_block_sizes_and_arguments_are_checked():
         mg.validate_mgpu_pack_args(x, jnp.zeros((256, 32), jnp.bfloat16), 256, 32)
 
 
-@pytest.mark.parametrize("steps,epilogue", [(4, "compact"), (3, "compact"), (4, "scan")])
+@pytest.mark.parametrize("steps,epilogue,cluster", [(4, "compact", 1), (3, "compact", 1), (4, "scan", 1),
+                                                    (4, "compact", 2)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_the_kernel_lowers_for_cuda_on_this_jax(steps, epilogue, dtype):
+def test_the_kernel_lowers_for_cuda_on_this_jax(steps, epilogue, cluster, dtype):
     """The kernel lowers to a Mosaic GPU custom call (odd M, D and H: the wrapper pads); the
     compaction epilogue's own IR is built there too (its layout checks included)."""
     assert mg.available()
     x = jax.ShapeDtypeStruct((200, 320), dtype)
     w = jax.ShapeDtypeStruct((300, 320), dtype)
-    sizes = mg.MgpuPackBlockSizes(steps, epilogue=epilogue)
+    sizes = mg.MgpuPackBlockSizes(steps, epilogue=epilogue, cluster=cluster)
     fn = jax.jit(lambda a, b: mg.pack_gate_mgpu(a, b, block_sizes=sizes))
     text = fn.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -95,10 +99,10 @@ def _patterns(dtype):
 
 @on_hopper
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("steps", [3, 4])
-@pytest.mark.parametrize("epilogue", mg.EPILOGUES)
-def test_mosaic_pack_matches_the_triton_kernel_and_the_reference(dtype, steps, epilogue):
-    sizes = mg.MgpuPackBlockSizes(steps, epilogue=epilogue)
+@pytest.mark.parametrize("steps,epilogue,cluster", [(4, "compact", 1), (3, "compact", 1), (4, "scan", 1),
+                                                    (3, "scan", 1), (4, "compact", 2)])
+def test_mosaic_pack_matches_the_triton_kernel_and_the_reference(dtype, steps, epilogue, cluster):
+    sizes = mg.MgpuPackBlockSizes(steps, epilogue=epilogue, cluster=cluster)
     for name, x, w in _patterns(dtype):
         x, w = x.astype(dtype), w.astype(dtype)
         got = mg.pack_gate_mgpu(x, w, block_sizes=sizes)

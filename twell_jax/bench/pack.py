@@ -4,8 +4,9 @@
 
 For each uniform sparsity k (synthetic: `bench.ffn.make_inputs`, M 16384, D 2048, H 5632, bf16):
 the gate GEMM + TwELL pack alone on each backend (`triton`: pallas_kernels/twell_pack.py, `mosaic`:
-pallas_kernels/twell_pack_mgpu.py: its default, 3 pipeline stages instead of 4, and the "scan"
-epilogue instead of "compact") beside XLA's dense `relu(x @ W^T)` (plain
+pallas_kernels/twell_pack_mgpu.py: its default (the compaction epilogue, clusters of 2 sharing W
+by multicast, 4 stages), 3 stages, no clusters, and no clusters with the "scan" epilogue: the
+kernel of 2026-11-28's morning) beside XLA's dense `relu(x @ W^T)` (plain
 JAX), timed in alternation in this process, with the Mosaic outputs compared bit for bit to the
 Triton kernel's; then, at the `--op-k` sparsities, the op's training step (forward + backward, the
 `pallas` backend, `SparseFFNConfig.pack_backend` triton or mosaic) and its inference forward beside
@@ -34,7 +35,8 @@ from twell_jax.pallas_kernels import twell_pack_mgpu as mg
 from twell_jax.pallas_kernels.twell_pack import pack_gate
 
 LAYOUTS = {"mosaic": mg.MgpuPackBlockSizes(), "mosaic_3stages": mg.MgpuPackBlockSizes(3),
-           "mosaic_scan": mg.MgpuPackBlockSizes(epilogue="scan")}
+           "mosaic_cluster1": mg.MgpuPackBlockSizes(cluster=1),
+           "mosaic_scan": mg.MgpuPackBlockSizes(epilogue="scan", cluster=1)}
 
 
 def pack_row(k: float, m: int, repeats: int) -> dict[str, Any]:
@@ -110,12 +112,13 @@ def main(argv: list[str] | None = None) -> int:
         report["op"].append(row)
         print(json.dumps(row), flush=True)
     (out_dir / "bench_pack.json").write_text(json.dumps(report, indent=1))
-    print(f"\n{'k':>5} {'XLA relu GEMM':>14} {'triton':>8} {'mosaic':>8} {'3 stages':>9} {'scan':>8}"
-          f"   (ms; mosaic vs XLA, vs triton)")
+    print(f"\n{'k':>5} {'XLA relu GEMM':>14} {'triton':>8} {'mosaic':>8} {'3 stages':>9} {'cluster 1':>9} "
+          f"{'scan, 1':>8}   (ms; mosaic vs XLA, vs triton)")
     for r in report["pack"]:
         t = r["ms"]
         print(f"{r['k']:>5.0f} {t['xla_relu_gemm']:>14.3f} {t['triton']:>8.3f} {t['mosaic']:>8.3f} "
-              f"{t['mosaic_3stages']:>9.3f} {t['mosaic_scan']:>8.3f}   {r['vs_xla']['mosaic']:.3f}x, "
+              f"{t['mosaic_3stages']:>9.3f} {t['mosaic_cluster1']:>9.3f} {t['mosaic_scan']:>8.3f}   "
+              f"{r['vs_xla']['mosaic']:.3f}x, "
               f"{t['triton'] / t['mosaic']:.3f}x")
     for r in report["op"]:
         s, f = r["fwd_bwd_ms"], r["inference_fwd_ms"]
