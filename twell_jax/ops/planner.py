@@ -156,18 +156,19 @@ DECODE_MARGIN = 0.95
 
 H100 = DeviceCosts(
     forward=ForwardCosts(
-        dense_flops_per_ms=6.75e11, dense_launch_ms=0.02, pack_flops_per_ms=5.95e11, sparse_fixed_ms=0.11,
-        ffn_token_ms=1.1e-5, ffn_bytes_per_ms=7.07e9,
+        dense_flops_per_ms=6.96e11, dense_launch_ms=0.02, pack_flops_per_ms=6.67e11, sparse_fixed_ms=0.11,
+        ffn_token_ms=1.1e-5, ffn_bytes_per_ms=7.0e9,
         fit=Fit("2026-11-28", "NVIDIA H100 80GB HBM3",
                 "python experiments/bench_ffn_train.py --quick --shape trained --trace --repeats 10",
                 "the inference forward at M 16384 (D 2048, H 5632, bf16), the pack being the Mosaic GPU "
-                "kernel with its compaction epilogue: dense_flops_per_ms from XLA's forward (1.68-1.73 "
-                "ms over the seven patterns), pack_flops_per_ms from the pack piece (0.618-0.651 ms), "
-                "ffn_bytes_per_ms from the slope of the `pallas` forward over uniform k 16-110 (0.019 ms "
-                "per active neuron a token; the intercept, 0.91 ms, matches the fixed, pack and per-token "
-                "terms within 0.02 ms). sparse_fixed_ms and ffn_token_ms, and the scaling in M, are "
-                "the 2026-11-22 fit's (H200, `python experiments/bench_ffn.py`, M 2048 .. 65536). The "
-                "Triton pack (fp32, tiles other than 256) is about 0.07 ms slower at M 16384")),
+                "kernel (compaction epilogue, clusters of 2): dense_flops_per_ms from XLA's forward "
+                "(1.64-1.66 ms over the seven patterns), pack_flops_per_ms from the pack piece (0.547-0.608 "
+                "ms), ffn_bytes_per_ms from the slope of the `pallas` forward over uniform k 16-110 "
+                "(0.0192 ms per active neuron a token). sparse_fixed_ms and ffn_token_ms, and the scaling "
+                "in M, are the 2026-11-22 fit's (H200, `python experiments/bench_ffn.py`, M 2048 .. "
+                "65536): with them the model's sparse forward is 0.06 ms above the measured one at M "
+                "16384 (its crossover, k 41, below the measured one, about 44: on the dense side). The "
+                "Triton pack (fp32, tiles other than 256) is about 0.15 ms slower at M 16384")),
     backward=BackwardCosts(
         bwd_fixed_ms=0.737, bwd_bytes_per_ms=5.93e9, dense_bwd_flops_per_ms=8.31e11,
         token_tail_fixed_ms=0.30, token_tail_flops_per_ms=2.61e11,
