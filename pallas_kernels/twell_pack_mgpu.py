@@ -16,7 +16,9 @@ minimum": one int32 key (tile-local column << 16 | value bits) per element, slot
 smallest key above slot k-1's, for min(largest count in the block, S) slots), slower: its loop
 runs over the whole tile once per slot. Either writes the slots to shared memory, copied out by
 TMA. The counts are written tile-major ([NT, M]: a TMA row of 64 counts) and transposed by the
-wrapper.
+wrapper. By default the programs run in clusters of two (`MgpuPackBlockSizes.cluster`): the two
+take row blocks 2i and 2i + 1 of the same tile, and each step's W block reaches both from one
+multicast TMA copy.
 
 Scope: 16-bit activations (bf16/f16) only (the fp32 pack needs the value's 32 bits beside the
 column), H % tile == 0 and D % 64 == 0 after the wrapper's padding, Hopper (sm_90a) GPUs.
@@ -29,10 +31,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -164,10 +165,11 @@ def _compact_epilogue(tile: int, slots: int, chunk_size: int = COMPACT_CHUNK):
             row, col = divmod(offset, shape[1])
             by_row.setdefault(row, []).append((col, reg_idx))
         groups = tile // 8
-        if (layout.vector_length != 2 or len(by_row) != 2
+        if (2 * groups > 64 or layout.vector_length != 2 or len(by_row) != 2
                 or any(sorted(c for c, _ in regs_) != list(range(0, tile, 8)) for regs_ in by_row.values())):
             raise NotImplementedError(f"the compaction epilogue expects the wgmma layout (two rows of "
-                                      f"{groups} pairs a thread), got {layout} over {shape}")
+                                      f"{groups} pairs a thread, at most 64 columns a thread's row: a "
+                                      f"64-bit mask), got {layout} over {shape}")
         row0, col0 = next(iter(layout.thread_idxs(shape)))
         quad_pos = arith.divui(arith.index_cast(i32, col0), mgpu.c(2, i32))  # 0..3: the thread's pair
         zero_f = mgpu.c(0.0, ir.F32Type.get())
@@ -254,8 +256,9 @@ def _compact_epilogue(tile: int, slots: int, chunk_size: int = COMPACT_CHUNK):
 
 def _write_tile(acc, smem, gmem, rows, t_idx, *, tile: int, slots: int, dtype, epilogue: str) -> None:
     """The epilogue of one [rows, tile] accumulator: its TwELL slots and counts into the shared
-    buffers `smem` (values, indices, counts), then TMA copies of them to `gmem` (the caller waits
-    before it reuses the buffers)."""
+    buffers `smem` (values, indices, counts) by `epilogue` ("compact": `_compact_epilogue`, the
+    buffers zeroed before and the columns offset by the tile after; "scan": `_epilogue_keys`), then
+    TMA copies of them to `gmem` (the caller waits before it reuses the buffers)."""
     values_smem, indices_smem, counts_smem = smem
     values_gmem, indices_gmem, counts_gmem = gmem
     if epilogue == "compact":
