@@ -5,8 +5,8 @@
 For each uniform sparsity k (synthetic: `bench.ffn.make_inputs`, M 16384, D 2048, H 5632, bf16):
 the gate GEMM + TwELL pack alone on each backend (`triton`: pallas_kernels/twell_pack.py, `mosaic`:
 pallas_kernels/twell_pack_mgpu.py: its default (the compaction epilogue, clusters of 2 sharing W
-by multicast, 4 stages), 3 stages, no clusters, and no clusters with the "scan" epilogue: the
-kernel of 2026-11-28's morning) beside XLA's dense `relu(x @ W^T)` (plain
+by multicast, 4 stages), 3 stages, no clusters, and no clusters with the "scan" epilogue (the
+kernel before either)) beside XLA's dense `relu(x @ W^T)` (plain
 JAX), timed in alternation in this process, with the Mosaic outputs compared bit for bit to the
 Triton kernel's; then, at the `--op-k` sparsities, the op's training step (forward + backward, the
 `pallas` backend, `SparseFFNConfig.pack_backend` triton or mosaic) and its inference forward beside
