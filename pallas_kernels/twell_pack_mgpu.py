@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -129,6 +130,48 @@ def _epilogue_keys(acc, counts_smem, *, tile: int, slots: int, dtype) -> jax.Arr
     return out
 
 
+def _register_rows(layout, shape: tuple[int, int]) -> dict[int, list[tuple[int, tuple[int, ...]]]]:
+    """The registers of one thread of a warpgroup array in `layout` over `shape` [64, tile], by row:
+    {row offset: [(column offset, register index), ...]} relative to the thread's first element, from
+    the layout's own tiling (as its `thread_idxs` computes places). NotImplementedError unless it is
+    the wgmma layout the compaction is written for: two rows a thread, a pair of adjacent columns in
+    every 8-column group, at most 64 columns of a row a thread (its 64-bit mask)."""
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
+
+    tile = shape[1]
+    strides = layout.tiling.tile_strides(tuple(mgpu_utils.get_contiguous_strides(shape)))
+    by_row: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+    for reg_idx in np.ndindex(layout.registers_shape(shape)):
+        offset = sum(i * s for i, s in zip(reg_idx, strides))
+        row, col = divmod(offset, tile)
+        by_row.setdefault(row, []).append((col, reg_idx))
+    if (tile // 4 > 64 or layout.vector_length != 2 or len(by_row) != 2
+            or any(sorted(c for c, _ in regs) != list(range(0, tile, 8)) for regs in by_row.values())):
+        raise NotImplementedError(f"the compaction epilogue expects the wgmma layout (two rows a thread, "
+                                  f"a pair of columns in every 8, at most 64 columns of a row a thread), "
+                                  f"got {layout} over {shape}")
+    return by_row
+
+
+def compact_epilogue_available(tile: int = 256) -> bool:
+    """Whether this JAX's Mosaic GPU has what `_compact_epilogue` is built from (`plgpu.inline_mgpu`,
+    the wgmma layout's register structure, shuffles, loops and bit counts of its IR builders); where
+    it has not, `pack_gate_mgpu` runs the "scan" epilogue instead, with a warning."""
+    try:
+        from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
+        from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
+        from jaxlib.mlir.dialects import math as mlir_math  # noqa: PLC0415
+
+        if not (available() and hasattr(plgpu, "inline_mgpu") and hasattr(mgpu, "fori")
+                and hasattr(mgpu, "when") and hasattr(mgpu_utils, "shfl_bfly")
+                and hasattr(mlir_math, "ctpop") and hasattr(mlir_math, "cttz")):
+            return False
+        _register_rows(mgpu.WGMMA_LAYOUT, (64, tile))
+    except (ImportError, AttributeError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
 def _compact_epilogue(tile: int, slots: int, chunk_size: int = COMPACT_CHUNK):
     """The TwELL compaction of one warpgroup's [64, tile] fp32 accumulator, written with Mosaic GPU's
     own IR (`plgpu.inline_mgpu`). Each thread holds, of the wgmma layout, two rows and in each of
@@ -156,20 +199,7 @@ def _compact_epilogue(tile: int, slots: int, chunk_size: int = COMPACT_CHUNK):
         shape = tuple(acc.shape)
         regs = acc.registers
         out_type = ir.MemRefType(values_ref.type).element_type
-        # Each register's place relative to the thread's first one (row * width + column), from
-        # the layout's own tiling, as its thread_idxs computes it.
-        strides = layout.tiling.tile_strides(tuple(mgpu_utils.get_contiguous_strides(shape)))
-        by_row: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
-        for reg_idx in np.ndindex(regs.shape):
-            offset = sum(i * s for i, s in zip(reg_idx, strides))
-            row, col = divmod(offset, shape[1])
-            by_row.setdefault(row, []).append((col, reg_idx))
-        groups = tile // 8
-        if (2 * groups > 64 or layout.vector_length != 2 or len(by_row) != 2
-                or any(sorted(c for c, _ in regs_) != list(range(0, tile, 8)) for regs_ in by_row.values())):
-            raise NotImplementedError(f"the compaction epilogue expects the wgmma layout (two rows of "
-                                      f"{groups} pairs a thread, at most 64 columns a thread's row: a "
-                                      f"64-bit mask), got {layout} over {shape}")
+        by_row = _register_rows(layout, shape)
         row0, col0 = next(iter(layout.thread_idxs(shape)))
         quad_pos = arith.divui(arith.index_cast(i32, col0), mgpu.c(2, i32))  # 0..3: the thread's pair
         zero_f = mgpu.c(0.0, ir.F32Type.get())
@@ -400,6 +430,11 @@ def pack_gate_mgpu(x_MxD: jax.Array, w_HxD: jax.Array, *, tile: int = 256, slots
         raise RuntimeError("this JAX's Pallas Mosaic GPU module lacks names the kernel uses "
                            f"({', '.join(n for n in _NEEDED if plgpu is None or not hasattr(plgpu, n))})")
     validate_mgpu_pack_args(x_MxD, w_HxD, tile, slots)
+    if block_sizes.epilogue == "compact" and not compact_epilogue_available(tile):
+        warnings.warn("this JAX's Mosaic GPU lacks what the pack's compaction epilogue is built from "
+                      "(plgpu.inline_mgpu, the wgmma register layout it expects, or its IR builders): "
+                      "running the 'scan' epilogue (the same outputs, slower)", RuntimeWarning, stacklevel=2)
+        block_sizes = dataclasses.replace(block_sizes, epilogue="scan")
     m, d = x_MxD.shape
     h = w_HxD.shape[0]
     m_pad, d_pad, h_pad = round_up(m, BLOCK_M * block_sizes.cluster), round_up(d, BLOCK_K), round_up(h, tile)

@@ -160,3 +160,20 @@ def test_bench_pack_refuses_without_a_hopper_gpu(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_pack.main(["--k", "29,x"])
     assert "--k / --op-k must be comma-separated numbers" in capsys.readouterr().err
+
+
+def test_the_compaction_falls_back_to_scan_where_this_jax_cannot_build_it(monkeypatch):
+    """The compaction epilogue's needs are checked before the launch (this JAX has them); a JAX
+    without them gets the "scan" epilogue and a warning, not a failed lowering."""
+    assert mg.compact_epilogue_available()
+    assert not mg.compact_epilogue_available(tile=512)  # 128 columns of a row a thread: no 64-bit mask
+    # shapes no other test lowers: a jit cache hit would skip the trace (and the choice)
+    x = jax.ShapeDtypeStruct((136, 192), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((260, 192), jnp.bfloat16)
+    monkeypatch.setattr(mg, "compact_epilogue_available", lambda tile=256: False)
+    built = []
+    monkeypatch.setattr(mg, "_compact_epilogue", lambda *a, **k: built.append(a))
+    with pytest.warns(RuntimeWarning, match="running the 'scan' epilogue"):
+        text = jax.jit(lambda a, b: mg.pack_gate_mgpu(a, b)).trace(x, w).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and not built
