@@ -127,9 +127,12 @@ def test_format_profile_lists_the_top_kernels_and_the_rest():
     p = parse_trace(gpu_trace(), repeats=2)
     lines = format_profile(p, top=2)
     assert "span 0.600 ms/call" in lines[0] and "busy 0.290 ms" in lines[0]
-    assert lines[2].startswith("twell_bwd_token_gated") and "0.200" in lines[2]
-    assert lines[4].startswith("(2 more)") and "0.030" in lines[4]
-    assert len(format_profile(p)) == 2 + len(p.kernels)
+    # the time line: the project's kernel 0.200, the others 0.110 (summed), idle 0.600 - 0.290
+    assert p.time_line() == pytest.approx((0.2, 0.11, 0.31))
+    assert "the project's kernels (twell_*) 0.200 ms, the others 0.110 ms; no kernel running 0.310 ms" in lines[1]
+    assert lines[3].startswith("twell_bwd_token_gated") and "0.200" in lines[3]
+    assert lines[5].startswith("(2 more)") and "0.030" in lines[5]
+    assert len(format_profile(p)) == 3 + len(p.kernels)
 
 
 def test_kernel_times_on_the_cpu_reports_no_gpu_events():

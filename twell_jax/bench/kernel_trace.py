@@ -50,6 +50,9 @@ class KernelStat:
     share: float  # of the summed time of all kernels, in [0, 1]
 
 
+OWN_PREFIX = "twell_"  # the project's Pallas / Mosaic GPU kernels are named twell_... (`name=` of each call)
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelProfile:
     """The GPU kernels of `repeats` calls of one program (module doc); empty with a `reason` when
@@ -77,6 +80,13 @@ class KernelProfile:
     def to_json(self) -> dict:
         """A plain dict for the benchmarks' JSON rows (from_json reads it back)."""
         return dataclasses.asdict(self)
+
+    def time_line(self, prefix: str = OWN_PREFIX) -> tuple[float, float, float]:
+        """(ms of the kernels named `prefix`... (the project's own: Pallas and Mosaic GPU kernels),
+        ms of the others (XLA's fusions, library GEMMs, copies), ms of the span with no kernel
+        running), per call (or unit)."""
+        own = sum(s.ms for s in self.kernels if s.name.startswith(prefix))
+        return own, self.kernel_ms - own, max(self.span_ms - self.busy_ms, 0.0)
 
     @classmethod
     def from_json(cls, data: dict) -> "KernelProfile":
@@ -359,6 +369,8 @@ def format_profile(profile: KernelProfile, top: int = 12) -> list[str]:
     lines = [f"kernel trace over {over}: span {profile.span_ms:.3f} ms/{unit}, "
              f"kernels {profile.kernel_ms:.3f} ms, busy {profile.busy_ms:.3f} ms, "
              f"{len(profile.kernels)} kernel names",
+             "  of which the project's kernels ({}*) {:.3f} ms, the others {:.3f} ms; no kernel running "
+             "{:.3f} ms".format(OWN_PREFIX, *profile.time_line()),
              f"{'kernel':<44} {'calls':>6} {'ms':>8} {'share':>6}"]
     for s in profile.kernels[:top]:
         lines.append(f"{s.name[:44]:<44} {s.calls:>6.1f} {s.ms:>8.3f} {s.share:>6.1%}")
