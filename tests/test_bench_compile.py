@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from twell_jax import config as config_lib
 from twell_jax.bench import compile_time
 from twell_jax.bench.step import DRY_RUN_SETS
@@ -28,6 +30,7 @@ def test_host_events_sums_by_name_without_python_frames():
     assert compile_time.host_events(None) == []
 
 
+@pytest.mark.slow  # a benchmark dry run (two model sizes, two variants, profiled compiles)
 def test_the_twin_unrolls_and_the_sparse_op_loops_and_the_compile_is_profiled(tmp_path):
     out = tmp_path / "rows.json"
     rows = compile_time.main(["--dry-run", "--variants", "relu_gated,twell@reference", "--profile-compile",
@@ -45,6 +48,7 @@ def test_the_twin_unrolls_and_the_sparse_op_loops_and_the_compile_is_profiled(tm
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
 
 
+@pytest.mark.slow  # a benchmark dry run, twice (cold and warm cache)
 def test_a_warm_persistent_cache_is_not_timed():
     # A process that compiled with JAX's persistent cache on (as an earlier test in this worker may
     # have, or a notebook), every compile written to it: a second run of the same steps must compile
