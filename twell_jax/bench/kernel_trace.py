@@ -82,9 +82,9 @@ class KernelProfile:
         return dataclasses.asdict(self)
 
     def time_line(self, prefix: str = OWN_PREFIX) -> tuple[float, float, float]:
-        """(ms of the kernels named `prefix`... (the project's own: Pallas and Mosaic GPU kernels),
-        ms of the others (XLA's fusions, library GEMMs, copies), ms of the span with no kernel
-        running), per call (or unit)."""
+        """Per call (or unit): (ms of the kernels whose names start with `prefix`, the project's own
+        Pallas and Mosaic GPU kernels; ms of the others: XLA's fusions, library GEMMs, copies; ms of
+        the span with no kernel running)."""
         own = sum(s.ms for s in self.kernels if s.name.startswith(prefix))
         return own, self.kernel_ms - own, max(self.span_ms - self.busy_ms, 0.0)
 
