@@ -2,31 +2,23 @@
 forward) against lm-eval's own `hf` backend (PyTorch, `transformers`) on the same run exported to
 Hugging Face, on the same GPU, at the same batch size.
 
-    python experiments/bench_eval.py --checkpoint RUN --items 2000 --batch-size 32 --out DIR
-    python experiments/bench_eval.py --checkpoint RUN --items 8 --warm-items 4 --out DIR   # a quick check
+    python experiments/bench_eval.py --checkpoint RUN --items 4096 --batch-size 64 --backends auto,dense --out DIR
+    python experiments/bench_eval.py --checkpoint RUN --items 8 --repeats 1 --out DIR   # a quick check
 
 A local multiple-choice task (lm-eval's json loader, no download) of --items items is made from the
 run's validation text: each item's context is --context-tokens tokens of it, its four choices
 --choice-tokens tokens each: the text that follows (the answer) and three continuations taken from
-elsewhere. The run is exported (`twell hf export`, bfloat16) into --out; then each side runs as a
-command of its own, in its own process, once on --warm-items items and once on --items items:
-
-    ours  twell eval --checkpoint RUN --tasks TASK.yaml --batch-size B --dtype bfloat16 --json
-          --compile-cache OUT/xla_cache/SIDE [--set model.ffn_backend=NAME]   (once per --backends NAME, e.g.
-          auto,dense: the sparse kernels against the dense path; default: once, the run's backend)
-    hf    python -m lm_eval --model hf --model_args pretrained=EXPORT,dtype=bfloat16 --tasks TASK
-          --include_path DIR --batch_size B --device DEVICE --output_path ...
-
-Per item = (wall(items) - wall(warm items)) / (items - warm items): the start-up (imports, loading
-the model) cancels, what remains is the time each item adds. Our side compiles nothing in either
-timed run: an untimed first run on all the items fills a persistent compilation cache of that
-side's own (every program, `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0`), which both timed runs
-load; without it a batch shape met only in the longer run (a longer power-of-two length bucket, a
-last partial batch) would count its compile as per-item time, more for the kernels' programs than
-for the dense path's. A run whose requests (4 per item) are not a whole number of batches is still
-noted (the defaults avoid it). The wall times and each side's accuracy (which must agree: the same model, the same
-requests) go to bench_eval.json in --out, with hf's time per item over each of our sides'
-(`vs_hf_per_item`); the table is printed last.
+elsewhere. The run is exported (`twell hf export`, bfloat16) into --out. Each side then runs in a
+process of its own (`twell_jax/bench/eval_side.py`): our side once per --backends NAME (the run's
+model.ffn_backend set to NAME; default: once, the run's own), then lm-eval's `hf` backend. A side
+loads its model, evaluates all the items once untimed (every program compiles there, caches warm),
+then --repeats times, each timed alone inside the process: per item = the median run's seconds /
+--items. Start-up (imports, loading, compiling) is reported beside it, not in it; the evaluations
+hold what each item costs (lm-eval building the requests, the model scoring them, the metrics).
+The times and each run's accuracy (the same model and requests: equal, up to bfloat16 ties on a GPU)
+go to bench_eval.json in --out, with hf's time per item over each of our sides' (`vs_hf_per_item`)
+and each of our sides' over the first's (`vs_first_per_item`, e.g. auto against dense); the table is
+printed last.
 """
 from __future__ import annotations
 
@@ -34,11 +26,13 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 TASK = "twell_speed_mc"
 
@@ -87,23 +81,9 @@ def make_task(run_dir: str, where: Path, items: int, context_tokens: int, choice
     return yaml
 
 
-def partial_batch_note(items: int, warm_items: int, batch_size: int, choices: int = 4) -> str | None:
-    """Why the start-up may not cancel exactly: a run whose requests are not a whole number of batches
-    ends on a smaller batch, a program of its own (loaded from the primed cache in that run alone;
-    None when both runs are whole)."""
-    partial = {f"--{name} {n}": (choices * n) % batch_size
-               for name, n in (("warm-items", warm_items), ("items", items)) if (choices * n) % batch_size}
-    if not partial:
-        return None
-    runs = ", ".join(f"{run} ends on a batch of {rows}" for run, rows in partial.items())
-    return (f"{runs} of --batch-size {batch_size} rows ({choices} requests per item): a program met in one run "
-            "alone does not cancel in the per-item time; give item counts whose requests fill whole batches")
-
-
-def _timed(argv: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[float, str]:
+def _timed(argv: list[str], log: Path, timeout: float) -> tuple[float, str]:
     start = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                          env=None if env is None else {**os.environ, **env})
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     seconds = time.perf_counter() - start
     log.write_text(f"$ {' '.join(argv)}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
     if done.returncode != 0:
@@ -116,34 +96,21 @@ def side_name(backend: str | None) -> str:
     return "ours" if backend is None else f"ours@{backend}"
 
 
-def ours(run_dir: str, yaml: Path, limit: int, batch: int, out: Path, timeout: float,
-         backend: str | None = None, cache: Path | None = None, tag: str = "") -> tuple[float, float]:
-    """`twell eval --tasks` on `limit` items: (wall seconds, acc); `backend` overrides the run's
-    model.ffn_backend (None: the run's); `cache`: the persistent compilation cache it reads and
-    writes, every program in it however short its compile (None: off)."""
-    sets = [] if backend is None else ["--set", f"model.ffn_backend={backend}"]
-    seconds, stdout = _timed([sys.executable, "-m", "twell_jax.cli", "eval", "--checkpoint", run_dir,
-                              "--tasks", str(yaml), "--limit", str(limit), "--batch-size", str(batch),
-                              "--dtype", "bfloat16", "--json", "--compile-cache", str(cache or "off"), *sets],
-                             out / f"{side_name(backend)}_{limit}{tag}.log", timeout,
-                             env={"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"} if cache else None)
-    result = json.loads(stdout)
-    return seconds, _find_acc(result)
+def run_side(side: str, backend: str | None, args: argparse.Namespace, yaml: Path, export: Path,
+             out: Path) -> dict[str, Any]:
+    """One side in its own process (eval_side.py): its JSON result, with `ms_per_item` (the median
+    timed run) and `process_s` (the process's wall time)."""
+    which = (["ours", "--checkpoint", args.checkpoint] + ([] if backend is None else ["--backend", backend])
+             if side != "hf" else ["hf", "--export", str(export), "--device", args.device])
+    argv = [sys.executable, "-m", "twell_jax.bench.eval_side", *which, "--tasks", str(yaml), "--items",
+            str(args.items), "--batch-size", str(args.batch_size), "--repeats", str(args.repeats)]
+    process_s, stdout = _timed(argv, out / f"{side}.log", args.timeout)
+    result = json.loads(stdout.strip().splitlines()[-1])
+    return dict(result, process_s=process_s, acc=result["accs"][-1],
+                ms_per_item=1e3 * statistics.median(result["seconds"]) / args.items)
 
 
-def hf(export: Path, yaml: Path, limit: int, batch: int, device: str, out: Path, timeout: float) -> tuple[float, float]:
-    results = out / f"hf_{limit}"
-    seconds, _ = _timed([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-                         f"pretrained={export},dtype=bfloat16", "--tasks", TASK, "--include_path", str(yaml.parent),
-                         "--limit", str(limit), "--batch_size", str(batch), "--device", device,
-                         "--output_path", str(results)], out / f"hf_{limit}.log", timeout)
-    files = sorted(results.rglob("results*.json"))
-    if not files:
-        raise RuntimeError(f"lm_eval wrote no results under {results}")
-    return seconds, _find_acc(json.loads(files[-1].read_text()))
-
-
-def _find_acc(tree) -> float:
+def find_acc(tree) -> float:
     """The task's acc in a results document (lm-eval's, or twell eval's --json)."""
     if isinstance(tree, dict):
         if TASK in tree and isinstance(tree[TASK], dict):
@@ -151,12 +118,12 @@ def _find_acc(tree) -> float:
                 if key.split(",")[0] == "acc" and isinstance(value, (int, float)):
                     return float(value)
         for value in tree.values():
-            found = _find_acc(value)
+            found = find_acc(value)
             if found == found:  # not nan
                 return found
     elif isinstance(tree, list):
         for value in tree:
-            found = _find_acc(value)
+            found = find_acc(value)
             if found == found:
                 return found
     return float("nan")
@@ -165,23 +132,21 @@ def _find_acc(tree) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, help="a trained run (with its tokenizer)")
-    parser.add_argument("--items", type=int, default=2000)
-    parser.add_argument("--warm-items", type=int, default=64, help="the start-up run's items")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--items", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per side (the median counts)")
+    parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--context-tokens", type=int, default=96)
     parser.add_argument("--choice-tokens", type=int, default=24)
     parser.add_argument("--device", default="cuda:0", help="lm-eval's hf backend's device")
     parser.add_argument("--backends", default=None, metavar="NAME,...",
-                        help="our side once per op backend (model.ffn_backend set for `twell eval`), e.g. "
-                             "auto,dense: the sparse kernels against the dense path (default: once, the run's own)")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per command")
+                        help="our side once per op backend (model.ffn_backend), e.g. dense,auto: the sparse "
+                             "kernels against the dense path (default: once, the run's own)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per side")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = parser.parse_args(argv)
-    if not 1 <= args.warm_items < args.items:
-        parser.error("--warm-items must be >= 1 and less than --items")
-    if min(args.batch_size, args.context_tokens, args.choice_tokens) < 1:
-        parser.error("--batch-size, --context-tokens and --choice-tokens must be >= 1")
+    if min(args.items, args.repeats, args.batch_size, args.context_tokens, args.choice_tokens) < 1:
+        parser.error("--items, --repeats, --batch-size, --context-tokens and --choice-tokens must be >= 1")
     backends: list[str | None] = [None]
     if args.backends is not None:
         from twell_jax.ops import backend_names
@@ -189,48 +154,35 @@ def main(argv: list[str] | None = None) -> None:
         unknown = [b for b in backends if b not in backend_names()]
         if not backends or unknown or len(set(backends)) != len(backends):
             parser.error(f"--backends must list distinct op backends of {backend_names()}, got {args.backends!r}")
-    note = partial_batch_note(args.items, args.warm_items, args.batch_size)
-    if note:
-        print(f"[bench_eval] note: {note}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     yaml = make_task(args.checkpoint, out / "task", args.items, args.context_tokens, args.choice_tokens, args.seed)
     export = out / "export"
     _timed([sys.executable, "-m", "twell_jax.cli", "hf", "export", "--checkpoint", args.checkpoint, "--out",
             str(export), "--dtype", "bfloat16"], out / "export.log", args.timeout)
-    result: dict = dict(checkpoint=args.checkpoint, items=args.items, warm_items=args.warm_items, device=args.device,
+    result: dict = dict(checkpoint=args.checkpoint, items=args.items, repeats=args.repeats, device=args.device,
                         batch_size=args.batch_size, context_tokens=args.context_tokens,
                         choice_tokens=args.choice_tokens, choices=4, sides={})
-
     for side, backend in [(side_name(b), b) for b in backends] + [("hf", None)]:
-        extra = {}
-        if side == "hf":
-            def run(n: int) -> tuple[float, float]:
-                return hf(export, yaml, n, args.batch_size, args.device, out, args.timeout)
-        else:
-            # Primed: one untimed run on all the items fills a compilation cache of this side's own
-            # with every program the timed runs meet, so neither timed run compiles (a shape met
-            # only in the longer run would otherwise count its compile as per-item time).
-            cache = out / "xla_cache" / side
-
-            def run(n: int, tag: str = "") -> tuple[float, float]:
-                return ours(args.checkpoint, yaml, n, args.batch_size, out, args.timeout, backend, cache, tag)
-
-            extra["prime_s"], _ = run(args.items, "_prime")
-        warm_s, warm_acc = run(args.warm_items)
-        full_s, acc = run(args.items)
-        result["sides"][side] = dict(warm_s=warm_s, full_s=full_s, acc=acc, warm_acc=warm_acc,
-                                     ms_per_item=1e3 * (full_s - warm_s) / (args.items - args.warm_items), **extra)
-        print(f"[bench_eval] {side}: {warm_s:.1f} s for {args.warm_items} items, {full_s:.1f} s for {args.items}, "
-              f"acc {acc:.4f}", flush=True)
+        row = result["sides"][side] = run_side(side, backend, args, yaml, export, out)
+        runs = ", ".join(f"{s:.2f}" for s in row["seconds"])
+        print(f"[bench_eval] {side}: loaded in {row['load_s']:.1f} s, first run {row['warm_s']:.1f} s, timed runs "
+              f"{runs} s ({args.items} items), acc {row['acc']:.4f}", flush=True)
+        if len(set(row["accs"])) > 1:
+            print(f"[bench_eval] note: {side}'s runs of the same items gave accuracies {row['accs']} "
+                  "(bfloat16 log-likelihood ties decided differently by the GPU's kernels)", flush=True)
     s = result["sides"]
-    # hf's time per item over each of our sides'.
-    result["vs_hf_per_item"] = {k: s["hf"]["ms_per_item"] / v["ms_per_item"] for k, v in s.items() if k != "hf"}
+    ours_sides = [k for k in s if k != "hf"]
+    # hf's time per item over each of our sides'; each of our sides' speed against the first one's.
+    result["vs_hf_per_item"] = {k: s["hf"]["ms_per_item"] / s[k]["ms_per_item"] for k in ours_sides}
+    result["vs_first_per_item"] = {k: s[ours_sides[0]]["ms_per_item"] / s[k]["ms_per_item"] for k in ours_sides}
     (out / "bench_eval.json").write_text(json.dumps(result, indent=1))
-    print("\n".join([f"| side | ms/item | start-up s ({args.warm_items} items) | acc ({args.items} items) | hf / side per item |",
-                     "|---|---|---|---|---|"]
-                    + [f"| {k} | {v['ms_per_item']:.2f} | {v['warm_s']:.1f} | {v['acc']:.4f} | "
-                       + (f"{result['vs_hf_per_item'][k]:.2f}x |" if k != "hf" else " |") for k, v in s.items()]))
+    first = ours_sides[0]
+    print("\n".join([f"| side | ms/item | start-up s (load + first run) | acc ({args.items} items) | hf / side | "
+                      f"{first} / side |", "|---|---|---|---|---|---|"]
+                     + [f"| {k} | {v['ms_per_item']:.3f} | {v['load_s'] + v['warm_s']:.1f} | {v['acc']:.4f} | "
+                        + (f"{result['vs_hf_per_item'][k]:.3f}x | {result['vs_first_per_item'][k]:.3f}x |"
+                           if k != "hf" else " | |") for k, v in s.items()]))
 
 
 if __name__ == "__main__":

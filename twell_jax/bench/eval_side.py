@@ -1,0 +1,104 @@
+"""One side of experiments/bench_eval.py, in a process of its own: load the model once, evaluate the
+task once untimed (every program the timed runs meet compiles there; lm-eval's and the tokenizer's
+caches warm), then evaluate the same items `--repeats` times, each timed alone. Prints one JSON
+line: {"load_s", "warm_s", "seconds": [one per repeat], "accs": [the untimed run's, then one per repeat]}.
+
+    python -m twell_jax.bench.eval_side ours --checkpoint RUN --tasks TASK.yaml --items N --batch-size B [--backend NAME]
+    python -m twell_jax.bench.eval_side hf --export DIR --tasks TASK.yaml --items N --batch-size B --device cuda:0
+
+`ours` is what `twell eval --tasks` runs (the run loaded in bfloat16 with its tokenizer checked, our
+lm-eval adapter, lm-eval's prompt templates kept compiled); `hf` is lm-eval's own `hf` backend
+(`HFLM`, PyTorch) on the run's Hugging Face export, as `python -m lm_eval --model hf` builds it. Both
+evaluate through lm-eval's `simple_evaluate` with the task objects loaded before each timed run
+(reading the task's data is not an item's work), so a timed run holds what each item costs: lm-eval
+building the requests, the model scoring them, the metrics.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any, Callable
+
+from twell_jax.bench.eval_speed import find_acc
+
+
+Evaluate = Callable[[], tuple[float, float]]  # one timed evaluation: (seconds, acc)
+
+
+def _ours(args: argparse.Namespace) -> tuple[Evaluate, float]:
+    from twell_jax.inference import harness
+    from twell_jax.inference.load import load_run
+
+    selection = harness.select_tasks(args.tasks)
+    start = time.perf_counter()
+    loaded = load_run(args.checkpoint, dtype="bfloat16",
+                      overrides=[] if args.backend is None else [f"model.ffn_backend={args.backend}"])
+    harness.check_tokenizer(loaded)
+    load_s = time.perf_counter() - start
+
+    def evaluate() -> tuple[float, float]:
+        tasks = harness.load_tasks(selection)
+        start = time.perf_counter()
+        results = harness.evaluate_loaded(loaded, selection, batch_size=args.batch_size, limit=args.items,
+                                          progress=False, loaded_tasks=tasks)
+        return time.perf_counter() - start, find_acc(results)
+
+    return evaluate, load_s
+
+
+def _hf(args: argparse.Namespace) -> tuple[Evaluate, float]:
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    from twell_jax.inference import harness
+
+    selection = harness.select_tasks(args.tasks)
+    start = time.perf_counter()
+    lm = HFLM(pretrained=args.export, dtype="bfloat16", batch_size=args.batch_size, device=args.device)
+    load_s = time.perf_counter() - start
+
+    def evaluate() -> tuple[float, float]:
+        manager, objects = harness.load_tasks(selection)
+        start = time.perf_counter()
+        results = lm_eval.simple_evaluate(model=lm, tasks=objects, task_manager=manager, limit=args.items,
+                                          batch_size=args.batch_size)
+        return time.perf_counter() - start, find_acc(results)
+
+    return evaluate, load_s
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    evaluate, load_s = (_ours if args.side == "ours" else _hf)(args)
+    warm_s, warm_acc = evaluate()
+    seconds, accs = [], []
+    for _ in range(args.repeats):
+        s, acc = evaluate()
+        seconds.append(s)
+        accs.append(acc)
+    # Each run's accuracy: the same items and model, so they agree unless the GPU's kernels are not
+    # deterministic (a log-likelihood tie in bfloat16 decided either way); bench_eval says so.
+    return dict(load_s=load_s, warm_s=warm_s, seconds=seconds, accs=[warm_acc, *accs])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("side", choices=("ours", "hf"))
+    parser.add_argument("--checkpoint", help="ours: the trained run")
+    parser.add_argument("--backend", default=None, help="ours: model.ffn_backend (default: the run's)")
+    parser.add_argument("--export", help="hf: the run's Hugging Face export")
+    parser.add_argument("--device", default="cuda:0", help="hf: the torch device")
+    parser.add_argument("--tasks", required=True, help="the task YAML")
+    parser.add_argument("--items", type=int, required=True)
+    parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    if (args.side == "ours") != (args.checkpoint is not None) or (args.side == "hf") != (args.export is not None):
+        parser.error("ours takes --checkpoint, hf takes --export")
+    if min(args.items, args.batch_size, args.repeats) < 1:
+        parser.error("--items, --batch-size and --repeats must be >= 1")
+    print(json.dumps(run(args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
