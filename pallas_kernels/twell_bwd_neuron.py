@@ -13,11 +13,12 @@ serves both dW_up and dW_gate), accumulates in fp32 registers in list order (fix
 is deterministic) and writes the rows in the weights' dtype. Neurons with count 0 (no entry, or
 "hot" neurons that the caller handles in a dense tail) write their init row (or 0).
 
-Launch order (`NeuronBwdBlockSizes.longest_first`, default on): program p takes the p-th neuron by
-decreasing count instead of neuron p. A program's time grows with its neuron's list, and on a
-trained pattern the lists are very unequal (skewed neurons); programs start in id order, so the
-longest lists start first and the short ones fill in behind them instead of a few long ones
-running alone at the end. Each neuron's sums are the same whatever the order (bit for bit).
+Launch order (`NeuronBwdBlockSizes.longest_first`, default on): program p takes the p-th neuron of
+`longest_first_order` (by decreasing bit length of its count, ties by index) instead of neuron p.
+A program's time grows with its neuron's list, and on a trained pattern the lists are very unequal
+(skewed neurons); programs start in id order, so the longest lists start first and the short ones
+fill in behind them instead of a few long ones running alone at the end. Each neuron's sums are
+the same whatever the order (bit for bit).
 """
 from __future__ import annotations
 
@@ -54,6 +55,36 @@ class NeuronBwdBlockSizes:
         if not isinstance(self.longest_first, bool):
             raise ValueError(f"NeuronBwdBlockSizes.longest_first must be a bool, got {self.longest_first!r}")
         check_launch_sizes(self)
+
+
+def longest_first_order(count_H: jax.Array, max_count: int) -> jax.Array:
+    """int32 [H]: the neurons by decreasing bit length of their count (counts 2^b .. 2^(b+1) - 1
+    share bucket b + 1, count 0 is bucket 0), ascending by index inside a bucket: a permutation,
+    deterministic. Counts above `max_count` (the caller's bound, M for a neuron's entries over M
+    tokens; none in valid lists) join the top bucket.
+
+    Buckets within a factor of two are longest-first enough for the launch order (the longest
+    lists still start first), and a key of at most 32 values needs no comparison sort: a counting
+    sort is a cumsum over a [buckets, H] one-hot (each neuron's place in its bucket) plus the
+    buckets' starts, then ONE scatter of the ids to their places: small elementwise and scan
+    fusions. It replaces XLA's comparison sort (`argsort`: several kernels, each a sorting
+    network over the whole array); a single-operand sort of a combined (key, index) int32 would
+    still be that sort. What the transpose computes (count_H, the per-chunk histograms, start_H's
+    cumsum over H) holds no order by count; only its scan could be shared, at the price of tying
+    the transpose to this launch order (and its counts include the hot neurons skipped here)."""
+    h = count_H.shape[0]
+    if h == 0:
+        return jnp.zeros((0,), jnp.int32)
+    n_buckets = max_count.bit_length() + 1
+    bits_H = jnp.minimum(32 - lax.clz(jnp.maximum(count_H, 0)), n_buckets - 1)  # bit length
+    key_H = (n_buckets - 1) - bits_H  # 0 = the longest lists
+    one_BxH = (key_H[None, :] == lax.broadcasted_iota(jnp.int32, (n_buckets, h), 0)).astype(jnp.int32)
+    upto_BxH = jnp.cumsum(one_BxH, axis=1)  # members of the bucket at or before each neuron
+    size_B = upto_BxH[:, -1]
+    first_B = jnp.cumsum(size_B) - size_B
+    place_H = first_B[key_H] + jnp.take_along_axis(upto_BxH, key_H[None, :], axis=0)[0] - 1
+    return jnp.zeros((h,), jnp.int32).at[place_H].set(jnp.arange(h, dtype=jnp.int32),
+                                                      unique_indices=True)
 
 
 def _neuron_bwd_kernel(*refs, gated: bool, has_init: bool, ordered: bool, d: int, d_block: int) -> None:
@@ -176,8 +207,8 @@ def neuron_backward(x_MxD: jax.Array, gy_MxD: jax.Array, start_H: jax.Array, cou
     init = tuple(init) if init is not None else ()
     out_shape = [jax.ShapeDtypeStruct((h_pad, d), x_MxD.dtype)] * n_out
     if ordered:
-        # Neurons by decreasing count (stable: ties by index); the padded ones (count 0) last.
-        order = jnp.argsort(-count_H, stable=True).astype(jnp.int32)
+        # The longest lists first; the padded neurons (count 0) in the last bucket.
+        order = longest_first_order(count_H, x_MxD.shape[0])
         in_specs = [vec_spec, full(x_MxD), full(gy_MxD), full(start_H), full(count_H), full(tokens_E),
                     *[full(v) for v in values_E], *[full(r) for r in init]]
         out_specs = [full(o) for o in out_shape]

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from twell_jax.pallas_kernels.twell_bwd_neuron import (NeuronBwdBlockSizes, neuron_backward,
-                                             neuron_backward_reference)
+from twell_jax.pallas_kernels.twell_bwd_neuron import (NeuronBwdBlockSizes, longest_first_order,
+                                             neuron_backward, neuron_backward_reference)
 from twell_jax.pallas_kernels.twell_bwd_token import (ListsBlockSizes, TokenBwdBlockSizes, rank_values,
                                             rank_values_reference, token_backward,
                                             token_backward_reference, token_lists,
@@ -163,6 +163,71 @@ def test_neuron_backward_matches_reference(dtype, n_values, block_n, with_init):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     if not with_init:
         assert not bool(jnp.any(out[0][1])) and not bool(jnp.any(out[0][4]))  # neurons without entries
+
+
+def _order_key(counts: np.ndarray, max_count: int) -> np.ndarray:
+    """longest_first_order's key in numpy: 0 for the longest lists (bit length of the count,
+    capped at max_count's), larger for shorter ones."""
+    top = max_count.bit_length()
+    return top - np.minimum([int(c).bit_length() for c in counts], top)
+
+
+@pytest.mark.parametrize("case", ["random", "zero", "one_hot", "bucket_edges", "over_max", "single"])
+def test_longest_first_order(case):
+    """The neuron-major kernel's launch order: a permutation of the neurons by decreasing bit
+    length of their count, ascending index inside a bit length (numpy's stable lexsort of the same
+    key), the same on every call. Counts above max_count (M; none in valid lists) go with the
+    longest; no count is negative."""
+    rng = np.random.default_rng(17)
+    m, h = 1000, 1 if case == "single" else 777
+    if case in ("random", "single"):  # skewed, like a trained layer's lists: most buckets used
+        counts = np.minimum(rng.lognormal(2.0, 2.0, h).astype(np.int64), m) * (rng.random(h) < 0.8)
+    elif case == "zero":
+        counts = np.zeros(h, np.int64)
+    elif case == "one_hot":
+        counts = (rng.random(h) < 0.1).astype(np.int64)
+        counts[500] = m
+    elif case == "bucket_edges":  # 2^b - 1, 2^b, 2^b + 1: neighbours on both sides of each edge
+        edges = np.array([v for b in range(10) for v in (2**b - 1, 2**b, 2**b + 1)])
+        counts = rng.permutation(np.resize(edges, h))
+    else:  # over_max
+        counts = rng.integers(0, m + 1, h)
+        counts[rng.choice(h, 20, replace=False)] = rng.integers(m + 1, 2**30, 20)
+    counts = counts.astype(np.int32)
+    order = np.asarray(longest_first_order(jnp.asarray(counts), m))
+    assert order.dtype == np.int32 and order.shape == (h,)
+    np.testing.assert_array_equal(np.sort(order), np.arange(h))  # a permutation
+    key = _order_key(counts, m)
+    np.testing.assert_array_equal(order, np.lexsort((np.arange(h), key)))
+    bits = np.array([int(c).bit_length() for c in counts[order]])
+    assert np.all(np.diff(np.minimum(bits, m.bit_length())) <= 0)  # longest first, by bit length
+    if case == "random":
+        assert len(set(key)) >= 8  # the case spans many buckets
+    if case == "one_hot":
+        assert order[0] == 500
+    if case == "zero":
+        np.testing.assert_array_equal(order, np.arange(h))
+    if case == "over_max":
+        assert np.all(key[counts > m] == 0)
+    np.testing.assert_array_equal(order, np.asarray(longest_first_order(jnp.asarray(counts), m)))
+
+
+def test_longest_first_order_has_no_sort():
+    """The order is a counting sort: at the paper's H and M its program holds no sort (the
+    StableHLO, and XLA's compiled program on the CPU), where argsort's has one; the StableHLO's
+    one scatter places the ids."""
+    def text(fn, compiled: bool) -> str:
+        lowered = jax.jit(fn, static_argnums=1).lower(jax.ShapeDtypeStruct((5632,), jnp.int32), 16384)
+        return lowered.compile().as_text() if compiled else lowered.as_text()
+
+    def argsort(c, m):
+        return jnp.argsort(-c, stable=True)
+
+    assert " sort(" in text(argsort, True) and "stablehlo.sort" in text(argsort, False)
+    assert " sort(" not in text(longest_first_order, True)
+    lowered = text(longest_first_order, False)
+    assert "stablehlo.sort" not in lowered
+    assert lowered.count('"stablehlo.scatter"(') == 1
 
 
 def test_kernel_arguments_are_validated():
