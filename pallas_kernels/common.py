@@ -52,6 +52,26 @@ def pad_rows(n_rows: int, *arrays: jax.Array) -> tuple[jax.Array, ...]:
                  jnp.pad(a, ((0, n_rows - a.shape[0]),) + ((0, 0),) * (a.ndim - 1)) for a in arrays)
 
 
+def validate_pattern(indices: jax.Array, counts: jax.Array, tile: int | None) -> bool:
+    """Raise ValueError naming the offending argument unless (indices, counts) is a TwELL pattern
+    as the backward's kernels read it: indices [M, NT, S] int32 (neuron ids, as the pack writes
+    them) or uint8 (each neuron's offset inside its tile, neuron - t * tile: the training forward's
+    kept pattern, which the kernels read as it is stored, with no int32 copy; `tile`, the pack's,
+    at most 256), counts [M, NT] int32 or int16. Returns True for offsets."""
+    if indices.ndim != 3 or indices.dtype not in (jnp.int32, jnp.uint8):
+        raise ValueError(f"indices must be [M, NT, S] int32 (neuron ids) or uint8 (offsets inside the "
+                         f"tile), got {indices.dtype}{indices.shape}")
+    m, n_tiles, _ = indices.shape
+    if counts.shape != (m, n_tiles) or counts.dtype not in (jnp.int32, jnp.int16):
+        raise ValueError(f"counts must be int32 or int16 [M={m}, NT={n_tiles}], got "
+                         f"{counts.dtype}{counts.shape}")
+    offsets = indices.dtype == jnp.uint8
+    if offsets and (tile is None or tile > 256):
+        raise ValueError(f"uint8 indices (offsets inside the tile) need the pack's tile, at most 256 "
+                         f"lanes, got tile={tile!r}")
+    return offsets
+
+
 def validate_packed_operands(x_MxD: jax.Array, values: jax.Array, indices: jax.Array,
                              counts: jax.Array) -> None:
     """Raise ValueError naming the offending argument: x [M, D] and a TwELL pack of M rows

@@ -46,7 +46,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .common import (check_launch_sizes, compiler_params, is_pow2 as _is_pow2,
                                    next_pow2 as _next_pow2, pad_rows, round_up, stored_ranks,
-                                   validate_packed_operands)
+                                   validate_packed_operands, validate_pattern)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,10 +154,12 @@ def rank_values_reference(values: jax.Array, counts: jax.Array, width: int) -> j
     return jnp.zeros((m, w), values.dtype).at[rows_MxK, rank_MxK].set(values.reshape(m, -1), mode="drop")
 
 
-def _lists_kernel(*refs, has_hot: bool, has_u: bool, slots: int, n_tiles: int, width: int) -> None:
-    """Refs: ranked values [BR, W], (ranked u [BR, W] f32), indices [BR, NT, S], counts [BR, NT],
-    dest [BR, W], (hot [H] int32); outputs n [BR], cols, a, pos, (u) [BR, W + S] (columns >= W
-    take the dead lanes' stores)."""
+def _lists_kernel(*refs, has_hot: bool, has_u: bool, slots: int, n_tiles: int, width: int,
+                  tile: int | None) -> None:
+    """Refs: ranked values [BR, W], (ranked u [BR, W] f32), indices [BR, NT, S] (int32 neuron ids,
+    or with `tile` uint8 offsets inside it), counts [BR, NT] (int32 or int16), dest [BR, W],
+    (hot [H] int32); outputs n [BR], cols, a, pos, (u) [BR, W + S] (columns >= W take the dead
+    lanes' stores)."""
     refs = list(refs)
     values_ref = refs.pop(0)
     u_in_ref = refs.pop(0) if has_u else None
@@ -172,9 +174,11 @@ def _lists_kernel(*refs, has_hot: bool, has_u: bool, slots: int, n_tiles: int, w
 
     def tile_step(t, carry):
         first_BR, out_BR = carry  # the row's stored entries so far; its listed entries so far
-        live_BR = jnp.minimum(plgpu.load(counts_ref.at[:, t]), slots)
+        live_BR = jnp.minimum(plgpu.load(counts_ref.at[:, t]).astype(jnp.int32), slots)
         live_BRxS = k_BRxS < live_BR[:, None]
-        j_BRxS = plgpu.load(indices_ref.at[:, t, :], mask=live_BRxS, other=0)
+        j_BRxS = plgpu.load(indices_ref.at[:, t, :], mask=live_BRxS, other=0).astype(jnp.int32)
+        if tile is not None:  # offsets inside tile t: the neuron id
+            j_BRxS = j_BRxS + t * tile
         keep_BRxS = live_BRxS
         if has_hot:
             keep_BRxS = keep_BRxS & (plgpu.load(hot_ref.at[j_BRxS], mask=live_BRxS, other=1) == 0)
@@ -197,10 +201,10 @@ def _lists_kernel(*refs, has_hot: bool, has_u: bool, slots: int, n_tiles: int, w
     n_ref[...] = n_BR
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "debug"))
+@functools.partial(jax.jit, static_argnames=("tile", "block_sizes", "interpret", "debug"))
 def token_lists(ranked_MxW: jax.Array, indices: jax.Array, counts: jax.Array, dest_MxW: jax.Array,
                 hot_H: jax.Array | None = None, *, ranked_u_MxW: jax.Array | None = None,
-                block_sizes: ListsBlockSizes = ListsBlockSizes(),
+                tile: int | None = None, block_sizes: ListsBlockSizes = ListsBlockSizes(),
                 interpret: bool = False, debug: bool = False) -> tuple[jax.Array, ...]:
     """The token-major kernel's input: per row, its stored entries (slot < min(count, S), tiles
     ascending) that are not hot, compacted: (n_M int32 [M], cols_MxW int32, a_MxW (ranked_MxW's
@@ -210,11 +214,16 @@ def token_lists(ranked_MxW: jax.Array, indices: jax.Array, counts: jax.Array, de
     output) a fifth array u_MxW, compacted alike. Slots >= n are unspecified. Rows must hold at
     most W stored entries (the caller zeroes the counts of the others: the token tail). One Pallas
     kernel: per row block, a walk over the tiles with an in-register prefix sum and scatter stores
-    (no XLA scatter)."""
+    (no XLA scatter).
+
+    The pattern as the pack writes it (int32 neuron ids and counts) or as the training forward
+    keeps it (uint8 offsets inside the tile, with `tile` = the pack's, and int16 counts:
+    `common.validate_pattern`), read as it is."""
     m = indices.shape[0]
-    validate_packed_operands(jnp.zeros((m, 1), jnp.float32), jnp.zeros(indices.shape, jnp.float32),
-                             indices, counts)
+    offsets = validate_pattern(indices, counts, tile)
     _, n_tiles, slots = indices.shape
+    if not _is_pow2(slots):
+        raise ValueError(f"indices must have a power-of-two number of slots S, got {indices.shape}")
     width = dest_MxW.shape[1]
     if dest_MxW.ndim != 2 or dest_MxW.shape[0] != m or dest_MxW.dtype != jnp.int32 or not _is_pow2(width):
         raise ValueError(f"dest_MxW must be int32 [M={m}, W] with W a power of two, got "
@@ -240,7 +249,7 @@ def token_lists(ranked_MxW: jax.Array, indices: jax.Array, counts: jax.Array, de
     list_spec = pl.BlockSpec((br, out_w), lambda i: (i, 0))
     n_M, cols, a, pos, *u = pl.pallas_call(
         functools.partial(_lists_kernel, has_hot=bool(hot), has_u=bool(u_in), slots=slots,
-                          n_tiles=n_tiles, width=width),
+                          n_tiles=n_tiles, width=width, tile=tile if offsets else None),
         grid=(m_pad // br,),
         in_specs=[row_w_spec, *[row_w_spec] * len(u_in),
                   pl.BlockSpec((br, n_tiles, slots), lambda i: (i, 0, 0)),

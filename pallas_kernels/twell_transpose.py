@@ -9,6 +9,11 @@ alone (indices [M, NT, S], counts [M, NT]), the CSR and the permutation between 
     tokens_E [M*W]    row of the entry at CSR position p      (p >= total entries: unspecified)
     dest_MxW [M, W]   CSR position of row i's entry of rank r (r >= the row's live count: -1)
 
+The pattern as the pack writes it (int32 neuron ids and counts) or as the training forward keeps
+it (`pallas_backward.Kept`: uint8 offsets inside the tile, neuron - t * tile, and int16 counts),
+read as it is: the kernels widen each load to int32 in registers and compare offsets with the
+lane itself, so the backward makes no int32 copy of the kept pattern.
+
 W = next_pow2(width). This is exactly a stable sort by neuron id of the row-major live entries
 (`neuron_lists_reference` does it that way), computed as a deterministic counting sort with no
 atomics and no sort, in two pallas_calls over the grid (NT tiles, C chunks of `chunk_rows` rows):
@@ -48,7 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .common import (check_launch_sizes, compiler_params, is_pow2 as _is_pow2,
-                                   next_pow2 as _next_pow2, pad_rows, round_up)
+                                   next_pow2 as _next_pow2, pad_rows, round_up, validate_pattern)
 
 Lists = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # (start_H, count_H, tokens_E, dest_MxW)
 
@@ -88,13 +93,22 @@ def pack_tile(n_neurons: int, n_tiles: int) -> int:
     return tile
 
 
-def validate_transpose_args(indices: jax.Array, counts: jax.Array, n_neurons: int, width: int) -> int:
-    """Raise ValueError naming the offending argument; returns the pack's tile."""
-    if indices.ndim != 3 or indices.dtype != jnp.int32:
-        raise ValueError(f"indices must be int32 [M, NT, S], got {indices.dtype}{indices.shape}")
+def neuron_ids(indices: jax.Array, tile: int) -> jax.Array:
+    """int32 [M, NT, S]: the neuron ids of a pattern's indices (uint8 offsets inside the tile plus
+    the tile's first neuron t * tile; int32 ids as they are)."""
+    if indices.dtype == jnp.int32:
+        return indices
+    first_T = jnp.arange(indices.shape[1], dtype=jnp.int32) * tile
+    return indices.astype(jnp.int32) + first_T[None, :, None]
+
+
+def validate_transpose_args(indices: jax.Array, counts: jax.Array, n_neurons: int, width: int
+                            ) -> tuple[int, bool]:
+    """Raise ValueError naming the offending argument; returns (the pack's tile, whether indices
+    are uint8 offsets inside the tile: `common.validate_pattern`)."""
+    if indices.ndim != 3:
+        raise ValueError(f"indices must be [M, NT, S], got {indices.dtype}{indices.shape}")
     m, n_tiles, slots = indices.shape
-    if counts.shape != (m, n_tiles) or counts.dtype != jnp.int32:
-        raise ValueError(f"counts must be int32 [M={m}, NT={n_tiles}], got {counts.dtype}{counts.shape}")
     if n_tiles < 1 or slots < 1:
         raise ValueError(f"indices must have NT >= 1 tiles and S >= 1 slots, got shape {indices.shape}")
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
@@ -104,19 +118,28 @@ def validate_transpose_args(indices: jax.Array, counts: jax.Array, n_neurons: in
     if m * _next_pow2(width) >= 2**30:
         raise ValueError(f"M * next_pow2(width) = {m * _next_pow2(width)} must be < 2**30 (int32 "
                          f"CSR positions with padding)")
-    return pack_tile(n_neurons, n_tiles)
+    tile = pack_tile(n_neurons, n_tiles)
+    return tile, validate_pattern(indices, counts, tile)
+
+
+def _lanes(tile: int, offsets: bool) -> jax.Array:
+    """int32 [1, tile]: what a slot holds for each lane's neuron in this program's tile t: the
+    neuron id t * tile + lane, or with offsets (uint8 indices) the lane itself."""
+    lane_1xT = lax.broadcasted_iota(jnp.int32, (1, tile), 1)
+    return lane_1xT if offsets else lane_1xT + pl.program_id(0) * tile
 
 
 def _block_slots(indices_ref, counts_ref, r0: jax.Array, lane_1xT: jax.Array, *, slots: int,
                  block_rows: int) -> tuple[jax.Array, jax.Array]:
     """For rows [r0, r0 + block_rows) of the program's chunk: (int32 [block_rows, tile], k + 1 where
-    the row's live slot k holds the lane's neuron, 0 elsewhere (a row holds a neuron at most once);
-    the rows' live slot counts [block_rows])."""
+    the row's live slot k holds the lane's neuron (`_lanes`), 0 elsewhere (a row holds a neuron at
+    most once); the rows' live slot counts [block_rows]). Indices and counts of any of the
+    pattern's dtypes (`common.validate_pattern`) widen to int32 in registers."""
     rows = pl.ds(r0, block_rows)
-    live_BR = jnp.minimum(plgpu.load(counts_ref.at[rows]), slots)
+    live_BR = jnp.minimum(plgpu.load(counts_ref.at[rows]).astype(jnp.int32), slots)
 
     def slot_step(k, hit_BRxT):
-        j_BR = plgpu.load(indices_ref.at[rows, k])
+        j_BR = plgpu.load(indices_ref.at[rows, k]).astype(jnp.int32)
         hit = (j_BR[:, None] == lane_1xT) & (k < live_BR)[:, None]
         return jnp.where(hit, k + 1, hit_BRxT)
 
@@ -125,9 +148,10 @@ def _block_slots(indices_ref, counts_ref, r0: jax.Array, lane_1xT: jax.Array, *,
     return slot_BRxT, live_BR
 
 
-def _hist_kernel(indices_ref, counts_ref, hist_ref, *, tile: int, slots: int, block_rows: int) -> None:
+def _hist_kernel(indices_ref, counts_ref, hist_ref, *, tile: int, slots: int, block_rows: int,
+                 offsets: bool) -> None:
     """Program (t, c). Refs: indices [CR, S] and counts [CR] of tile t, chunk c; out hist [tile]."""
-    lane_1xT = lax.broadcasted_iota(jnp.int32, (1, tile), 1) + pl.program_id(0) * tile
+    lane_1xT = _lanes(tile, offsets)
     n_blocks = counts_ref.shape[0] // block_rows
 
     def block_step(b, hist_T):
@@ -140,13 +164,14 @@ def _hist_kernel(indices_ref, counts_ref, hist_ref, *, tile: int, slots: int, bl
 
 def _rank_kernel(indices_ref, counts_ref, first_ref, base_ref, dest_ref, tokens_ref, *, tile: int,
                  slots: int, block_rows: int, n_tiles: int, width: int, dest_pad: int,
-                 tokens_pad: int) -> None:
+                 tokens_pad: int, offsets: bool) -> None:
     """Program (t, c). Refs: indices [CR, S], counts [CR], first [CR] (rank of slot 0) of tile t,
     chunk c; base [tile] (CSR position of the chunk's first entry per lane's neuron); outputs (whole,
-    flat): dest [M_pad * W + pad], tokens [M * W + pad] (pad = block_rows * tile)."""
+    flat): dest [M_pad * W + pad], tokens [M * W + pad] (pad = block_rows * tile).
+    Indices: neuron ids, or with `offsets` uint8 offsets inside tile t (`_lanes`)."""
     t, c = pl.program_id(0), pl.program_id(1)
     chunk_rows = counts_ref.shape[0]
-    lane_1xT = lax.broadcasted_iota(jnp.int32, (1, tile), 1) + t * tile
+    lane_1xT = _lanes(tile, offsets)
     # A distinct padding address per lane of a [block_rows, tile] store (dead lanes go there).
     spare_BRxT = (lax.broadcasted_iota(jnp.int32, (block_rows, tile), 0) * tile
                   + lax.broadcasted_iota(jnp.int32, (block_rows, tile), 1))
@@ -188,7 +213,8 @@ def _histogram(indices: jax.Array, counts: jax.Array, *, tile: int, block_rows: 
     m_pad, n_tiles, slots = indices.shape
     squeezed = pl.Squeezed()
     return pl.pallas_call(
-        functools.partial(_hist_kernel, tile=tile, slots=slots, block_rows=block_rows),
+        functools.partial(_hist_kernel, tile=tile, slots=slots, block_rows=block_rows,
+                          offsets=indices.dtype == jnp.uint8),
         grid=(n_tiles, m_pad // chunk_rows),
         in_specs=[pl.BlockSpec((chunk_rows, squeezed, slots), lambda t, c: (c, t, 0)),
                   pl.BlockSpec((chunk_rows, squeezed), lambda t, c: (c, t))],
@@ -223,14 +249,14 @@ def _transpose_triton(indices: jax.Array, counts: jax.Array, hist_CxHp: jax.Arra
     count_Hp = jnp.sum(hist_CxHp, axis=0)
     start_Hp = jnp.cumsum(count_Hp) - count_Hp
     base_CxHp = start_Hp[None, :] + jnp.cumsum(hist_CxHp, axis=0) - hist_CxHp
-    live_MxNT = jnp.minimum(counts, slots)
+    live_MxNT = jnp.minimum(counts.astype(jnp.int32), slots)
     first_MxNT = jnp.cumsum(live_MxNT, axis=1) - live_MxNT
 
     pad = block_rows * tile
     dest_flat, tokens_flat = pl.pallas_call(
         functools.partial(_rank_kernel, tile=tile, slots=slots, block_rows=block_rows,
                           n_tiles=n_tiles, width=width, dest_pad=m_pad * width,
-                          tokens_pad=n_entries),
+                          tokens_pad=n_entries, offsets=indices.dtype == jnp.uint8),
         grid=grid,
         in_specs=[*pattern_specs, pl.BlockSpec((chunk_rows, squeezed), lambda t, c: (c, t)),
                   hist_spec],
@@ -271,7 +297,7 @@ def chunk_histograms(indices: jax.Array, counts: jax.Array, n_neurons: int, *,
     chunk of rows (`chunk_histograms_shape`). Summed over chunks: `neuron_histogram`. Given to
     `neuron_lists(..., hist=)` with the same pattern and block sizes, it saves that pass (the
     training forward computes it, for the backward's tail sizes in aux, and keeps it)."""
-    tile = validate_transpose_args(indices, counts, n_neurons, 1)
+    tile, _ = validate_transpose_args(indices, counts, n_neurons, 1)
     m = indices.shape[0]
     block_rows, chunk_rows = _chunking(max(m, 1), block_sizes)
     if m == 0:
@@ -290,11 +316,13 @@ def neuron_lists(indices: jax.Array, counts: jax.Array, n_neurons: int, *, width
 
     Returns (start_H, count_H int32 [H], tokens_E int32 [M * W], dest_MxW int32 [M, W]) with
     W = next_pow2(width); equal to `neuron_lists_reference`. Any M (padded to chunk_rows; a chunk
-    is at most M rounded up to block_rows rows, so small M costs one small chunk). `hist`: the
-    `chunk_histograms` of the same (indices, counts) and block sizes, when the caller has them
-    (then the first pass does not run; other values give wrong lists)."""
+    is at most M rounded up to block_rows rows, so small M costs one small chunk). The pattern:
+    int32 neuron ids or uint8 offsets inside the tile, int32 or int16 counts
+    (`common.validate_pattern`). `hist`: the `chunk_histograms` of the same (indices, counts) and
+    block sizes, when the caller has them (then the first pass does not run; other values give
+    wrong lists)."""
     block_rows, chunk_rows = _chunking(max(indices.shape[0], 1), block_sizes)
-    tile = validate_transpose_args(indices, counts, n_neurons, width)
+    tile, _ = validate_transpose_args(indices, counts, n_neurons, width)
     m = indices.shape[0]
     w = _next_pow2(width)
     if hist is not None:
@@ -331,7 +359,8 @@ def neuron_lists_reference(indices: jax.Array, counts: jax.Array, n_neurons: int
                            width: int) -> Lists:
     """Plain-jnp `neuron_lists`: compact each row's live slots to its token-major ELL row (as the
     token-major kernel does), `sort_lists`, dest = the inverse permutation."""
-    validate_transpose_args(indices, counts, n_neurons, width)
+    tile, _ = validate_transpose_args(indices, counts, n_neurons, width)
+    indices, counts = neuron_ids(indices, tile), counts.astype(jnp.int32)
     m, n_tiles, slots = indices.shape
     w = _next_pow2(width)
     live_MxK = (jnp.arange(slots)[None, None, :] < jnp.minimum(counts, slots)[:, :, None]).reshape(m, -1)

@@ -17,7 +17,7 @@ from twell_jax.pallas_kernels.twell_bwd_token import (ListsBlockSizes, TokenBwdB
                                             token_backward_reference, token_lists,
                                             token_lists_reference)
 from twell_jax.pallas_kernels.twell_pack import pack_gate_reference
-from twell_jax.pallas_kernels.twell_transpose import neuron_lists_reference
+from twell_jax.pallas_kernels.twell_transpose import neuron_lists, neuron_lists_reference
 from oracles import TOL, rel_err
 from test_ops import loss_of, make_inputs, oracle
 from twell_jax import ops
@@ -133,6 +133,55 @@ def test_token_backward_matches_reference(dtype, gated, block_t, hot, with_init)
                            interpret=True)
     if not with_init:
         assert not bool(jnp.any(dx[0]))  # all-zero token 0
+
+
+@pytest.mark.parametrize("width,adversarial,zero_fraction,seed", [
+    (8, "zero_and_dense_rows", 0.85, 3),  # S 4 <= W 8
+    (2, "none", 0.95, 5),                 # S 4 > W 2
+])
+def test_token_lists_read_the_kept_pattern_as_it_is(width, adversarial, zero_fraction, seed):
+    """`token_lists` on the training forward's kept pattern (uint8 offsets inside the tile, with
+    `tile`; int16 counts; junk in dead slots) and the transpose's dest from it: the same lists,
+    bit for bit, as from the pack's int32 ids and counts and the reference's dest, and as the
+    reference; hot neurons and the kept u included. `rank_values` at both widths."""
+    m, d, h = 13, 23, 41
+    x, weights = make_inputs(True, m, d, h, jnp.float32, zero_fraction, seed=seed, adversarial=adversarial)
+    values, indices, counts = pack_gate_reference(x, weights[0], tile=TILE, slots=SLOTS)
+    config = ops.SparseFFNConfig(tile=TILE, slots=SLOTS, ell_width=width)
+    counts = jnp.where(ops.TailPolicy(config).pack_token_tail(counts)[:, None], 0, counts)
+    live = np.arange(SLOTS)[None, None, :] < np.minimum(np.asarray(counts), SLOTS)[:, :, None]
+    junk = np.random.default_rng(6).integers(0, 256, indices.shape)  # dead slots: any byte
+    base = (np.arange(indices.shape[1]) * TILE)[None, :, None]
+    offsets = jnp.asarray(np.where(live, np.asarray(indices) - base, junk).astype(np.uint8))
+    counts16 = counts.astype(jnp.int16)
+    _, count, _, dest = neuron_lists_reference(indices, counts, h, width=width)
+    dest_kept = neuron_lists(offsets, counts16, h, width=width, interpret=True)[3]
+    hot_H = jnp.zeros((h,), bool).at[jnp.argmax(count)].set(True)  # the busiest neuron
+    ranked = rank_values(values, counts, width, block_sizes=ListsBlockSizes(block_rows=4), interpret=True)
+    ranked_ref = rank_values_reference(values, counts, width)
+    n_stored = np.asarray(jnp.sum(jnp.minimum(counts, SLOTS), axis=1))
+    stored_MxW = np.arange(width)[None, :] < n_stored[:, None]
+    assert ranked.shape == (m, width) and stored_MxW.sum() >= 8
+    np.testing.assert_array_equal(np.asarray(ranked)[stored_MxW], np.asarray(ranked_ref)[stored_MxW])
+    u_slots = jnp.einsum("md,mtsd->mts", x, weights[1][indices], precision=jax.lax.Precision.HIGHEST)
+    ranked_u = rank_values_reference(u_slots, counts, width)
+    blocks = ListsBlockSizes(block_rows=4)
+    want = token_lists(ranked, indices, counts, dest, hot_H, ranked_u_MxW=ranked_u, block_sizes=blocks,
+                       interpret=True)
+    got = token_lists(ranked, offsets, counts16, dest_kept, hot_H, ranked_u_MxW=ranked_u, tile=TILE,
+                      block_sizes=blocks, interpret=True)
+    ref = token_lists_reference(ranked, indices, counts, dest, hot_H, ranked_u)
+    listed_MxW = np.arange(width)[None, :] < np.asarray(want[0])[:, None]
+    assert 4 <= listed_MxW.sum() < stored_MxW.sum()  # a hot neuron's entries left out
+    for a, b, r in zip(want, got, ref):
+        a, b, r = np.asarray(a), np.asarray(b), np.asarray(r)
+        assert a.shape == b.shape == r.shape and a.dtype == b.dtype
+        if a.ndim == 2:
+            a, b, r = a[listed_MxW], b[listed_MxW], r[listed_MxW]
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, r)
+    with pytest.raises(ValueError, match="tile"):
+        token_lists(ranked, offsets, counts16, dest_kept, interpret=True)
 
 
 @pytest.mark.parametrize("dtype,n_values,block_n,with_init", [

@@ -140,15 +140,22 @@ def test_forward_aux_reports_the_backward_tails_and_a_fallback():
         assert int(aux_ref["backward_tail_rows"]) > 0 and int(aux_ref["backward_hot_neurons"]) > 0
 
 
-def test_kept_pattern_is_stored_small_and_restored_exactly():
-    """The residual of the training forward (`Kept`): uint8 offsets and int16 counts (the values
-    are kept in rank order: test_pallas_bwd.py); the pattern it gives back has the same counts and
-    the same indices in every live slot."""
-    x, weights = make_inputs(True, 29, 13, 41, jnp.float32, 0.9, seed=3, adversarial="dense_first_tokens")
-    pack = pack_gate_reference(x, weights[0], tile=TILE, slots=SLOTS)
-    kept = pallas_backward.Kept.store(jnp.zeros((29, 8), x.dtype), pack, jnp.zeros((1, 48), jnp.int32), 41)
-    assert kept.offsets.dtype == jnp.uint8 and kept.counts.dtype == jnp.int16
-    indices, counts = kept.pattern(41)
+@pytest.mark.parametrize("tile", [TILE, 512])
+def test_kept_pattern_is_stored_small_and_restored_exactly(tile):
+    """The residual of the training forward (`Kept`): uint8 offsets and int16 counts for tiles up
+    to 256 lanes, the pack's int32 ids and counts for wider ones (the values are kept in rank
+    order: test_pallas_bwd.py); the pattern it gives back has the same counts and the same indices
+    in every live slot."""
+    h = 41 if tile == TILE else 1500  # 3 tiles either way
+    x, weights = make_inputs(True, 29, 13, h, jnp.float32, 0.9, seed=3, adversarial="dense_first_tokens")
+    pack = pack_gate_reference(x, weights[0], tile=tile, slots=SLOTS)
+    assert pack[1].shape[1] == 3
+    kept = pallas_backward.Kept.store(jnp.zeros((29, 8), x.dtype), pack, jnp.zeros((1, 3 * tile), jnp.int32),
+                                      h)
+    small = tile <= 256
+    assert kept.offsets.dtype == (jnp.uint8 if small else jnp.int32)
+    assert kept.counts.dtype == (jnp.int16 if small else jnp.int32)
+    indices, counts = kept.pattern(h)
     np.testing.assert_array_equal(counts, pack[2])
     live = np.arange(SLOTS)[None, None, :] < np.minimum(np.asarray(pack[2]), SLOTS)[:, :, None]
     assert live.sum() > 0 and np.asarray(pack[2]).max() > SLOTS  # overflowing tiles included

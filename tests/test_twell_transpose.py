@@ -1,6 +1,7 @@
 """pallas_kernels/twell_transpose.py in interpret mode on CPU: the counting-sort kernels against the
 stable-sort reference bit for bit on random and adversarial TwELL patterns, the CSR invariants
-checked independently in numpy, argument errors, and the benchmark script's dry run."""
+checked independently in numpy, the kept pattern's form (uint8 offsets, int16 counts), argument
+errors, the Triton lowering, and the benchmark script's dry run."""
 from __future__ import annotations
 
 import os
@@ -55,6 +56,17 @@ def make_pattern(seed: int, m: int, h: int, *, kind: str = "random", p: float = 
         indices[i, t, :len(cols)] = cols
     counts[np.minimum(counts, SLOTS).sum(1) > WIDTH] = 0
     return indices, counts
+
+
+def kept_form(indices: np.ndarray, counts: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The pattern as the training forward keeps it (`pallas_backward.Kept`): each live slot's
+    neuron as its uint8 offset inside tile TILE, int16 counts; dead slots hold junk (in Kept they
+    hold the pack's zeros minus the tile base, wrapped)."""
+    live = np.arange(indices.shape[2])[None, None, :] < np.minimum(counts, indices.shape[2])[:, :, None]
+    offsets = indices - (np.arange(indices.shape[1]) * TILE)[None, :, None]
+    assert np.all((offsets[live] >= 0) & (offsets[live] < TILE))
+    junk = np.random.default_rng(seed).integers(0, 256, indices.shape)
+    return np.where(live, offsets, junk).astype(np.uint8), counts.astype(np.int16)
 
 
 def check_csr(out: tuple, indices: np.ndarray, counts: np.ndarray, h: int) -> None:
@@ -115,6 +127,32 @@ def test_kernel_matches_reference(kind, m, h):
         assert (n_live == WIDTH).sum() >= 8
     if kind == "overflow":
         assert (counts[1::4, 1] > SLOTS).all() and (n_live[1::4] == SLOTS).all()
+
+
+@pytest.mark.parametrize("kind,m,h", [
+    ("random", 37, 40), ("zero", 13, 48), ("hot", 29, 40), ("full_width", 30, 48),
+    ("overflow", 21, 40)])
+def test_kept_form_gives_the_same_lists(kind, m, h):
+    """The pattern as the training forward keeps it (uint8 offsets inside the tile, int16 counts,
+    junk in dead slots), read as it is: the same histograms and lists, bit for bit, as the pack's
+    int32 ids and counts (and the reference on either form)."""
+    indices, counts = make_pattern(1, m, h, kind=kind)
+    offsets, counts16 = kept_form(indices, counts, seed=m)
+    want = assert_matches_reference(indices, counts, h)
+    kept = (jnp.asarray(offsets), jnp.asarray(counts16))
+    hist = chunk_histograms(*kept, h, block_sizes=SMALL, interpret=True)
+    np.testing.assert_array_equal(hist, chunk_histograms(jnp.asarray(indices), jnp.asarray(counts), h,
+                                                         block_sizes=SMALL, interpret=True))
+    got = neuron_lists(*kept, h, width=WIDTH, block_sizes=SMALL, interpret=True)
+    ref = neuron_lists_reference(*kept, h, width=WIDTH)
+    for a, b, r in zip(want, got, ref):
+        assert a.shape == b.shape and b.dtype == jnp.int32
+        np.testing.assert_array_equal(a, b)
+    for k in (0, 1, 3):
+        np.testing.assert_array_equal(want[k], ref[k])
+    with_hist = neuron_lists(*kept, h, width=WIDTH, hist=hist, block_sizes=SMALL, interpret=True)
+    for a, b in zip(want, with_hist):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_precomputed_histograms_give_the_same_lists():
@@ -191,11 +229,13 @@ def test_width_rounded_and_empty_rows():
     (dict(indices=jnp.zeros((4, 3, SLOTS), jnp.float32)), "indices"),
     (dict(indices=jnp.zeros((4, 3 * SLOTS), jnp.int32)), "indices"),
     (dict(counts=jnp.zeros((4, 2), jnp.int32)), "counts"),
-    (dict(counts=jnp.zeros((4, 3), jnp.int16)), "counts"),
+    (dict(counts=jnp.zeros((4, 3), jnp.int8)), "counts"),  # int32 or int16 (the kept pattern's)
+    (dict(indices=jnp.zeros((4, 3, SLOTS), jnp.uint16)), "indices"),  # int32 ids or uint8 offsets
     (dict(width=0), "width"),
     (dict(width=True), "width"),
     (dict(n_neurons=0), "n_neurons"),
     (dict(n_neurons=100), "n_neurons"),  # 100 neurons do not make 3 tiles of a power of two
+    (dict(indices=jnp.zeros((4, 3, SLOTS), jnp.uint8), n_neurons=1500), "tile"),  # 512: no uint8
     (dict(block_sizes="32"), "block_sizes"),
 ])
 def test_bad_arguments(change, match):
@@ -228,10 +268,13 @@ def test_triton_lowering():
     if jaxlib_version > (0, 10, 2):
         pytest.skip("jaxlib > 0.10.2 compiles Triton during lowering (needs a GPU)")
     m, n_tiles, slots = 16384, 22, 32
-    lowered = neuron_lists.trace(jax.ShapeDtypeStruct((m, n_tiles, slots), jnp.int32),
-                                 jax.ShapeDtypeStruct((m, n_tiles), jnp.int32), 5632,
-                                 width=128).lower(lowering_platforms=("cuda",))
-    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2
+    for index_dtype, count_dtype in ((jnp.int32, jnp.int32), (jnp.uint8, jnp.int16)):  # the kept form
+        lowered = neuron_lists.trace(jax.ShapeDtypeStruct((m, n_tiles, slots), index_dtype),
+                                     jax.ShapeDtypeStruct((m, n_tiles), count_dtype), 5632,
+                                     width=128).lower(lowering_platforms=("cuda",))
+        text = lowered.as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 2
+        assert "stablehlo.convert %arg0" not in text  # the pattern reaches the kernels as it is
 
 
 @pytest.mark.slow

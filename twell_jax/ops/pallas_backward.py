@@ -48,7 +48,7 @@ from twell_jax.pallas_kernels.twell_bwd_neuron import neuron_backward
 from twell_jax.pallas_kernels.twell_bwd_token import (rank_values, token_backward,
                                             token_lists)
 from twell_jax.pallas_kernels.common import next_pow2
-from twell_jax.pallas_kernels.twell_transpose import chunk_histograms, neuron_lists, pack_tile
+from twell_jax.pallas_kernels.twell_transpose import chunk_histograms, neuron_ids, neuron_lists, pack_tile
 from twell_jax.ops import pallas_forward
 from twell_jax.ops.config import SparseFFNConfig
 from twell_jax.ops.dense import dense_fallback_ffn
@@ -63,11 +63,15 @@ class Kept(NamedTuple):
     """What the training forward keeps for the backward (keep_gate_pattern): the pattern, stored
     small, the kernels' a (and u, gated) in rank order ([M, W], not the pack's [M, NT, S]) and the
     transpose's first pass. 27 MB at M 16384, H 5632, S 32, W 128, bf16, u included (the pack as
-    the forward made it, bf16 values and int32 indices and counts: 71 MB)."""
+    the forward made it, bf16 values and int32 indices and counts: 71 MB). The backward's kernels
+    (the transpose, `token_lists`) read the offsets and counts as they are stored."""
 
     ranked: jax.Array   # [M, W] the kernels' entries' values in rank order (`sparse_ffn`'s ranked a)
-    offsets: jax.Array  # [M, NT, S] neuron id - t * tile: uint8 for tiles up to 256 lanes
-    counts: jax.Array   # [M, NT] int16 (a count is at most the tile's lanes)
+    # [M, NT, S] uint8 neuron id - t * tile and [M, NT] int16 counts for tiles up to 256 lanes
+    # (a count is at most the tile's lanes); for wider tiles the pack's int32 ids and counts (the
+    # kernels take either: common.validate_pattern)
+    offsets: jax.Array
+    counts: jax.Array
     hist: jax.Array     # chunk_histograms of the kernels' entries, int32 [C, NT * tile]
     # Gated: [M, W] f32, each entry's u = x . U_j in rank order (`sparse_ffn`'s ranked u), so the
     # token-major backward reads u instead of gathering U_j for it; None non-gated.
@@ -77,8 +81,10 @@ class Kept(NamedTuple):
     def store(ranked: jax.Array, pack: Pack, hist: jax.Array, n_neurons: int,
               ranked_u: jax.Array | None = None) -> "Kept":
         _, indices, counts = pack
-        tile, base = _tile_base(n_neurons, indices.shape[1])
-        small = jnp.uint8 if tile <= 256 else jnp.int32
+        tile = pack_tile(n_neurons, indices.shape[1])
+        if tile <= 256:
+            base = (jnp.arange(indices.shape[1], dtype=jnp.int32) * tile)[None, :, None]
+            indices, counts = (indices - base).astype(jnp.uint8), counts.astype(jnp.int16)
         # Dead slots (past a tile's count) are never read; their offsets may wrap. The barrier
         # makes XLA materialise the small arrays here: without one it may fuse the narrowing into
         # the backward's readers and keep the pack's int32 indices (46 MB at M 16384) alive as the
@@ -86,18 +92,15 @@ class Kept(NamedTuple):
         # block temporaries without the barrier than with it); inside that cond, as now, both give
         # the same (BENCHMARKS.md, sixth day).
         return Kept(*jax.lax.optimization_barrier(
-            (ranked, (indices - base).astype(small), counts.astype(jnp.int16), hist, ranked_u)))
+            (ranked, indices, counts, hist, ranked_u)))
 
     def pattern(self, n_neurons: int) -> tuple[jax.Array, jax.Array]:
-        """(indices int32 [M, NT, S], counts int32 [M, NT]) as packed (in every live slot)."""
-        _, base = _tile_base(n_neurons, self.offsets.shape[1])
-        return self.offsets.astype(jnp.int32) + base, self.counts.astype(jnp.int32)
+        """(indices int32 [M, NT, S], counts int32 [M, NT]) as packed (in every live slot): the
+        pack's form, for checks (the backward reads the stored form)."""
+        return (neuron_ids(self.offsets, pack_tile(n_neurons, self.offsets.shape[1])),
+                self.counts.astype(jnp.int32))
 
 
-def _tile_base(n_neurons: int, n_tiles: int) -> tuple[int, jax.Array]:
-    """(the pack's tile, the first neuron of each tile as int32 [1, NT, 1])."""
-    tile = pack_tile(n_neurons, n_tiles)
-    return tile, (jnp.arange(n_tiles, dtype=jnp.int32) * tile)[None, :, None]
 Aux = dict[str, jax.Array]
 
 
@@ -412,7 +415,8 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
     slots = config.slots
     hist = ranked = values = ranked_u = None
     if isinstance(kept, Kept):
-        (indices, counts), hist, ranked = kept.pattern(h), kept.hist, kept.ranked
+        # The stored pattern as it is (uint8 offsets, int16 counts): the kernels read it so.
+        indices, counts, hist, ranked = kept.offsets, kept.counts, kept.hist, kept.ranked
         ranked_u = kept.ranked_u
     else:
         if kept is None:
@@ -443,8 +447,8 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
     def kernels(hot: jax.Array | None, dx_init: jax.Array | None,
                 inits: tuple[jax.Array, ...] | None) -> tuple[jax.Array, Weights]:
         n_M, cols, a, pos, *u = token_lists(ranked, indices, kernel_counts, dest_MxW, hot,
-                                            ranked_u_MxW=ranked_u, block_sizes=bc.lists_block_sizes,
-                                            interpret=interpret)
+                                            ranked_u_MxW=ranked_u, tile=pack_tile(h, indices.shape[1]),
+                                            block_sizes=bc.lists_block_sizes, interpret=interpret)
         dx_MxD, values_E = token_backward(
             x_MxD, gy_MxD, n_M, cols, a, pos, w_act, w_up, w_down, l1_scale, dx_init=dx_init,
             u_MxW=u[0] if u else None, block_sizes=bc.token_block_sizes, interpret=interpret)
