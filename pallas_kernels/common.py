@@ -47,8 +47,9 @@ def compiler_params(sizes: LaunchSizes) -> plgpu.CompilerParams:
 
 
 def pad_rows(n_rows: int, *arrays: jax.Array) -> tuple[jax.Array, ...]:
-    """Each array zero-padded along axis 0 to n_rows (unchanged when already that long)."""
-    return tuple(a if a.shape[0] == n_rows else
+    """Each array zero-padded along axis 0 to n_rows (unchanged when it has at least n_rows rows:
+    a launcher's grid then reads only its first n_rows)."""
+    return tuple(a if a.shape[0] >= n_rows else
                  jnp.pad(a, ((0, n_rows - a.shape[0]),) + ((0, 0),) * (a.ndim - 1)) for a in arrays)
 
 

@@ -170,8 +170,9 @@ def validate_neuron_bwd_args(x_MxD, gy_MxD, start_H, count_H, tokens_E, values_E
         raise ValueError(f"values_E must hold 3 (gated: t, d_up, d_gate) or 2 (t, d_act) arrays, "
                          f"got {len(values_E)}")
     for v in values_E:
-        if v.shape != tokens_E.shape or v.dtype != jnp.float32:
-            raise ValueError(f"values_E must be f32 {tokens_E.shape} like tokens_E, got {v.dtype}{v.shape}")
+        if v.ndim != 1 or v.shape != values_E[0].shape or v.dtype != jnp.float32 or v.shape[0] < 1:
+            raise ValueError(f"values_E must be f32 [E' >= 1], all of one length, got "
+                             f"{[(w.dtype, w.shape) for w in values_E]}")
     if init is not None:
         want = (start_H.shape[0], x_MxD.shape[1])
         if len(init) != len(values_E) or any(r.shape != want or r.dtype != jnp.float32 for r in init):
@@ -186,7 +187,10 @@ def neuron_backward(x_MxD: jax.Array, gy_MxD: jax.Array, start_H: jax.Array, cou
                     block_sizes: NeuronBwdBlockSizes = NeuronBwdBlockSizes(),
                     interpret: bool = False, debug: bool = False) -> tuple[jax.Array, ...]:
     """Weight gradients from neuron-major lists (module doc): (dW_act, dW_up, dW_down) for 3 value
-    arrays (t, d_up, d_gate), (dW_act, dW_down) for 2 (t, d_act); each [H, D] in x's dtype."""
+    arrays (t, d_up, d_gate), (dW_act, dW_down) for 2 (t, d_act); each [H, D] in x's dtype.
+    tokens_E and the value arrays may be of different lengths, each longer than the lists (the
+    transpose's and the token-major kernel's outputs with their padding, `padded=True`): only
+    positions [start_j, start_j + count_j) are read."""
     validate_neuron_bwd_args(x_MxD, gy_MxD, start_H, count_H, tokens_E, values_E, init)
     gated = len(values_E) == 3
     h = start_H.shape[0]
@@ -237,8 +241,11 @@ def neuron_backward_reference(x_MxD: jax.Array, gy_MxD: jax.Array, start_H: jax.
                               count_H: jax.Array, tokens_E: jax.Array,
                               values_E: tuple[jax.Array, ...],
                               init: tuple[jax.Array, ...] | None = None) -> tuple[jax.Array, ...]:
-    """Plain-jnp version of `neuron_backward` (fp32, entries owned by no neuron ignored)."""
-    e_idx = jnp.arange(tokens_E.shape[0])
+    """Plain-jnp version of `neuron_backward` (fp32, entries owned by no neuron ignored; tokens_E
+    and values_E cut to their common length, past which no neuron owns an entry)."""
+    e = min(tokens_E.shape[0], values_E[0].shape[0])
+    tokens_E, values_E = tokens_E[:e], tuple(v[:e] for v in values_E)
+    e_idx = jnp.arange(e)
     # Owner neuron of each entry (H: none); CSR ranges do not overlap.
     owned_HxE = (e_idx[None, :] >= start_H[:, None]) & (e_idx[None, :] < (start_H + count_H)[:, None])
     hi = lax.Precision.HIGHEST

@@ -91,11 +91,31 @@ class ListsBlockSizes:
         check_launch_sizes(self)
 
 
+def _list_columns(width: int, slots: int) -> int:
+    """Columns of the list kernels' outputs (`rank_values`, `token_lists`), [M, this]. A store
+    covers one tile's S slots of a row; its masked-off lanes need addresses of their own (the
+    interpreter's masked store is a read-modify-write scatter, where a dead lane sharing a live
+    lane's address could clobber it). With S <= W they take the row's columns after the store's
+    live ones, modulo W (`_wrap`): S distinct columns, none a live one, so the outputs are the
+    lists' own [M, W] and need no slice (a slice of a kernel's output is a copy). With S > W each
+    dead lane takes its own column past W: [M, W + S]."""
+    return width if slots <= width else width + slots
+
+
+def _wrap(col_BRxS: jax.Array, dead_BRxS: jax.Array, k_BRxS: jax.Array, width: int, slots: int
+          ) -> jax.Array:
+    """The store columns of `_list_columns`: the live lanes' columns (< W) as they are; the dead
+    lanes' (col_BRxS: consecutive after the live ones) modulo W, or with S > W column W + k."""
+    if slots <= width:
+        return col_BRxS & (width - 1)
+    return jnp.where(dead_BRxS, width + k_BRxS, col_BRxS)
+
+
 def _rank_values_kernel(values_ref, counts_ref, out_ref, *, slots: int, n_tiles: int,
                         width: int) -> None:
-    """values [BR, NT, S], counts [BR, NT] -> out [BR, W + S]: the live values of each row in rank
-    order (columns >= W take the dead lanes' stores, and a row's entries past W: none when the
-    caller's rows hold at most W)."""
+    """values [BR, NT, S], counts [BR, NT] -> out [BR, _list_columns]: the live values of each row
+    in rank order (a row's entries past W are not stored: none when the caller's rows hold at
+    most W)."""
     block_rows = counts_ref.shape[0]
     row_BRxS = lax.broadcasted_iota(jnp.int32, (block_rows, slots), 0)
     k_BRxS = lax.broadcasted_iota(jnp.int32, (block_rows, slots), 1)
@@ -105,9 +125,9 @@ def _rank_values_kernel(values_ref, counts_ref, out_ref, *, slots: int, n_tiles:
         rank_BRxS = first_BR[:, None] + k_BRxS
         live_BRxS = (k_BRxS < live_BR[:, None]) & (rank_BRxS < width)
         v_BRxS = plgpu.load(values_ref.at[:, t, :], mask=live_BRxS, other=0)
-        # Dead lanes store to their own column past W (distinct from every live address).
-        plgpu.store(out_ref.at[row_BRxS, jnp.where(live_BRxS, rank_BRxS, width + k_BRxS)], v_BRxS,
-                    mask=live_BRxS)
+        # The S ranks are consecutive: dead lanes' columns are distinct from every live one.
+        plgpu.store(out_ref.at[row_BRxS, _wrap(rank_BRxS, ~live_BRxS, k_BRxS, width, slots)],
+                    v_BRxS, mask=live_BRxS)
         return first_BR + live_BR
 
     lax.fori_loop(0, n_tiles, tile_step, jnp.zeros((block_rows,), jnp.int32))
@@ -133,8 +153,8 @@ def rank_values(values: jax.Array, counts: jax.Array, width: int, *,
         grid=(m_pad // br,),
         in_specs=[pl.BlockSpec((br, n_tiles, slots), lambda i: (i, 0, 0)),
                   pl.BlockSpec((br, n_tiles), lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((br, w + slots), lambda i: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct((m_pad, w + slots), values.dtype),
+        out_specs=pl.BlockSpec((br, _list_columns(w, slots)), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((m_pad, _list_columns(w, slots)), values.dtype),
         compiler_params=compiler_params(block_sizes),
         interpret=interpret,
         debug=debug,
@@ -158,8 +178,7 @@ def _lists_kernel(*refs, has_hot: bool, has_u: bool, slots: int, n_tiles: int, w
                   tile: int | None) -> None:
     """Refs: ranked values [BR, W], (ranked u [BR, W] f32), indices [BR, NT, S] (int32 neuron ids,
     or with `tile` uint8 offsets inside it), counts [BR, NT] (int32 or int16), dest [BR, W],
-    (hot [H] int32); outputs n [BR], cols, a, pos, (u) [BR, W + S] (columns >= W take the dead
-    lanes' stores)."""
+    (hot [H] int32); outputs n [BR], cols, a, pos, (u) [BR, _list_columns]."""
     refs = list(refs)
     values_ref = refs.pop(0)
     u_in_ref = refs.pop(0) if has_u else None
@@ -183,9 +202,13 @@ def _lists_kernel(*refs, has_hot: bool, has_u: bool, slots: int, n_tiles: int, w
         if has_hot:
             keep_BRxS = keep_BRxS & (plgpu.load(hot_ref.at[j_BRxS], mask=live_BRxS, other=1) == 0)
         keep_i32 = keep_BRxS.astype(jnp.int32)
-        slot_BRxS = out_BR[:, None] + jnp.cumsum(keep_i32, axis=1) - keep_i32
-        # Dead lanes store to their own column past W (distinct from every live address).
-        col_BRxS = jnp.where(keep_BRxS, slot_BRxS, width + k_BRxS)
+        kept_before_BRxS = jnp.cumsum(keep_i32, axis=1) - keep_i32
+        n_keep_BR = jnp.sum(keep_i32, axis=1)
+        # The kept lanes compacted, the dead ones after them: a permutation of S consecutive
+        # columns from out_BR, which `_wrap` keeps distinct in the output's columns.
+        col_BRxS = out_BR[:, None] + jnp.where(keep_BRxS, kept_before_BRxS,
+                                               n_keep_BR[:, None] + k_BRxS - kept_before_BRxS)
+        col_BRxS = _wrap(col_BRxS, ~keep_BRxS, k_BRxS, width, slots)
         rank_BRxS = jnp.minimum(first_BR[:, None] + k_BRxS, width - 1)
         a_BRxS = plgpu.load(values_ref.at[row_BRxS, rank_BRxS], mask=keep_BRxS, other=0)
         pos_BRxS = plgpu.load(dest_ref.at[row_BRxS, rank_BRxS], mask=keep_BRxS, other=0)
@@ -194,7 +217,7 @@ def _lists_kernel(*refs, has_hot: bool, has_u: bool, slots: int, n_tiles: int, w
             outs.append((u_ref, plgpu.load(u_in_ref.at[row_BRxS, rank_BRxS], mask=keep_BRxS, other=0)))
         for ref, v in outs:
             plgpu.store(ref.at[row_BRxS, col_BRxS], v, mask=keep_BRxS)
-        return first_BR + live_BR, out_BR + jnp.sum(keep_i32, axis=1)
+        return first_BR + live_BR, out_BR + n_keep_BR
 
     zeros = jnp.zeros((block_rows,), jnp.int32)
     _, n_BR = lax.fori_loop(0, n_tiles, tile_step, (zeros, zeros))
@@ -218,23 +241,24 @@ def token_lists(ranked_MxW: jax.Array, indices: jax.Array, counts: jax.Array, de
 
     The pattern as the pack writes it (int32 neuron ids and counts) or as the training forward
     keeps it (uint8 offsets inside the tile, with `tile` = the pack's, and int16 counts:
-    `common.validate_pattern`), read as it is."""
+    `common.validate_pattern`), read as it is. dest_MxW may have more than M rows (`neuron_lists`
+    with padded=True: rows past M are not read)."""
     m = indices.shape[0]
     offsets = validate_pattern(indices, counts, tile)
     _, n_tiles, slots = indices.shape
     if not _is_pow2(slots):
         raise ValueError(f"indices must have a power-of-two number of slots S, got {indices.shape}")
     width = dest_MxW.shape[1]
-    if dest_MxW.ndim != 2 or dest_MxW.shape[0] != m or dest_MxW.dtype != jnp.int32 or not _is_pow2(width):
-        raise ValueError(f"dest_MxW must be int32 [M={m}, W] with W a power of two, got "
+    if dest_MxW.ndim != 2 or dest_MxW.shape[0] < m or dest_MxW.dtype != jnp.int32 or not _is_pow2(width):
+        raise ValueError(f"dest_MxW must be int32 [M' >= M={m}, W] with W a power of two, got "
                          f"{dest_MxW.dtype}{dest_MxW.shape}")
-    if ranked_MxW.shape != dest_MxW.shape or not jnp.issubdtype(ranked_MxW.dtype, jnp.floating):
-        raise ValueError(f"ranked_MxW must be float {dest_MxW.shape} like dest_MxW (rank_values), got "
-                         f"{ranked_MxW.dtype}{ranked_MxW.shape}")
+    if ranked_MxW.shape != (m, width) or not jnp.issubdtype(ranked_MxW.dtype, jnp.floating):
+        raise ValueError(f"ranked_MxW must be float {(m, width)} like dest_MxW's lists (rank_values), "
+                         f"got {ranked_MxW.dtype}{ranked_MxW.shape}")
     values = ranked_MxW
-    if ranked_u_MxW is not None and (ranked_u_MxW.shape != dest_MxW.shape
+    if ranked_u_MxW is not None and (ranked_u_MxW.shape != (m, width)
                                      or ranked_u_MxW.dtype != jnp.float32):
-        raise ValueError(f"ranked_u_MxW must be None or float32 {dest_MxW.shape} like dest_MxW, got "
+        raise ValueError(f"ranked_u_MxW must be None or float32 {(m, width)} like ranked_MxW, got "
                          f"{ranked_u_MxW.dtype}{ranked_u_MxW.shape}")
     if hot_H is not None and (hot_H.ndim != 1 or hot_H.dtype not in (jnp.bool_, jnp.int32)):
         raise ValueError(f"hot_H must be None or bool/int32 [H], got {hot_H.dtype}{hot_H.shape}")
@@ -244,7 +268,7 @@ def token_lists(ranked_MxW: jax.Array, indices: jax.Array, counts: jax.Array, de
     values, indices, counts, dest_MxW = pad_rows(m_pad, values, indices, counts, dest_MxW)
     u_in = list(pad_rows(m_pad, ranked_u_MxW)) if ranked_u_MxW is not None else []
     hot = [hot_H.astype(jnp.int32)] if hot_H is not None else []  # Triton refs hold no i1
-    out_w = width + slots
+    out_w = _list_columns(width, slots)
     row_w_spec = pl.BlockSpec((br, width), lambda i: (i, 0))
     list_spec = pl.BlockSpec((br, out_w), lambda i: (i, 0))
     n_M, cols, a, pos, *u = pl.pallas_call(
@@ -488,13 +512,14 @@ def _token_bwd_triton(x_MxD, gy_MxD, n_M, cols_MxW, a_MxW, pos_MxW, w_act_HxD, w
                 x_MxD, gy_MxD, n_M, cols_MxW, a_MxW, pos_MxW, *u, *weights, scale_1, *init)
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "debug"))
+@functools.partial(jax.jit, static_argnames=("padded", "block_sizes", "interpret", "debug"))
 def token_backward(x_MxD: jax.Array, gy_MxD: jax.Array, n_M: jax.Array, cols_MxW: jax.Array,
                    a_MxW: jax.Array, pos_MxW: jax.Array, w_act_HxD: jax.Array,
                    w_up_HxD: jax.Array | None, w_down_HxD: jax.Array, l1_scale: jax.Array, *,
                    dx_init: jax.Array | None = None, u_MxW: jax.Array | None = None,
-                   block_sizes: TokenBwdBlockSizes = TokenBwdBlockSizes(), interpret: bool = False,
-                   debug: bool = False) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+                   padded: bool = False, block_sizes: TokenBwdBlockSizes = TokenBwdBlockSizes(),
+                   interpret: bool = False, debug: bool = False
+                   ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Token-major backward over per-token lists (module doc; `token_lists` builds them).
 
     dx_init (f32 [M, D], optional): added to dx before its one rounding (the dense tails' terms).
@@ -503,7 +528,9 @@ def token_backward(x_MxD: jax.Array, gy_MxD: jax.Array, n_M: jax.Array, cols_MxW
     reads it instead of computing it, and the entries' launch gathers W_down rows alone.
     Returns (dx [M, D] in x's dtype, the entry values at their neuron-major positions: (t, d_up,
     d_gate) gated or (t, d_act) when w_up_HxD is None, each f32 [M * W]; positions no listed entry
-    maps to are unspecified). Any M (padded to block_t)."""
+    maps to are unspecified). Any M (padded to block_t). `padded`: the value arrays as the kernel
+    wrote them, longer by its dead lanes' padding (at least M * W + block_t; `neuron_backward`
+    takes them so: slicing them would copy them)."""
     validate_token_bwd_args(x_MxD, gy_MxD, n_M, cols_MxW, a_MxW, pos_MxW, w_act_HxD, w_up_HxD,
                             w_down_HxD, dx_init)
     if u_MxW is not None and (w_up_HxD is None or u_MxW.shape != cols_MxW.shape
@@ -525,7 +552,7 @@ def token_backward(x_MxD: jax.Array, gy_MxD: jax.Array, n_M: jax.Array, cols_MxW
         x_MxD, gy_MxD, n_M, cols_MxW, a_MxW, pos_MxW, w_act_HxD, w_up_HxD, w_down_HxD, scale_1,
         dx_init, u_MxW, block_sizes=block_sizes, interpret=interpret, debug=debug)
     e = m * cols_MxW.shape[1]
-    return dx_MxD[:m], tuple(v[:e] for v in entries)
+    return dx_MxD[:m], tuple(entries) if padded else tuple(v[:e] for v in entries)
 
 
 @jax.jit

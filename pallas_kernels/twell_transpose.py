@@ -33,8 +33,10 @@ atomics and no sort, in two pallas_calls over the grid (NT tiles, C chunks of `c
 
 Every position is written by exactly one lane of one program, so the result does not depend on
 the order programs run in. Masked-off lanes of a scatter store point at a padding region (one
-distinct address per lane) that is sliced off: the interpreter implements a masked store as a
+distinct address per lane) past the lists: the interpreter implements a masked store as a
 read-modify-write scatter, in which a dead lane sharing a live lane's address could clobber it.
+`neuron_lists` slices the padding off, or with `padded=True` leaves it on for the backward's
+kernels, which read only the lists (a slice of a kernel's output is a copy).
 
 Preconditions (the caller's, as for the token-major kernel): the pattern is a TwELL pack's (live
 slots of tile t hold neurons in [t*tile, (t+1)*tile), a neuron at most once per row), and no row
@@ -167,7 +169,7 @@ def _rank_kernel(indices_ref, counts_ref, first_ref, base_ref, dest_ref, tokens_
                  tokens_pad: int, offsets: bool) -> None:
     """Program (t, c). Refs: indices [CR, S], counts [CR], first [CR] (rank of slot 0) of tile t,
     chunk c; base [tile] (CSR position of the chunk's first entry per lane's neuron); outputs (whole,
-    flat): dest [M_pad * W + pad], tokens [M * W + pad] (pad = block_rows * tile).
+    flat): dest [M_pad * W + pad rounded up to W], tokens [M * W + pad] (pad = block_rows * tile).
     Indices: neuron ids, or with `offsets` uint8 offsets inside tile t (`_lanes`)."""
     t, c = pl.program_id(0), pl.program_id(1)
     chunk_rows = counts_ref.shape[0]
@@ -232,8 +234,11 @@ def _transpose_triton(indices: jax.Array, counts: jax.Array, hist_CxHp: jax.Arra
                       chunk_rows: int, block_sizes: TransposeBlockSizes, interpret: bool,
                       debug: bool) -> Lists:
     """The two launches and the XLA between them, on M % chunk_rows == 0 (padded rows: count 0).
-    n_entries = the caller's M * W (tokens_E's length); hist_CxHp = pass 1's output when the
-    caller has it (`chunk_histograms`), else pass 1 runs here."""
+    n_entries = the caller's M * W (tokens_E's length before its padding); hist_CxHp = pass 1's
+    output when the caller has it (`chunk_histograms`), else pass 1 runs here. Returns tokens_E
+    and dest as the rank pass wrote them, each longer than its lists by the dead lanes' padding
+    (tokens_E [n_entries + block_rows * tile], dest [M + P / W, W]: the padding P rounded up to
+    whole rows, so the reshape is free); `neuron_lists` says who slices them."""
     m_pad, n_tiles, slots = indices.shape
     n_chunks = m_pad // chunk_rows
     squeezed = pl.Squeezed()
@@ -253,6 +258,7 @@ def _transpose_triton(indices: jax.Array, counts: jax.Array, hist_CxHp: jax.Arra
     first_MxNT = jnp.cumsum(live_MxNT, axis=1) - live_MxNT
 
     pad = block_rows * tile
+    dest_len = m_pad * width + round_up(pad, width)
     dest_flat, tokens_flat = pl.pallas_call(
         functools.partial(_rank_kernel, tile=tile, slots=slots, block_rows=block_rows,
                           n_tiles=n_tiles, width=width, dest_pad=m_pad * width,
@@ -260,17 +266,16 @@ def _transpose_triton(indices: jax.Array, counts: jax.Array, hist_CxHp: jax.Arra
         grid=grid,
         in_specs=[*pattern_specs, pl.BlockSpec((chunk_rows, squeezed), lambda t, c: (c, t)),
                   hist_spec],
-        out_specs=[pl.BlockSpec((m_pad * width + pad,), lambda t, c: (0,)),
+        out_specs=[pl.BlockSpec((dest_len,), lambda t, c: (0,)),
                    pl.BlockSpec((n_entries + pad,), lambda t, c: (0,))],
-        out_shape=[jax.ShapeDtypeStruct((m_pad * width + pad,), jnp.int32),
+        out_shape=[jax.ShapeDtypeStruct((dest_len,), jnp.int32),
                    jax.ShapeDtypeStruct((n_entries + pad,), jnp.int32)],
         compiler_params=compiler_params(block_sizes),
         interpret=interpret,
         debug=debug,
         name="twell_transpose_rank",
     )(indices, counts, first_MxNT, base_CxHp)
-    return (start_Hp[:n_neurons], count_Hp[:n_neurons], tokens_flat[:n_entries],
-            dest_flat[:m_pad * width].reshape(m_pad, width))
+    return start_Hp[:n_neurons], count_Hp[:n_neurons], tokens_flat, dest_flat.reshape(-1, width)
 
 
 def _chunking(m: int, block_sizes: TransposeBlockSizes) -> tuple[int, int]:
@@ -307,9 +312,10 @@ def chunk_histograms(indices: jax.Array, counts: jax.Array, n_neurons: int, *,
                       block_sizes=block_sizes, interpret=interpret, debug=debug)
 
 
-@functools.partial(jax.jit, static_argnames=("n_neurons", "width", "block_sizes", "interpret", "debug"))
+@functools.partial(jax.jit, static_argnames=("n_neurons", "width", "padded", "block_sizes", "interpret",
+                                             "debug"))
 def neuron_lists(indices: jax.Array, counts: jax.Array, n_neurons: int, *, width: int,
-                 hist: jax.Array | None = None,
+                 hist: jax.Array | None = None, padded: bool = False,
                  block_sizes: TransposeBlockSizes = TransposeBlockSizes(), interpret: bool = False,
                  debug: bool = False) -> Lists:
     """Neuron-major CSR lists of a TwELL pattern by a counting sort (module doc).
@@ -320,7 +326,10 @@ def neuron_lists(indices: jax.Array, counts: jax.Array, n_neurons: int, *, width
     int32 neuron ids or uint8 offsets inside the tile, int32 or int16 counts
     (`common.validate_pattern`). `hist`: the `chunk_histograms` of the same (indices, counts) and
     block sizes, when the caller has them (then the first pass does not run; other values give
-    wrong lists)."""
+    wrong lists). `padded`: tokens_E and dest_MxW as the kernel wrote them, longer (tokens_E
+    [M * W + P], dest_MxW [M + P', W]: the dead lanes' padding, past the lists; contents there
+    unspecified), for consumers that take them so (`neuron_backward`, `token_lists`): slicing
+    them to their lists' lengths would copy them."""
     block_rows, chunk_rows = _chunking(max(indices.shape[0], 1), block_sizes)
     tile, _ = validate_transpose_args(indices, counts, n_neurons, width)
     m = indices.shape[0]
@@ -338,7 +347,9 @@ def neuron_lists(indices: jax.Array, counts: jax.Array, n_neurons: int, *, width
         indices, counts, hist, n_neurons=n_neurons, tile=tile, width=w, n_entries=m * w,
         block_rows=block_rows, chunk_rows=chunk_rows, block_sizes=block_sizes,
         interpret=interpret, debug=debug)
-    return start_H, count_H, tokens_E, dest_MxW[:m]
+    if padded:
+        return start_H, count_H, tokens_E, dest_MxW
+    return start_H, count_H, tokens_E[:m * w], dest_MxW[:m]
 
 
 def sort_lists(cols_MxW: jax.Array, n_neurons: int) -> tuple[jax.Array, jax.Array, jax.Array]:

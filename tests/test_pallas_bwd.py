@@ -136,14 +136,15 @@ def test_token_backward_matches_reference(dtype, gated, block_t, hot, with_init)
 
 
 @pytest.mark.parametrize("width,adversarial,zero_fraction,seed", [
-    (8, "zero_and_dense_rows", 0.85, 3),  # S 4 <= W 8
-    (2, "none", 0.95, 5),                 # S 4 > W 2
+    (8, "zero_and_dense_rows", 0.85, 3),  # S 4 <= W 8: the lists' own W columns (dead lanes wrap)
+    (2, "none", 0.95, 5),                 # S 4 > W 2: a column past W for each dead lane
 ])
 def test_token_lists_read_the_kept_pattern_as_it_is(width, adversarial, zero_fraction, seed):
     """`token_lists` on the training forward's kept pattern (uint8 offsets inside the tile, with
-    `tile`; int16 counts; junk in dead slots) and the transpose's dest from it: the same lists,
-    bit for bit, as from the pack's int32 ids and counts and the reference's dest, and as the
-    reference; hot neurons and the kept u included. `rank_values` at both widths."""
+    `tile`; int16 counts; junk in dead slots) and the transpose's padded dest (more rows than M):
+    the same lists, bit for bit, as from the pack's int32 ids and counts and the exact dest, and
+    as the reference; hot neurons and the kept u included. `rank_values` likewise at both widths.
+    The entries of `token_backward(padded=True)`: the same bits, with the kernel's padding."""
     m, d, h = 13, 23, 41
     x, weights = make_inputs(True, m, d, h, jnp.float32, zero_fraction, seed=seed, adversarial=adversarial)
     values, indices, counts = pack_gate_reference(x, weights[0], tile=TILE, slots=SLOTS)
@@ -155,7 +156,8 @@ def test_token_lists_read_the_kept_pattern_as_it_is(width, adversarial, zero_fra
     offsets = jnp.asarray(np.where(live, np.asarray(indices) - base, junk).astype(np.uint8))
     counts16 = counts.astype(jnp.int16)
     _, count, _, dest = neuron_lists_reference(indices, counts, h, width=width)
-    dest_kept = neuron_lists(offsets, counts16, h, width=width, interpret=True)[3]
+    dest_padded = neuron_lists(offsets, counts16, h, width=width, padded=True, interpret=True)[3]
+    assert dest_padded.shape[0] > m
     hot_H = jnp.zeros((h,), bool).at[jnp.argmax(count)].set(True)  # the busiest neuron
     ranked = rank_values(values, counts, width, block_sizes=ListsBlockSizes(block_rows=4), interpret=True)
     ranked_ref = rank_values_reference(values, counts, width)
@@ -168,7 +170,7 @@ def test_token_lists_read_the_kept_pattern_as_it_is(width, adversarial, zero_fra
     blocks = ListsBlockSizes(block_rows=4)
     want = token_lists(ranked, indices, counts, dest, hot_H, ranked_u_MxW=ranked_u, block_sizes=blocks,
                        interpret=True)
-    got = token_lists(ranked, offsets, counts16, dest_kept, hot_H, ranked_u_MxW=ranked_u, tile=TILE,
+    got = token_lists(ranked, offsets, counts16, dest_padded, hot_H, ranked_u_MxW=ranked_u, tile=TILE,
                       block_sizes=blocks, interpret=True)
     ref = token_lists_reference(ranked, indices, counts, dest, hot_H, ranked_u)
     listed_MxW = np.arange(width)[None, :] < np.asarray(want[0])[:, None]
@@ -181,7 +183,16 @@ def test_token_lists_read_the_kept_pattern_as_it_is(width, adversarial, zero_fra
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, r)
     with pytest.raises(ValueError, match="tile"):
-        token_lists(ranked, offsets, counts16, dest_kept, interpret=True)
+        token_lists(ranked, offsets, counts16, dest_padded, interpret=True)
+    # The entries as the kernel wrote them (padded) hold the exact ones as their prefix.
+    n_entries = int(jnp.sum(count))
+    args = (x, x, *want[:4], *weights, jnp.float32(0.3))
+    _, exact = token_backward(*args, u_MxW=want[4], interpret=True)
+    _, padded = token_backward(*args, u_MxW=want[4], padded=True, interpret=True)
+    assert n_entries > 0
+    for e, e_padded in zip(exact, padded):
+        assert e.shape == (m * width,) and e_padded.shape[0] > m * width
+        np.testing.assert_array_equal(np.asarray(e)[:n_entries], np.asarray(e_padded)[:n_entries])
 
 
 @pytest.mark.parametrize("dtype,n_values,block_n,with_init", [
@@ -212,6 +223,16 @@ def test_neuron_backward_matches_reference(dtype, n_values, block_n, with_init):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     if not with_init:
         assert not bool(jnp.any(out[0][1])) and not bool(jnp.any(out[0][4]))  # neurons without entries
+    # Lists passed with their producers' padding (tokens and values of other lengths, junk past the
+    # lists: `padded=True` of the transpose and the token-major kernel): the same bits.
+    padded = neuron_backward(x, gy, start, count, jnp.concatenate([tokens, tokens[::-1][:9]]),
+                             tuple(jnp.concatenate([v, jnp.full((4,), 1e30, jnp.float32)]) for v in values),
+                             init, block_sizes=NeuronBwdBlockSizes(block_n=block_n), interpret=True)
+    ref_padded = neuron_backward_reference(x, gy, start, count, jnp.concatenate([tokens, tokens[:2]]),
+                                           values, init)
+    for a, b, r, r_padded in zip(out, padded, ref, ref_padded):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        np.testing.assert_array_equal(np.asarray(r, np.float32), np.asarray(r_padded, np.float32))
 
 
 def _order_key(counts: np.ndarray, max_count: int) -> np.ndarray:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ from twell_jax.pallas_kernels.twell_pack import pack_gate_reference
 from oracles import TOL, rel_err
 from test_ops import loss_of, make_inputs, oracle
 from twell_jax import ops
-from twell_jax.ops import dispatch, pallas_backward
+from twell_jax.ops import dispatch, pallas_backward, pallas_forward
 
 TILE, SLOTS = 16, 4
 
@@ -160,6 +161,53 @@ def test_kept_pattern_is_stored_small_and_restored_exactly(tile):
     live = np.arange(SLOTS)[None, None, :] < np.minimum(np.asarray(pack[2]), SLOTS)[:, :, None]
     assert live.sum() > 0 and np.asarray(pack[2]).max() > SLOTS  # overflowing tiles included
     np.testing.assert_array_equal(np.where(live, indices, 0), np.where(live, pack[1], 0))
+
+
+def _triton_glue(text: str) -> dict[str, int]:
+    """Counts over a program lowered for CUDA: sorts; converts widening a uint8 array; slices of a
+    Triton kernel's output (a copy on the GPU, where the kernels take buffers); Triton calls given
+    a uint8 operand (the kept pattern as it is stored)."""
+    counts = dict(sort=text.count("stablehlo.sort"),
+                  uint8_widened=len(re.findall(r"stablehlo\.convert %\S+ : \(tensor<[^>]*xui8>\) "
+                                               r"-> tensor<[^>]*xi(16|32)>", text)),
+                  sliced_outputs=0, uint8_operands=0)
+    for func in text.split("func.func")[1:]:  # SSA names are per function
+        calls = re.findall(r"(%[\w]+)(?::\d+)? = stablehlo\.custom_call @__gpu\$xla\.gpu\.triton\(.*", func)
+        counts["sliced_outputs"] += sum(
+            len(re.findall(rf"stablehlo\.slice {name}(#\d+)?\b", func)) for name in calls)
+        for line in re.findall(r"stablehlo\.custom_call @__gpu\$xla\.gpu\.triton\(.*", func):
+            operand_types = line.rsplit(" : (", 1)[-1].split(") -> ")[0]
+            counts["uint8_operands"] += "xui8>" in operand_types
+    return counts
+
+
+def test_backward_reads_the_kept_pattern_with_no_glue_copies(monkeypatch):
+    """The op's forward + backward lowered for CUDA on the CPU (the program XLA gets on the GPU):
+    the kept uint8 pattern reaches the transpose and list kernels as it is stored (no widened
+    copy), the neuron-major launch order is no sort, and no kernel output is sliced (each slice
+    would be a copy). The same counts on the recomputed pattern's program, which has no uint8."""
+    from jax._src.lib import version as jaxlib_version
+    if jaxlib_version > (0, 10, 2) and jax.default_backend() != "gpu":
+        pytest.skip("jaxlib > 0.10.2 compiles Triton during lowering (needs a GPU)")
+    monkeypatch.setattr(pallas_forward, "available", lambda: True)
+    m, d, h = 256, 64, 512
+    x = jax.ShapeDtypeStruct((m, d), jnp.bfloat16)
+    weights = tuple(jax.ShapeDtypeStruct((h, d), jnp.bfloat16) for _ in range(3))
+
+    def glue(keep: bool) -> dict[str, int]:
+        config = ops.SparseFFNConfig(pack_backend="triton", backward=pallas_backward.BackwardConfig(
+            keep_gate_pattern=keep))
+
+        def loss(x_, w_):
+            y, aux = ops.gated_ffn(x_, *w_, backend="pallas", config=config)
+            return jnp.sum(y.astype(jnp.float32)) + 1e-5 * aux["l1"]
+
+        return _triton_glue(jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, weights).lower(
+            lowering_platforms=("cuda",)).as_text())
+
+    # Kept: the rank pass and the lists (in both branches that run the kernels) read uint8.
+    assert glue(True) == dict(sort=0, uint8_widened=0, sliced_outputs=0, uint8_operands=3)
+    assert glue(False) == dict(sort=0, uint8_widened=0, sliced_outputs=0, uint8_operands=0)
 
 
 def test_backward_tails_capacities():

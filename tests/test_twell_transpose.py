@@ -1,7 +1,7 @@
 """pallas_kernels/twell_transpose.py in interpret mode on CPU: the counting-sort kernels against the
 stable-sort reference bit for bit on random and adversarial TwELL patterns, the CSR invariants
-checked independently in numpy, the kept pattern's form (uint8 offsets, int16 counts), argument
-errors, the Triton lowering, and the benchmark script's dry run."""
+checked independently in numpy, the kept pattern's form (uint8 offsets, int16 counts) and the
+padded outputs, argument errors, the Triton lowering, and the benchmark script's dry run."""
 from __future__ import annotations
 
 import os
@@ -135,7 +135,8 @@ def test_kernel_matches_reference(kind, m, h):
 def test_kept_form_gives_the_same_lists(kind, m, h):
     """The pattern as the training forward keeps it (uint8 offsets inside the tile, int16 counts,
     junk in dead slots), read as it is: the same histograms and lists, bit for bit, as the pack's
-    int32 ids and counts (and the reference on either form)."""
+    int32 ids and counts (and the reference on either form). With padded=True the kernel's
+    outputs come unsliced: longer (tokens_E past M * W, dest past M rows), the lists their prefix."""
     indices, counts = make_pattern(1, m, h, kind=kind)
     offsets, counts16 = kept_form(indices, counts, seed=m)
     want = assert_matches_reference(indices, counts, h)
@@ -150,9 +151,11 @@ def test_kept_form_gives_the_same_lists(kind, m, h):
         np.testing.assert_array_equal(a, b)
     for k in (0, 1, 3):
         np.testing.assert_array_equal(want[k], ref[k])
-    with_hist = neuron_lists(*kept, h, width=WIDTH, hist=hist, block_sizes=SMALL, interpret=True)
-    for a, b in zip(want, with_hist):
-        np.testing.assert_array_equal(a, b)
+    padded = neuron_lists(*kept, h, width=WIDTH, hist=hist, padded=True, block_sizes=SMALL,
+                          interpret=True)
+    assert padded[2].shape[0] > m * WIDTH and padded[3].shape[0] > m and padded[3].shape[1] == WIDTH
+    for a, b in zip(want, padded):
+        np.testing.assert_array_equal(a, b[:a.shape[0]])
 
 
 def test_precomputed_histograms_give_the_same_lists():
@@ -271,10 +274,11 @@ def test_triton_lowering():
     for index_dtype, count_dtype in ((jnp.int32, jnp.int32), (jnp.uint8, jnp.int16)):  # the kept form
         lowered = neuron_lists.trace(jax.ShapeDtypeStruct((m, n_tiles, slots), index_dtype),
                                      jax.ShapeDtypeStruct((m, n_tiles), count_dtype), 5632,
-                                     width=128).lower(lowering_platforms=("cuda",))
+                                     width=128, padded=True).lower(lowering_platforms=("cuda",))
         text = lowered.as_text()
         assert text.count("__gpu$xla.gpu.triton") == 2
-        assert "stablehlo.convert %arg0" not in text  # the pattern reaches the kernels as it is
+        # The pattern reaches both kernels as it is (no wider copy) and no output is sliced.
+        assert "stablehlo.convert %arg0" not in text and "stablehlo.slice" not in text
 
 
 @pytest.mark.slow

@@ -439,8 +439,10 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
     # token-major kernel runs, and it writes its values straight to their positions. They are built
     # before the one branch below (also when it picks the dense backward), so the program reads one
     # device-side predicate instead of three (each conditional copies its predicate to the host).
+    # padded: tokens_E and dest as the kernel wrote them (the consumers read only the lists; a
+    # slice would copy them), as the token-major kernel's values below.
     start_H, count_H, tokens_E, dest_MxW = neuron_lists(
-        indices, kernel_counts, h, width=config.ell_width, hist=hist,
+        indices, kernel_counts, h, width=config.ell_width, hist=hist, padded=True,
         block_sizes=bc.transpose_block_sizes, interpret=interpret)
     kernel_count_H = jnp.where(hot_H, 0, count_H)
 
@@ -451,7 +453,8 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
                                             block_sizes=bc.lists_block_sizes, interpret=interpret)
         dx_MxD, values_E = token_backward(
             x_MxD, gy_MxD, n_M, cols, a, pos, w_act, w_up, w_down, l1_scale, dx_init=dx_init,
-            u_MxW=u[0] if u else None, block_sizes=bc.token_block_sizes, interpret=interpret)
+            u_MxW=u[0] if u else None, padded=True, block_sizes=bc.token_block_sizes,
+            interpret=interpret)
         grads = neuron_backward(x_MxD, gy_MxD, start_H, kernel_count_H, tokens_E, values_E, inits,
                                 block_sizes=bc.neuron_block_sizes, interpret=interpret)
         return dx_MxD, grads
