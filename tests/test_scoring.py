@@ -70,6 +70,7 @@ def test_batched_scores_equal_each_pair_scored_alone_in_request_order(loaded):
     logits = np.asarray(loaded.model(jnp.asarray([context]))[0][0, -1])
     pairs.append((context, [int(logits.argmax())]))
     scorer = Scorer(loaded, batch_size=3)  # not a power of two: the last batch is padded to 4 rows
+    traced_before = scorer.traces  # the programs are the loaded model's: other tests' Scorers count too
     got = scorer.loglikelihoods(pairs)
     for (context, continuation), (logp, greedy) in zip(pairs, got):
         want_logp, want_greedy = _alone(loaded, context, continuation)
@@ -77,7 +78,12 @@ def test_batched_scores_equal_each_pair_scored_alone_in_request_order(loaded):
         assert greedy == want_greedy
     assert got[-1][1] is True
     # Programs: one per (rows, length) bucket used, not one per batch.
-    assert scorer.traces <= 2 * 2
+    assert scorer.traces - traced_before <= 2 * 2
+    # A second Scorer over the same loaded model (lm-eval's second call, a second evaluation in the
+    # process) reuses them: the same requests compile nothing, and score the same.
+    again = Scorer(loaded, batch_size=3)
+    traced = again.traces
+    assert again.loglikelihoods(pairs) == got and again.traces == traced
 
 
 @pytest.mark.parametrize("batch_size, in_flight", [(5, 1), (5, 3), (16, 2)])

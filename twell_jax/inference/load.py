@@ -47,6 +47,8 @@ class LoadedModel:
     tokenizer_hash: str | None = None
     # The compiled programs of `generate(loaded, ...)`, made on first use and reused by later calls.
     _generator: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    # The compiled scoring programs (`scoring.ScoreProgram`), made by the first Scorer and reused.
+    _score_program: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
 
 def experiment_config_for(model_cfg: ModelConfig, *, name: str = "model",

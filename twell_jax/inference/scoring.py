@@ -35,7 +35,7 @@ greedy flags taken with array operations (fp64) rather than per request.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +90,28 @@ def target_scores(logits_BxSxV: jax.Array, targets_BxS: jax.Array) -> tuple[jax.
     return target_logp_BxS, (target_logit_BxS == max_BxS) & ~lower_max_BxS
 
 
+class ScoreProgram:
+    """The jitted forward + `target_scores` of one loaded model, kept by the LoadedModel
+    (`LoadedModel._score_program`) so that every Scorer over it (one per lm-eval call: a second
+    evaluation in the same process, `twell compare --tasks`) reuses the compiled programs instead
+    of compiling each (rows, length) bucket again."""
+
+    def __init__(self, model: Any):
+        self.graphdef, self.state = nnx.split(model)
+        self.traces = 0  # programs traced so far (one per (rows, length) bucket)
+
+        def score(state: nnx.State, sequence_BxS1: jax.Array) -> tuple[jax.Array, jax.Array]:
+            """`target_scores` of the inputs `sequence_BxS1[:, :-1]` and their targets `sequence_BxS1[:, 1:]`."""
+            self.traces += 1
+            logits_BxSxV, _ = nnx.merge(self.graphdef, state)(sequence_BxS1[:, :-1])
+            return target_scores(logits_BxSxV, sequence_BxS1[:, 1:])
+
+        self._score = jax.jit(score)
+
+    def __call__(self, sequence_BxS1: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return self._score(self.state, sequence_BxS1)
+
+
 class Scorer:
     """Scores token sequences with a loaded model (see the module docstring).
 
@@ -108,16 +130,14 @@ class Scorer:
         self.batch_size = batch_size
         self.max_length = window
         self.vocab_size = model_cfg.vocab_size
-        self.graphdef, self.state = nnx.split(loaded.model)
-        self.traces = 0  # programs traced so far (one per (rows, length) bucket)
+        if loaded._score_program is None:
+            loaded._score_program = ScoreProgram(loaded.model)  # one set of programs per loaded model
+        self._program = loaded._score_program
 
-        def score(state: nnx.State, sequence_BxS1: jax.Array) -> tuple[jax.Array, jax.Array]:
-            """`target_scores` of the inputs `sequence_BxS1[:, :-1]` and their targets `sequence_BxS1[:, 1:]`."""
-            self.traces += 1
-            logits_BxSxV, _ = nnx.merge(self.graphdef, state)(sequence_BxS1[:, :-1])
-            return target_scores(logits_BxSxV, sequence_BxS1[:, 1:])
-
-        self._score = jax.jit(score)
+    @property
+    def traces(self) -> int:
+        """Programs traced (= compiled) so far for this loaded model, by every Scorer over it."""
+        return self._program.traces
 
     # ------------------------------------------------------------------ text
 
@@ -242,7 +262,7 @@ class Scorer:
         sequence_BxS1 = np.zeros((n_rows, length + 1), np.int32)
         for b, (full, _) in enumerate(batch):
             sequence_BxS1[b, :len(full)] = full
-        outputs = self._score(self.state, sequence_BxS1)
+        outputs = self._program(sequence_BxS1)
         for x in outputs:
             x.copy_to_host_async()
         # Input positions 0..end-1 predict full[1..end]; the continuation is the last n of them.
