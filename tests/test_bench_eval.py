@@ -26,6 +26,8 @@ def test_the_accuracy_is_found_in_either_sides_results():
 @pytest.mark.parametrize("argv, message", [
     (["--checkpoint", "x", "--repeats", "0"], "--repeats, --batch-size, --context-tokens and --choice-tokens must be >= 1"),
     (["--checkpoint", "x", "--items", "0"], "must be >= 1"),
+    (["--checkpoint", "x", "--items", "8", "--base-items", "8"], "--base-items must be >= 1 and less than --items (8)"),
+    (["--checkpoint", "x", "--base-items", "0"], "--base-items must be >= 1"),
     (["--checkpoint", "x", "--batch-size", "0"], "must be >= 1"),
     (["--checkpoint", "x", "--backends", "cuda"], "--backends must list distinct op backends"),
     (["--checkpoint", "x", "--backends", "dense,dense"], "--backends must list distinct op backends"),
@@ -38,12 +40,16 @@ def test_bad_arguments_are_refused(argv, message, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["ours", "--tasks", "t.yaml", "--items", "4", "--batch-size", "2"], "ours takes --checkpoint, hf takes --export"),
-    (["hf", "--checkpoint", "x", "--tasks", "t.yaml", "--items", "4", "--batch-size", "2"], "ours takes --checkpoint"),
-    (["ours", "--checkpoint", "x", "--export", "e", "--tasks", "t.yaml", "--items", "4", "--batch-size", "2"],
-     "hf takes --export"),
-    (["ours", "--checkpoint", "x", "--tasks", "t.yaml", "--items", "4", "--batch-size", "2", "--repeats", "0"],
-     "must be >= 1"),
+    (["ours", "--tasks", "t.yaml", "--items", "4", "--base-items", "2", "--batch-size", "2"],
+     "ours takes --checkpoint, hf takes --export"),
+    (["hf", "--checkpoint", "x", "--tasks", "t.yaml", "--items", "4", "--base-items", "2", "--batch-size", "2"],
+     "ours takes --checkpoint"),
+    (["ours", "--checkpoint", "x", "--export", "e", "--tasks", "t.yaml", "--items", "4", "--base-items", "2",
+      "--batch-size", "2"], "hf takes --export"),
+    (["ours", "--checkpoint", "x", "--tasks", "t.yaml", "--items", "4", "--base-items", "2", "--batch-size", "2",
+      "--repeats", "0"], "must be >= 1"),
+    (["ours", "--checkpoint", "x", "--tasks", "t.yaml", "--items", "4", "--base-items", "4", "--batch-size", "2"],
+     "--base-items less than --items"),
 ])
 def test_a_side_refuses_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -62,7 +68,7 @@ def test_the_benchmark_runs_both_sides_on_a_micro_run(tmp_path):
     assert trained.returncode == 0, trained.stderr[-2000:]
     out = tmp_path / "bench"
     done = subprocess.run([sys.executable, "-m", "twell_jax.bench.eval_speed", "--checkpoint", str(run), "--items", "6",
-                           "--repeats", "2", "--batch-size", "4", "--context-tokens", "8", "--choice-tokens", "4",
+                           "--base-items", "2", "--repeats", "2", "--batch-size", "4", "--context-tokens", "8", "--choice-tokens", "4",
                            "--device", "cpu", "--backends", "dense,reference", "--out", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -70,10 +76,13 @@ def test_the_benchmark_runs_both_sides_on_a_micro_run(tmp_path):
     assert list(result["sides"]) == ["ours@dense", "ours@reference", "hf"]
     sides = result["sides"]
     for name, side in sides.items():
-        # Timed inside its process: two runs after an untimed one; per item = the median run / items.
-        assert len(side["seconds"]) == 2 and min(side["seconds"]) > 0 and side["warm_s"] > 0 and side["load_s"] > 0
-        assert side["ms_per_item"] == pytest.approx(1e3 * (sum(side["seconds"]) / 2) / 6)
-        assert side["process_s"] > side["load_s"] + side["warm_s"] + sum(side["seconds"])
+        # Timed inside its process: two runs of each size after untimed ones; per item = the
+        # difference of the medians (of two: their means) over the 4 items between the sizes.
+        assert len(side["seconds"]) == len(side["base_seconds"]) == 2 and side["warm_s"] > 0 and side["load_s"] > 0
+        full, base = sum(side["seconds"]) / 2, sum(side["base_seconds"]) / 2
+        assert side["ms_per_item"] == pytest.approx(1e3 * (full - base) / 4)
+        assert side["fixed_s"] == pytest.approx(full - 6 * (full - base) / 4)
+        assert side["process_s"] > side["load_s"] + side["warm_s"] + sum(side["seconds"]) + sum(side["base_seconds"])
     assert result["vs_hf_per_item"]["ours@dense"] == pytest.approx(
         sides["hf"]["ms_per_item"] / sides["ours@dense"]["ms_per_item"])
     assert result["vs_first_per_item"]["ours@dense"] == 1.0 and result["vs_first_per_item"]["ours@reference"] == (

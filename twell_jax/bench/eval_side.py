@@ -1,10 +1,12 @@
 """One side of experiments/bench_eval.py, in a process of its own: load the model once, evaluate the
-task once untimed (every program the timed runs meet compiles there; lm-eval's and the tokenizer's
-caches warm), then evaluate the same items `--repeats` times, each timed alone. Prints one JSON
-line: {"load_s", "warm_s", "seconds": [one per repeat], "accs": [the untimed run's, then one per repeat]}.
+task's first --base-items items and all its --items items once each untimed (every program the
+timed runs meet compiles there; lm-eval's and the tokenizer's caches warm), then `--repeats` times
+the two again, each evaluation timed alone. Prints one JSON line: {"load_s", "warm_s" (the untimed
+evaluation of all the items), "seconds" and "base_seconds" (one per repeat), "accs" (all the
+items: the untimed run's, then one per repeat)}.
 
-    python -m twell_jax.bench.eval_side ours --checkpoint RUN --tasks TASK.yaml --items N --batch-size B [--backend NAME]
-    python -m twell_jax.bench.eval_side hf --export DIR --tasks TASK.yaml --items N --batch-size B --device cuda:0
+    python -m twell_jax.bench.eval_side ours --checkpoint RUN --tasks TASK.yaml --items N --base-items n --batch-size B [--backend NAME]
+    python -m twell_jax.bench.eval_side hf --export DIR --tasks TASK.yaml --items N --base-items n --batch-size B --device cuda:0
 
 `ours` is what `twell eval --tasks` runs (the run loaded in bfloat16 with its tokenizer checked, our
 lm-eval adapter, lm-eval's prompt templates kept compiled); `hf` is lm-eval's own `hf` backend
@@ -23,7 +25,7 @@ from typing import Any, Callable
 from twell_jax.bench.eval_speed import find_acc
 
 
-Evaluate = Callable[[], tuple[float, float]]  # one timed evaluation: (seconds, acc)
+Evaluate = Callable[[int], tuple[float, float]]  # one timed evaluation of the first N items: (seconds, acc)
 
 
 def _ours(args: argparse.Namespace) -> tuple[Evaluate, float]:
@@ -37,10 +39,10 @@ def _ours(args: argparse.Namespace) -> tuple[Evaluate, float]:
     harness.check_tokenizer(loaded)
     load_s = time.perf_counter() - start
 
-    def evaluate() -> tuple[float, float]:
+    def evaluate(items: int) -> tuple[float, float]:
         tasks = harness.load_tasks(selection)
         start = time.perf_counter()
-        results = harness.evaluate_loaded(loaded, selection, batch_size=args.batch_size, limit=args.items,
+        results = harness.evaluate_loaded(loaded, selection, batch_size=args.batch_size, limit=items,
                                           progress=False, loaded_tasks=tasks)
         return time.perf_counter() - start, find_acc(results)
 
@@ -58,10 +60,10 @@ def _hf(args: argparse.Namespace) -> tuple[Evaluate, float]:
     lm = HFLM(pretrained=args.export, dtype="bfloat16", batch_size=args.batch_size, device=args.device)
     load_s = time.perf_counter() - start
 
-    def evaluate() -> tuple[float, float]:
+    def evaluate(items: int) -> tuple[float, float]:
         manager, objects = harness.load_tasks(selection)
         start = time.perf_counter()
-        results = lm_eval.simple_evaluate(model=lm, tasks=objects, task_manager=manager, limit=args.items,
+        results = lm_eval.simple_evaluate(model=lm, tasks=objects, task_manager=manager, limit=items,
                                           batch_size=args.batch_size)
         return time.perf_counter() - start, find_acc(results)
 
@@ -70,15 +72,17 @@ def _hf(args: argparse.Namespace) -> tuple[Evaluate, float]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     evaluate, load_s = (_ours if args.side == "ours" else _hf)(args)
-    warm_s, warm_acc = evaluate()
-    seconds, accs = [], []
+    evaluate(args.base_items)
+    warm_s, warm_acc = evaluate(args.items)
+    seconds, base_seconds, accs = [], [], [warm_acc]
     for _ in range(args.repeats):
-        s, acc = evaluate()
+        base_seconds.append(evaluate(args.base_items)[0])
+        s, acc = evaluate(args.items)
         seconds.append(s)
         accs.append(acc)
     # Each run's accuracy: the same items and model, so they agree unless the GPU's kernels are not
     # deterministic (a log-likelihood tie in bfloat16 decided either way); bench_eval says so.
-    return dict(load_s=load_s, warm_s=warm_s, seconds=seconds, accs=[warm_acc, *accs])
+    return dict(load_s=load_s, warm_s=warm_s, seconds=seconds, base_seconds=base_seconds, accs=accs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,13 +94,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda:0", help="hf: the torch device")
     parser.add_argument("--tasks", required=True, help="the task YAML")
     parser.add_argument("--items", type=int, required=True)
+    parser.add_argument("--base-items", type=int, required=True, help="the shorter run's items (< --items)")
     parser.add_argument("--batch-size", type=int, required=True)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     if (args.side == "ours") != (args.checkpoint is not None) or (args.side == "hf") != (args.export is not None):
         parser.error("ours takes --checkpoint, hf takes --export")
-    if min(args.items, args.batch_size, args.repeats) < 1:
-        parser.error("--items, --batch-size and --repeats must be >= 1")
+    if min(args.items, args.base_items, args.batch_size, args.repeats) < 1 or args.base_items >= args.items:
+        parser.error("--items, --base-items, --batch-size and --repeats must be >= 1, --base-items less than --items")
     print(json.dumps(run(args)), flush=True)
 
 

@@ -2,8 +2,8 @@
 forward) against lm-eval's own `hf` backend (PyTorch, `transformers`) on the same run exported to
 Hugging Face, on the same GPU, at the same batch size.
 
-    python experiments/bench_eval.py --checkpoint RUN --items 4096 --batch-size 64 --backends auto,dense --out DIR
-    python experiments/bench_eval.py --checkpoint RUN --items 8 --repeats 1 --out DIR   # a quick check
+    python experiments/bench_eval.py --checkpoint RUN --items 4096 --batch-size 64 --backends dense,auto --out DIR
+    python experiments/bench_eval.py --checkpoint RUN --items 16 --base-items 8 --repeats 1 --out DIR   # a quick check
 
 A local multiple-choice task (lm-eval's json loader, no download) of --items items is made from the
 run's validation text: each item's context is --context-tokens tokens of it, its four choices
@@ -11,10 +11,13 @@ run's validation text: each item's context is --context-tokens tokens of it, its
 elsewhere. The run is exported (`twell hf export`, bfloat16) into --out. Each side then runs in a
 process of its own (`twell_jax/bench/eval_side.py`): our side once per --backends NAME (the run's
 model.ffn_backend set to NAME; default: once, the run's own), then lm-eval's `hf` backend. A side
-loads its model, evaluates all the items once untimed (every program compiles there, caches warm),
-then --repeats times, each timed alone inside the process: per item = the median run's seconds /
---items. Start-up (imports, loading, compiling) is reported beside it, not in it; the evaluations
-hold what each item costs (lm-eval building the requests, the model scoring them, the metrics).
+loads its model, evaluates the first --base-items items and all --items items once each untimed
+(every program compiles there, caches warm), then both again --repeats times, each evaluation timed
+alone inside the process. Per item = (median seconds of all the items - median of the base items)
+/ (items - base items): what each item adds (lm-eval building its requests, the model scoring
+them, its metrics). What an evaluation costs once whatever its size (lm-eval's record of the
+environment, which runs `pip list` and `nvidia-smi`, the aggregation) cancels; it is reported as
+`fixed_s`, the start-up (imports, loading, compiling) as `load_s` + `warm_s`, beside it.
 The times and each run's accuracy (the same model and requests: equal, up to bfloat16 ties on a GPU)
 go to bench_eval.json in --out, with hf's time per item over each of our sides' (`vs_hf_per_item`)
 and each of our sides' over the first's (`vs_first_per_item`, e.g. auto against dense); the table is
@@ -98,16 +101,20 @@ def side_name(backend: str | None) -> str:
 
 def run_side(side: str, backend: str | None, args: argparse.Namespace, yaml: Path, export: Path,
              out: Path) -> dict[str, Any]:
-    """One side in its own process (eval_side.py): its JSON result, with `ms_per_item` (the median
-    timed run) and `process_s` (the process's wall time)."""
+    """One side in its own process (eval_side.py): its JSON result, with `ms_per_item` (what an item
+    adds, from the medians of the two sizes' runs), `fixed_s` (what an evaluation costs whatever its
+    size) and `process_s` (the process's wall time)."""
     which = (["ours", "--checkpoint", args.checkpoint] + ([] if backend is None else ["--backend", backend])
              if side != "hf" else ["hf", "--export", str(export), "--device", args.device])
     argv = [sys.executable, "-m", "twell_jax.bench.eval_side", *which, "--tasks", str(yaml), "--items",
-            str(args.items), "--batch-size", str(args.batch_size), "--repeats", str(args.repeats)]
+            str(args.items), "--base-items", str(args.base_items), "--batch-size", str(args.batch_size),
+            "--repeats", str(args.repeats)]
     process_s, stdout = _timed(argv, out / f"{side}.log", args.timeout)
     result = json.loads(stdout.strip().splitlines()[-1])
-    return dict(result, process_s=process_s, acc=result["accs"][-1],
-                ms_per_item=1e3 * statistics.median(result["seconds"]) / args.items)
+    full, base = statistics.median(result["seconds"]), statistics.median(result["base_seconds"])
+    per_item = (full - base) / (args.items - args.base_items)
+    return dict(result, process_s=process_s, acc=result["accs"][-1], ms_per_item=1e3 * per_item,
+                fixed_s=full - per_item * args.items)
 
 
 def find_acc(tree) -> float:
@@ -133,7 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, help="a trained run (with its tokenizer)")
     parser.add_argument("--items", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per side (the median counts)")
+    parser.add_argument("--base-items", type=int, default=None,
+                        help="the shorter timed run's items (default: --items / 8); per item = the difference")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each size per side (medians count)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--context-tokens", type=int, default=96)
     parser.add_argument("--choice-tokens", type=int, default=24)
@@ -147,6 +156,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if min(args.items, args.repeats, args.batch_size, args.context_tokens, args.choice_tokens) < 1:
         parser.error("--items, --repeats, --batch-size, --context-tokens and --choice-tokens must be >= 1")
+    if args.base_items is None:
+        args.base_items = max(1, args.items // 8)
+    if not 1 <= args.base_items < args.items:
+        parser.error(f"--base-items must be >= 1 and less than --items ({args.items}), got {args.base_items}")
     backends: list[str | None] = [None]
     if args.backends is not None:
         from twell_jax.ops import backend_names
@@ -160,14 +173,17 @@ def main(argv: list[str] | None = None) -> None:
     export = out / "export"
     _timed([sys.executable, "-m", "twell_jax.cli", "hf", "export", "--checkpoint", args.checkpoint, "--out",
             str(export), "--dtype", "bfloat16"], out / "export.log", args.timeout)
-    result: dict = dict(checkpoint=args.checkpoint, items=args.items, repeats=args.repeats, device=args.device,
+    result: dict = dict(checkpoint=args.checkpoint, items=args.items, base_items=args.base_items,
+                        repeats=args.repeats, device=args.device,
                         batch_size=args.batch_size, context_tokens=args.context_tokens,
                         choice_tokens=args.choice_tokens, choices=4, sides={})
     for side, backend in [(side_name(b), b) for b in backends] + [("hf", None)]:
         row = result["sides"][side] = run_side(side, backend, args, yaml, export, out)
         runs = ", ".join(f"{s:.2f}" for s in row["seconds"])
+        base_runs = ", ".join(f"{s:.2f}" for s in row["base_seconds"])
         print(f"[bench_eval] {side}: loaded in {row['load_s']:.1f} s, first run {row['warm_s']:.1f} s, timed runs "
-              f"{runs} s ({args.items} items), acc {row['acc']:.4f}", flush=True)
+              f"{runs} s ({args.items} items), {base_runs} s ({args.base_items} items), acc {row['acc']:.4f}",
+              flush=True)
         if len(set(row["accs"])) > 1:
             print(f"[bench_eval] note: {side}'s runs of the same items gave accuracies {row['accs']} "
                   "(bfloat16 log-likelihood ties decided differently by the GPU's kernels)", flush=True)
@@ -178,9 +194,10 @@ def main(argv: list[str] | None = None) -> None:
     result["vs_first_per_item"] = {k: s[ours_sides[0]]["ms_per_item"] / s[k]["ms_per_item"] for k in ours_sides}
     (out / "bench_eval.json").write_text(json.dumps(result, indent=1))
     first = ours_sides[0]
-    print("\n".join([f"| side | ms/item | start-up s (load + first run) | acc ({args.items} items) | hf / side | "
-                      f"{first} / side |", "|---|---|---|---|---|---|"]
-                     + [f"| {k} | {v['ms_per_item']:.3f} | {v['load_s'] + v['warm_s']:.1f} | {v['acc']:.4f} | "
+    print("\n".join([f"| side | ms/item | fixed s per evaluation | start-up s (load + first run) | acc ({args.items} "
+                      f"items) | hf / side | {first} / side |", "|---|---|---|---|---|---|---|"]
+                     + [f"| {k} | {v['ms_per_item']:.3f} | {v['fixed_s']:.2f} | {v['load_s'] + v['warm_s']:.1f} | "
+                        f"{v['acc']:.4f} | "
                         + (f"{result['vs_hf_per_item'][k]:.3f}x | {result['vs_first_per_item'][k]:.3f}x |"
                            if k != "hf" else " | |") for k, v in s.items()]))
 
