@@ -169,8 +169,7 @@ def forward(gated: bool, x_MxD: jax.Array, weights: Weights, config: SparseFFNCo
         x_MxD, w_act, w_up, w_down, s, interpret, pack=pack,
         ranked_width=ell_width_pow2(config) if bc.keep_gate_pattern else 0, non_finite=non_finite)
     tail_M, kernel_counts = kernel_pattern(pack[2], config)
-    hist = chunk_histograms(pack[1], kernel_counts, h, block_sizes=bc.transpose_block_sizes,
-                            interpret=interpret)
+    hist = transpose_histograms(pack[1], kernel_counts, h, config, interpret)
     hot_H, over = backward_tails(tail_M, hist, h, config)
     aux = dict(aux)
     aux["dense_fallback"] = jnp.maximum(aux["dense_fallback"], over.astype(jnp.int32))
@@ -396,6 +395,65 @@ def hot_neuron_backward(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, weight
     return _chunked(hot_H, capacity, chunk, small_chunk, chunk_step, carry)
 
 
+# The kernels' calls, as the op runs them (one place: `forward`, `backward` and the benchmark's
+# per-piece timings, twell_jax/bench/ffn_train.py, call these).
+
+def transpose_histograms(indices: jax.Array, kernel_counts: jax.Array, n_neurons: int,
+                         config: SparseFFNConfig, interpret: bool) -> jax.Array:
+    """The transpose's first pass (`chunk_histograms`), int32 [C, NT * tile]: in the training
+    forward on the pack's pattern (int32 ids and the kernels' counts), kept for the backward; in
+    the backward only when the pattern is recomputed."""
+    bc = config.backward or BackwardConfig()
+    return chunk_histograms(indices, kernel_counts, n_neurons, block_sizes=bc.transpose_block_sizes,
+                            interpret=interpret)
+
+
+def transpose_lists(indices: jax.Array, kernel_counts: jax.Array, hist: jax.Array, n_neurons: int,
+                    config: SparseFFNConfig, interpret: bool
+                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The transpose's second pass: the neuron-major lists (start_H, count_H, tokens_E, dest_MxW)
+    from the pattern as the backward holds it (the kept uint8 offsets and int16 counts, or the
+    recomputed pack's int32; the kernels read either as it is) and the first pass's histograms.
+    padded: tokens_E and dest as the kernel wrote them (its consumers, `token_major` and
+    `neuron_major`, read only the lists; a slice would copy them)."""
+    bc = config.backward or BackwardConfig()
+    return neuron_lists(indices, kernel_counts, n_neurons, width=config.ell_width, hist=hist,
+                        padded=True, block_sizes=bc.transpose_block_sizes, interpret=interpret)
+
+
+def token_major(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, weights: Weights,
+                l1_scale: jax.Array, ranked: jax.Array, ranked_u: jax.Array | None,
+                indices: jax.Array, kernel_counts: jax.Array, dest_MxW: jax.Array,
+                hot_H: jax.Array | None, dx_init: jax.Array | None, config: SparseFFNConfig,
+                interpret: bool) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """The token-major piece: each token's non-hot entries (`token_lists`, on the pattern as the
+    backward holds it, with the pack's tile for uint8 offsets, and `transpose_lists`' padded dest),
+    then the kernel (`token_backward`). ranked_u None: the kernel computes u (the pattern
+    recomputed). Returns (dx_MxD, values_E: the per-entry values at their CSR positions, padded:
+    `neuron_major` takes them so)."""
+    bc = config.backward or BackwardConfig()
+    w_act, w_up, w_down = _split(gated, weights)
+    n_M, cols, a, pos, *u = token_lists(ranked, indices, kernel_counts, dest_MxW, hot_H,
+                                        ranked_u_MxW=ranked_u,
+                                        tile=pack_tile(w_act.shape[0], indices.shape[1]),
+                                        block_sizes=bc.lists_block_sizes, interpret=interpret)
+    return token_backward(x_MxD, gy_MxD, n_M, cols, a, pos, w_act, w_up, w_down, l1_scale,
+                          dx_init=dx_init, u_MxW=u[0] if u else None, padded=True,
+                          block_sizes=bc.token_block_sizes, interpret=interpret)
+
+
+def neuron_major(x_MxD: jax.Array, gy_MxD: jax.Array, start_H: jax.Array, kernel_count_H: jax.Array,
+                 tokens_E: jax.Array, values_E: tuple[jax.Array, ...],
+                 inits: tuple[jax.Array, ...] | None, config: SparseFFNConfig, interpret: bool
+                 ) -> tuple[jax.Array, ...]:
+    """The neuron-major piece (`neuron_backward`, its launch order by `longest_first_order`) on
+    the padded lists and values: the weight gradients of the neurons with a count (the hot ones
+    zeroed by the caller), from the tails' f32 `inits` when there are tails."""
+    bc = config.backward or BackwardConfig()
+    return neuron_backward(x_MxD, gy_MxD, start_H, kernel_count_H, tokens_E, values_E, inits,
+                           block_sizes=bc.neuron_block_sizes, interpret=interpret)
+
+
 def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array, gl1: jax.Array,
              config: SparseFFNConfig, interpret: bool, kept: Kept | Pack | None,
              dense_backward: Callable[[], tuple[jax.Array, Weights]],
@@ -407,7 +465,7 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
     dtype, weight gradients in weight order and dtype)."""
     pallas_forward.require_runnable(interpret)
     bc = config.backward or BackwardConfig()
-    w_act, w_up, w_down = _split(gated, weights)
+    w_act = weights[0]  # the weight whose relu gives the pattern (`_split`)
     m, d = x_MxD.shape
     h = w_act.shape[0]
     if m == 0:
@@ -429,8 +487,7 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
         ranked = rank_values(values, kernel_counts, config.ell_width, block_sizes=bc.lists_block_sizes,
                              interpret=interpret)
     if hist is None:
-        hist = chunk_histograms(indices, kernel_counts, h, block_sizes=bc.transpose_block_sizes,
-                                interpret=interpret)
+        hist = transpose_histograms(indices, kernel_counts, h, config, interpret)
     hot_H, over_capacity = backward_tails(tail_M, hist, h, config)
     n_tail = jnp.sum(tail_M, dtype=jnp.int32)
     n_hot = jnp.sum(hot_H, dtype=jnp.int32)
@@ -439,24 +496,17 @@ def backward(gated: bool, x_MxD: jax.Array, weights: Weights, gy_MxD: jax.Array,
     # token-major kernel runs, and it writes its values straight to their positions. They are built
     # before the one branch below (also when it picks the dense backward), so the program reads one
     # device-side predicate instead of three (each conditional copies its predicate to the host).
-    # padded: tokens_E and dest as the kernel wrote them (the consumers read only the lists; a
-    # slice would copy them), as the token-major kernel's values below.
-    start_H, count_H, tokens_E, dest_MxW = neuron_lists(
-        indices, kernel_counts, h, width=config.ell_width, hist=hist, padded=True,
-        block_sizes=bc.transpose_block_sizes, interpret=interpret)
+    start_H, count_H, tokens_E, dest_MxW = transpose_lists(indices, kernel_counts, hist, h, config,
+                                                           interpret)
     kernel_count_H = jnp.where(hot_H, 0, count_H)
 
     def kernels(hot: jax.Array | None, dx_init: jax.Array | None,
                 inits: tuple[jax.Array, ...] | None) -> tuple[jax.Array, Weights]:
-        n_M, cols, a, pos, *u = token_lists(ranked, indices, kernel_counts, dest_MxW, hot,
-                                            ranked_u_MxW=ranked_u, tile=pack_tile(h, indices.shape[1]),
-                                            block_sizes=bc.lists_block_sizes, interpret=interpret)
-        dx_MxD, values_E = token_backward(
-            x_MxD, gy_MxD, n_M, cols, a, pos, w_act, w_up, w_down, l1_scale, dx_init=dx_init,
-            u_MxW=u[0] if u else None, padded=True, block_sizes=bc.token_block_sizes,
-            interpret=interpret)
-        grads = neuron_backward(x_MxD, gy_MxD, start_H, kernel_count_H, tokens_E, values_E, inits,
-                                block_sizes=bc.neuron_block_sizes, interpret=interpret)
+        dx_MxD, values_E = token_major(gated, x_MxD, gy_MxD, weights, l1_scale, ranked, ranked_u,
+                                       indices, kernel_counts, dest_MxW, hot, dx_init, config,
+                                       interpret)
+        grads = neuron_major(x_MxD, gy_MxD, start_H, kernel_count_H, tokens_E, values_E, inits,
+                             config, interpret)
         return dx_MxD, grads
 
     def no_tails() -> tuple[jax.Array, Weights]:
