@@ -35,10 +35,19 @@ Each is first checked against xla_bf16 (max abs error per gradient, and relative
 timed (interleaved medians, bench_ffn.bench_interleaved); the compiled temporary memory of each
 (`memory_analysis()` of the program that is timed), and the time of each piece of the Pallas
 path: pack, fused FFN (alone, and with the rank-order a and u the training forward keeps), token
-tail mask, token-major kernel (on the kept u, and computing u as the backward that recomputes the
-pattern does), transpose, neuron-major kernel, one 64-row block of the dense token tail, and the dense tails as the backward takes them on this
-pattern (token tail: ceil(rows / chunk) blocks; neuron tail: the hot neurons' blocks), each
-tail checked against xla_bf16's gradients on its rows. Beside the times: the pattern statistics
+tail mask (the backward's, on the kept int16 counts), token-major lists + kernel (on the kept u, and
+computing u as the backward that recomputes the pattern does), transpose (its first pass as the
+training forward runs it on the pack's pattern, its second as the backward runs it on the kept
+one), neuron-major kernel, one 64-row block of the dense token tail, and the dense tails as the
+backward takes them on this pattern (token tail: ceil(rows / chunk) blocks; neuron tail: the hot
+neurons' blocks), each tail checked against xla_bf16's gradients on its rows. The pieces call the
+kernels through the op's own calls (pallas_backward.transpose_histograms, transpose_lists,
+token_major, neuron_major) on what the op gives them: the pattern the training forward keeps
+(uint8 offsets inside the tile, int16 counts) read as stored, the transpose's and the token-major
+kernel's outputs with their padding, with tails the hot neurons left out and f32 inits (zeros
+made outside the timed calls); the neuron-major kernel orders its launch itself
+(longest_first_order). The forward's narrowing of the pattern to its kept form is in no piece.
+Beside the times: the pattern statistics
 (`pattern_stats`: active per token, tail rows, per-neuron entry counts, hot neurons, the tails'
 sizes and whether a capacity is exceeded, i.e. the whole call falls back to the dense backward)
 and the cost model's prediction at the measured mean k and tails (`model_prediction`:
@@ -71,7 +80,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -82,9 +91,8 @@ from twell_jax.bench import ffn as bench_ffn  # make_inputs, bench_interleaved, 
 from twell_jax.bench import bounds as bench_bounds
 from twell_jax.bench import patterns
 from twell_jax.bench.kernel_trace import KernelProfile, format_profile, kernel_times
-from twell_jax.pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes, neuron_backward
-from twell_jax.pallas_kernels.twell_bwd_token import TokenBwdBlockSizes, rank_values, token_backward, token_lists
-from twell_jax.pallas_kernels.twell_transpose import neuron_lists
+from twell_jax.pallas_kernels.twell_bwd_neuron import NeuronBwdBlockSizes
+from twell_jax.pallas_kernels.twell_bwd_token import TokenBwdBlockSizes, rank_values
 from twell_jax.pallas_kernels.twell_ffn import FFNBlockSizes, sparse_ffn
 from twell_jax.pallas_kernels.twell_pack import PackBlockSizes
 from twell_jax import ops
@@ -176,6 +184,12 @@ def make_train_step(backend: str, config: ops.SparseFFNConfig, interpret: bool):
     return jax.jit(step)
 
 
+def l1_scale(m: int) -> jax.Array:
+    """The L1 term's scale in the backward's kernels, as the op computes it from make_train_step's
+    cotangent of l1 (pallas_backward.backward: gl1 in f32 over M)."""
+    return jnp.float32(L1_COEF) / m
+
+
 _COMPILED: dict = {}
 
 
@@ -206,27 +220,45 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
     """The Pallas path's pieces as separately jitted functions (pallas_backward.backward's steps);
     made once per (config, interpret, H), so the layers of a checkpoint share their compilations.
 
-    token_tail / neuron_tail are the backward's own pallas_backward.token_tail_backward /
-    hot_neuron_backward, so they take the tails as the backward does on this pattern; `measure`
-    checks both against xla_bf16's gradients on their rows."""
+    Each piece calls the kernels through the op's own calls (pallas_backward.transpose_histograms,
+    transpose_lists, token_major, neuron_major) on the inputs the op gives them (`backward_inputs`):
+    the pattern the training forward keeps (pallas_backward.Kept: uint8 offsets inside the tile,
+    int16 counts) read as stored, the transpose's and the token-major kernel's outputs with their
+    padding, the neuron-major launch order by the kernel's longest_first_order, and with tails
+    the hot neurons left out and f32 inits. `keep` (the op's training forward, for the Kept) is
+    set-up, not a piece. token_tail / neuron_tail are the backward's own
+    pallas_backward.token_tail_backward / hot_neuron_backward, so they take the tails as the
+    backward does on this pattern; `measure` checks both against xla_bf16's gradients on their
+    rows."""
     bc = config.backward or pallas_backward.BackwardConfig()
     # the pack the op runs (config.pack_backend: Mosaic GPU on Hopper, else Triton)
     pack = jax.jit(lambda x, wg: pallas_forward.run_pack(x, wg, pallas_forward.settings(config, x.shape[0]),
                                                          interpret))
+    keeping = dataclasses.replace(config, backward=dataclasses.replace(bc, keep_gate_pattern=True))
 
-    def token_inputs(pack_out):
-        """(values, indices, the kernels' counts (tail rows 0), the token-tail mask)."""
-        values, indices, counts = pack_out
+    @jax.jit
+    def keep(x, wg, wu, wd):
+        """What the op's training forward keeps for the backward (pallas_backward.Kept)."""
+        return pallas_backward.forward(True, x, (wg, wu, wd), keeping, interpret)[2]
+
+    def token_inputs(pattern):
+        """(values, indices, the kernels' counts (tail rows 0), the token-tail mask) of a pattern
+        (values, indices, counts): the pack's (int32 ids and counts), or the kept one (None,
+        uint8 offsets, int16 counts: what the backward reads)."""
+        values, indices, counts = pattern
         tail, kernel_counts = pallas_backward.kernel_pattern(counts, config)
         return values, indices, kernel_counts, tail
 
-    def transpose(prepared):
-        """The neuron-major lists (start, count, tokens, dest) from the pattern alone."""
-        return neuron_lists(prepared[1], prepared[2], h, width=config.ell_width,
-                            block_sizes=bc.transpose_block_sizes, interpret=interpret)
+    def transpose(packed_in, prepared):
+        """The transpose's two passes as the op runs them: the first (the histograms) in the
+        training forward on the pack's pattern (`token_inputs` of the pack), the second (the
+        padded lists start, count, tokens, dest) in the backward on the kept pattern
+        (`token_inputs` of the Kept)."""
+        hist = pallas_backward.transpose_histograms(packed_in[1], packed_in[2], h, config, interpret)
+        return pallas_backward.transpose_lists(prepared[1], prepared[2], hist, h, config, interpret)
 
-    def hot_of(lists):
-        return ops.TailPolicy(config).hot(lists[1], lists[3].shape[0])
+    def hot_of(lists, m: int):
+        return ops.TailPolicy(config).hot(lists[1], m)
 
     @jax.jit
     def ranked(x, wu, wd, pack_out):
@@ -235,37 +267,37 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
         return sparse_ffn(x, *pack_out, wu, wd, block_sizes=config.ffn_block_sizes or FFNBlockSizes(),
                           ranked_width=pallas_backward.ell_width_pow2(config), interpret=interpret)
 
-    @functools.partial(jax.jit, static_argnames="tails")
-    def token(x, wg, wu, wd, gy, prepared, lists, kept, *, tails: bool):
-        """As the backward calls it (the per-token lists, then the kernel): with the hot neurons
-        left out and an f32 dx init when a tail exists, from the (a, u) the forward kept
-        (`ranked`'s third output), or, kept=None, as the backward that recomputes the pattern
-        runs it (`rank_values`, and u computed by the kernel)."""
+    @jax.jit
+    def token(x, wg, wu, wd, gy, prepared, lists, kept, dx_init):
+        """As the backward calls it (the per-token lists, then the kernel: token_major): from the
+        Kept (prepared: its token inputs), or, kept=None, as the backward that recomputes the
+        pattern runs it (prepared: the pack's; `rank_values`, and u computed by the kernel).
+        dx_init None: no tails; else the tails' f32 dx (the hot neurons left out)."""
         values, indices, counts, _ = prepared
         if kept is None:
             ranked_a = rank_values(values, counts, config.ell_width, block_sizes=bc.lists_block_sizes,
                                    interpret=interpret)
             ranked_u = None
         else:
-            ranked_a, ranked_u = kept
-        n, cols, a, pos, *u = token_lists(ranked_a, indices, counts, lists[3],
-                                          hot_of(lists) if tails else None, ranked_u_MxW=ranked_u,
-                                          block_sizes=bc.lists_block_sizes, interpret=interpret)
-        return token_backward(x, gy, n, cols, a, pos, wg, wu, wd, jnp.float32(L1_COEF / x.shape[0]),
-                              dx_init=jnp.zeros(x.shape, jnp.float32) if tails else None,
-                              u_MxW=u[0] if u else None, block_sizes=bc.token_block_sizes,
-                              interpret=interpret)
+            ranked_a, ranked_u = kept.ranked, kept.ranked_u
+        m = x.shape[0]
+        return pallas_backward.token_major(True, x, gy, (wg, wu, wd), l1_scale(m), ranked_a,
+                                           ranked_u, indices, counts, lists[3],
+                                           None if dx_init is None else hot_of(lists, m), dx_init,
+                                           config, interpret)
 
-    def neuron(x, gy, lists, values_E):
+    @jax.jit
+    def neuron(x, gy, lists, values_E, inits):
+        """The neuron-major kernel on the padded lists and values (inits None: no tails; else the
+        tails' f32 weight gradients, the hot neurons' counts zeroed)."""
         start, count, tokens, _ = lists
-        count = jnp.where(hot_of(lists), 0, count)
-        return neuron_backward(x, gy, start, count, tokens, values_E,
-                               block_sizes=bc.neuron_block_sizes, interpret=interpret)
+        count = jnp.where(hot_of(lists, x.shape[0]), 0, count)
+        return pallas_backward.neuron_major(x, gy, start, count, tokens, values_E, inits, config, interpret)
 
     @jax.jit
     def token_tail64(x, wg, wu, wd, gy):
         return pallas_backward.dense_rows_backward(True, x[:64], gy[:64], (wg, wu, wd),
-                                                   jnp.float32(L1_COEF / x.shape[0]))
+                                                   l1_scale(x.shape[0]))
 
     @jax.jit
     def token_tail(x, wg, wu, wd, gy, tail_M):
@@ -273,7 +305,7 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
         m, d = x.shape
         zeros = tuple(jnp.zeros((h, d), jnp.float32) for _ in range(3))
         return pallas_backward.token_tail_backward(
-            True, x, gy, (wg, wu, wd), jnp.float32(L1_COEF / m), tail_M, config.tail_capacity(m),
+            True, x, gy, (wg, wu, wd), l1_scale(m), tail_M, config.tail_capacity(m),
             bc.token_tail_chunk, bc.small_tail_chunk, (jnp.zeros((m, d), jnp.float32), zeros))
 
     @jax.jit
@@ -283,13 +315,61 @@ def piece_fns(config: ops.SparseFFNConfig, interpret: bool, h: int) -> dict:
         m, d = x.shape
         zeros = tuple(jnp.zeros((h, d), jnp.float32) for _ in range(3))
         return pallas_backward.hot_neuron_backward(
-            True, x, gy, (wg, wu, wd), jnp.float32(L1_COEF / m), tail_M,
+            True, x, gy, (wg, wu, wd), l1_scale(m), tail_M,
             ops.TailPolicy(config).hot(count_H, m), config.transpose_tail_capacity(h), bc.neuron_tail_chunk,
             bc.small_tail_chunk, (jnp.zeros((m, d), jnp.float32), zeros))
 
-    return dict(pack=pack, token_inputs=jax.jit(token_inputs), transpose=jax.jit(transpose),
-                ranked=ranked, token=token, neuron=jax.jit(neuron),
+    @jax.jit
+    def tail_mask(counts):
+        """The token-tail mask and the kernels' counts alone (the piece; `token_inputs` also
+        passes the pattern through, which a jitted call copies)."""
+        return pallas_backward.kernel_pattern(counts, config)
+
+    return dict(pack=pack, keep=keep, token_inputs=jax.jit(token_inputs), tail_mask=tail_mask,
+                transpose=jax.jit(transpose),
+                ranked=ranked, token=token, neuron=neuron,
                 token_tail64=token_tail64, token_tail=token_tail, neuron_tail=neuron_tail)
+
+
+class BackwardInputs(NamedTuple):
+    """The pieces' inputs on one (x, weights), as the op's backward holds them (`backward_inputs`)."""
+
+    packed: tuple            # the pack (values, int32 ids, int32 counts)
+    packed_in: tuple         # token_inputs of the pack: the forward's first transpose pass, the recompute path
+    kept: Any                # pallas_backward.Kept: what the training forward keeps
+    prepared: tuple          # token_inputs of the Kept: (None, uint8 offsets, int16 kernel counts, tail mask)
+    lists: tuple             # the transpose's padded lists (start, count, tokens, dest)
+    tails: bool              # whether the backward runs its dense tails on this pattern
+    dx_init: jax.Array | None                  # with tails: the tails' f32 dx (zeros here), else None
+    inits: tuple[jax.Array, ...] | None        # with tails: their f32 weight gradients (zeros), else None
+
+
+def backward_inputs(p: dict, x: jax.Array, weights: Weights3, config: ops.SparseFFNConfig) -> BackwardInputs:
+    """The inputs of `piece_fns`' pieces on (x, weights): the pack, the Kept (the op's training
+    forward), the token inputs of either, the transpose's lists, and with tails (a token tail or
+    a hot neuron) f32 zero inits for the token- and neuron-major kernels, made outside the timed
+    calls as the op's tails make them (the tails' own time is the token_tail / neuron_tail
+    pieces')."""
+    wg, wu, wd = weights
+    m, d = x.shape
+    packed = p["pack"](x, wg)
+    packed_in = p["token_inputs"](packed)
+    kept = p["keep"](x, wg, wu, wd)
+    prepared = p["token_inputs"]((None, kept.offsets, kept.counts))
+    lists = p["transpose"](packed_in, prepared)
+    tails = bool(jnp.any(prepared[3])) or bool(jnp.any(ops.TailPolicy(config).hot(lists[1], m)))
+    dx_init = jnp.zeros((m, d), jnp.float32) if tails else None
+    inits = tuple(jnp.zeros(w.shape, jnp.float32) for w in weights) if tails else None
+    return BackwardInputs(packed, packed_in, kept, prepared, lists, tails, dx_init, inits)
+
+
+def listed_positions(lists: tuple, m: int, config: ops.SparseFFNConfig) -> np.ndarray:
+    """The CSR positions the token-major kernel writes values to (each non-hot neuron's
+    [start, start + count)), ascending: the part of its padded value arrays that has a meaning."""
+    start = np.asarray(lists[0], np.int64)
+    count = np.where(np.asarray(ops.TailPolicy(config).hot(lists[1], m)), 0, np.asarray(lists[1], np.int64))
+    first = np.cumsum(count) - count  # each neuron's first listed position in the output
+    return np.repeat(start - first, count) + np.arange(int(count.sum()))
 
 
 def pattern_stats(counts_MxNT: np.ndarray, neuron_count_H: np.ndarray, config: ops.SparseFFNConfig,
@@ -398,15 +478,12 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
     sets = [(x, wg, wu, wd, gy) for x in xs]
     x0 = sets[0]
     p = piece_fns(config, interpret, h)
-    # The pattern, as the backward builds it (pack, tail mask, transpose, token-major kernel).
-    packed = p["pack"](x0[0], wg)
-    counts = packed[2]
-    prepared = p["token_inputs"](packed)
-    lists = p["transpose"](prepared)
-    tails = bool(jnp.any(prepared[3])) or bool(jnp.any(ops.TailPolicy(config).hot(lists[1], m)))
-    kept = p["ranked"](x0[0], wu, wd, packed)[2]  # the (a, u) the training forward keeps
-    _, values_E = p["token"](*x0, prepared, lists, kept, tails=tails)
-    stats = pattern_stats(np.asarray(counts), np.asarray(lists[1]), config, seq_len)
+    # The pattern, as the op builds it (pack, what the forward keeps, tail mask, transpose,
+    # token-major kernel).
+    bi = backward_inputs(p, x0[0], weights, config)
+    packed, prepared, lists = bi.packed, bi.prepared, bi.lists
+    _, values_E = p["token"](*x0, prepared, lists, bi.kept, bi.dx_init)
+    stats = pattern_stats(np.asarray(packed[2]), np.asarray(lists[1]), config, seq_len)
     hint = stats["active_mean"]
     row: dict[str, Any] = dict(m=m, d=d, h=h, hint=hint, pattern=stats, errors={}, temp_mb={})
     # The pattern's shape beside its mean (bench/patterns.py): how skewed over neurons, and (whole
@@ -476,12 +553,11 @@ def measure(xs: Sequence[jax.Array], weights: Weights3, gy: jax.Array, config: o
         fused_ffn=bench(functools.partial(sparse_ffn, interpret=interpret),
                         [(x, *p["pack"](x, wg), wu, wd) for x in xs[:1]]),
         fused_ffn_ranked=bench(p["ranked"], [(x0[0], wu, wd, packed)]),
-        tail_mask=bench(p["token_inputs"], [(packed,)]),
-        transpose=bench(p["transpose"], [(prepared,)]),
-        token_major=bench(functools.partial(p["token"], tails=tails), [(*x0, prepared, lists, kept)]),
-        token_major_recompute=bench(functools.partial(p["token"], tails=tails),
-                                    [(*x0, prepared, lists, None)]),
-        neuron_major=bench(p["neuron"], [(x0[0], gy, lists, values_E)]),
+        tail_mask=bench(p["tail_mask"], [(bi.kept.counts,)]),
+        transpose=bench(p["transpose"], [(bi.packed_in, prepared)]),
+        token_major=bench(p["token"], [(*x0, prepared, lists, bi.kept, bi.dx_init)]),
+        token_major_recompute=bench(p["token"], [(*x0, bi.packed_in, lists, None, bi.dx_init)]),
+        neuron_major=bench(p["neuron"], [(x0[0], gy, lists, values_E, bi.inits)]),
         token_tail_64_rows=bench(p["token_tail64"], [x0]),
         token_tail=bench(p["token_tail"], [(*x0, prepared[3])]),
     )
@@ -511,8 +587,8 @@ def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: op
                       pack_sizes: Sequence[PackBlockSizes], ffn_sizes: Sequence[FFNBlockSizes] = (), *,
                       repeats: int = 15, log=print, kernels: Sequence[str] = SWEEP_KERNELS) -> dict:
     """Time the token-major and the neuron-major kernel alone at each launch in the lists, on the
-    backward's own inputs for (x, weights, gy) (piece_fns: pack, tail mask, transpose, the default
-    token kernel's entry values), and the pack kernel at each launch in `pack_sizes` (on x and
+    backward's own inputs for (x, weights, gy) (`backward_inputs`: the kept pattern, the padded
+    lists; the default token kernel's padded entry values), and the pack kernel at each launch in `pack_sizes` (on x and
     W_gate; its outputs must not change with the launch: each slot is an exact min-reduction and
     the GEMM's K loop runs in the same order whatever the program order), and the forward's fused
     FFN at each launch in `ffn_sizes` (inference: y and l1, on the pack of x; x . U_j is a
@@ -520,7 +596,9 @@ def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: op
 
     Each variant runs piece_fns' kernel call with only that launch changed in `config.backward`,
     and its outputs are compared bit for bit with the default launch's (config.backward's, run
-    first and then again as the sweep's first variant: the run-to-run check). Whether a launch may
+    first and then again as the sweep's first variant: the run-to-run check); the token kernel's
+    value arrays at the listed positions only (`listed_positions`: their padding's length depends
+    on the launch, and positions no entry maps to hold nothing). Whether a launch may
     change bits: the neuron kernel accumulates each output entry elementwise in list order, so no
     launch parameter should; the token kernel's dt = gy . W_j and u = x . U_j are reductions over D
     whose tree Triton lays out by block shape and warps, so its per-entry values and dx may differ
@@ -536,20 +614,22 @@ def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: op
 
     args = (x, wg, wu, wd, gy)
     p = pieces()
-    prepared = p["token_inputs"](p["pack"](x, wg))
-    lists = p["transpose"](prepared)
-    tails = bool(jnp.any(prepared[3])) or bool(jnp.any(ops.TailPolicy(config).hot(lists[1], x.shape[0])))
-    kept = p["ranked"](x, wu, wd, p["pack"](x, wg))[2]  # the (a, u) the training forward keeps
+    bi = backward_inputs(p, x, weights, config)
 
     def token_run(sizes: TokenBwdBlockSizes):
-        return (functools.partial(pieces(token_block_sizes=sizes)["token"], tails=tails),
-                (*args, prepared, lists, kept))
+        return pieces(token_block_sizes=sizes)["token"], (*args, bi.prepared, bi.lists, bi.kept, bi.dx_init)
 
     fn, fn_args = token_run(bc.token_block_sizes)
     _, values_E = fn(*fn_args)
+    # The token kernel's value arrays are padded past the lists by an amount that depends on its
+    # launch, and hold nothing at positions no listed entry maps to: compared at the listed ones.
+    listed = listed_positions(bi.lists, x.shape[0], config)
+
+    def token_view(out):
+        return out[0], *(np.asarray(v)[listed] for v in out[1])
 
     def neuron_run(sizes: NeuronBwdBlockSizes):
-        return pieces(neuron_block_sizes=sizes)["neuron"], (x, gy, lists, values_E)
+        return pieces(neuron_block_sizes=sizes)["neuron"], (x, gy, bi.lists, values_E, bi.inits)
 
     def pack_run(sizes: PackBlockSizes):  # the Triton kernel's launch parameters (the Mosaic pack: bench_pack.py)
         swept = dataclasses.replace(config, pack_block_sizes=sizes, pack_backend="triton")
@@ -563,7 +643,8 @@ def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: op
                 neuron=(neuron_run, bc.neuron_block_sizes, neuron_sizes),
                 pack=(pack_run, config.pack_block_sizes or PackBlockSizes(), pack_sizes),
                 ffn=(ffn_run, config.ffn_block_sizes or FFNBlockSizes(), ffn_sizes))
-    out = {name: _sweep_one(name, *runs[name], repeats, log) for name in kernels}
+    views = dict(token=token_view)
+    out = {name: _sweep_one(name, *runs[name], repeats, log, views.get(name)) for name in kernels}
     if "pack" in kernels:
         # What the pack's GEMM should cost: XLA's relu(x W_gate^T) with a bf16 output, same inputs.
         gate = jax.jit(lambda x_, w_: jax.nn.relu(jnp.einsum("md,hd->mh", x_, w_)))
@@ -572,16 +653,18 @@ def sweep_block_sizes(x: jax.Array, weights: Weights3, gy: jax.Array, config: op
     return out
 
 
-def _sweep_one(kernel: str, run, default, sizes: Sequence, repeats: int, log) -> list[dict]:
-    """sweep_block_sizes for one kernel: run(sizes) -> (fn, args)."""
+def _sweep_one(kernel: str, run, default, sizes: Sequence, repeats: int, log, view=None) -> list[dict]:
+    """sweep_block_sizes for one kernel: run(sizes) -> (fn, args); view(outputs): the part of the
+    outputs compared bit for bit (None: all of them)."""
+    view = view or (lambda out: out)
     fn, fn_args = run(default)
-    base = jax.tree.leaves(fn(*fn_args))
+    base = jax.tree.leaves(view(fn(*fn_args)))
     rows = []
     for sizes_i in [default] + [v for v in sizes if v != default]:
         row: dict[str, Any] = dict(block_sizes=dataclasses.asdict(sizes_i), default=sizes_i == default)
         try:
             fn, fn_args = run(sizes_i)
-            diffs = [bit_diff(a, b) for a, b in zip(jax.tree.leaves(fn(*fn_args)), base)]
+            diffs = [bit_diff(a, b) for a, b in zip(jax.tree.leaves(view(fn(*fn_args))), base)]
             row.update(equal=all(d["equal"] for d in diffs), n_diff=sum(d["n_diff"] for d in diffs),
                        max_abs=max(d["max_abs"] for d in diffs),
                        ms=bench_ffn.bench(fn, [fn_args], repeats=repeats))
