@@ -103,6 +103,16 @@ def test_piece_traffic_and_attainment():
     assert tails["token_major"]["gather"] == pytest.approx(0.5 * t["token_major"]["gather"])
     assert tails["neuron_major"]["gather"] == pytest.approx(0.25 * t["neuron_major"]["gather"])
     assert tails["fused_ffn"] == t["fused_ffn"]
+    # The pattern as each piece reads it: the transpose's first pass the pack's int32 ids and
+    # counts, its second pass and the kept backward's lists the kept uint8 offsets and int16
+    # counts (the pack's form again for tiles over 256 lanes), the recomputing lists the pack's.
+    n_tiles, slots, lists = 22, 32, m * k * (4 + 4 + 2)
+    pattern, kept = m * n_tiles * (slots * 4 + 4), m * n_tiles * (slots + 2)
+    assert t["transpose"]["hbm"] == pytest.approx(pattern + kept + lists)
+    assert t["token_major"]["hbm"] - kept == pytest.approx(2 * m * d * 2 + 2 * lists)
+    assert t["token_major_recompute"]["hbm"] - pattern == pytest.approx(3 * m * d * 2 + 2 * lists)
+    wide = bounds.piece_traffic(m, d, 2 * h, k, tile=512)  # 22 tiles of 512 lanes: int32 kept
+    assert wide["transpose"]["hbm"] == pytest.approx(2 * pattern + lists)
 
 
 def test_the_benchmarks_shape_argument(tmp_path, capsys):

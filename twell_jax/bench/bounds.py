@@ -111,13 +111,20 @@ def piece_traffic(m: int, d: int, h: int, k: float, *, token_entries: float | No
     visit only the entries outside the dense tails: token_entries (those of rows outside the token
     tail) and neuron_entries (those of neurons that are not hot); both default to M k.
     The neuron-major kernel's rows are of x and gy ([M, D] each, 128 MB at M 16384: more than the L2
-    cache), bound here by the two-table gather rate: an optimistic bound for it."""
+    cache), bound here by the two-table gather rate: an optimistic bound for it.
+    The pattern is read in the form each piece gets it (bench_ffn_train.piece_fns, as the op runs
+    them): the pack's int32 ids and counts by the transpose's first pass (the training forward's)
+    and by the lists of the backward that recomputes the pattern; the kept form (uint8 offsets and
+    int16 counts for tiles up to 256 lanes, else the pack's) by the transpose's second pass and the
+    lists of the backward that keeps it."""
     e = m * k  # entries
     e_tok = e if token_entries is None else token_entries
     e_neu = e if neuron_entries is None else neuron_entries
     row = d * itemsize
     n_tiles = -(-h // tile)
-    pack_bytes = m * n_tiles * (slots * (itemsize + 4) + 4)  # values, indices, counts
+    pattern = m * n_tiles * (slots * 4 + 4)  # the pack's int32 indices and counts
+    kept = m * n_tiles * (slots * 1 + 2) if tile <= 256 else pattern  # pallas_backward.Kept's
+    pack_bytes = pattern + m * n_tiles * slots * itemsize  # and its values
     act = m * d * itemsize  # one [M, D] activation
     lists = e * (4 + 4 + itemsize)  # a CSR entry: token, position, value
     return {
@@ -125,10 +132,13 @@ def piece_traffic(m: int, d: int, h: int, k: float, *, token_entries: float | No
         "fused_ffn": dict(gather=2 * e * row, gather_tables=2, hbm=2 * act + pack_bytes),
         "fused_ffn_ranked": dict(gather=2 * e * row, gather_tables=2,
                                  hbm=2 * act + pack_bytes + m * ranked_width * (itemsize + 4)),
-        "transpose": dict(gather=0.0, gather_tables=0, hbm=2 * pack_bytes + lists),
-        # The two launches: W_down rows per entry (and gy per token), then W_up and W_gate rows.
-        "token_major": dict(gather=3 * e_tok * row, gather_tables=2, hbm=2 * act + 2 * lists),
-        "token_major_recompute": dict(gather=4 * e_tok * row, gather_tables=2, hbm=3 * act + 2 * lists),
+        # Each pass reads the pattern (not the values): the first the pack's, the second the kept one.
+        "transpose": dict(gather=0.0, gather_tables=0, hbm=pattern + kept + lists),
+        # The lists read the pattern; the kernel's two launches: W_down rows per entry (and gy per
+        # token), then W_up and W_gate rows.
+        "token_major": dict(gather=3 * e_tok * row, gather_tables=2, hbm=kept + 2 * act + 2 * lists),
+        "token_major_recompute": dict(gather=4 * e_tok * row, gather_tables=2,
+                                      hbm=pattern + 3 * act + 2 * lists),
         # x and gy rows per entry, three dW written.
         "neuron_major": dict(gather=2 * e_neu * row, gather_tables=2, hbm=lists + 3 * h * d * 4),
     }
