@@ -86,6 +86,29 @@ def test_batched_scores_equal_each_pair_scored_alone_in_request_order(loaded):
     assert again.loglikelihoods(pairs) == got and again.traces == traced
 
 
+def test_the_head_runs_on_each_rows_continuation_window_only(loaded, monkeypatch):
+    """The LM head and log-softmax run on C positions per row (the batch's longest continuation,
+    rounded up to a power of two), the window ending where each row's continuation ends, or
+    starting at 0 in a row shorter than C: the scores equal the whole forward's."""
+    rng = np.random.default_rng(5)
+    pairs = [(rng.integers(1, 300, size=int(rng.integers(14, 25))).tolist(),
+              rng.integers(1, 300, size=int(rng.integers(1, 4))).tolist()) for _ in range(6)]
+    pairs.append(([int(rng.integers(1, 300))], rng.integers(1, 300, size=3).tolist()))  # shorter than C = 4
+    scorer = Scorer(loaded, batch_size=8)
+    program, shapes = scorer._program, []
+
+    def recording(sequence_BxS1, positions_BxC):
+        shapes.append((sequence_BxS1.shape, positions_BxC.shape))
+        return program(sequence_BxS1, positions_BxC)
+
+    monkeypatch.setattr(scorer, "_program", recording)
+    got = scorer.loglikelihoods(pairs)
+    assert shapes == [((8, WINDOW + 1), (8, 4))]  # one batch: 32 input positions, the head on 4
+    for (context, continuation), (logp, greedy) in zip(pairs, got):
+        want_logp, want_greedy = _alone(loaded, context, continuation)
+        assert logp == pytest.approx(want_logp, rel=1e-5, abs=1e-5) and greedy == want_greedy
+
+
 @pytest.mark.parametrize("batch_size, in_flight", [(5, 1), (5, 3), (16, 2)])
 def test_scores_do_not_depend_on_batching_or_batches_in_flight(loaded, monkeypatch, batch_size, in_flight):
     """Sorted, bucketed, several batches dispatched before the first is read back: each request's

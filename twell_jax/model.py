@@ -561,7 +561,12 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_BxS: jax.Array, *, track_neurons: bool = False) -> tuple[jax.Array, Aux]:
         hidden_BxSxD, aux = self.hidden_states(tokens_BxS, track_neurons=track_neurons)
-        return _logits(hidden_BxSxD, self.head()[...].astype(hidden_BxSxD.dtype)), aux
+        return self.logits(hidden_BxSxD), aux
+
+    def logits(self, hidden_BxSxD: jax.Array) -> jax.Array:
+        """fp32 logits [B, S, V] of final-normed hidden states (`hidden_states`, or some positions
+        of them: a scorer needs the head only where it reads a prediction)."""
+        return _logits(hidden_BxSxD, self.head()[...].astype(hidden_BxSxD.dtype))
 
     def hidden_states(self, tokens_BxS: jax.Array, *, track_neurons: bool = False) -> tuple[jax.Array, Aux]:
         """The decoder body without the LM head: (final-normed hidden states [B, S, D] in the

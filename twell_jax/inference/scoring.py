@@ -25,7 +25,10 @@ once), cut into batches of `batch_size` rows, right-padded to a power-of-two len
 bounded by (row buckets) x (length buckets). Right padding changes nothing before it in a causal
 model, so every row scores exactly what it would alone. Results come back in request order. The
 forward is the model's own (`Transformer.__call__`): its FFN op backend ("auto" on a GPU runs the
-sparse kernels where the run's hints say they win), its attention, its dtype; log-softmax in fp32.
+sparse kernels where the run's hints say they win), its attention, its dtype; the LM head and the
+log-softmax (fp32) run only on a window of each row's positions that holds its continuation (the
+batch's longest continuation rounded up to a power of two: a multiple-choice request's few tokens,
+not its context; at a large vocabulary the head is a large share of the forward).
 
 Host work per batch is kept off the device's path: one int32 array per batch (inputs and targets
 are its two shifted views, sliced in the program), `IN_FLIGHT` batches dispatched before the host
@@ -98,18 +101,25 @@ class ScoreProgram:
 
     def __init__(self, model: Any):
         self.graphdef, self.state = nnx.split(model)
-        self.traces = 0  # programs traced so far (one per (rows, length) bucket)
+        self.traces = 0  # programs traced so far (one per (rows, length, scored positions) bucket)
 
-        def score(state: nnx.State, sequence_BxS1: jax.Array) -> tuple[jax.Array, jax.Array]:
-            """`target_scores` of the inputs `sequence_BxS1[:, :-1]` and their targets `sequence_BxS1[:, 1:]`."""
+        def score(state: nnx.State, sequence_BxS1: jax.Array, positions_BxC: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+            """`target_scores` at the input positions `positions_BxC` of each row: inputs
+            `sequence_BxS1[:, :-1]`, targets `sequence_BxS1[:, 1:]`. The decoder runs on every
+            position; the LM head and the log-softmax only on the C asked for (a multiple-choice
+            request scores its few continuation tokens, not its whole context)."""
             self.traces += 1
-            logits_BxSxV, _ = nnx.merge(self.graphdef, state)(sequence_BxS1[:, :-1])
-            return target_scores(logits_BxSxV, sequence_BxS1[:, 1:])
+            model = nnx.merge(self.graphdef, state)
+            hidden_BxSxD, _ = model.hidden_states(sequence_BxS1[:, :-1])
+            hidden_BxCxD = jnp.take_along_axis(hidden_BxSxD, positions_BxC[..., None], axis=1)
+            targets_BxC = jnp.take_along_axis(sequence_BxS1[:, 1:], positions_BxC, axis=1)
+            return target_scores(model.logits(hidden_BxCxD), targets_BxC)
 
         self._score = jax.jit(score)
 
-    def __call__(self, sequence_BxS1: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return self._score(self.state, sequence_BxS1)
+    def __call__(self, sequence_BxS1: jax.Array, positions_BxC: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return self._score(self.state, sequence_BxS1, positions_BxC)
 
 
 class Scorer:
@@ -254,23 +264,30 @@ class Scorer:
 
     def _launch(self, batch: list[tuple[list[int], int]]) -> tuple[tuple[jax.Array, jax.Array], np.ndarray]:
         """Dispatch one batch's forward (asynchronous; the results' copy to the host started): rows
-        right-padded to the bucket shapes. Returns (the program's outputs, which [row, position] of
-        them each row's continuation is: [rows of the batch, bucket length] bool)."""
+        right-padded to the bucket shapes. Returns (the program's outputs at each row's window of
+        scored positions, which of them are the row's continuation: [rows of the batch, window] bool)."""
         lengths_B = np.array([len(full) for full, _ in batch])
         length = min(max(next_pow2(int(lengths_B.max()) - 1), MIN_LENGTH_BUCKET), self.max_length)
         n_rows = min(next_pow2(len(batch)), next_pow2(self.batch_size))
         sequence_BxS1 = np.zeros((n_rows, length + 1), np.int32)
         for b, (full, _) in enumerate(batch):
             sequence_BxS1[b, :len(full)] = full
-        outputs = self._program(sequence_BxS1)
-        for x in outputs:
-            x.copy_to_host_async()
         # Input positions 0..end-1 predict full[1..end]; the continuation is the last n of them.
+        # The head runs on a window of C positions per row, C = the batch's longest continuation
+        # rounded up to a power of two (at most the bucket length): the window ends where the row's
+        # continuation ends (or starts at 0 in a row shorter than C).
         end_B = lengths_B - 1
         start_B = end_B - np.array([n for _, n in batch])
-        position_S = np.arange(length)
-        scored_BxS = (position_S >= start_B[:, None]) & (position_S < end_B[:, None])
-        return outputs, scored_BxS
+        width = min(next_pow2(int((end_B - start_B).max())), length)
+        first_B = np.zeros(n_rows, np.int64)
+        first_B[:len(batch)] = np.maximum(end_B - width, 0)
+        positions_BxC = (first_B[:, None] + np.arange(width)).astype(np.int32)
+        outputs = self._program(sequence_BxS1, positions_BxC)
+        for x in outputs:
+            x.copy_to_host_async()
+        window_BxC = positions_BxC[:len(batch)]
+        scored_BxC = (window_BxC >= start_B[:, None]) & (window_BxC < end_B[:, None])
+        return outputs, scored_BxC
 
     def rolling_loglikelihoods(self, docs: Sequence[Sequence[int]],
                                progress: ProgressFn | None = None) -> list[float]:
