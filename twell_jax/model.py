@@ -625,7 +625,7 @@ class Transformer(nnx.Module):
         if not all_logits:
             x_BxSxD = x_BxSxD[:, -1:]
         x_BxSxD = self.final_norm(x_BxSxD)
-        logits = _logits(x_BxSxD, self.head()[...].astype(dt))
+        logits = self.logits(x_BxSxD)
         return (logits if all_logits else logits[:, 0]), KVCache(k_all, v_all), aux
 
 
