@@ -8,8 +8,8 @@ items: the untimed run's, then one per repeat)}.
     python -m twell_jax.bench.eval_side ours --checkpoint RUN --tasks TASK.yaml --items N --base-items n --batch-size B [--backend NAME]
     python -m twell_jax.bench.eval_side hf --export DIR --tasks TASK.yaml --items N --base-items n --batch-size B --device cuda:0
 
-`ours` is what `twell eval --tasks` runs (the run loaded in bfloat16 with its tokenizer checked, our
-lm-eval adapter, lm-eval's prompt templates kept compiled); `hf` is lm-eval's own `hf` backend
+`ours` is what `twell eval --tasks` runs (the run loaded in bfloat16, our lm-eval adapter (which
+checks the run's tokenizer), lm-eval's prompt templates kept compiled); `hf` is lm-eval's own `hf` backend
 (`HFLM`, PyTorch) on the run's Hugging Face export, as `python -m lm_eval --model hf` builds it. Both
 evaluate through lm-eval's `simple_evaluate` with the task objects loaded before each timed run
 (reading the task's data is not an item's work), so a timed run holds what each item costs: lm-eval
@@ -36,7 +36,6 @@ def _ours(args: argparse.Namespace) -> tuple[Evaluate, float]:
     start = time.perf_counter()
     loaded = load_run(args.checkpoint, dtype="bfloat16",
                       overrides=[] if args.backend is None else [f"model.ffn_backend={args.backend}"])
-    harness.check_tokenizer(loaded)
     load_s = time.perf_counter() - start
 
     def evaluate(items: int) -> tuple[float, float]:
