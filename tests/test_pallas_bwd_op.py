@@ -320,3 +320,29 @@ def test_under_shard_map_on_8_devices(monkeypatch):
     _, _, _, _, ref = oracle(True, x, weights, cot)
     for a, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
         assert rel_err(a, r) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_partial_dense_gemms_are_exact_in_f32(dtype):
+    """The sparse paths' dense GEMMs on some rows or neurons (the forward's recomputed rows, the
+    token tail, the hot-neuron tail) sit beside kernel results computed in full f32: with f32
+    operands every one asks for HIGHEST precision (XLA's default on a GPU is TF32, ~1e-3 relative:
+    a GPU run of the test above failed at 6e-4 on x's gradient before); 16-bit programs unchanged."""
+    m, d, h = 8, 16, 24
+    x = jax.ShapeDtypeStruct((m, d), dtype)
+    ws = tuple(jax.ShapeDtypeStruct((h, d), dtype) for _ in range(3))
+    scale = jnp.float32(0.1)
+    f32_acc = lambda: (jnp.zeros((m, d), jnp.float32), tuple(jnp.zeros((h, d), jnp.float32) for _ in range(3)))
+
+    programs = {
+        "forward rows": lambda x_, w_: pallas_forward._dense_rows(x_, *w_),
+        "token tail rows": lambda x_, w_: pallas_backward.dense_rows_backward(True, x_, x_, w_, scale),
+        "hot neurons": lambda x_, w_: pallas_backward.hot_neuron_backward(
+            True, x_, x_, w_, scale, jnp.zeros((m,), bool), jnp.arange(4, dtype=jnp.int32), 4, 2, 2, f32_acc()),
+    }
+    for name, fn in programs.items():
+        text = jax.jit(fn).trace(x, ws).lower().as_text()
+        dots = re.findall(r"stablehlo\.dot_general.*", text)
+        assert dots, name
+        highest = [("precision = [HIGHEST, HIGHEST]" in line) for line in dots]
+        assert all(highest) if dtype == jnp.float32 else not any(highest), (name, dtype, dots)

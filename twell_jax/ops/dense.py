@@ -10,31 +10,42 @@ from twell_jax.ops.config import Aux, SparseFFNConfig, Weights
 from twell_jax.ops.implementation import Implementation, runs_anywhere
 
 
-def _matmul_t(x: jax.Array, w_HxD: jax.Array) -> jax.Array:
+def exact_precision(dtype) -> jax.lax.Precision | None:
+    """The precision of the sparse paths' partial dense GEMMs (the token tails, the hot-neuron
+    tail, the forward's recomputed rows): HIGHEST for f32 operands, whose default on a GPU is TF32
+    (about 1e-3 relative, where the kernels' rows beside them are exact f32); the default
+    otherwise (16-bit operands multiply exactly either way, so the program is unchanged). The
+    dense formula as a whole (the "dense" backend, fallbacks, dense plans) keeps JAX's default,
+    as plain JAX does."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _matmul_t(x: jax.Array, w_HxD: jax.Array, precision: jax.lax.Precision | None = None) -> jax.Array:
     """x @ w.T for x [..., D], in the operands' dtype. On a GPU the GEMM accumulates in f32 anyway;
     asking for an f32 output (preferred_element_type) would make the cotangent f32 and so the
     transposed GEMMs of the backward f32 x f32, about 2x slower for bf16 models."""
-    return jnp.einsum("...d,hd->...h", x, w_HxD)
+    return jnp.einsum("...d,hd->...h", x, w_HxD, precision=precision)
 
 
 DENSE_ACTIVATIONS = ("relu", "silu")
 
 
-def dense_hidden(gated: bool, x: jax.Array, weights: Weights,
-                 activation: str = "relu") -> tuple[jax.Array, jax.Array]:
+def dense_hidden(gated: bool, x: jax.Array, weights: Weights, activation: str = "relu",
+                 precision: jax.lax.Precision | None = None) -> tuple[jax.Array, jax.Array]:
     """(h [..., H] in x's dtype, active [..., H] bool) of the dense formula: the ONE copy, used by
     the "dense" backend, every fallback and fix-up, the Pallas glue's dense branch and the model's
     dense kinds (swiglu through activation="silu").
 
     The GEMM outputs stay in x's dtype (bf16 operands forward and backward); the gating product
     is formed in f32 and rounded once. `active` is the pattern: gate > 0 for relu (what every
-    sparse backend packs), h != 0 for silu (never exactly sparse)."""
+    sparse backend packs), h != 0 for silu (never exactly sparse). `precision`: the GEMMs'
+    (`exact_precision` where a sparse path computes some rows)."""
     if activation not in DENSE_ACTIVATIONS:
         raise ValueError(f"activation must be one of {DENSE_ACTIVATIONS}, got {activation!r}")
-    g = _matmul_t(x, weights[0])
+    g = _matmul_t(x, weights[0], precision)
     act = jax.nn.relu if activation == "relu" else jax.nn.silu
     if gated:
-        h = (act(g.astype(jnp.float32)) * _matmul_t(x, weights[1]).astype(jnp.float32)).astype(x.dtype)
+        h = (act(g.astype(jnp.float32)) * _matmul_t(x, weights[1], precision).astype(jnp.float32)).astype(x.dtype)
     else:
         h = act(g.astype(jnp.float32)).astype(x.dtype)
     return h, (g > 0 if activation == "relu" else h != 0)

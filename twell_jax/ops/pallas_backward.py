@@ -51,7 +51,7 @@ from twell_jax.pallas_kernels.common import next_pow2
 from twell_jax.pallas_kernels.twell_transpose import chunk_histograms, neuron_ids, neuron_lists, pack_tile
 from twell_jax.ops import pallas_forward
 from twell_jax.ops.config import SparseFFNConfig
-from twell_jax.ops.dense import dense_fallback_ffn
+from twell_jax.ops.dense import dense_fallback_ffn, exact_precision
 from twell_jax.ops.pallas_config import BackwardConfig
 from twell_jax.ops.tails import TailPolicy
 
@@ -248,16 +248,17 @@ def dense_rows_backward(gated: bool, x_RxD: jax.Array, gy_RxD: jax.Array, weight
     (a 256-row block on the H100; BENCHMARKS.md)."""
     w_act, w_up, w_down = _split(gated, weights)
     dtype, f32 = x_RxD.dtype, jnp.float32
+    precision = exact_precision(dtype)  # f32: no TF32 beside the kernels' exact rows
     gy_RxD = gy_RxD.astype(dtype)
 
     def mm_t(a, w):  # a @ w.T
-        return jnp.einsum("rd,hd->rh", a.astype(dtype), w.astype(dtype), preferred_element_type=f32)
+        return jnp.einsum("rd,hd->rh", a.astype(dtype), w.astype(dtype), preferred_element_type=f32, precision=precision)
 
     def mm(a, w):  # a @ w
-        return jnp.einsum("rh,hd->rd", a.astype(dtype), w.astype(dtype), preferred_element_type=f32)
+        return jnp.einsum("rh,hd->rd", a.astype(dtype), w.astype(dtype), preferred_element_type=f32, precision=precision)
 
     def outer(a, b):  # a.T @ b
-        return jnp.einsum("rh,rd->hd", a.astype(dtype), b, preferred_element_type=f32)
+        return jnp.einsum("rh,rd->hd", a.astype(dtype), b, preferred_element_type=f32, precision=precision)
 
     g = mm_t(x_RxD, w_act)
     p = jax.nn.relu(g)
@@ -356,6 +357,7 @@ def hot_neuron_backward(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, weight
     h = hot_H.shape[0]
     w_act, w_up, w_down = _split(gated, weights)
     dtype, f32 = x_MxD.dtype, jnp.float32
+    precision = exact_precision(dtype)  # f32: no TF32 beside the kernels' exact rows
     keep_M1 = ~tail_M[:, None]
 
     def chunk_step(hot_C: jax.Array, carry):
@@ -366,7 +368,7 @@ def hot_neuron_backward(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, weight
         # Weights that meet the same operand are stacked, so x and gy are each read once per
         # GEMM kind: x [G_C; U_C]^T, gy W_C^T, then [dG | dU]^T x, t^T gy and [dU | dG] [U_C; G_C].
         x_ws = jnp.concatenate([w_act[safe_C], w_up[safe_C]], axis=0) if gated else w_act[safe_C]
-        g_u = jnp.einsum("md,cd->mc", x_MxD, x_ws.astype(dtype), preferred_element_type=f32)
+        g_u = jnp.einsum("md,cd->mc", x_MxD, x_ws.astype(dtype), preferred_element_type=f32, precision=precision)
         g_MxC = g_u[:, :c]
         on_MxC = (g_MxC > 0) & keep_M1 & used_C[None, :]
         p_MxC = jnp.where(on_MxC, g_MxC, 0.0)
@@ -375,7 +377,7 @@ def hot_neuron_backward(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, weight
             h_MxC = (p_MxC * u_MxC).astype(dtype).astype(f32)
         else:
             h_MxC = p_MxC.astype(dtype).astype(f32)
-        gy_w = jnp.einsum("md,cd->mc", gy_MxD, w_down[safe_C].astype(dtype), preferred_element_type=f32)
+        gy_w = jnp.einsum("md,cd->mc", gy_MxD, w_down[safe_C].astype(dtype), preferred_element_type=f32, precision=precision)
         dt_MxC = jnp.where(on_MxC, gy_w + l1_scale * jnp.sign(h_MxC), 0.0)
         if gated:
             d_gate, d_up = (dt_MxC * u_MxC).astype(dtype), (dt_MxC * p_MxC).astype(dtype)
@@ -386,9 +388,9 @@ def hot_neuron_backward(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, weight
         else:
             x_cols = dt_MxC.astype(dtype)  # -> dG_C (the act weight)
             dx_cols, dx_ws = x_cols, w_act[safe_C]
-        dx_MxD = dx_MxD + jnp.einsum("mc,cd->md", dx_cols, dx_ws.astype(dtype), preferred_element_type=f32)
-        from_x = jnp.einsum("mc,md->cd", x_cols, x_MxD, preferred_element_type=f32)
-        d_down = jnp.einsum("mc,md->cd", h_MxC.astype(dtype), gy_MxD, preferred_element_type=f32)
+        dx_MxD = dx_MxD + jnp.einsum("mc,cd->md", dx_cols, dx_ws.astype(dtype), preferred_element_type=f32, precision=precision)
+        from_x = jnp.einsum("mc,md->cd", x_cols, x_MxD, preferred_element_type=f32, precision=precision)
+        d_down = jnp.einsum("mc,md->cd", h_MxC.astype(dtype), gy_MxD, preferred_element_type=f32, precision=precision)
         parts = (from_x[:c], from_x[c:], d_down) if gated else (from_x, d_down)  # weight order
         return dx_MxD, tuple(init.at[hot_C].add(part, mode="drop") for init, part in zip(inits, parts))
 

@@ -43,7 +43,7 @@ from twell_jax.pallas_kernels.twell_pack import PackBlockSizes, pack_gate
 from twell_jax.pallas_kernels.twell_transpose import neuron_histogram
 from twell_jax.ops import planner
 from twell_jax.ops.config import SparseFFNConfig
-from twell_jax.ops.dense import dense_fallback_ffn, dense_hidden
+from twell_jax.ops.dense import dense_fallback_ffn, dense_hidden, exact_precision
 
 Aux = dict[str, jax.Array]
 
@@ -150,10 +150,11 @@ def weight_tuple(w_act_HxD: jax.Array, w_up_HxD: jax.Array | None, w_down_HxD: j
 def _dense_rows(x_RxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array | None,
                 w_down_HxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The op's dense formula (dense_hidden) on some rows: (y [R, D], l1 per row [R], active
-    [R, H])."""
+    [R, H]); f32 GEMMs at full precision beside the kernels' rows (`exact_precision`)."""
     weights = weight_tuple(w_act_HxD, w_up_HxD, w_down_HxD)
-    h_RxH, active_RxH = dense_hidden(w_up_HxD is not None, x_RxD, weights)
-    y_RxD = jnp.einsum("rh,hd->rd", h_RxH, w_down_HxD)
+    precision = exact_precision(x_RxD.dtype)
+    h_RxH, active_RxH = dense_hidden(w_up_HxD is not None, x_RxD, weights, precision=precision)
+    y_RxD = jnp.einsum("rh,hd->rd", h_RxH, w_down_HxD, precision=precision)
     return y_RxD, jnp.sum(jnp.abs(h_RxH), axis=1, dtype=jnp.float32), active_RxH
 
 
