@@ -503,7 +503,10 @@ def test_auto_with_hint_routes_forward_and_backward(choice, monkeypatch):
         y, aux = ops.gated_ffn(x_, *w_, backend="auto", config=config, interpret=True)
         return loss_of(y, aux["l1"], cot)
 
-    grads = jax.grad(loss, argnums=(0, 1))(x, weights)
+    # The dense formula (these plans' dense pieces) runs f32 GEMMs at JAX's default precision, TF32
+    # on a GPU, as plain JAX does (dense.exact_precision): full precision here, as in the oracle.
+    with jax.default_matmul_precision("highest"):
+        grads = jax.grad(loss, argnums=(0, 1))(x, weights)
     assert asked == [(13, 16, 29, 2.5, True)]
     names = {True: "pallas", False: "dense"}
     if choice == (False, False):  # the dense plan is the plain "dense" backend: no custom_vjp call
