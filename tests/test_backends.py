@@ -119,7 +119,8 @@ def test_plan_key_groups_what_traces_alike(monkeypatch):
 
 def test_cost_models_are_keyed_by_device_kind_with_a_fallback(monkeypatch):
     assert planner.device_kind("NVIDIA H100 80GB HBM3") == "H100"
-    assert planner.device_kind("NVIDIA H200") == planner.FALLBACK_KIND  # no fit of its own yet
+    assert planner.device_kind("NVIDIA H200") == "H200"
+    assert planner.device_kind("NVIDIA A100-SXM4-80GB") == planner.FALLBACK_KIND
     assert planner.device_kind("cpu") == planner.FALLBACK_KIND
     for costs in planner.COST_MODELS.values():
         for part in (costs.forward, costs.backward, costs.decode):

@@ -17,11 +17,12 @@ call's forward and backward. "auto" (on a GPU, `backends.gpu_available()`):
 Elsewhere "auto" is the "dense" backend.
 
 Cost models (`COST_MODELS`, keyed by `device_kind`, e.g. "H100"): each part records the date, GPU
-and command that fitted it (`Fit`). Unknown devices, H200 included (only the forward was fitted
-there), get `FALLBACK_KIND`'s models: the fits are relative costs of sparse against dense on a
-Hopper GPU, and a plan with a sparse piece must beat dense by a margin (SAFETY, DECODE_MARGIN), so
-a wrong device costs speed, never exactness. Refit a device: run the commands of the fits on it
-and add an entry.
+and command that fitted it (`Fit`). Unknown devices get `FALLBACK_KIND`'s models: the fits are
+relative costs of sparse against dense on a Hopper GPU, and a plan with a sparse piece must beat
+dense by a margin (SAFETY, DECODE_MARGIN), so a wrong device costs speed, never exactness. Refit a
+device's training models: run `experiments/bench_ffn_train.py --quick` on it and
+`experiments/fit_costs.py` on the result, which prints the entry (the decode models have their own
+commands, in their `Fit`s).
 """
 from __future__ import annotations
 
@@ -222,7 +223,21 @@ H100 = DeviceCosts(
                        "in the model's kernel time line")),
 )
 
-COST_MODELS: dict[str, DeviceCosts] = {"H100": H100}
+_H200_FIT = Fit("2026-11-28", "NVIDIA H200",
+                "python experiments/bench_ffn_train.py --quick --shape trained --trace --repeats 10",
+                "`python experiments/fit_costs.py RESULT --gpu 'NVIDIA H200' --date 2026-11-28` on that run "
+                "(experiments/results/bench_ffn_train_h200_2026-11-28.json): the Mosaic GPU pack, the "
+                "backward without XLA's glue; forward and backward lines through uniform k 16, 29, 39 "
+                "(within 1.2% of each); the tails' constants, ffn_token_ms and the decode models are the "
+                "H100's. M 16384, D 2048, H 5632, bf16")
+H200 = dataclasses.replace(
+    H100,
+    forward=dataclasses.replace(H100.forward, dense_flops_per_ms=7.04e11, pack_flops_per_ms=6.43e11,
+                                sparse_fixed_ms=0.024, ffn_bytes_per_ms=6.91e9, fit=_H200_FIT),
+    backward=dataclasses.replace(H100.backward, bwd_fixed_ms=0.796, bwd_bytes_per_ms=8.85e9,
+                                 dense_bwd_flops_per_ms=7.73e11, fit=_H200_FIT))
+
+COST_MODELS: dict[str, DeviceCosts] = {"H100": H100, "H200": H200}
 # The models of a device kind with no entry (module doc).
 FALLBACK_KIND = "H100"
 
@@ -308,9 +323,10 @@ def dense_times_ms(m: int, d: int, h: int, gated: bool, kind: str | None = None)
 
 
 def tail_times_ms(m: int, d: int, h: int, rows: float, neurons: float, gated: bool,
-                  kind: str | None = None) -> tuple[float, float]:
-    """Modelled ms of the backward's dense token tail (`rows` rows) and hot-neuron tail (`neurons`)."""
-    c = costs(kind).backward
+                  kind: str | None = None, device: DeviceCosts | None = None) -> tuple[float, float]:
+    """Modelled ms of the backward's dense token tail (`rows` rows) and hot-neuron tail (`neurons`);
+    `device`: these models instead of `kind`'s (a fit being evaluated)."""
+    c = (device or costs(kind)).backward
     gemms = 6 if gated else 4
     token = (min(1.0, rows) * c.token_tail_fixed_ms * (d * h) / (c.tail_fit_d * c.tail_fit_h)
              + rows * gemms * 2.0 * d * h / c.token_tail_flops_per_ms)
@@ -321,21 +337,28 @@ def tail_times_ms(m: int, d: int, h: int, rows: float, neurons: float, gated: bo
 
 def sparse_times_ms(m: int, d: int, h: int, k: float, gated: bool, *, itemsize: int = 2,
                     keep_pattern: bool = True, config: SparseFFNConfig | None = None,
-                    kind: str | None = None) -> tuple[float, float]:
+                    kind: str | None = None, device: DeviceCosts | None = None,
+                    tails: tuple[float, float, float] | None = None) -> tuple[float, float]:
     """Modelled (forward, backward) ms of the sparse FFN (pack + fused FFN; Pallas backward), with
     the dense tails of `config`'s tail hints (none without a config). A tail over its capacity
-    makes the backward the dense formula: inf here (never planned)."""
-    c = costs(kind)
+    makes the backward the dense formula: inf here (never planned). `device`: these models instead
+    of `kind`'s; `tails`: (token-tail rows, hot neurons, the hot neurons' share of the entries) as
+    measured, instead of the config's expectation (both for evaluating a fit, `bench/fit_costs.py`)."""
+    c = device or costs(kind)
     f, b = c.forward, c.backward
     pack_ms = 2.0 * m * d * h / f.pack_flops_per_ms
     n_rows = 2 if gated else 1
     fwd = (f.sparse_fixed_ms + pack_ms + m * f.ffn_token_ms * n_rows / 2
            + m * k * n_rows * d * itemsize / f.ffn_bytes_per_ms)
-    rows, neurons, hot_entries, over = (TailPolicy(config).expected(m, h) if config is not None
-                                        else (0.0, 0.0, 0.0, False))
+    if tails is not None:
+        (rows, neurons, hot_entries), over = tails, False
+    elif config is not None:
+        rows, neurons, hot_entries, over = TailPolicy(config).expected(m, h)
+    else:
+        rows, neurons, hot_entries, over = 0.0, 0.0, 0.0, False
     if over:
         return fwd, math.inf
-    token_tail, hot_tail = tail_times_ms(m, d, h, rows, neurons, gated, kind=kind)
+    token_tail, hot_tail = tail_times_ms(m, d, h, rows, neurons, gated, device=c)
     bwd = (b.bwd_fixed_ms
            + m * k * (1.0 - hot_entries) * (n_rows + 1 + 2) * d * itemsize / b.bwd_bytes_per_ms
            + token_tail + hot_tail + (0.0 if keep_pattern else pack_ms))
