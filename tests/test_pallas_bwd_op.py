@@ -327,7 +327,8 @@ def test_partial_dense_gemms_are_exact_in_f32(dtype):
     """The sparse paths' dense GEMMs on some rows or neurons (the forward's recomputed rows, the
     token tail, the hot-neuron tail) sit beside kernel results computed in full f32: with f32
     operands every one asks for HIGHEST precision (XLA's default on a GPU is TF32, ~1e-3 relative:
-    a GPU run of the test above failed at 6e-4 on x's gradient before); 16-bit programs unchanged."""
+    on an H200 test_backward_matches_dense_grad's dense-first-tokens case, which has a token tail,
+    was 6e-4 off on x's gradient before); 16-bit programs unchanged."""
     m, d, h = 8, 16, 24
     x = jax.ShapeDtypeStruct((m, d), dtype)
     ws = tuple(jax.ShapeDtypeStruct((h, d), dtype) for _ in range(3))

@@ -252,10 +252,12 @@ def dense_rows_backward(gated: bool, x_RxD: jax.Array, gy_RxD: jax.Array, weight
     gy_RxD = gy_RxD.astype(dtype)
 
     def mm_t(a, w):  # a @ w.T
-        return jnp.einsum("rd,hd->rh", a.astype(dtype), w.astype(dtype), preferred_element_type=f32, precision=precision)
+        return jnp.einsum("rd,hd->rh", a.astype(dtype), w.astype(dtype), preferred_element_type=f32,
+                          precision=precision)
 
     def mm(a, w):  # a @ w
-        return jnp.einsum("rh,hd->rd", a.astype(dtype), w.astype(dtype), preferred_element_type=f32, precision=precision)
+        return jnp.einsum("rh,hd->rd", a.astype(dtype), w.astype(dtype), preferred_element_type=f32,
+                          precision=precision)
 
     def outer(a, b):  # a.T @ b
         return jnp.einsum("rh,rd->hd", a.astype(dtype), b, preferred_element_type=f32, precision=precision)
@@ -377,7 +379,8 @@ def hot_neuron_backward(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, weight
             h_MxC = (p_MxC * u_MxC).astype(dtype).astype(f32)
         else:
             h_MxC = p_MxC.astype(dtype).astype(f32)
-        gy_w = jnp.einsum("md,cd->mc", gy_MxD, w_down[safe_C].astype(dtype), preferred_element_type=f32, precision=precision)
+        gy_w = jnp.einsum("md,cd->mc", gy_MxD, w_down[safe_C].astype(dtype), preferred_element_type=f32,
+                          precision=precision)
         dt_MxC = jnp.where(on_MxC, gy_w + l1_scale * jnp.sign(h_MxC), 0.0)
         if gated:
             d_gate, d_up = (dt_MxC * u_MxC).astype(dtype), (dt_MxC * p_MxC).astype(dtype)
@@ -388,7 +391,8 @@ def hot_neuron_backward(gated: bool, x_MxD: jax.Array, gy_MxD: jax.Array, weight
         else:
             x_cols = dt_MxC.astype(dtype)  # -> dG_C (the act weight)
             dx_cols, dx_ws = x_cols, w_act[safe_C]
-        dx_MxD = dx_MxD + jnp.einsum("mc,cd->md", dx_cols, dx_ws.astype(dtype), preferred_element_type=f32, precision=precision)
+        dx_MxD = dx_MxD + jnp.einsum("mc,cd->md", dx_cols, dx_ws.astype(dtype), preferred_element_type=f32,
+                                     precision=precision)
         from_x = jnp.einsum("mc,md->cd", x_cols, x_MxD, preferred_element_type=f32, precision=precision)
         d_down = jnp.einsum("mc,md->cd", h_MxC.astype(dtype), gy_MxD, preferred_element_type=f32, precision=precision)
         parts = (from_x[:c], from_x[c:], d_down) if gated else (from_x, d_down)  # weight order
