@@ -198,3 +198,23 @@ def test_the_dense_baselines_of_a_targeted_config_train_without_l1_or_targets():
     for cfg in (bench_step.variant_config(base, "relu_gated", None, "none"), bench_config(base, "relu_gated", 1, 2, 1)):
         assert (cfg.sparsity.l1_coef, cfg.sparsity.target_active) == (0.0, ())
     assert bench_step.variant_config(base, "twell", "dense", "none").sparsity.target_active == (3.0, 4.0)
+
+
+def test_the_outcome_says_why_a_run_missed_and_how_validation_differs():
+    """`explain_outcome` on summaries like the script's: a mean above the goal (after or inside the L1
+    ramp), a mean at the goal with a layer outside its tolerance (dead neurons named), and the
+    validation tokens' activity against the training batch's."""
+    base = dict(reached_target=False, steps=2400, target_active_per_layer=[10.0, 30.0],
+                train_l0_per_layer=[10.0, 30.0], val_l0_per_layer=[10.5, 30.5], dead_share_per_layer=[0.0, 0.0])
+    explain = lambda **kw: train_to_sparse.explain_outcome({**base, **kw}, 20.0, 0.15, 300)  # noqa: E731
+    assert explain(reached_target=True) == []  # validation within 10% of training: nothing to add
+    [line] = explain(train_l0_per_layer=[14.0, 36.0], val_l0_per_layer=[14.0, 36.0])
+    assert "average 25.0 active/token, above 20: the L1 schedule reached --l1" in line
+    [line] = explain(train_l0_per_layer=[14.0, 36.0], val_l0_per_layer=[14.0, 36.0], steps=100)
+    assert "inside the L1 ramp (step 100 of --l1-ramp-steps 300)" in line
+    lines = explain(train_l0_per_layer=[7.0, 33.0], val_l0_per_layer=[9.0, 41.0], dead_share_per_layer=[0.4, 0.1])
+    assert "average 20.0 active/token, within 15% of 20, but layer(s) 0 below their targets" in lines[0]
+    assert "layer(s) 0 (40% dead): a lower penalty does not revive" in lines[1]
+    assert "validation tokens the layers average 25.0 active/token, 1.25x the last training batch's" in lines[2]
+    assert len(explain(train_l0_per_layer=[7.0, 33.0], dead_share_per_layer=[0.0, 0.0])) == 1  # none dead
+    assert explain(train_l0_per_layer=[]) == []

@@ -32,9 +32,13 @@ it as it is. What this script adds to the preset:
   targets, a stop once the layers' mean has been at or under `--target-active` for `--patience`
   steps (checkpoints sparser than trained models);
 - otherwise `--steps` or `--minutes` ends the run. Either way the run is checkpointed and evaluated.
-Printed last: the step and L1 coefficient reached, the validation loss, the per-layer active
-neurons per token (training batch and validation) beside their targets, and each layer's share of
-dead neurons. `--summary` gets that and the logged trajectory, `--plot` a picture of both.
+Printed last: the step and L1 coefficient reached, the validation loss, why a run that missed its
+goal missed it (the mean above the goal: still inside the L1 ramp, or `--l1` too weak; the mean at
+the goal with layers outside their tolerance, named, with their dead shares where those are high),
+the validation tokens' mean activity where it differs by over 10% from the last training batch's
+(the goal is measured on training batches), the per-layer active neurons per token (training
+batch and validation) beside their targets, and each layer's share of dead neurons. `--summary`
+gets that and the logged trajectory, `--plot` a picture of both.
 """
 from __future__ import annotations
 
@@ -222,6 +226,49 @@ def build_config(args: argparse.Namespace, profile_sets: list[str] | None = None
     return config_lib.apply_overrides(base, sets + (profile_sets or []) + user)
 
 
+def explain_outcome(reached: dict[str, Any], target_mean: float, tolerance: float, ramp_steps: int) -> list[str]:
+    """What the summary `reached` says beyond its verdict: why a run missed its goal and what to
+    change, and how the validation tokens' activity compares with the training batches' (the goal
+    is measured on the latter). Lines to print."""
+    train, val = reached["train_l0_per_layer"], reached["val_l0_per_layer"]
+    targets, dead = reached["target_active_per_layer"], reached["dead_share_per_layer"]
+    if not train:
+        return []
+    lines = []
+    train_mean = float(np.mean(train))
+    if not reached["reached_target"]:
+        if train_mean > target_mean * (1 + (tolerance if targets else 0.0)):
+            ramp_done = reached["steps"] >= ramp_steps
+            lines.append(f"the layers average {train_mean:.1f} active/token, above {target_mean:g}: "
+                         + ("the L1 schedule reached --l1 without getting there: raise --l1" if ramp_done else
+                            f"the run ended inside the L1 ramp (step {reached['steps']} of --l1-ramp-steps "
+                            f"{ramp_steps}): give it more --steps / --minutes, or a stronger --l1"))
+        elif targets:
+            def outside(sign: int) -> list[int]:
+                return [i for i, (v, t) in enumerate(zip(train, targets)) if sign * (v - t) > tolerance * t]
+
+            above, below = outside(1), outside(-1)
+            parts = ([f"layer(s) {', '.join(map(str, above))} above"] if above else []) + (
+                [f"layer(s) {', '.join(map(str, below))} below"] if below else [])
+            lines.append(f"the layers average {train_mean:.1f} active/token, within {tolerance:.0%} of "
+                         f"{target_mean:g}, but {' and '.join(parts) or 'no layer'} their targets by more than "
+                         f"{tolerance:.0%} on the last training batch: the per-layer adaptation had not held "
+                         "them there for --patience steps when the run stopped (more --steps / --minutes)")
+            dead_below = [i for i in below if dead and dead[i] >= 0.2]
+            if dead_below:
+                lines.append("below their targets with many dead neurons: layer(s) "
+                             + ", ".join(f"{i} ({dead[i]:.0%} dead)" for i in dead_below)
+                             + ": a lower penalty does not revive a neuron that no longer fires "
+                             "(docs/training.md, \"Per-layer targets (ours)\")")
+    if val:
+        val_mean = float(np.mean(val))
+        if train_mean > 0 and abs(val_mean / train_mean - 1) > 0.1:
+            lines.append(f"on its validation tokens the layers average {val_mean:.1f} active/token, "
+                         f"{val_mean / train_mean:.2f}x the last training batch's ({train_mean:.1f}), on which the goal "
+                         "is measured")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from twell_jax.training import parallel
 
@@ -339,13 +386,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{reached['steps']} (L1 {reached['l1_coef_reached']:.3g}"
           + (f", per layer {' '.join(f'{v:.3g}' for v in reached['l1_coef_per_layer_reached'])}"
              if reached["l1_coef_per_layer_reached"] else "") + f"); val loss {reached['val_loss']:.4f}")
-    train_mean = float(np.mean(reached["train_l0_per_layer"])) if reached["train_l0_per_layer"] else None
-    if not reached["reached_target"] and train_mean is not None and train_mean > args.target_active:
-        ramp_done = reached["steps"] >= args.l1_ramp_steps
-        print(f"[train_to_sparse] the layers average {train_mean:.1f} active/token, above {args.target_active:g}: "
-              + ("the L1 schedule reached --l1 without getting there: raise --l1" if ramp_done else
-                 f"the run ended inside the L1 ramp (step {reached['steps']} of --l1-ramp-steps {args.l1_ramp_steps}): "
-                 "give it more --steps / --minutes, or a stronger --l1"))
+    for line in explain_outcome(reached, args.target_active, args.tolerance, args.l1_ramp_steps):
+        print(f"[train_to_sparse] {line}")
     dead = reached["dead_share_per_layer"]
     print("| layer-mean active | train batch | validation |" + (" target |" if targets else "") + " dead share |\n"
           + "|---|---|---|" + ("---|" if targets else "") + "---|\n"
