@@ -69,3 +69,16 @@ def test_bad_runs_are_refused_with_the_reason(tmp_path, capsys):
     assert fit_costs.main([str(path), "--gpu", "g", "--date", "d"]) == 2
     assert "has no 'ms'" in capsys.readouterr().err
     assert fit_costs.main([str(tmp_path / "missing.json"), "--gpu", "g", "--date", "d"]) == 2
+    path.write_text(json.dumps(_run_from(planner.H100)))
+    assert fit_costs.main([str(path)]) == 2
+    assert "records no device_kind: give --gpu and no date: give --date" in capsys.readouterr().err
+
+
+def test_the_gpu_and_date_come_from_the_run_when_it_has_them(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({**_run_from(planner.H100), "device_kind": "NVIDIA H200", "date": "2026-11-28"}))
+    assert fit_costs.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Fit('2026-11-28', 'NVIDIA H200'," in out and "| uniform k 29 | yes |" in out
+    assert fit_costs.main([str(path), "--gpu", "NVIDIA H100", "--date", "2026-12-01"]) == 0
+    assert "Fit('2026-12-01', 'NVIDIA H100'," in capsys.readouterr().out

@@ -1064,7 +1064,8 @@ class Output:
     def __init__(self, out_dir: Path):
         self.dir = out_dir
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.results: dict = {"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": []}
+        self.results: dict = {"device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind,
+                              "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "rows": []}
 
     def say(self, text: str) -> None:
         print(text, flush=True)

@@ -3,7 +3,7 @@
 its measured one, and a `DeviceCosts` entry to put in `planner.COST_MODELS`.
 
     python experiments/bench_ffn_train.py --quick --shape trained --trace --repeats 10 --out DIR
-    python experiments/fit_costs.py DIR/bench_ffn_train.json --gpu "NVIDIA H200" --date 2026-11-28
+    python experiments/fit_costs.py DIR/bench_ffn_train.json    # --gpu, --date: the run's, where it has them
 
 What is fitted, from the gated rows of the run (M, D, H as measured; bf16):
 - dense: `dense_flops_per_ms` from XLA's inference forward (3 GEMMs), `dense_bwd_flops_per_ms`
@@ -142,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("result", help="a bench_ffn_train.json")
-    parser.add_argument("--gpu", required=True, help="the GPU it ran on (the Fit record), e.g. 'NVIDIA H200'")
-    parser.add_argument("--date", required=True, help="the run's date (the Fit record)")
+    parser.add_argument("--gpu", help="the GPU it ran on (the Fit record), e.g. 'NVIDIA H200'; default: the "
+                        "run's device_kind (bench_ffn_train records it)")
+    parser.add_argument("--date", help="the run's date (the Fit record); default: the run's own")
     parser.add_argument("--base", default=planner.FALLBACK_KIND, choices=sorted(planner.COST_MODELS),
                         help="the entry whose kept constants (tails, ffn_token_ms, decode) the fit starts from")
     parser.add_argument("--command", default="python experiments/bench_ffn_train.py --quick --shape trained "
@@ -152,8 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.result)
     try:
         run = json.loads(path.read_text())
-        costs, report = fit_training(run, planner.COST_MODELS[args.base],
-                                     planner.Fit(args.date, args.gpu, args.command))
+        gpu, date = args.gpu or run.get("device_kind"), args.date or run.get("date")
+        if not gpu or not date:
+            raise ValueError("the run records no " + " and no ".join(
+                name for name, value in (("device_kind: give --gpu", gpu), ("date: give --date", date)) if not value))
+        costs, report = fit_training(run, planner.COST_MODELS[args.base], planner.Fit(date, gpu, args.command))
     except (OSError, json.JSONDecodeError, ValueError, KeyError) as e:
         print(f"fit_costs: {path}: {e}", file=sys.stderr)
         return 2
