@@ -10,8 +10,9 @@ What is fitted, from the gated rows of the run (M, D, H as measured; bf16):
   from XLA's forward + backward minus that forward (6 GEMMs); the launch term is kept;
 - the pack: `pack_flops_per_ms` from the pack piece alone (its median over the rows);
 - the sparse forward: a line through the `pallas` inference forward over the uniform rows without
-  tails, the pack subtracted: its slope gives `ffn_bytes_per_ms`, its intercept `sparse_fixed_ms`
-  (`ffn_token_ms` is kept from the base entry: one M per run cannot separate it);
+  tails, the pack subtracted, against each row's mean active count per token (what the planner is
+  given): its slope gives `ffn_bytes_per_ms`, its intercept `sparse_fixed_ms` (`ffn_token_ms` is
+  kept from the base entry: one M per run cannot separate it);
 - the sparse backward: a line through the `pallas` forward + backward minus the fitted forward over
   the same rows, in the bytes the row gathers move: slope `bwd_bytes_per_ms`, intercept
   `bwd_fixed_ms` (which so holds the training forward's extra over the inference forward).
@@ -91,9 +92,11 @@ def fit_training(run: dict[str, Any], base: planner.DeviceCosts, fit: planner.Fi
     pack_flops = flops / statistics.median(r["piece_ms"]["pack"] for r in rows)
 
     fitted = [r for r in rows if _untailed(r)]
+    # k as the planner gets it: the mean active count of the row's pattern (its `hint`), not its label.
+    k_of = lambda r: float(r["pattern"].get("active_mean", r["k"]))  # noqa: E731
     pack_ms = flops / pack_flops
     token_ms = m * f0.ffn_token_ms * n_rows / 2
-    fixed, slope = _line([r["k"] for r in fitted],
+    fixed, slope = _line([k_of(r) for r in fitted],
                          [r["infer_ms"]["pallas"] - pack_ms - token_ms for r in fitted])
     forward = dataclasses.replace(f0, dense_flops_per_ms=dense_flops, pack_flops_per_ms=pack_flops,
                                   sparse_fixed_ms=fixed, ffn_bytes_per_ms=m * n_rows * d * itemsize / slope,
@@ -103,9 +106,9 @@ def fit_training(run: dict[str, Any], base: planner.DeviceCosts, fit: planner.Fi
     def model_fwd(k: float) -> float:
         return planner.sparse_times_ms(m, d, h, k, True, device=with_forward)[0]
 
-    gather_bytes = lambda r: m * r["k"] * (n_rows + 1 + 2) * d * itemsize  # noqa: E731 (no hot entries)
+    gather_bytes = lambda r: m * k_of(r) * (n_rows + 1 + 2) * d * itemsize  # noqa: E731 (no hot entries)
     bwd_fixed, per_byte = _line([gather_bytes(r) for r in fitted],
-                                [r["ms"]["pallas"] - model_fwd(r["k"]) for r in fitted])
+                                [r["ms"]["pallas"] - model_fwd(k_of(r)) for r in fitted])
     backward = dataclasses.replace(b0, bwd_fixed_ms=bwd_fixed, bwd_bytes_per_ms=1.0 / per_byte,
                                    dense_bwd_flops_per_ms=dense_bwd_flops, fit=fit)
     costs = dataclasses.replace(with_forward, backward=backward)
@@ -115,7 +118,7 @@ def fit_training(run: dict[str, Any], base: planner.DeviceCosts, fit: planner.Fi
         if not np.isfinite(r["ms"].get("pallas", np.inf)):
             continue
         p = r["pattern"]
-        fwd, bwd = planner.sparse_times_ms(m, d, h, r["k"], True, device=costs,
+        fwd, bwd = planner.sparse_times_ms(m, d, h, k_of(r), True, device=costs,
                                            tails=(p["token_tail_rows"], p["hot_neurons"], p["hot_entry_share"]))
         report.append(FittedRow(f"{r.get('synthetic')} k {r['k']:g}", r["infer_ms"]["pallas"], fwd,
                                 r["ms"]["pallas"], fwd + bwd, r in fitted))

@@ -228,13 +228,13 @@ _H200_FIT = Fit("2026-11-28", "NVIDIA H200",
                 "`python experiments/fit_costs.py RESULT --gpu 'NVIDIA H200' --date 2026-11-28` on that run "
                 "(experiments/results/bench_ffn_train_h200_2026-11-28.json): the Mosaic GPU pack, the "
                 "backward without XLA's glue; forward and backward lines through uniform k 16, 29, 39 "
-                "(within 1.2% of each); the tails' constants, ffn_token_ms and the decode models are the "
+                "(each row's mean active count; within 0.4% of each); the tails' constants, ffn_token_ms and the decode models are the "
                 "H100's. M 16384, D 2048, H 5632, bf16")
 H200 = dataclasses.replace(
     H100,
     forward=dataclasses.replace(H100.forward, dense_flops_per_ms=7.04e11, pack_flops_per_ms=6.43e11,
-                                sparse_fixed_ms=0.024, ffn_bytes_per_ms=6.91e9, fit=_H200_FIT),
-    backward=dataclasses.replace(H100.backward, bwd_fixed_ms=0.796, bwd_bytes_per_ms=8.85e9,
+                                sparse_fixed_ms=0.0085, ffn_bytes_per_ms=6.68e9, fit=_H200_FIT),
+    backward=dataclasses.replace(H100.backward, bwd_fixed_ms=0.763, bwd_bytes_per_ms=8.55e9,
                                  dense_bwd_flops_per_ms=7.73e11, fit=_H200_FIT))
 
 COST_MODELS: dict[str, DeviceCosts] = {"H100": H100, "H200": H200}
