@@ -117,6 +117,33 @@ def test_plan_key_groups_what_traces_alike(monkeypatch):
     assert ops.plan_key(True, "pallas", None, shape) != ops.plan_key(True, "pallas", None, shape, interpret=True)
 
 
+def test_forward_only_plans_price_the_forward_alone(monkeypatch):
+    """`forward_only` (inference: no backward to price): "auto" runs the sparse forward up to the
+    forward model's crossover, where the training plan, pricing forward + backward, stays dense."""
+    from twell_jax.ops import pallas_forward
+
+    monkeypatch.setattr(pallas_forward, "available", lambda: True)
+    shape = (8192, 2048, 5632, 2)
+    # The forward model's margin: sparse while its time is <= SAFETY x dense, so below the bare crossover.
+    ks = np.arange(1.0, 60.0, 0.5)
+    edge = max(k for k in ks if planner.choose_forward_path(*shape[:3], k, True))
+    assert edge < planner.crossover_active_per_token(*shape[:3])
+    assert not planner.choose_forward_path(*shape[:3], edge + 0.5, True)
+    train = ops.SparseFFNConfig(expected_active_per_token=edge)
+    infer = dataclasses.replace(train, forward_only=True)
+    assert ops.auto_decision(True, train, shape) == ("dense", "dense")  # forward + backward priced: dense here
+    assert ops.auto_decision(True, infer, shape) == ("pallas", "dense")
+    assert ops.plan_key(True, "auto", infer, shape) != ops.plan_key(True, "auto", train, shape)
+    above = dataclasses.replace(infer, expected_active_per_token=edge + 0.5)
+    assert ops.auto_decision(True, above, shape) == ("dense", "dense")
+    assert ops.auto_decision(True, dataclasses.replace(above, auto_max_active=edge + 1), shape) == ("pallas", "dense")
+    assert ops.plan_key(True, "auto", above, shape) == ops.plan_key(True, "auto", train, shape)  # the dense backend
+    assert ops.auto_decision(True, dataclasses.replace(infer, check_finite=False), (1, *shape[1:])) == (
+        "decode", "dense")  # decode sizes keep the decode path
+    with pytest.raises(ValueError, match="forward_only must be a bool"):
+        ops.SparseFFNConfig(forward_only=1)
+
+
 def test_cost_models_are_keyed_by_device_kind_with_a_fallback(monkeypatch):
     assert planner.device_kind("NVIDIA H100 80GB HBM3") == "H100"
     assert planner.device_kind("NVIDIA H200") == "H200"

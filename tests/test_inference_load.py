@@ -38,8 +38,10 @@ def test_load_run_restores_the_trained_params_in_the_requested_dtype(micro_run):
         loaded = load_run(root / "runs" / "micro", dtype="float32")
     assert loaded.step == 4 and loaded.config.name == "micro" and loaded.config.model.compute_dtype == "float32"
     jax.tree.map(np.testing.assert_array_equal, split_model(loaded.model)[1], trained)
-    # The run's telemetry fills the per-layer "auto" hints.
+    # The run's telemetry fills the per-layer "auto" hints, and the op plans for inference: forward
+    # only, the weights' NaN pass skipped (they were verified finite).
     assert len(loaded.config.model.ffn_expected_active) == loaded.config.model.n_layers
+    assert all(c.forward_only and not c.check_finite for c in loaded.model.op_configs)
     assert loaded.tokenizer.get_vocab_size() <= loaded.config.model.vocab_size and loaded.eos_id == 0
     half = load_run(root / "runs" / "micro" / "checkpoints", step=4)  # the checkpoints dir works too
     for got, want in zip(jax.tree.leaves(split_model(half.model)[1]), jax.tree.leaves(trained)):

@@ -951,11 +951,15 @@ def fixed_cotangent(key: jax.Array, m: int, d: int, dtype: Any) -> jax.Array:
 
 def checkpoint_config(run_op_config: dict, dry_run: bool) -> ops.SparseFFNConfig:
     """The op config the layers are measured with: the run's ffn_op_config (what its training step
-    used) without a hint (auto gets the measured one) and with the NaN check at its default (as in
-    training; load_run turns it off for inference); tiny blocks in a dry run."""
+    used) without a hint (auto gets the measured one) and without what load_run sets for inference
+    (`INFERENCE_OP_CONFIG`: the NaN check back at its default, training's plans); tiny blocks in a
+    dry run."""
+    from twell_jax.inference.load import INFERENCE_OP_CONFIG
+
     if dry_run:
         return dry_run_config()
-    fields = {k: v for k, v in run_op_config.items() if k not in ("expected_active_per_token", "check_finite")}
+    dropped = {"expected_active_per_token", *INFERENCE_OP_CONFIG}
+    fields = {k: v for k, v in run_op_config.items() if k not in dropped}
     return ops.SparseFFNConfig(**fields)
 
 

@@ -121,6 +121,13 @@ def eos_id_of(tokenizer: "Tokenizer | None", cfg: ExperimentConfig) -> int | Non
     return None if token_id is None else int(token_id)
 
 
+# The sparse op's config fields `load_run` sets for inference where the run's config does not name
+# them: restore_params verified every parameter finite, so the op's per-call NaN/Inf pass over the
+# weights (which costs more than a sparse decode step) is skipped (docs/format.md); and no gradient
+# is taken, so "auto" plans each layer's forward alone (`SparseFFNConfig.forward_only`).
+INFERENCE_OP_CONFIG = {"check_finite": False, "forward_only": True}
+
+
 def load_run(run_dir: str | Path, step: int | None = None, dtype: str = "bfloat16",
              overrides: list[str] | None = None) -> LoadedModel:
     """Load a trained run (a run dir or its checkpoints/ dir) for inference.
@@ -146,11 +153,10 @@ def load_run(run_dir: str | Path, step: int | None = None, dtype: str = "bfloat1
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compute_dtype=dtype))
     # Per-layer active counts from the run's telemetry: "auto" then picks dense/sparse at trace time.
     cfg = with_auto_hints(cfg, run_path, step, meta=meta, echo=logger.info)
-    if cfg.model.kind.sparse_op and "check_finite" not in cfg.model.ffn_op_config:
-        # restore_params verified every parameter finite, so the op's per-call NaN/Inf pass over
-        # the weights (which costs more than a sparse decode step) is skipped (docs/format.md).
+    inference_fields = {k: v for k, v in INFERENCE_OP_CONFIG.items() if k not in cfg.model.ffn_op_config}
+    if cfg.model.kind.sparse_op and inference_fields:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(
-            cfg.model, ffn_op_config={**cfg.model.ffn_op_config, "check_finite": False}))
+            cfg.model, ffn_op_config={**cfg.model.ffn_op_config, **inference_fields}))
     tokenizer = load_tokenizer_for_run(run_path, cfg)
     if tokenizer is not None and tokenizer.get_vocab_size() > cfg.model.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is "

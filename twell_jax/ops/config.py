@@ -147,6 +147,13 @@ class SparseFFNConfig:
     # (2 more GEMMs gated; the [M, H] pre-activations less memory per such layer), like the
     # sparse plans, which keep no [M, H] tensor either.
     auto_dense_recompute: bool = False
+    # Pallas "auto" with a hint: no gradient is taken through the call (inference, evaluation:
+    # `inference.load_run` sets it), so the plan prices the forward alone (pack + fused FFN against
+    # the dense forward: the forward model's crossover, `planner.forward_threshold`) instead of the
+    # training plan's forward + backward, which at a few thousand tokens keeps layers dense that
+    # the forward alone would run sparse. A gradient through such a call stays exact (the sparse
+    # forward's backward is then the dense formula).
+    forward_only: bool = False
     # Pallas backward knobs (None = pallas_config.BackwardConfig's defaults).
     backward: BackwardConfig | None = None
 
@@ -172,6 +179,8 @@ class SparseFFNConfig:
             _check_kernel_configs(self)
         if not isinstance(self.check_finite, bool):
             raise ValueError(f"SparseFFNConfig.check_finite must be a bool, got {self.check_finite!r}")
+        if not isinstance(self.forward_only, bool):
+            raise ValueError(f"SparseFFNConfig.forward_only must be a bool, got {self.forward_only!r}")
         if not isinstance(self.auto_dense_recompute, bool):
             raise ValueError(f"SparseFFNConfig.auto_dense_recompute must be a bool, got {self.auto_dense_recompute!r}")
         if not isinstance(self.neuron_counts, bool):

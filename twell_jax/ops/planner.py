@@ -9,7 +9,9 @@ call's forward and backward. "auto" (on a GPU, `backends.gpu_available()`):
   * with a hint (`SparseFFNConfig.expected_active_per_token`): decided at trace time. At decode
     sizes (a few tokens per call) the decode path when `prefer_decode_path`; else the cheapest of
     the four whole plans (forward and backward each dense or sparse) by `choose_training_path`,
-    the backward's dense tails priced from the config's tail hints (`tails.TailPolicy.expected`).
+    the backward's dense tails priced from the config's tail hints (`tails.TailPolicy.expected`);
+    with `forward_only` (no gradient taken: inference) the forward alone against the dense
+    forward (`forward_threshold`), the backward the dense formula.
     A plan dense both ways is the plain "dense" backend (None here), or, with
     `auto_dense_recompute`, the dense formula inside the op's custom_vjp.
   * without a hint: the Pallas forward behind a device-side `lax.cond` on a sampled active count
@@ -393,6 +395,22 @@ def choose_training_path(m: int, d: int, h: int, expected_active: float, gated: 
     return best if plans[best] <= SAFETY * (dense_fwd + dense_bwd) else (False, False)
 
 
+def choose_forward_path(m: int, d: int, h: int, expected_active: float, gated: bool, *, itemsize: int = 2,
+                        kind: str | None = None) -> bool:
+    """Whether a call that takes no gradient (`SparseFFNConfig.forward_only`: inference) runs the
+    sparse forward: its modelled time (pack + fused FFN) at most SAFETY x the dense forward's, the
+    margin `choose_training_path` asks of a training plan. A hint is a model's activity on its
+    training batches; on other text it can be higher (a `0.5b` at the paper's sparsity: 1.2x on its
+    validation tokens), so the bare crossover (`crossover_active_per_token`, which the sampled
+    forward-only choice compares a measured count with) would put layers at the edge on the
+    losing side."""
+    if isinstance(expected_active, bool) or not expected_active >= 0:
+        raise ValueError(f"expected_active must be a number >= 0, got {expected_active!r}")
+    dense_fwd, _ = dense_times_ms(m, d, h, gated, kind=kind)
+    sparse_fwd, _ = sparse_times_ms(m, d, h, expected_active, gated, itemsize=itemsize, kind=kind)
+    return sparse_fwd <= SAFETY * dense_fwd
+
+
 # ----------------------------------------------------------------------------------------------
 # Decode
 # ----------------------------------------------------------------------------------------------
@@ -533,6 +551,11 @@ def auto_plan(gated: bool, interpret: bool, config: SparseFFNConfig,
                           check_finite=config.check_finite):
         # Decode sizes (a few tokens per call): the work spread over the active neurons.
         return Plan(gated, "decode", "dense", interpret)
+    if config.forward_only:
+        # No backward to price: the forward model alone (the dense plan is the "dense" backend).
+        forward_sparse = (hint <= config.auto_max_active if config.auto_max_active is not None
+                          else choose_forward_path(m, d_model, n_neurons, hint, gated, itemsize=itemsize))
+        return Plan(gated, "pallas", "dense", interpret) if forward_sparse else AUTO_DENSE
     fwd_sparse, bwd_sparse = choose_training_path(m, d_model, n_neurons, hint, gated, itemsize=itemsize,
                                                   keep_pattern=config.keeps_gate_pattern, config=config)
     if not (fwd_sparse or bwd_sparse):
@@ -545,7 +568,7 @@ def auto_plan(gated: bool, interpret: bool, config: SparseFFNConfig,
 # Fields of SparseFFNConfig that only the planner reads: given the plan, they do not change the
 # traced computation (`plan_key` drops them).
 PLANNER_ONLY_FIELDS = ("expected_active_per_token", "expected_token_tail", "expected_hot_neurons",
-                       "expected_hot_entries", "auto_dense_recompute")
+                       "expected_hot_entries", "auto_dense_recompute", "forward_only")
 
 
 def traced_config(config: SparseFFNConfig) -> SparseFFNConfig:
