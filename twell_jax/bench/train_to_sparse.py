@@ -264,8 +264,8 @@ def explain_outcome(reached: dict[str, Any], target_mean: float, tolerance: floa
         val_mean = float(np.mean(val))
         if train_mean > 0 and abs(val_mean / train_mean - 1) > 0.1:
             lines.append(f"on its validation tokens the layers average {val_mean:.1f} active/token, "
-                         f"{val_mean / train_mean:.2f}x the last training batch's ({train_mean:.1f}), on which the goal "
-                         "is measured")
+                         f"{val_mean / train_mean:.2f}x the last training batch's ({train_mean:.1f}), on which the "
+                         "goal is measured")
     return lines
 
 

@@ -149,10 +149,10 @@ class SparseFFNConfig:
     auto_dense_recompute: bool = False
     # Pallas "auto" with a hint: no gradient is taken through the call (inference, evaluation:
     # `inference.load_run` sets it), so the plan prices the forward alone (pack + fused FFN against
-    # the dense forward: the forward model's crossover, `planner.forward_threshold`) instead of the
-    # training plan's forward + backward, which at a few thousand tokens keeps layers dense that
-    # the forward alone would run sparse. A gradient through such a call stays exact (the sparse
-    # forward's backward is then the dense formula).
+    # the dense forward, with the training plans' margin: `planner.choose_forward_path`) instead of
+    # the training plan's forward + backward, which at a few thousand tokens keeps layers dense
+    # that the forward alone would run sparse. A gradient through such a call stays exact (the
+    # sparse forward's backward is then the dense formula).
     forward_only: bool = False
     # Pallas backward knobs (None = pallas_config.BackwardConfig's defaults).
     backward: BackwardConfig | None = None

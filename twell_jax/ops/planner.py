@@ -11,7 +11,7 @@ call's forward and backward. "auto" (on a GPU, `backends.gpu_available()`):
     the four whole plans (forward and backward each dense or sparse) by `choose_training_path`,
     the backward's dense tails priced from the config's tail hints (`tails.TailPolicy.expected`);
     with `forward_only` (no gradient taken: inference) the forward alone against the dense
-    forward (`forward_threshold`), the backward the dense formula.
+    forward with the same margin (`choose_forward_path`), the backward the dense formula.
     A plan dense both ways is the plain "dense" backend (None here), or, with
     `auto_dense_recompute`, the dense formula inside the op's custom_vjp.
   * without a hint: the Pallas forward behind a device-side `lax.cond` on a sampled active count
@@ -230,8 +230,8 @@ _H200_FIT = Fit("2026-11-28", "NVIDIA H200",
                 "`python experiments/fit_costs.py RESULT --gpu 'NVIDIA H200' --date 2026-11-28` on that run "
                 "(experiments/results/bench_ffn_train_h200_2026-11-28.json): the Mosaic GPU pack, the "
                 "backward without XLA's glue; forward and backward lines through uniform k 16, 29, 39 "
-                "(each row's mean active count; within 0.4% of each); the tails' constants, ffn_token_ms and the decode models are the "
-                "H100's. M 16384, D 2048, H 5632, bf16")
+                "(each row's mean active count; within 0.4% of each); the tails' constants, ffn_token_ms "
+                "and the decode models are the H100's. M 16384, D 2048, H 5632, bf16")
 H200 = dataclasses.replace(
     H100,
     forward=dataclasses.replace(H100.forward, dense_flops_per_ms=7.04e11, pack_flops_per_ms=6.43e11,
