@@ -87,6 +87,12 @@ def test_the_benchmark_runs_both_sides_on_a_micro_run(tmp_path):
         sides["hf"]["ms_per_item"] / sides["ours@dense"]["ms_per_item"])
     assert result["vs_first_per_item"]["ours@dense"] == 1.0 and result["vs_first_per_item"]["ours@reference"] == (
         pytest.approx(sides["ours@dense"]["ms_per_item"] / sides["ours@reference"]["ms_per_item"]))
+    # What each layer's FFN forward ran, per program of the scorer: the side's backend in every layer.
+    for name, backend in (("ours@dense", "dense"), ("ours@reference", "reference")):
+        forwards = sides[name]["ffn_forwards"]
+        assert forwards and all(v == [backend] * 2 for v in forwards.values()), forwards  # micro: 2 layers
+        assert f"{name}: each layer's FFN forward at {next(iter(forwards))} tokens: {backend} {backend}" in done.stdout
+    assert "ffn_forwards" not in sides["hf"]
     # Each side ran with its backend (its command log) ...
     assert "--backend reference" in (out / "ours@reference.log").read_text()
     # ... and the same model and requests give the same accuracy, in every run (float32 here, so no
@@ -97,3 +103,25 @@ def test_the_benchmark_runs_both_sides_on_a_micro_run(tmp_path):
     assert result["items"] == 6 and "| hf / side |" in done.stdout and "| ours@reference |" in done.stdout
     lines = (out / "task" / f"{eval_speed.TASK}.jsonl").read_text().splitlines()
     assert len(lines) == 6 and all(len(json.loads(line)["choices"]) == 4 for line in lines)
+
+
+def test_ffn_forwards_resolves_auto_per_layer_and_program_shape(monkeypatch):
+    """What bench_eval reports our side ran: per traced (rows, length) program, each layer's FFN
+    forward as the planner resolves "auto" from that layer's hint (forward-only, as load_run sets)."""
+    from types import SimpleNamespace
+
+    from twell_jax import ops
+    from twell_jax.bench.eval_side import ffn_forwards
+    from twell_jax.ops import pallas_forward
+
+    monkeypatch.setattr(pallas_forward, "available", lambda: True)
+    configs = tuple(ops.SparseFFNConfig(expected_active_per_token=k, forward_only=True) for k in (20.0, 60.0))
+    model = SimpleNamespace(compute_dtype="bfloat16", d_model=2048, d_ff=5632, through_op=True, backend="auto",
+                            gated=True, interpret=False, op_configs=configs)
+    program = SimpleNamespace(shapes=[(64, 128), (32, 64), (64, 128)])
+    plans = ffn_forwards(SimpleNamespace(model=model, _score_program=program))
+    # 8192 tokens: the hint 20 is under the forward edge (~27), 60 over; 2048 tokens: dense wins at any k.
+    assert plans == {"32x64": ["dense", "dense"], "64x128": ["pallas", "dense"]}
+    assert ffn_forwards(SimpleNamespace(model=model, _score_program=None)) == {}
+    twin = SimpleNamespace(**{**vars(model), "through_op": False})
+    assert ffn_forwards(SimpleNamespace(model=twin, _score_program=program))["64x128"] == ["dense", "dense"]

@@ -26,9 +26,31 @@ from twell_jax.bench.eval_speed import find_acc
 
 
 Evaluate = Callable[[int], tuple[float, float]]  # one timed evaluation of the first N items: (seconds, acc)
+Describe = Callable[[], dict[str, Any]] | None  # what the side ran, read after its evaluations
 
 
-def _ours(args: argparse.Namespace) -> tuple[Evaluate, float]:
+def ffn_forwards(loaded: Any) -> dict[str, list[str]]:
+    """What each layer's FFN forward ran in the scorer's programs: {"ROWSxLENGTH": [implementation
+    per layer]} over the (rows, length) shapes it traced; "auto" resolved by the planner as the
+    op resolves it (the run's hints, `forward_only` from load_run). Empty before a program ran."""
+    import jax.numpy as jnp
+
+    from twell_jax import ops
+
+    model, program = loaded.model, loaded._score_program
+    shapes = sorted(set(program.shapes)) if program is not None else []
+    itemsize = jnp.dtype(model.compute_dtype).itemsize
+    plans = {}
+    for rows, length in shapes:
+        shape = (rows * length, model.d_model, model.d_ff, itemsize)
+        plans[f"{rows}x{length}"] = [
+            "dense" if not model.through_op
+            else ops.auto_decision(model.gated, config, shape, model.interpret)[0] if model.backend == "auto"
+            else model.backend for config in model.op_configs]
+    return plans
+
+
+def _ours(args: argparse.Namespace) -> tuple[Evaluate, float, Describe]:
     from twell_jax.inference import harness
     from twell_jax.inference.load import load_run
 
@@ -45,10 +67,10 @@ def _ours(args: argparse.Namespace) -> tuple[Evaluate, float]:
                                           progress=False, loaded_tasks=tasks)
         return time.perf_counter() - start, find_acc(results)
 
-    return evaluate, load_s
+    return evaluate, load_s, lambda: {"ffn_forwards": ffn_forwards(loaded)}
 
 
-def _hf(args: argparse.Namespace) -> tuple[Evaluate, float]:
+def _hf(args: argparse.Namespace) -> tuple[Evaluate, float, Describe]:
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
@@ -66,11 +88,11 @@ def _hf(args: argparse.Namespace) -> tuple[Evaluate, float]:
                                           batch_size=args.batch_size)
         return time.perf_counter() - start, find_acc(results)
 
-    return evaluate, load_s
+    return evaluate, load_s, None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    evaluate, load_s = (_ours if args.side == "ours" else _hf)(args)
+    evaluate, load_s, describe = (_ours if args.side == "ours" else _hf)(args)
     evaluate(args.base_items)
     warm_s, warm_acc = evaluate(args.items)
     seconds, base_seconds, accs = [], [], [warm_acc]
@@ -81,7 +103,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         accs.append(acc)
     # Each run's accuracy: the same items and model, so they agree unless the GPU's kernels are not
     # deterministic (a log-likelihood tie in bfloat16 decided either way); bench_eval says so.
-    return dict(load_s=load_s, warm_s=warm_s, seconds=seconds, base_seconds=base_seconds, accs=accs)
+    return dict(load_s=load_s, warm_s=warm_s, seconds=seconds, base_seconds=base_seconds, accs=accs,
+                **(describe() if describe is not None else {}))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,9 +19,10 @@ them, its metrics). What an evaluation costs once whatever its size (lm-eval's r
 environment, which runs `pip list` and `nvidia-smi`, the aggregation) cancels; it is reported as
 `fixed_s`, the start-up (imports, loading, compiling) as `load_s` + `warm_s`, beside it.
 The times and each run's accuracy (the same model and requests: equal, up to bfloat16 ties on a GPU)
-go to bench_eval.json in --out, with hf's time per item over each of our sides' (`vs_hf_per_item`)
-and each of our sides' over the first's (`vs_first_per_item`, e.g. auto against dense); the table is
-printed last.
+go to bench_eval.json in --out, with hf's time per item over each of our sides' (`vs_hf_per_item`),
+each of our sides' over the first's (`vs_first_per_item`, e.g. auto against dense) and, for each
+of our sides, what each layer's FFN forward ran in each (rows x length) program of the scorer
+(`ffn_forwards`: "auto" resolved by the planner); the table is printed last.
 """
 from __future__ import annotations
 
@@ -184,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[bench_eval] {side}: loaded in {row['load_s']:.1f} s, first run {row['warm_s']:.1f} s, timed runs "
               f"{runs} s ({args.items} items), {base_runs} s ({args.base_items} items), acc {row['acc']:.4f}",
               flush=True)
+        for shape, forwards in row.get("ffn_forwards", {}).items():
+            print(f"[bench_eval] {side}: each layer's FFN forward at {shape} tokens: {' '.join(forwards)}", flush=True)
         if len(set(row["accs"])) > 1:
             print(f"[bench_eval] note: {side}'s runs of the same items gave accuracies {row['accs']} "
                   "(bfloat16 log-likelihood ties decided differently by the GPU's kernels)", flush=True)

@@ -102,6 +102,7 @@ class ScoreProgram:
     def __init__(self, model: Any):
         self.graphdef, self.state = nnx.split(model)
         self.traces = 0  # programs traced so far (one per (rows, length, scored positions) bucket)
+        self.shapes: list[tuple[int, int]] = []  # (rows, input length) of each program traced
 
         def score(state: nnx.State, sequence_BxS1: jax.Array, positions_BxC: jax.Array
                   ) -> tuple[jax.Array, jax.Array]:
@@ -110,6 +111,7 @@ class ScoreProgram:
             position; the LM head and the log-softmax only on the C asked for (a multiple-choice
             request scores its few continuation tokens, not its whole context)."""
             self.traces += 1
+            self.shapes.append((sequence_BxS1.shape[0], sequence_BxS1.shape[1] - 1))
             model = nnx.merge(self.graphdef, state)
             hidden_BxSxD, _ = model.hidden_states(sequence_BxS1[:, :-1])
             hidden_BxCxD = jnp.take_along_axis(hidden_BxSxD, positions_BxC[..., None], axis=1)
