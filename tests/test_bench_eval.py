@@ -91,7 +91,8 @@ def test_the_benchmark_runs_both_sides_on_a_micro_run(tmp_path):
     for name, backend in (("ours@dense", "dense"), ("ours@reference", "reference")):
         forwards = sides[name]["ffn_forwards"]
         assert forwards and all(v == [backend] * 2 for v in forwards.values()), forwards  # micro: 2 layers
-        assert f"{name}: each layer's FFN forward at {next(iter(forwards))} tokens: {backend} {backend}" in done.stdout
+        assert (f"{name}: each layer's FFN forward in the {next(iter(forwards))} (rows x length) program: "
+                f"{backend} {backend}") in done.stdout
     assert "ffn_forwards" not in sides["hf"]
     # Each side ran with its backend (its command log) ...
     assert "--backend reference" in (out / "ours@reference.log").read_text()

@@ -17,9 +17,7 @@ def _run_from(truth: planner.DeviceCosts, ks=(16, 29, 39)) -> dict:
     """A bench_ffn_train.json whose times are exactly `truth`'s models (plus a trained-like row with
     a hot tail, which the fit must leave out)."""
     flops = 2.0 * M * D * H
-    f = truth.forward
-    dense_fwd = f.dense_launch_ms + 3 * flops / f.dense_flops_per_ms
-    dense_bwd = f.dense_launch_ms + 6 * flops / truth.backward.dense_bwd_flops_per_ms
+    dense_fwd, dense_bwd = planner.dense_times_ms(M, D, H, True, device=truth)
     rows = []
     for k, synthetic, hot in [*((k, "uniform", (0, 0, 0.0)) for k in ks), (29, "trained_like", (0, 227, 0.18))]:
         fwd, bwd = planner.sparse_times_ms(M, D, H, k, True, device=truth, tails=hot)
@@ -27,7 +25,7 @@ def _run_from(truth: planner.DeviceCosts, ks=(16, 29, 39)) -> dict:
                          pattern=dict(token_tail_rows=hot[0], hot_neurons=hot[1], hot_entry_share=hot[2]),
                          ms=dict(xla_bf16=dense_fwd + dense_bwd, pallas=fwd + bwd),
                          infer_ms=dict(xla_bf16=dense_fwd, pallas=fwd),
-                         piece_ms=dict(pack=flops / f.pack_flops_per_ms)))
+                         piece_ms=dict(pack=flops / truth.forward.pack_flops_per_ms)))
     return dict(rows=rows)
 
 
@@ -71,7 +69,7 @@ def test_bad_runs_are_refused_with_the_reason(tmp_path, capsys):
     assert fit_costs.main([str(tmp_path / "missing.json"), "--gpu", "g", "--date", "d"]) == 2
     path.write_text(json.dumps(_run_from(planner.H100)))
     assert fit_costs.main([str(path)]) == 2
-    assert "records no device_kind: give --gpu and no date: give --date" in capsys.readouterr().err
+    assert "records no device_kind (give --gpu) and no date (give --date)" in capsys.readouterr().err
 
 
 def test_the_gpu_and_date_come_from_the_run_when_it_has_them(tmp_path, capsys):

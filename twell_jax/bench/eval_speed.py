@@ -119,7 +119,7 @@ def run_side(side: str, backend: str | None, args: argparse.Namespace, yaml: Pat
 
 
 def find_acc(tree) -> float:
-    """The task's acc in a results document (lm-eval's, or twell eval's --json)."""
+    """The task's acc in a results document (lm-eval's `simple_evaluate`, or our harness's)."""
     if isinstance(tree, dict):
         if TASK in tree and isinstance(tree[TASK], dict):
             for key, value in tree[TASK].items():
@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{runs} s ({args.items} items), {base_runs} s ({args.base_items} items), acc {row['acc']:.4f}",
               flush=True)
         for shape, forwards in row.get("ffn_forwards", {}).items():
-            print(f"[bench_eval] {side}: each layer's FFN forward at {shape} tokens: {' '.join(forwards)}", flush=True)
+            print(f"[bench_eval] {side}: each layer's FFN forward in the {shape} (rows x length) program: "
+                  f"{' '.join(forwards)}", flush=True)
         if len(set(row["accs"])) > 1:
             print(f"[bench_eval] note: {side}'s runs of the same items gave accuracies {row['accs']} "
                   "(bfloat16 log-likelihood ties decided differently by the GPU's kernels)", flush=True)

@@ -82,7 +82,7 @@ def fit_training(run: dict[str, Any], base: planner.DeviceCosts, fit: planner.Fi
     rows = _fit_rows(run)
     m, d, h = rows[0]["m"], rows[0]["d"], rows[0]["h"]
     flops = 2.0 * m * d * h
-    n_rows, itemsize = 2, 2  # gated, bf16: what bench_ffn_train measures
+    itemsize = 2  # gated bf16 layers: what bench_ffn_train measures
     f0, b0 = base.forward, base.backward
     launch = f0.dense_launch_ms
     dense_fwd = [r["infer_ms"]["xla_bf16"] for r in rows]
@@ -95,19 +95,19 @@ def fit_training(run: dict[str, Any], base: planner.DeviceCosts, fit: planner.Fi
     # k as the planner gets it: the mean active count of the row's pattern (its `hint`), not its label.
     k_of = lambda r: float(r["pattern"].get("active_mean", r["k"]))  # noqa: E731
     pack_ms = flops / pack_flops
-    token_ms = m * f0.ffn_token_ms * n_rows / 2
+    token_ms = m * f0.ffn_token_ms  # the per-token term of the forward model (gated: 2 rows / 2)
     fixed, slope = _line([k_of(r) for r in fitted],
                          [r["infer_ms"]["pallas"] - pack_ms - token_ms for r in fitted])
     forward = dataclasses.replace(f0, dense_flops_per_ms=dense_flops, pack_flops_per_ms=pack_flops,
-                                  sparse_fixed_ms=fixed, ffn_bytes_per_ms=m * n_rows * d * itemsize / slope,
+                                  sparse_fixed_ms=fixed,
+                                  ffn_bytes_per_ms=planner.ffn_gather_bytes(m, d, 1.0, True, itemsize) / slope,
                                   fit=fit)
     with_forward = dataclasses.replace(base, forward=forward)
 
     def model_fwd(k: float) -> float:
         return planner.sparse_times_ms(m, d, h, k, True, device=with_forward)[0]
 
-    gather_bytes = lambda r: m * k_of(r) * (n_rows + 1 + 2) * d * itemsize  # noqa: E731 (no hot entries)
-    bwd_fixed, per_byte = _line([gather_bytes(r) for r in fitted],
+    bwd_fixed, per_byte = _line([planner.backward_gather_bytes(m, d, k_of(r), True, itemsize) for r in fitted],
                                 [r["ms"]["pallas"] - model_fwd(k_of(r)) for r in fitted])
     backward = dataclasses.replace(b0, bwd_fixed_ms=bwd_fixed, bwd_bytes_per_ms=1.0 / per_byte,
                                    dense_bwd_flops_per_ms=dense_bwd_flops, fit=fit)
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu, date = args.gpu or run.get("device_kind"), args.date or run.get("date")
         if not gpu or not date:
             raise ValueError("the run records no " + " and no ".join(
-                name for name, value in (("device_kind: give --gpu", gpu), ("date: give --date", date)) if not value))
+                name for name, value in (("device_kind (give --gpu)", gpu), ("date (give --date)", date)) if not value))
         costs, report = fit_training(run, planner.COST_MODELS[args.base], planner.Fit(date, gpu, args.command))
     except (OSError, json.JSONDecodeError, ValueError, KeyError) as e:
         print(f"fit_costs: {path}: {e}", file=sys.stderr)

@@ -24,8 +24,9 @@ once), cut into batches of `batch_size` rows, right-padded to a power-of-two len
 `MIN_LENGTH_BUCKET`, at most the window) and a power-of-two row count: the compiled programs are
 bounded by (row buckets) x (length buckets). Right padding changes nothing before it in a causal
 model, so every row scores exactly what it would alone. Results come back in request order. The
-forward is the model's own (`Transformer.hidden_states`, then `Transformer.logits`): its FFN op backend ("auto" on a GPU runs the
-sparse kernels where the run's hints say they win), its attention, its dtype; the LM head and the
+forward is the model's own (`Transformer.hidden_states`, then `Transformer.logits`): its FFN op
+backend ("auto" on a GPU runs the sparse kernels where the run's hints say they win, each layer
+planned by its forward alone: `load_run`'s `forward_only`), its attention, its dtype; the LM head and the
 log-softmax (fp32) run only on a window of each row's positions that holds its continuation (the
 batch's longest continuation rounded up to a power of two: a multiple-choice request's few tokens,
 not its context; at a large vocabulary the head is a large share of the forward).

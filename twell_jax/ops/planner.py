@@ -315,9 +315,11 @@ def use_sparse_forward(gated: bool, x_MxD: jax.Array, w_act_HxD: jax.Array,
 # Training (forward + backward)
 # ----------------------------------------------------------------------------------------------
 
-def dense_times_ms(m: int, d: int, h: int, gated: bool, kind: str | None = None) -> tuple[float, float]:
-    """Modelled (forward, backward) ms of the dense FFN with bf16 operands."""
-    c = costs(kind)
+def dense_times_ms(m: int, d: int, h: int, gated: bool, kind: str | None = None,
+                   device: DeviceCosts | None = None) -> tuple[float, float]:
+    """Modelled (forward, backward) ms of the dense FFN with bf16 operands (`device`: these models
+    instead of `kind`'s)."""
+    c = device or costs(kind)
     flops = 2.0 * m * d * h
     fwd = c.forward.dense_launch_ms + (3 if gated else 2) * flops / c.forward.dense_flops_per_ms
     bwd = c.forward.dense_launch_ms + (6 if gated else 4) * flops / c.backward.dense_bwd_flops_per_ms
@@ -337,6 +339,20 @@ def tail_times_ms(m: int, d: int, h: int, rows: float, neurons: float, gated: bo
     return token, hot
 
 
+def ffn_gather_bytes(m: int, d: int, k: float, gated: bool, itemsize: int = 2) -> float:
+    """The fused FFN's row reads in the forward model: per (token, active neuron) its W_up and
+    W_down rows (gated; W_down alone non-gated)."""
+    return m * k * (2 if gated else 1) * d * itemsize
+
+
+def backward_gather_bytes(m: int, d: int, k: float, gated: bool, itemsize: int = 2,
+                          hot_entries: float = 0.0) -> float:
+    """The backward kernels' row reads in the backward model: per entry outside the hot tail, the
+    token-major kernel's W rows (3 gated: W_down, W_up, W_gate; 2 not) and the neuron-major
+    kernel's x and gy rows."""
+    return m * k * (1.0 - hot_entries) * ((3 if gated else 2) + 2) * d * itemsize
+
+
 def sparse_times_ms(m: int, d: int, h: int, k: float, gated: bool, *, itemsize: int = 2,
                     keep_pattern: bool = True, config: SparseFFNConfig | None = None,
                     kind: str | None = None, device: DeviceCosts | None = None,
@@ -349,9 +365,8 @@ def sparse_times_ms(m: int, d: int, h: int, k: float, gated: bool, *, itemsize: 
     c = device or costs(kind)
     f, b = c.forward, c.backward
     pack_ms = 2.0 * m * d * h / f.pack_flops_per_ms
-    n_rows = 2 if gated else 1
-    fwd = (f.sparse_fixed_ms + pack_ms + m * f.ffn_token_ms * n_rows / 2
-           + m * k * n_rows * d * itemsize / f.ffn_bytes_per_ms)
+    fwd = (f.sparse_fixed_ms + pack_ms + m * f.ffn_token_ms * (2 if gated else 1) / 2
+           + ffn_gather_bytes(m, d, k, gated, itemsize) / f.ffn_bytes_per_ms)
     if tails is not None:
         (rows, neurons, hot_entries), over = tails, False
     elif config is not None:
@@ -362,7 +377,7 @@ def sparse_times_ms(m: int, d: int, h: int, k: float, gated: bool, *, itemsize: 
         return fwd, math.inf
     token_tail, hot_tail = tail_times_ms(m, d, h, rows, neurons, gated, device=c)
     bwd = (b.bwd_fixed_ms
-           + m * k * (1.0 - hot_entries) * (n_rows + 1 + 2) * d * itemsize / b.bwd_bytes_per_ms
+           + backward_gather_bytes(m, d, k, gated, itemsize, hot_entries) / b.bwd_bytes_per_ms
            + token_tail + hot_tail + (0.0 if keep_pattern else pack_ms))
     return fwd, bwd
 
