@@ -167,3 +167,32 @@ def test_neuron_counts_on_every_branch(gated, dense_rows, max_active):
     np.testing.assert_array_equal(np.asarray(aux["neuron_active_count"]), active.sum(0))
     np.testing.assert_array_equal(np.asarray(aux["token_active_count"]), active.sum(1))
     assert int(aux["row_overflow"]) == len(dense_rows) or max_active == 0.0
+
+
+@pytest.mark.parametrize("overflowing,wide,expect", [
+    (2, 6, (1, 0)),  # in the first block (2 rows)
+    (5, 6, (1, 0)),  # past the first block, within the wide one: fixed there, no dense fallback
+    (7, 6, (1, 1)),  # past both: the whole call recomputed densely
+])
+def test_overflow_rows_wide_block(overflowing, wide, expect):
+    """Rows past `overflow_rows` go to the second block (`overflow_rows_wide`) before the dense fallback;
+    exact in every case (the rows' outputs, l1 and the neuron counts)."""
+    rows = tuple(range(0, 3 * overflowing, 3))
+    x, wg, wu, wd = make_inputs(jnp.float32, dense_rows=rows)
+    cfg = config(overflow_rows=2, overflow_rows_wide=wide, neuron_counts=True)
+    y, aux = pallas_forward.gated_ffn_forward(x, wg, wu, wd, cfg, interpret=True)
+    y_ref, l1_ref, l0_ref = dense(x, wg, wu, wd)
+    assert rel_err(y, y_ref) < TOL[jnp.float32]
+    assert float(aux["l1"]) == pytest.approx(float(l1_ref), rel=TOL[jnp.float32])
+    assert float(aux["l0"]) == pytest.approx(float(l0_ref), rel=1e-6)
+    active_MxH = (jnp.einsum("md,hd->mh", x, wg, precision="highest") > 0)
+    np.testing.assert_array_equal(np.asarray(aux["neuron_active_count"]), np.asarray(active_MxH.sum(0)))
+    assert (int(aux["row_overflow"] > 0), int(aux["dense_fallback"])) == expect
+    assert int(aux["row_overflow"]) == overflowing
+
+
+def test_overflow_rows_wide_refusal():
+    with pytest.raises(ValueError, match="overflow_rows_wide"):
+        ops.SparseFFNConfig(overflow_rows=8, overflow_rows_wide=4)
+    with pytest.raises(ValueError, match="overflow_rows_wide"):
+        ops.SparseFFNConfig(overflow_rows_wide=0)

@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backends", default=None, metavar="NAME,...",
                         help="our side once per op backend (model.ffn_backend), e.g. dense,auto: the sparse "
                              "kernels against the dense path (default: once, the run's own)")
+    parser.add_argument("--no-hf", dest="hf", action="store_false",
+                        help="skip lm-eval's hf side (our backends against each other only; no export)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per side")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
@@ -172,13 +174,14 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     yaml = make_task(args.checkpoint, out / "task", args.items, args.context_tokens, args.choice_tokens, args.seed)
     export = out / "export"
-    _timed([sys.executable, "-m", "twell_jax.cli", "hf", "export", "--checkpoint", args.checkpoint, "--out",
-            str(export), "--dtype", "bfloat16"], out / "export.log", args.timeout)
+    if args.hf:
+        _timed([sys.executable, "-m", "twell_jax.cli", "hf", "export", "--checkpoint", args.checkpoint, "--out",
+                str(export), "--dtype", "bfloat16"], out / "export.log", args.timeout)
     result: dict = dict(checkpoint=args.checkpoint, items=args.items, base_items=args.base_items,
                         repeats=args.repeats, device=args.device,
                         batch_size=args.batch_size, context_tokens=args.context_tokens,
                         choice_tokens=args.choice_tokens, choices=4, sides={})
-    for side, backend in [(side_name(b), b) for b in backends] + [("hf", None)]:
+    for side, backend in [(side_name(b), b) for b in backends] + ([("hf", None)] if args.hf else []):
         row = result["sides"][side] = run_side(side, backend, args, yaml, export, out)
         runs = ", ".join(f"{s:.2f}" for s in row["seconds"])
         base_runs = ", ".join(f"{s:.2f}" for s in row["base_seconds"])
@@ -194,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     s = result["sides"]
     ours_sides = [k for k in s if k != "hf"]
     # hf's time per item over each of our sides'; each of our sides' speed against the first one's.
-    result["vs_hf_per_item"] = {k: s["hf"]["ms_per_item"] / s[k]["ms_per_item"] for k in ours_sides}
+    if "hf" in s:
+        result["vs_hf_per_item"] = {k: s["hf"]["ms_per_item"] / s[k]["ms_per_item"] for k in ours_sides}
     result["vs_first_per_item"] = {k: s[ours_sides[0]]["ms_per_item"] / s[k]["ms_per_item"] for k in ours_sides}
     (out / "bench_eval.json").write_text(json.dumps(result, indent=1))
     first = ours_sides[0]
@@ -202,8 +206,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"items) | hf / side | {first} / side |", "|---|---|---|---|---|---|---|"]
                      + [f"| {k} | {v['ms_per_item']:.3f} | {v['fixed_s']:.2f} | {v['load_s'] + v['warm_s']:.1f} | "
                         f"{v['acc']:.4f} | "
-                        + (f"{result['vs_hf_per_item'][k]:.3f}x | {result['vs_first_per_item'][k]:.3f}x |"
-                           if k != "hf" else " | |") for k, v in s.items()]))
+                        + (f"{result['vs_hf_per_item'][k]:.3f}x | " if "hf" in s and k != "hf" else " | ")
+                        + (f"{result['vs_first_per_item'][k]:.3f}x |" if k != "hf" else " |") for k, v in s.items()]))
 
 
 if __name__ == "__main__":

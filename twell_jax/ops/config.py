@@ -93,8 +93,11 @@ class SparseFFNConfig:
     # trainer's two axes (twell_jax/training/parallel.py: replicas "data" x FSDP group "fsdp", the batch
     # split over both), so a plain 1-D "data" mesh is covered too.
     data_axis: str | tuple[str, ...] | None = ("data", "fsdp")
-    # Pallas: rows with tile overflow recomputed in a fixed block (None = the backend's default).
+    # Pallas: rows with tile overflow recomputed in a fixed block (None = the backend's default,
+    # M // 64 rows, at least 16); a call with more such rows uses a second, larger block
+    # (overflow_rows_wide; None = M // 8 rows) and past that the whole call is recomputed densely.
     overflow_rows: int | None = None
+    overflow_rows_wide: int | None = None
     # Pallas "auto" without a hint: tokens sampled on the device to estimate the active count
     # (None = the backend's default, 32 tokens).
     auto_sample_rows: int | None = None
@@ -193,10 +196,13 @@ class SparseFFNConfig:
                                      and all(isinstance(a, str) for a in names)):
             raise ValueError(f"SparseFFNConfig.data_axis must be a mesh axis name, a tuple of distinct names or None, "
                              f"got {self.data_axis!r}")
-        for name in ("overflow_rows", "auto_sample_rows", "decode_capacity"):
+        for name in ("overflow_rows", "overflow_rows_wide", "auto_sample_rows", "decode_capacity"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"SparseFFNConfig.{name} must be None or an int >= 1, got {value!r}")
+        if self.overflow_rows and self.overflow_rows_wide and self.overflow_rows_wide < self.overflow_rows:
+            raise ValueError(f"SparseFFNConfig.overflow_rows_wide ({self.overflow_rows_wide}) must be >= "
+                             f"overflow_rows ({self.overflow_rows}): it is the second, larger block")
         if self.auto_max_active is not None and (
                 isinstance(self.auto_max_active, bool) or not isinstance(self.auto_max_active, (int, float))
                 or not self.auto_max_active >= 0):

@@ -9,9 +9,12 @@ pallas_decode.py. Each forward here is
 
 Exactness: the fused kernel reads only the S stored slots of each tile. A row with an overflowing
 tile is recomputed by the dense formula: up to `overflow_rows` such rows are gathered into a fixed
-[overflow_rows, D] block (static shape, no host sync); if more rows overflow the whole call is
-recomputed densely (`dense_fallback` = 1). A `lax.switch` on the on-device row count picks among
-"nothing to fix" / "fix the gathered rows" / "dense", so the common case pays nothing.
+[overflow_rows, D] block (static shape, no host sync), up to `overflow_rows_wide` into a second,
+larger block (short sequences, e.g. an evaluation's rows of ~100 tokens, hold many dense first
+tokens: a few per row is several per cent of the call's rows); if more rows overflow the whole call
+is recomputed densely (`dense_fallback` = 1). A `lax.switch` on the on-device row count picks among
+"nothing to fix" / "fix the gathered rows" (either block) / "dense", so the common case pays nothing
+and a call pays for the rows it fixes, not for the dense formula on all of them.
 
 "auto" (see docs/kernels.md): the pack alone costs about a dense gate GEMM, so once it has run the
 dense path can no longer win; the choice must come first. Two ways:
@@ -26,7 +29,8 @@ dense path can no longer win; the choice must come first. Two ways:
 The choice only affects speed; both branches are exact.
 
 Config: a `twell_jax.ops.SparseFFNConfig` (validated there, once) or None for its defaults;
-the glue reads tile, slots, overflow_rows (None: min(M, max(16, M // 64))), the kernels' block
+the glue reads tile, slots, overflow_rows (None: min(M, max(16, M // 64))), overflow_rows_wide
+(None: min(M, max(overflow_rows, M // 8))), the kernels' block
 sizes (None: their defaults) and neuron_counts; the auto_* entries also what
 `planner.use_sparse_forward` reads (auto_sample_rows, auto_max_active, expected_active_per_token).
 """
@@ -116,10 +120,13 @@ def settings(config: SparseFFNConfig | None, m: int) -> dict[str, Any]:
         config = SparseFFNConfig()
     elif not isinstance(config, SparseFFNConfig):
         raise ValueError(f"config must be a twell_jax.ops.SparseFFNConfig or None, got {type(config).__name__}")
+    overflow_rows = config.overflow_rows or min(m, max(16, m // 64))
     return dict(
         tile=config.tile,
         slots=config.slots,
-        overflow_rows=config.overflow_rows or min(m, max(16, m // 64)),
+        overflow_rows=overflow_rows,
+        # Never below the first block (a wider block than asked for only moves the dense fallback).
+        overflow_rows_wide=max(overflow_rows, config.overflow_rows_wide or min(m, m // 8)),
         pack_block_sizes=config.pack_block_sizes or PackBlockSizes(),
         ffn_block_sizes=config.ffn_block_sizes or FFNBlockSizes(),
         neuron_counts=config.neuron_counts,
@@ -194,7 +201,7 @@ def sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array |
     def keep(operands):
         return operands
 
-    def fix_rows(operands):
+    def fix_rows(operands, capacity):
         y, l1, neurons, l0 = operands
         # Fixed-capacity gather of the overflowing rows; fill slots point past the end and are
         # dropped by the scatter.
@@ -211,13 +218,20 @@ def sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array |
         return (y, l1, jnp.sum(active_MxH, axis=0, dtype=jnp.int32),
                 jnp.sum(active_MxH, dtype=jnp.float32))
 
-    branch = jnp.where(n_row_overflow == 0, 0, jnp.where(n_row_overflow <= capacity, 1, 2))
+    # The blocks, smallest first: "fix the gathered rows" in a block of each capacity (the wide one
+    # only where it is larger).
+    capacities = [capacity] + ([s["overflow_rows_wide"]] if s["overflow_rows_wide"] > capacity else [])
+    fixes = [lambda operands, c=c: fix_rows(operands, c) for c in capacities]
+    dense_branch = 1 + len(fixes)
+    branch = jnp.where(n_row_overflow == 0, 0, dense_branch)
+    for i, c in reversed(list(enumerate(capacities))):  # the smallest block that holds the rows
+        branch = jnp.where((n_row_overflow > 0) & (n_row_overflow <= c), 1 + i, branch)
     if non_finite is not None:
-        branch = jnp.where(non_finite, 2, branch)
+        branch = jnp.where(non_finite, dense_branch, branch)
     # The pack's counts are the true counts, overflow included (l0 exact); the dense arm's active
     # count is the same on finite inputs and the dense formula's on others.
     l0_sum = jnp.sum(counts, dtype=jnp.float32)
-    y_MxD, l1_M, neuron_H, l0_sum = lax.switch(branch, (keep, fix_rows, all_dense),
+    y_MxD, l1_M, neuron_H, l0_sum = lax.switch(branch, (keep, *fixes, all_dense),
                                                (y_MxD, l1_M, neuron_H, l0_sum))
     tokens = max(m, 1)
     aux = {
@@ -225,7 +239,7 @@ def sparse_forward(x_MxD: jax.Array, w_act_HxD: jax.Array, w_up_HxD: jax.Array |
         "l0": l0_sum / tokens,
         "tile_overflow": jnp.sum(tile_overflow_MxNT, dtype=jnp.int32),
         "row_overflow": n_row_overflow,
-        "dense_fallback": (branch == 2).astype(jnp.int32),
+        "dense_fallback": (branch == dense_branch).astype(jnp.int32),
         # This forward's op runs the dense backward (the training forward, pallas_backward.forward,
         # replaces these with the sparse backward's tails).
         "backward_tail_rows": jnp.zeros((), jnp.int32),
