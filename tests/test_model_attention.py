@@ -53,7 +53,9 @@ def test_grouped_attention_is_multi_head_attention_with_each_kv_head_repeated():
         return jnp.mean(nnx.merge(gd, p)(tokens)[0] ** 2)
 
     assert params["blocks"]["attn"]["w_k"].shape == (2, 64, 32) and params["lm_head"].shape == (61, 64)
-    np.testing.assert_allclose(model(tokens)[0], nnx.merge(mha_graphdef, widen(params))(tokens)[0], atol=1e-6)
+    # f32 on the CPU; the two programs sum in their own orders (a wrong head mapping is off by ~0.1)
+    np.testing.assert_allclose(model(tokens)[0], nnx.merge(mha_graphdef, widen(params))(tokens)[0], rtol=1e-5,
+                               atol=2e-6)
     grads = jax.grad(loss)(params, graphdef)
     wide_grads = jax.grad(lambda p: loss(widen(p), mha_graphdef))(params)  # the chain rule through the repeat
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), grads, wide_grads)
