@@ -48,10 +48,13 @@ def test_ffn_and_auto_forward_match_dense(dtype):
     y, aux = pallas_forward.ffn_forward(x, w_act, wd, config(), interpret=True)
     assert rel_err(y, y_ref) < TOL[dtype] and int(aux["row_overflow"]) == 1
     assert float(aux["l1"]) == pytest.approx(float(l1_ref), rel=TOL[dtype])
-    # auto: a few actives per token here; a threshold above picks sparse, 0 picks dense.
+    # auto: a few actives per token here; a threshold above picks sparse, 0 picks dense. The dense
+    # formula runs at JAX's default precision as plain JAX does (TF32 for f32 on a GPU, where it
+    # missed 1e-5 against the oracle): compared at full precision.
     for max_active, dense_chosen in ((1000.0, 0), (0.0, 1)):
-        y, aux = pallas_forward.auto_ffn_forward(x, w_act, wd, config(auto_max_active=max_active),
-                                                 interpret=True)
+        with jax.default_matmul_precision("highest"):
+            y, aux = pallas_forward.auto_ffn_forward(x, w_act, wd, config(auto_max_active=max_active),
+                                                     interpret=True)
         assert rel_err(y, y_ref) < TOL[dtype]
         assert int(aux["dense_fallback"]) == dense_chosen
 
@@ -65,7 +68,8 @@ def test_auto_gated_forward_matches_dense():
     assert float(aux["l0"]) == pytest.approx(float(l0_ref))
     # Default threshold = the cost model's crossover: negative for this tiny shape, so dense.
     assert planner.crossover_active_per_token(37, 45, 150) < 0
-    y, aux = pallas_forward.auto_gated_ffn_forward(x, wg, wu, wd, config(), interpret=True)
+    with jax.default_matmul_precision("highest"):  # the dense formula at JAX's default precision (above)
+        y, aux = pallas_forward.auto_gated_ffn_forward(x, wg, wu, wd, config(), interpret=True)
     assert rel_err(y, y_ref) < 1e-5 and int(aux["dense_fallback"]) == 1
 
 
@@ -78,13 +82,14 @@ def HintConfig(expected_active_per_token, auto_max_active=None):
 def test_auto_with_hint_decides_statically(hint, dense_chosen):
     x, wg, wu, wd = make_inputs(jnp.float32)
     cfg = HintConfig(hint, auto_max_active=3.0)
-    y, aux = pallas_forward.auto_gated_ffn_forward(x, wg, wu, wd, cfg, interpret=True)
+    with jax.default_matmul_precision("highest"):  # a dense plan: JAX's default precision (above)
+        y, aux = pallas_forward.auto_gated_ffn_forward(x, wg, wu, wd, cfg, interpret=True)
     y_ref, l1_ref, l0_ref = dense(x, wg, wu, wd)
     assert rel_err(y, y_ref) < 1e-5 and int(aux["dense_fallback"]) == dense_chosen
     assert float(aux["l0"]) == pytest.approx(float(l0_ref))
     assert float(aux["l1"]) == pytest.approx(float(l1_ref), rel=1e-5)
     # Static: no dense/sparse branch on the device. The only cond left is the sparse path's
-    # overflow switch (3 branches); without a hint the sample's 2-way cond wraps it.
+    # overflow switch (one lax.switch); without a hint the sample's 2-way cond wraps it.
     def n_conds(c):
         jaxpr = str(jax.make_jaxpr(lambda *a: pallas_forward.auto_gated_ffn_forward(
             *a, c, interpret=True))(x, wg, wu, wd))
