@@ -16,6 +16,7 @@ from twell_jax import cli
 from twell_jax.inference import cli as inference_cli
 from twell_jax.inference import generate, load_run
 from twell_jax.model import split_model
+from twell_jax.ops import planner
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -42,11 +43,50 @@ def test_load_run_restores_the_trained_params_in_the_requested_dtype(micro_run):
     # only, the weights' NaN pass skipped (they were verified finite).
     assert len(loaded.config.model.ffn_expected_active) == loaded.config.model.n_layers
     assert all(c.forward_only and not c.check_finite for c in loaded.model.op_configs)
+    # ... and each row length its own hint, from the validation activity by position the run logged.
+    profile = loaded.config.model.ffn_active_by_position
+    assert len(profile) == loaded.config.model.n_layers
+    max_len = loaded.config.model.max_seq_len
+    for layer, row in enumerate(profile):
+        assert [c.expected_active_per_token for c in loaded.model.op_configs_for(max_len)][layer] == pytest.approx(
+            planner.active_for_length(row, max_len, max_len))
     assert loaded.tokenizer.get_vocab_size() <= loaded.config.model.vocab_size and loaded.eos_id == 0
     half = load_run(root / "runs" / "micro" / "checkpoints", step=4)  # the checkpoints dir works too
     for got, want in zip(jax.tree.leaves(split_model(half.model)[1]), jax.tree.leaves(trained)):
         assert got.dtype == np.dtype("bfloat16")
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want).astype("bfloat16"))
+
+
+def test_validation_logs_activity_by_position_and_a_run_without_it_keeps_its_hints(micro_run, tmp_path):
+    """The trainer's validation record holds each layer's activity by position bucket, whose mean over
+    the whole length is the layer's validation l0; a run whose records lack it loads with the hints
+    alone (every row length the same hint), and says so."""
+    import json
+
+    root, _ = micro_run
+    records = [json.loads(line) for line in (root / "runs" / "micro" / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in records if "val_active_by_position" in r][-1]
+    max_len = len(val["val_active_by_position"][0])
+    from twell_jax.training.checkpoint import load_run_config
+
+    cfg = load_run_config(root / "runs" / "micro")
+    assert max_len == len(planner.position_buckets(cfg.model.max_seq_len)) - 1
+    for row, l0 in zip(val["val_active_by_position"], val["val_l0_per_layer"]):
+        assert planner.active_for_length(row, cfg.seq_len, cfg.model.max_seq_len) == pytest.approx(l0, rel=1e-5)
+    run = tmp_path / "run"
+    shutil.copytree(root / "runs" / "micro", run)
+    stripped = [{k: v for k, v in r.items() if k != "val_active_by_position"} for r in records]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in stripped))
+    lines = []
+    from twell_jax.training.hints import with_position_hints
+    from twell_jax.training.hints import with_auto_hints
+
+    hinted = with_auto_hints(cfg, run, echo=lambda _: None)
+    assert with_position_hints(hinted, run, echo=lines.append) is hinted
+    assert "no validation activity by position" in lines[0]
+    loaded = load_run(run)
+    assert loaded.config.model.ffn_active_by_position == ()
+    assert loaded.model.op_configs_for(4) == loaded.model.op_configs
 
 
 def test_load_run_prefers_the_runs_tokenizer_json(micro_run, tmp_path):

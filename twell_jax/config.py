@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Literal
 
 from twell_jax.ops import backends as op_backends  # the op registry, asked when a config is checked
+from twell_jax.ops import planner as ops_planner  # position buckets of model.ffn_active_by_position
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
@@ -280,6 +281,13 @@ class ModelConfig:
     # expected_hot_neurons, expected_hot_entries) so that training "auto" prices them. Empty = no
     # tails assumed. The trainer fills it from its telemetry (`ops.backward_tail_shares`).
     ffn_expected_tails: tuple[tuple[float, float, float], ...] = ()
+    # Per layer, the mean active FFN neurons per token by position bucket (`ops.planner.position_buckets`
+    # of max_seq_len: position 0, 1, [2, 4), [4, 8), ...): the first positions fire far more than the
+    # rest, so rows of a few hundred tokens are denser than rows of max_seq_len. When set (and no
+    # hint in ffn_op_config), a forward over rows of S tokens gives "auto" the mean over positions
+    # [0, S) instead of `ffn_expected_active`. `inference.load_run` fills it from the run's
+    # validation profile (the trainer logs `val_active_by_position`); empty = by length alone.
+    ffn_active_by_position: tuple[tuple[float, ...], ...] = ()
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"  # activations/matmuls (master params f32)
     # Rematerialisation in the backward: "none" (keep every activation: fastest, most memory),
     # "full" (recompute each block from its input), "dots" (keep the matmul outputs, recompute the
@@ -338,6 +346,18 @@ class ModelConfig:
                 isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 for v in hints):
             raise ValueError(f"model.ffn_expected_active must be empty or {self.n_layers} numbers >= 0 (one per "
                              f"layer), got {hints!r}")
+        profile = self.ffn_active_by_position
+        if isinstance(profile, (tuple, list)) and all(isinstance(t, (tuple, list)) for t in profile):
+            profile = tuple(tuple(t) for t in profile)  # a JSON config's lists
+            object.__setattr__(self, "ffn_active_by_position", profile)
+        buckets = len(ops_planner.position_buckets(self.max_seq_len)) - 1
+        if not isinstance(profile, tuple) or (profile and len(profile) != self.n_layers) or any(
+                not isinstance(t, tuple) or len(t) != buckets or any(
+                    isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 for v in t)
+                for t in profile):
+            raise ValueError(f"model.ffn_active_by_position must be empty or {self.n_layers} rows (one per layer) of "
+                             f"{buckets} numbers >= 0 (the buckets of positions up to max_seq_len "
+                             f"{self.max_seq_len}), got {profile!r}")
         tails = self.ffn_expected_tails
         if isinstance(tails, (tuple, list)) and all(isinstance(t, (tuple, list)) for t in tails):
             tails = tuple(tuple(t) for t in tails)  # a JSON config's lists
@@ -839,7 +859,7 @@ RESUMABLE_FIELDS = frozenset({
     "train.auto_refresh_every",
     "train.auto_trial_steps", "train.wandb_project", "train.profile_steps", "optim.schedule_steps",
     "model.ffn_backend", "model.ffn_op_config", "model.ffn_interpret", "model.ffn_expected_active",
-    "model.ffn_expected_tails", "model.remat", "model.attention_impl", "model.layer_unroll",
+    "model.ffn_expected_tails", "model.ffn_active_by_position", "model.remat", "model.attention_impl", "model.layer_unroll",
     "decode.kernels", "decode.transposed", "decode.sparse_ffn", "decode.layer_unroll",
     *MOVED_FIELDS, *CONVERTED_FIELDS,  # their old names, which apply_overrides moves or converts
     "data.source", "data.cache_dir", "data.progress", "data.num_threads", "data.prefetch", "data.tokenize_workers",

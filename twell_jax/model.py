@@ -57,13 +57,23 @@ def _dtype(name: str) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def build_op_config(cfg: ModelConfig, layer: int = 0) -> ops.SparseFFNConfig | None:
+def _powers_of_two_to(n: int) -> list[int]:
+    """1, 2, 4, ... below n, then n: the row lengths `Transformer.op_configs_for` keeps configs for."""
+    return [1 << i for i in range(max(n - 1, 0).bit_length()) if (1 << i) < n] + [n]
+
+
+def build_op_config(cfg: ModelConfig, layer: int = 0, seq_len: int | None = None) -> ops.SparseFFNConfig | None:
     """Layer `layer`'s op config: `cfg.ffn_op_config` plus that layer's `ffn_expected_active` and
     `ffn_expected_tails` hints (unless ffn_op_config sets them for all layers), or None for the op
-    defaults."""
+    defaults. `seq_len`: a forward over rows of that many tokens, whose activity hint is, where the
+    config has `ffn_active_by_position`, the layer's mean over positions [0, seq_len)."""
     fields = dict(cfg.ffn_op_config)
-    if cfg.ffn_expected_active and "expected_active_per_token" not in fields:
-        fields["expected_active_per_token"] = float(cfg.ffn_expected_active[layer])
+    if "expected_active_per_token" not in fields:
+        if cfg.ffn_active_by_position and seq_len is not None:
+            fields["expected_active_per_token"] = ops.planner.active_for_length(
+                cfg.ffn_active_by_position[layer], seq_len, cfg.max_seq_len)
+        elif cfg.ffn_expected_active:
+            fields["expected_active_per_token"] = float(cfg.ffn_expected_active[layer])
     if cfg.ffn_expected_tails and not any(name in fields for name in ops.TAIL_HINT_FIELDS):
         fields.update(zip(ops.TAIL_HINT_FIELDS, (float(v) for v in cfg.ffn_expected_tails[layer])))
     return ops.SparseFFNConfig(**fields) if fields else None
@@ -456,6 +466,11 @@ class Transformer(nnx.Module):
         self.through_op, self.activation = cfg.kind.through_op, cfg.kind.activation
         self.d_model, self.d_ff = cfg.d_model, cfg.d_ff
         self.op_configs = tuple(build_op_config(cfg, layer) for layer in range(cfg.n_layers))
+        # Rows of S tokens: each layer's config with its hint for that length (`op_configs_for`),
+        # where the config has a profile by position; else `op_configs` for every length.
+        self.configs_by_length = () if not cfg.ffn_active_by_position else tuple(
+            (s, tuple(build_op_config(cfg, layer, s) for layer in range(cfg.n_layers)))
+            for s in _powers_of_two_to(cfg.max_seq_len))
         self.tie_embeddings = cfg.tie_embeddings
         self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
         self.blocks = _stacked_blocks(cfg, rngs.params())
@@ -474,15 +489,25 @@ class Transformer(nnx.Module):
         graphdef, state = nnx.split(self.blocks)
         return nnx.merge(graphdef, jax.tree.map(lambda v: v[index], state))
 
-    def layer_groups(self, n_tokens: int, dtype: Any) -> list[tuple[int, int, int]]:
+    def op_configs_for(self, seq_len: int | None) -> tuple[ops.SparseFFNConfig | None, ...]:
+        """Each layer's op config for a forward over rows of `seq_len` tokens (None: a length not
+        known, or decode steps): with a profile by position, the hints of the longest kept length
+        (a power of two, or max_seq_len) not above the rows' (shorter rows are denser: the hint
+        errs on the dense side, by at most a factor 2 in length)."""
+        if seq_len is None or not self.configs_by_length:
+            return self.op_configs
+        return [configs for length, configs in self.configs_by_length if length <= max(seq_len, 1)][-1]
+
+    def layer_groups(self, n_tokens: int, dtype: Any, seq_len: int | None = None) -> list[tuple[int, int, int]]:
         """[(first layer, end layer, plan index)] of the maximal runs of consecutive layers whose
-        op configs compile the same program for a call of `n_tokens` tokens in `dtype`; the plan
-        index numbers the distinct plans in order of first appearance. The representative config
-        of a plan is `self.op_configs[first layer of its first run]`."""
+        op configs (`op_configs_for(seq_len)`) compile the same program for a call of `n_tokens`
+        tokens in `dtype`; the plan index numbers the distinct plans in order of first appearance.
+        The representative config of a plan is that of the first layer of its first run."""
         if not self.through_op:  # the dense formula, no sparse op: one plan
             return [(0, self.n_layers, 0)]
         shape = (n_tokens, self.d_model, self.d_ff, jnp.dtype(dtype).itemsize)
-        keys = [ops.plan_key(self.gated, self.backend, config, shape, self.interpret) for config in self.op_configs]
+        keys = [ops.plan_key(self.gated, self.backend, config, shape, self.interpret)
+                for config in self.op_configs_for(seq_len)]
         index: dict[Any, int] = {}
         groups: list[tuple[int, int, int]] = []
         for layer, key in enumerate(keys):
@@ -494,7 +519,7 @@ class Transformer(nnx.Module):
         return groups
 
     def _run_layers(self, carry: Any, step: Callable[..., tuple[Any, Aux]], n_tokens: int, dtype: Any, *,
-                    slice_params: bool, remat: str = "none") -> tuple[Any, Aux]:
+                    slice_params: bool, remat: str = "none", seq_len: int | None = None) -> tuple[Any, Aux]:
         """Run `step(block, carry, layer, op_config) -> (carry, aux)` over the layers by lax.scan;
         returns (carry, aux stacked over layers [L, ...]).
 
@@ -511,11 +536,12 @@ class Transformer(nnx.Module):
             # so. (Decoding reads its weights in place by index, already in the compute dtype when
             # inference.load_run loaded them.)
             state = jax.tree.map(lambda v: v.astype(dtype) if v.ndim >= 3 else v, state)
-        groups = self.layer_groups(n_tokens, dtype)
+        groups = self.layer_groups(n_tokens, dtype, seq_len)
         first_of_plan: dict[int, int] = {}
         for first, _, plan in groups:
             first_of_plan.setdefault(plan, first)
-        configs = [self.op_configs[first_of_plan[plan]] for plan in range(len(first_of_plan))]
+        layer_configs = self.op_configs_for(seq_len)
+        configs = [layer_configs[first_of_plan[plan]] for plan in range(len(first_of_plan))]
 
         def run_plan(plan: int, layer_state: Any, carry: Any, layer: jax.Array) -> tuple[Any, Aux]:
             return step(nnx.merge(graphdef, layer_state), carry, layer, configs[plan])
@@ -583,7 +609,8 @@ class Transformer(nnx.Module):
         def step(block: Block, x: jax.Array, layer: jax.Array, op_config: Any) -> tuple[jax.Array, Aux]:
             return block(x, track_neurons, op_config)
 
-        x_BxSxD, aux = self._run_layers(x_BxSxD, step, tokens_BxS.size, dt, slice_params=True, remat=self.remat)
+        x_BxSxD, aux = self._run_layers(x_BxSxD, step, tokens_BxS.size, dt, slice_params=True, remat=self.remat,
+                                        seq_len=tokens_BxS.shape[1])
         return self.final_norm(x_BxSxD), aux
 
     def check_decode_shapes(self, tokens_BxS: jax.Array, cache: KVCache) -> None:
@@ -620,8 +647,10 @@ class Transformer(nnx.Module):
                                                 visible_BxSxT, op_config)
             return (x, k_all, v_all), aux
 
+        # A prefill of S > 1 tokens plans as rows of S tokens (exact for a prompt from slot 0, the
+        # denser side for a chunk further on); one-token steps keep the whole-length hints.
         (x_BxSxD, k_all, v_all), aux = self._run_layers((x_BxSxD, *cache), step, tokens_BxS.size, dt,
-                                                        slice_params=False)
+                                                        slice_params=False, seq_len=s if s > 1 else None)
         if not all_logits:
             x_BxSxD = x_BxSxD[:, -1:]
         x_BxSxD = self.final_norm(x_BxSxD)

@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.special import ndtr, ndtri
 
+from twell_jax.ops.planner import position_buckets  # noqa: F401 (the buckets of the fitted profiles)
+
 
 @dataclasses.dataclass(frozen=True)
 class PatternShape:
@@ -86,15 +88,6 @@ TRAINED_LIKE_SOURCE = (
     "sparsity.l1_warmup_start=0 sparsity.l1_warmup_end=300 train.steps=6000`; the study itself ran on the "
     "installed corpus), fitted by `python experiments/bench_ffn_train.py --checkpoint RUN --micro-batch 32 "
     "--layers 0,1,3,5,7` (H100, 2026-11-27)")
-
-
-def position_buckets(seq_len: int) -> list[int]:
-    """Bucket edges [0, 1, 2, 4, 8, ..., seq_len]: the first tokens alone, then doubling widths."""
-    edges, edge = [0], 1
-    while edge < seq_len:
-        edges.append(edge)
-        edge *= 2
-    return edges + [seq_len]
 
 
 def bucket_of_position(seq_len: int) -> np.ndarray:

@@ -22,7 +22,7 @@ from twell_jax import config as config_lib
 from twell_jax import run_dir as run_dir_lib
 from twell_jax.training import checkpoint as ckpt_lib
 from twell_jax.config import DTYPES, DataConfig, ExperimentConfig, ModelConfig, SparsityConfig
-from twell_jax.training.hints import with_auto_hints
+from twell_jax.training.hints import with_auto_hints, with_position_hints
 from twell_jax.model import Transformer, init_model
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -153,6 +153,7 @@ def load_run(run_dir: str | Path, step: int | None = None, dtype: str = "bfloat1
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compute_dtype=dtype))
     # Per-layer active counts from the run's telemetry: "auto" then picks dense/sparse at trace time.
     cfg = with_auto_hints(cfg, run_path, step, meta=meta, echo=logger.info)
+    cfg = with_position_hints(cfg, run_path, step, echo=logger.info)
     inference_fields = {k: v for k, v in INFERENCE_OP_CONFIG.items() if k not in cfg.model.ffn_op_config}
     if cfg.model.kind.sparse_op and inference_fields:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(

@@ -35,6 +35,7 @@ from typing import Hashable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from twell_jax.ops.config import SparseFFNConfig
 from twell_jax.ops.tails import TailPolicy
@@ -424,6 +425,54 @@ def choose_forward_path(m: int, d: int, h: int, expected_active: float, gated: b
     dense_fwd, _ = dense_times_ms(m, d, h, gated, kind=kind)
     sparse_fwd, _ = sparse_times_ms(m, d, h, expected_active, gated, itemsize=itemsize, kind=kind)
     return sparse_fwd <= SAFETY * dense_fwd
+
+
+# ----------------------------------------------------------------------------------------------
+# Activity by position: the hint of a program of short rows
+# ----------------------------------------------------------------------------------------------
+
+def position_buckets(seq_len: int) -> list[int]:
+    """Bucket edges [0, 1, 2, 4, 8, ..., seq_len]: the first tokens alone, then doubling widths."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+    edges, edge = [0], 1
+    while edge < seq_len:
+        edges.append(edge)
+        edge *= 2
+    return edges + [seq_len]
+
+
+def active_by_position(position_active_LxS, max_seq_len: int) -> tuple[tuple[float, ...], ...]:
+    """Per layer, the mean active count in each bucket of `position_buckets(max_seq_len)` from a
+    per-position mean [L, S] (S <= max_seq_len); buckets past the measured S repeat the last
+    measured bucket's mean (the activity of late positions changes slowly)."""
+    counts = np.asarray(position_active_LxS, np.float64)
+    if counts.ndim != 2 or not 1 <= counts.shape[1] <= max_seq_len:
+        raise ValueError(f"position_active_LxS must be [L, S] with 1 <= S <= {max_seq_len}, got {counts.shape}")
+    edges = position_buckets(max_seq_len)
+    measured = min(counts.shape[1], max_seq_len)
+    rows = []
+    for layer in counts:
+        values, last = [], None
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            if lo < measured:
+                last = float(layer[lo:min(hi, measured)].mean())
+            values.append(last)
+        rows.append(tuple(values))
+    return tuple(rows)
+
+
+def active_for_length(profile: tuple[float, ...], seq_len: int, max_seq_len: int) -> float:
+    """Mean active count per token of rows of `seq_len` tokens (positions 0..seq_len-1) from a
+    layer's bucket profile (`active_by_position`; each bucket's mean taken for all its positions)."""
+    edges = position_buckets(max_seq_len)
+    if len(profile) != len(edges) - 1:
+        raise ValueError(f"profile must have {len(edges) - 1} buckets for max_seq_len {max_seq_len}, "
+                         f"got {len(profile)}")
+    if not 1 <= seq_len <= max_seq_len:
+        raise ValueError(f"seq_len must be in [1, {max_seq_len}], got {seq_len}")
+    total = sum(v * max(0, min(hi, seq_len) - lo) for v, lo, hi in zip(profile, edges[:-1], edges[1:]))
+    return total / seq_len
 
 
 # ----------------------------------------------------------------------------------------------

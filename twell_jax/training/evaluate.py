@@ -27,6 +27,7 @@ import numpy as np
 
 from twell_jax import config as config_lib
 from twell_jax import run_dir as run_dir_lib
+from twell_jax.ops import planner as ops_planner
 from twell_jax.config import ExperimentConfig
 from twell_jax.data import DataSource, build_data
 from twell_jax.training.shared_data import build_experiment_data, build_once
@@ -81,7 +82,7 @@ def evaluate_params(cfg: ExperimentConfig, data: DataSource, eval_fn: Callable, 
     in the data pipeline's fixed validation order, so every evaluation sees the same tokens. A
     non-finite result raises FloatingPointError (naming `step`) instead of being reported.
     """
-    ce_sum, tokens, l0_sum = 0.0, 0.0, None
+    ce_sum, tokens, l0_sum, position_sum, rows = 0.0, 0.0, None, None, 0.0
     for batch in data.val_batches(cfg.train.eval_batch_size, max_batches=cfg.train.eval_batches):
         placed = parallel.host_to_global({"tokens": np.asarray(batch["tokens"], np.int32)}, mesh)
         out = jax.device_get(eval_fn(params, placed["tokens"]))
@@ -89,14 +90,24 @@ def evaluate_params(cfg: ExperimentConfig, data: DataSource, eval_fn: Callable, 
         tokens += float(out["tokens"])
         l0 = np.asarray(out["l0_sum_per_layer"], np.float64)
         l0_sum = l0 if l0_sum is None else l0_sum + l0
+        if "position_active_sum" in out:  # a run that tracks neurons (make_eval_step)
+            by_position = np.asarray(out["position_active_sum"], np.float64)
+            position_sum = by_position if position_sum is None else position_sum + by_position
+            rows += float(out["rows"])
     if tokens == 0:
         raise ValueError("the validation split produced no batches; lower train.eval_batch_size or raise "
                          "data.val_fraction")
     loss = ce_sum / tokens
     check_finite(step, {"val_loss": loss, "val_l0_per_layer": l0_sum}, ("val_loss", "val_l0_per_layer"),
                  hint="the parameters evaluated are broken (a diverged run or a damaged checkpoint)")
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens,
-            "l0_per_layer": (l0_sum / tokens).tolist()}
+    result = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens,
+              "l0_per_layer": (l0_sum / tokens).tolist()}
+    if position_sum is not None:
+        # Per layer, the mean active count by position bucket (ops.planner.position_buckets): what
+        # inference plans rows shorter than the validation sequences by (model.ffn_active_by_position).
+        result["active_by_position"] = [list(row) for row in ops_planner.active_by_position(
+            position_sum / rows, cfg.model.max_seq_len)]
+    return result
 
 
 def split_data(cfg: ExperimentConfig, split: str, *, limit_batches: bool,

@@ -95,6 +95,46 @@ def expected_active_from_run(run_dir: str | Path, n_layers: int,
     return _latest_logged(run_dir, up_to_step, read)
 
 
+def active_by_position_from_run(run_dir: str | Path, n_layers: int, max_seq_len: int,
+                                up_to_step: int | None = None) -> tuple[tuple[float, ...], ...] | None:
+    """The latest per-layer activity by position bucket a run logged at a validation
+    (`val_active_by_position`, at or before `up_to_step` when given) for `n_layers` layers and the
+    buckets of `max_seq_len`, or None (a run that logged none: one that does not track neurons, or
+    one trained before the profile was logged)."""
+    buckets = len(ops.planner.position_buckets(max_seq_len)) - 1
+
+    def read(record: dict[str, Any]) -> tuple[tuple[float, ...], ...] | None:
+        rows = record.get("val_active_by_position")
+        if (isinstance(rows, list) and len(rows) == n_layers
+                and all(isinstance(row, list) and len(row) == buckets for row in rows)):
+            return tuple(tuple(float(v) for v in row) for row in rows)
+        return None
+
+    return _latest_logged(run_dir, up_to_step, read)
+
+
+def with_position_hints(cfg: ExperimentConfig, run_dir: str | Path, step: int | None = None, *,
+                        echo: Callable[[str], None] = print) -> ExperimentConfig:
+    """`cfg` with `model.ffn_active_by_position` from the run's last validation profile at or before
+    `step`, where "auto" is planned from the run's hints (`with_auto_hints` set them): inference
+    then gives each program the activity of its own row length (short rows are denser: their first
+    positions fire several times the mean). Unchanged (with a line saying so) for a run without one."""
+    model = cfg.model
+    if not (model.kind.sparse_op and model.ffn_backend == "auto" and model.ffn_expected_active
+            and "expected_active_per_token" not in model.ffn_op_config and not model.ffn_active_by_position):
+        return cfg
+    profile = active_by_position_from_run(run_dir, model.n_layers, model.max_seq_len, up_to_step=step)
+    if profile is None:
+        echo("[twell] the run logged no validation activity by position: 'auto' plans rows of every length "
+             "with the hints above (rows much shorter than the training sequences fire more)")
+        return cfg
+    lengths = [n for n in (128, 512, model.max_seq_len) if n <= model.max_seq_len]
+    echo("[twell] 'auto' hints by row length (the run's validation activity by position): " + "; ".join(
+        f"{n} tokens {', '.join(f'{ops.planner.active_for_length(row, n, model.max_seq_len):.1f}' for row in profile)}"
+        for n in dict.fromkeys(lengths)))
+    return dataclasses.replace(cfg, model=dataclasses.replace(model, ffn_active_by_position=profile))
+
+
 def _latest_logged(run_dir: str | Path, up_to_step: int | None,
                    read: Callable[[dict[str, Any]], Any]) -> Any:
     """The last non-None read(record) over the records of the run's metrics.jsonl (those at or

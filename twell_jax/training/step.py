@@ -229,12 +229,19 @@ def with_stop_vote(train_step: Callable) -> Callable:
 
 
 def make_eval_step(cfg: ExperimentConfig, graphdef: nnx.GraphDef) -> Callable:
-    """(params, tokens_BxT) -> sums over the batch of CE and per-layer active neurons, and the token count."""
+    """(params, tokens_BxT) -> sums over the batch of CE and per-layer active neurons, and the token
+    count; where the run tracks neurons, also each layer's active count per position summed over
+    the rows ("position_active_sum" [L, S], "rows"): inference's hints by row length."""
+    track = tracks_neurons(cfg)
 
     def eval_step(params: Any, tokens_BxT: jax.Array) -> dict[str, jax.Array]:
-        logits, aux = apply_model(graphdef, params, tokens_BxT[:, :-1])
+        logits, aux = apply_model(graphdef, params, tokens_BxT[:, :-1], track_neurons=track)
         ce_BxS = optax.softmax_cross_entropy_with_integer_labels(logits, tokens_BxT[:, 1:])
         tokens = jnp.float32(ce_BxS.size)
-        return {"ce_sum": jnp.sum(ce_BxS), "tokens": tokens, "l0_sum_per_layer": aux["l0"] * tokens}
+        out = {"ce_sum": jnp.sum(ce_BxS), "tokens": tokens, "l0_sum_per_layer": aux["l0"] * tokens}
+        if track:
+            rows = jnp.float32(ce_BxS.shape[0])
+            out.update(position_active_sum=aux["position_active"] * rows, rows=rows)
+        return out
 
     return eval_step
