@@ -1,7 +1,7 @@
 """Data-parallel scaling: train a config for a fixed number of steps on 1 GPU, then on 2 (or any
 list of device counts), with the same per-device micro-batch (global batch scaled with the device
-count, one accumulation step), and report step time, tokens/s total and per device, and the
-scaling efficiency  tput(N) / (N x tput(1)).
+count; one accumulation step, or --accum of them, as a preset's global batch gives), and report
+step time, tokens/s total and per device, and the scaling efficiency  tput(N) / (N x tput(1)).
 
 Tokens are SYNTHETIC (the library's `data.source="synthetic"`: uniform random ids, deterministic,
 served through the same Grain pipeline as a corpus): throughput does not depend on the token
@@ -58,16 +58,17 @@ def synthetic(cfg: ExperimentConfig) -> ExperimentConfig:
 
 
 def bench_config(base: ExperimentConfig, ffn_kind: str, num_devices: int, micro_batch: int,
-                 steps: int, trace_steps: str = "") -> ExperimentConfig:
-    """`base` on `num_devices` devices, `micro_batch` sequences per device, one accumulation step;
-    `trace_steps` ("START:END") the profiler window of the run."""
+                 steps: int, trace_steps: str = "", accum: int = 1) -> ExperimentConfig:
+    """`base` on `num_devices` devices, `micro_batch` sequences per device, `accum` accumulation
+    steps (micro-batches per optimizer step and device); `trace_steps` ("START:END") the profiler
+    window of the run."""
     model = dataclasses.replace(base.model, ffn_kind=ffn_kind)
     sparsity = base.sparsity
     if not model.kind.l1:
         sparsity = sparsity.without_l1()  # dense baselines train without L1
     train = dataclasses.replace(
         base.train, steps=steps, num_devices=num_devices, micro_batch=micro_batch,
-        global_batch=micro_batch * num_devices, eval_every=0, eval_batches=1,
+        global_batch=micro_batch * num_devices * accum, eval_every=0, eval_batches=1,
         eval_batch_size=num_devices, checkpoint_every=0, log_every=max(1, steps),
         tensorboard=False, progress_bar=False, profile_steps=trace_steps)
     return synthetic(dataclasses.replace(base, name=f"dp-{ffn_kind}-{num_devices}dev", model=model,
@@ -173,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="FFN kinds to bench (twell = sparse op, relu_gated = dense baseline)")
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="sequences per device per step (default: the config's micro_batch)")
+    parser.add_argument("--accum", type=int, default=1,
+                        help="micro-batches per optimizer step on each device (the global batch grows with it): "
+                             "the gradient reduction's share of a step as a preset's global batch makes it")
     parser.add_argument("--steps", type=int, default=30, help="trained steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=5, help="first steps left out of the timing")
     parser.add_argument("--equivalence-config", default="micro",
@@ -199,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     parallel.initialize_distributed()
     device_counts = [int(n) for n in args.devices.split(",")]
     kinds = [k.strip() for k in args.ffn_kinds.split(",") if k.strip()]
+    if args.accum < 1:
+        parser.error(f"--accum must be >= 1, got {args.accum}")
     if args.warmup >= args.steps:
         parser.error(f"--warmup={args.warmup} must be < --steps={args.steps}")
     available = jax.device_count()
@@ -228,13 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"[bench] {available} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
           f"jax {jax.__version__}; config {args.config}: {base.model.num_params() / 1e6:.1f}M params, "
-          f"seq {base.seq_len}, micro-batch {micro}/device; SYNTHETIC random tokens", flush=True)
+          f"seq {base.seq_len}, micro-batch {micro}/device x {args.accum} accumulation step(s); SYNTHETIC random "
+          "tokens", flush=True)
 
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench_dp_") as tmp:
         for kind in kinds:
             for n in device_counts:
-                cfg = bench_config(base, kind, n, micro, args.steps, args.trace_steps)
+                cfg = bench_config(base, kind, n, micro, args.steps, args.trace_steps, args.accum)
                 print(f"[bench] {kind} on {n} device(s): global batch {cfg.train.global_batch}", flush=True)
                 start = time.perf_counter()
                 try:
@@ -290,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         "devices_visible": available, "device_kind": jax.devices()[0].device_kind,
         "backend": jax.default_backend(), "jax_version": jax.__version__,
         "python": platform.python_version(), "steps": args.steps, "warmup": args.warmup,
-        "micro_batch_per_device": micro, "model": dataclasses.asdict(base.model), "runs": runs,
+        "micro_batch_per_device": micro, "accum_steps": args.accum, "model": dataclasses.asdict(base.model),
+        "runs": runs,
         "overrides": list(args.set), "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "default_xla_flags_added": added,
         "baseline": args.baseline, "baseline_runs": baseline_runs,
