@@ -2,7 +2,10 @@
 simulated CPU devices (tests/conftest.py sets the XLA flag)."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -748,3 +751,82 @@ def test_default_xla_flags_add_what_the_user_did_not_name(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS")
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
     assert par.default_xla_flags() is None and "XLA_FLAGS" not in os.environ  # too late: says so
+
+
+def _loop_all_reduces(hlo: str) -> list[str]:
+    """The all-reduce instructions of computations run inside a while loop (a body or condition, or
+    anything those call), of a compiled program's HLO text."""
+    import re
+
+    bodies: dict[str, str] = {}
+    name = None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if head and not line.startswith(" "):
+            name = head.group(1)
+            bodies[name] = ""
+        elif name is not None:
+            bodies[name] += line + "\n"
+    calls = {n: set(re.findall(r"(?:body|condition|to_apply|calls|branch_computations)=\{?%?([\w.\-]+)", text))
+             for n, text in bodies.items()}
+    loops = {c for text in bodies.values() for c in re.findall(r"(?:body|condition)=%?([\w.\-]+)", text)}
+    seen, todo = set(), list(loops)
+    while todo:
+        n = todo.pop()
+        if n in seen or n not in bodies:
+            continue
+        seen.add(n)
+        todo.extend(calls[n])
+    return [line.strip() for n in seen for line in bodies[n].splitlines() if " all-reduce(" in line
+            or "all-reduce-start(" in line]
+
+
+@pytest.mark.parametrize("grad_reduce", ["step", "micro_batch"])
+def test_gradients_are_reduced_once_a_step_or_in_each_micro_batch(tmp_path, grad_reduce):
+    """train.grad_reduce=step (the default) on 2 replicating devices with 4 micro-batches a step: no
+    gradient (f32 weight-shaped) all-reduce runs inside the accumulation loop, only the neuron
+    counts' (s32); "micro_batch": the partitioner's reduction sits in the loop. The start-up line says
+    which. Both train the sparse model to the same step metrics (tests/test_parallel's tolerances)."""
+    cfg = _micro_config("twell", "reference", 2, steps=2)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_reduce=grad_reduce))
+    lines: list[str] = []
+    trainer = train_lib.Trainer(cfg, tmp_path / grad_reduce, echo=lines.append)
+    result = trainer.run()
+    assert trainer.accum_steps == 4
+    said = next(line for line in lines if line.startswith("[twell] gradients:"))
+    assert ("reduced once a step" in said) == (grad_reduce == "step")
+    in_loop = _loop_all_reduces(trainer.planner._compiled.as_text())
+    # A weight gradient: an f32 matrix among the all-reduce's results (one, or a tuple of combined ones).
+    gradients = [line for line in in_loop if re.search(r"f32\[\d+,\d+", line.split(" all-reduce")[0])]
+    assert bool(gradients) == (grad_reduce == "micro_batch"), gradients[:3]
+    if grad_reduce == "step":
+        assert in_loop and all("s32[" in line for line in in_loop)  # the neuron counts, each micro-batch
+
+
+def test_reducing_once_a_step_reports_what_reducing_per_micro_batch_does(tmp_path):
+    """The sparse model (the op's reference backend: its aux as the kernels report it) on 2 devices, 4
+    micro-batches a step: every step metric of grad_reduce=step equals grad_reduce=micro_batch's, and
+    those that do not depend on the micro-batch layout a 1-device run's (to rounding)."""
+    runs = {}
+    for name, devices, reduce in (("one", 1, "step"), ("step", 2, "step"), ("micro", 2, "micro_batch")):
+        cfg = _micro_config("twell", "reference", devices, steps=3)
+        cfg = dataclasses.replace(cfg, sparsity=dataclasses.replace(cfg.sparsity, track_neurons=True),
+                                  train=dataclasses.replace(cfg.train, grad_reduce=reduce))
+        _train(cfg, tmp_path / name)
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = [r for r in records if "loss" in r]
+    assert len(runs["one"]) == 3
+    keys = [k for k, v in runs["one"][0].items() if isinstance(v, (int, float, list)) and k not in (
+        "step", "step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "peak_memory_bytes")]
+    assert {"loss", "l0_per_layer", "row_overflow_per_layer", "dead_share_per_layer",
+            "position_profile"} <= set(keys)
+    # Against the other reduction on the same devices: every metric. Against one device: those that do
+    # not count per micro-batch call (2 devices run half the micro-batches, each of twice the rows).
+    per_call = {"dense_fallback_per_layer", "backward_tail_rows_per_layer", "backward_hot_neurons_per_layer",
+                "hot_neuron_share_per_layer", "hot_entry_share_per_layer"}
+    for other, reference, compared in (("step", "micro", keys), ("step", "one", set(keys) - per_call)):
+        for want, got in zip(runs[reference], runs[other]):
+            for key in compared:
+                np.testing.assert_allclose(np.asarray(got[key], np.float64), np.asarray(want[key], np.float64),
+                                           rtol=2e-5, atol=1e-6,
+                                           err_msg=f"{other} vs {reference}: {key} at step {want['step']}")

@@ -596,6 +596,13 @@ class TrainConfig:
     sharding: Literal["auto", "replicate", "fsdp", "hybrid"] = "auto"
     # Devices per FSDP group for train.sharding "hybrid" and "auto" (None = the devices of one process).
     fsdp_size: int | None = None
+    # When the gradients are reduced over the devices, under a layout that replicates the weights
+    # ("replicate") with several micro-batches a step: "step" = each device sums its micro-batches'
+    # gradients and the devices reduce them once per optimizer step (one all-reduce a step);
+    # "micro_batch" = inside every micro-batch's backward, as XLA's partitioning places it (one
+    # a micro-batch, overlapped with the backward). FSDP layouts and one micro-batch a step always
+    # do the latter. Results agree up to rounding.
+    grad_reduce: Literal["step", "micro_batch"] = "step"
     seed: int = 42  # parameter init seed (the data has its own seed in data.seed)
     log_every: int = 10  # log metrics (console, JSONL, TensorBoard) every this many steps
     eval_every: int = 0  # validation every this many steps (0 = only at the end)
@@ -643,6 +650,7 @@ class TrainConfig:
         if self.num_devices is not None and self.num_devices < 1:
             raise ValueError(f"train.num_devices must be >= 1 or None, got {self.num_devices}")
         _check_choice("train", "sharding", self.sharding, SHARDINGS)
+        _check_choice("train", "grad_reduce", self.grad_reduce, ("step", "micro_batch"))
         if self.fsdp_size is not None and self.fsdp_size < 1:
             raise ValueError(f"train.fsdp_size must be >= 1 or None (the devices of one process), got {self.fsdp_size}")
         if self.fsdp_size is not None and self.sharding not in ("hybrid", "auto"):
@@ -856,6 +864,7 @@ RESUMABLE_FIELDS = frozenset({
     "train.steps", "train.time_limit_s", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.eval_batch_size", "train.checkpoint_every", "train.keep_checkpoints", "train.tensorboard",
     "train.progress_bar", "train.num_devices", "train.micro_batch", "train.sharding", "train.fsdp_size",
+    "train.grad_reduce",
     "train.auto_refresh_every",
     "train.auto_trial_steps", "train.wandb_project", "train.profile_steps", "optim.schedule_steps",
     "model.ffn_backend", "model.ffn_op_config", "model.ffn_interpret", "model.ffn_expected_active",

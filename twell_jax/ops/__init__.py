@@ -109,13 +109,13 @@ from twell_jax.ops.config import (AUX_KEYS, COUNT_KEYS, TAIL_HINT_FIELDS, TAIL_S
 from twell_jax.ops.dense import (DENSE_ACTIVATIONS, dense_aux, dense_backward, dense_fallback_ffn, dense_ffn,
                                  dense_hidden)
 from twell_jax.ops.backends import backend_names, register
-from twell_jax.ops.dispatch import (BACKENDS, RESIDUAL_NAME, auto_decision, backward_tail_shares,
-                                    decode_forward_is_sparse, ffn, gated_ffn, plan_key)
+from twell_jax.ops.dispatch import (BACKENDS, RESIDUAL_NAME, SHARD_COMBINE, auto_decision, backward_tail_shares,
+                                    combine_over_shards, decode_forward_is_sparse, ffn, gated_ffn, plan_key)
 from twell_jax.ops.implementation import Implementation
 from twell_jax.ops.reference import reference_backward, reference_forward
 from twell_jax.ops.tails import TailPolicy
 
 __all__ = ["AUX_KEYS", "BACKENDS", "COUNT_KEYS", "DENSE_ACTIVATIONS", "TAIL_HINT_FIELDS", "TAIL_SHARE_KEYS", "Aux",
-           "Implementation", "RESIDUAL_NAME", "SparseFFNConfig", "TailPolicy", "Weights", "auto_decision", "backend_names", "decode_forward_is_sparse",
-           "backward_tail_shares", "dense_aux", "dense_backward", "dense_fallback_ffn", "dense_ffn", "dense_hidden",
+           "Implementation", "RESIDUAL_NAME", "SHARD_COMBINE", "SparseFFNConfig", "TailPolicy", "Weights", "auto_decision", "backend_names", "decode_forward_is_sparse",
+           "backward_tail_shares", "combine_over_shards", "dense_aux", "dense_backward", "dense_fallback_ffn", "dense_ffn", "dense_hidden",
            "ffn", "gated_ffn", "plan_key", "reference_backward", "reference_forward", "register"]

@@ -204,6 +204,30 @@ def backward_tail_shares(token_active_count: jax.Array, neuron_active_count: jax
     return TailPolicy(config).shares(token_active_count, neuron_active_count, _data_axis_size(config))
 
 
+# How each aux value of one token shard combines with the other shards' (`combine_over_shards`):
+# "mean" a per-token mean (weighted by the shard's tokens), "sum" a count, "any" a 0/1 flag, and
+# "sum_known" a count where -1 means "not counted" (any shard's -1 wins).
+SHARD_COMBINE = {"l1": "mean", "l0": "mean", "tile_overflow": "sum", "row_overflow": "sum",
+                 "dense_fallback": "any", "backward_tail_rows": "sum_known", "backward_hot_neurons": "sum_known",
+                 "neuron_active_count": "sum"}
+
+
+def combine_over_shards(how: str, value: jax.Array, axis: Any, weight: Any = None) -> jax.Array:
+    """`value` of one shard combined over the shards of mesh axis (or axes) `axis`, as `how`
+    (SHARD_COMBINE's kinds); inside a shard_map. `weight` (for "mean"): this shard's share of
+    all the tokens (default: equal shares)."""
+    if how == "mean":
+        return jax.lax.pmean(value, axis) if weight is None else jax.lax.psum(value * weight, axis)
+    if how == "sum":
+        return jax.lax.psum(value, axis)
+    if how == "any":  # psum + clip rather than pmax: pmax has no JVP rule, even for integers
+        return jnp.minimum(jax.lax.psum(value, axis), 1)
+    if how == "sum_known":
+        unknown = jax.lax.psum((value < 0).astype(jnp.int32), axis) > 0
+        return jnp.where(unknown, -1, jax.lax.psum(jnp.maximum(value, 0), axis))
+    raise ValueError(f"how must be one of mean, sum, any, sum_known; got {how!r}")
+
+
 def _sharded_call(plan: Plan, config: SparseFFNConfig, x_MxD: jax.Array, weights: Weights,
                   n_shards: int) -> tuple[jax.Array, Aux]:
     """The op inside shard_map over the token axes (`_token_axes`): tokens split, weights whole on
@@ -217,22 +241,13 @@ def _sharded_call(plan: Plan, config: SparseFFNConfig, x_MxD: jax.Array, weights
         # The weights are replicated (spec P()): shard_map's transpose sums the per-shard weight
         # gradients over the axis, so the custom_vjp returns local gradients only.
         y, aux = _op_body(plan, config, x_loc, weights_loc)
-        m_loc = x_loc.shape[0]
-        # Padded tokens are zero: they add nothing to l1/l0 sums, so divide by the true count.
-        global_aux = {
-            "l1": jax.lax.psum(aux["l1"] * m_loc, axis) / n_tokens,
-            "l0": jax.lax.psum(aux["l0"] * m_loc, axis) / n_tokens,
-            "tile_overflow": jax.lax.psum(aux["tile_overflow"], axis),
-            "row_overflow": jax.lax.psum(aux["row_overflow"], axis),
-            # psum + clip rather than pmax: pmax has no JVP rule, even for integers.
-            "dense_fallback": jnp.minimum(jax.lax.psum(aux["dense_fallback"], axis), 1),
-        }
-        for key in ("backward_tail_rows", "backward_hot_neurons"):  # -1 (not counted) stays -1
-            unknown = jax.lax.psum((aux[key] < 0).astype(jnp.int32), axis) > 0
-            global_aux[key] = jnp.where(unknown, -1, jax.lax.psum(jnp.maximum(aux[key], 0), axis))
+        # Padded tokens are zero: they add nothing to l1/l0 sums, so the means weigh each shard by
+        # its tokens over the true count (a zero token activates nothing: no count needs correcting).
+        share = x_loc.shape[0] / n_tokens
+        global_aux = {key: combine_over_shards(SHARD_COMBINE[key], aux[key], axis, share)
+                      for key in AUX_KEYS}
         if config.neuron_counts:
-            # A zero (padding) token activates nothing, so the neuron counts need no correction.
-            global_aux["neuron_active_count"] = jax.lax.psum(aux["neuron_active_count"], axis)
+            global_aux["neuron_active_count"] = combine_over_shards("sum", aux["neuron_active_count"], axis)
             global_aux["token_active_count"] = aux["token_active_count"]
         return y, global_aux
 

@@ -123,18 +123,24 @@ def dead_share_per_layer(cfg: ExperimentConfig, since_LxH: Any) -> list[float] |
 
 
 def accumulate_gradients(cfg: ExperimentConfig, graphdef: nnx.GraphDef, params: Any, tokens_BxT: jax.Array,
-                         since_LxH: jax.Array, l1_coef: jax.Array, accum_steps: int) -> tuple[Any, jax.Array, dict]:
+                         since_LxH: jax.Array, l1_coef: jax.Array, accum_steps: int,
+                         shards: tuple[Any, int] | None = None) -> tuple[Any, jax.Array, dict]:
     """Mean gradient of the loss over `accum_steps` equal micro-batches of `tokens_BxT` (a lax.scan).
 
     Returns (grads, updated since_active counters, the per-micro-batch values the step's metrics are
     made of (`STEP_METRICS`' sources), stacked on axis 0).
+
+    `shards` = (mesh axes, their size): called inside a shard_map over those axes with this device's
+    rows (`accumulate_then_reduce`); each micro-batch's neuron counts are summed over the devices
+    (the dead-neuron counters see the global micro-batch), and the gradients and the metrics'
+    sources are left local: the caller reduces them.
     """
     track = tracks_neurons(cfg)
     aux_sources = sorted({metric.source for metric in step_metrics_of(cfg) if metric.reduce != "step"}
                          - {"loss", "ce"})
     rows, width = tokens_BxT.shape
     micro_rows = rows // accum_steps
-    micro_tokens = micro_rows * (width - 1)
+    micro_tokens = micro_rows * (width - 1) * (1 if shards is None else shards[1])
     # Row r = i * accum + a goes to micro-batch a: each device's contiguous block of rows splits
     # into its own micro-batches, so the reshape needs no cross-device data movement.
     micro_AxMxT = tokens_BxT.reshape(micro_rows, accum_steps, width).swapaxes(0, 1)
@@ -149,7 +155,10 @@ def accumulate_gradients(cfg: ExperimentConfig, graphdef: nnx.GraphDef, params: 
         (loss, (ce, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens_MxT)
         grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
         if track:
-            since = update_counters(since, aux["neuron_active_count"], micro_tokens)
+            counts = aux["neuron_active_count"]
+            if shards is not None:
+                counts = ops.combine_over_shards("sum", counts, shards[0])
+            since = update_counters(since, counts, micro_tokens)
         return (grad_sum, since), {"loss": loss, "ce": ce, **{key: aux[key] for key in aux_sources}}
 
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -157,9 +166,38 @@ def accumulate_gradients(cfg: ExperimentConfig, graphdef: nnx.GraphDef, params: 
     return jax.tree.map(lambda g: g / accum_steps, grad_sum), since, per_micro
 
 
+def accumulate_then_reduce(cfg: ExperimentConfig, graphdef: nnx.GraphDef, params: Any, tokens_BxT: jax.Array,
+                           since_LxH: jax.Array, l1_coef: jax.Array, accum_steps: int,
+                           shards: tuple[Any, int]) -> tuple[Any, jax.Array, dict]:
+    """`accumulate_gradients` with one gradient reduction per optimizer step: inside a shard_map over
+    the mesh axes `shards[0]` (of `shards[1]` devices; the weights replicated on each, the rows split),
+    each device sums its own micro-batches' gradients and the devices average them once at the end,
+    where the layout's automatic partitioning reduces every micro-batch's gradients in its backward
+    (`train.grad_reduce`). The metrics' sources are combined over the devices by their kind
+    (`ops.SHARD_COMBINE`: counts summed, flags or'ed, means averaged: equal rows per device)."""
+    axes, size = shards
+
+    def local(p: Any, tokens: jax.Array, since: jax.Array, coef: jax.Array) -> tuple[Any, jax.Array, dict]:
+        grads, since, per_micro = accumulate_gradients(cfg, graphdef, p, tokens, since, coef, accum_steps, shards)
+        grads = jax.tree.map(lambda g: jax.lax.psum(g, axes) / size, grads)
+        per_micro = {key: ops.combine_over_shards(ops.SHARD_COMBINE.get(key, "mean"), value, axes)
+                     for key, value in per_micro.items()}
+        return grads, since, per_micro
+
+    replicated, split = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(axes)
+    # check_vma=False: the op's Pallas calls inside need no variance annotations (as the op's own
+    # shard_map); what leaves is equal on every device (psum'd or computed from psum'd values).
+    return jax.shard_map(local, in_specs=(replicated, split, replicated, replicated),
+                         out_specs=(replicated, replicated, replicated), axis_names=set(axes),
+                         check_vma=False)(params, tokens_BxT, since_LxH, l1_coef)
+
+
 def make_train_step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                    accum_steps: int) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict]]:
-    """The pure step function (state, batch) -> (state, metrics); jit it with shardings."""
+                    accum_steps: int, reduce_once: tuple[Any, int] | None = None
+                    ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict]]:
+    """The pure step function (state, batch) -> (state, metrics); jit it with shardings.
+    `reduce_once` = (mesh axes, their size): the gradients are reduced once per step
+    (`accumulate_then_reduce`) instead of in every micro-batch's backward."""
     track = tracks_neurons(cfg)
     lr_schedule = learning_rate_schedule(cfg.optim, cfg.schedule_steps)
     window = dead_window(cfg)
@@ -169,9 +207,13 @@ def make_train_step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, optimizer: op
         l1_coef = l1_coefficient(cfg.sparsity, state["step"])
         control = state.get("l1_control")
         params = state["params"]
-        grads, since, per_micro = accumulate_gradients(
-            cfg, graphdef, params, batch["tokens"], state["since_active"],
-            l1_coef if control is None else layer_l1_coefficients(l1_coef, control), accum_steps)
+        coef = l1_coef if control is None else layer_l1_coefficients(l1_coef, control)
+        if reduce_once is None:
+            grads, since, per_micro = accumulate_gradients(cfg, graphdef, params, batch["tokens"],
+                                                           state["since_active"], coef, accum_steps)
+        else:
+            grads, since, per_micro = accumulate_then_reduce(cfg, graphdef, params, batch["tokens"],
+                                                             state["since_active"], coef, accum_steps, reduce_once)
         grad_norm = _global_norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, updates)

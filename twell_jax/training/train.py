@@ -181,6 +181,11 @@ class Trainer:
         self.mesh = parallel.make_mesh(tc.num_devices, self.layout.fsdp_size)
         self.num_devices = parallel.mesh_size(self.mesh)
         self.accum_steps = parallel.check_batch_layout(tc.global_batch, tc.micro_batch, self.num_devices)
+        # One gradient reduction per optimizer step (train.grad_reduce "step"): where the weights are
+        # replicated and a step accumulates several micro-batches on each of several devices.
+        self.reduce_once = ((parallel.BATCH_AXES, self.num_devices)
+                            if tc.grad_reduce == "step" and self.layout.fsdp_size == 1 and self.num_devices > 1
+                            and self.accum_steps > 1 else None)
         if tc.eval_batch_size % self.num_devices:
             raise ValueError(f"train.eval_batch_size={tc.eval_batch_size} must be divisible by the "
                              f"{self.num_devices} devices")
@@ -505,6 +510,13 @@ class Trainer:
                   f"{tc.global_batch} x {cfg.seq_len} tokens = {tokens_per_step} tokens/step; micro-batch "
                   f"{tc.micro_batch}/device, {self.accum_steps} accumulation step(s)")
         self.echo(f"[twell] sharding: {self.layout.describe()}")
+        if self.num_devices > 1:
+            self.echo("[twell] gradients: " + (
+                f"each device sums its {self.accum_steps} micro-batches' gradients, reduced once a step "
+                "(train.grad_reduce=step)" if self.reduce_once else
+                "reduced in each micro-batch's backward" + (
+                    " (train.grad_reduce=micro_batch)" if tc.grad_reduce == "micro_batch"
+                    else " (one micro-batch a step)" if self.accum_steps == 1 else " (FSDP: reduce-scattered)")))
         if parallel.multi_process():  # e.g. a launcher that gave each process one GPU of its host
             self.echo(f"[twell] processes: this is process {jax.process_index()} of {jax.process_count()}, "
                       f"{jax.local_device_count()} device(s) each; process 0 writes the run's files")
@@ -513,7 +525,7 @@ class Trainer:
         """The train step compiled for `cfg` (the planner's step config, or its dense program)."""
         self.step_builds += 1
         train_step = make_train_step(cfg, abstract_graphdef(cfg.model, self.cfg.train.seed), self.optimizer,
-                                     self.accum_steps)
+                                     self.accum_steps, self.reduce_once)
         batch_shardings = {"tokens": self.batch_sharding}
         batch_spec = {"tokens": jax.ShapeDtypeStruct((self.cfg.train.global_batch, self.cfg.seq_len + 1), jnp.int32,
                                                      sharding=self.batch_sharding)}
