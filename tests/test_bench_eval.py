@@ -108,7 +108,8 @@ def test_the_benchmark_runs_both_sides_on_a_micro_run(tmp_path):
 
 def test_ffn_forwards_resolves_auto_per_layer_and_program_shape(monkeypatch):
     """What bench_eval reports our side ran: per traced (rows, length) program, each layer's FFN
-    forward as the planner resolves "auto" from that layer's hint (forward-only, as load_run sets)."""
+    forward as the planner resolves "auto" from that layer's hint for rows of that length
+    (forward-only, as load_run sets)."""
     from types import SimpleNamespace
 
     from twell_jax import ops
@@ -116,13 +117,18 @@ def test_ffn_forwards_resolves_auto_per_layer_and_program_shape(monkeypatch):
     from twell_jax.ops import pallas_forward
 
     monkeypatch.setattr(pallas_forward, "available", lambda: True)
-    configs = tuple(ops.SparseFFNConfig(expected_active_per_token=k, forward_only=True) for k in (20.0, 60.0))
+    def hinted(*ks):
+        return tuple(ops.SparseFFNConfig(expected_active_per_token=k, forward_only=True) for k in ks)
+
+    # Rows of 128 tokens and more: hints 20 and 60; shorter rows fire more: 60 and 60.
     model = SimpleNamespace(compute_dtype="bfloat16", d_model=2048, d_ff=5632, through_op=True, backend="auto",
-                            gated=True, interpret=False, op_configs=configs)
-    program = SimpleNamespace(shapes=[(64, 128), (32, 64), (64, 128)])
+                            gated=True, interpret=False,
+                            op_configs_for=lambda length: hinted(20.0, 60.0) if length >= 128 else hinted(60.0, 60.0))
+    program = SimpleNamespace(shapes=[(64, 128), (32, 64), (64, 128), (128, 64)])
     plans = ffn_forwards(SimpleNamespace(model=model, _score_program=program))
-    # 8192 tokens: the hint 20 is under the forward edge (~27), 60 over; 2048 tokens: dense wins at any k.
-    assert plans == {"32x64": ["dense", "dense"], "64x128": ["pallas", "dense"]}
+    # 8192 tokens: the hint 20 is under the forward edge (~27), 60 over (rows of 64: both 60); 2048
+    # tokens: dense wins at any k.
+    assert plans == {"32x64": ["dense", "dense"], "64x128": ["pallas", "dense"], "128x64": ["dense", "dense"]}
     assert ffn_forwards(SimpleNamespace(model=model, _score_program=None)) == {}
     twin = SimpleNamespace(**{**vars(model), "through_op": False})
     assert ffn_forwards(SimpleNamespace(model=twin, _score_program=program))["64x128"] == ["dense", "dense"]

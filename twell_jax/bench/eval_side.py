@@ -32,7 +32,8 @@ Describe = Callable[[], dict[str, Any]] | None  # what the side ran, read after 
 def ffn_forwards(loaded: Any) -> dict[str, list[str]]:
     """What each layer's FFN forward ran in the scorer's programs: {"ROWSxLENGTH": [implementation
     per layer]} over the (rows, length) shapes it traced; "auto" resolved by the planner as the
-    op resolves it (the run's hints, `forward_only` from load_run). Empty before a program ran."""
+    op resolves it (the run's hints for rows of that length, `forward_only` from load_run). Empty before
+    a program ran."""
     import jax.numpy as jnp
 
     from twell_jax import ops
@@ -46,7 +47,7 @@ def ffn_forwards(loaded: Any) -> dict[str, list[str]]:
         plans[f"{rows}x{length}"] = [
             "dense" if not model.through_op
             else ops.auto_decision(model.gated, config, shape, model.interpret)[0] if model.backend == "auto"
-            else model.backend for config in model.op_configs]
+            else model.backend for config in model.op_configs_for(length)]
     return plans
 
 
