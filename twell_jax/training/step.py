@@ -171,9 +171,10 @@ def accumulate_then_reduce(cfg: ExperimentConfig, graphdef: nnx.GraphDef, params
                            shards: tuple[Any, int]) -> tuple[Any, jax.Array, dict]:
     """`accumulate_gradients` with one gradient reduction per optimizer step: inside a shard_map over
     the mesh axes `shards[0]` (of `shards[1]` devices; the weights replicated on each, the rows split),
-    each device sums its own micro-batches' gradients and the devices average them once at the end,
-    where the layout's automatic partitioning reduces every micro-batch's gradients in its backward
-    (`train.grad_reduce`). The metrics' sources are combined over the devices by their kind
+    each device sums its own micro-batches' gradients and the devices average them once at the end
+    (XLA's automatic partitioning, `accumulate_gradients` under jit alone, reduces every micro-batch's
+    gradients inside its backward instead: `train.grad_reduce`). The metrics' sources are combined
+    over the devices by their kind
     (`ops.SHARD_COMBINE`: counts summed, flags or'ed, means averaged: equal rows per device)."""
     axes, size = shards
 
