@@ -93,7 +93,15 @@ def test_the_benchmark_runs_both_sides_on_a_micro_run(tmp_path):
         assert forwards and all(v == [backend] * 2 for v in forwards.values()), forwards  # micro: 2 layers
         assert (f"{name}: each layer's FFN forward in the {next(iter(forwards))} (rows x length) program: "
                 f"{backend} {backend}") in done.stdout
-    assert "ffn_forwards" not in sides["hf"]
+    assert "ffn_forwards" not in sides["hf"] and "ffn_activity" not in sides["hf"]
+    # ... and each layer's activity on validation rows of each program's shape, with the hints the
+    # run's "auto" would plan them by (none here: the sides run dense and reference).
+    for name in ("ours@dense", "ours@reference"):
+        activity = sides[name]["ffn_activity"]
+        assert set(activity) == set(sides[name]["ffn_forwards"])
+        assert all(len(v["active"]) == 2 and all(a > 0 for a in v["active"]) for v in activity.values())
+    for shape, seen in sides["ours@dense"]["ffn_activity"].items():  # the same counts, either backend
+        assert seen["active"] == pytest.approx(sides["ours@reference"]["ffn_activity"][shape]["active"], rel=1e-6)
     # Each side ran with its backend (its command log) ...
     assert "--backend reference" in (out / "ours@reference.log").read_text()
     # ... and the same model and requests give the same accuracy, in every run (float32 here, so no

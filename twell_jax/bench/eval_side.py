@@ -51,6 +51,32 @@ def ffn_forwards(loaded: Any) -> dict[str, list[str]]:
     return plans
 
 
+def ffn_activity(loaded: Any, run_dir: str) -> dict[str, dict[str, list[float]]]:
+    """Per (rows, length) program the scorer traced: each layer's mean active FFN neurons per token
+    on the run's validation text cut into rows of that length ("active": what the op met at that
+    shape, before the right padding an evaluation adds), beside the hint "auto" planned it with
+    ("hint", `op_configs_for(length)`; empty where the run gave none). Untimed, after the evaluations."""
+    import jax
+
+    from twell_jax.inference.load import validation_tokens
+
+    model, program = loaded.model, loaded._score_program
+    if program is None or not model.through_op:
+        return {}
+    forward = jax.jit(lambda tokens: model.hidden_states(tokens, track_neurons=True)[1]["l0"])
+    activity = {}
+    for rows, length in sorted(set(program.shapes)):
+        # A row of each validation sequence, from its second token (a row's first position need
+        # not be a document's start, as an evaluation's context is not).
+        text = validation_tokens(run_dir, rows, cycle=True)[:, 1:1 + length]
+        hints = [config.expected_active_per_token if config is not None else None
+                 for config in model.op_configs_for(length)]
+        activity[f"{rows}x{text.shape[1]}"] = {
+            "active": [float(v) for v in jax.device_get(forward(text))],
+            "hint": [] if None in hints else [float(v) for v in hints]}
+    return activity
+
+
 def _ours(args: argparse.Namespace) -> tuple[Evaluate, float, Describe]:
     from twell_jax.inference import harness
     from twell_jax.inference.load import load_run
@@ -68,7 +94,8 @@ def _ours(args: argparse.Namespace) -> tuple[Evaluate, float, Describe]:
                                           progress=False, loaded_tasks=tasks)
         return time.perf_counter() - start, find_acc(results)
 
-    return evaluate, load_s, lambda: {"ffn_forwards": ffn_forwards(loaded)}
+    return evaluate, load_s, lambda: {"ffn_forwards": ffn_forwards(loaded),
+                                      "ffn_activity": ffn_activity(loaded, args.checkpoint)}
 
 
 def _hf(args: argparse.Namespace) -> tuple[Evaluate, float, Describe]:

@@ -22,7 +22,8 @@ The times and each run's accuracy (the same model and requests: equal, up to bfl
 go to bench_eval.json in --out, with hf's time per item over each of our sides' (`vs_hf_per_item`),
 each of our sides' over the first's (`vs_first_per_item`, e.g. auto against dense) and, for each
 of our sides, what each layer's FFN forward ran in each (rows x length) program of the scorer
-(`ffn_forwards`: "auto" resolved by the planner); the table is printed last.
+(`ffn_forwards`: "auto" resolved by the planner) and each layer's activity on validation text in
+rows of that shape beside the hint it was planned with (`ffn_activity`); the table is printed last.
 """
 from __future__ import annotations
 
@@ -191,6 +192,11 @@ def main(argv: list[str] | None = None) -> None:
         for shape, forwards in row.get("ffn_forwards", {}).items():
             print(f"[bench_eval] {side}: each layer's FFN forward in the {shape} (rows x length) program: "
                   f"{' '.join(forwards)}", flush=True)
+        for shape, seen in row.get("ffn_activity", {}).items():
+            print(f"[bench_eval] {side}: active FFN neurons per token on validation rows of the {shape} program's "
+                  f"shape, per layer: {' '.join(f'{v:.1f}' for v in seen['active'])}"
+                  + (f" (planned with {' '.join(f'{v:.1f}' for v in seen['hint'])})" if seen["hint"] else ""),
+                  flush=True)
         if len(set(row["accs"])) > 1:
             print(f"[bench_eval] note: {side}'s runs of the same items gave accuracies {row['accs']} "
                   "(bfloat16 log-likelihood ties decided differently by the GPU's kernels)", flush=True)
