@@ -66,11 +66,11 @@ def test_validation_logs_activity_by_position_and_a_run_without_it_keeps_its_hin
     root, _ = micro_run
     records = [json.loads(line) for line in (root / "runs" / "micro" / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in records if "val_active_by_position" in r][-1]
-    max_len = len(val["val_active_by_position"][0])
     from twell_jax.training.checkpoint import load_run_config
+    from twell_jax.training.hints import with_auto_hints, with_position_hints
 
     cfg = load_run_config(root / "runs" / "micro")
-    assert max_len == len(planner.position_buckets(cfg.model.max_seq_len)) - 1
+    assert len(val["val_active_by_position"][0]) == len(planner.position_buckets(cfg.model.max_seq_len)) - 1
     for row, l0 in zip(val["val_active_by_position"], val["val_l0_per_layer"]):
         assert planner.active_for_length(row, cfg.seq_len, cfg.model.max_seq_len) == pytest.approx(l0, rel=1e-5)
     run = tmp_path / "run"
@@ -78,9 +78,6 @@ def test_validation_logs_activity_by_position_and_a_run_without_it_keeps_its_hin
     stripped = [{k: v for k, v in r.items() if k != "val_active_by_position"} for r in records]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in stripped))
     lines = []
-    from twell_jax.training.hints import with_position_hints
-    from twell_jax.training.hints import with_auto_hints
-
     hinted = with_auto_hints(cfg, run, echo=lambda _: None)
     assert with_position_hints(hinted, run, echo=lines.append) is hinted
     assert "no validation activity by position" in lines[0]

@@ -57,22 +57,30 @@ def ffn_activity(loaded: Any, run_dir: str) -> dict[str, dict[str, list[float]]]
     shape, before the right padding an evaluation adds), beside the hint "auto" planned it with
     ("hint", `op_configs_for(length)`; empty where the run gave none). Untimed, after the evaluations."""
     import jax
+    from flax import nnx
 
     from twell_jax.inference.load import validation_tokens
 
     model, program = loaded.model, loaded._score_program
     if program is None or not model.through_op:
         return {}
-    forward = jax.jit(lambda tokens: model.hidden_states(tokens, track_neurons=True)[1]["l0"])
+    shapes = sorted(set(program.shapes))
+
+    # The weights as an argument (as ScoreProgram passes them), not constants folded into the program.
+    @jax.jit
+    def active(state: nnx.State, tokens: jax.Array) -> jax.Array:
+        return nnx.merge(program.graphdef, state).hidden_states(tokens, track_neurons=True)[1]["l0"]
+
+    # A row of each validation sequence, from its second token (a row's first position need not be
+    # a document's start, as an evaluation's context is not); the split read once for every shape.
+    validation = validation_tokens(run_dir, max(rows for rows, _ in shapes), cycle=True)
     activity = {}
-    for rows, length in sorted(set(program.shapes)):
-        # A row of each validation sequence, from its second token (a row's first position need
-        # not be a document's start, as an evaluation's context is not).
-        text = validation_tokens(run_dir, rows, cycle=True)[:, 1:1 + length]
+    for rows, length in shapes:
+        text = validation[:rows, 1:1 + length]
         hints = [config.expected_active_per_token if config is not None else None
                  for config in model.op_configs_for(length)]
         activity[f"{rows}x{text.shape[1]}"] = {
-            "active": [float(v) for v in jax.device_get(forward(text))],
+            "active": [float(v) for v in jax.device_get(active(program.state, text))],
             "hint": [] if None in hints else [float(v) for v in hints]}
     return activity
 

@@ -450,7 +450,7 @@ def active_by_position(position_active_LxS, max_seq_len: int) -> tuple[tuple[flo
     if counts.ndim != 2 or not 1 <= counts.shape[1] <= max_seq_len:
         raise ValueError(f"position_active_LxS must be [L, S] with 1 <= S <= {max_seq_len}, got {counts.shape}")
     edges = position_buckets(max_seq_len)
-    measured = min(counts.shape[1], max_seq_len)
+    measured = counts.shape[1]
     rows = []
     for layer in counts:
         values, last = [], None
