@@ -59,7 +59,7 @@ def _dtype(name: str) -> jnp.dtype:
 
 def _powers_of_two_to(n: int) -> list[int]:
     """1, 2, 4, ... below n, then n: the row lengths `Transformer.op_configs_for` keeps configs for."""
-    return [1 << i for i in range(max(n - 1, 0).bit_length()) if (1 << i) < n] + [n]
+    return [1 << i for i in range((n - 1).bit_length())] + [n]
 
 
 def build_op_config(cfg: ModelConfig, layer: int = 0, seq_len: int | None = None) -> ops.SparseFFNConfig | None:
